@@ -1,0 +1,75 @@
+//! What a backend provides so the suite can run against it.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use transport_core::{Result, Transport};
+
+/// Options for a node (one transport instance with its own segment name).
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    /// Bound on live endpoints (rule 4).
+    pub max_endpoints: usize,
+    /// Idle endpoints are reclaimed after this long (rule 4).
+    pub idle_timeout: Duration,
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        Self { max_endpoints: 8, idle_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// One transport under test and the name peers open it by.
+#[derive(Clone)]
+pub struct Node {
+    pub transport: Arc<dyn Transport>,
+    /// The segment name peers pass to `open_segment`.
+    pub name: String,
+    /// Harness-private state (a proxy, a child process, a fabric host id).
+    pub state: Arc<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for Node {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Node").field("name", &self.name).field("backend", &self.transport.backend()).finish()
+    }
+}
+
+/// A backend under test. Implemented once per backend (the mock's lives in
+/// this crate; TCP's and RDMA's in their crates' tests) and handed to
+/// [`crate::run`] / [`crate::conformance_main!`].
+///
+/// Fault hooks return `Ok(false)` when the backend cannot produce that
+/// fault; cases that need it are then reported as skipped, never passed.
+#[async_trait]
+pub trait Harness: Send + Sync + 'static {
+    /// Backend kind, used as the first part of every case name.
+    fn backend(&self) -> &str;
+
+    /// Creates a fresh node.
+    async fn node(&self, opts: &NodeOptions) -> Result<Node>;
+
+    /// Crashes `node` abruptly: connections to it break and it stops
+    /// answering, without any orderly shutdown. Ok(false) if unsupported.
+    async fn kill(&self, node: &Node) -> Result<bool>;
+
+    /// Starts a new node under the same segment name as the killed `node`,
+    /// with a new generation (a restarted peer).
+    async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node>;
+
+    /// Cuts every live connection toward `to` (a real endpoint reset; the
+    /// peer stays up and accepts new connections). Ok(false) if unsupported.
+    async fn cut(&self, to: &Node) -> Result<bool>;
+
+    /// Stalls (`on = true`) or resumes traffic toward `to`: bytes stop moving
+    /// but connections stay up. Ok(false) if unsupported.
+    async fn stall(&self, to: &Node, on: bool) -> Result<bool>;
+
+    /// Operating-system resource counts for this process (open file
+    /// descriptors, kernel RDMA objects), or `None` if there is no probe.
+    fn os_probe(&self) -> Option<Vec<(String, u64)>>;
+}

@@ -1,0 +1,127 @@
+//! Time for the policy layer, so tests can drive it with a fake clock.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+/// A monotonic clock and a way to sleep on it.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// Time since an arbitrary fixed origin.
+    fn now(&self) -> Duration;
+    /// A future that completes once `now()` has advanced by `d`.
+    fn sleep(&self, d: Duration) -> BoxFuture<'static, ()>;
+}
+
+/// The real clock (tokio's timer, so `tokio::time::pause` also works).
+#[derive(Debug, Clone)]
+pub struct SystemClock {
+    origin: tokio::time::Instant,
+}
+
+impl SystemClock {
+    /// A clock whose origin is now.
+    pub fn new() -> Self {
+        Self { origin: tokio::time::Instant::now() }
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for SystemClock {
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+    fn sleep(&self, d: Duration) -> BoxFuture<'static, ()> {
+        Box::pin(tokio::time::sleep(d))
+    }
+}
+
+/// A clock that only moves when a test calls [`ManualClock::advance`].
+#[derive(Debug, Clone, Default)]
+pub struct ManualClock {
+    inner: Arc<Mutex<ManualInner>>,
+}
+
+#[derive(Debug, Default)]
+struct ManualInner {
+    now: Duration,
+    next_id: u64,
+    sleepers: BTreeMap<(Duration, u64), oneshot::Sender<()>>,
+}
+
+impl ManualClock {
+    /// A clock at time zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Moves time forward and wakes every sleeper whose time has come.
+    pub fn advance(&self, d: Duration) {
+        let mut g = self.inner.lock();
+        g.now += d;
+        let now = g.now;
+        let later = g.sleepers.split_off(&(now, u64::MAX));
+        let due = std::mem::replace(&mut g.sleepers, later);
+        drop(g);
+        for (_, tx) in due {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Number of sleepers waiting (lets a test wait until the code under test
+    /// has gone to sleep before advancing).
+    pub fn sleepers(&self) -> usize {
+        self.inner.lock().sleepers.len()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Duration {
+        self.inner.lock().now
+    }
+    fn sleep(&self, d: Duration) -> BoxFuture<'static, ()> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut g = self.inner.lock();
+            if d.is_zero() {
+                let _ = tx.send(());
+            } else {
+                let at = g.now + d;
+                g.next_id += 1;
+                let id = g.next_id;
+                g.sleepers.insert((at, id), tx);
+            }
+        }
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn manual_clock_wakes_in_order() {
+        let c = ManualClock::new();
+        let a = c.sleep(Duration::from_secs(2));
+        let b = c.sleep(Duration::from_secs(1));
+        assert_eq!(c.sleepers(), 2);
+        c.advance(Duration::from_secs(1));
+        b.await;
+        assert_eq!(c.sleepers(), 1);
+        c.advance(Duration::from_secs(1));
+        a.await;
+        assert_eq!(c.now(), Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,284 @@
+//! The one public error type: a kind that says what to do, plus context.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// What went wrong, phrased as what the caller should do about it.
+///
+/// Transient kinds ([`ErrorKind::is_transient`]) may succeed when retried
+/// (after backoff, on a new endpoint); permanent kinds are the caller's
+/// mistake or a final decision and are never retried by the policy layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    // ---- transient: the peer or the network; retry may help ----
+    /// The peer refused the connection or is not listening (peer down).
+    ConnectionRefused,
+    /// An established endpoint broke (reset, cut, link down, QP error).
+    ConnectionReset,
+    /// The connection handshake failed or was answered wrongly.
+    HandshakeFailed,
+    /// The transport retried at its level (RDMA retry count) and gave up.
+    RetryExceeded,
+    /// The peer restarted: its segment generation changed, old addresses
+    /// and keys are stale. The next transfer re-reads the descriptor.
+    PeerRestarted,
+    /// The in-flight budget is full; wait or retry later.
+    Backpressure,
+    /// The circuit breaker for this peer is open: it failed repeatedly and
+    /// is not tried again until its cool-down ends or a probe succeeds.
+    PeerUnavailable,
+    /// A local or remote resource limit refused a new endpoint (for RDMA:
+    /// `ibv_create_qp` returned ENOMEM). Freeing endpoints may help.
+    ResourceExhausted,
+    /// The transfer's deadline passed before it completed.
+    Timeout,
+    /// A peer sent bytes that do not parse (corruption, version skew). The
+    /// connection was closed; a new one may work.
+    Protocol,
+    /// Another I/O error from the operating system.
+    Io,
+
+    // ---- permanent: the caller's request is wrong; do not retry ----
+    /// The access lies outside the region (including `addr + len` overflow).
+    OutOfBounds,
+    /// The memory is not registered (or was unregistered).
+    Unregistered,
+    /// The remote region does not allow this access (read or write).
+    AccessDenied,
+    /// The handle (region, segment, batch) is unknown, closed or released.
+    InvalidHandle,
+    /// The request is malformed: zero length, empty or oversized batch,
+    /// releasing a batch still in progress, ...
+    InvalidRequest,
+    /// The memory overlaps a region that is already registered.
+    AlreadyRegistered,
+    /// The batch was cancelled by the caller.
+    Cancelled,
+    /// The transport was shut down; nothing more can be done with it.
+    Shutdown,
+    /// The backend cannot do this (e.g. RDMA READ on a device without it).
+    Unsupported,
+    /// The configuration is invalid (names the field and the reason).
+    Config,
+    /// The peer's peer authentication failed (wrong or missing secret).
+    AuthFailed,
+    /// No segment is known under this name.
+    NotFound,
+    /// A bug: a state the code believed impossible. Please report it.
+    Internal,
+}
+
+impl ErrorKind {
+    /// Whether retrying the same request later may succeed.
+    pub fn is_transient(self) -> bool {
+        use ErrorKind::*;
+        matches!(
+            self,
+            ConnectionRefused
+                | ConnectionReset
+                | HandshakeFailed
+                | RetryExceeded
+                | PeerRestarted
+                | Backpressure
+                | PeerUnavailable
+                | ResourceExhausted
+                | Timeout
+                | Protocol
+                | Io
+        )
+    }
+
+    /// Whether this failure says the peer (or the path to it) is unhealthy,
+    /// so it counts toward that peer's circuit breaker. Backpressure and
+    /// breaker-open errors are local and do not count.
+    pub fn is_peer_failure(self) -> bool {
+        use ErrorKind::*;
+        matches!(
+            self,
+            ConnectionRefused | ConnectionReset | HandshakeFailed | RetryExceeded | PeerRestarted | Timeout | Protocol | Io
+        )
+    }
+
+    /// A short, stable, lower-case name (for logs, metrics and Python).
+    pub fn as_str(self) -> &'static str {
+        use ErrorKind::*;
+        match self {
+            ConnectionRefused => "connection_refused",
+            ConnectionReset => "connection_reset",
+            HandshakeFailed => "handshake_failed",
+            RetryExceeded => "retry_exceeded",
+            PeerRestarted => "peer_restarted",
+            Backpressure => "backpressure",
+            PeerUnavailable => "peer_unavailable",
+            ResourceExhausted => "resource_exhausted",
+            Timeout => "timeout",
+            Protocol => "protocol",
+            Io => "io",
+            OutOfBounds => "out_of_bounds",
+            Unregistered => "unregistered",
+            AccessDenied => "access_denied",
+            InvalidHandle => "invalid_handle",
+            InvalidRequest => "invalid_request",
+            AlreadyRegistered => "already_registered",
+            Cancelled => "cancelled",
+            Shutdown => "shutdown",
+            Unsupported => "unsupported",
+            Config => "config",
+            AuthFailed => "auth_failed",
+            NotFound => "not_found",
+            Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The public error: a kind, a message, context (which peer, which
+/// request), and an optional source. Cheap to clone, so a batch status can
+/// carry it per request.
+#[derive(Clone)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    context: Vec<(&'static str, String)>,
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Error {
+    /// A new error of `kind` with a human message.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into(), context: Vec::new(), source: None }
+    }
+
+    /// Adds a key/value of context (`peer`, `segment`, `request`, ...).
+    pub fn with(mut self, key: &'static str, value: impl fmt::Display) -> Self {
+        self.context.push((key, value.to_string()));
+        self
+    }
+
+    /// Attaches the underlying cause.
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Arc::new(source));
+        self
+    }
+
+    /// The kind.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// Whether retrying may succeed (see [`ErrorKind::is_transient`]).
+    pub fn is_transient(&self) -> bool {
+        self.kind.is_transient()
+    }
+
+    /// The message without context.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The context pairs, in the order they were added.
+    pub fn context(&self) -> &[(&'static str, String)] {
+        &self.context
+    }
+
+    /// Looks up one context value.
+    pub fn context_value(&self, key: &str) -> Option<&str> {
+        self.context.iter().find(|(k, _)| *k == key).map(|(_, v)| v.as_str())
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.message)?;
+        if !self.context.is_empty() {
+            f.write_str(" (")?;
+            for (i, (k, v)) in self.context.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{k}: {v}")?;
+            }
+            f.write_str(")")?;
+        }
+        write!(f, " [{}, {}]", self.kind, if self.is_transient() { "transient" } else { "permanent" })?;
+        if let Some(s) = &self.source {
+            write!(f, ": {s}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_ref().map(|s| s.as_ref() as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<transport_mem::MemError> for Error {
+    fn from(e: transport_mem::MemError) -> Self {
+        use transport_mem::MemError::*;
+        let kind = match &e {
+            OutOfBounds { .. } | BadRange { .. } => ErrorKind::OutOfBounds,
+            ZeroLength => ErrorKind::InvalidRequest,
+            AllocFailed { .. } => ErrorKind::ResourceExhausted,
+        };
+        Error::new(kind, e.to_string())
+    }
+}
+
+impl From<std::io::Error> for Error {
+    /// Maps OS errors to kinds: refused and reset are transient peer
+    /// failures; the rest is [`ErrorKind::Io`].
+    fn from(e: std::io::Error) -> Self {
+        use std::io::ErrorKind as K;
+        let kind = match e.kind() {
+            K::ConnectionRefused => ErrorKind::ConnectionRefused,
+            K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::UnexpectedEof | K::NotConnected => {
+                ErrorKind::ConnectionReset
+            }
+            K::TimedOut => ErrorKind::Timeout,
+            K::OutOfMemory => ErrorKind::ResourceExhausted,
+            _ => ErrorKind::Io,
+        };
+        Error::new(kind, e.to_string())
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification_matches_design() {
+        for k in [ErrorKind::ConnectionRefused, ErrorKind::ConnectionReset, ErrorKind::HandshakeFailed, ErrorKind::RetryExceeded, ErrorKind::PeerRestarted, ErrorKind::Backpressure] {
+            assert!(k.is_transient(), "{k}");
+        }
+        for k in [ErrorKind::OutOfBounds, ErrorKind::Unregistered, ErrorKind::AccessDenied, ErrorKind::InvalidHandle, ErrorKind::InvalidRequest] {
+            assert!(!k.is_transient(), "{k}");
+        }
+        assert!(!ErrorKind::Backpressure.is_peer_failure());
+    }
+
+    #[test]
+    fn display_has_context_and_kind() {
+        let e = Error::new(ErrorKind::OutOfBounds, "write past region end").with("peer", "10.0.0.1:7000").with("request", 3);
+        let s = e.to_string();
+        assert!(s.contains("peer: 10.0.0.1:7000") && s.contains("request: 3") && s.contains("permanent"), "{s}");
+        assert_eq!(e.context_value("request"), Some("3"));
+    }
+}

@@ -1,0 +1,37 @@
+//! The contract of the transfer engine: one trait every backend implements,
+//! the types it speaks, the error it returns, and the policy layer users
+//! call on top of any backend.
+//!
+//! # Design
+//!
+//! Serving engines register large memory regions once and then push batches
+//! of `(local region + offset, remote segment + address, length)` requests,
+//! polling them to completion. The [`Transport`] trait is that small
+//! primitive surface; its docs carry the contract (ten rules, numbered as in
+//! `DESIGN.md`) that the `conformance` crate checks against every backend.
+//!
+//! Backends report; they do not decide. Retrying, deadlines, the per-peer
+//! circuit breaker and backpressure live once in [`Engine`], configured by
+//! one serde [`PolicyConfig`] and driven by a [`Clock`] that tests can fake.
+//!
+//! This crate performs no I/O and contains no `unsafe`. Memory enters the
+//! engine through `transport-mem` ([`Buffer`], [`MemoryRegion`]).
+#![forbid(unsafe_code)]
+
+mod clock;
+mod error;
+mod metadata;
+mod stats;
+mod transport;
+mod types;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{Error, ErrorKind, Result};
+pub use metadata::{InProcessStore, MetadataStore};
+pub use stats::{Capabilities, ResourceStats};
+pub use transport::Transport;
+pub use transport_mem::{Buffer, MemError, MemoryRegion};
+pub use types::{
+    Access, BatchId, BatchState, BatchStatus, Opcode, RegionId, RegionInfo, RequestStatus, SegmentDescriptor,
+    SegmentId, SubmitOptions, TransferRequest,
+};

@@ -1,0 +1,58 @@
+//! Capabilities and live resource counts.
+
+use serde::{Deserialize, Serialize};
+
+/// What a backend can do. Conformance cases choose themselves by these
+/// flags; a case a backend cannot run is reported as skipped, never passed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Supports [`crate::Opcode::Read`].
+    pub read: bool,
+    /// Supports [`crate::Opcode::Write`].
+    pub write: bool,
+    /// Largest number of requests in one batch; more is `InvalidRequest`.
+    pub max_batch_len: usize,
+    /// Largest single request in bytes; more is `InvalidRequest`.
+    pub max_request_len: u64,
+    /// Configured bound on live endpoints (rule 4).
+    pub max_endpoints: usize,
+    /// Endpoints per peer connection (QPs per endpoint, TCP lanes).
+    pub lanes_per_endpoint: usize,
+}
+
+impl Capabilities {
+    /// Safe defaults for a backend that supports reads and writes.
+    pub fn new(max_endpoints: usize) -> Self {
+        Self {
+            read: true,
+            write: true,
+            max_batch_len: 1 << 20,
+            max_request_len: 1 << 32,
+            max_endpoints,
+            lanes_per_endpoint: 1,
+        }
+    }
+}
+
+/// Live resources held by a transport right now (rule 1: every resource is
+/// counted). After `close_segment`, `unregister`, `release` and `shutdown`
+/// the counts return to where they were before the matching open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ResourceStats {
+    /// Connections to peers (RDMA: QP groups; TCP: lane pools), each counted
+    /// once however many lanes it has.
+    pub endpoints: usize,
+    /// Individual OS or NIC objects behind the endpoints (QPs, sockets).
+    pub endpoint_lanes: usize,
+    /// Open segment handles.
+    pub segments: usize,
+    /// Registered local regions.
+    pub regions: usize,
+    /// Batches not yet released (in progress or terminal).
+    pub batches: usize,
+    /// Requests or slices handed to the wire and not yet terminal.
+    pub inflight: usize,
+    /// Background tasks owned by the transport (pollers, reapers, servers).
+    pub tasks: usize,
+}

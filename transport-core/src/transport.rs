@@ -1,0 +1,141 @@
+//! The trait every backend implements, and the contract it keeps.
+
+use async_trait::async_trait;
+use transport_mem::MemoryRegion;
+
+use crate::error::Result;
+use crate::stats::{Capabilities, ResourceStats};
+use crate::types::{Access, BatchId, BatchStatus, RegionId, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest};
+
+/// A backend that moves bytes between registered local memory and remote
+/// segments. Implemented by the TCP, RDMA and mock backends; wrapped by the
+/// policy layer ([`crate::Engine`]) that users call.
+///
+/// # Contract
+///
+/// Every implementation keeps these rules; the `conformance` crate checks
+/// each one (the case names cite the rule number).
+///
+/// 1. **Every resource is counted.** [`Transport::stats`] reports live
+///    endpoints, segments, regions, batches, in-flight work and background
+///    tasks. After `close_segment`, `unregister`, `release`, `shutdown` or
+///    drop, the counts return to their earlier values, and so do the
+///    operating system's (open file descriptors, kernel RDMA objects).
+/// 2. **Failure frees.** A failure that breaks an endpoint destroys it at
+///    once; a broken endpoint is never cached or reused. The next transfer to
+///    the peer builds a new one.
+/// 3. **Close is real.** `close_segment` destroys the segment's endpoints.
+///    Work in flight to it ends as cancelled or failed before the call
+///    returns; later use of the handle is `InvalidHandle`; opening the same
+///    name again works. Closing twice is `InvalidHandle`, not a crash.
+/// 4. **Bounded endpoints.** At most [`Capabilities::max_endpoints`]
+///    endpoints are live; eviction destroys the endpoint; idle endpoints are
+///    reclaimed on a timer.
+/// 5. **Terminal means quiet.** A batch reaches exactly one terminal state
+///    (completed, failed, timed out, cancelled) and keeps it. Once a batch
+///    or request is reported terminal, the transport never again reads or
+///    writes its buffers, locally or remotely: the memory can be reused at
+///    once. A deadline given in [`SubmitOptions`] is enforced by the backend
+///    with this guarantee.
+/// 6. **Poll never panics.** Every state the wire can produce maps to a
+///    status or an error; nothing a peer, a timer or a caller controls can
+///    make a method panic.
+/// 7. **Errors say what to do.** Every error has a kind and
+///    [`crate::Error::is_transient`].
+/// 8. **Policy is shared.** Backends do not retry failed requests, do not
+///    blacklist peers and do not queue without bound: they report. Retry,
+///    deadlines, the circuit breaker and backpressure live in
+///    [`crate::Engine`], once for all backends.
+/// 9. **Memory is guarded.** Every local and remote access is checked
+///    (registration, bounds, `addr + len` overflow, access flags) before a
+///    byte moves. Overlapping registration is `AlreadyRegistered`;
+///    unregistering twice is `InvalidHandle`; unregistering a region with
+///    transfers in flight fails those requests with `Unregistered` and
+///    returns only when they are quiet.
+/// 10. **Backends are chosen by config**, not code: programs hold an
+///    `Arc<dyn Transport>`.
+///
+/// Methods may be called concurrently from many tasks. Async methods must be
+/// called inside a tokio runtime.
+#[async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// Backend kind: `"mock"`, `"tcp"`, `"rdma"`, or a wrapper's name.
+    fn backend(&self) -> &str;
+
+    /// What this backend supports.
+    fn capabilities(&self) -> Capabilities;
+
+    /// The name peers pass to [`Transport::open_segment`] to reach this
+    /// transport's registered memory (for TCP and RDMA: `host:port`).
+    fn local_segment_name(&self) -> String;
+
+    /// Registers local memory for transfers and, if `access` allows, for
+    /// remote access by peers.
+    ///
+    /// # Behavior
+    /// - Overlap with a live registration: `AlreadyRegistered`.
+    /// - After shutdown: `Shutdown`.
+    /// - The transport keeps a clone of `mem` until unregistered.
+    fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId>;
+
+    /// Unregisters a region. Requests in flight that use it (locally, or
+    /// from peers) fail with `Unregistered`; the call returns once none of
+    /// them can touch the memory any more.
+    ///
+    /// # Behavior
+    /// - Unknown or already unregistered handle: `InvalidHandle`.
+    async fn unregister(&self, region: RegionId) -> Result<()>;
+
+    /// Opens a remote segment by name: looks up its descriptor and returns a
+    /// handle. Endpoints may be built here or lazily on first transfer.
+    ///
+    /// # Behavior
+    /// - Unknown name or unreachable peer: a transient error
+    ///   (`ConnectionRefused`, `NotFound` is permanent only when the
+    ///   metadata store is authoritative).
+    /// - Opening the same name twice gives two independent handles.
+    async fn open_segment(&self, name: &str) -> Result<SegmentId>;
+
+    /// Closes a segment handle (rule 3).
+    async fn close_segment(&self, segment: SegmentId) -> Result<()>;
+
+    /// The descriptor the handle was opened with (refreshed after a peer
+    /// restart is noticed).
+    fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor>;
+
+    /// Validates and starts a batch. Validation errors of the whole batch
+    /// (empty, oversized, unknown handle) are returned here and start
+    /// nothing; per-request errors found later appear in the status.
+    ///
+    /// # Behavior
+    /// - Empty batch or more than `max_batch_len` requests: `InvalidRequest`.
+    /// - A request with zero length, out of its local region, or naming an
+    ///   unknown region or segment: the whole submit fails with the kind
+    ///   (`InvalidRequest`, `OutOfBounds`, `InvalidHandle`) and the failing
+    ///   request index in the error context (`request`).
+    async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId>;
+
+    /// A snapshot of the batch. Never blocks, never panics.
+    fn poll(&self, batch: BatchId) -> Result<BatchStatus>;
+
+    /// Waits until the batch is terminal and returns its final status.
+    async fn wait(&self, batch: BatchId) -> Result<BatchStatus>;
+
+    /// Cancels pending requests (they end `Cancelled`; ones that already
+    /// completed stay completed) and returns the terminal status once the
+    /// batch is quiet. Cancelling a terminal batch returns its status.
+    async fn cancel(&self, batch: BatchId) -> Result<BatchStatus>;
+
+    /// Forgets a terminal batch. A batch still in progress is
+    /// `InvalidRequest` (cancel it first); an unknown or released id is
+    /// `InvalidHandle`.
+    fn release(&self, batch: BatchId) -> Result<()>;
+
+    /// Live resource counts (rule 1).
+    fn stats(&self) -> ResourceStats;
+
+    /// Cancels all batches, closes all segments, unregisters all memory and
+    /// stops background tasks; returns when all of it is quiet. Later calls
+    /// fail with `Shutdown`; a second `shutdown` is `Ok`.
+    async fn shutdown(&self) -> Result<()>;
+}

@@ -1,0 +1,209 @@
+//! A checked view of memory that the engine may read and write.
+#![allow(unsafe_code)]
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+/// Why a memory access or allocation was refused. Always the caller's (or
+/// the remote peer's) mistake; never retried.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemError {
+    /// `offset + len` runs past the end of the region (or overflows).
+    #[error("access of {len} bytes at offset {offset} is outside a region of {region_len} bytes")]
+    OutOfBounds { offset: u64, len: u64, region_len: u64 },
+    /// A zero-length buffer or region was asked for.
+    #[error("zero-length memory is not allowed")]
+    ZeroLength,
+    /// The allocator refused.
+    #[error("allocation of {len} bytes failed")]
+    AllocFailed { len: usize },
+    /// `addr + len` overflows the address space, or `addr` is null.
+    #[error("region at {addr:#x} of {len} bytes is not a valid address range")]
+    BadRange { addr: u64, len: u64 },
+}
+
+/// A contiguous range of memory the engine may copy into and out of.
+///
+/// Cloning is cheap. A region made from a [`crate::Buffer`] keeps the
+/// allocation alive; one made by [`MemoryRegion::from_raw`] relies on its
+/// caller's promise instead.
+#[derive(Clone)]
+pub struct MemoryRegion {
+    addr: u64,
+    len: usize,
+    _owner: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl MemoryRegion {
+    pub(crate) fn from_owner(addr: u64, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Self {
+        Self { addr, len, _owner: Some(owner) }
+    }
+
+    /// A region over memory the engine does not own, such as a GPU-host
+    /// staging buffer or a tensor of an inference engine (`tensor.data_ptr()`).
+    ///
+    /// # Safety
+    ///
+    /// From this call until the region is unregistered from every transport
+    /// *and* every batch that names it has reached a terminal state (and all
+    /// clones of the returned value are dropped), the caller guarantees that:
+    ///
+    /// * `addr .. addr + len` is valid, allocated memory of this process that
+    ///   may be read and written (it is not freed, unmapped or shrunk);
+    /// * no Rust reference (`&[u8]`/`&mut [u8]`) to that range is used while a
+    ///   transfer touching it is in flight; plain concurrent access from C,
+    ///   CUDA or Python is fine and sees unspecified bytes of the range being
+    ///   transferred, as with DMA.
+    pub unsafe fn from_raw(addr: u64, len: usize) -> Result<Self, MemError> {
+        if len == 0 {
+            return Err(MemError::ZeroLength);
+        }
+        if addr == 0 || addr.checked_add(len as u64).is_none() {
+            return Err(MemError::BadRange { addr, len: len as u64 });
+        }
+        Ok(Self { addr, len, _owner: None })
+    }
+
+    /// Address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: regions have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Checks that `offset .. offset + len` lies inside the region, without
+    /// overflow. Every accessor calls this first.
+    pub fn check(&self, offset: u64, len: u64) -> Result<(), MemError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(MemError::OutOfBounds { offset, len, region_len: self.len as u64 }),
+        }
+    }
+
+    /// Copies `dst.len()` bytes from `offset` into `dst`.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), MemError> {
+        self.check(offset as u64, dst.len() as u64)?;
+        // SAFETY: the range was bounds-checked against `len`, and the region's
+        // constructor guarantees `addr .. addr + len` is live memory (owned via
+        // `_owner`, or promised by `from_raw`'s caller). `dst` is a distinct
+        // Rust allocation, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping((self.addr as usize + offset) as *const u8, dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), MemError> {
+        self.check(offset as u64, src.len() as u64)?;
+        // SAFETY: bounds checked as in `read_at`; `src` is a Rust slice and
+        // therefore not part of the engine-managed range being written, unless
+        // the caller broke `from_raw`'s contract by holding a reference to it.
+        unsafe {
+            std::ptr::copy(src.as_ptr(), (self.addr as usize + offset) as *mut u8, src.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` into this region at
+    /// `dst_offset` (memory-to-memory, as a loopback transfer does). The
+    /// ranges may overlap.
+    pub fn copy_from(&self, dst_offset: usize, src: &MemoryRegion, src_offset: usize, len: usize) -> Result<(), MemError> {
+        self.check(dst_offset as u64, len as u64)?;
+        src.check(src_offset as u64, len as u64)?;
+        // SAFETY: both ranges were bounds-checked against their live regions;
+        // `ptr::copy` allows overlap.
+        unsafe {
+            std::ptr::copy(
+                (src.addr as usize + src_offset) as *const u8,
+                (self.addr as usize + dst_offset) as *mut u8,
+                len,
+            );
+        }
+        Ok(())
+    }
+
+    /// Sets every byte to `byte`.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: the whole region is live memory by construction.
+        unsafe { std::ptr::write_bytes(self.addr as usize as *mut u8, byte, self.len) }
+    }
+
+    /// A copy of the whole region.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        // Cannot fail: the range is exactly the region.
+        let _ = self.read_at(0, &mut v);
+        v
+    }
+
+    /// Address range `[addr, addr + len)` contains `[a, a + l)`.
+    pub fn contains(&self, a: u64, l: u64) -> bool {
+        a >= self.addr && a.checked_add(l).is_some_and(|end| end <= self.addr + self.len as u64)
+    }
+
+    /// Whether the two regions share at least one byte.
+    pub fn overlaps(&self, other: &MemoryRegion) -> bool {
+        self.addr < other.addr + other.len as u64 && other.addr < self.addr + self.len as u64
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("owned", &self._owner.is_some())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Buffer;
+
+    use super::*;
+
+    #[test]
+    fn bounds_and_overflow_are_checked() {
+        let b = Buffer::new(16).unwrap();
+        let r = b.region();
+        assert!(r.check(0, 16).is_ok());
+        assert!(r.check(1, 16).is_err());
+        assert!(r.check(u64::MAX, 2).is_err());
+        let mut out = [0u8; 4];
+        assert!(r.read_at(14, &mut out).is_err());
+        assert!(r.write_at(13, &[1, 2, 3, 4]).is_err());
+        assert!(r.to_vec().iter().all(|&x| x == 0), "failed write touched nothing");
+    }
+
+    #[test]
+    fn raw_rejects_null_and_overflow() {
+        // SAFETY: these calls fail validation before any memory is touched.
+        unsafe {
+            assert!(MemoryRegion::from_raw(0, 8).is_err());
+            assert!(MemoryRegion::from_raw(u64::MAX - 2, 8).is_err());
+            assert!(MemoryRegion::from_raw(4096, 0).is_err());
+        }
+    }
+
+    #[test]
+    fn overlap() {
+        let b = Buffer::new(100).unwrap();
+        let r = b.region();
+        // SAFETY: sub-ranges of a live buffer that outlives the regions.
+        let (a, c) = unsafe { (MemoryRegion::from_raw(r.addr() + 10, 10).unwrap(), MemoryRegion::from_raw(r.addr() + 19, 5).unwrap()) };
+        assert!(a.overlaps(&c));
+        assert!(r.contains(r.addr() + 90, 10));
+        assert!(!r.contains(r.addr() + 91, 10));
+    }
+}
