@@ -96,7 +96,14 @@ impl ErrorKind {
         use ErrorKind::*;
         matches!(
             self,
-            ConnectionRefused | ConnectionReset | HandshakeFailed | RetryExceeded | PeerRestarted | Timeout | Protocol | Io
+            ConnectionRefused
+                | ConnectionReset
+                | HandshakeFailed
+                | RetryExceeded
+                | PeerRestarted
+                | Timeout
+                | Protocol
+                | Io
         )
     }
 
@@ -265,10 +272,23 @@ mod tests {
 
     #[test]
     fn classification_matches_design() {
-        for k in [ErrorKind::ConnectionRefused, ErrorKind::ConnectionReset, ErrorKind::HandshakeFailed, ErrorKind::RetryExceeded, ErrorKind::PeerRestarted, ErrorKind::Backpressure] {
+        for k in [
+            ErrorKind::ConnectionRefused,
+            ErrorKind::ConnectionReset,
+            ErrorKind::HandshakeFailed,
+            ErrorKind::RetryExceeded,
+            ErrorKind::PeerRestarted,
+            ErrorKind::Backpressure,
+        ] {
             assert!(k.is_transient(), "{k}");
         }
-        for k in [ErrorKind::OutOfBounds, ErrorKind::Unregistered, ErrorKind::AccessDenied, ErrorKind::InvalidHandle, ErrorKind::InvalidRequest] {
+        for k in [
+            ErrorKind::OutOfBounds,
+            ErrorKind::Unregistered,
+            ErrorKind::AccessDenied,
+            ErrorKind::InvalidHandle,
+            ErrorKind::InvalidRequest,
+        ] {
             assert!(!k.is_transient(), "{k}");
         }
         assert!(!ErrorKind::Backpressure.is_peer_failure());
@@ -276,7 +296,9 @@ mod tests {
 
     #[test]
     fn display_has_context_and_kind() {
-        let e = Error::new(ErrorKind::OutOfBounds, "write past region end").with("peer", "10.0.0.1:7000").with("request", 3);
+        let e = Error::new(ErrorKind::OutOfBounds, "write past region end")
+            .with("peer", "10.0.0.1:7000")
+            .with("request", 3);
         let s = e.to_string();
         assert!(s.contains("peer: 10.0.0.1:7000") && s.contains("request: 3") && s.contains("permanent"), "{s}");
         assert_eq!(e.context_value("request"), Some("3"));

@@ -21,6 +21,7 @@
 mod clock;
 mod error;
 mod metadata;
+mod policy;
 mod stats;
 mod transport;
 mod types;
@@ -28,6 +29,10 @@ mod types;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
 pub use metadata::{InProcessStore, MetadataStore};
+pub use policy::{
+    backoff, Admit, BackpressureConfig, Breaker, BreakerConfig, BreakerState, Budget, Charge, DeadlineConfig, Engine,
+    PolicyConfig, Reservation, RetryConfig, Transfer, TransferOutcome, Usage,
+};
 pub use stats::{Capabilities, ResourceStats};
 pub use transport::Transport;
 pub use transport_mem::{Buffer, MemError, MemoryRegion};

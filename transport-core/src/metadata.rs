@@ -76,7 +76,13 @@ mod tests {
     use super::*;
 
     fn desc(generation: u64) -> SegmentDescriptor {
-        SegmentDescriptor { name: "a".into(), backend: "mock".into(), generation, address: String::new(), regions: vec![] }
+        SegmentDescriptor {
+            name: "a".into(),
+            backend: "mock".into(),
+            generation,
+            address: String::new(),
+            regions: vec![],
+        }
     }
 
     #[tokio::test]

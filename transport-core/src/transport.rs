@@ -5,7 +5,9 @@ use transport_mem::MemoryRegion;
 
 use crate::error::Result;
 use crate::stats::{Capabilities, ResourceStats};
-use crate::types::{Access, BatchId, BatchStatus, RegionId, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest};
+use crate::types::{
+    Access, BatchId, BatchStatus, RegionId, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest,
+};
 
 /// A backend that moves bytes between registered local memory and remote
 /// segments. Implemented by the TCP, RDMA and mock backends; wrapped by the

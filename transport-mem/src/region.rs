@@ -117,7 +117,13 @@ impl MemoryRegion {
     /// Copies `len` bytes from `src` at `src_offset` into this region at
     /// `dst_offset` (memory-to-memory, as a loopback transfer does). The
     /// ranges may overlap.
-    pub fn copy_from(&self, dst_offset: usize, src: &MemoryRegion, src_offset: usize, len: usize) -> Result<(), MemError> {
+    pub fn copy_from(
+        &self,
+        dst_offset: usize,
+        src: &MemoryRegion,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), MemError> {
         self.check(dst_offset as u64, len as u64)?;
         src.check(src_offset as u64, len as u64)?;
         // SAFETY: both ranges were bounds-checked against their live regions;
@@ -201,7 +207,9 @@ mod tests {
         let b = Buffer::new(100).unwrap();
         let r = b.region();
         // SAFETY: sub-ranges of a live buffer that outlives the regions.
-        let (a, c) = unsafe { (MemoryRegion::from_raw(r.addr() + 10, 10).unwrap(), MemoryRegion::from_raw(r.addr() + 19, 5).unwrap()) };
+        let (a, c) = unsafe {
+            (MemoryRegion::from_raw(r.addr() + 10, 10).unwrap(), MemoryRegion::from_raw(r.addr() + 19, 5).unwrap())
+        };
         assert!(a.overlaps(&c));
         assert!(r.contains(r.addr() + 90, 10));
         assert!(!r.contains(r.addr() + 91, 10));

@@ -1,0 +1,211 @@
+//! The one configuration of the policy layer, with documented defaults.
+//!
+//! Durations are written in milliseconds (`*_ms` keys) in TOML and JSON:
+//!
+//! ```toml
+//! [retry]
+//! max_attempts = 4
+//! initial_backoff_ms = 20
+//! ```
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Everything the policy layer decides, in one place (rule 8).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub retry: RetryConfig,
+    pub deadline: DeadlineConfig,
+    pub breaker: BreakerConfig,
+    pub backpressure: BackpressureConfig,
+}
+
+impl PolicyConfig {
+    /// Checks every field; the error names the field and the reason.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("policy.{field}: {why}")));
+        if self.retry.max_attempts == 0 {
+            return bad("retry.max_attempts", "must be at least 1 (1 means no retry)");
+        }
+        if !(self.retry.multiplier >= 1.0 && self.retry.multiplier.is_finite()) {
+            return bad("retry.multiplier", "must be a finite number >= 1.0");
+        }
+        if !(0.0..=1.0).contains(&self.retry.jitter) {
+            return bad("retry.jitter", "must be between 0.0 and 1.0");
+        }
+        if self.retry.initial_backoff > self.retry.max_backoff {
+            return bad("retry.initial_backoff_ms", "must not exceed retry.max_backoff_ms");
+        }
+        if self.breaker.failure_threshold == 0 {
+            return bad("breaker.failure_threshold", "must be at least 1");
+        }
+        let b = &self.backpressure;
+        if b.max_inflight_bytes == 0 || b.max_inflight_requests == 0 {
+            return bad("backpressure.max_inflight_*", "must be greater than 0");
+        }
+        if b.per_peer_inflight_bytes == 0 || b.per_peer_inflight_requests == 0 {
+            return bad("backpressure.per_peer_inflight_*", "must be greater than 0");
+        }
+        Ok(())
+    }
+}
+
+/// Retry of failed requests (only the failed ones, only transient errors).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Total attempts per request including the first. Default 4; 1 disables retry.
+    pub max_attempts: u32,
+    /// Backoff before the second attempt. Default 20 ms.
+    #[serde(rename = "initial_backoff_ms", with = "ms")]
+    pub initial_backoff: Duration,
+    /// Cap on the backoff. Default 2 s.
+    #[serde(rename = "max_backoff_ms", with = "ms")]
+    pub max_backoff: Duration,
+    /// Growth factor per attempt. Default 2.0.
+    pub multiplier: f64,
+    /// Random spread, as a fraction of the backoff (0.2 = ±20 %), so many
+    /// clients that failed together do not retry together. Default 0.2.
+    pub jitter: f64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_secs(2),
+            multiplier: 2.0,
+            jitter: 0.2,
+        }
+    }
+}
+
+/// How long one attempt of a batch may take: `base + per_mib * MiB`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeadlineConfig {
+    /// Fixed allowance per attempt (connection setup, round trips). Default 5 s.
+    #[serde(rename = "base_ms", with = "ms")]
+    pub base: Duration,
+    /// Allowance per MiB of the attempt's bytes. Default 50 ms (20 MiB/s
+    /// floor, far below any healthy link, so only stalls trip it).
+    #[serde(rename = "per_mib_ms", with = "ms")]
+    pub per_mib: Duration,
+}
+
+impl Default for DeadlineConfig {
+    fn default() -> Self {
+        Self { base: Duration::from_secs(5), per_mib: Duration::from_millis(50) }
+    }
+}
+
+impl DeadlineConfig {
+    /// The deadline for an attempt moving `bytes` bytes.
+    pub fn for_bytes(&self, bytes: u64) -> Duration {
+        let mib = bytes as f64 / (1024.0 * 1024.0);
+        self.base + self.per_mib.mul_f64(mib)
+    }
+}
+
+/// The per-peer circuit breaker. Never a permanent blacklist.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Consecutive failed attempts to one peer that open its breaker. Default 5.
+    pub failure_threshold: u32,
+    /// Time an open breaker fails fast before letting one probe through. Default 2 s.
+    #[serde(rename = "cooldown_ms", with = "ms")]
+    pub cooldown: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self { failure_threshold: 5, cooldown: Duration::from_secs(2) }
+    }
+}
+
+/// Bounds on work in flight. A batch larger than a bound on its own is
+/// admitted when nothing else is in flight (so it is never stuck forever).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BackpressureConfig {
+    /// Bytes in flight across all peers. Default 8 GiB.
+    pub max_inflight_bytes: u64,
+    /// Requests in flight across all peers. Default 1,048,576.
+    pub max_inflight_requests: u64,
+    /// Bytes in flight to one peer. Default 2 GiB.
+    pub per_peer_inflight_bytes: u64,
+    /// Requests in flight to one peer. Default 262,144.
+    pub per_peer_inflight_requests: u64,
+}
+
+impl Default for BackpressureConfig {
+    fn default() -> Self {
+        Self {
+            max_inflight_bytes: 8 << 30,
+            max_inflight_requests: 1 << 20,
+            per_peer_inflight_bytes: 2 << 30,
+            per_peer_inflight_requests: 1 << 18,
+        }
+    }
+}
+
+/// Serde for `Duration` as integer milliseconds.
+mod ms {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis().min(u64::MAX as u128) as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_round_trip() {
+        let c = PolicyConfig::default();
+        c.validate().unwrap();
+        let s = toml::to_string(&c).unwrap();
+        assert!(s.contains("initial_backoff_ms = 20"), "{s}");
+        let back: PolicyConfig = toml::from_str(&s).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn partial_toml_keeps_defaults_and_unknown_keys_fail() {
+        let c: PolicyConfig = toml::from_str("[retry]\nmax_attempts = 2\n").unwrap();
+        assert_eq!(c.retry.max_attempts, 2);
+        assert_eq!(c.breaker, BreakerConfig::default());
+        let err = toml::from_str::<PolicyConfig>("[retry]\nmax_attempt = 2\n").unwrap_err();
+        assert!(err.to_string().contains("max_attempt"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let mut c = PolicyConfig::default();
+        c.retry.max_attempts = 0;
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("retry.max_attempts"));
+    }
+
+    #[test]
+    fn deadline_grows_with_bytes() {
+        let d = DeadlineConfig { base: Duration::from_secs(1), per_mib: Duration::from_millis(10) };
+        assert_eq!(d.for_bytes(0), Duration::from_secs(1));
+        assert_eq!(d.for_bytes(100 << 20), Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,524 @@
+//! The policy layer users call: retry, deadlines, circuit breaker and
+//! backpressure over any [`Transport`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use tokio::sync::watch;
+use transport_mem::MemoryRegion;
+
+use super::backoff::backoff;
+use super::breaker::{Admit, Breaker, BreakerState};
+use super::budget::{Budget, Charge, Reservation, Usage};
+use super::config::PolicyConfig;
+use crate::clock::{Clock, SystemClock};
+use crate::error::{Error, ErrorKind, Result};
+use crate::transport::Transport;
+use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, SegmentId, SubmitOptions, TransferRequest};
+
+/// The user-facing engine: one backend plus the shared policy.
+///
+/// - **Retry**: requests that fail with a transient error (or time out) are
+///   resubmitted, alone, after an exponential backoff with jitter, up to
+///   `retry.max_attempts` attempts. Completed requests are never resent;
+///   permanent errors are never retried.
+/// - **Deadlines**: each attempt gets `deadline.base + deadline.per_mib x MiB`,
+///   enforced by the backend (which keeps "terminal means quiet").
+/// - **Circuit breaker** per peer (segment name): after
+///   `breaker.failure_threshold` consecutive failed attempts, work to the
+///   peer fails fast with `PeerUnavailable`; after `breaker.cooldown` one
+///   probe (the next open or transfer) goes through and closes the breaker
+///   if it succeeds.
+/// - **Backpressure**: bytes and requests in flight are bounded per peer and
+///   in total. [`Engine::try_submit`] fails with a transient `Backpressure`
+///   error when full; [`Engine::submit`] waits for room.
+///
+/// Cheap to clone; clones share state.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    transport: Arc<dyn Transport>,
+    cfg: PolicyConfig,
+    clock: Arc<dyn Clock>,
+    breakers: Mutex<HashMap<String, Breaker>>,
+    budget: Arc<Budget>,
+    active: AtomicUsize,
+    rng: Mutex<SmallRng>,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("backend", &self.inner.transport.backend())
+            .field("active_transfers", &self.active_transfers())
+            .finish()
+    }
+}
+
+/// The final report of a transfer.
+#[derive(Debug, Clone)]
+pub struct TransferOutcome {
+    /// The overall state, derived from `requests` as for a batch.
+    pub state: BatchState,
+    /// One final status per submitted request, in submission order.
+    pub requests: Vec<RequestStatus>,
+    /// Backend submissions made (1 when nothing was retried).
+    pub attempts: u32,
+}
+
+impl TransferOutcome {
+    /// Whether every request completed.
+    pub fn is_success(&self) -> bool {
+        self.state == BatchState::Completed
+    }
+
+    /// The first request error, if any failed.
+    pub fn first_error(&self) -> Option<&Error> {
+        self.requests.iter().find_map(RequestStatus::error)
+    }
+
+    /// `Ok(self)` when every request completed, else the most useful error:
+    /// the first failure, or a `Timeout` / `Cancelled` error.
+    pub fn into_result(self) -> Result<Self> {
+        match self.state {
+            BatchState::Completed => Ok(self),
+            BatchState::Failed => Err(self
+                .first_error()
+                .cloned()
+                .unwrap_or_else(|| Error::new(ErrorKind::Internal, "failed transfer without an error"))),
+            BatchState::TimedOut => Err(Error::new(ErrorKind::Timeout, "transfer deadline passed")
+                .with("attempts", self.attempts)
+                .with("completed", self.requests.iter().filter(|r| r.is_completed()).count())),
+            BatchState::Cancelled => Err(Error::new(ErrorKind::Cancelled, "transfer was cancelled")),
+            BatchState::InProgress => Err(Error::new(ErrorKind::Internal, "outcome reported while in progress")),
+        }
+    }
+}
+
+/// A transfer in flight. Its requests are driven (waited for, retried) by a
+/// background task; this handle observes and controls it.
+///
+/// Dropping the handle cancels the transfer: memory a dropped transfer used
+/// is quiet once [`Engine::active_transfers`] no longer counts it.
+#[derive(Debug)]
+pub struct Transfer {
+    outcome: watch::Receiver<Option<TransferOutcome>>,
+    cancel: watch::Sender<bool>,
+}
+
+impl Transfer {
+    /// The outcome if the transfer has finished; never blocks.
+    pub fn poll(&self) -> Option<TransferOutcome> {
+        self.outcome.borrow().clone()
+    }
+
+    /// Waits for the final outcome. Every request is terminal and quiet
+    /// when this returns.
+    pub async fn wait(mut self) -> Result<TransferOutcome> {
+        loop {
+            if let Some(o) = self.outcome.borrow_and_update().clone() {
+                return Ok(o);
+            }
+            if self.outcome.changed().await.is_err() {
+                // The driver ended without reporting: only if its task was
+                // aborted by a runtime shutdown.
+                return self.outcome.borrow().clone().ok_or_else(|| {
+                    Error::new(ErrorKind::Shutdown, "the runtime stopped before the transfer finished")
+                });
+            }
+        }
+    }
+
+    /// Cancels what has not completed and waits until the transfer is quiet.
+    pub async fn cancel(self) -> Result<TransferOutcome> {
+        let _ = self.cancel.send(true);
+        self.wait().await
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        if self.outcome.borrow().is_none() {
+            let _ = self.cancel.send(true);
+        }
+    }
+}
+
+impl Engine {
+    /// An engine over `transport` with the real clock.
+    pub fn new(transport: Arc<dyn Transport>, cfg: PolicyConfig) -> Result<Self> {
+        Self::with_clock(transport, cfg, Arc::new(SystemClock::new()))
+    }
+
+    /// An engine with a given clock (a [`crate::ManualClock`] in tests).
+    pub fn with_clock(transport: Arc<dyn Transport>, cfg: PolicyConfig, clock: Arc<dyn Clock>) -> Result<Self> {
+        cfg.validate()?;
+        let budget = Budget::new(cfg.backpressure.clone());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                transport,
+                cfg,
+                clock,
+                breakers: Mutex::new(HashMap::new()),
+                budget,
+                active: AtomicUsize::new(0),
+                rng: Mutex::new(SmallRng::from_entropy()),
+            }),
+        })
+    }
+
+    /// The backend underneath.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.inner.transport
+    }
+
+    /// The policy in force.
+    pub fn config(&self) -> &PolicyConfig {
+        &self.inner.cfg
+    }
+
+    /// Registers memory (see [`Transport::register`]).
+    pub fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
+        self.inner.transport.register(mem, access)
+    }
+
+    /// Unregisters memory (see [`Transport::unregister`]).
+    pub async fn unregister(&self, region: RegionId) -> Result<()> {
+        self.inner.transport.unregister(region).await
+    }
+
+    /// Opens a peer's segment, through its breaker: fails fast with
+    /// `PeerUnavailable` while the breaker is open; a failure to reach the
+    /// peer counts toward it, success closes it.
+    pub async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let admit = self.inner.admit(name)?;
+        let result = self.inner.transport.open_segment(name).await;
+        match &result {
+            Ok(_) => self.inner.record(name, Verdict::Healthy),
+            Err(e) if e.kind().is_peer_failure() => self.inner.record(name, Verdict::Failed),
+            Err(_) if admit == Admit::Probe => self.inner.record(name, Verdict::Unknown),
+            Err(_) => {}
+        }
+        result.map_err(|e| e.with("peer", name))
+    }
+
+    /// Closes a segment (see [`Transport::close_segment`]).
+    pub async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        self.inner.transport.close_segment(segment).await
+    }
+
+    /// The breaker state of a peer (closed for peers never seen).
+    pub fn breaker_state(&self, peer: &str) -> BreakerState {
+        let now = self.inner.clock.now();
+        self.inner.breakers.lock().get(peer).map_or(BreakerState::Closed, |b| b.state(now))
+    }
+
+    /// Bytes and requests in flight through this engine.
+    pub fn inflight(&self) -> Usage {
+        self.inner.budget.used()
+    }
+
+    /// Transfers whose driver task is still running (rule 1: counted).
+    pub fn active_transfers(&self) -> usize {
+        self.inner.active.load(Ordering::Acquire)
+    }
+
+    /// Starts a transfer if the in-flight budget has room now; otherwise a
+    /// transient `Backpressure` error and nothing is started.
+    pub async fn try_submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
+        let plan = self.inner.plan(&requests)?;
+        let reservation = self.inner.budget.try_reserve(plan.charge.clone())?;
+        self.start(requests, plan, reservation).await
+    }
+
+    /// Starts a transfer, waiting for room in the in-flight budget first.
+    pub async fn submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
+        let plan = self.inner.plan(&requests)?;
+        let reservation = self.inner.budget.reserve(plan.charge.clone()).await;
+        self.start(requests, plan, reservation).await
+    }
+
+    /// Submits and waits; the outcome says per request what happened.
+    pub async fn transfer(&self, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
+        self.submit(requests).await?.wait().await
+    }
+
+    /// Shuts the backend down (see [`Transport::shutdown`]); running
+    /// transfers end failed or cancelled.
+    pub async fn shutdown(&self) -> Result<()> {
+        self.inner.transport.shutdown().await
+    }
+
+    async fn start(&self, requests: Vec<TransferRequest>, plan: Plan, reservation: Reservation) -> Result<Transfer> {
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::new(ErrorKind::Internal, "Engine must be used inside a tokio runtime"))?;
+        let inner = &self.inner;
+        // Breakers are checked after the budget wait, so a long wait cannot
+        // let work through to a peer that failed meanwhile.
+        for peer in &plan.peers {
+            if let Err(e) = inner.admit(peer) {
+                inner.abandon_probes(&plan.peers);
+                return Err(e);
+            }
+        }
+        let first = inner.transport.submit(requests.clone(), inner.options(&requests)).await;
+        if let Err(e) = &first {
+            if !e.is_transient() {
+                inner.abandon_probes(&plan.peers);
+                return Err(e.clone());
+            }
+        }
+        let (out_tx, out_rx) = watch::channel(None);
+        let (cancel_tx, cancel_rx) = watch::channel(false);
+        inner.active.fetch_add(1, Ordering::AcqRel);
+        let driver =
+            Driver { inner: inner.clone(), requests, peer_of: plan.peer_of, peers: plan.peers, cancel: cancel_rx };
+        handle.spawn(async move {
+            let _active = ActiveGuard(driver.inner.clone());
+            let outcome = driver.run(first).await;
+            drop(reservation);
+            let _ = out_tx.send(Some(outcome));
+        });
+        Ok(Transfer { outcome: out_rx, cancel: cancel_tx })
+    }
+}
+
+struct ActiveGuard(Arc<Inner>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What one attempt said about a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Healthy,
+    Failed,
+    Unknown,
+}
+
+/// Per-transfer facts computed once at submit.
+struct Plan {
+    peers: Vec<String>,
+    peer_of: Vec<usize>,
+    charge: Charge,
+}
+
+impl Inner {
+    fn plan(&self, requests: &[TransferRequest]) -> Result<Plan> {
+        let mut by_segment: HashMap<SegmentId, usize> = HashMap::new();
+        let mut peers: Vec<String> = Vec::new();
+        let mut peer_of = Vec::with_capacity(requests.len());
+        let mut charge = Charge::default();
+        for (i, r) in requests.iter().enumerate() {
+            let p = match by_segment.get(&r.segment) {
+                Some(&p) => p,
+                None => {
+                    let name = self.transport.segment_descriptor(r.segment).map_err(|e| e.with("request", i))?.name;
+                    let p = match peers.iter().position(|n| *n == name) {
+                        Some(p) => p,
+                        None => {
+                            peers.push(name);
+                            peers.len() - 1
+                        }
+                    };
+                    by_segment.insert(r.segment, p);
+                    p
+                }
+            };
+            peer_of.push(p);
+            charge.add(&peers[p], r.len);
+        }
+        Ok(Plan { peers, peer_of, charge })
+    }
+
+    fn options(&self, requests: &[TransferRequest]) -> SubmitOptions {
+        let bytes = requests.iter().map(|r| r.len).fold(0u64, u64::saturating_add);
+        SubmitOptions::with_timeout(self.cfg.deadline.for_bytes(bytes))
+    }
+
+    fn admit(&self, peer: &str) -> Result<Admit> {
+        let now = self.clock.now();
+        let mut breakers = self.breakers.lock();
+        match breakers.entry(peer.to_owned()).or_default().admit(now) {
+            Admit::No { retry_after } => Err(Error::new(
+                ErrorKind::PeerUnavailable,
+                "peer failed repeatedly; its circuit breaker is open and fails fast until a probe succeeds",
+            )
+            .with("peer", peer)
+            .with("retry_after_ms", retry_after.as_millis())),
+            a => Ok(a),
+        }
+    }
+
+    fn record(&self, peer: &str, verdict: Verdict) {
+        let now = self.clock.now();
+        let mut breakers = self.breakers.lock();
+        let b = breakers.entry(peer.to_owned()).or_default();
+        match verdict {
+            Verdict::Healthy => b.on_success(),
+            Verdict::Failed => b.on_failure(now, &self.cfg.breaker),
+            Verdict::Unknown => b.on_abandoned_probe(),
+        }
+    }
+
+    fn abandon_probes(&self, peers: &[String]) {
+        for p in peers {
+            self.record(p, Verdict::Unknown);
+        }
+    }
+}
+
+/// The task that waits for, and retries, one transfer.
+struct Driver {
+    inner: Arc<Inner>,
+    requests: Vec<TransferRequest>,
+    peer_of: Vec<usize>,
+    peers: Vec<String>,
+    cancel: watch::Receiver<bool>,
+}
+
+impl Driver {
+    fn cancelled(&self) -> bool {
+        *self.cancel.borrow()
+    }
+
+    async fn cancel_signal(cancel: &mut watch::Receiver<bool>) {
+        while !*cancel.borrow_and_update() {
+            if cancel.changed().await.is_err() {
+                // The handle is gone without cancelling: keep running.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    async fn run(mut self, first: Result<BatchId>) -> TransferOutcome {
+        let max_attempts = self.inner.cfg.retry.max_attempts;
+        let mut status: Vec<RequestStatus> = vec![RequestStatus::Pending; self.requests.len()];
+        let mut todo: Vec<usize> = (0..self.requests.len()).collect();
+        let mut attempts = 1u32;
+        let mut current = first;
+        loop {
+            let results = self.attempt(current, todo.len()).await;
+            self.judge_peers(&todo, &results);
+            let mut retry = Vec::new();
+            for (&idx, st) in todo.iter().zip(results) {
+                let retryable = match &st {
+                    RequestStatus::Failed(e) => e.is_transient() && e.kind() != ErrorKind::PeerUnavailable,
+                    RequestStatus::TimedOut => true,
+                    _ => false,
+                };
+                if retryable && attempts < max_attempts {
+                    retry.push(idx);
+                }
+                status[idx] = st;
+            }
+            if retry.is_empty() {
+                break;
+            }
+            if self.cancelled() {
+                break;
+            }
+            let pause = {
+                let mut rng = self.inner.rng.lock();
+                backoff(&self.inner.cfg.retry, attempts, &mut *rng)
+            };
+            let sleep = self.inner.clock.sleep(pause);
+            let stopped = tokio::select! {
+                _ = sleep => false,
+                _ = Self::cancel_signal(&mut self.cancel) => true,
+            };
+            if stopped {
+                break;
+            }
+            // Requests to peers whose breaker opened meanwhile fail fast.
+            retry.retain(|&idx| match self.inner.admit(&self.peers[self.peer_of[idx]]) {
+                Ok(_) => true,
+                Err(e) => {
+                    status[idx] = RequestStatus::Failed(e);
+                    false
+                }
+            });
+            if retry.is_empty() {
+                break;
+            }
+            todo = retry;
+            attempts += 1;
+            let reqs: Vec<TransferRequest> = todo.iter().map(|&i| self.requests[i]).collect();
+            let opts = self.inner.options(&reqs);
+            current = self.inner.transport.submit(reqs, opts).await;
+        }
+        if self.cancelled() {
+            // Work that was waiting for a retry when the caller cancelled.
+            for s in status.iter_mut() {
+                if !s.is_completed() && !matches!(s, RequestStatus::Failed(e) if !e.is_transient()) {
+                    *s = RequestStatus::Cancelled;
+                }
+            }
+        }
+        TransferOutcome { state: BatchState::summarize(&status), requests: status, attempts }
+    }
+
+    /// Runs one backend batch to a terminal state and returns one status per
+    /// request of `todo`.
+    async fn attempt(&mut self, batch: Result<BatchId>, n: usize) -> Vec<RequestStatus> {
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => return vec![RequestStatus::Failed(e); n],
+        };
+        let t = self.inner.transport.clone();
+        let result = tokio::select! {
+            r = t.wait(batch) => r,
+            _ = Self::cancel_signal(&mut self.cancel) => t.cancel(batch).await,
+        };
+        if let Err(e) = t.release(batch) {
+            tracing::debug!(%batch, error = %e, "release after terminal status failed");
+        }
+        match result {
+            Ok(s) if s.requests.len() == n && s.is_terminal() => s.requests,
+            Ok(s) => {
+                let e = Error::new(
+                    ErrorKind::Internal,
+                    format!("backend reported {} statuses in state {:?} for {n} requests", s.requests.len(), s.state),
+                )
+                .with("backend", t.backend());
+                vec![RequestStatus::Failed(e); n]
+            }
+            Err(e) => vec![RequestStatus::Failed(e); n],
+        }
+    }
+
+    /// Feeds each peer's breaker with what this attempt said about it.
+    fn judge_peers(&self, todo: &[usize], results: &[RequestStatus]) {
+        let mut verdicts: Vec<Option<Verdict>> = vec![None; self.peers.len()];
+        for (&idx, st) in todo.iter().zip(results) {
+            let v = match st {
+                RequestStatus::Completed => Verdict::Healthy,
+                RequestStatus::TimedOut => Verdict::Failed,
+                RequestStatus::Failed(e) if e.kind().is_peer_failure() => Verdict::Failed,
+                _ => Verdict::Unknown,
+            };
+            let slot = &mut verdicts[self.peer_of[idx]];
+            *slot = Some(match (*slot, v) {
+                (Some(Verdict::Failed), _) | (_, Verdict::Failed) => Verdict::Failed,
+                (Some(Verdict::Healthy), _) | (_, Verdict::Healthy) => Verdict::Healthy,
+                _ => Verdict::Unknown,
+            });
+        }
+        for (p, v) in verdicts.into_iter().enumerate() {
+            if let Some(v) = v {
+                self.inner.record(&self.peers[p], v);
+            }
+        }
+    }
+}
