@@ -1,0 +1,295 @@
+//! The policy layer against a scripted backend whose every request outcome
+//! the test decides.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use transport_core::*;
+
+type Script = dyn Fn(&TransferRequest, u32) -> RequestStatus + Send + Sync;
+
+/// Completes each request as the script says, given how many times that
+/// request (by remote address) has been submitted before.
+struct Scripted {
+    script: Box<Script>,
+    seen: Mutex<HashMap<u64, u32>>,
+    batches: Mutex<HashMap<u64, BatchStatus>>,
+    next: AtomicU64,
+    gate: Option<Arc<Notify>>,
+}
+
+impl Scripted {
+    fn new(script: impl Fn(&TransferRequest, u32) -> RequestStatus + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            script: Box::new(script),
+            seen: Mutex::default(),
+            batches: Mutex::default(),
+            next: AtomicU64::new(1),
+            gate: None,
+        })
+    }
+
+    fn gated(gate: Arc<Notify>) -> Arc<Self> {
+        let mut s = Arc::into_inner(Self::new(|_, _| RequestStatus::Completed)).unwrap();
+        s.gate = Some(gate);
+        Arc::new(s)
+    }
+
+    fn submissions(&self, remote_addr: u64) -> u32 {
+        self.seen.lock().get(&remote_addr).copied().unwrap_or(0)
+    }
+}
+
+#[async_trait]
+impl Transport for Scripted {
+    fn backend(&self) -> &str {
+        "scripted"
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(1)
+    }
+    fn local_segment_name(&self) -> String {
+        "me".into()
+    }
+    fn register(&self, _: MemoryRegion, _: Access) -> Result<RegionId> {
+        Ok(RegionId(1))
+    }
+    async fn unregister(&self, _: RegionId) -> Result<()> {
+        Ok(())
+    }
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        match name.strip_prefix("peer-") {
+            Some(n) => Ok(SegmentId(n.parse().map_err(|_| Error::new(ErrorKind::NotFound, "bad name"))?)),
+            None => Err(Error::new(ErrorKind::ConnectionRefused, "down")),
+        }
+    }
+    async fn close_segment(&self, _: SegmentId) -> Result<()> {
+        Ok(())
+    }
+    fn segment_descriptor(&self, s: SegmentId) -> Result<SegmentDescriptor> {
+        Ok(SegmentDescriptor {
+            name: format!("peer-{}", s.0),
+            backend: "scripted".into(),
+            generation: 1,
+            address: String::new(),
+            regions: vec![],
+        })
+    }
+    async fn submit(&self, requests: Vec<TransferRequest>, _: SubmitOptions) -> Result<BatchId> {
+        let statuses = requests
+            .iter()
+            .map(|r| {
+                let mut seen = self.seen.lock();
+                let n = seen.entry(r.remote_addr).or_default();
+                *n += 1;
+                if self.gate.is_some() {
+                    RequestStatus::Pending
+                } else {
+                    (self.script)(r, *n)
+                }
+            })
+            .collect();
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.batches.lock().insert(id, BatchStatus::from_requests(statuses));
+        Ok(BatchId(id))
+    }
+    fn poll(&self, b: BatchId) -> Result<BatchStatus> {
+        self.batches.lock().get(&b.0).cloned().ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "no batch"))
+    }
+    async fn wait(&self, b: BatchId) -> Result<BatchStatus> {
+        if let Some(g) = &self.gate {
+            if !self.poll(b)?.is_terminal() {
+                g.notified().await;
+                let mut m = self.batches.lock();
+                let s = m.get_mut(&b.0).ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "no batch"))?;
+                *s = BatchStatus::from_requests(vec![RequestStatus::Completed; s.requests.len()]);
+            }
+        }
+        self.poll(b)
+    }
+    async fn cancel(&self, b: BatchId) -> Result<BatchStatus> {
+        let mut m = self.batches.lock();
+        let s = m.get_mut(&b.0).ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "no batch"))?;
+        let reqs =
+            s.requests.iter().map(|r| if r.is_terminal() { r.clone() } else { RequestStatus::Cancelled }).collect();
+        *s = BatchStatus::from_requests(reqs);
+        Ok(s.clone())
+    }
+    fn release(&self, b: BatchId) -> Result<()> {
+        self.batches.lock().remove(&b.0).map(|_| ()).ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "no batch"))
+    }
+    fn stats(&self) -> ResourceStats {
+        ResourceStats { batches: self.batches.lock().len(), ..ResourceStats::default() }
+    }
+    async fn shutdown(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn fast_policy() -> PolicyConfig {
+    let mut p = PolicyConfig::default();
+    p.retry.initial_backoff = Duration::from_millis(1);
+    p.retry.max_backoff = Duration::from_millis(2);
+    p
+}
+
+fn reqs(seg: u64, n: u64) -> Vec<TransferRequest> {
+    (0..n).map(|i| TransferRequest::write(RegionId(1), 0, SegmentId(seg), 1000 + i, 8)).collect()
+}
+
+fn failed(kind: ErrorKind) -> RequestStatus {
+    RequestStatus::Failed(Error::new(kind, "scripted"))
+}
+
+async fn with_timeout<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), f).await.expect("test timed out")
+}
+
+#[tokio::test]
+async fn only_failed_transient_requests_are_retried() {
+    let t = Scripted::new(|r, n| {
+        if r.remote_addr == 1001 && n == 1 {
+            failed(ErrorKind::ConnectionReset)
+        } else {
+            RequestStatus::Completed
+        }
+    });
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let out = with_timeout(e.transfer(reqs(7, 3))).await.unwrap();
+    assert!(out.is_success(), "{out:?}");
+    assert_eq!(out.attempts, 2);
+    assert_eq!((t.submissions(1000), t.submissions(1001), t.submissions(1002)), (1, 2, 1));
+    assert_eq!(t.stats().batches, 0, "engine releases every backend batch");
+    assert_eq!(e.active_transfers(), 0);
+}
+
+#[tokio::test]
+async fn permanent_errors_are_never_retried() {
+    let t =
+        Scripted::new(
+            |r, _| if r.remote_addr == 1000 { failed(ErrorKind::AccessDenied) } else { RequestStatus::Completed },
+        );
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let out = with_timeout(e.transfer(reqs(7, 2))).await.unwrap();
+    assert_eq!(out.state, BatchState::Failed);
+    assert_eq!(out.first_error().map(Error::kind), Some(ErrorKind::AccessDenied));
+    assert_eq!(out.attempts, 1);
+    assert_eq!(t.submissions(1000), 1);
+    assert_eq!(out.into_result().unwrap_err().kind(), ErrorKind::AccessDenied);
+}
+
+#[tokio::test]
+async fn transient_retries_stop_at_the_limit() {
+    let t = Scripted::new(|_, _| RequestStatus::TimedOut);
+    let mut p = fast_policy();
+    p.retry.max_attempts = 3;
+    p.breaker.failure_threshold = 100;
+    let e = Engine::new(t.clone(), p).unwrap();
+    let out = with_timeout(e.transfer(reqs(7, 1))).await.unwrap();
+    assert_eq!(out.state, BatchState::TimedOut);
+    assert_eq!(out.attempts, 3);
+    assert_eq!(t.submissions(1000), 3);
+}
+
+#[tokio::test]
+async fn breaker_opens_fails_fast_and_closes_after_probe() {
+    let healthy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let h = healthy.clone();
+    let t = Scripted::new(move |_, _| {
+        if h.load(Ordering::Relaxed) {
+            RequestStatus::Completed
+        } else {
+            failed(ErrorKind::ConnectionRefused)
+        }
+    });
+    let clock = ManualClock::new();
+    let mut p = fast_policy();
+    p.retry.max_attempts = 1;
+    p.breaker = BreakerConfig { failure_threshold: 2, cooldown: Duration::from_secs(5) };
+    let e = Engine::with_clock(t.clone(), p, Arc::new(clock.clone())).unwrap();
+    for _ in 0..2 {
+        let out = with_timeout(e.transfer(reqs(3, 1))).await.unwrap();
+        assert_eq!(out.state, BatchState::Failed);
+    }
+    assert_eq!(e.breaker_state("peer-3"), BreakerState::Open);
+    let err = with_timeout(e.submit(reqs(3, 1))).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::PeerUnavailable);
+    assert!(err.is_transient());
+    assert_eq!(t.submissions(1000), 2, "fail fast: nothing reached the backend");
+    assert_eq!(e.breaker_state("peer-4"), BreakerState::Closed, "other peers unaffected");
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(e.breaker_state("peer-3"), BreakerState::HalfOpen);
+    healthy.store(true, Ordering::Relaxed);
+    let out = with_timeout(e.transfer(reqs(3, 1))).await.unwrap();
+    assert!(out.is_success());
+    assert_eq!(e.breaker_state("peer-3"), BreakerState::Closed);
+}
+
+#[tokio::test]
+async fn open_segment_failures_feed_the_breaker() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let mut p = fast_policy();
+    p.breaker.failure_threshold = 2;
+    let e = Engine::new(t, p).unwrap();
+    for _ in 0..2 {
+        assert_eq!(e.open_segment("down").await.unwrap_err().kind(), ErrorKind::ConnectionRefused);
+    }
+    assert_eq!(e.open_segment("down").await.unwrap_err().kind(), ErrorKind::PeerUnavailable);
+    assert!(e.open_segment("peer-1").await.is_ok());
+}
+
+#[tokio::test]
+async fn backpressure_try_fails_and_submit_waits_for_room() {
+    let gate = Arc::new(Notify::new());
+    let t = Scripted::gated(gate.clone());
+    let mut p = fast_policy();
+    p.backpressure.per_peer_inflight_requests = 1;
+    let e = Engine::new(t.clone(), p).unwrap();
+    let first = with_timeout(e.try_submit(reqs(1, 1))).await.unwrap();
+    let err = with_timeout(e.try_submit(reqs(1, 1))).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Backpressure);
+    assert!(err.is_transient());
+    assert!(with_timeout(e.try_submit(reqs(2, 1))).await.is_ok(), "other peer has its own budget");
+    let e2 = e.clone();
+    let waiting = tokio::spawn(async move { e2.submit(reqs(1, 1)).await?.wait().await });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(!waiting.is_finished(), "submit waits while the peer is full");
+    gate.notify_waiters();
+    assert!(with_timeout(first.wait()).await.unwrap().is_success());
+    // The waiter's own batch is gated too; keep releasing until it is done.
+    let out = with_timeout(async {
+        loop {
+            gate.notify_waiters();
+            if waiting.is_finished() {
+                break waiting.await.unwrap().unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(out.is_success());
+}
+
+#[tokio::test]
+async fn cancel_ends_cancelled_and_frees_budget() {
+    let gate = Arc::new(Notify::new());
+    let t = Scripted::gated(gate);
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 4))).await.unwrap();
+    assert!(tr.poll().is_none());
+    let out = with_timeout(tr.cancel()).await.unwrap();
+    assert_eq!(out.state, BatchState::Cancelled);
+    assert_eq!(e.inflight(), Usage::default());
+    with_timeout(async {
+        while e.active_transfers() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert_eq!(t.stats().batches, 0);
+}
