@@ -1,4 +1,5 @@
 //! The policy layer against a scripted backend whose every request outcome
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! the test decides.
 
 use std::collections::HashMap;
