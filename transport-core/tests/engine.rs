@@ -1,6 +1,6 @@
 //! The policy layer against a scripted backend whose every request outcome
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! the test decides.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
