@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs every test of the project: formatting, lints, the Rust test suites
+# (unit, conformance over mock and real loopback TCP, etcd against a real
+# server), the RDMA suite (directly on an RDMA device, else in a soft-RoCE
+# VM), and the Python package's tests.
+#
+#   scripts/test.sh            # everything
+#   SKIP_RDMA=1 scripts/test.sh  # everything but the RDMA VM (local iteration only)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test --workspace"
+if command -v cargo-nextest >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+  cargo test --workspace --doc
+else
+  cargo test --workspace --no-fail-fast
+fi
+
+if [ -x scripts/rdma-tests.sh ]; then
+  if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
+    echo "RDMA SUITE SKIPPED: SKIP_RDMA=1 (never allowed in CI)"
+  else
+    step "RDMA tests"
+    scripts/rdma-tests.sh
+  fi
+fi
+
+if [ -x scripts/python-tests.sh ]; then
+  step "Python package tests"
+  scripts/python-tests.sh
+fi
+
+step "all tests passed"
