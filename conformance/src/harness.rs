@@ -72,4 +72,16 @@ pub trait Harness: Send + Sync + 'static {
     /// Operating-system resource counts for this process (open file
     /// descriptors, kernel RDMA objects), or `None` if there is no probe.
     fn os_probe(&self) -> Option<Vec<(String, u64)>>;
+
+    /// Wraps every transport the suite uses from this harness (after
+    /// [`Harness::node`] and [`Harness::restart`]). The default is the
+    /// identity. Wrappers let one harness run the suite through a layer: a
+    /// benign fault injector (`mock_faulty`), or a deliberately broken layer
+    /// ([`crate::broken::RetriesPermanent`]) to prove the suite fails it.
+    ///
+    /// Fault hooks (`kill`, `cut`, `stall`) still receive the unwrapped
+    /// [`Node`] data (`name`, `state`), so wrapping never disables them.
+    fn wrap(&self, transport: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        transport
+    }
 }

@@ -1,0 +1,158 @@
+//! Memory is guarded (rule 9): remote access only to regions registered
+//! for it, registration conflicts and unregistering under load are defined.
+
+use std::time::Duration;
+
+use transport_core::{Access, BatchState, ErrorKind, RegionId, RequestStatus, SubmitOptions, TransferRequest};
+
+use crate::ctx::{batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, Ctx};
+use crate::ensure;
+use crate::guard::pattern;
+use crate::runner::{CaseError, CaseResult};
+
+const LEN: usize = 64 << 10;
+
+/// Writing into a peer region registered read-only is `AccessDenied`; the
+/// region does not change.
+pub async fn write_to_read_only_denied(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let ro = cx.guarded(LEN, 7)?;
+    p.b.transport.register(ro.region(), Access::REMOTE_READ)?;
+    let before = ro.snapshot();
+    let req = TransferRequest::write(p.local_id, 0, p.seg, ro.addr(), 64);
+    // The descriptor may predate the registration; reopen to see it.
+    let seg = crate::ctx::open(&p.a, &p.b.name).await?;
+    let req2 = TransferRequest { segment: seg, ..req };
+    let e = batch_error(p.t(), vec![req2]).await?;
+    permanent_kind(&e, &[ErrorKind::AccessDenied], "write into a read-only region")?;
+    ro.expect(&before, "read-only region after a denied write")
+}
+
+/// Reading from a peer region registered write-only is `AccessDenied`; the
+/// local destination does not change.
+pub async fn read_from_write_only_denied(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    if !p.t().capabilities().read {
+        return Err(CaseError::Skip("the backend does not support reads".into()));
+    }
+    let wo = cx.guarded(LEN, 8)?;
+    p.b.transport.register(wo.region(), Access::REMOTE_WRITE)?;
+    let seg = crate::ctx::open(&p.a, &p.b.name).await?;
+    let local = p.local.snapshot();
+    let e = batch_error(p.t(), vec![TransferRequest::read(p.local_id, 0, seg, wo.addr(), 64)]).await?;
+    permanent_kind(&e, &[ErrorKind::AccessDenied], "read from a write-only region")?;
+    p.local.expect(&local, "local region after a denied read")
+}
+
+/// A peer region registered for local use only cannot be reached.
+pub async fn local_only_region_unreachable(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let private = cx.guarded(LEN, 9)?;
+    p.b.transport.register(private.region(), Access::LOCAL)?;
+    let seg = crate::ctx::open(&p.a, &p.b.name).await?;
+    let before = private.snapshot();
+    let e = batch_error(p.t(), vec![TransferRequest::write(p.local_id, 0, seg, private.addr(), 64)]).await?;
+    permanent_kind(
+        &e,
+        &[ErrorKind::AccessDenied, ErrorKind::OutOfBounds, ErrorKind::Unregistered],
+        "write into a local-only region",
+    )?;
+    private.expect(&before, "local-only region after a refused write")
+}
+
+/// Registering the same range twice, or an overlapping one, is
+/// `AlreadyRegistered`; the first registration keeps working.
+pub async fn overlapping_registration_refused(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let t = p.t();
+    let dup = t.register(p.local.region(), Access::LOCAL);
+    expect_permanent(dup, &[ErrorKind::AlreadyRegistered], "registering the same region twice")?;
+    let inner = t.register(p.local.sub(4096, 4096)?, Access::LOCAL);
+    expect_permanent(inner, &[ErrorKind::AlreadyRegistered], "registering a range inside a registered one")?;
+    let tail = t.register(p.local.sub(LEN - 1, 1)?, Access::REMOTE_RW);
+    expect_permanent(tail, &[ErrorKind::AlreadyRegistered], "registering the last byte again")?;
+    let before = t.stats();
+    ensure!(before.regions == 1, "refused registrations must not be counted: {before:?}");
+    complete(t, vec![p.write(0, 0, 4096)]).await?;
+    // After unregistering, the same memory can be registered again.
+    bounded("unregister", t.unregister(p.local_id)).await??;
+    let again = t.register(p.local.region(), Access::LOCAL)?;
+    let req = TransferRequest { local: again, ..p.write(0, 0, 4096) };
+    complete(t, vec![req]).await?;
+    Ok(())
+}
+
+/// Unregistering twice, or an unknown id, is `InvalidHandle`.
+pub async fn double_unregister(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let t = p.t();
+    bounded("unregister", t.unregister(p.local_id)).await??;
+    let again = bounded("unregister", t.unregister(p.local_id)).await?;
+    expect_permanent(again, &[ErrorKind::InvalidHandle], "second unregister")?;
+    let unknown = bounded("unregister", t.unregister(RegionId(u64::MAX))).await?;
+    expect_permanent(unknown, &[ErrorKind::InvalidHandle], "unregister of an unknown id")?;
+    ensure!(t.stats().regions == 0, "regions still counted: {:?}", t.stats());
+    Ok(())
+}
+
+/// A peer region unregistered before the transfer: the write fails and the
+/// memory is not touched.
+pub async fn write_to_unregistered_remote_fails(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    bounded("unregister", p.b.transport.unregister(p.remote_id)).await??;
+    let before = p.remote.snapshot();
+    let e = batch_error(p.t(), vec![p.write(0, 0, 4096)]).await?;
+    let kinds = [ErrorKind::Unregistered, ErrorKind::OutOfBounds, ErrorKind::AccessDenied, ErrorKind::PeerRestarted];
+    ensure!(kinds.contains(&e.kind()), "write into an unregistered peer region: expected one of {kinds:?}, got {e}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    p.remote.expect(&before, "unregistered peer region")
+}
+
+/// Unregistering a local region with a transfer in flight (traffic
+/// stalled): the call returns, the request ends (`Unregistered`, or
+/// completed if it won the race), and from then on the memory is quiet:
+/// new bytes put into it never reach the peer.
+pub async fn unregister_local_in_flight(cx: Ctx) -> CaseResult {
+    let p = cx.pair(1 << 20).await?;
+    let t = p.t().clone();
+    cx.stall(&p.b, true).await?;
+    let b = t.submit(vec![p.write(0, 0, 1 << 20)], SubmitOptions::default()).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    bounded("unregister with a transfer in flight", t.unregister(p.local_id)).await??;
+    let s = t.poll(b)?;
+    ensure!(s.is_terminal(), "unregister returned while its request is still {:?}", s.state);
+    match &s.requests[0] {
+        RequestStatus::Completed | RequestStatus::Cancelled => {}
+        RequestStatus::Failed(e) => {
+            permanent_kind(e, &[ErrorKind::Unregistered], "request whose region was unregistered")?
+        }
+        other => return Err(CaseError::Fail(format!("request ended {other:?}, expected Unregistered"))),
+    }
+    // Reuse the memory at once; the peer must never see the new bytes.
+    p.local.write(0, &pattern(99, 1 << 20))?;
+    let remote = p.remote.snapshot();
+    cx.stall(&p.b, false).await?;
+    expect_quiet(&p.remote, &remote, Duration::from_millis(300), "peer memory after the source was unregistered")
+        .await?;
+    t.release(b)?;
+    Ok(())
+}
+
+/// The peer unregisters the target region while a write into it is in
+/// flight: the peer's call returns once nothing can touch the memory, the
+/// write ends failed, and the memory stays quiet after traffic resumes.
+pub async fn unregister_remote_in_flight(cx: Ctx) -> CaseResult {
+    let p = cx.pair(1 << 20).await?;
+    let t = p.t().clone();
+    cx.stall(&p.b, true).await?;
+    let b = t.submit(vec![p.write(0, 0, 1 << 20)], SubmitOptions::default()).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    bounded("peer unregister with a write in flight", p.b.transport.unregister(p.remote_id)).await??;
+    let remote = p.remote.snapshot();
+    cx.stall(&p.b, false).await?;
+    let s = bounded("wait", t.wait(b)).await??;
+    ensure!(s.state != BatchState::InProgress, "wait returned a non-terminal status");
+    expect_quiet(&p.remote, &remote, Duration::from_millis(300), "peer memory after the peer unregistered it").await?;
+    t.release(b)?;
+    Ok(())
+}

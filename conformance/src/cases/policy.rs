@@ -1,0 +1,253 @@
+//! Policy is shared (rule 8): the [`Engine`] over this backend retries
+//! only failed transient requests, never permanent ones, enforces
+//! deadlines, and runs a circuit breaker that recovers. Faults come from
+//! the suite's [`FaultLayer`] directly above the backend, whose counts see
+//! every resubmission, including any a broken wrapper makes on its own.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use transport_core::{
+    Access, BatchState, BreakerState, Engine, ErrorKind, ManualClock, PolicyConfig, RetryConfig, TransferRequest,
+    Transport,
+};
+
+use crate::ctx::{bounded, expect_quiet, open, Ctx, Pair};
+use crate::ensure;
+use crate::faults::{FaultLayer, Target};
+use crate::guard::pattern;
+use crate::harness::NodeOptions;
+use crate::runner::{CaseError, CaseResult};
+
+const LEN: usize = 256 << 10;
+
+/// A pair whose `a` transport is `harness.wrap(FaultLayer(backend))`.
+async fn faulty_pair(cx: &Ctx) -> Result<(Pair, Arc<FaultLayer>), CaseError> {
+    let slot = Arc::new(parking_lot::Mutex::new(None));
+    let s2 = slot.clone();
+    let a = cx
+        .node_layered(&NodeOptions::default(), move |t| {
+            let f = FaultLayer::new(t);
+            *s2.lock() = Some(f.clone());
+            f as Arc<dyn Transport>
+        })
+        .await?;
+    let layer = slot.lock().take().ok_or("fault layer was not installed")?;
+    let b = cx.node(&NodeOptions::default()).await?;
+    Ok((cx.pair_between(a, b, LEN).await?, layer))
+}
+
+fn fast_retry(max_attempts: u32) -> PolicyConfig {
+    let mut cfg = PolicyConfig {
+        retry: RetryConfig {
+            max_attempts,
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(10),
+            ..RetryConfig::default()
+        },
+        ..PolicyConfig::default()
+    };
+    cfg.breaker.failure_threshold = 1000;
+    cfg
+}
+
+fn landed(p: &Pair, reqs: &[TransferRequest]) -> CaseResult {
+    let local = p.local.snapshot();
+    let mut want = p.remote.snapshot();
+    for r in reqs {
+        let (l, m, n) = (r.local_offset as usize, (r.remote_addr - p.remote.addr()) as usize, r.len as usize);
+        want[m..m + n].copy_from_slice(&local[l..l + n]);
+    }
+    p.remote.expect(&want, "data written through the engine")
+}
+
+/// A request failing transiently twice is retried and completes on the
+/// third attempt; the other request is sent once.
+pub async fn transient_failures_are_retried(cx: Ctx) -> CaseResult {
+    let (p, f) = faulty_pair(&cx).await?;
+    let engine = Engine::new(p.t().clone(), fast_retry(4))?;
+    let (x, y) = (p.write(0, 0, 4096), p.write(4096, 4096, 4096));
+    f.fail(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, 2);
+    let out = bounded("engine transfer", engine.transfer(vec![x, y])).await??;
+    ensure!(out.is_success(), "transfer ended {:?}: {:?}", out.state, out.first_error().map(ToString::to_string));
+    ensure!(out.attempts == 3, "expected 3 attempts, got {}", out.attempts);
+    ensure!(
+        f.seen(&x) == 3 && f.seen(&y) == 1,
+        "submissions: failing request {}, healthy one {} (want 3 and 1)",
+        f.seen(&x),
+        f.seen(&y)
+    );
+    landed(&p, &[x, y])
+}
+
+/// A request that always fails transiently is tried exactly
+/// `max_attempts` times and ends failed with its transient error.
+pub async fn retries_stop_at_the_limit(cx: Ctx) -> CaseResult {
+    let (p, f) = faulty_pair(&cx).await?;
+    let engine = Engine::new(p.t().clone(), fast_retry(3))?;
+    let x = p.write(0, 0, 4096);
+    f.fail(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, u32::MAX);
+    let out = bounded("engine transfer", engine.transfer(vec![x])).await??;
+    ensure!(out.state == BatchState::Failed, "transfer ended {:?}", out.state);
+    let e = out.first_error().ok_or("failed without an error")?;
+    ensure!(e.kind() == ErrorKind::ConnectionReset && e.is_transient(), "final error {e}");
+    ensure!(f.seen(&x) == 3 && out.attempts == 3, "sent {} times in {} attempts, limit 3", f.seen(&x), out.attempts);
+    Ok(())
+}
+
+/// Permanent errors are never retried, whether injected
+/// (`AccessDenied`) or produced by the backend (remote out of bounds):
+/// the request reaches the backend exactly once.
+pub async fn permanent_errors_not_retried(cx: Ctx) -> CaseResult {
+    let (p, f) = faulty_pair(&cx).await?;
+    let engine = Engine::new(p.t().clone(), fast_retry(4))?;
+    let x = p.write(0, 0, 4096);
+    f.fail(Target::Addr(x.remote_addr), ErrorKind::AccessDenied, u32::MAX);
+    let out = bounded("engine transfer", engine.transfer(vec![x])).await??;
+    ensure!(out.state == BatchState::Failed, "transfer ended {:?}", out.state);
+    ensure!(out.first_error().map(|e| e.kind()) == Some(ErrorKind::AccessDenied), "error {:?}", out.first_error());
+    ensure!(f.seen(&x) == 1, "a permanently failing request was submitted {} times (rule 8)", f.seen(&x));
+    f.clear();
+    let oob = p.write(0, LEN as u64 - 8, 16);
+    let r = bounded("engine transfer", engine.transfer(vec![oob])).await?;
+    let kind = match r {
+        Err(e) => e.kind(),
+        Ok(o) => o.first_error().map(|e| e.kind()).ok_or(format!("out-of-bounds transfer ended {:?}", o.state))?,
+    };
+    ensure!(kind == ErrorKind::OutOfBounds, "out-of-bounds transfer failed with {kind}");
+    ensure!(
+        f.seen(&oob) == 1,
+        "a request the backend refused as out of bounds was submitted {} times (rule 8)",
+        f.seen(&oob)
+    );
+    Ok(())
+}
+
+/// Of four requests, the two that fail once are resent; the two that
+/// completed are sent exactly once.
+pub async fn only_failed_requests_resent(cx: Ctx) -> CaseResult {
+    let (p, f) = faulty_pair(&cx).await?;
+    let engine = Engine::new(p.t().clone(), fast_retry(4))?;
+    let reqs: Vec<TransferRequest> = (0..4u64).map(|i| p.write(i * 8192, i * 8192, 8192)).collect();
+    f.fail(Target::Addr(reqs[1].remote_addr), ErrorKind::ConnectionReset, 1);
+    f.fail(Target::Addr(reqs[3].remote_addr), ErrorKind::RetryExceeded, 1);
+    let out = bounded("engine transfer", engine.transfer(reqs.clone())).await??;
+    ensure!(out.is_success(), "transfer ended {:?}", out.state);
+    let counts: Vec<u32> = reqs.iter().map(|r| f.seen(r)).collect();
+    ensure!(counts == [1, 2, 1, 2], "submissions per request {counts:?}, want [1, 2, 1, 2] (rule 8)");
+    landed(&p, &reqs)
+}
+
+/// The breaker opens after `failure_threshold` failed transfers, then
+/// fails fast (`PeerUnavailable`, nothing sent, `open_segment` too),
+/// half-opens after the cool-down, re-opens when the probe fails, and
+/// closes when a probe succeeds (manual clock).
+pub async fn breaker_opens_and_recovers(cx: Ctx) -> CaseResult {
+    let (p, f) = faulty_pair(&cx).await?;
+    let clock = ManualClock::new();
+    let mut cfg = fast_retry(1);
+    cfg.breaker.failure_threshold = 3;
+    cfg.breaker.cooldown = Duration::from_secs(10);
+    let engine = Engine::with_clock(p.t().clone(), cfg, Arc::new(clock.clone()))?;
+    let peer = p.t().segment_descriptor(p.seg)?.name;
+    let x = p.write(0, 0, 4096);
+    f.fail(Target::All, ErrorKind::ConnectionRefused, u32::MAX);
+    for i in 0..3 {
+        ensure!(engine.breaker_state(&peer) == BreakerState::Closed, "breaker opened after {i} failures, threshold 3");
+        let out = bounded("engine transfer", engine.transfer(vec![x])).await??;
+        ensure!(out.state == BatchState::Failed, "transfer to a failing peer ended {:?}", out.state);
+    }
+    ensure!(
+        engine.breaker_state(&peer) == BreakerState::Open,
+        "breaker is {:?} after 3 failures",
+        engine.breaker_state(&peer)
+    );
+    let sent = f.seen_total();
+    let start = Instant::now();
+    let fast = bounded("engine transfer", engine.transfer(vec![x])).await?;
+    let kind = match fast {
+        Err(e) => e.kind(),
+        Ok(o) => o.first_error().map(|e| e.kind()).unwrap_or(ErrorKind::Internal),
+    };
+    ensure!(kind == ErrorKind::PeerUnavailable, "with the breaker open, a transfer failed with {kind}");
+    ensure!(start.elapsed() < Duration::from_secs(1), "failing fast took {:?}", start.elapsed());
+    ensure!(f.seen_total() == sent, "with the breaker open, a request still reached the backend");
+    let o = bounded("engine open", engine.open_segment(&peer)).await?;
+    ensure!(
+        o.as_ref().err().map(|e| e.kind()) == Some(ErrorKind::PeerUnavailable),
+        "open with the breaker open: {o:?}"
+    );
+    clock.advance(Duration::from_secs(10));
+    ensure!(
+        engine.breaker_state(&peer) == BreakerState::HalfOpen,
+        "breaker is {:?} after the cool-down",
+        engine.breaker_state(&peer)
+    );
+    let probe = bounded("engine transfer", engine.transfer(vec![x])).await??;
+    ensure!(probe.state == BatchState::Failed, "failing probe ended {:?}", probe.state);
+    ensure!(
+        engine.breaker_state(&peer) == BreakerState::Open,
+        "breaker is {:?} after a failed probe",
+        engine.breaker_state(&peer)
+    );
+    clock.advance(Duration::from_secs(10));
+    f.clear();
+    let ok = bounded("engine transfer", engine.transfer(vec![x])).await??;
+    ensure!(ok.is_success(), "the successful probe ended {:?}", ok.state);
+    ensure!(
+        engine.breaker_state(&peer) == BreakerState::Closed,
+        "breaker is {:?} after a successful probe",
+        engine.breaker_state(&peer)
+    );
+    landed(&p, &[x])
+}
+
+/// The deadline from `DeadlineConfig` reaches the backend: a stalled
+/// transfer through the engine ends `TimedOut` within the deadline plus a
+/// margin, and its memory is quiet afterwards.
+pub async fn deadline_from_config(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let mut cfg = fast_retry(1);
+    cfg.deadline.base = Duration::from_millis(300);
+    cfg.deadline.per_mib = Duration::ZERO;
+    let engine = Engine::new(p.t().clone(), cfg)?;
+    cx.stall(&p.b, true).await?;
+    let start = Instant::now();
+    let out = bounded("engine transfer", engine.transfer(vec![p.write(0, 0, LEN as u64)])).await??;
+    let took = start.elapsed();
+    ensure!(out.state == BatchState::TimedOut, "a stalled transfer ended {:?}", out.state);
+    ensure!(took < Duration::from_millis(2300), "deadline 300 ms enforced after {took:?}");
+    let remote = p.remote.snapshot();
+    p.local.write(0, &pattern(70, LEN))?;
+    cx.stall(&p.b, false).await?;
+    expect_quiet(&p.remote, &remote, Duration::from_millis(300), "memory after the engine reported a timeout").await
+}
+
+/// A second peer keeps working while the first one's breaker is open: the
+/// breaker is per peer, never global.
+pub async fn breaker_is_per_peer(cx: Ctx) -> CaseResult {
+    let (p, f) = faulty_pair(&cx).await?;
+    let c = cx.node(&NodeOptions::default()).await?;
+    let mem = cx.guarded(LEN, 30)?;
+    c.transport.register(mem.region(), Access::REMOTE_RW)?;
+    let seg_c = open(&p.a, &c.name).await?;
+    let mut cfg = fast_retry(1);
+    cfg.breaker.failure_threshold = 2;
+    cfg.breaker.cooldown = Duration::from_secs(3600);
+    let engine = Engine::new(p.t().clone(), cfg)?;
+    let x = p.write(0, 0, 4096);
+    f.fail(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, u32::MAX);
+    for _ in 0..2 {
+        bounded("engine transfer", engine.transfer(vec![x])).await??;
+    }
+    let peer_b = p.t().segment_descriptor(p.seg)?.name;
+    ensure!(
+        engine.breaker_state(&peer_b) == BreakerState::Open,
+        "breaker of the failing peer is {:?}",
+        engine.breaker_state(&peer_b)
+    );
+    let y = TransferRequest::write(p.local_id, 0, seg_c, mem.addr(), 4096);
+    let out = bounded("engine transfer", engine.transfer(vec![y])).await??;
+    ensure!(out.is_success(), "a healthy peer failed while another's breaker was open: {:?}", out.state);
+    Ok(())
+}

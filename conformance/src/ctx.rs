@@ -1,0 +1,347 @@
+//! What a case body gets: the harness, node bookkeeping, guarded memory,
+//! and helpers that turn a hang or a wrong answer into a clear failure.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use transport_core::{
+    Access, BatchStatus, Error, ErrorKind, RegionId, ResourceStats, SegmentId, SubmitOptions, TransferRequest,
+    Transport,
+};
+
+use crate::guard::Guarded;
+use crate::harness::{Harness, Node, NodeOptions};
+use crate::runner::{CaseError, CaseResult};
+
+/// Longest a single `wait`, `cancel`, `close` or `shutdown` may take in a
+/// case before it counts as hanging.
+pub const WAIT_LIMIT: Duration = Duration::from_secs(20);
+
+/// How long resource counts may take to settle back to a baseline (for
+/// backends that free asynchronously).
+pub const SETTLE: Duration = Duration::from_secs(3);
+
+/// Fails the case with a formatted message unless the condition holds.
+#[macro_export]
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::CaseError::Fail(format!($($fmt)+)));
+        }
+    };
+}
+
+/// The context of one running case. Cheap to clone.
+#[derive(Clone)]
+pub struct Ctx {
+    inner: Arc<Inner>,
+}
+
+// Field order is drop order: nodes and harness go before the memory that
+// their transports may still reference.
+struct Inner {
+    case: String,
+    harness: Arc<dyn Harness>,
+    nodes: Mutex<Vec<Node>>,
+    keep: Mutex<Vec<Guarded>>,
+}
+
+impl fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ctx").field("case", &self.inner.case).field("backend", &self.inner.harness.backend()).finish()
+    }
+}
+
+impl Ctx {
+    pub(crate) fn new(harness: Arc<dyn Harness>, case: String) -> Self {
+        Self { inner: Arc::new(Inner { case, harness, nodes: Mutex::default(), keep: Mutex::default() }) }
+    }
+
+    /// The case id (`group::name`).
+    pub fn case(&self) -> &str {
+        &self.inner.case
+    }
+
+    /// The harness under test.
+    pub fn harness(&self) -> &dyn Harness {
+        self.inner.harness.as_ref()
+    }
+
+    /// A new node, wrapped by [`Harness::wrap`] and shut down after the case.
+    pub async fn node(&self, opts: &NodeOptions) -> Result<Node, CaseError> {
+        self.node_layered(opts, |t| t).await
+    }
+
+    /// A new node with `layer` put between the backend and the harness's
+    /// wrapper (the suite's own fault injector goes here, so a broken
+    /// wrapper above it is seen).
+    pub async fn node_layered(
+        &self,
+        opts: &NodeOptions,
+        layer: impl FnOnce(Arc<dyn Transport>) -> Arc<dyn Transport>,
+    ) -> Result<Node, CaseError> {
+        let raw = bounded("creating a node", self.inner.harness.node(opts))
+            .await?
+            .map_err(|e| CaseError::Fail(format!("the harness could not create a node: {e}")))?;
+        let node = Node { transport: self.inner.harness.wrap(layer(raw.transport)), ..raw };
+        self.inner.nodes.lock().push(node.clone());
+        Ok(node)
+    }
+
+    /// Restarts a killed node under the same name (new generation).
+    pub async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node, CaseError> {
+        let raw = bounded("restarting a node", self.inner.harness.restart(node, opts))
+            .await?
+            .map_err(|e| CaseError::Fail(format!("the harness could not restart {}: {e}", node.name)))?;
+        let node = Node { transport: self.inner.harness.wrap(raw.transport), ..raw };
+        self.inner.nodes.lock().push(node.clone());
+        Ok(node)
+    }
+
+    /// Stops tracking `node` (a case that drops it on purpose).
+    pub fn forget(&self, node: &Node) {
+        self.inner.nodes.lock().retain(|n| !Arc::ptr_eq(&n.transport, &node.transport));
+    }
+
+    /// Crashes `node`; skips the case if the harness cannot.
+    pub async fn kill(&self, node: &Node) -> CaseResult {
+        match bounded("kill", self.inner.harness.kill(node)).await? {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(CaseError::Skip("the harness cannot kill a peer".into())),
+            Err(e) => Err(CaseError::Fail(format!("kill failed: {e}"))),
+        }
+    }
+
+    /// Cuts connections toward `node`; skips the case if the harness cannot.
+    pub async fn cut(&self, node: &Node) -> CaseResult {
+        match bounded("cut", self.inner.harness.cut(node)).await? {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(CaseError::Skip("the harness cannot cut connections".into())),
+            Err(e) => Err(CaseError::Fail(format!("cut failed: {e}"))),
+        }
+    }
+
+    /// Stalls or resumes traffic toward `node`; skips if the harness cannot.
+    pub async fn stall(&self, node: &Node, on: bool) -> CaseResult {
+        match bounded("stall", self.inner.harness.stall(node, on)).await? {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(CaseError::Skip("the harness cannot stall traffic".into())),
+            Err(e) => Err(CaseError::Fail(format!("stall({on}) failed: {e}"))),
+        }
+    }
+
+    /// Memory with canaries, kept alive until the case's runtime is gone.
+    pub fn guarded(&self, len: usize, seed: u64) -> Result<Guarded, CaseError> {
+        let g = Guarded::new(len, seed)?;
+        self.inner.keep.lock().push(g.clone());
+        Ok(g)
+    }
+
+    /// The harness's OS resource counts, if it has a probe.
+    pub fn os_probe(&self) -> Option<Vec<(String, u64)>> {
+        self.inner.harness.os_probe()
+    }
+
+    /// Waits (bounded) until the OS counts are back to `baseline`.
+    pub async fn expect_os(&self, baseline: &Option<Vec<(String, u64)>>, what: &str) -> CaseResult {
+        let Some(base) = baseline else { return Ok(()) };
+        let mut now = self.os_probe();
+        let end = Instant::now() + SETTLE;
+        while now.as_ref() != Some(base) && Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            now = self.os_probe();
+        }
+        ensure!(now.as_ref() == Some(base), "{what}: OS resources {now:?} did not return to {base:?}");
+        Ok(())
+    }
+
+    /// Two nodes `a` and `b`: `a` has a local region, `b` a remotely
+    /// readable and writable one, and `a` has opened `b`'s segment.
+    pub async fn pair(&self, len: usize) -> Result<Pair, CaseError> {
+        self.pair_with(len, &NodeOptions::default()).await
+    }
+
+    /// [`Ctx::pair`] with node options.
+    pub async fn pair_with(&self, len: usize, opts: &NodeOptions) -> Result<Pair, CaseError> {
+        let a = self.node(opts).await?;
+        let b = self.node(opts).await?;
+        self.pair_between(a, b, len).await
+    }
+
+    /// [`Ctx::pair`] over two existing nodes.
+    pub async fn pair_between(&self, a: Node, b: Node, len: usize) -> Result<Pair, CaseError> {
+        let local = self.guarded(len, 1)?;
+        let remote = self.guarded(len, 2)?;
+        let local_id = a.transport.register(local.region(), Access::LOCAL)?;
+        let remote_id = b.transport.register(remote.region(), Access::REMOTE_RW)?;
+        let seg = open(&a, &b.name).await?;
+        Ok(Pair { a, b, seg, local, local_id, remote, remote_id })
+    }
+
+    /// Shuts every tracked node down (bounded per node).
+    pub(crate) async fn cleanup(&self) {
+        let nodes: Vec<Node> = std::mem::take(&mut *self.inner.nodes.lock());
+        for n in nodes {
+            let _ = tokio::time::timeout(Duration::from_secs(5), n.transport.shutdown()).await;
+        }
+    }
+}
+
+/// A local node `a` and a peer `b` with one region each (see [`Ctx::pair`]).
+#[derive(Debug, Clone)]
+pub struct Pair {
+    pub a: Node,
+    pub b: Node,
+    /// `a`'s handle to `b`'s segment.
+    pub seg: SegmentId,
+    /// `a`'s local region (filled with `pattern(1)`).
+    pub local: Guarded,
+    pub local_id: RegionId,
+    /// `b`'s remote read/write region (filled with `pattern(2)`).
+    pub remote: Guarded,
+    pub remote_id: RegionId,
+}
+
+impl Pair {
+    /// `a`'s transport.
+    pub fn t(&self) -> &Arc<dyn Transport> {
+        &self.a.transport
+    }
+
+    /// A write of `len` bytes from `local[loff..]` to `remote[roff..]`.
+    pub fn write(&self, loff: u64, roff: u64, len: u64) -> TransferRequest {
+        TransferRequest::write(self.local_id, loff, self.seg, self.remote.addr() + roff, len)
+    }
+
+    /// A read of `len` bytes from `remote[roff..]` into `local[loff..]`.
+    pub fn read(&self, loff: u64, roff: u64, len: u64) -> TransferRequest {
+        TransferRequest::read(self.local_id, loff, self.seg, self.remote.addr() + roff, len)
+    }
+
+    /// Checks both regions' canaries.
+    pub fn canaries_intact(&self) -> CaseResult {
+        self.local.canaries_intact()?;
+        self.remote.canaries_intact()
+    }
+}
+
+/// Runs `fut` with [`WAIT_LIMIT`]; a timeout is a failure naming `what`.
+pub async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> Result<T, CaseError> {
+    tokio::time::timeout(WAIT_LIMIT, fut)
+        .await
+        .map_err(|_| CaseError::Fail(format!("{what} did not return within {WAIT_LIMIT:?}")))
+}
+
+/// Opens `name` from `node`; failure is a case failure.
+pub async fn open(node: &Node, name: &str) -> Result<SegmentId, CaseError> {
+    bounded("open_segment", node.transport.open_segment(name))
+        .await?
+        .map_err(|e| CaseError::Fail(format!("open_segment({name}) failed: {e}")))
+}
+
+/// Submits, waits (bounded) and releases a batch. `Ok(Err(e))` when the
+/// submit itself was refused; a hang, a wait error or a release error is a
+/// case failure.
+pub async fn run_batch(
+    t: &Arc<dyn Transport>,
+    reqs: Vec<TransferRequest>,
+    opts: SubmitOptions,
+) -> Result<Result<BatchStatus, Error>, CaseError> {
+    let batch = match bounded("submit", t.submit(reqs, opts)).await? {
+        Ok(b) => b,
+        Err(e) => return Ok(Err(e)),
+    };
+    let status =
+        bounded("wait", t.wait(batch)).await?.map_err(|e| CaseError::Fail(format!("wait({batch}) failed: {e}")))?;
+    ensure!(status.is_terminal(), "wait({batch}) returned a non-terminal status {:?}", status.state);
+    t.release(batch).map_err(|e| CaseError::Fail(format!("release of terminal {batch} failed: {e}")))?;
+    Ok(Ok(status))
+}
+
+/// Runs a batch that must complete.
+pub async fn complete(t: &Arc<dyn Transport>, reqs: Vec<TransferRequest>) -> Result<BatchStatus, CaseError> {
+    match run_batch(t, reqs, SubmitOptions::default()).await? {
+        Err(e) => Err(CaseError::Fail(format!("submit failed: {e}"))),
+        Ok(s) if s.state == transport_core::BatchState::Completed => Ok(s),
+        Ok(s) => Err(CaseError::Fail(format!(
+            "batch ended {:?} instead of completed (first error: {:?})",
+            s.state,
+            s.first_error().map(ToString::to_string)
+        ))),
+    }
+}
+
+/// Requires an error of one of `kinds` that is permanent (rule 7).
+pub fn expect_permanent<T: fmt::Debug>(
+    r: Result<T, Error>,
+    kinds: &[ErrorKind],
+    what: &str,
+) -> Result<Error, CaseError> {
+    let e = expect_kind(r, kinds, what)?;
+    ensure!(!e.is_transient(), "{what}: error {e} must be permanent (rule 7)");
+    Ok(e)
+}
+
+/// Requires an error of one of `kinds`.
+pub fn expect_kind<T: fmt::Debug>(r: Result<T, Error>, kinds: &[ErrorKind], what: &str) -> Result<Error, CaseError> {
+    match r {
+        Ok(v) => Err(CaseError::Fail(format!("{what}: expected an error of kind {kinds:?}, got Ok({v:?})"))),
+        Err(e) if kinds.contains(&e.kind()) => Ok(e),
+        Err(e) => Err(CaseError::Fail(format!("{what}: expected an error of kind {kinds:?}, got {e}"))),
+    }
+}
+
+/// Polls `f` every 20 ms until it holds or `limit` passes.
+pub async fn settle(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits (bounded) until `t.stats()` equals `baseline` (rule 1).
+pub async fn expect_stats(t: &Arc<dyn Transport>, baseline: ResourceStats, what: &str) -> CaseResult {
+    let ok = settle(SETTLE, || t.stats() == baseline).await;
+    ensure!(ok, "{what}: resources {:?} did not return to {baseline:?} (rule 1)", t.stats());
+    Ok(())
+}
+
+/// Watches `mem` for `dur`: it must keep the bytes of `snapshot`.
+pub async fn expect_quiet(mem: &Guarded, snapshot: &[u8], dur: Duration, what: &str) -> CaseResult {
+    let end = Instant::now() + dur;
+    loop {
+        mem.expect(snapshot, what)?;
+        if Instant::now() >= end {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs a batch that must fail, and returns its error, whether the submit
+/// refused it or a request failed later.
+pub async fn batch_error(t: &Arc<dyn Transport>, reqs: Vec<TransferRequest>) -> Result<Error, CaseError> {
+    match run_batch(t, reqs, SubmitOptions::default()).await? {
+        Err(e) => Ok(e),
+        Ok(s) => s
+            .first_error()
+            .cloned()
+            .ok_or_else(|| CaseError::Fail(format!("a batch that must fail ended {:?} without an error", s.state))),
+    }
+}
+
+/// Requires `e` to be of one of `kinds` and permanent.
+pub fn permanent_kind(e: &Error, kinds: &[ErrorKind], what: &str) -> CaseResult {
+    ensure!(kinds.contains(&e.kind()), "{what}: expected an error of kind {kinds:?}, got {e}");
+    ensure!(!e.is_transient(), "{what}: error {e} must be permanent (rule 7)");
+    Ok(())
+}

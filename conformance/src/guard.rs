@@ -1,0 +1,152 @@
+//! Registered memory with canary bytes on both sides, so a stray write
+//! outside a region (or after a terminal report) is seen, not suffered.
+#![allow(unsafe_code)]
+
+use std::fmt;
+
+use transport_core::{Buffer, MemoryRegion};
+
+use crate::runner::CaseError;
+
+/// Bytes of canary before and after every guarded region.
+pub const GUARD: usize = 4096;
+/// The canary byte.
+pub const CANARY: u8 = 0xC5;
+
+/// A region in the middle of a larger allocation whose edges hold
+/// [`CANARY`] bytes. Made by [`crate::Ctx::guarded`], which keeps the
+/// allocation alive until every transport of the case is gone.
+#[derive(Clone)]
+pub struct Guarded {
+    buf: Buffer,
+    region: MemoryRegion,
+}
+
+impl fmt::Debug for Guarded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Guarded").field("addr", &format_args!("{:#x}", self.addr())).field("len", &self.len()).finish()
+    }
+}
+
+impl Guarded {
+    /// Allocates `len` bytes (plus guards) filled with `pattern(seed)`.
+    pub(crate) fn new(len: usize, seed: u64) -> Result<Self, CaseError> {
+        if len == 0 {
+            return Err(CaseError::Fail("a guarded region needs at least one byte".into()));
+        }
+        let buf = Buffer::new(len + 2 * GUARD).map_err(|e| CaseError::Fail(format!("allocation failed: {e}")))?;
+        buf.fill(CANARY);
+        // SAFETY: `buf.addr() + GUARD .. + len` lies inside `buf`'s live
+        // allocation. The `Buffer` is kept in this struct and, by
+        // `Ctx::guarded`, in the case context, which is dropped only after
+        // the case's runtime and every node of the case have been shut down
+        // and dropped, so no transport can touch the range after it is
+        // freed. The suite only accesses it by copying (`read_at` /
+        // `write_at`), never through Rust references.
+        let region = unsafe { MemoryRegion::from_raw(buf.addr() + GUARD as u64, len) }
+            .map_err(|e| CaseError::Fail(format!("cannot make a region: {e}")))?;
+        let g = Self { buf, region };
+        g.fill_pattern(seed);
+        Ok(g)
+    }
+
+    /// The region to register.
+    pub fn region(&self) -> MemoryRegion {
+        self.region.clone()
+    }
+
+    /// Address of the first byte of the region.
+    pub fn addr(&self) -> u64 {
+        self.region.addr()
+    }
+
+    /// Length of the region.
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// A region over `offset .. offset + len` of this one (to test
+    /// overlapping registration). Fails if it does not fit.
+    pub fn sub(&self, offset: usize, len: usize) -> Result<MemoryRegion, CaseError> {
+        self.region.check(offset as u64, len as u64).map_err(|e| CaseError::Fail(format!("bad sub-region: {e}")))?;
+        // SAFETY: the range lies inside this region (checked above), which
+        // lives as long as the context keeps `buf` (see `Guarded::new`).
+        unsafe { MemoryRegion::from_raw(self.addr() + offset as u64, len) }
+            .map_err(|e| CaseError::Fail(format!("cannot make a sub-region: {e}")))
+    }
+
+    /// A copy of the region's bytes.
+    pub fn snapshot(&self) -> Vec<u8> {
+        self.region.to_vec()
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), CaseError> {
+        self.region.write_at(offset, data).map_err(|e| CaseError::Fail(format!("local write failed: {e}")))
+    }
+
+    /// Fills the region with the deterministic [`pattern`] of `seed`.
+    pub fn fill_pattern(&self, seed: u64) {
+        let _ = self.region.write_at(0, &pattern(seed, self.len()));
+    }
+
+    /// Checks the canaries on both sides; names the first changed byte.
+    pub fn canaries_intact(&self) -> Result<(), CaseError> {
+        let all = self.buf.to_vec();
+        let len = self.len();
+        let before = &all[..GUARD];
+        let after = &all[GUARD + len..];
+        if let Some(i) = before.iter().position(|&b| b != CANARY) {
+            return Err(CaseError::Fail(format!(
+                "canary byte {} bytes before the region at {:#x} was overwritten",
+                GUARD - i,
+                self.addr()
+            )));
+        }
+        if let Some(i) = after.iter().position(|&b| b != CANARY) {
+            return Err(CaseError::Fail(format!(
+                "canary byte {} bytes after the end of the region at {:#x} was overwritten",
+                i + 1,
+                self.addr()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that the region equals `expected` and the canaries are intact.
+    pub fn expect(&self, expected: &[u8], what: &str) -> Result<(), CaseError> {
+        self.canaries_intact()?;
+        let now = self.snapshot();
+        match first_difference(&now, expected) {
+            None => Ok(()),
+            Some(i) => Err(CaseError::Fail(format!(
+                "{what}: byte {i} is {:#04x}, expected {:#04x}",
+                now.get(i).copied().unwrap_or(0),
+                expected.get(i).copied().unwrap_or(0)
+            ))),
+        }
+    }
+}
+
+/// The first index where `a` and `b` differ (or where one ends).
+pub fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y).or(if a.len() == b.len() { None } else { Some(a.len().min(b.len())) })
+}
+
+/// Deterministic, seed-dependent bytes that never repeat the canary run.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes()[..(len - out.len()).min(8)]);
+    }
+    out
+}

@@ -1,0 +1,258 @@
+//! Running cases: one tokio runtime and one timeout per case, results as
+//! passed, skipped (ignored, with a reason) or failed; a `libtest-mimic`
+//! main for `harness = false` test targets.
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use libtest_mimic::{Arguments, Completion, Failed, Trial};
+
+use crate::cases::cases;
+use crate::ctx::Ctx;
+use crate::harness::Harness;
+
+/// How long one case may run before it counts as hung (a failure).
+pub const CASE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the cleanup after a case (shutting every node down) may take.
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Set to `1` to turn every skip into a failure (for machines where every
+/// capability and fault hook is expected to work, e.g. RDMA CI).
+pub const STRICT_ENV: &str = "CONFORMANCE_STRICT";
+
+/// Why a case did not pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CaseError {
+    /// The backend broke the rule; the message says how.
+    Fail(String),
+    /// The case cannot run against this backend (capability or fault hook
+    /// missing); reported as ignored, never as passed.
+    Skip(String),
+}
+
+impl fmt::Display for CaseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CaseError::Fail(m) => write!(f, "{m}"),
+            CaseError::Skip(m) => write!(f, "skipped: {m}"),
+        }
+    }
+}
+
+impl From<String> for CaseError {
+    fn from(m: String) -> Self {
+        CaseError::Fail(m)
+    }
+}
+
+impl From<&str> for CaseError {
+    fn from(m: &str) -> Self {
+        CaseError::Fail(m.to_owned())
+    }
+}
+
+impl From<transport_core::Error> for CaseError {
+    fn from(e: transport_core::Error) -> Self {
+        CaseError::Fail(format!("unexpected error: {e}"))
+    }
+}
+
+/// What a case body returns.
+pub type CaseResult = Result<(), CaseError>;
+
+/// A boxed case body.
+pub type CaseFuture = Pin<Box<dyn Future<Output = CaseResult> + Send + 'static>>;
+
+/// One conformance case.
+#[derive(Clone, Copy)]
+pub struct Case {
+    /// Group, the middle part of the test name (`teardown`, `data`, ...).
+    pub group: &'static str,
+    /// Case name, the last part of the test name.
+    pub name: &'static str,
+    /// The DESIGN.md rule (1..=10) it checks.
+    pub rule: u8,
+    /// One line: what it checks.
+    pub summary: &'static str,
+    /// The body.
+    pub run: fn(Ctx) -> CaseFuture,
+}
+
+impl Case {
+    /// `group::name`.
+    pub fn id(&self) -> String {
+        format!("{}::{}", self.group, self.name)
+    }
+}
+
+impl fmt::Debug for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Case").field("id", &self.id()).field("rule", &self.rule).finish()
+    }
+}
+
+/// The result of a case that did not fail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The backend kept the rule.
+    Passed,
+    /// The case could not run; the reason says what is missing.
+    Skipped(String),
+}
+
+/// Runs one case (`"group::case"`, or `"backend::group::case"`) against
+/// `harness`, in its own runtime with [`CASE_TIMEOUT`]. `Err` carries the
+/// failure message (or says the case is unknown).
+pub fn run_case<H: Harness>(harness: H, id: &str) -> Result<Outcome, String> {
+    let case = find_case(id)?;
+    let cell = parking_lot::Mutex::new(Some(harness));
+    execute(&|| cell.lock().take().map(|h| Arc::new(h) as Arc<dyn Harness>), &case, CASE_TIMEOUT)
+}
+
+/// Like [`run_case`] with a harness factory and a timeout of your choice.
+pub fn run_case_with(make: &dyn Fn() -> Arc<dyn Harness>, id: &str, timeout: Duration) -> Result<Outcome, String> {
+    let case = find_case(id)?;
+    execute(&|| Some(make()), &case, timeout)
+}
+
+fn find_case(id: &str) -> Result<Case, String> {
+    cases()
+        .iter()
+        .find(|c| {
+            let cid = c.id();
+            id == cid || id.ends_with(&format!("::{cid}"))
+        })
+        .copied()
+        .ok_or_else(|| format!("no conformance case named {id:?}"))
+}
+
+fn panic_message(p: Box<dyn Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Duration) -> Result<Outcome, String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .thread_name("conformance")
+        .build()
+        .map_err(|e| format!("cannot build a tokio runtime: {e}"))?;
+    let harness = {
+        let _enter = rt.enter();
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(make))
+            .map_err(|p| format!("harness constructor panicked: {}", panic_message(p)))?
+            .ok_or("harness already used")?
+    };
+    let ctx = Ctx::new(harness, case.id());
+    let body = (case.run)(ctx.clone());
+    let result = rt.block_on(async {
+        let mut task = tokio::spawn(body);
+        match tokio::time::timeout(timeout, &mut task).await {
+            Err(_) => {
+                task.abort();
+                Err(CaseError::Fail(format!("case did not finish within {timeout:?} (something hangs)")))
+            }
+            Ok(Err(j)) if j.is_panic() => Err(CaseError::Fail(format!("panicked: {}", panic_message(j.into_panic())))),
+            Ok(Err(_)) => Err(CaseError::Fail("case task was cancelled".into())),
+            Ok(Ok(r)) => r,
+        }
+    });
+    let cleanup = rt.block_on(async { tokio::time::timeout(CLEANUP_TIMEOUT, ctx.cleanup()).await });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    // The context (and the memory it keeps alive for transports) is dropped
+    // only now, after the runtime and every task that could touch it.
+    drop(ctx);
+    match (result, cleanup) {
+        (Ok(()), Err(_)) => Err(format!("cleanup: shutting the nodes down took longer than {CLEANUP_TIMEOUT:?}")),
+        (Ok(()), Ok(())) => Ok(Outcome::Passed),
+        (Err(CaseError::Skip(why)), _) => Ok(Outcome::Skipped(why)),
+        (Err(CaseError::Fail(why)), _) => Err(why),
+    }
+}
+
+/// Whether [`STRICT_ENV`] asks skips to fail.
+pub fn strict() -> bool {
+    std::env::var(STRICT_ENV).map(|v| v == "1" || v.eq_ignore_ascii_case("true")).unwrap_or(false)
+}
+
+/// The libtest-compatible trials for one backend: one per case, named
+/// `<backend>::<group>::<case>`. `make` is called once per case (inside
+/// that case's runtime) and once more up front to learn the backend name.
+pub fn trials<H, F>(make: F) -> Vec<Trial>
+where
+    H: Harness,
+    F: Fn() -> H + Send + Sync + 'static,
+{
+    let make = Arc::new(make);
+    let backend = {
+        // The constructor may need a runtime (spawning, binding sockets).
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        match rt {
+            Ok(rt) => {
+                let _enter = rt.enter();
+                make().backend().to_owned()
+            }
+            Err(_) => make().backend().to_owned(),
+        }
+    };
+    let strict = strict();
+    cases()
+        .iter()
+        .map(|case| {
+            let case = *case;
+            let make = make.clone();
+            let name = format!("{backend}::{}", case.id());
+            Trial::ignorable_test(name, move || {
+                let factory = || Some(Arc::new(make()) as Arc<dyn Harness>);
+                match execute(&factory, &case, CASE_TIMEOUT) {
+                    Ok(Outcome::Passed) => Ok(Completion::Completed),
+                    Ok(Outcome::Skipped(why)) if strict => {
+                        Err(Failed::from(format!("skipped in strict mode ({STRICT_ENV}=1): {why}")))
+                    }
+                    Ok(Outcome::Skipped(why)) => Ok(Completion::ignored_with(why)),
+                    Err(why) => Err(Failed::from(format!("[rule {}] {why}", case.rule))),
+                }
+            })
+        })
+        .collect()
+}
+
+/// Runs the whole suite as a libtest-compatible program (parses the
+/// command line: `--list`, `--exact`, filters, `--ignored`, ...) and exits.
+/// Use through [`crate::conformance_main!`].
+pub fn main_with<H, F>(make: F) -> !
+where
+    H: Harness,
+    F: Fn() -> H + Send + Sync + 'static,
+{
+    let args = Arguments::from_args();
+    libtest_mimic::run(&args, trials(make)).exit()
+}
+
+/// Expands to a `main` that runs the whole conformance suite against the
+/// harness the closure builds. Put it alone in a `harness = false` test
+/// target:
+///
+/// ```ignore
+/// // tests/conformance.rs, with `[[test]] name = "conformance" harness = false`
+/// conformance::conformance_main!(|| MyHarness::new());
+/// ```
+#[macro_export]
+macro_rules! conformance_main {
+    ($make:expr) => {
+        fn main() {
+            $crate::main_with($make)
+        }
+    };
+}
