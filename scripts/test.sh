@@ -18,12 +18,10 @@ step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test --workspace"
-if command -v cargo-nextest >/dev/null 2>&1; then
-  cargo nextest run --workspace --no-fail-fast
-  cargo test --workspace --doc
-else
-  cargo test --workspace --no-fail-fast
-fi
+# Plain `cargo test`, not nextest: the conformance runner reports a case a
+# backend cannot run as "ignored" at run time, which only libtest's output
+# shows (nextest would list it as passed).
+cargo test --workspace --no-fail-fast
 
 if [ -x scripts/rdma-tests.sh ]; then
   if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
