@@ -185,3 +185,35 @@ static CASES: &[Case] = &[
 pub fn cases() -> &'static [Case] {
     CASES
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn ids_are_unique_and_rules_valid() {
+        let mut ids = HashSet::new();
+        for c in cases() {
+            assert!(ids.insert(c.id()), "duplicate case {}", c.id());
+            assert!((1..=10).contains(&c.rule), "{} cites rule {}", c.id(), c.rule);
+        }
+    }
+
+    #[test]
+    fn every_rule_has_a_case() {
+        for rule in 1..=10u8 {
+            assert!(cases().iter().any(|c| c.rule == rule), "no case checks rule {rule}");
+        }
+    }
+
+    #[test]
+    fn the_crate_doc_table_lists_every_case() {
+        let doc = include_str!("../lib.rs");
+        for c in cases() {
+            let row = format!("| `{}` | {} |", c.id(), c.rule);
+            assert!(doc.contains(&row), "lib.rs table lacks the row {row}");
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! Deliberately broken transports, to prove the suite fails them (a suite
+//! no broken backend fails is decoration). The mock's own switches
+//! (`transport_mock::MockBugs`) break the backend itself; this module adds
+//! a broken *layer* that any backend can be wrapped in through
+//! [`crate::Harness::wrap`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use transport_core::{
+    Access, BatchId, BatchStatus, Capabilities, MemoryRegion, RegionId, RequestStatus, ResourceStats, Result,
+    SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+};
+
+/// A layer that retries *permanent* failures on its own (breaking rule 8:
+/// permanent errors are never retried, and backends do not retry at all).
+/// It resubmits a refused batch, and inside `wait` resubmits every request
+/// that failed permanently, up to `extra` more times.
+pub struct RetriesPermanent {
+    inner: Arc<dyn Transport>,
+    extra: u32,
+    batches: Mutex<HashMap<BatchId, (Vec<TransferRequest>, SubmitOptions)>>,
+}
+
+impl fmt::Debug for RetriesPermanent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetriesPermanent").field("inner", &self.inner.backend()).field("extra", &self.extra).finish()
+    }
+}
+
+impl RetriesPermanent {
+    /// Wraps `inner`, retrying permanent failures twice more.
+    pub fn wrap(inner: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        Arc::new(Self { inner, extra: 2, batches: Mutex::default() })
+    }
+
+    fn permanent(s: &RequestStatus) -> bool {
+        matches!(s, RequestStatus::Failed(e) if !e.is_transient())
+    }
+}
+
+#[async_trait]
+impl Transport for RetriesPermanent {
+    fn backend(&self) -> &str {
+        self.inner.backend()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn local_segment_name(&self) -> String {
+        self.inner.local_segment_name()
+    }
+    fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
+        self.inner.register(mem, access)
+    }
+    async fn unregister(&self, region: RegionId) -> Result<()> {
+        self.inner.unregister(region).await
+    }
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.inner.open_segment(name).await
+    }
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        self.inner.close_segment(segment).await
+    }
+    fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
+        self.inner.segment_descriptor(segment)
+    }
+    async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
+        let mut tries = 0;
+        loop {
+            match self.inner.submit(requests.clone(), opts).await {
+                Ok(b) => {
+                    self.batches.lock().insert(b, (requests, opts));
+                    return Ok(b);
+                }
+                // The bug: a permanent refusal is tried again.
+                Err(e) if !e.is_transient() && tries < self.extra => tries += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.poll(batch)
+    }
+    async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
+        let mut status = self.inner.wait(batch).await?;
+        let Some((reqs, opts)) = self.batches.lock().get(&batch).cloned() else { return Ok(status) };
+        for _ in 0..self.extra {
+            let bad: Vec<usize> =
+                (0..status.requests.len()).filter(|&i| Self::permanent(&status.requests[i])).collect();
+            if bad.is_empty() {
+                break;
+            }
+            let again: Vec<TransferRequest> = bad.iter().filter_map(|&i| reqs.get(i).copied()).collect();
+            if let Ok(b) = self.inner.submit(again, opts).await {
+                if let Ok(s) = self.inner.wait(b).await {
+                    for (k, &i) in bad.iter().enumerate() {
+                        if let Some(r) = s.requests.get(k) {
+                            status.requests[i] = r.clone();
+                        }
+                    }
+                }
+                let _ = self.inner.release(b);
+            }
+        }
+        Ok(BatchStatus::from_requests(status.requests))
+    }
+    async fn cancel(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.cancel(batch).await
+    }
+    fn release(&self, batch: BatchId) -> Result<()> {
+        self.inner.release(batch)?;
+        self.batches.lock().remove(&batch);
+        Ok(())
+    }
+    fn stats(&self) -> ResourceStats {
+        self.inner.stats()
+    }
+    async fn shutdown(&self) -> Result<()> {
+        self.inner.shutdown().await
+    }
+}
