@@ -159,8 +159,7 @@ pub async fn counts_return_after_each_operation(cx: Ctx) -> CaseResult {
         empty.endpoints == 0 && empty.segments == 0 && empty.regions == 0 && empty.batches == 0 && empty.inflight == 0,
         "with everything closed, nothing may be live: {empty:?}"
     );
-    let _ = os;
-    Ok(())
+    cx.expect_os(&os, "with everything closed").await
 }
 
 /// `shutdown` with a transfer in flight returns, ends the batch, frees
