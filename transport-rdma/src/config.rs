@@ -1,0 +1,132 @@
+//! The backend's serde configuration (rule 10: chosen by config).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use transport_core::{Error, ErrorKind, Result};
+
+/// Options of an [`crate::RdmaTransport`]. Every field has a default, so
+/// `{}` is a valid config (first device, port 1, GID index 0, listening on
+/// an ephemeral loopback port).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RdmaConfig {
+    /// RDMA device name (`mlx5_0`, `rxe0`); `None` takes the first device.
+    pub device: Option<String>,
+    /// Port number on the device (1-based).
+    pub port: u8,
+    /// GID table index (RoCE v2 GIDs are usually 0 on rxe, 3 on mlx5 with IPv4).
+    pub gid_index: u8,
+    /// Address of the TCP side channel (handshakes and descriptors). The
+    /// segment name peers open is its bound `host:port`.
+    pub listen: String,
+    /// Reliable-connected QPs per endpoint; slices spread over them.
+    pub qps_per_endpoint: usize,
+    /// Bound on live endpoints (rule 4); the least recently used idle one
+    /// is evicted (destroyed) to make room.
+    pub max_endpoints: usize,
+    /// Endpoints idle this long are destroyed by a timer.
+    pub idle_timeout_ms: u64,
+    /// Work requests in flight per QP; more slices wait in a queue.
+    pub max_outstanding_per_qp: usize,
+    /// Requests are cut into slices of at most this many bytes.
+    pub slice_size: u32,
+    /// Largest request in bytes.
+    pub max_request_len: u64,
+    /// Largest batch.
+    pub max_batch_len: usize,
+    /// Connection handshake (TCP connect + exchange) limit.
+    pub handshake_timeout_ms: u64,
+    /// How long to wait for a broken QP's flushed completions before
+    /// destroying it anyway (destroy also stops all DMA).
+    pub flush_timeout_ms: u64,
+    /// Local ACK timeout exponent (4.096 us * 2^n) of the QPs.
+    pub ack_timeout: u8,
+    /// Transport retries before a completion fails with RetryExceeded.
+    pub retry_count: u8,
+    /// Bound on QP groups peers may hold into this transport.
+    pub max_passive: usize,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        Self {
+            device: None,
+            port: 1,
+            gid_index: 0,
+            listen: "127.0.0.1:0".into(),
+            qps_per_endpoint: 2,
+            max_endpoints: 64,
+            idle_timeout_ms: 60_000,
+            max_outstanding_per_qp: 64,
+            slice_size: 1 << 20,
+            max_request_len: 1 << 32,
+            max_batch_len: 1 << 16,
+            handshake_timeout_ms: 5_000,
+            flush_timeout_ms: 2_000,
+            ack_timeout: 14,
+            retry_count: 7,
+            max_passive: 256,
+        }
+    }
+}
+
+impl RdmaConfig {
+    /// Checks ranges; names the field that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("rdma.{field}: {why}")));
+        if self.port == 0 {
+            return bad("port", "ports are numbered from 1");
+        }
+        if self.qps_per_endpoint == 0 || self.qps_per_endpoint > 64 {
+            return bad("qps_per_endpoint", "must be 1..=64");
+        }
+        if self.max_endpoints == 0 {
+            return bad("max_endpoints", "must be at least 1");
+        }
+        if self.max_outstanding_per_qp == 0 || self.max_outstanding_per_qp > 4096 {
+            return bad("max_outstanding_per_qp", "must be 1..=4096");
+        }
+        if self.slice_size == 0 || self.slice_size > (1 << 30) {
+            return bad("slice_size", "must be 1..=1 GiB");
+        }
+        if self.max_batch_len == 0 || self.max_request_len == 0 {
+            return bad("max_batch_len", "limits must be non-zero");
+        }
+        if self.ack_timeout > 31 || self.retry_count > 7 {
+            return bad("ack_timeout", "ack_timeout must be <= 31 and retry_count <= 7");
+        }
+        Ok(())
+    }
+
+    pub(crate) fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms.max(1))
+    }
+
+    pub(crate) fn flush_timeout(&self) -> Duration {
+        Duration::from_millis(self.flush_timeout_ms.max(1))
+    }
+
+    pub(crate) fn handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.handshake_timeout_ms.max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_is_default_and_valid() {
+        let c: RdmaConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(c, RdmaConfig::default());
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let c = RdmaConfig { qps_per_endpoint: 0, ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("qps_per_endpoint"));
+        assert!(serde_json::from_str::<RdmaConfig>(r#"{"devcie":"x"}"#).is_err());
+    }
+}

@@ -1,0 +1,48 @@
+//! The RDMA backend of the transfer engine, on `rdma-sys` (libibverbs).
+//!
+//! # Design
+//!
+//! One [`RdmaTransport`] opens one device port (chosen by
+//! [`RdmaConfig::device`], `port`, `gid_index`), allocates one protection
+//! domain and one completion queue, and runs three background tasks: a CQ
+//! poller woken by the completion channel, a reaper (idle endpoints, flush
+//! deadlines) and the TCP side-channel listener.
+//!
+//! * **Memory**: `register` pins the region with `ibv_reg_mr`; access flags
+//!   follow [`transport_core::Access`] (local write always, remote read /
+//!   write as asked). The rkey travels in the segment descriptor.
+//! * **Segments**: the name is the peer's side-channel `host:port`; opening
+//!   fetches the descriptor (generation + regions with rkeys) from the peer.
+//! * **Endpoints**: built lazily on the first transfer to a segment handle:
+//!   `qps_per_endpoint` RC QPs, connected by exchanging QPN, PSN, GID, LID
+//!   and MTU over TCP (MTU = min of both ports' active MTU); the socket
+//!   stays open for the endpoint's life and its close destroys the peer's
+//!   half. The store is bounded by `max_endpoints` (LRU idle eviction), and
+//!   idle endpoints are reclaimed on a timer.
+//! * **Transfers**: requests are cut into slices of `slice_size`, posted as
+//!   signaled RDMA WRITE / READ round-robin over the endpoint's QPs, at most
+//!   `max_outstanding_per_qp` per QP; the rest wait in a queue.
+//! * **Failure**: a completion error or a failed post breaks the endpoint
+//!   (QPs to ERROR, destroyed once flushed) and the next transfer builds a
+//!   new one. Work-request ids are never reused, so a late completion finds
+//!   nothing to touch. Cancel, timeout, `close_segment` and `unregister`
+//!   flush the QPs carrying affected work and report terminal only when it
+//!   is quiet.
+//! * **Unsafe**: all of it is in the private `verbs` module, each verb
+//!   called through one checked helper that names the verb and the errno.
+//!
+//! Transfers from and to this process (two transports, or loopback through
+//! one device) work like remote ones, which is how the tests run on a
+//! single soft-RoCE device.
+
+mod config;
+mod error;
+mod server;
+mod state;
+mod transport;
+mod verbs;
+mod wire;
+
+pub use config::RdmaConfig;
+pub use error::VerbsError;
+pub use transport::{rdma_devices, RdmaTransport};

@@ -1,0 +1,606 @@
+//! Every `unsafe` of the crate: owned wrappers around verbs objects.
+//!
+//! Each verb is called through [`check`], which turns the C convention
+//! (null pointer, `-1` + errno, or a positive errno) into a [`VerbsError`]
+//! that names the verb and the errno, like
+//! `ibv_create_qp failed: Cannot allocate memory (errno 12)`.
+//!
+//! Objects own their parents the way the kernel needs them released: a
+//! [`Qp`] keeps its [`Pd`] and [`Cq`] alive, an [`Mr`] its `Pd`, a `Cq` its
+//! [`CompChannel`], and all of them the [`Context`]. `Drop` releases each
+//! object once, logs (never panics on) a failure, and never blocks: the
+//! release order QP -> CQ -> MR -> PD -> context follows from the `Arc`s.
+
+use std::ffi::CStr;
+use std::os::raw::c_int;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use rdma_sys as ffi;
+
+use crate::error::VerbsError;
+
+/// What a verb returns, and how to tell success from failure.
+pub(crate) trait VerbsRet {
+    type Ok;
+    fn into_result(self, verb: &'static str) -> Result<Self::Ok, VerbsError>;
+}
+
+impl<T> VerbsRet for *mut T {
+    type Ok = NonNull<T>;
+    /// Null is failure; the cause is in errno.
+    fn into_result(self, verb: &'static str) -> Result<NonNull<T>, VerbsError> {
+        NonNull::new(self).ok_or_else(|| VerbsError::last(verb))
+    }
+}
+
+impl VerbsRet for c_int {
+    type Ok = ();
+    /// Zero is success; a positive value is the errno itself (rdma-core's
+    /// convention for most verbs); a negative one means "see errno".
+    fn into_result(self, verb: &'static str) -> Result<(), VerbsError> {
+        match self {
+            0 => Ok(()),
+            e if e > 0 => Err(VerbsError::new(verb, e)),
+            _ => Err(VerbsError::last(verb)),
+        }
+    }
+}
+
+/// The one checked-call helper: every verb's result goes through here.
+pub(crate) fn check<R: VerbsRet>(verb: &'static str, ret: R) -> Result<R::Ok, VerbsError> {
+    ret.into_result(verb)
+}
+
+fn log_release(verb: &'static str, rc: c_int) {
+    if let Err(e) = check(verb, rc) {
+        tracing::warn!("{e}");
+    }
+}
+
+/// An open device (`ibv_context`).
+#[derive(Debug)]
+pub(crate) struct Context {
+    ctx: NonNull<ffi::ibv_context>,
+    name: String,
+}
+
+// SAFETY: libibverbs objects may be used from any thread; every verb is
+// thread-safe (rdma-core documents this), and we never hand out references
+// into the C structs.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+/// Port attributes the handshake needs.
+#[derive(Debug, Clone)]
+pub(crate) struct PortInfo {
+    pub port: u8,
+    pub gid_index: u8,
+    pub gid: [u8; 16],
+    pub lid: u16,
+    /// `ibv_mtu` enum value (1 = 256 ... 5 = 4096).
+    pub active_mtu: u32,
+    pub max_qp_wr: u32,
+    pub max_cqe: u32,
+    pub max_rd_atom: u8,
+}
+
+/// Lists the RDMA devices of this machine.
+pub(crate) fn device_names() -> Result<Vec<String>, VerbsError> {
+    let mut n: c_int = 0;
+    // SAFETY: `n` is a valid out-pointer; the returned list is freed below.
+    let list = check("ibv_get_device_list", unsafe { ffi::ibv_get_device_list(&mut n) })?;
+    let mut names = Vec::new();
+    for i in 0..n.max(0) as usize {
+        // SAFETY: the list holds `n` valid device pointers (null-terminated).
+        let dev = unsafe { *list.as_ptr().add(i) };
+        if dev.is_null() {
+            break;
+        }
+        // SAFETY: `dev` is a live device of the list; the name is a
+        // NUL-terminated string owned by it, copied before the list is freed.
+        let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) };
+        names.push(name.to_string_lossy().into_owned());
+    }
+    // SAFETY: `list` came from ibv_get_device_list and is freed once.
+    unsafe { ffi::ibv_free_device_list(list.as_ptr()) };
+    Ok(names)
+}
+
+impl Context {
+    /// Opens device `name` (or the first one), or says why not.
+    pub(crate) fn open(name: Option<&str>) -> Result<Arc<Self>, crate::error::RdmaError> {
+        use crate::error::RdmaError;
+        let mut n: c_int = 0;
+        // SAFETY: `n` is a valid out-pointer; the list is freed below on every path.
+        let list = check("ibv_get_device_list", unsafe { ffi::ibv_get_device_list(&mut n) })?;
+        let mut chosen = None;
+        let mut seen = Vec::new();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: the list holds `n` valid device pointers.
+            let dev = unsafe { *list.as_ptr().add(i) };
+            if dev.is_null() {
+                break;
+            }
+            // SAFETY: as in `device_names`.
+            let dn = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }.to_string_lossy().into_owned();
+            if chosen.is_none() && match name { None => true, Some(want) => want == dn } {
+                chosen = Some((dev, dn.clone()));
+            }
+            seen.push(dn);
+        }
+        let opened = chosen.map(|(dev, dn)| {
+            // SAFETY: `dev` is a live entry of the list, which is still allocated.
+            (check("ibv_open_device", unsafe { ffi::ibv_open_device(dev) }), dn)
+        });
+        // SAFETY: freed once; an opened context stays valid after this
+        // (ibv_free_device_list documents that).
+        unsafe { ffi::ibv_free_device_list(list.as_ptr()) };
+        match opened {
+            Some((Ok(ctx), name)) => Ok(Arc::new(Context { ctx, name })),
+            Some((Err(e), _)) => Err(e.into()),
+            None if seen.is_empty() => Err(RdmaError::NoDevice),
+            None => Err(RdmaError::DeviceNotFound { want: name.unwrap_or_default().to_string(), have: seen }),
+        }
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Queries the port, its GID at `gid_index` and device limits.
+    pub(crate) fn port_info(&self, port: u8, gid_index: u8) -> Result<PortInfo, crate::error::RdmaError> {
+        use crate::error::RdmaError;
+        // SAFETY: ibv_port_attr is a plain C struct for which all-zero is valid.
+        let mut pa: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `pa` is a valid out-pointer of the right size.
+        check("ibv_query_port", unsafe { ffi::___ibv_query_port(self.ctx.as_ptr(), port, &mut pa) })?;
+        if pa.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
+            return Err(RdmaError::PortDown { device: self.name.clone(), port, state: pa.state });
+        }
+        // SAFETY: all-zero is a valid GID.
+        let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` open, `gid` valid out-pointer.
+        check("ibv_query_gid", unsafe { ffi::ibv_query_gid(self.ctx.as_ptr(), port, gid_index as c_int, &mut gid) })?;
+        // SAFETY: `raw` is the 16-byte view of the union, always initialised.
+        let raw = unsafe { gid.raw };
+        if raw == [0u8; 16] {
+            return Err(RdmaError::NoGid { device: self.name.clone(), port, gid_index });
+        }
+        // SAFETY: all-zero is valid for this plain C struct.
+        let mut da: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` open, `da` valid out-pointer.
+        check("ibv_query_device", unsafe { ffi::ibv_query_device(self.ctx.as_ptr(), &mut da) })?;
+        Ok(PortInfo {
+            port,
+            gid_index,
+            gid: raw,
+            lid: pa.lid,
+            active_mtu: pa.active_mtu,
+            max_qp_wr: da.max_qp_wr.max(1) as u32,
+            max_cqe: da.max_cqe.max(1) as u32,
+            max_rd_atom: da.max_qp_rd_atom.min(da.max_qp_init_rd_atom).clamp(1, 16) as u8,
+        })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: opened by ibv_open_device, closed once; every child holds
+        // an `Arc<Context>`, so none is alive any more.
+        log_release("ibv_close_device", unsafe { ffi::ibv_close_device(self.ctx.as_ptr()) });
+    }
+}
+
+/// A protection domain.
+#[derive(Debug)]
+pub(crate) struct Pd {
+    pd: NonNull<ffi::ibv_pd>,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: see `Context`.
+unsafe impl Send for Pd {}
+// SAFETY: see `Context`.
+unsafe impl Sync for Pd {}
+
+impl Pd {
+    pub(crate) fn new(ctx: &Arc<Context>) -> Result<Arc<Self>, VerbsError> {
+        // SAFETY: `ctx` is an open context kept alive by the returned Pd.
+        let pd = check("ibv_alloc_pd", unsafe { ffi::ibv_alloc_pd(ctx.ctx.as_ptr()) })?;
+        Ok(Arc::new(Pd { pd, _ctx: ctx.clone() }))
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: allocated by ibv_alloc_pd, freed once; QPs and MRs hold an
+        // `Arc<Pd>`, so none is alive.
+        log_release("ibv_dealloc_pd", unsafe { ffi::ibv_dealloc_pd(self.pd.as_ptr()) });
+    }
+}
+
+/// A completion channel (the fd that wakes the CQ poller).
+#[derive(Debug)]
+pub(crate) struct CompChannel {
+    ch: NonNull<ffi::ibv_comp_channel>,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: see `Context`.
+unsafe impl Send for CompChannel {}
+// SAFETY: see `Context`.
+unsafe impl Sync for CompChannel {}
+
+impl CompChannel {
+    /// Creates a channel whose fd is non-blocking.
+    pub(crate) fn new(ctx: &Arc<Context>) -> Result<Arc<Self>, VerbsError> {
+        // SAFETY: `ctx` is open and outlives the channel (held below).
+        let ch = check("ibv_create_comp_channel", unsafe { ffi::ibv_create_comp_channel(ctx.ctx.as_ptr()) })?;
+        let me = Arc::new(CompChannel { ch, _ctx: ctx.clone() });
+        let fd = me.fd();
+        // SAFETY: `fd` is the channel's open descriptor; F_GETFL takes no pointer.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if fl < 0 {
+            return Err(VerbsError::last("fcntl(F_GETFL)"));
+        }
+        // SAFETY: as above; F_SETFL takes an int.
+        check("fcntl(F_SETFL)", unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) })?;
+        Ok(me)
+    }
+
+    pub(crate) fn fd(&self) -> c_int {
+        // SAFETY: `ch` points to the live channel; `fd` is a plain field.
+        unsafe { (*self.ch.as_ptr()).fd }
+    }
+
+    /// Registers the channel's fd with tokio's reactor. The returned value
+    /// keeps the channel (and so the fd) alive.
+    pub(crate) fn async_fd(self: &Arc<Self>) -> std::io::Result<tokio::io::unix::AsyncFd<ChannelFd>> {
+        let owner = ChannelFd(self.clone());
+        // SAFETY: (`register_with_interest` is an unsafe fn) the fd is the
+        // open descriptor of the channel that `ChannelFd` keeps alive, so it
+        // stays open and the same for the AsyncFd's whole life.
+        unsafe { tokio::io::unix::AsyncFd::register_with_interest(owner, tokio::io::Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)
+    }
+
+    /// Takes one pending event and acknowledges it; `Ok(false)` if none.
+    pub(crate) fn take_event(&self) -> Result<bool, VerbsError> {
+        let mut cq = ptr::null_mut();
+        let mut cq_ctx = ptr::null_mut();
+        // SAFETY: channel live; out-pointers valid; the fd is non-blocking.
+        let rc = unsafe { ffi::ibv_get_cq_event(self.ch.as_ptr(), &mut cq, &mut cq_ctx) };
+        if rc != 0 {
+            let e = VerbsError::last("ibv_get_cq_event");
+            return if e.errno == libc::EAGAIN { Ok(false) } else { Err(e) };
+        }
+        // SAFETY: `cq` is the CQ the event belongs to (alive: events are only
+        // delivered for CQs of this channel, which hold it); ack exactly once.
+        unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+        Ok(true)
+    }
+}
+
+impl Drop for CompChannel {
+    fn drop(&mut self) {
+        // SAFETY: created by ibv_create_comp_channel, destroyed once after
+        // every CQ that uses it (they hold an Arc).
+        log_release("ibv_destroy_comp_channel", unsafe { ffi::ibv_destroy_comp_channel(self.ch.as_ptr()) });
+    }
+}
+
+/// Owns a channel on behalf of tokio's reactor.
+#[derive(Debug)]
+pub(crate) struct ChannelFd(Arc<CompChannel>);
+
+impl std::os::fd::AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.fd()
+    }
+}
+
+/// One polled completion, copied out of `ibv_wc`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Completion {
+    pub wr_id: u64,
+    pub status: u32,
+    pub vendor_err: u32,
+}
+
+/// A completion queue bound to a channel.
+#[derive(Debug)]
+pub(crate) struct Cq {
+    cq: NonNull<ffi::ibv_cq>,
+    _ch: Arc<CompChannel>,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: see `Context`.
+unsafe impl Send for Cq {}
+// SAFETY: see `Context`.
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    pub(crate) fn new(ctx: &Arc<Context>, ch: &Arc<CompChannel>, depth: u32) -> Result<Arc<Self>, VerbsError> {
+        // SAFETY: `ctx` and `ch` are live and kept alive by the returned Cq.
+        let cq = check("ibv_create_cq", unsafe {
+            ffi::ibv_create_cq(ctx.ctx.as_ptr(), depth as c_int, ptr::null_mut(), ch.ch.as_ptr(), 0)
+        })?;
+        Ok(Arc::new(Cq { cq, _ch: ch.clone(), _ctx: ctx.clone() }))
+    }
+
+    /// Arms the CQ: the channel fires on the next completion.
+    pub(crate) fn arm(&self) -> Result<(), VerbsError> {
+        // SAFETY: the CQ is live.
+        check("ibv_req_notify_cq", unsafe { ffi::ibv_req_notify_cq(self.cq.as_ptr(), 0) })
+    }
+
+    /// Polls up to `out.capacity()` completions into `out` (cleared first).
+    pub(crate) fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
+        out.clear();
+        // SAFETY: ibv_wc is a plain C struct; all-zero is a valid value.
+        let mut wcs: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        let want = max.min(wcs.len()) as i32;
+        // SAFETY: the CQ is live; `wcs` has room for `want` entries.
+        let n = unsafe { ffi::ibv_poll_cq(self.cq.as_ptr(), want, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(VerbsError::new("ibv_poll_cq", -n));
+        }
+        for wc in &wcs[..n as usize] {
+            out.push(Completion { wr_id: wc.wr_id, status: wc.status, vendor_err: wc.vendor_err });
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: created by ibv_create_cq, destroyed once after every QP that
+        // uses it (they hold an Arc); all its events were acknowledged in
+        // `take_event`, so this does not block.
+        log_release("ibv_destroy_cq", unsafe { ffi::ibv_destroy_cq(self.cq.as_ptr()) });
+    }
+}
+
+/// A memory registration.
+#[derive(Debug)]
+pub(crate) struct Mr {
+    mr: NonNull<ffi::ibv_mr>,
+    _pd: Arc<Pd>,
+}
+
+// SAFETY: see `Context`.
+unsafe impl Send for Mr {}
+// SAFETY: see `Context`.
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    /// Registers `addr .. addr + len`.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that stays allocated until
+    /// the returned `Mr` is dropped (the transport keeps the owning
+    /// `MemoryRegion` beside it, and drops the `Mr` first).
+    pub(crate) unsafe fn register(
+        pd: &Arc<Pd>,
+        addr: u64,
+        len: usize,
+        remote_read: bool,
+        remote_write: bool,
+    ) -> Result<Self, VerbsError> {
+        let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
+        if remote_read {
+            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
+        }
+        if remote_write {
+            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+        }
+        // SAFETY: the PD is live; the caller guarantees the range is valid
+        // for the registration's lifetime.
+        let mr = check("ibv_reg_mr", unsafe {
+            ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as usize as *mut _, len, access.0 as c_int)
+        })?;
+        Ok(Mr { mr, _pd: pd.clone() })
+    }
+
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: the MR is live; `lkey` is a plain field set at registration.
+        unsafe { (*self.mr.as_ptr()).lkey }
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        // SAFETY: as for `lkey`.
+        unsafe { (*self.mr.as_ptr()).rkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered by ibv_reg_mr, deregistered once. After this
+        // returns the NIC no longer touches the range.
+        log_release("ibv_dereg_mr", unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) });
+    }
+}
+
+/// The remote side of a QP connection.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RemoteQp {
+    pub qpn: u32,
+    pub psn: u32,
+    pub gid: [u8; 16],
+    pub lid: u16,
+}
+
+/// Timing knobs of a connected QP.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QpTiming {
+    /// Local ACK timeout exponent (4.096 us * 2^timeout).
+    pub timeout: u8,
+    /// Transport retries before IBV_WC_RETRY_EXC_ERR.
+    pub retry_cnt: u8,
+}
+
+/// One RDMA WRITE or READ to post.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WorkRequest {
+    pub wr_id: u64,
+    pub read: bool,
+    pub local_addr: u64,
+    pub lkey: u32,
+    pub len: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+}
+
+/// A reliable-connected queue pair.
+#[derive(Debug)]
+pub(crate) struct Qp {
+    qp: NonNull<ffi::ibv_qp>,
+    _pd: Arc<Pd>,
+    _cq: Arc<Cq>,
+}
+
+// SAFETY: see `Context`.
+unsafe impl Send for Qp {}
+// SAFETY: see `Context`.
+unsafe impl Sync for Qp {}
+
+impl Qp {
+    /// Creates an RC QP in RESET and moves it to INIT.
+    pub(crate) fn new(pd: &Arc<Pd>, cq: &Arc<Cq>, port: u8, max_send_wr: u32) -> Result<Self, VerbsError> {
+        // SAFETY: all-zero is valid for this plain C struct (null pointers, zero caps).
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = cq.cq.as_ptr();
+        init.recv_cq = cq.cq.as_ptr();
+        init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+        init.cap.max_send_wr = max_send_wr;
+        init.cap.max_recv_wr = 1;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        // SAFETY: PD and CQ are live and kept alive by the returned Qp.
+        let qp = check("ibv_create_qp", unsafe { ffi::ibv_create_qp(pd.pd.as_ptr(), &mut init) })?;
+        let me = Qp { qp, _pd: pd.clone(), _cq: cq.clone() };
+        // SAFETY: all-zero is valid for ibv_qp_attr.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = port;
+        a.qp_access_flags = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
+            .0;
+        use ffi::ibv_qp_attr_mask as M;
+        me.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS)?;
+        Ok(me)
+    }
+
+    pub(crate) fn qpn(&self) -> u32 {
+        // SAFETY: the QP is live; `qp_num` is a plain field.
+        unsafe { (*self.qp.as_ptr()).qp_num }
+    }
+
+    fn modify(&self, a: &mut ffi::ibv_qp_attr, mask: ffi::ibv_qp_attr_mask) -> Result<(), VerbsError> {
+        // SAFETY: the QP is live; `a` is a valid attribute struct for `mask`.
+        check("ibv_modify_qp", unsafe { ffi::ibv_modify_qp(self.qp.as_ptr(), a, mask.0 as c_int) })
+    }
+
+    /// INIT -> RTR -> RTS toward `remote`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect(
+        &self,
+        local_psn: u32,
+        remote: &RemoteQp,
+        port: u8,
+        gid_index: u8,
+        mtu: u32,
+        rd_atom: u8,
+        timing: QpTiming,
+    ) -> Result<(), VerbsError> {
+        use ffi::ibv_qp_attr_mask as M;
+        // SAFETY: all-zero is valid for ibv_qp_attr.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = mtu;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = rd_atom;
+        a.min_rnr_timer = 12;
+        a.ah_attr.is_global = 1;
+        a.ah_attr.grh.dgid = ffi::ibv_gid { raw: remote.gid };
+        a.ah_attr.grh.sgid_index = gid_index;
+        a.ah_attr.grh.hop_limit = 64;
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.sl = 0;
+        a.ah_attr.port_num = port;
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE
+                | M::IBV_QP_AV
+                | M::IBV_QP_PATH_MTU
+                | M::IBV_QP_DEST_QPN
+                | M::IBV_QP_RQ_PSN
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC
+                | M::IBV_QP_MIN_RNR_TIMER,
+        )?;
+        // SAFETY: all-zero is valid for ibv_qp_attr.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = timing.timeout;
+        a.retry_cnt = timing.retry_cnt;
+        a.rnr_retry = 7;
+        a.sq_psn = local_psn;
+        a.max_rd_atomic = rd_atom;
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE
+                | M::IBV_QP_TIMEOUT
+                | M::IBV_QP_RETRY_CNT
+                | M::IBV_QP_RNR_RETRY
+                | M::IBV_QP_SQ_PSN
+                | M::IBV_QP_MAX_QP_RD_ATOMIC,
+        )
+    }
+
+    /// Moves the QP to ERROR: every posted work request completes with
+    /// IBV_WC_WR_FLUSH_ERR and the NIC stops touching their buffers.
+    pub(crate) fn set_error(&self) -> Result<(), VerbsError> {
+        // SAFETY: all-zero is valid for ibv_qp_attr.
+        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, ffi::ibv_qp_attr_mask::IBV_QP_STATE)
+    }
+
+    /// Posts one signaled RDMA WRITE or READ.
+    ///
+    /// # Safety
+    /// `wr.local_addr .. + wr.len` must lie in memory registered under
+    /// `wr.lkey` that stays allocated and registered until the completion
+    /// for `wr.wr_id` is polled, or this QP has been destroyed.
+    pub(crate) unsafe fn post(&self, wr: &WorkRequest) -> Result<(), VerbsError> {
+        let mut sge = ffi::ibv_sge { addr: wr.local_addr, length: wr.len, lkey: wr.lkey };
+        // SAFETY: all-zero is valid for ibv_send_wr (null next, zero flags).
+        let mut swr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        swr.wr_id = wr.wr_id;
+        swr.sg_list = &mut sge;
+        swr.num_sge = 1;
+        swr.opcode = if wr.read { ffi::ibv_wr_opcode::IBV_WR_RDMA_READ } else { ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+        swr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        swr.wr.rdma = ffi::rdma_t { remote_addr: wr.remote_addr, rkey: wr.rkey };
+        let mut bad = ptr::null_mut();
+        // SAFETY: the QP is live; `swr` and `sge` outlive the call (the
+        // provider copies them); the caller guarantees the buffer's lifetime.
+        check("ibv_post_send", unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut swr, &mut bad) })
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: created by ibv_create_qp, destroyed once. The transport
+        // moves a QP to ERROR and waits (bounded) for its flushed completions
+        // before dropping it; destroy is the final guarantee that the NIC no
+        // longer touches any of its buffers.
+        log_release("ibv_destroy_qp", unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) });
+    }
+}
