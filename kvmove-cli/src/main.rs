@@ -1,0 +1,2 @@
+//! The `kvmove` command.
+fn main() {}

@@ -1,0 +1,1 @@
+//! kvmove: the transfer engine with its backend chosen by configuration.
