@@ -14,13 +14,14 @@ pub(crate) fn encode(desc: &SegmentDescriptor, ctx: &Ctx<'_>) -> Result<Vec<u8>>
 /// error: someone else wrote under our prefix, or a version skew.
 pub(crate) fn decode(bytes: &[u8], name: &str, ctx: &Ctx<'_>) -> Result<SegmentDescriptor> {
     let desc: SegmentDescriptor = serde_json::from_slice(bytes).map_err(|e| {
-        ctx.error(ErrorKind::Protocol, format_args!("the value is not a segment descriptor ({} bytes): {e}", bytes.len()))
+        ctx.error(
+            ErrorKind::Protocol,
+            format_args!("the value is not a segment descriptor ({} bytes): {e}", bytes.len()),
+        )
     })?;
     if desc.name != name {
-        return Err(ctx.error(
-            ErrorKind::Protocol,
-            format_args!("the descriptor names segment {:?}, not {:?}", desc.name, name),
-        ));
+        return Err(ctx
+            .error(ErrorKind::Protocol, format_args!("the descriptor names segment {:?}, not {:?}", desc.name, name)));
     }
     Ok(desc)
 }

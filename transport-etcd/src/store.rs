@@ -141,8 +141,9 @@ impl EtcdStore {
 
     fn check_open(&self) -> Result<()> {
         if self.keep_alive.lock().is_none() {
-            return Err(Error::new(ErrorKind::Shutdown, "the etcd store was closed")
-                .with("endpoint", &self.shared.endpoint));
+            return Err(
+                Error::new(ErrorKind::Shutdown, "the etcd store was closed").with("endpoint", &self.shared.endpoint)
+            );
         }
         Ok(())
     }

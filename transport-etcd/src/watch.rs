@@ -45,8 +45,7 @@ impl SegmentWatch {
         let ctx = shared.ctx("watch", &key);
         let options = WatchOptions::new().with_start_revision(revision.saturating_add(1));
         let mut client = shared.client.clone();
-        let stream =
-            bounded(&ctx, shared.config.request_timeout, client.watch(key.as_bytes(), Some(options))).await?;
+        let stream = bounded(&ctx, shared.config.request_timeout, client.watch(key.as_bytes(), Some(options))).await?;
         Ok(Self {
             name: name.to_owned(),
             key,

@@ -301,7 +301,8 @@ async fn lease_expiry_removes_a_dead_peers_descriptor() {
         // Dropping the store stops the keep-alive without revoking: a crash.
         drop(peer);
         let dropped = Instant::now();
-        let gone = eventually(Duration::from_secs(15), || async { observer.get("dying").await.unwrap().is_none() }).await;
+        let gone =
+            eventually(Duration::from_secs(15), || async { observer.get("dying").await.unwrap().is_none() }).await;
         assert!(gone, "the descriptor of a peer that stopped its keep-alive must expire");
         // Expiry, not an eager delete: it outlived the drop by about the TTL.
         assert!(dropped.elapsed() >= Duration::from_millis(500), "gone after {:?}", dropped.elapsed());
