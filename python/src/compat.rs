@@ -1,0 +1,661 @@
+//! `TransferEngine`: the calls SGLang and vLLM make on Mooncake's
+//! `mooncake.engine.TransferEngine`, with the same names, parameter order,
+//! defaults and return conventions (0 = success, negative = failure, batch
+//! ids > 0). Errors are never raised for transfer failures; the reason is
+//! kept in `last_error()` and logged at debug level on logger `kvmove`.
+//! Wrong argument *types* raise `TypeError`, as with pybind11.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use transport_core::{Buffer, Error, ErrorKind, Opcode, PolicyConfig, Result, Transfer, TransferOutcome};
+
+use crate::backend::BackendOptions;
+use crate::core::{Core, RawOp};
+use crate::errors::invalid;
+use crate::outcome::{last_error, log, set_last_error};
+
+/// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
+const OPCODE_READ: i64 = 0;
+const OPCODE_WRITE: i64 = 1;
+
+/// A drop-in for `mooncake.engine.TransferEngine`.
+#[pyclass(module = "kvmove._native", name = "TransferEngine", frozen)]
+pub(crate) struct MooncakeEngine {
+    core: Mutex<Option<Arc<Core>>>,
+    batches: Mutex<HashMap<u64, Transfer>>,
+    next_batch: AtomicU64,
+    managed: Mutex<HashMap<u64, Buffer>>,
+}
+
+impl MooncakeEngine {
+    fn core(&self) -> Result<Arc<Core>> {
+        self.core.lock().clone().ok_or_else(|| {
+            Error::new(ErrorKind::InvalidRequest, "TransferEngine is not initialized; call initialize() first")
+        })
+    }
+
+    /// Turns a result into Mooncake's return code, remembering the error.
+    fn code<T>(py: Python<'_>, what: &str, r: Result<T>) -> i64 {
+        match r {
+            Ok(_) => 0,
+            Err(e) => {
+                log(py, "debug", &format!("{what} failed: {e}"));
+                set_last_error(e);
+                -1
+            }
+        }
+    }
+
+    fn sync(&self, py: Python<'_>, what: &str, target: &str, ops: Result<Vec<RawOp>>) -> i64 {
+        let r = self.core().and_then(|core| {
+            let ops = ops?;
+            py.allow_threads(|| run_sync(&core, target, &ops))
+        });
+        Self::code(py, what, r)
+    }
+
+    fn submit_async(&self, py: Python<'_>, target: &str, ops: Result<Vec<RawOp>>) -> Result<u64> {
+        let core = self.core()?;
+        let ops = ops?;
+        let t = py.allow_threads(|| {
+            let seg = core.cached_segment(target)?;
+            let reqs = core.requests(seg, &ops)?;
+            core.submit(reqs).inspect_err(|e| core.forget_segment_after(target, seg, e))
+        })?;
+        let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
+        self.batches.lock().insert(id, t);
+        Ok(id)
+    }
+}
+
+/// Submits, waits, and drops the cached segment if the peer went away.
+fn run_sync(core: &Core, target: &str, ops: &[RawOp]) -> Result<TransferOutcome> {
+    let seg = core.cached_segment(target)?;
+    let reqs = core.requests(seg, ops)?;
+    core.transfer(reqs)
+        .and_then(TransferOutcome::into_result)
+        .inspect_err(|e| core.forget_segment_after(target, seg, e))
+}
+
+fn ops_from(op: Opcode, buffers: &[u64], peers: &[u64], lengths: &[u64]) -> Result<Vec<RawOp>> {
+    if buffers.len() != peers.len() || buffers.len() != lengths.len() {
+        return Err(invalid("buffers, peer_buffer_addresses and lengths have different lengths")
+            .with("buffers", buffers.len())
+            .with("peer_buffer_addresses", peers.len())
+            .with("lengths", lengths.len()));
+    }
+    Ok(buffers
+        .iter()
+        .zip(peers)
+        .zip(lengths)
+        .map(|((&local_addr, &remote_addr), &len)| RawOp { op, local_addr, remote_addr, len })
+        .collect())
+}
+
+fn opcode(code: i64) -> Result<Opcode> {
+    match code {
+        OPCODE_READ => Ok(Opcode::Read),
+        OPCODE_WRITE => Ok(Opcode::Write),
+        _ => Err(invalid("opcode must be TransferOpcode.Read (0) or TransferOpcode.Write (1)").with("opcode", code)),
+    }
+}
+
+#[pymethods]
+impl MooncakeEngine {
+    #[new]
+    fn new() -> Self {
+        Self {
+            core: Mutex::new(None),
+            batches: Mutex::new(HashMap::new()),
+            next_batch: AtomicU64::new(1),
+            managed: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Starts the engine. `local_hostname` is `host` (a free port is picked,
+    /// see `get_rpc_port`) or `host:port`; `metadata_server` must be
+    /// `"P2PHANDSHAKE"`; `protocol` is `"tcp"` or `"rdma"` (the environment
+    /// variable `KVMOVE_PROTOCOL` overrides it); `device_name` names the RDMA
+    /// device (first of a comma-separated list; empty = first device).
+    /// Returns 0, or -1 (see `last_error()`).
+    #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name))]
+    fn initialize(
+        &self,
+        py: Python<'_>,
+        local_hostname: &str,
+        metadata_server: &str,
+        protocol: &str,
+        device_name: Option<&str>,
+    ) -> i64 {
+        let r = (|| {
+            if self.core.lock().is_some() {
+                return Err(invalid("TransferEngine is already initialized"));
+            }
+            let opts =
+                BackendOptions::from_mooncake(local_hostname, metadata_server, protocol, device_name.unwrap_or(""))?;
+            let policy = policy_from_env()?;
+            let core = py.allow_threads(|| Core::start(&opts, policy))?;
+            *self.core.lock() = Some(Arc::new(core));
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            log(py, "warning", &format!("kvmove TransferEngine.initialize failed: {e}"));
+        }
+        Self::code(py, "initialize", r)
+    }
+
+    /// `initialize` with an explicit metadata type (`"p2p"` only).
+    #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, metadata_type))]
+    fn initialize_ext(
+        &self,
+        py: Python<'_>,
+        local_hostname: &str,
+        metadata_server: &str,
+        protocol: &str,
+        device_name: Option<&str>,
+        metadata_type: &str,
+    ) -> i64 {
+        let meta = if metadata_type.eq_ignore_ascii_case("p2p") || metadata_type.is_empty() {
+            metadata_server
+        } else {
+            metadata_type
+        };
+        self.initialize(py, local_hostname, meta, protocol, device_name)
+    }
+
+    /// The port peers reach this engine on; the session id peers pass as
+    /// `target_hostname` is `f"{host}:{get_rpc_port()}"`. -1 before
+    /// `initialize`.
+    fn get_rpc_port(&self, py: Python<'_>) -> i64 {
+        match self.core().and_then(|c| c.rpc_port()) {
+            Ok(p) => i64::from(p),
+            Err(e) => Self::code(py, "get_rpc_port", Err::<(), _>(e)),
+        }
+    }
+
+    /// This engine's session id (`host:port`) — an addition to Mooncake's API.
+    fn get_session_id(&self) -> PyResult<String> {
+        self.core()
+            .map(|c| c.session_id().to_owned())
+            .map_err(|e| Python::with_gil(|py| crate::errors::to_pyerr(py, &e)))
+    }
+
+    /// Registers `capacity` bytes at `buffer_addr` for transfers and for
+    /// remote read/write by peers. `location` is accepted and ignored.
+    ///
+    /// Safety contract: the memory must stay allocated and writable until
+    /// `unregister_memory(buffer_addr)` returns (or the engine is closed).
+    #[pyo3(signature = (buffer_addr, capacity, location = "*"))]
+    fn register_memory(&self, py: Python<'_>, buffer_addr: u64, capacity: u64, location: &str) -> i64 {
+        let _ = location;
+        // SAFETY: the caller's contract, stated in this method's docstring
+        // (Mooncake's contract too): the range is live memory until it is
+        // unregistered.
+        let r = self.core().and_then(|c| unsafe { c.register(buffer_addr, capacity, None) });
+        Self::code(py, "register_memory", r)
+    }
+
+    /// Unregisters the region registered at exactly `buffer_addr`; returns
+    /// once no transfer can touch it.
+    fn unregister_memory(&self, py: Python<'_>, buffer_addr: u64) -> i64 {
+        let r = self.core().and_then(|c| py.allow_threads(|| c.unregister(buffer_addr)));
+        Self::code(py, "unregister_memory", r)
+    }
+
+    /// Registers several regions; stops at the first failure and returns -1
+    /// (the ones registered before it stay registered).
+    #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
+    fn batch_register_memory(
+        &self,
+        py: Python<'_>,
+        buffer_addresses: Vec<u64>,
+        capacities: Vec<u64>,
+        location: &str,
+    ) -> i64 {
+        let _ = location;
+        let r = self.core().and_then(|c| {
+            if buffer_addresses.len() != capacities.len() {
+                return Err(invalid("buffer_addresses and capacities have different lengths"));
+            }
+            for (&a, &n) in buffer_addresses.iter().zip(&capacities) {
+                // SAFETY: as in `register_memory`.
+                unsafe { c.register(a, n, None) }?;
+            }
+            Ok(())
+        });
+        Self::code(py, "batch_register_memory", r)
+    }
+
+    /// Unregisters several regions; tries all and returns -1 if any failed.
+    fn batch_unregister_memory(&self, py: Python<'_>, buffer_addresses: Vec<u64>) -> i64 {
+        let r = self.core().and_then(|c| {
+            py.allow_threads(|| {
+                let mut first: Result<()> = Ok(());
+                for &a in &buffer_addresses {
+                    if let Err(e) = c.unregister(a) {
+                        if first.is_ok() {
+                            first = Err(e);
+                        }
+                    }
+                }
+                first
+            })
+        });
+        Self::code(py, "batch_unregister_memory", r)
+    }
+
+    /// Writes `length` bytes from registered local memory at `buffer` to
+    /// `peer_buffer_address` in the peer's registered memory. 0 or -1.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
+    fn transfer_sync_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: u64,
+        peer_buffer_address: u64,
+        length: u64,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let op = RawOp { op: Opcode::Write, local_addr: buffer, remote_addr: peer_buffer_address, len: length };
+        self.sync(py, "transfer_sync_write", target_hostname, Ok(vec![op]))
+    }
+
+    /// Reads `length` bytes from the peer's `peer_buffer_address` into
+    /// registered local memory at `buffer`. 0 or -1.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
+    fn transfer_sync_read(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: u64,
+        peer_buffer_address: u64,
+        length: u64,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let op = RawOp { op: Opcode::Read, local_addr: buffer, remote_addr: peer_buffer_address, len: length };
+        self.sync(py, "transfer_sync_read", target_hostname, Ok(vec![op]))
+    }
+
+    /// `transfer_sync_read` / `_write` chosen by `opcode`. `notify` is not
+    /// supported: passing one returns -1.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, opcode, notify = None, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_sync(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: u64,
+        peer_buffer_address: u64,
+        length: u64,
+        opcode: i64,
+        notify: Option<PyObject>,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let ops = no_notify(notify)
+            .and_then(|()| opcode_op(opcode))
+            .map(|op| vec![RawOp { op, local_addr: buffer, remote_addr: peer_buffer_address, len: length }]);
+        self.sync(py, "transfer_sync", target_hostname, ops)
+    }
+
+    /// Writes `lengths[i]` bytes from `buffers[i]` to
+    /// `peer_buffer_addresses[i]`, all in one batch. 0 when every request
+    /// completed, else -1.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    fn batch_transfer_sync_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let ops = ops_from(Opcode::Write, &buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, "batch_transfer_sync_write", target_hostname, ops)
+    }
+
+    /// Reads a batch from the peer into local memory. 0 or -1.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    fn batch_transfer_sync_read(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let ops = ops_from(Opcode::Read, &buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, "batch_transfer_sync_read", target_hostname, ops)
+    }
+
+    /// A batch whose direction is chosen by `opcode`. 0 or -1.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify = None, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_sync(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        opcode: i64,
+        notify: Option<PyObject>,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let ops = no_notify(notify)
+            .and_then(|()| opcode_op(opcode))
+            .and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
+        self.sync(py, "batch_transfer_sync", target_hostname, ops)
+    }
+
+    /// Starts a batch of writes and returns its id (> 0), or 0 on failure
+    /// (as Mooncake). Finish it with `get_batch_transfer_status([id])`.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    fn batch_transfer_async_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        transport_hint: &str,
+    ) -> u64 {
+        let _ = transport_hint;
+        let ops = ops_from(Opcode::Write, &buffers, &peer_buffer_addresses, &lengths);
+        self.async_id(py, "batch_transfer_async_write", target_hostname, ops)
+    }
+
+    /// Starts a batch of reads; returns its id (> 0) or 0 on failure.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    fn batch_transfer_async_read(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        transport_hint: &str,
+    ) -> u64 {
+        let _ = transport_hint;
+        let ops = ops_from(Opcode::Read, &buffers, &peer_buffer_addresses, &lengths);
+        self.async_id(py, "batch_transfer_async_read", target_hostname, ops)
+    }
+
+    /// Starts a batch whose direction is chosen by `opcode`; id or 0.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_async(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        opcode: i64,
+        transport_hint: &str,
+    ) -> u64 {
+        let _ = transport_hint;
+        let ops = opcode_op(opcode).and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
+        self.async_id(py, "batch_transfer_async", target_hostname, ops)
+    }
+
+    /// Waits until every listed batch is terminal and forgets them. 0 when
+    /// all completed; -1 if any failed, timed out or is unknown. After the
+    /// first failure the remaining batches are cancelled (and waited for
+    /// until quiet), so the caller may reuse all their buffers on return.
+    fn get_batch_transfer_status(&self, py: Python<'_>, batch_ids: Vec<u64>) -> i64 {
+        let r = self.core().and_then(|core| {
+            let mut transfers = Vec::with_capacity(batch_ids.len());
+            let mut unknown = None;
+            {
+                let mut map = self.batches.lock();
+                for id in &batch_ids {
+                    match map.remove(id) {
+                        Some(t) => transfers.push(t),
+                        None => unknown = Some(*id),
+                    }
+                }
+            }
+            let waited = py.allow_threads(|| {
+                let mut first_err: Option<Error> = None;
+                for t in transfers {
+                    let r = if first_err.is_none() { core.wait(t) } else { core.cancel(t) };
+                    if let Err(e) = r.and_then(TransferOutcome::into_result) {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                first_err.map_or(Ok(()), Err)
+            });
+            match unknown {
+                Some(id) => {
+                    Err(Error::new(ErrorKind::InvalidHandle, "unknown or already finished batch id").with("batch", id))
+                }
+                None => waited,
+            }
+        });
+        Self::code(py, "get_batch_transfer_status", r)
+    }
+
+    /// Starts one write; returns a batch id (> 0) or -1.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
+    fn transfer_submit_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: u64,
+        peer_buffer_address: u64,
+        length: u64,
+        transport_hint: &str,
+    ) -> i64 {
+        let _ = transport_hint;
+        let op = RawOp { op: Opcode::Write, local_addr: buffer, remote_addr: peer_buffer_address, len: length };
+        match self.submit_async(py, target_hostname, Ok(vec![op])) {
+            Ok(id) => i64::try_from(id).unwrap_or(i64::MAX),
+            Err(e) => Self::code(py, "transfer_submit_write", Err::<(), _>(e)),
+        }
+    }
+
+    /// Never blocks: 1 completed, 0 in progress, -1 failed (or unknown id),
+    /// -2 timed out. A terminal batch is forgotten once reported.
+    fn transfer_check_status(&self, py: Python<'_>, batch_id: u64) -> i64 {
+        let mut map = self.batches.lock();
+        let Some(t) = map.get(&batch_id) else {
+            drop(map);
+            return Self::code(
+                py,
+                "transfer_check_status",
+                Err::<(), _>(Error::new(ErrorKind::InvalidHandle, "unknown batch id").with("batch", batch_id)),
+            );
+        };
+        let Some(o) = t.poll() else { return 0 };
+        map.remove(&batch_id);
+        drop(map);
+        match o.into_result() {
+            Ok(_) => 1,
+            Err(e) if e.kind() == ErrorKind::Timeout => {
+                set_last_error(e);
+                -2
+            }
+            Err(e) => Self::code(py, "transfer_check_status", Err::<(), _>(e)),
+        }
+    }
+
+    /// 0 when the peer `host:port` answers (its segment can be opened), else
+    /// -1. Goes through the peer's circuit breaker: while it is open (after
+    /// repeated failures) this fails fast until the cool-down ends.
+    fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i64 {
+        let r = self.core().and_then(|c| {
+            py.allow_threads(|| {
+                let seg = c.open_segment(peer_server_name)?;
+                c.close_segment(seg)
+            })
+        });
+        Self::code(py, "send_probe", r)
+    }
+
+    /// The first registered address the peer exposes, or 0.
+    fn get_first_buffer_address(&self, py: Python<'_>, segment_name: &str) -> u64 {
+        let r = self.core().and_then(|c| py.allow_threads(|| c.first_remote_region(segment_name)));
+        match r {
+            Ok(a) => a,
+            Err(e) => {
+                Self::code(py, "get_first_buffer_address", Err::<(), _>(e));
+                0
+            }
+        }
+    }
+
+    /// Allocates `length` zeroed, page-aligned bytes owned by the engine and
+    /// registers them. Returns the address, or 0 on failure.
+    fn allocate_managed_buffer(&self, py: Python<'_>, length: u64) -> u64 {
+        let r = self.core().and_then(|c| {
+            let n = usize::try_from(length).map_err(|_| invalid("length too large"))?;
+            let buf = Buffer::new(n)?;
+            // SAFETY: `buf` is kept in `self.managed` until
+            // `free_managed_buffer` has unregistered it, or until the engine
+            // is closed (the transport is shut down before the map drops).
+            unsafe { c.register(buf.addr(), length, None) }?;
+            let addr = buf.addr();
+            self.managed.lock().insert(addr, buf);
+            Ok(addr)
+        });
+        match r {
+            Ok(a) => a,
+            Err(e) => {
+                Self::code(py, "allocate_managed_buffer", Err::<(), _>(e));
+                0
+            }
+        }
+    }
+
+    /// Unregisters and frees a buffer from `allocate_managed_buffer`.
+    fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: u64, length: u64) -> i64 {
+        let _ = length;
+        let r = self.core().and_then(|c| {
+            if !self.managed.lock().contains_key(&buffer_addr) {
+                return Err(Error::new(ErrorKind::InvalidHandle, "not a managed buffer of this engine"));
+            }
+            py.allow_threads(|| c.unregister(buffer_addr))?;
+            self.managed.lock().remove(&buffer_addr);
+            Ok(())
+        });
+        Self::code(py, "free_managed_buffer", r)
+    }
+
+    /// Copies `length` bytes of `src_ptr` into registered memory at
+    /// `dest_address`. Unlike Mooncake, the range must lie inside registered
+    /// memory; anything else returns -1 instead of writing.
+    fn write_bytes_to_buffer(&self, py: Python<'_>, dest_address: u64, src_ptr: &[u8], length: u64) -> i64 {
+        let r = self.core().and_then(|c| {
+            let n = usize::try_from(length).map_err(|_| invalid("length too large"))?;
+            let src = src_ptr.get(..n).ok_or_else(|| invalid("length exceeds the bytes given"))?;
+            c.write_local(dest_address, src)
+        });
+        Self::code(py, "write_bytes_to_buffer", r)
+    }
+
+    /// Reads `length` bytes of registered memory at `source_address`.
+    /// Raises `kvmove.PermanentError` outside registered memory.
+    fn read_bytes_from_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        source_address: u64,
+        length: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let r = self.core().and_then(|c| c.read_local(source_address, length));
+        match r {
+            Ok(v) => Ok(PyBytes::new(py, &v)),
+            Err(e) => Err(crate::errors::to_pyerr(py, &e)),
+        }
+    }
+
+    /// Notifications are not supported: always an empty list.
+    fn get_notifies(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    /// The error of the last call on this thread that returned a failure
+    /// code, as a `kvmove.TransferError` instance (not raised), or None.
+    fn last_error(&self, py: Python<'_>) -> Option<PyObject> {
+        last_error(py)
+    }
+
+    /// Live resource counts (endpoints, segments, regions, batches, ...).
+    fn stats(&self) -> Vec<(&'static str, u64)> {
+        self.core().map(|c| c.stats()).unwrap_or_default()
+    }
+
+    /// Cancels all transfers, closes every segment, unregisters all memory
+    /// and stops the backend. Called on garbage collection too; a closed
+    /// engine answers -1 to everything.
+    fn close(&self, py: Python<'_>) {
+        let core = self.core.lock().clone();
+        if let Some(core) = core {
+            let batches: Vec<Transfer> = self.batches.lock().drain().map(|(_, t)| t).collect();
+            let keep = py.allow_threads(|| {
+                for t in batches {
+                    let _ = core.cancel(t);
+                }
+                core.close()
+            });
+            drop(keep);
+            self.managed.lock().clear();
+        }
+    }
+}
+
+impl Drop for MooncakeEngine {
+    fn drop(&mut self) {
+        // Batches first (dropping a Transfer cancels it), then the backend,
+        // then the managed buffers it may have been writing.
+        self.batches.get_mut().clear();
+        if let Some(core) = self.core.get_mut().take() {
+            drop(core.close());
+        }
+        self.managed.get_mut().clear();
+    }
+}
+
+impl MooncakeEngine {
+    fn async_id(&self, py: Python<'_>, what: &str, target: &str, ops: Result<Vec<RawOp>>) -> u64 {
+        match self.submit_async(py, target, ops) {
+            Ok(id) => id,
+            Err(e) => {
+                Self::code(py, what, Err::<(), _>(e));
+                0
+            }
+        }
+    }
+}
+
+fn opcode_op(code: i64) -> Result<Opcode> {
+    opcode(code)
+}
+
+fn no_notify(notify: Option<PyObject>) -> Result<()> {
+    match notify {
+        None => Ok(()),
+        Some(_) => Err(Error::new(ErrorKind::Unsupported, "transfer notifications are not supported")),
+    }
+}
+
+/// The policy for Mooncake-style engines: defaults, or the JSON in
+/// `KVMOVE_POLICY` (same keys as the Rust `PolicyConfig`).
+fn policy_from_env() -> Result<PolicyConfig> {
+    match std::env::var("KVMOVE_POLICY") {
+        Ok(s) if !s.trim().is_empty() => crate::native::parse_policy(&s),
+        _ => Ok(PolicyConfig::default()),
+    }
+}

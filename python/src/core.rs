@@ -1,0 +1,304 @@
+//! The engine behind both Python APIs: one backend wrapped in the shared
+//! policy layer, its own small tokio runtime, the table of registered
+//! memory, and the cache of opened peer segments.
+//!
+//! Everything here is plain Rust with no Python objects on the data path:
+//! callers release the GIL around every method that blocks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+use pyo3::buffer::PyBuffer;
+use tokio::runtime::Runtime;
+use transport_core::{
+    Access, Engine, Error, ErrorKind, MemoryRegion, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome,
+    TransferRequest,
+};
+
+use crate::backend::{self, BackendOptions};
+use crate::regions::{Entry, Regions};
+
+/// One transfer as Python describes it: raw local address, remote address.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawOp {
+    pub(crate) op: Opcode,
+    pub(crate) local_addr: u64,
+    pub(crate) remote_addr: u64,
+    pub(crate) len: u64,
+}
+
+/// A running engine.
+#[derive(Debug)]
+pub(crate) struct Core {
+    rt: Runtime,
+    engine: Engine,
+    session_id: String,
+    regions: Mutex<Regions>,
+    /// Segments opened by name for the Mooncake API (one per peer).
+    by_name: Mutex<HashMap<String, SegmentId>>,
+    closed: AtomicBool,
+}
+
+/// Worker threads of each engine's runtime: the data path is I/O-bound
+/// and the backends run their own per-connection tasks.
+const WORKER_THREADS: usize = 2;
+
+impl Core {
+    /// Starts the runtime and the backend.
+    pub(crate) fn start(opts: &BackendOptions, policy: PolicyConfig) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(WORKER_THREADS)
+            .thread_name("kvmove-rt")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::from(e).with("while", "starting the tokio runtime"))?;
+        let transport = rt.block_on(backend::build(opts))?;
+        let session_id = transport.local_segment_name();
+        let engine = Engine::new(transport, policy)?;
+        Ok(Self {
+            rt,
+            engine,
+            session_id,
+            regions: Mutex::new(Regions::default()),
+            by_name: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    fn live(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::Shutdown, "the engine was closed"));
+        }
+        Ok(())
+    }
+
+    /// The name peers use to reach this engine (`host:port`).
+    pub(crate) fn session_id(&self) -> &str {
+        &self.session_id
+    }
+
+    /// The port of [`Core::session_id`].
+    pub(crate) fn rpc_port(&self) -> Result<u16> {
+        self.session_id.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).ok_or_else(|| {
+            Error::new(ErrorKind::Internal, "backend segment name has no port").with("name", &self.session_id)
+        })
+    }
+
+    /// The backend kind (`tcp`, `rdma`).
+    pub(crate) fn backend(&self) -> String {
+        self.engine.transport().backend().to_owned()
+    }
+
+    /// Registers `addr .. addr + len` for local use and remote read/write.
+    ///
+    /// # Safety
+    ///
+    /// The caller keeps the contract of [`MemoryRegion::from_raw`]: the range
+    /// stays valid, allocated, writable memory of this process until
+    /// [`Core::unregister`] of `addr` returns (or the engine is closed).
+    pub(crate) unsafe fn register(&self, addr: u64, len: u64, keepalive: Option<PyBuffer<u8>>) -> Result<()> {
+        self.live()?;
+        let size = usize::try_from(len).map_err(|_| Error::new(ErrorKind::OutOfBounds, "length too large"))?;
+        let mut regions = self.regions.lock();
+        regions.check_free(addr, len)?;
+        // SAFETY: forwarded from this function's contract.
+        let mem = unsafe { MemoryRegion::from_raw(addr, size) }?;
+        let id = self.engine.register(mem.clone(), Access::REMOTE_RW)?;
+        regions.insert(addr, Entry { id, len, mem, keepalive });
+        Ok(())
+    }
+
+    /// Unregisters the region that starts at `addr`. Returns the buffer
+    /// export that kept it alive, if any, for the caller to drop with the
+    /// GIL held. The transport is quiet on the memory when this returns.
+    pub(crate) fn unregister(&self, addr: u64) -> Result<Option<PyBuffer<u8>>> {
+        self.live()?;
+        let id = self.regions.lock().at(addr)?.id;
+        self.rt.block_on(self.engine.unregister(id))?;
+        Ok(self.regions.lock().remove(addr).and_then(|e| e.keepalive))
+    }
+
+    /// Copies `src` into registered local memory at `addr`.
+    pub(crate) fn write_local(&self, addr: u64, src: &[u8]) -> Result<()> {
+        self.live()?;
+        let regions = self.regions.lock();
+        let (e, off) = regions.locate_entry(addr, src.len() as u64)?;
+        Ok(e.mem.write_at(off as usize, src)?)
+    }
+
+    /// Copies `len` bytes of registered local memory at `addr`.
+    pub(crate) fn read_local(&self, addr: u64, len: u64) -> Result<Vec<u8>> {
+        self.live()?;
+        let regions = self.regions.lock();
+        let (e, off) = regions.locate_entry(addr, len)?;
+        let n = usize::try_from(len).map_err(|_| Error::new(ErrorKind::OutOfBounds, "length too large"))?;
+        let mut v = vec![0u8; n];
+        e.mem.read_at(off as usize, &mut v)?;
+        Ok(v)
+    }
+
+    /// The address of the first region a peer exposes (0 if none).
+    pub(crate) fn first_remote_region(&self, name: &str) -> Result<u64> {
+        let seg = self.open_segment(name)?;
+        let desc = self.engine.transport().segment_descriptor(seg);
+        let _ = self.close_segment(seg);
+        Ok(desc?.regions.first().map_or(0, |r| r.addr))
+    }
+
+    /// Number of registered regions.
+    pub(crate) fn region_count(&self) -> usize {
+        self.regions.lock().len()
+    }
+
+    /// Opens a new, independent handle to a peer's segment.
+    pub(crate) fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.live()?;
+        check_peer_name(name)?;
+        self.rt.block_on(self.engine.open_segment(name))
+    }
+
+    /// Closes a handle from [`Core::open_segment`].
+    pub(crate) fn close_segment(&self, seg: SegmentId) -> Result<()> {
+        self.live()?;
+        self.rt.block_on(self.engine.close_segment(seg))
+    }
+
+    /// The cached handle for `name` (Mooncake API), opened on first use.
+    pub(crate) fn cached_segment(&self, name: &str) -> Result<SegmentId> {
+        if let Some(&s) = self.by_name.lock().get(name) {
+            return Ok(s);
+        }
+        let seg = self.open_segment(name)?;
+        let mut map = self.by_name.lock();
+        if let Some(&other) = map.get(name) {
+            // Another thread opened it meanwhile: keep theirs.
+            drop(map);
+            let _ = self.rt.block_on(self.engine.close_segment(seg));
+            return Ok(other);
+        }
+        map.insert(name.to_owned(), seg);
+        Ok(seg)
+    }
+
+    /// Drops the cached handle of `name` after a failure that says the peer
+    /// went away, so the next call fetches a fresh descriptor (a restarted
+    /// peer has new addresses and keys).
+    pub(crate) fn forget_segment_after(&self, name: &str, seg: SegmentId, err: &Error) {
+        use ErrorKind::*;
+        if !matches!(
+            err.kind(),
+            ConnectionRefused | ConnectionReset | HandshakeFailed | PeerRestarted | Protocol | InvalidHandle | NotFound
+        ) {
+            return;
+        }
+        let mut map = self.by_name.lock();
+        if map.get(name) == Some(&seg) {
+            map.remove(name);
+            drop(map);
+            let _ = self.rt.block_on(self.engine.close_segment(seg));
+        }
+    }
+
+    /// Maps raw operations to engine requests on `seg`.
+    pub(crate) fn requests(&self, seg: SegmentId, ops: &[RawOp]) -> Result<Vec<TransferRequest>> {
+        if ops.is_empty() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "empty batch"));
+        }
+        let regions = self.regions.lock();
+        ops.iter()
+            .enumerate()
+            .map(|(i, o)| {
+                let (local, local_offset) = regions.locate(o.local_addr, o.len).map_err(|e| e.with("request", i))?;
+                if o.remote_addr.checked_add(o.len).is_none() {
+                    return Err(Error::new(ErrorKind::OutOfBounds, "remote address range overflows").with("request", i));
+                }
+                Ok(TransferRequest {
+                    op: o.op,
+                    local,
+                    local_offset,
+                    segment: seg,
+                    remote_addr: o.remote_addr,
+                    len: o.len,
+                })
+            })
+            .collect()
+    }
+
+    /// Starts a transfer (waits for room in the in-flight budget).
+    pub(crate) fn submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
+        self.live()?;
+        self.rt.block_on(self.engine.submit(requests))
+    }
+
+    /// Waits for a transfer's final outcome.
+    pub(crate) fn wait(&self, t: Transfer) -> Result<TransferOutcome> {
+        self.rt.block_on(t.wait())
+    }
+
+    /// Cancels what has not completed; returns once the transfer is quiet.
+    pub(crate) fn cancel(&self, t: Transfer) -> Result<TransferOutcome> {
+        self.rt.block_on(t.cancel())
+    }
+
+    /// Submits and waits.
+    pub(crate) fn transfer(&self, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
+        let t = self.submit(requests)?;
+        self.wait(t)
+    }
+
+    /// Live resource counts of the backend, plus this layer's own.
+    pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
+        let s = self.engine.transport().stats();
+        let inflight = self.engine.inflight();
+        vec![
+            ("endpoints", s.endpoints as u64),
+            ("endpoint_lanes", s.endpoint_lanes as u64),
+            ("segments", s.segments as u64),
+            ("regions", s.regions as u64),
+            ("batches", s.batches as u64),
+            ("inflight", s.inflight as u64),
+            ("tasks", s.tasks as u64),
+            ("active_transfers", self.engine.active_transfers() as u64),
+            ("inflight_bytes", inflight.bytes),
+            ("registered", self.region_count() as u64),
+            ("cached_segments", self.by_name.lock().len() as u64),
+        ]
+    }
+
+    /// Shuts the backend down (all transfers end, all memory is
+    /// unregistered) and returns the buffer exports to drop with the GIL.
+    /// A second call does nothing.
+    pub(crate) fn close(&self) -> Vec<PyBuffer<u8>> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        self.by_name.lock().clear();
+        if let Err(e) = self.rt.block_on(self.engine.shutdown()) {
+            // Shutdown stops everything it can even when it reports an error;
+            // the memory below is only released after it returned.
+            eprintln!("kvmove: engine shutdown reported: {e}");
+        }
+        self.regions.lock().drain().into_iter().filter_map(|e| e.keepalive).collect()
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        drop(self.close());
+    }
+}
+
+/// A peer name must be `host:port`.
+fn check_peer_name(name: &str) -> Result<()> {
+    let ok = match name.rsplit_once(':') {
+        Some((h, p)) => !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0),
+        None => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::new(ErrorKind::InvalidRequest, "peer name must be \"host:port\" (the peer's session id)")
+            .with("peer", name))
+    }
+}

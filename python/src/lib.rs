@@ -1,0 +1,41 @@
+//! Python bindings of the kvmove transfer engine (module `kvmove._native`).
+//!
+//! # Design
+//!
+//! Two Python APIs share one engine ([`core::Core`]): a backend (TCP or
+//! RDMA, chosen by the `protocol` string) wrapped in `transport_core`'s
+//! policy layer (retry, deadlines, circuit breaker, backpressure), with its
+//! own small multi-threaded tokio runtime.
+//!
+//! * `TransferEngine` ([`compat`]) answers the calls serving engines make on
+//!   Mooncake's `mooncake.engine.TransferEngine`, with its return codes.
+//! * `NativeEngine` / `NativeBatch` ([`native`]) raise exceptions with a
+//!   kind and `is_transient`; the pure-Python package `kvmove` wraps them in
+//!   context managers (`Engine`, `Region`, `Session`, `Batch`).
+//!
+//! Callers pass raw local addresses; a table of registered regions
+//! ([`regions`]) maps each to `(region, offset)` and refuses anything
+//! outside registered memory before the engine sees it. Every blocking call
+//! releases the GIL, and nothing on the data path calls into Python.
+
+mod backend;
+mod compat;
+mod core;
+mod errors;
+mod native;
+mod outcome;
+mod regions;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::add_to_module(m)?;
+    m.add_class::<compat::MooncakeEngine>()?;
+    m.add_class::<native::NativeEngine>()?;
+    m.add_class::<native::NativeBatch>()?;
+    m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
+    m.add("HAS_RDMA", cfg!(feature = "rdma"))?;
+    Ok(())
+}

@@ -1,0 +1,303 @@
+//! The low-level classes behind the Pythonic API in `kvmove/__init__.py`:
+//! `NativeEngine` (raises `kvmove.TransferError` subclasses) and
+//! `NativeBatch` (a submitted transfer: poll / wait / cancel).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome};
+
+use crate::backend::{split_host_port, BackendOptions};
+use crate::core::{Core, RawOp};
+use crate::errors::{invalid, to_pyerr};
+use crate::outcome::outcome_to_py;
+
+/// Parses a JSON policy (keys of the Rust `PolicyConfig`).
+pub(crate) fn parse_policy(json: &str) -> Result<PolicyConfig> {
+    let p: PolicyConfig = serde_json::from_str(json)
+        .map_err(|e| Error::new(ErrorKind::Config, format!("policy: {e}")).with("policy", json))?;
+    p.validate()?;
+    Ok(p)
+}
+
+fn py_result<T>(py: Python<'_>, r: Result<T>) -> PyResult<T> {
+    r.map_err(|e| to_pyerr(py, &e))
+}
+
+/// One engine: a backend with the shared policy, its own runtime.
+#[pyclass(module = "kvmove._native", name = "NativeEngine", frozen)]
+pub(crate) struct NativeEngine {
+    core: Arc<Core>,
+}
+
+/// `(is_write, local_addr, remote_addr, length)` as passed from Python.
+type OpTuple = (bool, u64, u64, u64);
+
+fn raw_ops(ops: &[OpTuple]) -> Vec<RawOp> {
+    ops.iter()
+        .map(|&(w, local_addr, remote_addr, len)| RawOp {
+            op: if w { Opcode::Write } else { Opcode::Read },
+            local_addr,
+            remote_addr,
+            len,
+        })
+        .collect()
+}
+
+#[pymethods]
+impl NativeEngine {
+    #[new]
+    #[pyo3(signature = (protocol = "tcp", host = "127.0.0.1", port = 0, device = "", policy_json = None))]
+    fn new(
+        py: Python<'_>,
+        protocol: &str,
+        host: &str,
+        port: u16,
+        device: &str,
+        policy_json: Option<&str>,
+    ) -> PyResult<Self> {
+        let r = (|| {
+            let (host, p) = split_host_port(host)?;
+            if p != 0 && port != 0 && p != port {
+                return Err(invalid("port given both in host and as port, differently"));
+            }
+            let opts = BackendOptions {
+                protocol: protocol.trim().to_ascii_lowercase(),
+                host,
+                port: if port != 0 { port } else { p },
+                device: device.to_owned(),
+            };
+            let policy = policy_json.map(parse_policy).transpose()?.unwrap_or_default();
+            py.allow_threads(|| Core::start(&opts, policy))
+        })();
+        Ok(Self { core: Arc::new(py_result(py, r)?) })
+    }
+
+    /// `host:port` that peers open to reach this engine.
+    #[getter]
+    fn session_id(&self) -> String {
+        self.core.session_id().to_owned()
+    }
+
+    /// The backend kind (`tcp`, `rdma`).
+    #[getter]
+    fn backend(&self) -> String {
+        self.core.backend()
+    }
+
+    /// Registers raw memory. See `kvmove.Engine.register_address` for the
+    /// safety contract the caller keeps.
+    fn register_address(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
+        // SAFETY: the Python caller keeps `MemoryRegion::from_raw`'s
+        // contract, as documented on `kvmove.Engine.register_address`.
+        py_result(py, unsafe { self.core.register(addr, length, None) })
+    }
+
+    /// Registers a writable, C-contiguous Python buffer (bytearray,
+    /// memoryview, numpy array...). Keeps a buffer export until
+    /// unregistered, so the memory can neither be freed nor resized.
+    /// Returns `(address, length)`.
+    fn register_buffer(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+        let view = py.import("builtins")?.getattr("memoryview")?.call1((obj,))?;
+        if view.getattr("readonly")?.extract::<bool>()? {
+            return Err(to_pyerr(py, &invalid("the buffer is read-only; transfers may write into registered memory")));
+        }
+        if !view.getattr("c_contiguous")?.extract::<bool>()? {
+            return Err(to_pyerr(py, &invalid("the buffer is not C-contiguous")));
+        }
+        let bytes = view.call_method1("cast", ("B",))?;
+        let buf = PyBuffer::<u8>::get(&bytes)?;
+        let (addr, len) = (buf.buf_ptr() as u64, buf.len_bytes() as u64);
+        // SAFETY: `buf` is a live export of the object's memory; it is stored
+        // with the region and released only after the transport unregistered
+        // the region (or shut down), so the memory outlives every transfer.
+        py_result(py, unsafe { self.core.register(addr, len, Some(buf)) })?;
+        Ok((addr, len))
+    }
+
+    /// Unregisters the region that starts at `addr`; returns when no
+    /// transfer can touch it any more.
+    fn unregister(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
+        let core = self.core.clone();
+        let keep = py_result(py, py.allow_threads(move || core.unregister(addr)))?;
+        drop(keep); // the buffer export is released here, with the GIL
+        Ok(())
+    }
+
+    /// Opens a peer's segment (`host:port`); returns a handle.
+    fn open_segment(&self, py: Python<'_>, peer: &str) -> PyResult<u64> {
+        let core = self.core.clone();
+        py_result(py, py.allow_threads(move || core.open_segment(peer))).map(|s| s.0)
+    }
+
+    /// Closes a segment handle; transfers still running on it end.
+    fn close_segment(&self, py: Python<'_>, segment: u64) -> PyResult<()> {
+        let core = self.core.clone();
+        py_result(py, py.allow_threads(move || core.close_segment(SegmentId(segment))))
+    }
+
+    /// Submits `ops` (`(is_write, local_addr, remote_addr, length)`) on a
+    /// segment; returns a running batch.
+    fn submit(&self, py: Python<'_>, segment: u64, ops: Vec<OpTuple>) -> PyResult<NativeBatch> {
+        let core = self.core.clone();
+        let raw = raw_ops(&ops);
+        let t = py_result(
+            py,
+            py.allow_threads(|| {
+                let reqs = core.requests(SegmentId(segment), &raw)?;
+                core.submit(reqs)
+            }),
+        )?;
+        Ok(NativeBatch { core: self.core.clone(), slot: Mutex::new(Slot::Running(t)) })
+    }
+
+    /// Submits and waits; returns the outcome tuple.
+    fn transfer(&self, py: Python<'_>, segment: u64, ops: Vec<OpTuple>) -> PyResult<PyObject> {
+        let core = self.core.clone();
+        let raw = raw_ops(&ops);
+        let o = py_result(
+            py,
+            py.allow_threads(|| {
+                let reqs = core.requests(SegmentId(segment), &raw)?;
+                core.transfer(reqs)
+            }),
+        )?;
+        outcome_to_py(py, &o)
+    }
+
+    /// Copies bytes into registered local memory.
+    fn write_local(&self, py: Python<'_>, addr: u64, data: &[u8]) -> PyResult<()> {
+        py_result(py, self.core.write_local(addr, data))
+    }
+
+    /// Copies bytes out of registered local memory.
+    fn read_local(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<Vec<u8>> {
+        py_result(py, self.core.read_local(addr, length))
+    }
+
+    /// Live resource counts as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in self.core.stats() {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Shuts everything down (idempotent).
+    fn close(&self, py: Python<'_>) {
+        let core = self.core.clone();
+        let keep = py.allow_threads(move || core.close());
+        drop(keep);
+    }
+}
+
+enum Slot {
+    Running(Transfer),
+    /// A `cancel` is waiting for the transfer to be quiet.
+    Cancelling,
+    Done(TransferOutcome),
+}
+
+/// A submitted transfer.
+#[pyclass(module = "kvmove._native", name = "NativeBatch", frozen)]
+pub(crate) struct NativeBatch {
+    core: Arc<Core>,
+    slot: Mutex<Slot>,
+}
+
+impl NativeBatch {
+    fn try_finish(&self) -> Option<TransferOutcome> {
+        let mut slot = self.slot.lock();
+        let o = match &*slot {
+            Slot::Running(t) => t.poll()?,
+            Slot::Cancelling => return None,
+            Slot::Done(o) => return Some(o.clone()),
+        };
+        *slot = Slot::Done(o.clone());
+        Some(o)
+    }
+}
+
+#[pymethods]
+impl NativeBatch {
+    /// The outcome tuple if finished, else None. Never blocks.
+    fn poll(&self, py: Python<'_>) -> PyResult<Option<PyObject>> {
+        self.try_finish().map(|o| outcome_to_py(py, &o)).transpose()
+    }
+
+    /// Waits (GIL released) up to `timeout` seconds (None = no limit);
+    /// returns the outcome tuple, or None if still running.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<PyObject>> {
+        let limit = match timeout {
+            Some(t) if !(t >= 0.0 && t.is_finite()) => {
+                return Err(to_pyerr(py, &invalid("timeout must be a finite number of seconds >= 0")))
+            }
+            Some(t) => Some(Duration::from_secs_f64(t)),
+            None => None,
+        };
+        let o = py.allow_threads(|| {
+            let start = std::time::Instant::now();
+            let mut pause = Duration::from_micros(10);
+            loop {
+                if let Some(o) = self.try_finish() {
+                    return Some(o);
+                }
+                let left = match limit {
+                    Some(l) => match l.checked_sub(start.elapsed()) {
+                        Some(left) if !left.is_zero() => left,
+                        _ => return None,
+                    },
+                    None => pause,
+                };
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(Duration::from_micros(200));
+            }
+        });
+        o.map(|o| outcome_to_py(py, &o)).transpose()
+    }
+
+    /// Cancels requests that have not completed and waits until the batch
+    /// is quiet; returns the final outcome tuple (completed requests stay
+    /// completed). Cancelling a finished batch returns its outcome.
+    fn cancel(&self, py: Python<'_>) -> PyResult<PyObject> {
+        let taken = {
+            let mut slot = self.slot.lock();
+            match std::mem::replace(&mut *slot, Slot::Cancelling) {
+                Slot::Running(t) => Some(t),
+                other => {
+                    *slot = other;
+                    None
+                }
+            }
+        };
+        let o = match taken {
+            Some(t) => {
+                let r = py.allow_threads(|| self.core.cancel(t));
+                let o = py_result(py, r)?;
+                *self.slot.lock() = Slot::Done(o.clone());
+                o
+            }
+            // Finished already, or another thread is cancelling it: wait for
+            // that thread to record the outcome.
+            None => py.allow_threads(|| loop {
+                if let Some(o) = self.try_finish() {
+                    break o;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }),
+        };
+        outcome_to_py(py, &o)
+    }
+
+    /// Whether the batch is finished.
+    #[getter]
+    fn done(&self) -> bool {
+        self.try_finish().is_some()
+    }
+}
