@@ -124,7 +124,10 @@ impl Batch {
     /// "quiet" (rule 5).
     pub(crate) fn snapshot(&self) -> BatchStatus {
         BatchStatus::from_requests(
-            self.reqs.iter().map(|r| if r.outstanding > 0 { RequestStatus::Pending } else { r.status.clone() }).collect(),
+            self.reqs
+                .iter()
+                .map(|r| if r.outstanding > 0 { RequestStatus::Pending } else { r.status.clone() })
+                .collect(),
         )
     }
 
@@ -233,7 +236,8 @@ impl State {
             }
             let Some(ep) = self.endpoints.get_mut(&ep_id) else { return };
             let n = ep.qps.len();
-            let Some(qi) = (0..n).map(|k| (ep.next_qp + k) % n).find(|&i| ep.qps[i].outstanding < lim.max_outstanding_per_qp)
+            let Some(qi) =
+                (0..n).map(|k| (ep.next_qp + k) % n).find(|&i| ep.qps[i].outstanding < lim.max_outstanding_per_qp)
             else {
                 ep.pending.push_front(slice);
                 return;
@@ -424,7 +428,10 @@ impl State {
         self.wrs
             .values()
             .filter(|w| {
-                self.batches.get(&w.slice.batch).and_then(|b| b.reqs.get(w.slice.req)).is_some_and(|r| pred(w.slice.batch, r))
+                self.batches
+                    .get(&w.slice.batch)
+                    .and_then(|b| b.reqs.get(w.slice.req))
+                    .is_some_and(|r| pred(w.slice.batch, r))
             })
             .map(|w| w.ep)
             .collect()
@@ -459,7 +466,10 @@ impl State {
     /// Whether any posted work belongs to a request matching `pred`.
     pub(crate) fn any_posted(&self, pred: impl Fn(BatchId, &Req) -> bool) -> bool {
         self.wrs.values().any(|w| {
-            self.batches.get(&w.slice.batch).and_then(|b| b.reqs.get(w.slice.req)).is_some_and(|r| pred(w.slice.batch, r))
+            self.batches
+                .get(&w.slice.batch)
+                .and_then(|b| b.reqs.get(w.slice.req))
+                .is_some_and(|r| pred(w.slice.batch, r))
         })
     }
 

@@ -11,8 +11,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus,
-    ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, Transport, TransferRequest,
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus, ResourceStats,
+    Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
 use crate::config::RdmaConfig;
@@ -95,9 +95,7 @@ impl RdmaTransport {
         let per_qp = cfg.max_outstanding_per_qp.min(port.max_qp_wr as usize);
         let want_cqe = (cfg.max_endpoints * cfg.qps_per_endpoint * per_qp).clamp(256, 1 << 20);
         let cq = Cq::new(&ctx, &chan, want_cqe.min(port.max_cqe as usize) as u32)?;
-        let listener = TcpListener::bind(&cfg.listen)
-            .await
-            .map_err(|e| Error::from(e).with("listen", &cfg.listen))?;
+        let listener = TcpListener::bind(&cfg.listen).await.map_err(|e| Error::from(e).with("listen", &cfg.listen))?;
         let local = listener.local_addr()?;
         let name = local.to_string();
         let generation = loop {
@@ -298,8 +296,11 @@ impl Inner {
             Err(_) => return Err(Error::new(ErrorKind::HandshakeFailed, "descriptor request timed out")),
         };
         if d.backend != "rdma" {
-            return Err(Error::new(ErrorKind::HandshakeFailed, format!("segment is served by {:?}, not rdma", d.backend))
-                .with("segment", name));
+            return Err(Error::new(
+                ErrorKind::HandshakeFailed,
+                format!("segment is served by {:?}, not rdma", d.backend),
+            )
+            .with("segment", name));
         }
         Ok(d)
     }
@@ -566,9 +567,10 @@ impl Inner {
                     Ok((_, true)) => {
                         for (i, r) in requests.iter().enumerate() {
                             if r.segment == seg {
-                                let e = Error::new(ErrorKind::PeerRestarted, "the peer restarted; re-read its descriptor")
-                                    .with("segment", seg)
-                                    .with("request", i);
+                                let e =
+                                    Error::new(ErrorKind::PeerRestarted, "the peer restarted; re-read its descriptor")
+                                        .with("segment", seg)
+                                        .with("request", i);
                                 st.finish_req(id, i, RequestStatus::Failed(e));
                             }
                         }
@@ -723,8 +725,7 @@ impl Transport for RdmaTransport {
             }
             let mut g = Graveyard::default();
             st.end_requests(|_, q| q.spec.segment == segment, RequestStatus::Cancelled, &mut g);
-            let mine: Vec<u64> =
-                st.endpoints.iter().filter(|(_, e)| e.segment == segment).map(|(id, _)| *id).collect();
+            let mine: Vec<u64> = st.endpoints.iter().filter(|(_, e)| e.segment == segment).map(|(id, _)| *id).collect();
             for id in mine {
                 let why = Error::new(ErrorKind::ConnectionReset, "segment closed");
                 st.break_endpoint(id, why, &mut g);
@@ -782,7 +783,10 @@ impl Transport for RdmaTransport {
             .get(&batch)
             .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, format!("unknown or released {batch}")))?;
         if !b.snapshot().is_terminal() {
-            return Err(Error::new(ErrorKind::InvalidRequest, format!("{batch} is still in progress; cancel it first")));
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                format!("{batch} is still in progress; cancel it first"),
+            ));
         }
         if let Some(b) = st.batches.remove(&batch) {
             if let Some(h) = b.deadline {

@@ -125,7 +125,12 @@ impl Context {
             }
             // SAFETY: as in `device_names`.
             let dn = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }.to_string_lossy().into_owned();
-            if chosen.is_none() && match name { None => true, Some(want) => want == dn } {
+            if chosen.is_none()
+                && match name {
+                    None => true,
+                    Some(want) => want == dn,
+                }
+            {
                 chosen = Some((dev, dn.clone()));
             }
             seen.push(dn);

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# rdma-tests.sh: runs the RDMA backend's tests (transport-rdma) against real
+# kernel RDMA.
+#
+#   scripts/rdma-tests.sh [--install-deps] [--bench] [-- TEST-FILTER...]
+#
+# * If this machine has an RDMA device (/sys/class/infiniband/* exists) the
+#   test binaries run here, directly.
+# * Otherwise they are built here (cargo test --no-run) and run inside a
+#   soft-RoCE VM by scripts/rxe-vm (qemu TCG, rdma_rxe on a dummy netdev).
+# * If neither is possible it prints "RDMA SUITE SKIPPED: <reason>" and
+#   exits 0, unless CI=true or RDMA_STRICT=1: then it exits 1 (CI never
+#   skips).
+#
+# Options:
+#   --install-deps  apt-get install what building and the VM need (root):
+#                   build: clang libclang-dev pkg-config libibverbs-dev
+#                          librdmacm-dev
+#                   VM:    see scripts/rxe-vm (qemu, kernel, busybox, rdma-core,
+#                          perftest, ...)
+#                   CI=true implies it.
+#   --bench         also run scripts/rdma-bench.sh's comparison with perftest
+#                   in the same VM (prints ratios; never fails the suite on
+#                   slowness).
+#
+# Environment: RDMA_VM_TIMEOUT (seconds, default 1500) bounds the VM run;
+# CARGO_TARGET_DIR is honoured. Inside the tests, RDMA_REQUIRED=1 makes a
+# missing device a failure instead of a skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_PKGS="clang libclang-dev pkg-config libibverbs-dev librdmacm-dev"
+INSTALL=0 BENCH=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --install-deps) INSTALL=1; shift ;;
+    --bench) BENCH=1; shift ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) break ;;
+  esac
+done
+FILTER=("$@")
+
+strict=0
+if [ "${CI:-}" = true ] || [ "${RDMA_STRICT:-0}" = 1 ]; then strict=1; fi
+[ "${CI:-}" = true ] && INSTALL=1
+
+skip() {
+  echo
+  echo "=================================================================="
+  echo "RDMA SUITE SKIPPED: $*"
+  echo "=================================================================="
+  if [ "$strict" = 1 ]; then
+    echo "rdma-tests: skipping is not allowed here (CI=true or RDMA_STRICT=1)" >&2
+    exit 1
+  fi
+  exit 0
+}
+
+if [ "$INSTALL" = 1 ]; then
+  missing=()
+  for p in $BUILD_PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      echo "rdma-tests: installing ${missing[*]}"
+      apt-get update -qq >/dev/null
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+      echo "rdma-tests: cannot install ${missing[*]} (not root)" >&2
+    fi
+  fi
+fi
+
+have_device=0
+if compgen -G "/sys/class/infiniband/*" >/dev/null; then have_device=1; fi
+
+if [ "$have_device" = 0 ]; then
+  vm_args=()
+  [ "$INSTALL" = 1 ] && vm_args+=(--install)
+  if ! why=$(scripts/rxe-vm "${vm_args[@]}" --check 2>&1); then
+    skip "no RDMA device and no soft-RoCE VM possible: $why"
+  fi
+fi
+
+command -v cargo >/dev/null || skip "cargo not found"
+if ! pkg-config --exists libibverbs 2>/dev/null; then
+  skip "libibverbs-dev is not installed (run scripts/rdma-tests.sh --install-deps)"
+fi
+
+echo "rdma-tests: building the transport-rdma test binaries"
+json=$(cargo test --manifest-path transport-rdma/Cargo.toml --no-run --message-format=json 2>/dev/null) || {
+  cargo test --manifest-path transport-rdma/Cargo.toml --no-run >&2 || true
+  echo "rdma-tests: build failed" >&2
+  exit 1
+}
+mapfile -t bins < <(printf '%s\n' "$json" | grep '"reason":"compiler-artifact"' \
+  | grep '"test":true' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | sort -u)
+[ ${#bins[@]} -gt 0 ] || { echo "rdma-tests: no test binaries were built" >&2; exit 1; }
+printf 'rdma-tests: %s\n' "${bins[@]}"
+
+# The runner (same for both places): every binary, one test thread (the
+# kernel-count tests read process-wide counts), all failures reported.
+runner=$(mktemp "${TMPDIR:-/tmp}/rdma-tests-run.XXXXXX")
+trap 'rm -f "$runner"' EXIT
+{
+  echo 'set -u; rc=0'
+  echo 'export RDMA_REQUIRED=1 RUST_BACKTRACE=1'
+  echo 'rdma link 2>/dev/null; ibv_devices 2>/dev/null'
+  for b in "${bins[@]}"; do
+    printf 'echo "==> %s"\n' "$(basename "$b")"
+    printf '%q --test-threads=1' "$b"
+    for f in "${FILTER[@]}"; do printf ' %q' "$f"; done
+    echo ' || rc=1'
+  done
+  if [ "$BENCH" = 1 ]; then echo 'sh scripts/rdma-bench.sh || echo "rdma-bench failed (not counted)"'; fi
+  echo 'exit $rc'
+} > "$runner"
+cp "$runner" ./.rdma-tests-run.sh
+trap 'rm -f "$runner" ./.rdma-tests-run.sh' EXIT
+
+if [ "$have_device" = 1 ]; then
+  echo "rdma-tests: RDMA device present; running on this machine"
+  sh ./.rdma-tests-run.sh
+else
+  echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
+  scripts/rxe-vm --timeout "${RDMA_VM_TIMEOUT:-1500}" -- sh ./.rdma-tests-run.sh
+fi

@@ -1,0 +1,87 @@
+//! Shared helpers of the RDMA tests: device detection, transports on the
+//! test device, and the kernel's own resource counts (`rdma resource`).
+#![allow(dead_code)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use transport_core::{BatchStatus, Buffer, Transport};
+use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
+
+/// Whether the RDMA tests can run. Without a device they are skipped (with
+/// a loud line), unless RDMA_REQUIRED=1 (set by scripts/rdma-tests.sh and
+/// the VM), where a missing device fails the test.
+pub fn device_or_skip(test: &str) -> bool {
+    let devs = rdma_devices().unwrap_or_default();
+    if !devs.is_empty() {
+        return true;
+    }
+    if std::env::var("RDMA_REQUIRED").as_deref() == Ok("1") || std::env::var("RXE_VM").as_deref() == Ok("1") {
+        panic!("{test}: RDMA_REQUIRED=1 but no RDMA device was found");
+    }
+    eprintln!("SKIPPED {test}: no RDMA device (run scripts/rdma-tests.sh for the soft-RoCE VM)");
+    false
+}
+
+/// A config on the test device (RDMA_TEST_DEVICE, else the first one).
+pub fn config() -> RdmaConfig {
+    RdmaConfig {
+        device: std::env::var("RDMA_TEST_DEVICE").ok(),
+        flush_timeout_ms: 2_000,
+        ack_timeout: 12,
+        retry_count: 3,
+        ..Default::default()
+    }
+}
+
+pub async fn transport(cfg: RdmaConfig) -> RdmaTransport {
+    RdmaTransport::new(cfg).await.expect("RDMA transport")
+}
+
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect()
+}
+
+pub fn buffer_with(len: usize, seed: u8) -> Buffer {
+    Buffer::from_slice(&pattern(len, seed)).expect("buffer")
+}
+
+/// Waits for a batch with a generous bound (the VM is slow).
+pub async fn wait(t: &dyn Transport, b: transport_core::BatchId) -> BatchStatus {
+    tokio::time::timeout(Duration::from_secs(60), t.wait(b)).await.expect("batch did not settle in 60 s").expect("wait")
+}
+
+/// The kernel's count of RDMA objects of `kind` (`qp`, `cq`, `pd`, `mr`)
+/// owned by process `pid`, from `rdma -j resource show <kind>`.
+pub fn kernel_count(kind: &str, pid: u32) -> u64 {
+    let out = Command::new("rdma").args(["-j", "resource", "show", kind]).output().expect("run `rdma` (iproute2)");
+    assert!(out.status.success(), "rdma resource show {kind}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or(serde_json::Value::Array(vec![]));
+    let arr = v.as_array().cloned().unwrap_or_default();
+    arr.iter().filter(|e| e.get("pid").and_then(|p| p.as_u64()) == Some(u64::from(pid))).count() as u64
+}
+
+pub fn my_qps() -> u64 {
+    kernel_count("qp", std::process::id())
+}
+
+/// All four kernel counts of this process.
+pub fn my_counts() -> [(String, u64); 4] {
+    let pid = std::process::id();
+    ["qp", "cq", "mr", "pd"].map(|k| (k.to_string(), kernel_count(k, pid)))
+}
+
+/// Polls `f` until it is true or `limit` passes; returns the last value.
+pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if f() {
+            return true;
+        }
+        if start.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

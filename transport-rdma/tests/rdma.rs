@@ -1,0 +1,449 @@
+//! The RDMA backend over a real device (soft-RoCE in the VM of
+//! scripts/rdma-tests.sh): byte-exact data, bad input, teardown checked
+//! against the kernel's own `rdma resource` counts, and peer churn.
+//!
+//! Run them with `--test-threads=1`: the kernel counts are per process.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use transport_core::{
+    Access, BatchState, Buffer, ErrorKind, RequestStatus, ResourceStats, SubmitOptions, TransferRequest, Transport,
+};
+use transport_rdma::{RdmaConfig, RdmaTransport};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn run<F: std::future::Future<Output = ()>>(test: &str, secs: u64, f: F) {
+    if !device_or_skip(test) {
+        return;
+    }
+    rt().block_on(async {
+        tokio::time::timeout(Duration::from_secs(secs), f).await.unwrap_or_else(|_| panic!("{test} timed out"))
+    });
+}
+
+#[test]
+fn write_and_read_are_byte_exact() {
+    run("write_and_read_are_byte_exact", 120, async {
+        let server = transport(config()).await;
+        let client = transport(config()).await;
+        let base_c = client.stats();
+        let base_s = server.stats();
+        const LEN: usize = 3 << 20;
+        let remote = Buffer::new(LEN).unwrap();
+        let rid = server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(LEN, 7);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let d = client.segment_descriptor(seg).unwrap();
+        assert_eq!(d.backend, "rdma");
+        assert_eq!(d.regions.len(), 1);
+        let raddr = remote.addr();
+        // Odd sizes and offsets, one crossing several 1 MiB slices.
+        let reqs = vec![
+            TransferRequest::write(lid, 0, seg, raddr, 1),
+            TransferRequest::write(lid, 4096, seg, raddr + 4096, 4096),
+            TransferRequest::write(lid, 12_345, seg, raddr + 12_345, (2 << 20) + 777),
+            TransferRequest::write(lid, (LEN - 100) as u64, seg, raddr + (LEN - 100) as u64, 100),
+        ];
+        let b = client.submit(reqs.clone(), SubmitOptions::default()).await.unwrap();
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        client.release(b).unwrap();
+        let want = local.to_vec();
+        let got = remote.to_vec();
+        for r in &reqs {
+            let (lo, ro, n) = (r.local_offset as usize, (r.remote_addr - raddr) as usize, r.len as usize);
+            assert!(got[ro..ro + n] == want[lo..lo + n], "write of {n} bytes at {ro} differs");
+        }
+        assert!(got[1..4096].iter().all(|&x| x == 0), "bytes outside the requests stay untouched");
+
+        // READ back into a fresh buffer.
+        let back = Buffer::new(LEN).unwrap();
+        let bid = client.register(back.region(), Access::LOCAL).unwrap();
+        let b = client
+            .submit(vec![TransferRequest::read(bid, 0, seg, raddr, LEN as u64)], SubmitOptions::default())
+            .await
+            .unwrap();
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        client.release(b).unwrap();
+        assert!(back.to_vec() == got, "read returns the remote bytes exactly");
+
+        let s = client.stats();
+        assert_eq!((s.endpoints, s.endpoint_lanes), (1, 2));
+        client.close_segment(seg).await.unwrap();
+        client.unregister(lid).await.unwrap();
+        client.unregister(bid).await.unwrap();
+        server.unregister(rid).await.unwrap();
+        assert_eq!(client.stats(), base_c);
+        assert!(eventually(Duration::from_secs(5), || server.stats() == base_s).await, "{:?}", server.stats());
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+        assert_eq!(client.stats(), ResourceStats::default());
+    });
+}
+
+#[test]
+fn bad_input_is_rejected_with_the_right_kind() {
+    run("bad_input_is_rejected_with_the_right_kind", 120, async {
+        // Config errors name the problem.
+        let e = RdmaTransport::new(RdmaConfig { device: Some("nope0".into()), ..config() }).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("not found"), "{e}");
+        let e = RdmaTransport::new(RdmaConfig { gid_index: 200, ..config() }).await.unwrap_err();
+        assert!(!e.is_transient(), "{e}");
+        let e = RdmaTransport::new(RdmaConfig { qps_per_endpoint: 0, ..config() }).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+
+        let server = transport(config()).await;
+        let client = transport(config()).await;
+        let rw = Buffer::new(8192).unwrap();
+        let ro = Buffer::new(8192).unwrap();
+        let hidden = Buffer::new(8192).unwrap();
+        server.register(rw.region(), Access::REMOTE_RW).unwrap();
+        server.register(ro.region(), Access::REMOTE_READ).unwrap();
+        server.register(hidden.region(), Access::LOCAL).unwrap();
+        let local = Buffer::new(8192).unwrap();
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        assert_eq!(client.register(local.region(), Access::LOCAL).unwrap_err().kind(), ErrorKind::AlreadyRegistered);
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let opts = SubmitOptions::default;
+        let w = |off: u64, addr: u64, len: u64| TransferRequest::write(lid, off, seg, addr, len);
+
+        let e = client.submit(vec![], opts()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        let e = client.submit(vec![w(0, rw.addr(), 8), w(0, rw.addr(), 0)], opts()).await.unwrap_err();
+        assert_eq!((e.kind(), e.context_value("request")), (ErrorKind::InvalidRequest, Some("1")));
+        let e = client.submit(vec![w(8000, rw.addr(), 200)], opts()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds);
+        let e = client.submit(vec![w(u64::MAX - 2, rw.addr(), 8)], opts()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds);
+        let e = client.submit(vec![w(0, rw.addr() + 8000, 200)], opts()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds);
+        let e = client.submit(vec![w(0, hidden.addr(), 8)], opts()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "LOCAL regions are not in the descriptor");
+        let e = client.submit(vec![w(0, ro.addr(), 8)], opts()).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AccessDenied);
+        let mut bad = w(0, rw.addr(), 8);
+        bad.local = transport_core::RegionId(999_999);
+        assert_eq!(client.submit(vec![bad], opts()).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        let mut bad = w(0, rw.addr(), 8);
+        bad.segment = transport_core::SegmentId(999_999);
+        assert_eq!(client.submit(vec![bad], opts()).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        assert_eq!(client.poll(transport_core::BatchId(12345)).unwrap_err().kind(), ErrorKind::InvalidHandle);
+
+        // A read of a read-only region works; nothing leaked by the rejects.
+        let b = client.submit(vec![TransferRequest::read(lid, 0, seg, ro.addr(), 8192)], opts()).await.unwrap();
+        assert_eq!(wait(&client, b).await.state, BatchState::Completed);
+        client.release(b).unwrap();
+        assert_eq!(client.release(b).unwrap_err().kind(), ErrorKind::InvalidHandle);
+        assert_eq!(client.stats().batches, 0);
+
+        // Closing twice, unregistering twice, opening nothing.
+        client.close_segment(seg).await.unwrap();
+        assert_eq!(client.close_segment(seg).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        assert_eq!(client.submit(vec![w(0, rw.addr(), 8)], opts()).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        client.unregister(lid).await.unwrap();
+        assert_eq!(client.unregister(lid).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        let e = client.open_segment(&dead).await.unwrap_err();
+        assert!(e.is_transient(), "{e}");
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
+
+        client.shutdown().await.unwrap();
+        client.shutdown().await.unwrap();
+        assert_eq!(client.register(local.region(), Access::LOCAL).unwrap_err().kind(), ErrorKind::Shutdown);
+        assert_eq!(client.open_segment("127.0.0.1:1").await.unwrap_err().kind(), ErrorKind::Shutdown);
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn close_and_shutdown_release_kernel_objects() {
+    run("close_and_shutdown_release_kernel_objects", 120, async {
+        let base = my_counts();
+        let base_qp = my_qps();
+        let server = transport(RdmaConfig { qps_per_endpoint: 3, ..config() }).await;
+        let client = transport(RdmaConfig { qps_per_endpoint: 3, ..config() }).await;
+        let remote = Buffer::new(1 << 16).unwrap();
+        let rid = server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(1 << 16, 3);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        for round in 0..3 {
+            let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+            let b = client
+                .submit(vec![TransferRequest::write(lid, 0, seg, remote.addr(), 1 << 16)], SubmitOptions::default())
+                .await
+                .unwrap();
+            assert_eq!(wait(&client, b).await.state, BatchState::Completed);
+            client.release(b).unwrap();
+            // 3 QPs of ours + 3 the server made for us, all in this process.
+            assert_eq!(my_qps(), base_qp + 6, "round {round}: QPs while connected");
+            assert_eq!(client.stats().endpoint_lanes, 3);
+            client.close_segment(seg).await.unwrap();
+            assert_eq!(client.stats().endpoints, 0);
+            assert!(
+                eventually(Duration::from_secs(5), || my_qps() == base_qp).await,
+                "round {round}: kernel QPs {} after close, baseline {base_qp}",
+                my_qps()
+            );
+        }
+        assert!(remote.to_vec() == local.to_vec());
+        client.unregister(lid).await.unwrap();
+        server.unregister(rid).await.unwrap();
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+        let after = my_counts();
+        assert_eq!(after, base, "kernel objects after shutdown");
+        // Drop without shutdown releases too.
+        {
+            let t = transport(config()).await;
+            let buf = Buffer::new(4096).unwrap();
+            t.register(buf.region(), Access::REMOTE_RW).unwrap();
+            assert!(kernel_count("mr", std::process::id()) > base[2].1);
+        }
+        assert!(eventually(Duration::from_secs(5), || my_counts() == base).await, "{:?} vs {base:?}", my_counts());
+    });
+}
+
+#[test]
+fn idle_endpoints_are_reclaimed_and_the_store_is_bounded() {
+    run("idle_endpoints_are_reclaimed_and_the_store_is_bounded", 120, async {
+        let base_qp = my_qps();
+        let server = transport(RdmaConfig { qps_per_endpoint: 1, ..config() }).await;
+        let cfg = RdmaConfig { max_endpoints: 2, qps_per_endpoint: 2, idle_timeout_ms: 300, ..config() };
+        let client = transport(cfg).await;
+        let remote = Buffer::new(4096).unwrap();
+        server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(4096, 9);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let mut segs = Vec::new();
+        for _ in 0..5 {
+            segs.push(client.open_segment(&server.local_segment_name()).await.unwrap());
+        }
+        for round in 0..3 {
+            for &seg in &segs {
+                let b = client
+                    .submit(vec![TransferRequest::write(lid, 0, seg, remote.addr(), 4096)], SubmitOptions::default())
+                    .await
+                    .unwrap();
+                let st = wait(&client, b).await;
+                assert_eq!(st.state, BatchState::Completed, "round {round}: {:?}", st.first_error());
+                client.release(b).unwrap();
+                let s = client.stats();
+                assert!(s.endpoints <= 2 && s.endpoint_lanes <= 4, "bound broken: {s:?}");
+            }
+        }
+        assert_eq!(client.stats().endpoints, 2);
+        // Nothing happens for a while: the timer reclaims both.
+        assert!(eventually(Duration::from_secs(5), || client.stats().endpoints == 0).await, "{:?}", client.stats());
+        assert!(
+            eventually(Duration::from_secs(5), || my_qps() == base_qp).await,
+            "kernel QPs {} vs {base_qp}",
+            my_qps()
+        );
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn remote_access_error_destroys_the_endpoint_and_next_transfer_rebuilds() {
+    run("remote_access_error_destroys_the_endpoint_and_next_transfer_rebuilds", 120, async {
+        let server = transport(config()).await;
+        let client = transport(config()).await;
+        let a = Buffer::new(8192).unwrap();
+        let b = Buffer::new(8192).unwrap();
+        let ra = server.register(a.region(), Access::REMOTE_RW).unwrap();
+        server.register(b.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(8192, 5);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let write = |addr| vec![TransferRequest::write(lid, 0, seg, addr, 8192)];
+        let x = client.submit(write(a.addr()), SubmitOptions::default()).await.unwrap();
+        assert_eq!(wait(&client, x).await.state, BatchState::Completed);
+        client.release(x).unwrap();
+        // The peer revokes region a; our descriptor still names its old rkey.
+        server.unregister(ra).await.unwrap();
+        let x = client.submit(write(a.addr()), SubmitOptions::default()).await.unwrap();
+        let st = wait(&client, x).await;
+        assert_eq!(st.state, BatchState::Failed);
+        let e = st.first_error().unwrap();
+        assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+        assert!(!e.is_transient());
+        client.release(x).unwrap();
+        assert_eq!(client.stats().endpoints, 0, "a broken endpoint is destroyed at once");
+        // The next transfer builds a new endpoint and works.
+        let x = client.submit(write(b.addr()), SubmitOptions::default()).await.unwrap();
+        assert_eq!(wait(&client, x).await.state, BatchState::Completed);
+        client.release(x).unwrap();
+        assert!(b.to_vec() == local.to_vec());
+        assert_eq!(client.stats().endpoints, 1);
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+#[test]
+fn timed_out_and_cancelled_batches_are_quiet_when_terminal() {
+    run("timed_out_and_cancelled_batches_are_quiet_when_terminal", 180, async {
+        let server = transport(config()).await;
+        let client = transport(RdmaConfig { slice_size: 64 << 10, max_outstanding_per_qp: 4, ..config() }).await;
+        const LEN: usize = 32 << 20;
+        let remote = Buffer::new(LEN).unwrap();
+        server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(LEN, 1);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let big = vec![TransferRequest::write(lid, 0, seg, remote.addr(), LEN as u64)];
+
+        let b = client.submit(big.clone(), SubmitOptions::with_timeout(Duration::from_millis(5))).await.unwrap();
+        let st = wait(&client, b).await;
+        assert!(matches!(st.state, BatchState::TimedOut | BatchState::Completed), "{:?}", st.state);
+        assert_eq!(client.stats().inflight, 0, "terminal means quiet: nothing posted");
+        // Once terminal, the remote buffer no longer changes.
+        let snap = remote.to_vec();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(snap == remote.to_vec(), "bytes moved after the batch was reported terminal");
+        client.release(b).unwrap();
+
+        let b = client.submit(big.clone(), SubmitOptions::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let st = client.cancel(b).await.unwrap();
+        assert!(matches!(st.state, BatchState::Cancelled | BatchState::Completed), "{:?}", st.state);
+        assert!(st.requests.iter().all(|r| r.is_terminal()));
+        assert!(matches!(st.requests[0], RequestStatus::Cancelled | RequestStatus::Completed));
+        assert_eq!(client.stats().inflight, 0);
+        client.release(b).unwrap();
+
+        // The endpoint was rebuilt; a full transfer still works.
+        remote.fill(0);
+        let b = client.submit(big, SubmitOptions::default()).await.unwrap();
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert!(remote.to_vec() == local.to_vec());
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A peer in another process: prints its segment name, serves until killed.
+#[test]
+#[ignore = "helper: started as a child process by the churn test"]
+fn peer_process() {
+    let Ok(listen) = std::env::var("KVMOVE_RDMA_PEER_LISTEN") else { return };
+    rt().block_on(async {
+        let t = transport(RdmaConfig { listen, ..config() }).await;
+        let buf = Buffer::new(1 << 16).unwrap();
+        t.register(buf.region(), Access::REMOTE_RW).unwrap();
+        println!("PEER_NAME={}", t.local_segment_name());
+        tokio::time::sleep(Duration::from_secs(120)).await;
+    });
+}
+
+fn start_peer(listen: &str) -> (Child, String) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("KVMOVE_RDMA_PEER_LISTEN", listen)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    for line in BufReader::new(out).lines() {
+        let line = line.unwrap();
+        if let Some(n) = line.strip_prefix("PEER_NAME=") {
+            return (child, n.to_string());
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("peer exited without printing its name");
+}
+
+#[test]
+fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
+    run("churn_killed_and_restarted_peer_never_grows_kernel_qps", 400, async {
+        const MAX_EP: usize = 2;
+        const QPS: usize = 2;
+        let base_qp = my_qps();
+        let cfg = RdmaConfig { max_endpoints: MAX_EP, qps_per_endpoint: QPS, ..config() };
+        let client = Arc::new(transport(cfg).await);
+        let local = buffer_with(1 << 16, 11);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let listen = format!("127.0.0.1:{port}");
+        let (mut peer, name) = start_peer(&listen);
+        // Two handles to the same peer, plus one to a second peer, to keep
+        // the store at its bound.
+        let (mut other, other_name) = start_peer("127.0.0.1:0");
+        let seg = client.open_segment(&name).await.unwrap();
+        let seg2 = client.open_segment(&name).await.unwrap();
+        let seg3 = client.open_segment(&other_name).await.unwrap();
+        let mut max_seen = 0;
+        let mut failures = 0;
+        for round in 0..6 {
+            for s in [seg, seg2, seg3] {
+                // Address from the handle's (possibly refreshed) descriptor.
+                let d = client.segment_descriptor(s).unwrap();
+                let addr = d.regions[0].addr;
+                let b = client
+                    .submit(vec![TransferRequest::write(lid, 0, s, addr, 1 << 16)], SubmitOptions::default())
+                    .await;
+                match b {
+                    Ok(b) => {
+                        let st = wait(&*client, b).await;
+                        if let Some(e) = st.first_error() {
+                            assert!(e.is_transient(), "round {round}: a dead or restarted peer is transient: {e}");
+                            failures += 1;
+                        }
+                        client.release(b).unwrap();
+                    }
+                    Err(e) => {
+                        assert!(e.is_transient(), "round {round}: {e}");
+                        failures += 1;
+                    }
+                }
+                let q = my_qps() - base_qp;
+                max_seen = max_seen.max(q);
+                assert!(q as usize <= MAX_EP * QPS, "round {round}: {q} kernel QPs > {MAX_EP} x {QPS}");
+                assert!(client.stats().endpoints <= MAX_EP);
+            }
+            // Kill the first peer abruptly and start it again on the same port.
+            peer.kill().unwrap();
+            peer.wait().unwrap();
+            let (p, n) = start_peer(&listen);
+            assert_eq!(n, name);
+            peer = p;
+        }
+        eprintln!(
+            "churn: max kernel QPs above baseline {max_seen} (bound {}), {failures} transient failures",
+            MAX_EP * QPS
+        );
+        assert!(failures > 0, "killing the peer must have failed some transfers");
+        for s in [seg, seg2, seg3] {
+            client.close_segment(s).await.unwrap();
+        }
+        assert_eq!(client.stats().endpoints, 0);
+        assert!(
+            eventually(Duration::from_secs(5), || my_qps() == base_qp).await,
+            "kernel QPs {} vs {base_qp}",
+            my_qps()
+        );
+        let _ = peer.kill();
+        let _ = other.kill();
+        let _ = peer.wait();
+        let _ = other.wait();
+        client.shutdown().await.unwrap();
+    });
+}
