@@ -47,7 +47,8 @@ impl Ctx<'_> {
     /// Converts an etcd client error.
     pub fn client(&self, e: etcd_client::Error) -> Error {
         let kind = kind_of(&e);
-        self.error(kind, &e).with_source(e)
+        // The client error's text follows as the source in `Display`.
+        self.error(kind, "request failed").with_source(e)
     }
 }
 

@@ -199,7 +199,7 @@ impl MetadataStore for EtcdStore {
     /// Bytes there that are not a descriptor of `name` are a `Protocol` error.
     async fn get(&self, name: &str) -> Result<Option<SegmentDescriptor>> {
         codec::check_name(name)?;
-        Ok(self.shared.read(name).await?.map(|(desc, _)| desc))
+        Ok(self.shared.read(name, "get").await?.map(|(desc, _)| desc))
     }
 
     /// Removes the descriptor of `name`.
@@ -243,14 +243,18 @@ impl Shared {
     }
 
     /// Reads the descriptor of `name` with the key's mod revision.
-    pub(crate) async fn read(&self, name: &str) -> Result<Option<(SegmentDescriptor, i64)>> {
-        Ok(self.read_at(name).await?.0)
+    pub(crate) async fn read(&self, name: &str, op: &'static str) -> Result<Option<(SegmentDescriptor, i64)>> {
+        Ok(self.read_at(name, op).await?.0)
     }
 
     /// Like [`read`](Self::read), plus the store revision the read saw.
-    pub(crate) async fn read_at(&self, name: &str) -> Result<(Option<(SegmentDescriptor, i64)>, i64)> {
+    pub(crate) async fn read_at(
+        &self,
+        name: &str,
+        op: &'static str,
+    ) -> Result<(Option<(SegmentDescriptor, i64)>, i64)> {
         let key = self.config.key_for(name);
-        let ctx = self.ctx("get", &key);
+        let ctx = self.ctx(op, &key);
         let mut client = self.client.clone();
         let resp = bounded(&ctx, self.config.request_timeout, client.get(key.as_bytes(), None)).await?;
         let revision = resp.header().map_or(0, |h| h.revision());
@@ -266,7 +270,7 @@ impl Shared {
         let ctx = self.ctx("put", &key);
         let value = codec::encode(desc, &ctx)?;
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let compare = match self.read(&desc.name).await? {
+            let compare = match self.read(&desc.name, "put").await? {
                 None => Compare::create_revision(key.as_bytes(), CompareOp::Equal, 0),
                 Some((stored, _)) if stored.generation > desc.generation => {
                     return Err(ctx
@@ -340,8 +344,7 @@ fn unreachable(ctx: &Ctx<'_>, e: Error) -> Error {
     match e.kind() {
         ErrorKind::Config | ErrorKind::AuthFailed => e,
         _ => ctx
-            .attach(Error::new(ErrorKind::ConnectionRefused, "no etcd endpoint answered"))
-            .with("cause", e.message())
+            .attach(Error::new(ErrorKind::ConnectionRefused, "etcd connect: no etcd endpoint answered"))
             .with_source(e),
     }
 }

@@ -40,7 +40,7 @@ pub struct SegmentWatch {
 
 impl SegmentWatch {
     pub(crate) async fn start(shared: &Shared, name: &str) -> Result<Self> {
-        let (current, revision) = shared.read_at(name).await?;
+        let (current, revision) = shared.read_at(name, "watch").await?;
         let key = shared.config.key_for(name);
         let ctx = shared.ctx("watch", &key);
         let options = WatchOptions::new().with_start_revision(revision.saturating_add(1));

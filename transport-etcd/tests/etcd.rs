@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::future::Future;
+use std::io::Write;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -147,7 +148,11 @@ fn etcd_binary() -> Option<PathBuf> {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("etcd not installed (CI=true): run transport-etcd/install-etcd.sh (Debian package etcd-server)");
     }
-    eprintln!("SKIPPED: etcd not installed (apt-get install etcd-server, or transport-etcd/install-etcd.sh)");
+    // Straight to the process's stderr: libtest captures `eprintln!` of passing tests.
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED: etcd not installed (apt-get install etcd-server, or transport-etcd/install-etcd.sh)"
+    );
     None
 }
 
