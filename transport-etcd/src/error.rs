@@ -86,3 +86,34 @@ fn kind_of_status(code: tonic::Code) -> ErrorKind {
         C::Ok | C::Unknown | C::Internal | C::DataLoss => ErrorKind::Io,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_codes_map_to_kinds() {
+        let status = |code| etcd_client::Error::GRpcStatus(tonic::Status::new(code, "x"));
+        assert_eq!(kind_of(&status(tonic::Code::Unavailable)), ErrorKind::ConnectionRefused);
+        assert_eq!(kind_of(&status(tonic::Code::DeadlineExceeded)), ErrorKind::Timeout);
+        assert_eq!(kind_of(&status(tonic::Code::PermissionDenied)), ErrorKind::AuthFailed);
+        assert_eq!(kind_of(&status(tonic::Code::InvalidArgument)), ErrorKind::InvalidRequest);
+        assert!(kind_of(&status(tonic::Code::Unavailable)).is_transient());
+        assert!(!kind_of(&status(tonic::Code::Unauthenticated)).is_transient());
+        assert_eq!(kind_of(&etcd_client::Error::WatchError("closed".into())), ErrorKind::ConnectionReset);
+        assert_eq!(kind_of(&etcd_client::Error::InvalidArgs("bad".into())), ErrorKind::Config);
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(kind_of(&etcd_client::Error::IoError(io)), ErrorKind::ConnectionRefused);
+    }
+
+    #[test]
+    fn context_names_op_key_and_endpoint() {
+        let ctx = Ctx { op: "get", key: "/kvmove/segments/a", endpoint: "http://127.0.0.1:2379" };
+        let e = ctx.timed_out(Duration::from_millis(250));
+        assert_eq!(e.kind(), ErrorKind::Timeout);
+        assert_eq!(e.context_value("op"), Some("get"));
+        assert_eq!(e.context_value("key"), Some("/kvmove/segments/a"));
+        assert_eq!(e.context_value("endpoint"), Some("http://127.0.0.1:2379"));
+        assert!(e.to_string().contains("no answer within 250 ms"), "{e}");
+    }
+}

@@ -400,6 +400,29 @@ async fn watcher_sees_a_restart_as_a_new_generation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watcher_never_goes_back_in_generations() {
+    let Some(etcd) = Etcd::start().await else { return };
+    bounded(async {
+        let observer = etcd.store(10).await;
+        let peer = etcd.store(10).await;
+        peer.put(desc("g", 5)).await.unwrap();
+        let mut watch = observer.watch("g").await.unwrap();
+        assert_eq!(watch.current().map(|d| d.generation), Some(5));
+
+        // A writer that bypasses the store's check puts an older generation,
+        // then a newer one: the watch skips the older one.
+        let mut raw = etcd.raw().await;
+        raw.put("/kvmove/segments/g", serde_json::to_vec(&desc("g", 3)).unwrap(), None).await.unwrap();
+        raw.put("/kvmove/segments/g", serde_json::to_vec(&desc("g", 6)).unwrap(), None).await.unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(10), watch.changed()).await.unwrap().unwrap();
+        assert_eq!(next.map(|d| d.generation), Some(6));
+        peer.close().await.unwrap();
+        observer.close().await.unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_bytes_under_our_key_are_a_protocol_error() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
