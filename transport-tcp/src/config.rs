@@ -1,0 +1,167 @@
+//! The TCP backend's configuration (serde, with documented defaults).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use transport_core::{Error, ErrorKind, Result};
+
+/// Configuration of a [`crate::TcpTransport`]. Every field has a default;
+/// a JSON or TOML config may name only the fields it changes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TcpConfig {
+    /// Address the listener binds; its `host:port` is the segment name peers
+    /// open. Default `127.0.0.1:0` (loopback, any free port).
+    pub listen: String,
+    /// TCP connections ("lanes") per peer endpoint; large requests are cut
+    /// into slices spread over them. Default 4.
+    pub lanes: usize,
+    /// Largest slice a request is cut into, in bytes (also the largest frame
+    /// payload sent). Default 1 MiB: big enough that per-frame costs vanish,
+    /// small enough that 4 lanes x `window` slices stay a few MiB.
+    pub slice_size: usize,
+    /// Slices a lane may have outstanding (sent, not yet answered). Default
+    /// 64; with small requests this is the pipelining depth per lane.
+    pub window: usize,
+    /// Bound on live endpoints (rule 4); at the bound an idle endpoint is
+    /// evicted (its sockets closed), or the caller waits up to
+    /// `connect_timeout` for one to become idle. Default 64.
+    pub max_endpoints: usize,
+    /// An endpoint unused for this long is closed by the reaper task.
+    /// Default 30 s.
+    #[serde(with = "millis")]
+    pub idle_timeout: Duration,
+    /// Connecting and handshaking one lane (and fetching a descriptor) must
+    /// finish within this. Default 5 s.
+    #[serde(with = "millis")]
+    pub connect_timeout: Duration,
+    /// `TCP_NODELAY` on every socket. Default true.
+    pub nodelay: bool,
+    /// `SO_SNDBUF` in bytes, `None` = the kernel's autotuning. Default 4 MiB.
+    pub send_buffer: Option<usize>,
+    /// `SO_RCVBUF` in bytes, `None` = the kernel's autotuning. Default 4 MiB.
+    pub recv_buffer: Option<usize>,
+    /// TCP keepalive idle time, `None` = off. Default 10 s.
+    #[serde(with = "opt_millis")]
+    pub keepalive: Option<Duration>,
+    /// Shared secret. When set, both sides prove they hold it (HMAC-SHA256
+    /// challenge-response) before any request is served, and a peer without
+    /// it is refused (`AuthFailed`). Default `None` (no authentication).
+    pub secret: Option<String>,
+    /// Largest frame payload accepted from a peer, in bytes; a larger frame
+    /// closes the connection. Bounds memory per connection. Must be at least
+    /// `slice_size`. Default 1 MiB.
+    pub max_frame: usize,
+    /// Connections the server accepts at once; more are refused (closed).
+    /// Default 1024.
+    pub max_connections: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:0".into(),
+            lanes: 4,
+            slice_size: 1 << 20,
+            window: 64,
+            max_endpoints: 64,
+            idle_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            nodelay: true,
+            send_buffer: Some(4 << 20),
+            recv_buffer: Some(4 << 20),
+            keepalive: Some(Duration::from_secs(10)),
+            secret: None,
+            max_frame: 1 << 20,
+            max_connections: 1024,
+        }
+    }
+}
+
+impl TcpConfig {
+    /// Checks the values; names the field that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("tcp.{field}: {why}")));
+        if self.lanes == 0 || self.lanes > 64 {
+            return bad("lanes", "must be 1..=64");
+        }
+        if self.slice_size < 4096 || self.slice_size > (64 << 20) {
+            return bad("slice_size", "must be 4 KiB..=64 MiB");
+        }
+        if self.window == 0 || self.window > 4096 {
+            return bad("window", "must be 1..=4096");
+        }
+        if self.max_endpoints == 0 {
+            return bad("max_endpoints", "must be at least 1");
+        }
+        if self.max_frame < self.slice_size || self.max_frame > (64 << 20) {
+            return bad("max_frame", "must be at least slice_size and at most 64 MiB");
+        }
+        if self.idle_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("idle_timeout/connect_timeout", "must be positive");
+        }
+        if self.max_connections == 0 {
+            return bad("max_connections", "must be at least 1");
+        }
+        if matches!(&self.secret, Some(s) if s.is_empty()) {
+            return bad("secret", "must not be empty (leave it out to disable authentication)");
+        }
+        Ok(())
+    }
+}
+
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+mod opt_millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&(d.as_millis() as u64)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_round_trip() {
+        let c = TcpConfig::default();
+        c.validate().unwrap();
+        let j = serde_json::to_string(&c).unwrap();
+        let back: TcpConfig = serde_json::from_str(&j).unwrap();
+        assert_eq!(c, back);
+        let partial: TcpConfig = serde_json::from_str(r#"{"lanes": 2, "idle_timeout": 500}"#).unwrap();
+        assert_eq!(partial.lanes, 2);
+        assert_eq!(partial.idle_timeout, Duration::from_millis(500));
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let c = TcpConfig { max_frame: 1024, ..TcpConfig::default() };
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("max_frame"));
+    }
+}

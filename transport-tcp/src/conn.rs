@@ -1,0 +1,192 @@
+//! Sockets: options, connecting, the client side of the handshake, and
+//! frame I/O helpers shared by both sides.
+
+use std::net::SocketAddr;
+
+use socket2::{SockRef, TcpKeepalive};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use transport_core::{Error, ErrorKind, Result};
+
+use crate::auth::{self, Role};
+use crate::config::TcpConfig;
+use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
+
+/// Applies the configured socket options. Lanes also get `SO_LINGER 0`,
+/// so destroying an endpoint resets its connections (RST) and discards
+/// bytes not yet delivered, rather than flushing them.
+pub(crate) fn apply_options(s: &TcpStream, cfg: &TcpConfig, abortive: bool) -> std::io::Result<()> {
+    s.set_nodelay(cfg.nodelay)?;
+    let r = SockRef::from(s);
+    if let Some(n) = cfg.send_buffer {
+        r.set_send_buffer_size(n)?;
+    }
+    if let Some(n) = cfg.recv_buffer {
+        r.set_recv_buffer_size(n)?;
+    }
+    if let Some(t) = cfg.keepalive {
+        r.set_tcp_keepalive(&TcpKeepalive::new().with_time(t))?;
+    }
+    if abortive {
+        r.set_linger(Some(std::time::Duration::ZERO))?;
+    }
+    Ok(())
+}
+
+/// Maps a protocol error to the public error (transient: a new connection
+/// may work).
+pub(crate) fn proto_err(e: ProtoError, peer: &str) -> Error {
+    Error::new(ErrorKind::Protocol, format!("peer sent a malformed frame: {e}")).with("peer", peer)
+}
+
+/// Maps a status from the peer to the public error.
+pub(crate) fn status_err(s: Status, peer: &str) -> Error {
+    let (kind, msg) = match s {
+        Status::Ok => (ErrorKind::Internal, "ok status treated as an error"),
+        Status::OutOfBounds => (ErrorKind::OutOfBounds, "the range is not inside one region the peer exposes"),
+        Status::AccessDenied => (ErrorKind::AccessDenied, "the peer's region does not allow this access"),
+        Status::Unregistered => (ErrorKind::Unregistered, "the peer unregistered the region"),
+        Status::StaleGeneration => (ErrorKind::PeerRestarted, "the peer restarted (generation changed)"),
+        Status::AuthFailed => (ErrorKind::AuthFailed, "the peer refused our authentication"),
+        Status::TooLarge => (ErrorKind::InvalidRequest, "the peer refused an oversized frame"),
+        Status::VersionMismatch => (ErrorKind::HandshakeFailed, "the peer speaks another protocol version"),
+        Status::Busy => (ErrorKind::ConnectionRefused, "the peer is at its connection limit"),
+        Status::Protocol => (ErrorKind::Protocol, "the peer could not parse our frames"),
+    };
+    Error::new(kind, msg).with("peer", peer)
+}
+
+/// Reads and validates one frame header.
+pub(crate) async fn read_header<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_frame: usize,
+    peer: &str,
+) -> Result<Header> {
+    let mut b = [0u8; HEADER_LEN];
+    r.read_exact(&mut b).await.map_err(|e| Error::from(e).with("peer", peer))?;
+    Header::decode(&b, max_frame).map_err(|e| proto_err(e, peer))
+}
+
+/// Reads a whole small frame (header + payload).
+async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize, peer: &str) -> Result<(Header, Vec<u8>)> {
+    let h = read_header(r, max_frame, peer).await?;
+    let mut p = vec![0u8; h.payload_len as usize];
+    r.read_exact(&mut p).await.map_err(|e| Error::from(e).with("peer", peer))?;
+    Ok((h, p))
+}
+
+/// Writes a header and a payload.
+pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, mut h: Header, payload: &[u8]) -> std::io::Result<()> {
+    h.payload_len = payload.len() as u32;
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    h.encode_into(&mut out);
+    out.extend_from_slice(payload);
+    w.write_all(&out).await
+}
+
+/// What the client learns from a handshake.
+#[derive(Debug, Clone)]
+pub(crate) struct Hello {
+    pub generation: u64,
+}
+
+/// Connects one lane: TCP connect, options, handshake (version, optional
+/// mutual authentication). Bounded by `connect_timeout`.
+pub(crate) async fn connect(addr: SocketAddr, cfg: &TcpConfig, peer: &str) -> Result<(TcpStream, Hello)> {
+    let fut = async {
+        let sock = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        if let Some(n) = cfg.send_buffer {
+            sock.set_send_buffer_size(n as u32)?;
+        }
+        if let Some(n) = cfg.recv_buffer {
+            sock.set_recv_buffer_size(n as u32)?;
+        }
+        let s = sock.connect(addr).await?;
+        apply_options(&s, cfg, true)?;
+        Ok::<_, std::io::Error>(s)
+    };
+    let mut s = tokio::time::timeout(cfg.connect_timeout, fut)
+        .await
+        .map_err(|_| Error::new(ErrorKind::ConnectionRefused, "connect timed out").with("peer", peer))?
+        .map_err(|e| Error::from(e).with("peer", peer))?;
+    let hello = tokio::time::timeout(cfg.connect_timeout, handshake(&mut s, cfg, peer))
+        .await
+        .map_err(|_| Error::new(ErrorKind::HandshakeFailed, "handshake timed out").with("peer", peer))??;
+    Ok((s, hello))
+}
+
+async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hello> {
+    let io = |e: std::io::Error| Error::from(e).with("peer", peer);
+    let cn = auth::nonce();
+    let mut hello = Vec::with_capacity(2 + NONCE_LEN);
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&cn);
+    write_frame(s, Header::new(FrameType::Hello), &hello).await.map_err(io)?;
+    let (h, sn) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(handshake_kind)?;
+    if h.ty == FrameType::Error {
+        return Err(status_err(h.status, peer));
+    }
+    if h.ty != FrameType::Challenge {
+        return Err(Error::new(ErrorKind::HandshakeFailed, "expected CHALLENGE").with("peer", peer));
+    }
+    let auth_required = h.flags & 1 != 0;
+    let proof = match (&cfg.secret, auth_required) {
+        (Some(k), true) => auth::prove(k.as_bytes(), Role::Client, &cn, &sn),
+        (None, true) => {
+            return Err(Error::new(ErrorKind::AuthFailed, "the peer requires a shared secret and none is configured")
+                .with("peer", peer))
+        }
+        (_, false) => Vec::new(),
+    };
+    write_frame(s, Header::new(FrameType::Auth), &proof).await.map_err(io)?;
+    let (r, server_proof) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(|e| {
+        // A server that refuses our proof closes after an ERROR frame; a
+        // reset while reading the answer means the same.
+        if auth_required && e.kind() == ErrorKind::ConnectionReset {
+            Error::new(ErrorKind::AuthFailed, "the peer closed the connection after our proof").with("peer", peer)
+        } else {
+            handshake_kind(e)
+        }
+    })?;
+    match r.ty {
+        FrameType::Ready => {}
+        FrameType::Error => return Err(status_err(r.status, peer)),
+        _ => return Err(Error::new(ErrorKind::HandshakeFailed, "expected READY").with("peer", peer)),
+    }
+    if let Some(k) = &cfg.secret {
+        // With a secret configured we require the server to prove it too,
+        // so an impostor listening on the address is never sent data.
+        if !auth_required || !auth::verify(k.as_bytes(), Role::Server, &cn, &sn, &server_proof) {
+            return Err(Error::new(ErrorKind::AuthFailed, "the peer did not prove the shared secret").with("peer", peer));
+        }
+    }
+    Ok(Hello { generation: h.generation })
+}
+
+fn handshake_kind(e: Error) -> Error {
+    if e.kind() == ErrorKind::Protocol {
+        Error::new(ErrorKind::HandshakeFailed, e.message().to_owned())
+    } else {
+        e
+    }
+}
+
+/// Fetches the descriptor over a freshly handshaken connection.
+pub(crate) async fn fetch_regions(
+    s: &mut TcpStream,
+    cfg: &TcpConfig,
+    id: u64,
+    peer: &str,
+) -> Result<(u64, Vec<WireRegion>)> {
+    let mut h = Header::new(FrameType::DescReq);
+    h.id = id;
+    write_frame(s, h, &[]).await.map_err(|e| Error::from(e).with("peer", peer))?;
+    let (r, p) = tokio::time::timeout(cfg.connect_timeout, read_frame(s, cfg.max_frame, peer))
+        .await
+        .map_err(|_| Error::new(ErrorKind::Timeout, "descriptor fetch timed out").with("peer", peer))??;
+    if r.ty != FrameType::DescResp || r.id != id {
+        return Err(Error::new(ErrorKind::Protocol, "expected DESC_RESP").with("peer", peer));
+    }
+    let regions = proto::decode_regions(&p).map_err(|e| proto_err(e, peer))?;
+    Ok((r.generation, regions))
+}

@@ -1,0 +1,478 @@
+//! An endpoint: the pool of lanes (TCP connections) to one peer, the queue
+//! of work they pull slices from, and its destruction.
+//!
+//! Each lane has a writer task (pulls slices, copies WRITE payloads out of
+//! local memory into a bounded send buffer, coalesces small frames into one
+//! `write`) and a reader task (matches answers to outstanding slices by
+//! request id, copies READ payloads into local memory). A lane may have
+//! `window` slices outstanding. Any lane error destroys the whole endpoint
+//! (rule 2): it is removed from the cache, its tasks are aborted and
+//! joined (closing the sockets with RST), and only then are its queued and
+//! outstanding slices failed, so their requests are reported terminal only
+//! when nothing can touch their memory any more.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinHandle;
+use transport_core::{Error, ErrorKind, Opcode, Result};
+
+use crate::batch::Batch;
+use crate::config::TcpConfig;
+use crate::conn::{self, read_header, status_err};
+use crate::proto::{FrameType, Header, Status, WireRegion, HEADER_LEN};
+use crate::tasks::{spawn_counted, Counters};
+
+/// Bytes a writer gathers before one `write` when slices are small.
+const COALESCE: usize = 256 << 10;
+
+/// The requests of one batch routed to one endpoint, and how far the lanes
+/// got in cutting them into slices.
+#[derive(Debug)]
+pub(crate) struct Work {
+    pub batch: Arc<Batch>,
+    pub idx: Vec<u32>,
+    pub generation: u64,
+    pos: usize,
+    off: u64,
+}
+
+impl Work {
+    pub fn new(batch: Arc<Batch>, idx: Vec<u32>, generation: u64) -> Self {
+        Self { batch, idx, generation, pos: 0, off: 0 }
+    }
+}
+
+#[derive(Debug)]
+struct Slice {
+    batch: Arc<Batch>,
+    req: usize,
+    len: u64,
+    local_off: u64,
+    op: Opcode,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    dead: bool,
+    map: HashMap<u64, Slice>,
+}
+
+#[derive(Debug)]
+struct Lane {
+    pending: Mutex<Pending>,
+    window: Semaphore,
+}
+
+/// The set of live endpoints; an endpoint removes itself when destroyed.
+#[derive(Debug, Default)]
+pub(crate) struct Cache {
+    pub map: Mutex<HashMap<String, Arc<Endpoint>>>,
+}
+
+/// The lane pool to one peer.
+#[derive(Debug)]
+pub(crate) struct Endpoint {
+    pub name: String,
+    pub addr: SocketAddr,
+    /// The peer's generation, the same on every lane's handshake.
+    pub generation: u64,
+    /// The regions the peer exposed when the endpoint was built.
+    pub regions: Vec<WireRegion>,
+    cfg: Arc<TcpConfig>,
+    counters: Arc<Counters>,
+    cache: Weak<Cache>,
+    lanes: Vec<Lane>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    queue: Mutex<VecDeque<Work>>,
+    notify: Notify,
+    dead: AtomicBool,
+    last_used: AtomicU64,
+}
+
+impl Endpoint {
+    /// Connects `cfg.lanes` lanes to `addr`, fetches the descriptor over
+    /// the first, and starts the lane tasks.
+    pub async fn connect(
+        name: &str,
+        addr: SocketAddr,
+        cfg: Arc<TcpConfig>,
+        counters: Arc<Counters>,
+        cache: &Arc<Cache>,
+    ) -> Result<Arc<Endpoint>> {
+        let mut streams = Vec::with_capacity(cfg.lanes);
+        let mut generation = 0;
+        let mut regions = Vec::new();
+        for i in 0..cfg.lanes {
+            let (mut s, hello) = conn::connect(addr, &cfg, name).await?;
+            if i == 0 {
+                let (g, r) = conn::fetch_regions(&mut s, &cfg, counters.next_id(), name).await?;
+                if g != hello.generation {
+                    return Err(Error::new(ErrorKind::PeerRestarted, "generation changed during the handshake")
+                        .with("peer", name));
+                }
+                generation = g;
+                regions = r;
+            } else if hello.generation != generation {
+                return Err(Error::new(ErrorKind::PeerRestarted, "the peer restarted while lanes were connecting")
+                    .with("peer", name));
+            }
+            streams.push(s);
+        }
+        let ep = Arc::new(Endpoint {
+            name: name.to_owned(),
+            addr,
+            generation,
+            regions,
+            lanes: (0..cfg.lanes)
+                .map(|_| Lane { pending: Mutex::new(Pending::default()), window: Semaphore::new(cfg.window) })
+                .collect(),
+            cfg,
+            counters: counters.clone(),
+            cache: Arc::downgrade(cache),
+            tasks: Mutex::new(Vec::new()),
+            queue: Mutex::new(VecDeque::new()),
+            notify: Notify::new(),
+            dead: AtomicBool::new(false),
+            last_used: AtomicU64::new(counters.now_ms()),
+        });
+        counters.lanes.fetch_add(streams.len(), Ordering::Relaxed);
+        let mut tasks = Vec::with_capacity(2 * streams.len());
+        for (i, s) in streams.into_iter().enumerate() {
+            let (r, w) = s.into_split();
+            tasks.push(spawn_counted(&counters, ep.clone().reader(i, r)));
+            tasks.push(spawn_counted(&counters, ep.clone().writer(i, w)));
+        }
+        *ep.tasks.lock() = tasks;
+        Ok(ep)
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// Milliseconds (transport clock) of the last use.
+    pub fn last_used(&self) -> u64 {
+        self.last_used.load(Ordering::Relaxed)
+    }
+
+    /// Whether any slice is queued or outstanding.
+    pub fn busy(&self) -> bool {
+        !self.queue.lock().is_empty() || self.lanes.iter().any(|l| !l.pending.lock().map.is_empty())
+    }
+
+    /// Whether `batch` has slices queued or outstanding here.
+    pub fn carries(&self, batch: &Arc<Batch>) -> bool {
+        self.queue.lock().iter().any(|w| Arc::ptr_eq(&w.batch, batch))
+            || self.lanes.iter().any(|l| l.pending.lock().map.values().any(|s| Arc::ptr_eq(&s.batch, batch)))
+    }
+
+    /// Queues work for the lanes. Fails it at once if the endpoint died.
+    pub fn enqueue(&self, work: Work) {
+        self.last_used.store(self.counters.now_ms(), Ordering::Relaxed);
+        {
+            let mut q = self.queue.lock();
+            if !self.is_dead() {
+                q.push_back(work);
+                drop(q);
+                self.notify.notify_waiters();
+                return;
+            }
+        }
+        let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &self.name);
+        fail_work(&work, self.cfg.slice_size as u64, &err);
+    }
+
+    /// Removes `batch`'s queued (unsent) slices, ending them as skipped.
+    pub fn unqueue(&self, batch: &Arc<Batch>) {
+        let removed: Vec<Work> = {
+            let mut q = self.queue.lock();
+            let (out, keep): (Vec<Work>, Vec<Work>) = q.drain(..).partition(|w| Arc::ptr_eq(&w.batch, batch));
+            q.extend(keep);
+            out
+        };
+        for w in &removed {
+            end_work(w, self.cfg.slice_size as u64, None);
+        }
+    }
+
+    /// Marks the endpoint broken and destroys it in the background (used
+    /// from lane tasks, which cannot join themselves).
+    fn broke(self: &Arc<Self>, err: Error) {
+        if self.dead.load(Ordering::Acquire) {
+            return;
+        }
+        tracing::warn!(peer = %self.name, error = %err, "endpoint broken; destroying it");
+        let ep = self.clone();
+        spawn_counted(&self.counters, async move { ep.destroy(err).await });
+    }
+
+    /// Destroys the endpoint: out of the cache, lane tasks aborted and
+    /// joined (sockets closed with RST), then every queued and outstanding
+    /// slice failed with `err`. Idempotent; returns when all of it is done.
+    pub async fn destroy(self: &Arc<Self>, err: Error) {
+        self.dead.store(true, Ordering::Release);
+        if let Some(cache) = self.cache.upgrade() {
+            let mut m = cache.map.lock();
+            if m.get(&self.name).is_some_and(|e| Arc::ptr_eq(e, self)) {
+                m.remove(&self.name);
+            }
+        }
+        for l in &self.lanes {
+            l.pending.lock().dead = true;
+        }
+        let tasks = std::mem::take(&mut *self.tasks.lock());
+        if tasks.is_empty() {
+            return;
+        }
+        for t in &tasks {
+            t.abort();
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+        self.counters.lanes.fetch_sub(self.lanes.len(), Ordering::Relaxed);
+        let queued: Vec<Work> = self.queue.lock().drain(..).collect();
+        for w in &queued {
+            fail_work(w, self.cfg.slice_size as u64, &err);
+        }
+        for l in &self.lanes {
+            let slices: Vec<Slice> = l.pending.lock().map.drain().map(|(_, s)| s).collect();
+            for s in slices {
+                s.batch.slice_done(s.req, Some(err.clone()));
+            }
+        }
+    }
+
+    /// Takes the next slice off the queue.
+    fn take_slice(&self) -> Option<(Arc<Batch>, usize, u64, u64, u64)> {
+        let mut q = self.queue.lock();
+        let slice = self.cfg.slice_size as u64;
+        loop {
+            let w = q.front_mut()?;
+            let Some(&i) = w.idx.get(w.pos) else {
+                q.pop_front();
+                continue;
+            };
+            let i = i as usize;
+            let req = w.batch.reqs[i];
+            let off = w.off;
+            let len = slice.min(req.len - off);
+            w.off += len;
+            if w.off >= req.len {
+                w.pos += 1;
+                w.off = 0;
+            }
+            let generation = w.generation;
+            let batch = w.batch.clone();
+            if w.pos >= w.idx.len() {
+                q.pop_front();
+            }
+            return Some((batch, i, off, len, generation));
+        }
+    }
+
+    /// Puts one slice's frame into `buf[*used..]` and records it as
+    /// outstanding on `lane`. Returns false (and ends the slice) when its
+    /// request is no longer alive or its memory is gone.
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &self,
+        lane: usize,
+        batch: Arc<Batch>,
+        i: usize,
+        off: u64,
+        len: u64,
+        generation: u64,
+        buf: &mut Vec<u8>,
+        used: &mut usize,
+    ) -> bool {
+        let req = batch.reqs[i];
+        let id = self.counters.next_id();
+        let mut h = Header::new(if req.op == Opcode::Write { FrameType::Write } else { FrameType::Read });
+        h.id = id;
+        h.addr = req.remote_addr + off;
+        h.len = len;
+        h.generation = generation;
+        let start = *used;
+        let frame_len = HEADER_LEN + if req.op == Opcode::Write { len as usize } else { 0 };
+        if buf.len() < start + frame_len {
+            buf.resize(start + frame_len, 0);
+        }
+        if req.op == Opcode::Write {
+            h.payload_len = len as u32;
+            let copied = match batch.enter(i) {
+                None => Ok(false),
+                Some(_g) => {
+                    let dst = &mut buf[start + HEADER_LEN..start + frame_len];
+                    match batch.locals[i].with_live(|m| m.read_at((req.local_offset + off) as usize, dst)) {
+                        Some(Ok(())) => Ok(true),
+                        Some(Err(e)) => Err(Error::from(e)),
+                        None => Err(Error::new(ErrorKind::Unregistered, "the local region was unregistered")),
+                    }
+                }
+            };
+            match copied {
+                Ok(true) => {}
+                Ok(false) => {
+                    batch.slice_done(i, None);
+                    return false;
+                }
+                Err(e) => {
+                    batch.slice_done(i, Some(e));
+                    return false;
+                }
+            }
+        } else if !batch.is_alive(i) {
+            batch.slice_done(i, None);
+            return false;
+        }
+        buf[start..start + HEADER_LEN].copy_from_slice(&h.encode());
+        let mut p = self.lanes[lane].pending.lock();
+        if p.dead {
+            drop(p);
+            let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &self.name);
+            batch.slice_done(i, Some(err));
+            return false;
+        }
+        p.map.insert(id, Slice { batch, req: i, len, local_off: req.local_offset + off, op: req.op });
+        *used = start + frame_len;
+        true
+    }
+
+    async fn writer(self: Arc<Self>, lane: usize, mut w: OwnedWriteHalf) {
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            let Ok(permit) = self.lanes[lane].window.acquire().await else { return };
+            permit.forget();
+            let first = loop {
+                let notified = self.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if let Some(s) = self.take_slice() {
+                    break s;
+                }
+                notified.await;
+            };
+            let mut used = 0;
+            let mut staged = 0usize;
+            let (b, i, off, len, g) = first;
+            if self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
+                staged += 1;
+            } else {
+                self.lanes[lane].window.add_permits(1);
+            }
+            while used < COALESCE {
+                let Ok(p) = self.lanes[lane].window.try_acquire() else { break };
+                let Some((b, i, off, len, g)) = self.take_slice() else { break };
+                p.forget();
+                if self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
+                    staged += 1;
+                } else {
+                    self.lanes[lane].window.add_permits(1);
+                }
+            }
+            if staged == 0 {
+                continue;
+            }
+            if let Err(e) = w.write_all(&buf[..used]).await {
+                self.broke(Error::from(e).with("peer", &self.name));
+                return;
+            }
+            if buf.len() > 2 * COALESCE.max(self.cfg.slice_size + HEADER_LEN) {
+                buf = Vec::new();
+            }
+        }
+    }
+
+    async fn reader(self: Arc<Self>, lane: usize, r: OwnedReadHalf) {
+        let mut r = BufReader::with_capacity(COALESCE, r);
+        let mut payload: Vec<u8> = Vec::new();
+        let peer = self.name.clone();
+        loop {
+            let h = match read_header(&mut r, self.cfg.max_frame, &peer).await {
+                Ok(h) => h,
+                Err(e) => return self.broke(e),
+            };
+            self.last_used.store(self.counters.now_ms(), Ordering::Relaxed);
+            match h.ty {
+                FrameType::WriteAck | FrameType::ReadResp => {}
+                other => {
+                    return self.broke(
+                        Error::new(ErrorKind::Protocol, format!("unexpected {other:?} frame")).with("peer", &peer),
+                    )
+                }
+            }
+            let n = h.payload_len as usize;
+            if n > 0 {
+                if payload.len() < n {
+                    payload.resize(n, 0);
+                }
+                if let Err(e) = tokio::io::AsyncReadExt::read_exact(&mut r, &mut payload[..n]).await {
+                    return self.broke(Error::from(e).with("peer", &peer));
+                }
+            }
+            let slice = self.lanes[lane].pending.lock().map.remove(&h.id);
+            let Some(s) = slice else {
+                if self.is_dead() {
+                    return;
+                }
+                return self.broke(
+                    Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer),
+                );
+            };
+            let expected = if s.op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
+            if h.ty != expected || (h.status == Status::Ok && h.ty == FrameType::ReadResp && h.len != s.len) {
+                s.batch.slice_done(s.req, Some(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer)));
+                return self.broke(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer));
+            }
+            self.lanes[lane].window.add_permits(1);
+            let err = if h.status != Status::Ok {
+                Some(status_err(h.status, &peer))
+            } else if s.op == Opcode::Read {
+                match s.batch.enter(s.req) {
+                    None => None,
+                    Some(_g) => {
+                        match s.batch.locals[s.req].with_live(|m| m.write_at(s.local_off as usize, &payload[..n])) {
+                            Some(Ok(())) => None,
+                            Some(Err(e)) => Some(Error::from(e)),
+                            None => Some(Error::new(ErrorKind::Unregistered, "the local region was unregistered")),
+                        }
+                    }
+                }
+            } else {
+                None
+            };
+            s.batch.slice_done(s.req, err);
+            if payload.len() > 2 * self.cfg.slice_size {
+                payload = Vec::new();
+            }
+        }
+    }
+}
+
+/// Number of slices of `len` bytes from `off`.
+fn slices_from(len: u64, off: u64, slice: u64) -> u64 {
+    (len - off).div_ceil(slice)
+}
+
+/// Ends every slice of `w` not yet taken by a lane.
+fn end_work(w: &Work, slice: u64, err: Option<&Error>) {
+    for (k, &i) in w.idx.iter().enumerate().skip(w.pos) {
+        let i = i as usize;
+        let off = if k == w.pos { w.off } else { 0 };
+        for _ in 0..slices_from(w.batch.reqs[i].len, off, slice) {
+            w.batch.slice_done(i, err.cloned());
+        }
+    }
+}
+
+fn fail_work(w: &Work, slice: u64, err: &Error) {
+    end_work(w, slice, Some(err));
+}

@@ -1,0 +1,145 @@
+//! Registered memory: one table for both sides (local sources and sinks,
+//! and regions peers may reach), with a gate per region so unregister can
+//! wait until no copy into or out of it is running.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use transport_core::{Access, Error, ErrorKind, RegionId, Result};
+use transport_mem::MemoryRegion;
+
+use crate::proto::{Status, WireRegion};
+
+/// One registered region.
+#[derive(Debug)]
+pub(crate) struct Region {
+    pub id: RegionId,
+    pub mem: MemoryRegion,
+    pub access: Access,
+    /// `true` while registered. Every copy holds it shared; unregister
+    /// takes it exclusively to flip it, so once that returns no copy runs
+    /// and none starts.
+    gate: RwLock<bool>,
+}
+
+impl Region {
+    /// Runs `f` on the memory while the region is registered; `None` (and
+    /// `f` not run) once it was unregistered.
+    pub fn with_live<R>(&self, f: impl FnOnce(&MemoryRegion) -> R) -> Option<R> {
+        let g = self.gate.read();
+        if *g {
+            Some(f(&self.mem))
+        } else {
+            None
+        }
+    }
+
+    /// Marks the region dead, waiting for running copies to finish.
+    pub fn kill(&self) {
+        *self.gate.write() = false;
+    }
+
+    /// Copies `dst.len()` bytes from the absolute address `addr`.
+    pub fn read_abs(&self, addr: u64, dst: &mut [u8]) -> std::result::Result<(), Status> {
+        let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;
+        match self.with_live(|m| m.read_at(off as usize, dst)) {
+            None => Err(Status::Unregistered),
+            Some(Err(_)) => Err(Status::OutOfBounds),
+            Some(Ok(())) => Ok(()),
+        }
+    }
+
+    /// Copies `src` to the absolute address `addr`.
+    pub fn write_abs(&self, addr: u64, src: &[u8]) -> std::result::Result<(), Status> {
+        let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;
+        match self.with_live(|m| m.write_at(off as usize, src)) {
+            None => Err(Status::Unregistered),
+            Some(Err(_)) => Err(Status::OutOfBounds),
+            Some(Ok(())) => Ok(()),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Tables {
+    by_id: HashMap<RegionId, Arc<Region>>,
+    by_addr: BTreeMap<u64, Arc<Region>>,
+}
+
+/// All live registrations of one transport.
+#[derive(Debug, Default)]
+pub(crate) struct RegionTable {
+    inner: RwLock<Tables>,
+}
+
+impl RegionTable {
+    /// Adds a region; overlap with a live one is `AlreadyRegistered`.
+    pub fn insert(&self, id: RegionId, mem: MemoryRegion, access: Access) -> Result<()> {
+        let (start, end) = (mem.addr(), mem.addr().saturating_add(mem.len() as u64));
+        let mut t = self.inner.write();
+        if let Some((_, prev)) = t.by_addr.range(..end).next_back() {
+            if prev.mem.addr().saturating_add(prev.mem.len() as u64) > start {
+                return Err(Error::new(ErrorKind::AlreadyRegistered, "memory overlaps a registered region")
+                    .with("region", prev.id));
+            }
+        }
+        let r = Arc::new(Region { id, mem, access, gate: RwLock::new(true) });
+        t.by_addr.insert(start, r.clone());
+        t.by_id.insert(id, r);
+        Ok(())
+    }
+
+    /// Removes a region from the table (it may still be live until killed).
+    pub fn remove(&self, id: RegionId) -> Option<Arc<Region>> {
+        let mut t = self.inner.write();
+        let r = t.by_id.remove(&id)?;
+        t.by_addr.remove(&r.mem.addr());
+        Some(r)
+    }
+
+    pub fn get(&self, id: RegionId) -> Option<Arc<Region>> {
+        self.inner.read().by_id.get(&id).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.read().by_id.len()
+    }
+
+    pub fn ids(&self) -> Vec<RegionId> {
+        self.inner.read().by_id.keys().copied().collect()
+    }
+
+    /// The region a peer may touch with `write` (or read) at
+    /// `addr .. addr + len`: the whole range inside one region that allows
+    /// the access, checked without overflow.
+    pub fn remote(&self, addr: u64, len: u64, write: bool) -> std::result::Result<Arc<Region>, Status> {
+        let end = addr.checked_add(len).ok_or(Status::OutOfBounds)?;
+        let t = self.inner.read();
+        let (_, r) = t.by_addr.range(..=addr).next_back().ok_or(Status::OutOfBounds)?;
+        if end > r.mem.addr().saturating_add(r.mem.len() as u64) {
+            return Err(Status::OutOfBounds);
+        }
+        let ok = if write { r.access.remote_write } else { r.access.remote_read };
+        if !ok {
+            return Err(Status::AccessDenied);
+        }
+        Ok(r.clone())
+    }
+
+    /// The regions peers may reach, for the segment descriptor.
+    pub fn exposed(&self) -> Vec<WireRegion> {
+        self.inner
+            .read()
+            .by_addr
+            .values()
+            .filter(|r| r.access.remote_read || r.access.remote_write)
+            .map(|r| WireRegion {
+                addr: r.mem.addr(),
+                len: r.mem.len() as u64,
+                read: r.access.remote_read,
+                write: r.access.remote_write,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,247 @@
+//! The serving side: a listener and one task per connection. This is the
+//! security boundary (see the threat model in the crate docs): every frame
+//! is validated before it is acted on, every memory access is checked
+//! against the regions registered as remotely accessible, and anything
+//! malformed closes that connection only.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::auth::{self, Role};
+use crate::config::TcpConfig;
+use crate::conn::{apply_options, write_frame};
+use crate::proto::{self, FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use crate::regions::RegionTable;
+use crate::tasks::{spawn_counted, Counters};
+
+/// Output gathered before one `write` when answers are small.
+const OUT_FLUSH: usize = 256 << 10;
+
+/// What the server needs, shared with its connection tasks.
+#[derive(Debug)]
+pub(crate) struct Server {
+    pub cfg: Arc<TcpConfig>,
+    pub regions: Arc<RegionTable>,
+    pub generation: u64,
+    pub counters: Arc<Counters>,
+    conns: Mutex<HashMap<u64, JoinHandle<()>>>,
+    next_conn: AtomicU64,
+}
+
+/// Why a connection is closed (logged; never crashes the server).
+#[derive(Debug)]
+enum Close {
+    Io(std::io::Error),
+    Proto(String),
+}
+
+impl From<std::io::Error> for Close {
+    fn from(e: std::io::Error) -> Self {
+        Close::Io(e)
+    }
+}
+
+impl Server {
+    pub fn new(cfg: Arc<TcpConfig>, regions: Arc<RegionTable>, generation: u64, counters: Arc<Counters>) -> Arc<Self> {
+        Arc::new(Self { cfg, regions, generation, counters, conns: Mutex::new(HashMap::new()), next_conn: AtomicU64::new(0) })
+    }
+
+    /// Accepts connections until aborted.
+    pub async fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        loop {
+            let (s, peer) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let mut conns = self.conns.lock();
+            if conns.len() >= self.cfg.max_connections {
+                tracing::warn!(%peer, "connection limit reached; refusing");
+                drop(s);
+                continue;
+            }
+            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+            let me = self.clone();
+            let h = spawn_counted(&self.counters, async move {
+                if let Err(e) = me.serve(s).await {
+                    match e {
+                        Close::Io(e) => tracing::debug!(%peer, error = %e, "connection closed"),
+                        Close::Proto(m) => tracing::warn!(%peer, reason = %m, "closing connection: bad frame"),
+                    }
+                }
+                me.conns.lock().remove(&id);
+            });
+            if !h.is_finished() {
+                conns.insert(id, h);
+            }
+        }
+    }
+
+    /// Aborts every connection task and waits for them to end.
+    pub async fn close_all(&self) {
+        let conns: Vec<JoinHandle<()>> = self.conns.lock().drain().map(|(_, h)| h).collect();
+        for h in &conns {
+            h.abort();
+        }
+        for h in conns {
+            let _ = h.await;
+        }
+    }
+
+    /// Aborts every connection task without waiting (drop).
+    pub fn abort_all(&self) {
+        for (_, h) in self.conns.lock().drain() {
+            h.abort();
+        }
+    }
+
+    async fn handshake(&self, s: &mut TcpStream) -> Result<(), Close> {
+        let mut b = [0u8; HEADER_LEN];
+        s.read_exact(&mut b).await?;
+        let h = Header::decode(&b, 2 + NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
+        if h.ty != FrameType::Hello {
+            return Err(Close::Proto(format!("expected HELLO, got {:?}", h.ty)));
+        }
+        let mut p = [0u8; 2 + NONCE_LEN];
+        s.read_exact(&mut p).await?;
+        let version = u16::from_le_bytes([p[0], p[1]]);
+        if version != VERSION {
+            let mut e = Header::new(FrameType::Error);
+            e.status = Status::VersionMismatch;
+            let _ = write_frame(s, e, &[]).await;
+            return Err(Close::Proto(format!("protocol version {version}, this side speaks {VERSION}")));
+        }
+        let cn = &p[2..];
+        let sn = auth::nonce();
+        let mut c = Header::new(FrameType::Challenge);
+        c.generation = self.generation;
+        c.flags = u8::from(self.cfg.secret.is_some());
+        write_frame(s, c, &sn).await?;
+        s.read_exact(&mut b).await?;
+        let a = Header::decode(&b, NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
+        if a.ty != FrameType::Auth {
+            return Err(Close::Proto(format!("expected AUTH, got {:?}", a.ty)));
+        }
+        let mut proof = vec![0u8; a.payload_len as usize];
+        s.read_exact(&mut proof).await?;
+        let answer = match &self.cfg.secret {
+            None => Vec::new(),
+            Some(k) => {
+                if !auth::verify(k.as_bytes(), Role::Client, cn, &sn, &proof) {
+                    let mut e = Header::new(FrameType::Error);
+                    e.status = Status::AuthFailed;
+                    let _ = write_frame(s, e, &[]).await;
+                    return Err(Close::Proto("authentication failed".into()));
+                }
+                auth::prove(k.as_bytes(), Role::Server, cn, &sn)
+            }
+        };
+        write_frame(s, Header::new(FrameType::Ready), &answer).await?;
+        Ok(())
+    }
+
+    async fn serve(&self, mut s: TcpStream) -> Result<(), Close> {
+        apply_options(&s, &self.cfg, false)?;
+        tokio::time::timeout(self.cfg.connect_timeout, self.handshake(&mut s))
+            .await
+            .map_err(|_| Close::Proto("handshake timed out".into()))??;
+        let (r, mut w) = s.into_split();
+        let mut r = BufReader::with_capacity(OUT_FLUSH, r);
+        let mut staging: Vec<u8> = Vec::new();
+        let mut out: Vec<u8> = Vec::with_capacity(OUT_FLUSH);
+        loop {
+            if r.buffer().is_empty() && !out.is_empty() {
+                w.write_all(&out).await?;
+                out.clear();
+            }
+            let mut b = [0u8; HEADER_LEN];
+            r.read_exact(&mut b).await?;
+            let h = Header::decode(&b, self.cfg.max_frame).map_err(|e| Close::Proto(e.to_string()))?;
+            match h.ty {
+                FrameType::DescReq => {
+                    let regions = proto::encode_regions(&self.regions.exposed());
+                    if regions.len() > self.cfg.max_frame {
+                        return Err(Close::Proto("descriptor larger than max_frame".into()));
+                    }
+                    let mut a = Header::new(FrameType::DescResp);
+                    a.id = h.id;
+                    a.generation = self.generation;
+                    a.payload_len = regions.len() as u32;
+                    a.encode_into(&mut out);
+                    out.extend_from_slice(&regions);
+                }
+                FrameType::Write => {
+                    let n = h.payload_len as usize;
+                    if staging.len() < n {
+                        staging.resize(n, 0);
+                    }
+                    r.read_exact(&mut staging[..n]).await?;
+                    // A client that gave up on this write resets the
+                    // connection; a slice that arrives with the reset
+                    // behind it is dropped, never applied.
+                    if let Some(e) = r.get_ref().as_ref().take_error()? {
+                        return Err(Close::Io(e));
+                    }
+                    let status = if h.generation != self.generation {
+                        Status::StaleGeneration
+                    } else {
+                        match self.regions.remote(h.addr, h.len, true) {
+                            Ok(region) => match region.write_abs(h.addr, &staging[..n]) {
+                                Ok(()) => Status::Ok,
+                                Err(s) => s,
+                            },
+                            Err(s) => s,
+                        }
+                    };
+                    let mut a = Header::new(FrameType::WriteAck);
+                    a.id = h.id;
+                    a.status = status;
+                    a.encode_into(&mut out);
+                }
+                FrameType::Read => {
+                    let n = h.len as usize;
+                    let start = out.len();
+                    let mut a = Header::new(FrameType::ReadResp);
+                    a.id = h.id;
+                    out.resize(start + HEADER_LEN + n, 0);
+                    let status = if h.generation != self.generation {
+                        Status::StaleGeneration
+                    } else {
+                        match self.regions.remote(h.addr, h.len, false) {
+                            Ok(region) => match region.read_abs(h.addr, &mut out[start + HEADER_LEN..]) {
+                                Ok(()) => Status::Ok,
+                                Err(s) => s,
+                            },
+                            Err(s) => s,
+                        }
+                    };
+                    a.status = status;
+                    if status == Status::Ok {
+                        a.len = h.len;
+                        a.payload_len = n as u32;
+                    } else {
+                        out.truncate(start + HEADER_LEN);
+                    }
+                    out[start..start + HEADER_LEN].copy_from_slice(&a.encode());
+                }
+                other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
+            }
+            if out.len() >= OUT_FLUSH {
+                w.write_all(&out).await?;
+                out.clear();
+                if out.capacity() > 4 * OUT_FLUSH.max(self.cfg.max_frame) {
+                    out = Vec::with_capacity(OUT_FLUSH);
+                }
+            }
+        }
+    }
+}
