@@ -1,2 +1,80 @@
-//! The `kvmove` command.
-fn main() {}
+//! The `kvmove` command: a KV-cache-shaped transfer benchmark (`bench`, the
+//! default), a target that serves memory (`target`), an initiator that
+//! runs the workload against it (`initiator`), and `config`.
+//!
+//! Every failure ends in one line on stderr and a non-zero exit: 1 for a
+//! failed run (peer unreachable, transfer failed), 2 for a usage or config
+//! error, 3 when bytes did not verify. A panic prints one line too.
+#![forbid(unsafe_code)]
+
+mod args;
+mod commands;
+mod data;
+mod plan;
+mod report;
+mod run;
+mod settings;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::args::{Cli, Command};
+use crate::commands::Outcome;
+
+fn main() -> ExitCode {
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        eprintln!("kvmove: internal error: {}{at}; please report it", one_line(&msg));
+    }));
+    let cli = Cli::parse();
+    let settings = match cli.opts.settings() {
+        Ok(s) => s,
+        Err(e) => return fail(&e),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvmove: error: cannot start the async runtime: {}", one_line(&e.to_string()));
+            return ExitCode::from(1);
+        }
+    };
+    let json = cli.opts.json;
+    let result = runtime.block_on(async {
+        match &cli.command {
+            None | Some(Command::Bench) => commands::bench(&settings, json).await,
+            Some(Command::Target) => commands::target(&settings, json).await,
+            Some(Command::Initiator(a)) => commands::initiator(&settings, &a.target, json).await,
+            Some(Command::Config) => commands::config(&settings),
+        }
+    });
+    // Do not wait for background tasks of a failed backend.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
+        Ok(Outcome::Ok) => ExitCode::SUCCESS,
+        Ok(Outcome::Mismatch(msg)) => {
+            eprintln!("kvmove: error: {}", one_line(&msg));
+            ExitCode::from(3)
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+fn fail(e: &kvmove::Error) -> ExitCode {
+    eprintln!("kvmove: error: {}", one_line(&e.to_string()));
+    if e.kind() == kvmove::ErrorKind::Config {
+        ExitCode::from(2)
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}

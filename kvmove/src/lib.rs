@@ -1,1 +1,58 @@
-//! kvmove: the transfer engine with its backend chosen by configuration.
+//! kvmove: the KV-cache transfer engine with its backend chosen by
+//! configuration (DESIGN.md rule 10), not by code.
+//!
+//! # Design
+//!
+//! A program reads one [`EngineConfig`] (TOML or any serde format) that
+//! names the backend (`tcp`, `rdma` or `mock`) with its options, the shared
+//! policy ([`PolicyConfig`]: retry, deadlines, circuit breaker,
+//! backpressure) and the metadata store (`p2p`, `etcd`, `in-process`), and
+//! calls [`build`]. It gets an [`Engine`] over an `Arc<dyn Transport>`
+//! and never names a backend type, so the same code runs over TCP, RDMA
+//! or the in-process mock by changing the file:
+//!
+//! ```no_run
+//! # async fn demo() -> kvmove::Result<()> {
+//! let cfg = kvmove::EngineConfig::from_toml_str(r#"
+//!     [backend]
+//!     kind = "tcp"
+//!     [backend.tcp]
+//!     listen = "127.0.0.1:0"
+//!     [policy.retry]
+//!     max_attempts = 4
+//! "#)?;
+//! let engine = kvmove::build(&cfg).await?;
+//! println!("serving as {}", engine.transport().local_segment_name());
+//! # Ok(()) }
+//! ```
+//!
+//! Backends are Cargo features: `tcp` (default), `mock`, `rdma` (needs
+//! libibverbs), and the `etcd` metadata store. A config that selects a
+//! backend this build lacks fails with a `Config` error that says which
+//! feature to turn on; its options table is still accepted, so one file
+//! serves every build.
+//!
+//! The mock backend keeps one fabric per process: every engine built with
+//! `kind = "mock"` in a process can reach every other by segment name.
+//!
+//! Config errors are one line that names the file, line, column, table and
+//! key (`kvmove.toml:7:1: in [backend.tcp]: unknown field `lane` ...`).
+#![forbid(unsafe_code)]
+
+#[cfg(any(feature = "tcp", feature = "mock", feature = "rdma"))]
+mod backends;
+mod build;
+mod config;
+mod toml_error;
+
+pub use toml_error::locate as locate_error;
+
+pub use build::{build, build_metadata, build_transport, own_descriptor, process_store};
+pub use config::{
+    parse_toml, read_file, BackendConfig, BackendKind, EngineConfig, EtcdOptions, MetadataConfig, MetadataKind,
+    MockOptions, RdmaOptions, TcpOptions,
+};
+pub use transport_core::{
+    Access, Buffer, Engine, Error, ErrorKind, MemoryRegion, MetadataStore, PolicyConfig, RegionId, RegionInfo, Result, SegmentDescriptor,
+    SegmentId, Transfer, TransferOutcome, TransferRequest, Transport,
+};

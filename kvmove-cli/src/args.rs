@@ -1,0 +1,207 @@
+//! Command-line arguments. Every option overrides the same key of the
+//! `--config` file; anything not given keeps the file's value or the default.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::settings::{Fragmentation, Mode, Op, Settings};
+
+/// KV-cache transfer engine: benchmark, target and initiator.
+///
+/// With no subcommand, runs `bench`: a target and an initiator in this
+/// process over TCP on loopback, moving a KV-cache-shaped workload and
+/// verifying every byte.
+#[derive(Debug, Parser)]
+#[command(name = "kvmove", version, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub opts: Options,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Target and initiator in one process (the default).
+    Bench,
+    /// Serve registered memory and print the segment name; runs until
+    /// Ctrl-C or SIGTERM.
+    Target,
+    /// Run the workload against a running target and verify it.
+    Initiator(InitiatorArgs),
+    /// Print the effective configuration (file plus options) as TOML.
+    Config,
+}
+
+#[derive(Debug, Args)]
+pub struct InitiatorArgs {
+    /// The target: its segment name `host:port`, or with etcd metadata
+    /// its logical name.
+    #[arg(long)]
+    pub target: String,
+}
+
+/// Options of every subcommand (they may come before or after it).
+#[derive(Debug, Args)]
+pub struct Options {
+    /// TOML file with [backend], [policy], [metadata], [workload], [target].
+    #[arg(long, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Print one JSON object (target: one per event) instead of the table;
+    /// hides the progress bar.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Backend: tcp | rdma | mock  [default: tcp]
+    #[arg(long, global = true, value_name = "KIND")]
+    pub backend: Option<String>,
+    /// Metadata store: p2p | etcd | in-process  [default: p2p]
+    #[arg(long, global = true, value_name = "KIND")]
+    pub metadata: Option<String>,
+    /// etcd client URLs, comma separated (sets metadata.etcd.endpoints).
+    #[arg(long, global = true, value_name = "URLS", value_delimiter = ',')]
+    pub etcd_endpoints: Option<Vec<String>>,
+    /// Address the backend listens on (backend.<kind>.listen)  [default: 127.0.0.1:0]
+    #[arg(long, global = true, value_name = "HOST:PORT")]
+    pub listen: Option<String>,
+    /// Target: logical name published to the metadata store  [default: kvmove-target]
+    #[arg(long, global = true)]
+    pub name: Option<String>,
+    /// Target: memory served in MiB  [default: the workload's size]
+    #[arg(long, global = true, value_name = "MIB")]
+    pub mem_mib: Option<u64>,
+    /// Model preset: llama3-8b | llama3-70b | deepseek-v3  [default: llama3-8b]
+    #[arg(long, global = true)]
+    pub model: Option<String>,
+    /// Prompt length in tokens  [default: 1024]
+    #[arg(long, global = true)]
+    pub tokens: Option<u64>,
+    /// Tokens per page  [default: 16]
+    #[arg(long, global = true, value_name = "TOKENS")]
+    pub page_size: Option<u64>,
+    /// Layer count  [default: the model's]
+    #[arg(long, global = true)]
+    pub layers: Option<u32>,
+    /// Bytes per token per layer, K and V together  [default: the model's]
+    #[arg(long, global = true, value_name = "BYTES")]
+    pub bytes_per_token: Option<u64>,
+    /// Direction seen from the initiator  [default: write]
+    #[arg(long, global = true, value_enum)]
+    pub op: Option<Op>,
+    /// Transfers in flight at once  [default: 32]
+    #[arg(long, global = true)]
+    pub concurrency: Option<usize>,
+    /// Timing modes to run  [default: both]
+    #[arg(long, global = true, value_enum)]
+    pub mode: Option<Mode>,
+    /// Simulated compute per layer in milliseconds  [default: 2]
+    #[arg(long, global = true, value_name = "MS")]
+    pub compute_delay_ms: Option<u64>,
+    /// Page placement  [default: scattered]
+    #[arg(long, global = true, value_enum)]
+    pub fragmentation: Option<Fragmentation>,
+    /// Measured passes per mode  [default: 3]
+    #[arg(long, global = true)]
+    pub iterations: Option<u32>,
+    /// Unmeasured passes first  [default: 1]
+    #[arg(long, global = true)]
+    pub warmup: Option<u32>,
+    /// Run the per-request pass: true | false  [default: true]
+    #[arg(long, global = true, value_name = "BOOL")]
+    pub per_request: Option<bool>,
+    /// Seed of page placement and data  [default: 42]
+    #[arg(long, global = true)]
+    pub seed: Option<u64>,
+}
+
+impl Options {
+    /// Loads the file (if any) and applies the options over it.
+    pub fn settings(&self) -> kvmove::Result<Settings> {
+        let mut s = match &self.config {
+            Some(p) => Settings::from_file(p)?,
+            None => Settings::default(),
+        };
+        if let Some(b) = &self.backend {
+            s.backend.kind = b.parse().map_err(|e: kvmove::Error| {
+                kvmove::Error::new(kvmove::ErrorKind::Config, format!("--backend: {}", e.message()))
+            })?;
+        }
+        if let Some(m) = &self.metadata {
+            s.metadata.kind = match m.as_str() {
+                "p2p" => kvmove::MetadataKind::P2p,
+                "etcd" => kvmove::MetadataKind::Etcd,
+                "in-process" => kvmove::MetadataKind::InProcess,
+                other => {
+                    return Err(kvmove::Error::new(
+                        kvmove::ErrorKind::Config,
+                        format!("--metadata: unknown store '{other}'; expected one of: p2p, etcd, in-process"),
+                    ))
+                }
+            };
+        }
+        if let Some(e) = &self.etcd_endpoints {
+            set_etcd_endpoints(&mut s, e.clone())?;
+        }
+        if let Some(l) = &self.listen {
+            set_listen(&mut s, l.clone());
+        }
+        let t = &mut s.target;
+        if let Some(v) = &self.name {
+            t.name = v.clone();
+        }
+        if let Some(v) = self.mem_mib {
+            t.mem_mib = Some(v);
+        }
+        let w = &mut s.workload;
+        macro_rules! set {
+            ($($field:ident),*) => {$(
+                if let Some(v) = &self.$field {
+                    w.$field = v.clone().into();
+                }
+            )*};
+        }
+        set!(model, tokens, page_size, op, concurrency, mode, compute_delay_ms, fragmentation, iterations, warmup);
+        set!(per_request, seed);
+        if let Some(v) = self.layers {
+            w.layers = Some(v);
+        }
+        if let Some(v) = self.bytes_per_token {
+            w.bytes_per_token = Some(v);
+        }
+        s.engine().validate()?;
+        Ok(s)
+    }
+}
+
+#[cfg(feature = "etcd")]
+fn set_etcd_endpoints(s: &mut Settings, e: Vec<String>) -> kvmove::Result<()> {
+    s.metadata.etcd.endpoints = e;
+    Ok(())
+}
+
+#[cfg(not(feature = "etcd"))]
+fn set_etcd_endpoints(s: &mut Settings, e: Vec<String>) -> kvmove::Result<()> {
+    let list = e.into_iter().map(toml::Value::String).collect();
+    s.metadata.etcd.insert("endpoints".into(), toml::Value::Array(list));
+    Ok(())
+}
+
+/// Sets the listen address of the selected backend's options.
+fn set_listen(s: &mut Settings, addr: String) {
+    match s.backend.kind {
+        #[cfg(feature = "tcp")]
+        kvmove::BackendKind::Tcp => s.backend.tcp.listen = addr,
+        #[cfg(not(feature = "tcp"))]
+        kvmove::BackendKind::Tcp => {
+            s.backend.tcp.insert("listen".into(), toml::Value::String(addr));
+        }
+        #[cfg(feature = "rdma")]
+        kvmove::BackendKind::Rdma => s.backend.rdma.listen = addr,
+        #[cfg(not(feature = "rdma"))]
+        kvmove::BackendKind::Rdma => {
+            s.backend.rdma.insert("listen".into(), toml::Value::String(addr));
+        }
+        // The mock has no address: segments are names in the process.
+        kvmove::BackendKind::Mock => {}
+    }
+}

@@ -1,0 +1,386 @@
+//! The subcommands: bench, target, initiator, config.
+
+use std::io::{IsTerminal, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvmove::{Access, Buffer, Engine, Error, ErrorKind, MetadataKind, MetadataStore, SegmentDescriptor, SegmentId};
+
+use crate::data::Verdict;
+use crate::plan::Plan;
+use crate::report::{self, Report};
+use crate::run::{PassKind, PassResult, Session};
+use crate::settings::{Mode, Op, Settings};
+
+/// How the command ended, for the exit code.
+#[derive(Debug)]
+pub enum Outcome {
+    Ok,
+    /// Bytes did not verify (exit 3).
+    Mismatch(String),
+}
+
+fn config_err(msg: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Config, msg)
+}
+
+fn plan_of(s: &Settings) -> kvmove::Result<Plan> {
+    let plan = Plan::new(&s.workload).map_err(config_err)?;
+    if s.workload.concurrency == 0 {
+        return Err(config_err("workload.concurrency must be at least 1"));
+    }
+    if s.workload.iterations == 0 {
+        return Err(config_err("workload.iterations must be at least 1"));
+    }
+    Ok(plan)
+}
+
+fn alloc(len: u64, what: &str) -> kvmove::Result<Buffer> {
+    let n = usize::try_from(len).map_err(|_| config_err(format!("{what} of {len} bytes does not fit in memory")))?;
+    Buffer::new(n).map_err(|e| Error::from(e).with("buffer", what))
+}
+
+/// `kvmove config`: the effective configuration as TOML.
+pub fn config(s: &Settings) -> kvmove::Result<Outcome> {
+    let text = toml::to_string(s).map_err(|e| Error::new(ErrorKind::Internal, format!("cannot print config: {e}")))?;
+    print!("{text}");
+    Ok(Outcome::Ok)
+}
+
+/// `kvmove bench`: target and initiator in this process.
+pub async fn bench(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
+    let plan = plan_of(s)?;
+    let cfg = s.engine();
+    let target = kvmove::build(&cfg).await.map_err(|e| e.with("role", "target"))?;
+    let initiator = match kvmove::build(&cfg).await {
+        Ok(e) => e,
+        Err(e) => {
+            let _ = target.shutdown().await;
+            return Err(e.with("role", "initiator"));
+        }
+    };
+    let result = bench_with(s, &plan, &target, &initiator, json).await;
+    let _ = initiator.shutdown().await;
+    let _ = target.shutdown().await;
+    result
+}
+
+async fn bench_with(
+    s: &Settings,
+    plan: &Plan,
+    target: &Engine,
+    initiator: &Engine,
+    json: bool,
+) -> kvmove::Result<Outcome> {
+    let target_buf = alloc(plan.buffer_len, "target memory")?;
+    target.register(target_buf.region(), Access::REMOTE_RW)?;
+    let store = kvmove::build_metadata(&s.metadata).await?;
+    // With a metadata store the initiator resolves a logical name, as
+    // between machines; peer to peer it opens the target's address.
+    let name = match &store {
+        Some(store) => {
+            publish(target, store.as_ref(), &s.target.name).await?;
+            s.target.name.clone()
+        }
+        None => target.transport().local_segment_name(),
+    };
+    let (segment, desc) = connect(initiator, store.as_deref(), &name).await?;
+    let mut session = session(s, plan, initiator, segment, &desc, false)?;
+    session.target_buf = Some(target_buf);
+    let shown = format!("{name} (in this process)");
+    let outcome = workload(s, plan, &session, "bench", shown, json).await;
+    if let Some(store) = &store {
+        let _ = store.remove(&s.target.name).await;
+    }
+    outcome
+}
+
+/// Publishes the target's descriptor under a logical `name`, with the
+/// segment name to open in `address`.
+async fn publish(engine: &Engine, store: &dyn MetadataStore, name: &str) -> kvmove::Result<SegmentDescriptor> {
+    let mut desc = kvmove::own_descriptor(engine.transport()).await?;
+    desc.address = engine.transport().local_segment_name();
+    desc.name = name.to_owned();
+    store.put(desc.clone()).await.map_err(|e| e.with("publishing", name))?;
+    Ok(desc)
+}
+
+/// Opens the target: through the metadata store when there is one (then
+/// checks that the peer serves the generation the store advertises), else
+/// directly by its `host:port`.
+async fn connect(
+    engine: &Engine,
+    store: Option<&dyn MetadataStore>,
+    target: &str,
+) -> kvmove::Result<(SegmentId, SegmentDescriptor)> {
+    let (address, advertised) = match store {
+        Some(store) => match store.get(target).await.map_err(|e| e.with("resolving", target))? {
+            Some(d) => (d.address.clone(), Some(d)),
+            None => {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("no target named '{target}' in the metadata store (is `kvmove target --name {target}` running?)"),
+                ))
+            }
+        },
+        None => (target.to_owned(), None),
+    };
+    let segment = engine.open_segment(&address).await.map_err(|e| {
+        Error::new(e.kind(), format!("cannot reach the target at {address}: {}", e.message())).with("target", target)
+    })?;
+    let served = engine.transport().segment_descriptor(segment)?;
+    if let Some(adv) = advertised {
+        if adv.generation != served.generation {
+            let _ = engine.close_segment(segment).await;
+            return Err(Error::new(
+                ErrorKind::PeerRestarted,
+                format!(
+                    "target '{target}' is advertised with generation {} but the peer at {address} serves generation {} \
+                     (it restarted; its entry is stale)",
+                    adv.generation, served.generation
+                ),
+            ));
+        }
+    }
+    Ok((segment, served))
+}
+
+/// The initiator's side: local memory and where the target's buffer is.
+fn session(
+    s: &Settings,
+    plan: &Plan,
+    engine: &Engine,
+    segment: SegmentId,
+    desc: &SegmentDescriptor,
+    remote_check: bool,
+) -> kvmove::Result<Session> {
+    let w = &s.workload;
+    let need = plan.buffer_len;
+    let access_ok = |r: &kvmove::RegionInfo| match w.op {
+        Op::Write => r.access.remote_write && (!remote_check || r.access.remote_read),
+        Op::Read => r.access.remote_read && r.access.remote_write,
+    };
+    let region = desc.regions.iter().filter(|r| access_ok(r) && r.len >= need).max_by_key(|r| r.len).ok_or_else(|| {
+        let largest = desc.regions.iter().map(|r| r.len).max().unwrap_or(0);
+        config_err(format!(
+            "the target serves {} of remotely writable memory but the workload needs {}; start the target with the \
+             same --model/--tokens/--page-size/--layers or a larger --mem-mib",
+            report::bytes(largest),
+            report::bytes(need)
+        ))
+    })?;
+    let local_buf = alloc(need, "initiator memory")?;
+    let local = engine.register(local_buf.region(), Access::LOCAL)?;
+    let check = if remote_check {
+        let buf = alloc(need, "read-back memory")?;
+        Some((engine.register(buf.region(), Access::LOCAL)?, buf))
+    } else {
+        None
+    };
+    Ok(Session {
+        engine: engine.clone(),
+        segment,
+        local,
+        local_buf,
+        check,
+        remote_base: region.addr,
+        target_buf: None,
+        op: w.op,
+        concurrency: w.concurrency,
+        compute_delay: Duration::from_millis(w.compute_delay_ms),
+    })
+}
+
+fn progress(total: u64, json: bool) -> ProgressBar {
+    if json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "{spinner} {msg:<12} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Runs the warm-up and measured passes of every selected mode, verifies
+/// each, and prints the report.
+async fn workload(
+    s: &Settings,
+    plan: &Plan,
+    session: &Session,
+    command: &'static str,
+    target: String,
+    json: bool,
+) -> kvmove::Result<Outcome> {
+    let w = &s.workload;
+    let mut kinds = match w.mode {
+        Mode::Both => vec![PassKind::AllAtEnd, PassKind::Layerwise],
+        Mode::AllAtEnd => vec![PassKind::AllAtEnd],
+        Mode::Layerwise => vec![PassKind::Layerwise],
+    };
+    if w.per_request {
+        kinds.push(PassKind::PerRequest);
+    }
+    let passes = u64::from(w.warmup) + u64::from(w.iterations);
+    let bar = progress(plan.total_bytes * passes * kinds.len() as u64, json);
+    let mut modes = Vec::new();
+    let mut verdict = Verdict::default();
+    let mut pass_no = 0u64;
+    for kind in kinds {
+        bar.set_message(kind.name());
+        let mut measured: Vec<PassResult> = Vec::new();
+        for i in 0..passes {
+            pass_no += 1;
+            let seed = w.seed.wrapping_add(pass_no.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let r = session.pass(plan, kind, seed, &bar).await;
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => {
+                    bar.finish_and_clear();
+                    return Err(e.with("mode", kind.name()));
+                }
+            };
+            verdict.bytes += r.verdict.bytes;
+            verdict.requests += r.verdict.requests;
+            verdict.mismatched += r.verdict.mismatched;
+            if i >= u64::from(w.warmup) {
+                measured.push(r);
+            }
+        }
+        modes.push(report::mode_report(kind, &measured));
+    }
+    bar.finish_and_clear();
+    let metadata = s.metadata.kind.to_string();
+    let report = Report::new(command, s.backend.kind.to_string(), metadata, target, w, plan, modes, verdict);
+    if json {
+        let text = serde_json::to_string(&report)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("cannot write JSON: {e}")))?;
+        println!("{text}");
+    } else {
+        print!("{}", report.table());
+    }
+    if report.ok {
+        Ok(Outcome::Ok)
+    } else {
+        Ok(Outcome::Mismatch(format!(
+            "verification failed: {} of {} requests differ between source and destination",
+            verdict.mismatched,
+            verdict.mismatched + verdict.requests
+        )))
+    }
+}
+
+/// `kvmove target`: serve memory until Ctrl-C or SIGTERM.
+pub async fn target(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
+    if s.backend.kind == kvmove::BackendKind::Mock {
+        return Err(config_err(
+            "the mock backend only reaches peers inside one process; use `kvmove bench --backend mock`, \
+             or --backend tcp for a target",
+        ));
+    }
+    let plan = plan_of(s)?;
+    let len = match s.target.mem_mib {
+        Some(0) => return Err(config_err("target.mem_mib must be at least 1")),
+        Some(m) => m.checked_mul(1 << 20).ok_or_else(|| config_err("target.mem_mib is too large"))?,
+        None => plan.buffer_len,
+    };
+    let engine = kvmove::build(&s.engine()).await?;
+    let served = serve(s, &engine, len, json).await;
+    let _ = engine.shutdown().await;
+    served
+}
+
+async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::Result<Outcome> {
+    let buf = alloc(len, "target memory")?;
+    engine.register(buf.region(), Access::REMOTE_RW)?;
+    let segment = engine.transport().local_segment_name();
+    let store = kvmove::build_metadata(&s.metadata).await?;
+    let desc = match &store {
+        Some(store) => publish(engine, store.as_ref(), &s.target.name).await?,
+        None => kvmove::own_descriptor(engine.transport()).await?,
+    };
+    let published = store.as_ref().map(|_| s.target.name.clone());
+    if json {
+        let line = serde_json::json!({
+            "event": "ready",
+            "segment": segment,
+            "backend": s.backend.kind.as_str(),
+            "metadata": s.metadata.kind.as_str(),
+            "name": published,
+            "generation": desc.generation,
+            "bytes": len,
+        });
+        println!("{line}");
+    } else {
+        let via = match &published {
+            Some(n) => format!(", published as '{n}' in {} metadata", s.metadata.kind),
+            None => String::new(),
+        };
+        println!(
+            "kvmove target: serving {} at {segment} ({}, generation {}{via}); Ctrl-C to stop",
+            report::bytes(len),
+            s.backend.kind,
+            desc.generation
+        );
+        println!("run: kvmove initiator --target {}", published.as_deref().unwrap_or(&segment));
+    }
+    let _ = std::io::stdout().flush();
+    let signal = shutdown_signal().await;
+    if let (Some(store), Some(name)) = (&store, &published) {
+        let _ = tokio::time::timeout(Duration::from_secs(3), store.remove(name)).await;
+    }
+    if json {
+        println!("{}", serde_json::json!({ "event": "stopped", "signal": signal }));
+    } else {
+        eprintln!("kvmove target: {signal}, stopping");
+    }
+    Ok(Outcome::Ok)
+}
+
+/// Waits for Ctrl-C or SIGTERM; names the one that came.
+async fn shutdown_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => return "interrupted",
+                _ = term.recv() => return "terminated",
+            }
+        }
+    }
+    match tokio::signal::ctrl_c().await {
+        Ok(()) => "interrupted",
+        // No signal handling available: serve until killed.
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// `kvmove initiator --target ...`: run the workload against a target
+/// and verify it.
+pub async fn initiator(s: &Settings, target: &str, json: bool) -> kvmove::Result<Outcome> {
+    if s.backend.kind == kvmove::BackendKind::Mock {
+        return Err(config_err(
+            "the mock backend only reaches peers inside one process; use `kvmove bench --backend mock`",
+        ));
+    }
+    let plan = plan_of(s)?;
+    let engine = kvmove::build(&s.engine()).await?;
+    let r = initiate(s, &plan, &engine, target, json).await;
+    let _ = engine.shutdown().await;
+    r
+}
+
+async fn initiate(s: &Settings, plan: &Plan, engine: &Engine, target: &str, json: bool) -> kvmove::Result<Outcome> {
+    let store: Option<Arc<dyn MetadataStore>> = match s.metadata.kind {
+        MetadataKind::P2p => None,
+        _ => kvmove::build_metadata(&s.metadata).await?,
+    };
+    let (segment, desc) = connect(engine, store.as_deref(), target).await?;
+    let session = session(s, plan, engine, segment, &desc, s.workload.op == Op::Write)?;
+    let shown = if desc.name == target { target.to_owned() } else { format!("{target} ({})", desc.name) };
+    workload(s, plan, &session, "initiator", shown, json).await
+}

@@ -1,0 +1,257 @@
+//! Running passes of a workload against a target and checking the bytes.
+//!
+//! One pass moves the whole plan once in one of three ways:
+//!
+//! - **all-at-end**: wait for every layer's compute (`layers x delay`),
+//!   then submit one batch per layer, `concurrency` in flight;
+//! - **layerwise**: after each layer's compute, submit that layer's batch
+//!   at once (queued behind `concurrency` batches in flight) while the next
+//!   layer computes;
+//! - **per-request**: every request as its own transfer, `concurrency` in
+//!   flight, for per-request latency and requests per second.
+//!
+//! For both layer modes the pass records when the last layer was ready and
+//! when the last byte landed; the difference (the tail) is what layer-by-
+//! layer sending shortens. Every pass is verified (see [`Session::verify`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+use kvmove::{Buffer, Engine, Error, ErrorKind, RegionId, SegmentId, TransferRequest};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+use crate::data::{self, Side, Verdict};
+use crate::plan::{Plan, Req};
+use crate::settings::Op;
+
+/// The three ways a pass can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PassKind {
+    AllAtEnd,
+    Layerwise,
+    PerRequest,
+}
+
+impl PassKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            PassKind::AllAtEnd => "all-at-end",
+            PassKind::Layerwise => "layerwise",
+            PassKind::PerRequest => "per-request",
+        }
+    }
+}
+
+/// What one pass measured.
+#[derive(Debug, Clone)]
+pub struct PassResult {
+    pub kind: PassKind,
+    pub bytes: u64,
+    pub requests: u64,
+    /// Latency of each batch (per-request pass: of each request), from
+    /// leaving the queue to the last byte.
+    pub latencies: Vec<Duration>,
+    /// First submit to last byte.
+    pub transfer: Duration,
+    /// Last layer ready to last byte (layer modes).
+    pub tail: Option<Duration>,
+    /// Start of the first layer's compute to the last byte (layer modes).
+    pub end_to_end: Option<Duration>,
+    pub verdict: Verdict,
+}
+
+/// An initiator connected to a target's memory.
+pub struct Session {
+    pub engine: Engine,
+    pub segment: SegmentId,
+    pub local: RegionId,
+    pub local_buf: Buffer,
+    /// Where read-back lands to verify writes into a remote target.
+    pub check: Option<(RegionId, Buffer)>,
+    /// Address of the target's buffer in the target's address space.
+    pub remote_base: u64,
+    /// The target's buffer when the target lives in this process (bench):
+    /// verified by reading it directly.
+    pub target_buf: Option<Buffer>,
+    pub op: Op,
+    pub concurrency: usize,
+    pub compute_delay: Duration,
+}
+
+impl Session {
+    fn request(&self, r: &Req, op: Op, local: RegionId) -> TransferRequest {
+        let remote = self.remote_base + r.remote_off;
+        match op {
+            Op::Write => TransferRequest::write(local, r.local_off, self.segment, remote, r.len),
+            Op::Read => TransferRequest::read(local, r.local_off, self.segment, remote, r.len),
+        }
+    }
+
+    fn batch(&self, reqs: &[Req], op: Op, local: RegionId) -> Vec<TransferRequest> {
+        reqs.iter().map(|r| self.request(r, op, local)).collect()
+    }
+
+    /// Moves every layer's batch with `op` between `local` and the target,
+    /// `concurrency` batches at a time, unmeasured (setup and read-back).
+    async fn move_all(&self, plan: &Plan, op: Op, local: RegionId) -> kvmove::Result<()> {
+        let sem = Arc::new(Semaphore::new(self.concurrency));
+        let mut set = JoinSet::new();
+        for reqs in &plan.by_layer {
+            set.spawn(send(self.engine.clone(), sem.clone(), self.batch(reqs, op, local)));
+        }
+        while let Some(r) = set.join_next().await {
+            joined(r)?;
+        }
+        Ok(())
+    }
+
+    /// Puts fresh data of `seed` at the source of the measured transfers
+    /// and returns the checksum of every request's source bytes.
+    pub async fn prepare(&self, plan: &Plan, seed: u64) -> kvmove::Result<Vec<u64>> {
+        match (self.op, &self.target_buf) {
+            (Op::Write, _) => {
+                data::fill(&self.local_buf, seed)?;
+                data::checksums(&self.local_buf, plan.requests(), Side::Local)
+            }
+            (Op::Read, Some(target)) => {
+                data::fill(target, seed)?;
+                data::checksums(target, plan.requests(), Side::Remote)
+            }
+            (Op::Read, None) => {
+                // Put the data there first (unmeasured), then clear the local
+                // copy so only bytes that were really read can verify.
+                data::fill(&self.local_buf, seed)?;
+                let expected = data::checksums(&self.local_buf, plan.requests(), Side::Local)?;
+                self.move_all(plan, Op::Write, self.local).await?;
+                self.local_buf.fill(0);
+                Ok(expected)
+            }
+        }
+    }
+
+    /// Checksums the destination of every request, after the pass, and
+    /// compares them with the source checksums from [`Session::prepare`].
+    /// A write into a remote target is read back into a separate buffer
+    /// first (unmeasured); the target's memory in this process is read
+    /// directly.
+    pub async fn verify(&self, plan: &Plan, expected: &[u64]) -> kvmove::Result<Verdict> {
+        let actual = match (self.op, &self.target_buf, &self.check) {
+            (Op::Write, Some(target), _) => data::checksums(target, plan.requests(), Side::Remote)?,
+            (Op::Write, None, Some((check, buf))) => {
+                buf.fill(0);
+                self.move_all(plan, Op::Read, *check).await?;
+                data::checksums(buf, plan.requests(), Side::Local)?
+            }
+            (Op::Write, None, None) => {
+                return Err(Error::new(ErrorKind::Internal, "no read-back buffer to verify writes with"));
+            }
+            (Op::Read, _, _) => data::checksums(&self.local_buf, plan.requests(), Side::Local)?,
+        };
+        Ok(data::compare(expected, &actual, plan.requests()))
+    }
+
+    /// Runs one measured pass (after preparing its data) and verifies it.
+    pub async fn pass(&self, plan: &Plan, kind: PassKind, seed: u64, bar: &ProgressBar) -> kvmove::Result<PassResult> {
+        let expected = self.prepare(plan, seed).await?;
+        let mut result = match kind {
+            PassKind::AllAtEnd | PassKind::Layerwise => self.layers(plan, kind, bar).await?,
+            PassKind::PerRequest => self.per_request(plan, bar).await?,
+        };
+        result.verdict = self.verify(plan, &expected).await?;
+        Ok(result)
+    }
+
+    async fn layers(&self, plan: &Plan, kind: PassKind, bar: &ProgressBar) -> kvmove::Result<PassResult> {
+        let sem = Arc::new(Semaphore::new(self.concurrency));
+        let mut set = JoinSet::new();
+        let start = Instant::now();
+        if kind == PassKind::AllAtEnd {
+            tokio::time::sleep(self.compute_delay * plan.layers).await;
+        }
+        let mut first_submit = None;
+        for reqs in &plan.by_layer {
+            if kind == PassKind::Layerwise {
+                tokio::time::sleep(self.compute_delay).await;
+            }
+            first_submit.get_or_insert_with(Instant::now);
+            let bytes: u64 = reqs.iter().map(|r| r.len).sum();
+            let batch = self.batch(reqs, self.op, self.local);
+            let (engine, sem) = (self.engine.clone(), sem.clone());
+            set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, bytes)) });
+        }
+        let last_ready = Instant::now();
+        let first_submit = first_submit.unwrap_or(last_ready);
+        let mut latencies = Vec::with_capacity(plan.by_layer.len());
+        let mut last_done = last_ready;
+        while let Some(r) = set.join_next().await {
+            let ((began, done), bytes) = joined(r)?;
+            latencies.push(done - began);
+            last_done = last_done.max(done);
+            bar.inc(bytes);
+        }
+        Ok(PassResult {
+            kind,
+            bytes: plan.total_bytes,
+            requests: plan.total_requests as u64,
+            latencies,
+            transfer: last_done - first_submit,
+            tail: Some(last_done - last_ready),
+            end_to_end: Some(last_done - start),
+            verdict: Verdict::default(),
+        })
+    }
+
+    async fn per_request(&self, plan: &Plan, bar: &ProgressBar) -> kvmove::Result<PassResult> {
+        let sem = Arc::new(Semaphore::new(self.concurrency));
+        let mut set = JoinSet::new();
+        let start = Instant::now();
+        for r in plan.requests() {
+            let batch = vec![self.request(r, self.op, self.local)];
+            let (engine, sem, len) = (self.engine.clone(), sem.clone(), r.len);
+            set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, len)) });
+        }
+        let mut latencies = Vec::with_capacity(plan.total_requests);
+        let mut last_done = start;
+        while let Some(r) = set.join_next().await {
+            let ((began, done), bytes) = joined(r)?;
+            latencies.push(done - began);
+            last_done = last_done.max(done);
+            bar.inc(bytes);
+        }
+        Ok(PassResult {
+            kind: PassKind::PerRequest,
+            bytes: plan.total_bytes,
+            requests: plan.total_requests as u64,
+            latencies,
+            transfer: last_done - start,
+            tail: None,
+            end_to_end: None,
+            verdict: Verdict::default(),
+        })
+    }
+}
+
+/// Waits for a slot, runs one transfer to the end and returns when it left
+/// the queue and when it finished. Any request that did not complete is
+/// an error (the engine already retried what was transient).
+async fn send(
+    engine: Engine,
+    sem: Arc<Semaphore>,
+    batch: Vec<TransferRequest>,
+) -> kvmove::Result<(Instant, Instant)> {
+    let _permit =
+        sem.acquire_owned().await.map_err(|_| Error::new(ErrorKind::Internal, "the in-flight limit was closed"))?;
+    let began = Instant::now();
+    engine.submit(batch).await?.wait().await?.into_result()?;
+    Ok((began, Instant::now()))
+}
+
+/// A task's result, with a panic or abort turned into an error.
+fn joined<T>(r: Result<kvmove::Result<T>, tokio::task::JoinError>) -> kvmove::Result<T> {
+    match r {
+        Ok(r) => r,
+        Err(e) => Err(Error::new(ErrorKind::Internal, format!("a transfer task stopped: {e}"))),
+    }
+}
