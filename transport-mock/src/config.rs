@@ -1,0 +1,147 @@
+//! The serde configuration of one mock host, and its deliberate bugs.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use transport_core::{Error, ErrorKind, Result};
+
+use crate::plan::FaultPlan;
+
+/// Configuration of one [`crate::MockTransport`] (one host on a
+/// [`crate::MockFabric`]). Every field has a default; durations are written
+/// in milliseconds (`*_ms` keys), as in `transport_core::PolicyConfig`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MockConfig {
+    /// Segment name of the host. `None` (default): `mock-N`, unique in the
+    /// fabric.
+    pub name: Option<String>,
+    /// Bound on live endpoints (rule 4). Default 64.
+    pub max_endpoints: usize,
+    /// An endpoint unused for this long is destroyed by the reaper task.
+    /// Default 30 s.
+    #[serde(rename = "idle_timeout_ms", with = "ms")]
+    pub idle_timeout: Duration,
+    /// Time each request takes before its bytes move (so that cancel and
+    /// deadlines have something to act on). Default 0.
+    #[serde(rename = "latency_ms", with = "ms")]
+    pub latency: Duration,
+    /// Largest batch; more requests is `InvalidRequest`. Default 65 536.
+    pub max_batch_len: usize,
+    /// Largest single request in bytes. Default 4 GiB.
+    pub max_request_len: u64,
+    /// Lanes (simulated QPs or sockets) per endpoint. Default 1.
+    pub lanes_per_endpoint: usize,
+    /// Deliberately broken behaviours (all off by default).
+    pub bugs: MockBugs,
+    /// Faults injected by this host (empty by default).
+    pub fault_plan: FaultPlan,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        Self {
+            name: None,
+            max_endpoints: 64,
+            idle_timeout: Duration::from_secs(30),
+            latency: Duration::ZERO,
+            max_batch_len: 1 << 16,
+            max_request_len: 1 << 32,
+            lanes_per_endpoint: 1,
+            bugs: MockBugs::default(),
+            fault_plan: FaultPlan::default(),
+        }
+    }
+}
+
+impl MockConfig {
+    /// A default configuration with a fixed segment name.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self { name: Some(name.into()), ..Self::default() }
+    }
+
+    /// Checks the values; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("mock.{field}: {why}")));
+        if self.max_endpoints == 0 {
+            return bad("max_endpoints", "must be at least 1");
+        }
+        if self.idle_timeout.is_zero() {
+            return bad("idle_timeout_ms", "must be at least 1 ms");
+        }
+        if self.max_batch_len == 0 {
+            return bad("max_batch_len", "must be at least 1");
+        }
+        if self.max_request_len == 0 {
+            return bad("max_request_len", "must be at least 1");
+        }
+        if self.lanes_per_endpoint == 0 {
+            return bad("lanes_per_endpoint", "must be at least 1");
+        }
+        if matches!(&self.name, Some(n) if n.is_empty()) {
+            return bad("name", "must not be empty");
+        }
+        self.fault_plan.validate()
+    }
+}
+
+/// Deliberately broken behaviours, each a real code path in the mock, used
+/// to prove that the conformance suite fails a backend that has them. All
+/// `false` by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MockBugs {
+    /// A broken endpoint is taken out of use but never freed: it stays
+    /// allocated and counted, and counts against `max_endpoints` (so enough
+    /// failures end in "Failed to create QP: Cannot allocate memory").
+    pub leak_endpoint_on_failure: bool,
+    /// A broken endpoint stays cached and is reused, so every later
+    /// transfer to the peer fails again (the field's "blacklisted peer").
+    pub cache_broken_endpoint: bool,
+    /// Cancel and deadlines report `Cancelled`/`TimedOut` at once, but the
+    /// pending copy still runs later (e.g. when a stall ends).
+    pub write_after_timeout: bool,
+    /// `close_segment` returns `Ok` but keeps the handle and its endpoint.
+    pub noop_close_segment: bool,
+}
+
+/// Serde for `Duration` as integer milliseconds.
+pub(crate) mod ms {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis().min(u64::MAX as u128) as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn defaults_round_trip_and_partial_config_keeps_defaults() {
+        let c = MockConfig::default();
+        c.validate().unwrap();
+        let s = serde_json::to_string(&c).unwrap();
+        assert!(s.contains("\"idle_timeout_ms\":30000"), "{s}");
+        let back: MockConfig = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, c);
+        let p: MockConfig = toml::from_str("max_endpoints = 2\n[bugs]\nnoop_close_segment = true\n").unwrap();
+        assert_eq!(p.max_endpoints, 2);
+        assert!(p.bugs.noop_close_segment && !p.bugs.cache_broken_endpoint);
+        assert!(toml::from_str::<MockConfig>("max_endpoint = 2\n").is_err());
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let c = MockConfig { max_endpoints: 0, ..MockConfig::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("max_endpoints"));
+    }
+}

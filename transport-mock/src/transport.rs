@@ -1,0 +1,320 @@
+//! `MockTransport`: one host on a [`MockFabric`], implementing the
+//! [`Transport`] contract with real memory copies.
+
+use std::fmt;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::runtime::Handle;
+use tokio::time::Instant;
+use transport_core::{
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus,
+    ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+};
+
+use crate::batch::{Batch, Planned};
+use crate::config::MockConfig;
+use crate::fabric::MockFabric;
+use crate::host::{HostShared, Life};
+use crate::plan::{FaultPlan, FaultState};
+use crate::region::{RegionEntry, RegionState};
+use crate::segment::SegmentEntry;
+use crate::worker::run_batch;
+
+/// One mock host: registered memory that peers on the same
+/// [`MockFabric`] reach by its segment name, and the initiator of
+/// transfers to them. See the crate doc for the design.
+///
+/// Dropping the last handle tears the host down like
+/// [`Transport::shutdown`] (without waiting): its tasks are aborted and no
+/// task keeps it alive.
+pub struct MockTransport {
+    host: Arc<HostShared>,
+    fabric: MockFabric,
+}
+
+impl fmt::Debug for MockTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MockTransport")
+            .field("name", &self.host.name)
+            .field("generation", &self.host.generation)
+            .field("stats", &self.host.stats())
+            .finish()
+    }
+}
+
+impl MockTransport {
+    /// Starts a host on `fabric`. Must be called inside a tokio runtime (it
+    /// spawns the idle-endpoint reaper). Reusing the name of a killed or
+    /// shut-down host is its restart, with a new generation; the name of a
+    /// live host is a `Config` error.
+    pub fn new(fabric: &MockFabric, config: MockConfig) -> Result<Arc<Self>> {
+        config.validate()?;
+        let runtime = Handle::try_current()
+            .map_err(|e| Error::new(ErrorKind::Config, "MockTransport::new must run inside a tokio runtime").with_source(e))?;
+        let inner = fabric.inner.clone();
+        let name = config.name.clone().unwrap_or_else(|| inner.auto_name());
+        let host = Arc::new(HostShared::new(name, inner.next_generation(), config, inner.clone(), runtime));
+        inner.add(&host)?;
+        let weak = Arc::downgrade(&host);
+        let tick = (host.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        host.spawn(reaper(weak, tick))?;
+        tracing::debug!(name = %host.name, generation = host.generation, "mock host started");
+        Ok(Arc::new(Self { host, fabric: fabric.clone() }))
+    }
+
+    /// The fabric this host lives on.
+    pub fn fabric(&self) -> &MockFabric {
+        &self.fabric
+    }
+
+    /// This host's generation (new on every start).
+    pub fn generation(&self) -> u64 {
+        self.host.generation
+    }
+
+    /// The configuration it was started with.
+    pub fn config(&self) -> &MockConfig {
+        &self.host.config
+    }
+
+    /// Replaces the fault plan; its counters and RNG start over.
+    pub fn set_fault_plan(&self, plan: FaultPlan) -> Result<()> {
+        plan.validate()?;
+        *self.host.faults.lock() = FaultState::new(plan);
+        Ok(())
+    }
+
+    /// The current fault plan.
+    pub fn fault_plan(&self) -> FaultPlan {
+        self.host.faults.lock().plan().clone()
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        self.host.check_live()?;
+        self.host
+            .batches
+            .lock()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", id))
+    }
+
+    fn segment(&self, id: SegmentId) -> Result<Arc<SegmentEntry>> {
+        self.host
+            .segments
+            .lock()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or closed segment").with("segment", id))
+    }
+
+    fn plan(&self, i: usize, r: &TransferRequest) -> Result<Planned> {
+        let at = |e: Error| e.with("request", i);
+        if r.len == 0 {
+            return Err(at(Error::new(ErrorKind::InvalidRequest, "zero-length request")));
+        }
+        if r.len > self.host.config.max_request_len {
+            return Err(at(Error::new(ErrorKind::InvalidRequest, "request is larger than max_request_len")
+                .with("len", r.len)
+                .with("max_request_len", self.host.config.max_request_len)));
+        }
+        let local = self.host.regions.lock().get(r.local).ok_or_else(|| {
+            at(Error::new(ErrorKind::InvalidHandle, "unknown or unregistered local region").with("region", r.local))
+        })?;
+        local.mem.check(r.local_offset, r.len).map_err(|e| at(Error::from(e).with("region", r.local)))?;
+        let segment = self.segment(r.segment).map_err(at)?;
+        if r.remote_addr.checked_add(r.len).is_none() {
+            return Err(at(Error::new(ErrorKind::OutOfBounds, "remote addr + len overflows")));
+        }
+        Ok(Planned { req: *r, local, segment })
+    }
+}
+
+/// Reclaims idle endpoints every `tick` while the host lives.
+async fn reaper(host: Weak<HostShared>, tick: Duration) {
+    loop {
+        tokio::time::sleep(tick).await;
+        let Some(h) = host.upgrade() else { return };
+        if h.life() != Life::Live {
+            return;
+        }
+        h.reap();
+    }
+}
+
+impl Drop for MockTransport {
+    fn drop(&mut self) {
+        // Aborts the tasks (dropping the set) and frees everything.
+        drop(self.host.teardown(Life::Shut));
+    }
+}
+
+#[async_trait]
+impl Transport for MockTransport {
+    fn backend(&self) -> &str {
+        "mock"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let c = &self.host.config;
+        let mut caps = Capabilities::new(c.max_endpoints);
+        caps.max_batch_len = c.max_batch_len;
+        caps.max_request_len = c.max_request_len;
+        caps.lanes_per_endpoint = c.lanes_per_endpoint;
+        caps
+    }
+
+    fn local_segment_name(&self) -> String {
+        self.host.name.clone()
+    }
+
+    fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
+        self.host.check_live()?;
+        let id = RegionId(self.host.next_id());
+        let entry = Arc::new(RegionEntry { id, mem, access, state: parking_lot::RwLock::new(RegionState::Live) });
+        self.host.regions.lock().insert(entry)?;
+        Ok(id)
+    }
+
+    async fn unregister(&self, region: RegionId) -> Result<()> {
+        self.host.check_live()?;
+        let entry = self.host.regions.lock().remove(region).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidHandle, "unknown or already unregistered region").with("region", region)
+        })?;
+        // Waits for a copy in progress; none starts afterwards.
+        entry.retire(RegionState::Unregistered);
+        self.host.fail_local_users(region);
+        let (addr, len) = (entry.mem.addr(), entry.mem.len() as u64);
+        for h in self.host.fabric.live_hosts() {
+            h.fail_remote_users(&self.host.name, addr, len);
+        }
+        self.host.fabric.bump();
+        Ok(())
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.host.check_live()?;
+        let open_now = self.host.segments.lock().len();
+        if let Some(e) = self.host.faults.lock().on_open(name, open_now) {
+            return Err(e);
+        }
+        let peer = self.host.fabric.live_host(name).ok_or_else(|| {
+            Error::new(ErrorKind::ConnectionRefused, "no live mock host has this name").with("segment", name)
+        })?;
+        let id = SegmentId(self.host.next_id());
+        self.host.segments.lock().insert(id, Arc::new(SegmentEntry::new(id, peer.descriptor())));
+        Ok(id)
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        self.host.check_live()?;
+        if self.host.config.bugs.noop_close_segment {
+            // The bug: nothing is closed, the handle keeps working.
+            return self.segment(segment).map(|_| ());
+        }
+        let entry = self.host.segments.lock().remove(&segment).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidHandle, "unknown or already closed segment").with("segment", segment)
+        })?;
+        self.host.cancel_segment(segment);
+        let shared = self.host.segments.lock().values().any(|s| s.name == entry.name);
+        if !shared {
+            self.host.endpoints.lock().destroy_peer(&entry.name);
+        }
+        self.host.fabric.bump();
+        Ok(())
+    }
+
+    fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
+        self.host.check_live()?;
+        Ok(self.segment(segment)?.descriptor())
+    }
+
+    async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
+        self.host.check_live()?;
+        if requests.is_empty() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "empty batch"));
+        }
+        let max = self.host.config.max_batch_len;
+        if requests.len() > max {
+            return Err(Error::new(ErrorKind::InvalidRequest, "batch is longer than max_batch_len")
+                .with("len", requests.len())
+                .with("max_batch_len", max));
+        }
+        let planned = requests.iter().enumerate().map(|(i, r)| self.plan(i, r)).collect::<Result<Vec<_>>>()?;
+        let id = BatchId(self.host.next_id());
+        let deadline = opts.timeout.map(|t| Instant::now() + t);
+        let batch = Arc::new(Batch::new(planned, deadline));
+        self.host.batches.lock().insert(id, batch.clone());
+        if let Err(e) = self.host.spawn(run_batch(self.host.clone(), batch)) {
+            self.host.batches.lock().remove(&id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
+        Ok(self.batch(batch)?.status())
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
+        let mut events = self.host.fabric.subscribe();
+        loop {
+            events.borrow_and_update();
+            let b = self.batch(batch)?;
+            let status = b.status();
+            if status.is_terminal() {
+                return Ok(status);
+            }
+            match b.deadline {
+                Some(at) => {
+                    tokio::select! {
+                        _ = events.changed() => {}
+                        _ = tokio::time::sleep_until(at) => {}
+                    }
+                }
+                None => {
+                    if events.changed().await.is_err() {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchStatus> {
+        let b = self.batch(batch)?;
+        {
+            let mut st = b.statuses.lock();
+            b.expire_if_due(&mut st);
+            for s in st.iter_mut().filter(|s| !s.is_terminal()) {
+                *s = RequestStatus::Cancelled;
+            }
+        }
+        self.host.fabric.bump();
+        Ok(b.status())
+    }
+
+    fn release(&self, batch: BatchId) -> Result<()> {
+        let b = self.batch(batch)?;
+        if !b.status().is_terminal() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "batch is still in progress; cancel it first")
+                .with("batch", batch));
+        }
+        self.host.batches.lock().remove(&batch);
+        Ok(())
+    }
+
+    fn stats(&self) -> ResourceStats {
+        self.host.stats()
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        if let Some(mut tasks) = self.host.teardown(Life::Shut) {
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+        }
+        Ok(())
+    }
+}
