@@ -7,6 +7,7 @@ mod batch;
 mod config;
 mod endpoint;
 mod fabric;
+mod faulty;
 mod host;
 mod plan;
 mod region;
@@ -16,5 +17,6 @@ mod worker;
 
 pub use config::{MockBugs, MockConfig};
 pub use fabric::MockFabric;
+pub use faulty::FaultyTransport;
 pub use plan::{FaultPlan, KillAfter, RandomFaults, RequestFault, RequestMatch, StallFault};
 pub use transport::MockTransport;
