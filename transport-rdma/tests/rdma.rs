@@ -362,8 +362,9 @@ fn start_peer(listen: &str) -> (Child, String) {
     let out = child.stdout.take().unwrap();
     for line in BufReader::new(out).lines() {
         let line = line.unwrap();
-        if let Some(n) = line.strip_prefix("PEER_NAME=") {
-            return (child, n.to_string());
+        // libtest prints "test peer_process ... " before it on the same line.
+        if let Some(i) = line.find("PEER_NAME=") {
+            return (child, line[i + "PEER_NAME=".len()..].trim().to_string());
         }
     }
     let _ = child.kill();

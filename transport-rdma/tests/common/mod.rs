@@ -51,6 +51,25 @@ pub async fn wait(t: &dyn Transport, b: transport_core::BatchId) -> BatchStatus 
     tokio::time::timeout(Duration::from_secs(60), t.wait(b)).await.expect("batch did not settle in 60 s").expect("wait")
 }
 
+/// Whether the task id the kernel recorded for an RDMA object belongs to
+/// process `pid`. The kernel records the creating *thread* (tokio workers
+/// create QPs), so the id is a TID: ours if it is a thread of `pid`, or
+/// if it is gone (a thread of ours that ended; counting it keeps the leak
+/// check conservative). Threads of other live processes are not ours.
+fn tid_is_ours(tid: u64, pid: u32) -> bool {
+    if tid == u64::from(pid) || std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists() {
+        return true;
+    }
+    match std::fs::read_to_string(format!("/proc/{tid}/status")) {
+        Ok(s) => s
+            .lines()
+            .find_map(|l| l.strip_prefix("Tgid:"))
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .is_some_and(|tgid| tgid == pid),
+        Err(_) => true,
+    }
+}
+
 /// The kernel's count of RDMA objects of `kind` (`qp`, `cq`, `pd`, `mr`)
 /// owned by process `pid`, from `rdma -j resource show <kind>`.
 pub fn kernel_count(kind: &str, pid: u32) -> u64 {
@@ -59,7 +78,7 @@ pub fn kernel_count(kind: &str, pid: u32) -> u64 {
     let text = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or(serde_json::Value::Array(vec![]));
     let arr = v.as_array().cloned().unwrap_or_default();
-    arr.iter().filter(|e| e.get("pid").and_then(|p| p.as_u64()) == Some(u64::from(pid))).count() as u64
+    arr.iter().filter(|e| e.get("pid").and_then(|p| p.as_u64()).is_some_and(|t| tid_is_ours(t, pid))).count() as u64
 }
 
 pub fn my_qps() -> u64 {
