@@ -117,6 +117,7 @@ mod ctx;
 mod faults;
 mod guard;
 mod harness;
+pub mod mock;
 mod runner;
 
 pub use cases::cases;
