@@ -1,0 +1,67 @@
+//! The suite can fail: each deliberately broken transport fails the case
+//! that checks the rule it breaks, and the correct mock passes that case.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use conformance::broken::RetriesPermanent;
+use conformance::mock::MockHarness;
+use conformance::{cases, run_case, Outcome};
+use transport_mock::MockBugs;
+
+fn bugs(f: impl FnOnce(&mut MockBugs)) -> MockHarness {
+    let mut b = MockBugs::default();
+    f(&mut b);
+    MockHarness::with_bugs(b)
+}
+
+/// The correct mock passes `case`; `broken` fails it.
+fn caught(broken: MockHarness, case: &str) {
+    assert_eq!(run_case(MockHarness::new(), case), Ok(Outcome::Passed), "the correct mock must pass {case}");
+    match run_case(broken.clone(), case) {
+        Err(why) => eprintln!("{broken:?} fails {case} as it must: {why}"),
+        Ok(o) => panic!("{case} did not catch {broken:?}: {o:?}"),
+    }
+}
+
+#[test]
+fn leak_on_failure_fails_failure_frees() {
+    caught(bugs(|b| b.leak_endpoint_on_failure = true), "failure::failed_endpoint_is_freed");
+}
+
+#[test]
+fn cached_broken_endpoint_fails_next_transfer_builds_new() {
+    caught(bugs(|b| b.cache_broken_endpoint = true), "failure::next_transfer_builds_new_endpoint");
+}
+
+#[test]
+fn write_after_timeout_fails_terminal_quiet() {
+    caught(bugs(|b| b.write_after_timeout = true), "deadline::quiet_after_timeout");
+}
+
+#[test]
+fn noop_close_fails_close_is_real() {
+    caught(bugs(|b| b.noop_close_segment = true), "lifecycle::close_releases_endpoints");
+}
+
+#[test]
+fn retries_permanent_fails_permanent_not_retried() {
+    caught(MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap), "policy::permanent_errors_not_retried");
+}
+
+/// Every case against every broken transport, printed as a table (for
+/// the README). `cargo test -p conformance --test broken -- --ignored --nocapture`
+#[test]
+#[ignore = "slow survey; run by hand"]
+fn survey() {
+    let variants: Vec<(&str, fn() -> MockHarness)> = vec![
+        ("leak_endpoint_on_failure", || bugs(|b| b.leak_endpoint_on_failure = true)),
+        ("cache_broken_endpoint", || bugs(|b| b.cache_broken_endpoint = true)),
+        ("write_after_timeout", || bugs(|b| b.write_after_timeout = true)),
+        ("noop_close_segment", || bugs(|b| b.noop_close_segment = true)),
+        ("retries_permanent", || MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap)),
+    ];
+    for (name, make) in variants {
+        let failed: Vec<String> =
+            cases().iter().filter(|c| run_case(make(), &c.id()).is_err()).map(|c| c.id()).collect();
+        println!("{name}: {} failing: {}", failed.len(), failed.join(", "));
+    }
+}
