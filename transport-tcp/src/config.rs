@@ -13,6 +13,10 @@ pub struct TcpConfig {
     /// Address the listener binds; its `host:port` is the segment name peers
     /// open. Default `127.0.0.1:0` (loopback, any free port).
     pub listen: String,
+    /// The segment name to publish instead of the bound `host:port`, for a
+    /// listener reached through a proxy, NAT or port forward. Default
+    /// `None` (the bound address).
+    pub advertise: Option<String>,
     /// TCP connections ("lanes") per peer endpoint; large requests are cut
     /// into slices spread over them. Default 4.
     pub lanes: usize,
@@ -61,6 +65,7 @@ impl Default for TcpConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:0".into(),
+            advertise: None,
             lanes: 4,
             slice_size: 1 << 20,
             window: 64,

@@ -20,6 +20,7 @@ use transport_mem::MemoryRegion;
 use crate::batch::{Batch, EndReason};
 use crate::config::TcpConfig;
 use crate::endpoint::{Cache, Endpoint, Work};
+use crate::proto::WireRegion;
 use crate::regions::RegionTable;
 use crate::server::Server;
 use crate::tasks::{spawn_counted, Counters};
@@ -34,6 +35,7 @@ const MAX_REQUEST: u64 = 1 << 40;
 #[derive(Debug)]
 pub struct TcpTransport {
     inner: Arc<Inner>,
+    bound: SocketAddr,
 }
 
 #[derive(Debug)]
@@ -85,6 +87,7 @@ impl TcpTransport {
         sock.listen(1024)?;
         let listener = TcpListener::from_std(sock.into())?;
         let local = listener.local_addr()?;
+        let bound = local;
         let cfg = Arc::new(cfg);
         let counters = Counters::new();
         let regions = Arc::new(RegionTable::default());
@@ -92,7 +95,7 @@ impl TcpTransport {
         let server = Server::new(cfg.clone(), regions.clone(), generation, counters.clone());
         let inner = Arc::new(Inner {
             cfg: cfg.clone(),
-            local_name: local.to_string(),
+            local_name: cfg.advertise.clone().unwrap_or_else(|| local.to_string()),
             generation,
             counters: counters.clone(),
             regions,
@@ -109,7 +112,7 @@ impl TcpTransport {
         let reaper = spawn_counted(&counters, reaper(Arc::downgrade(&inner)));
         inner.background.lock().extend([accept, reaper]);
         tracing::info!(listen = %local, generation, "tcp transport serving");
-        Ok(Self { inner })
+        Ok(Self { inner, bound })
     }
 
     /// The configuration in force.
@@ -123,8 +126,8 @@ impl TcpTransport {
     }
 
     /// The address the listener is bound to.
-    pub fn local_addr(&self) -> Result<SocketAddr> {
-        resolve(&self.inner.local_name)
+    pub fn local_addr(&self) -> SocketAddr {
+        self.bound
     }
 }
 
@@ -240,23 +243,9 @@ impl Inner {
     }
 
     fn descriptor(&self, name: &str, ep: &Endpoint) -> SegmentDescriptor {
-        SegmentDescriptor {
-            name: name.to_owned(),
-            backend: "tcp".into(),
-            generation: ep.generation,
-            address: ep.addr.to_string(),
-            regions: ep
-                .regions
-                .iter()
-                .map(|r| RegionInfo {
-                    addr: r.addr,
-                    len: r.len,
-                    access: Access { remote_read: r.read, remote_write: r.write },
-                    key: 0,
-                })
-                .collect(),
-        }
+        descriptor(name, ep.addr, ep.generation, &ep.regions)
     }
+
 
     /// Ends the pending requests of `batch` chosen by `pick`, then makes
     /// them quiet: their unsent slices are dropped and every endpoint that
@@ -292,6 +281,24 @@ impl Inner {
             .get(&id)
             .cloned()
             .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", id))
+    }
+}
+
+fn descriptor(name: &str, addr: SocketAddr, generation: u64, regions: &[WireRegion]) -> SegmentDescriptor {
+    SegmentDescriptor {
+        name: name.to_owned(),
+        backend: "tcp".into(),
+        generation,
+        address: addr.to_string(),
+        regions: regions
+            .iter()
+            .map(|r| RegionInfo {
+                addr: r.addr,
+                len: r.len,
+                access: Access { remote_read: r.read, remote_write: r.write },
+                key: 0,
+            })
+            .collect(),
     }
 }
 
@@ -349,6 +356,8 @@ impl Transport for TcpTransport {
         let i = &self.inner;
         i.check_open()?;
         let addr = resolve(name)?;
+        // The descriptor comes from the peer itself, over the endpoint's
+        // first lane (the endpoint is built here and cached).
         let ep = i.endpoint(name, addr).await?;
         let desc = i.descriptor(name, &ep);
         let id = SegmentId(i.handle());
