@@ -338,7 +338,7 @@ mod tests {
     use super::*;
 
     fn info(index: usize) -> RequestInfo<'static> {
-        RequestInfo { segment: "b", index, op: Opcode::Write, remote_addr: 4096, len: 8 }
+        RequestInfo { segment: "b", index, op: Opcode::Write, remote_addr: 4096 + index as u64, len: 8 }
     }
 
     #[test]
