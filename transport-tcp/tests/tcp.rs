@@ -1,0 +1,279 @@
+//! Real sockets on loopback: data integrity, concurrency, teardown,
+//! authentication, faults through the proxy, and a peer process killed
+//! mid-batch.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::proxy::FaultProxy;
+use support::{node, test_config};
+use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8).collect()
+}
+
+async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> transport_core::BatchStatus {
+    let b = t.submit(reqs, SubmitOptions::default()).await.unwrap();
+    let s = tokio::time::timeout(LIMIT, t.wait(b)).await.expect("batch finishes").unwrap();
+    t.release(b).unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn byte_exact_writes_and_reads_of_many_sizes() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let cfg = TcpConfig { slice_size: 64 << 10, max_frame: 64 << 10, ..test_config() };
+        let (a, b) = (node(cfg.clone()).await, node(cfg).await);
+        let len = 4 << 20;
+        let (src, dst) = (Buffer::from_slice(&pattern(1, len)).unwrap(), Buffer::new(len).unwrap());
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        for (k, size) in [1usize, 7, 4095, 4096, 65535, 65536, 65537, 1 << 20, (3 << 20) + 5].into_iter().enumerate() {
+            let off = (k * 13) as u64;
+            dst.fill(0);
+            let s = run(&a, vec![TransferRequest::write(l, off, seg, dst.addr() + off + 3, size as u64)]).await;
+            assert_eq!(s.state, BatchState::Completed, "write {size}: {:?}", s.first_error());
+            let got = dst.to_vec();
+            assert_eq!(&got[off as usize + 3..off as usize + 3 + size], &src.to_vec()[off as usize..off as usize + size]);
+            assert!(got[..off as usize + 3].iter().all(|&x| x == 0), "bytes before the write changed");
+            assert!(got[off as usize + 3 + size..].iter().all(|&x| x == 0), "bytes after the write changed");
+            // Read it back into a fresh local region.
+            let back = Buffer::new(size + 16).unwrap();
+            let bl = a.register(back.region(), Access::LOCAL).unwrap();
+            let s = run(&a, vec![TransferRequest::read(bl, 8, seg, dst.addr() + off + 3, size as u64)]).await;
+            assert_eq!(s.state, BatchState::Completed);
+            assert_eq!(&back.to_vec()[8..8 + size], &src.to_vec()[off as usize..off as usize + size]);
+            a.unregister(bl).await.unwrap();
+        }
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_land_exact() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let (a, b) = (Arc::new(node(test_config()).await), node(test_config()).await);
+        let len = 8 << 20;
+        let (src, dst) = (Buffer::from_slice(&pattern(2, len)).unwrap(), Buffer::new(len).unwrap());
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let mut tasks = Vec::new();
+        for k in 0..16u64 {
+            let (a, base) = (a.clone(), dst.addr());
+            tasks.push(tokio::spawn(async move {
+                let chunk = (len / 16) as u64;
+                let reqs: Vec<_> = (0..64u64)
+                    .map(|j| {
+                        let o = k * chunk + j * (chunk / 64);
+                        TransferRequest::write(l, o, seg, base + o, chunk / 64)
+                    })
+                    .collect();
+                run(&a, reqs).await.state
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), BatchState::Completed);
+        }
+        assert_eq!(dst.to_vec(), src.to_vec());
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fds_and_stats_return_to_baseline() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let fds = support::open_fds();
+        for _ in 0..3 {
+            let (a, b) = (node(test_config()).await, node(test_config()).await);
+            let (src, dst) = (Buffer::new(1 << 20).unwrap(), Buffer::new(1 << 20).unwrap());
+            let l = a.register(src.region(), Access::LOCAL).unwrap();
+            b.register(dst.region(), Access::REMOTE_RW).unwrap();
+            let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+            assert_eq!(a.stats().endpoints, 1);
+            assert_eq!(a.stats().endpoint_lanes, 4);
+            run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20)]).await;
+            a.close_segment(seg).await.unwrap();
+            assert_eq!(a.stats().endpoints, 0);
+            assert_eq!(a.stats().endpoint_lanes, 0);
+            assert_eq!(a.close_segment(seg).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+            a.shutdown().await.unwrap();
+            b.shutdown().await.unwrap();
+            assert_eq!(a.stats(), Default::default());
+            assert_eq!(b.stats(), Default::default());
+        }
+        let mut now = support::open_fds();
+        for _ in 0..100 {
+            if now == fds {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            now = support::open_fds();
+        }
+        assert_eq!(now, fds, "open file descriptors back to baseline");
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_secret_is_required_and_checked() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let secret = TcpConfig { secret: Some("s3cret".into()), ..test_config() };
+        let b = node(secret.clone()).await;
+        let dst = Buffer::new(4096).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let name = b.local_segment_name();
+        let none = node(test_config()).await;
+        assert_eq!(none.open_segment(&name).await.unwrap_err().kind(), ErrorKind::AuthFailed);
+        let wrong = node(TcpConfig { secret: Some("nope".into()), ..test_config() }).await;
+        assert_eq!(wrong.open_segment(&name).await.unwrap_err().kind(), ErrorKind::AuthFailed);
+        // A client with a secret refuses a server that cannot prove it.
+        let open = node(test_config()).await;
+        let good = node(secret).await;
+        assert_eq!(good.open_segment(&open.local_segment_name()).await.unwrap_err().kind(), ErrorKind::AuthFailed);
+        let src = Buffer::from_slice(&[9u8; 4096]).unwrap();
+        let l = good.register(src.region(), Access::LOCAL).unwrap();
+        let seg = good.open_segment(&name).await.unwrap();
+        assert_eq!(run(&good, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await.state, BatchState::Completed);
+        assert_eq!(dst.to_vec(), vec![9u8; 4096]);
+        for t in [b, none, wrong, open, good] {
+            t.shutdown().await.unwrap();
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_cut_stall_and_corruption() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let (a, b) = (node(test_config()).await, node(test_config()).await);
+        let proxy = FaultProxy::start("127.0.0.1:0".parse().unwrap(), b.local_addr()).await.unwrap();
+        let (src, dst) = (Buffer::from_slice(&pattern(3, 1 << 20)).unwrap(), Buffer::new(1 << 20).unwrap());
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&proxy.addr.to_string()).await.unwrap();
+        let w = TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20);
+        assert_eq!(run(&a, vec![w]).await.state, BatchState::Completed);
+        // Cut: the batch in flight (or the next) fails transiently, the
+        // endpoint is destroyed, the next transfer rebuilds it.
+        proxy.cut();
+        let s = run(&a, vec![w]).await;
+        if s.state != BatchState::Completed {
+            assert!(s.first_error().unwrap().is_transient());
+            assert_eq!(run(&a, vec![w]).await.state, BatchState::Completed);
+        }
+        assert!(a.stats().endpoints <= 1);
+        // Stall: a deadline ends it, TimedOut, and traffic resumes later.
+        proxy.stall(true);
+        let bt = a.submit(vec![w], SubmitOptions::with_timeout(Duration::from_millis(200))).await.unwrap();
+        let s = tokio::time::timeout(LIMIT, a.wait(bt)).await.unwrap().unwrap();
+        assert_eq!(s.state, BatchState::TimedOut);
+        a.release(bt).unwrap();
+        proxy.stall(false);
+        assert_eq!(run(&a, vec![w]).await.state, BatchState::Completed);
+        // Corruption of the byte stream: a header check or frame rule
+        // catches it, the connection closes, the error is transient; the
+        // server keeps serving.
+        proxy.corrupt(997);
+        let s = run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
+        if let Some(e) = s.first_error() {
+            assert!(e.is_transient(), "{e}");
+        }
+        proxy.corrupt(0);
+        let mut ok = false;
+        for _ in 0..3 {
+            if run(&a, vec![w]).await.state == BatchState::Completed {
+                ok = true;
+                break;
+            }
+        }
+        assert!(ok, "transfers recover after corruption stops");
+        // Blackhole: the endpoint build times out, transient.
+        proxy.cut();
+        proxy.blackhole(true);
+        let t = node(test_config()).await;
+        let e = t.open_segment(&proxy.addr.to_string()).await.unwrap_err();
+        assert!(e.is_transient(), "{e}");
+        for t in [a, b, t] {
+            t.shutdown().await.unwrap();
+        }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Starts `tcp-peer` on `listen`; returns the child, its name and region address.
+fn spawn_peer(listen: &str) -> (std::process::Child, String, u64) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tcp-peer"))
+        .args([listen, &(4 << 20).to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("tcp-peer starts");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut it = line.split_whitespace();
+    let name = it.next().unwrap().to_owned();
+    let addr = it.next().unwrap().parse().unwrap();
+    (child, name, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_process_killed_mid_batch_then_restarted() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let (mut child, name, raddr) = spawn_peer("127.0.0.1:0");
+        let a = node(test_config()).await;
+        let src = Buffer::from_slice(&pattern(4, 4 << 20)).unwrap();
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&name).await.unwrap();
+        let gen1 = a.segment_descriptor(seg).unwrap().generation;
+        // A long batch; the peer dies in the middle of it.
+        let reqs: Vec<_> =
+            (0..256u64).map(|k| TransferRequest::write(l, (k % 4) << 20, seg, raddr + ((k % 4) << 20), 1 << 20)).collect();
+        let b = a.submit(reqs, SubmitOptions::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let s = tokio::time::timeout(LIMIT, a.wait(b)).await.unwrap().unwrap();
+        a.release(b).unwrap();
+        assert_eq!(s.state, BatchState::Failed, "a batch to a killed peer fails");
+        assert!(s.first_error().unwrap().is_transient(), "{:?}", s.first_error());
+        let gone = async {
+            while a.stats().endpoints != 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(3), gone).await.expect("the broken endpoint is destroyed");
+        // The peer restarts on the same port with a new generation.
+        let (mut child2, name2, raddr2) = spawn_peer(&name);
+        assert_eq!(name2, name);
+        let w = TransferRequest::write(l, 0, seg, raddr2, 4096);
+        let first = run(&a, vec![w]).await;
+        if first.state != BatchState::Completed {
+            assert_eq!(first.first_error().unwrap().kind(), ErrorKind::PeerRestarted);
+            assert_eq!(run(&a, vec![w]).await.state, BatchState::Completed);
+        }
+        assert_ne!(a.segment_descriptor(seg).unwrap().generation, gen1, "the new generation is noticed");
+        drop(child2.stdin.take());
+        let _ = child2.wait();
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
