@@ -103,8 +103,8 @@ pub(crate) async fn build(opts: &BackendOptions) -> Result<Arc<dyn Transport>> {
 }
 
 async fn build_tcp(opts: &BackendOptions) -> Result<Arc<dyn Transport>> {
-    Err(Error::new(ErrorKind::Unsupported, "the TCP backend is not built into this package yet")
-        .with("listen", opts.listen_addr()))
+    let cfg = transport_tcp::TcpConfig { listen: opts.listen_addr(), ..Default::default() };
+    Ok(Arc::new(transport_tcp::TcpTransport::new(cfg).await?))
 }
 
 #[cfg(feature = "rdma")]

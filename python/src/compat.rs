@@ -24,7 +24,7 @@ const OPCODE_READ: i64 = 0;
 const OPCODE_WRITE: i64 = 1;
 
 /// A drop-in for `mooncake.engine.TransferEngine`.
-#[pyclass(module = "kvmove._native", name = "TransferEngine", frozen)]
+#[pyclass(module = "kvmove._native", name = "TransferEngine", frozen, subclass)]
 pub(crate) struct MooncakeEngine {
     core: Mutex<Option<Arc<Core>>>,
     batches: Mutex<HashMap<u64, Transfer>>,

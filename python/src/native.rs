@@ -8,7 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome};
 
 use crate::backend::{split_host_port, BackendOptions};
@@ -175,8 +175,8 @@ impl NativeEngine {
     }
 
     /// Copies bytes out of registered local memory.
-    fn read_local(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<Vec<u8>> {
-        py_result(py, self.core.read_local(addr, length))
+    fn read_local<'py>(&self, py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
+        py_result(py, self.core.read_local(addr, length)).map(|v| PyBytes::new(py, &v))
     }
 
     /// Live resource counts as a dict.
