@@ -1,0 +1,32 @@
+"""kvmove: a KV-cache transfer engine for LLM inference (TCP or RDMA).
+
+Two APIs over one Rust engine (retry, deadlines, circuit breaker,
+backpressure and memory checks built in):
+
+* ``kvmove.TransferEngine`` (also ``kvmove.mooncake.TransferEngine``) answers
+  the calls SGLang and vLLM make on Mooncake's
+  ``mooncake.engine.TransferEngine``, with its integer return codes.
+* ``kvmove.Engine`` is the Pythonic API: context managers that unregister
+  memory and close sessions, batches with ``poll`` / ``wait`` / ``cancel``,
+  layer-by-layer submission, and exceptions with ``.kind`` and
+  ``.is_transient``.
+"""
+
+from ._native import PermanentError, TransferError, TransientError
+from ._engine import Batch, Engine, LayerwiseTransfer, Outcome, Region, RequestResult, Session
+from .mooncake import TransferEngine, TransferOpcode
+
+__all__ = [
+    "Batch",
+    "Engine",
+    "LayerwiseTransfer",
+    "Outcome",
+    "PermanentError",
+    "Region",
+    "RequestResult",
+    "Session",
+    "TransferEngine",
+    "TransferError",
+    "TransferOpcode",
+    "TransientError",
+]

@@ -1,0 +1,364 @@
+"""The Pythonic API: Engine, Region, Session, Batch, LayerwiseTransfer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+from ._native import NativeEngine, TransferError
+
+#: One request: ``(local_addr, remote_addr, length)``.
+Op = Tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """The final state of one request of a batch."""
+
+    state: str  #: "completed", "failed", "timed_out" or "cancelled"
+    error: Optional[TransferError] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "completed"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The final report of a batch."""
+
+    state: str  #: "completed", "failed", "timed_out" or "cancelled"
+    attempts: int  #: backend submissions (1 when nothing was retried)
+    requests: List[RequestResult]
+
+    @classmethod
+    def _from_native(cls, t) -> "Outcome":
+        state, attempts, reqs = t
+        return cls(state, attempts, [RequestResult(s, e) for s, e in reqs])
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "completed"
+
+    @property
+    def error(self) -> Optional[TransferError]:
+        """The first request error, if any request failed."""
+        for r in self.requests:
+            if r.error is not None:
+                return r.error
+        return None
+
+    def raise_for_status(self) -> "Outcome":
+        """Returns self when every request completed; raises otherwise."""
+        if self.ok:
+            return self
+        err = self.error
+        if err is not None:
+            raise err
+        from ._native import PermanentError, TransientError
+
+        if self.state == "timed_out":
+            e = TransientError(f"transfer deadline passed after {self.attempts} attempt(s)")
+            _fill(e, "timeout", True)
+        else:
+            e = PermanentError(f"transfer {self.state}")
+            _fill(e, "cancelled", False)
+        raise e
+
+
+def _fill(e: TransferError, kind: str, transient: bool) -> None:
+    e.kind = kind
+    e.is_transient = transient
+    e.message = str(e)
+    e.context = {}
+
+
+class Region:
+    """Registered memory. Unregistered by :meth:`unregister`, on leaving a
+    ``with`` block, or when its engine closes."""
+
+    def __init__(self, engine: "Engine", addr: int, length: int, obj: Any = None):
+        self._engine = engine
+        self.addr = addr
+        self.length = length
+        self._obj = obj
+        self._live = True
+
+    def __repr__(self) -> str:
+        return f"Region(addr={self.addr:#x}, length={self.length}, live={self._live})"
+
+    def __len__(self) -> int:
+        return self.length
+
+    def at(self, offset: int) -> int:
+        """The address of byte ``offset`` (checked against the length)."""
+        if not 0 <= offset < self.length:
+            raise IndexError(f"offset {offset} outside a region of {self.length} bytes")
+        return self.addr + offset
+
+    def unregister(self) -> None:
+        """Unregisters; returns once no transfer can touch the memory."""
+        if self._live:
+            self._live = False
+            self._engine._native.unregister(self.addr)
+            self._engine._regions.discard(self)
+            self._obj = None
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.unregister()
+        return False
+
+
+class Batch:
+    """A submitted batch of requests."""
+
+    def __init__(self, native_batch):
+        self._b = native_batch
+        self._outcome: Optional[Outcome] = None
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None or self._b.done
+
+    def poll(self) -> Optional[Outcome]:
+        """The outcome if finished, else None. Never blocks."""
+        if self._outcome is None:
+            t = self._b.poll()
+            if t is not None:
+                self._outcome = Outcome._from_native(t)
+        return self._outcome
+
+    def wait(self, timeout: Optional[float] = None, check: bool = True) -> Optional[Outcome]:
+        """Waits (GIL released) for the outcome; None if ``timeout`` seconds
+        passed first. With ``check`` (default), a batch that did not
+        complete raises its error."""
+        if self._outcome is None:
+            t = self._b.wait(timeout)
+            if t is None:
+                return None
+            self._outcome = Outcome._from_native(t)
+        return self._outcome.raise_for_status() if check else self._outcome
+
+    def cancel(self) -> Outcome:
+        """Cancels what has not completed; returns once the batch is quiet
+        (its buffers may be reused at once)."""
+        if self._outcome is None:
+            self._outcome = Outcome._from_native(self._b.cancel())
+        return self._outcome
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        # Leaving the block early (an exception) must not leave transfers
+        # writing into memory the caller is about to reuse.
+        if self._outcome is None:
+            if exc_type is None:
+                self.wait(check=False)
+            else:
+                self.cancel()
+        return False
+
+
+class LayerwiseTransfer:
+    """Layer-by-layer transfer: submit each layer's pages as soon as the
+    layer is computed, then wait for all of them (overlapping transfer with
+    compute)."""
+
+    def __init__(self, session: "Session", write: bool = True):
+        self._session = session
+        self._write = write
+        self.layers: List[Batch] = []
+
+    def submit_layer(self, ops: Iterable[Op]) -> Batch:
+        """Submits one layer's ``(local_addr, remote_addr, length)`` requests."""
+        b = self._session.submit(ops, write=self._write)
+        self.layers.append(b)
+        return b
+
+    def wait(self, timeout: Optional[float] = None, check: bool = True) -> List[Outcome]:
+        """Waits for every layer submitted so far; raises the first error
+        (after all layers are finished) when ``check``."""
+        outs = []
+        for b in self.layers:
+            o = b.wait(timeout, check=False)
+            if o is None:
+                raise TimeoutError("layer transfer still running after timeout")
+            outs.append(o)
+        if check:
+            for o in outs:
+                o.raise_for_status()
+        return outs
+
+    def cancel(self) -> List[Outcome]:
+        return [b.cancel() for b in self.layers]
+
+    def __enter__(self) -> "LayerwiseTransfer":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        if exc_type is None:
+            self.wait(check=False)
+        else:
+            self.cancel()
+        return False
+
+
+class Session:
+    """An open connection to one peer's registered memory. Closing it (or
+    leaving the ``with`` block) ends its transfers and releases its
+    endpoints."""
+
+    def __init__(self, engine: "Engine", peer: str):
+        self._engine = engine
+        self.peer = peer
+        self._seg = engine._native.open_segment(peer)
+        self._open = True
+
+    def __repr__(self) -> str:
+        return f"Session(peer={self.peer!r}, open={self._open})"
+
+    def _ops(self, ops: Iterable[Op], write: bool):
+        return [(write, int(l), int(r), int(n)) for (l, r, n) in ops]
+
+    def submit(self, ops: Iterable[Op], write: bool = True) -> Batch:
+        """Starts a batch of writes (or reads with ``write=False``); each
+        request is ``(local_addr, remote_addr, length)``. Waits for room when
+        the in-flight budget is full."""
+        return Batch(self._engine._native.submit(self._seg, self._ops(ops, write)))
+
+    def write(self, local_addr: int, remote_addr: int, length: int) -> Outcome:
+        """Writes one range and waits; raises on failure."""
+        return self.write_many([(local_addr, remote_addr, length)])
+
+    def read(self, local_addr: int, remote_addr: int, length: int) -> Outcome:
+        """Reads one range and waits; raises on failure."""
+        return self.read_many([(local_addr, remote_addr, length)])
+
+    def write_many(self, ops: Iterable[Op]) -> Outcome:
+        t = self._engine._native.transfer(self._seg, self._ops(ops, True))
+        return Outcome._from_native(t).raise_for_status()
+
+    def read_many(self, ops: Iterable[Op]) -> Outcome:
+        t = self._engine._native.transfer(self._seg, self._ops(ops, False))
+        return Outcome._from_native(t).raise_for_status()
+
+    def layerwise(self, write: bool = True) -> LayerwiseTransfer:
+        """A :class:`LayerwiseTransfer` on this session."""
+        return LayerwiseTransfer(self, write)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._engine._sessions.discard(self)
+            self._engine._native.close_segment(self._seg)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+class Engine:
+    """A transfer engine.
+
+    ``protocol`` is ``"tcp"`` or ``"rdma"``; it listens on ``host:port``
+    (port 0 picks a free one) and peers reach it by :attr:`session_id`.
+    ``policy`` is a dict with the keys of the Rust ``PolicyConfig``, e.g.
+    ``{"retry": {"max_attempts": 2}, "breaker": {"cooldown_ms": 100}}``.
+    """
+
+    def __init__(
+        self,
+        protocol: str = "tcp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        device: str = "",
+        policy: Optional[dict] = None,
+    ):
+        self._native = NativeEngine(protocol, host, port, device, json.dumps(policy) if policy else None)
+        self._regions: set = set()
+        self._sessions: set = set()
+
+    @property
+    def session_id(self) -> str:
+        """``host:port`` that peers pass to :meth:`connect`."""
+        return self._native.session_id
+
+    @property
+    def backend(self) -> str:
+        return self._native.backend
+
+    def register(self, obj: Any) -> Region:
+        """Registers a writable, C-contiguous Python buffer (``bytearray``,
+        ``memoryview``, numpy array). The engine keeps a buffer export until
+        the region is unregistered, so the memory can neither be freed nor
+        resized meanwhile."""
+        addr, length = self._native.register_buffer(obj)
+        r = Region(self, addr, length, obj)
+        self._regions.add(r)
+        return r
+
+    def register_address(self, addr: int, length: int) -> Region:
+        """Registers raw memory, e.g. ``tensor.data_ptr()`` and
+        ``tensor.numel() * tensor.element_size()``.
+
+        Safety contract (the engine cannot check it): ``addr .. addr +
+        length`` must stay allocated, writable memory of this process until
+        the region is unregistered (``Region.unregister``, leaving its
+        ``with`` block, or :meth:`close`) — keep the tensor alive. Bytes of a
+        range being transferred are unspecified until its batch finishes, as
+        with DMA.
+        """
+        self._native.register_address(int(addr), int(length))
+        r = Region(self, int(addr), int(length))
+        self._regions.add(r)
+        return r
+
+    def connect(self, peer: str) -> Session:
+        """Opens a session to the peer ``host:port`` (its ``session_id``)."""
+        s = Session(self, peer)
+        self._sessions.add(s)
+        return s
+
+    def write_local(self, addr: int, data: bytes) -> None:
+        """Copies bytes into registered local memory (checked)."""
+        self._native.write_local(addr, data)
+
+    def read_local(self, addr: int, length: int) -> bytes:
+        """Copies bytes out of registered local memory (checked)."""
+        return bytes(self._native.read_local(addr, length))
+
+    def stats(self) -> dict:
+        """Live resources: endpoints, segments, regions, batches, ..."""
+        return self._native.stats()
+
+    def close(self) -> None:
+        """Ends all transfers, closes sessions, unregisters all memory and
+        stops the backend (idempotent)."""
+        for s in list(self._sessions):
+            try:
+                s.close()
+            except TransferError:
+                pass
+        self._native.close()
+        for r in list(self._regions):
+            r._live = False
+            r._obj = None
+        self._regions.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def __repr__(self) -> str:
+        return f"Engine(session_id={self.session_id!r}, backend={self.backend!r})"

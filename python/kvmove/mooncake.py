@@ -1,0 +1,41 @@
+"""Drop-in replacement for ``mooncake.engine``.
+
+Change ``from mooncake.engine import TransferEngine`` to
+``from kvmove.mooncake import TransferEngine``; the calls, argument names,
+defaults and return codes are the same (see ``python/README.md`` for the
+few deliberate differences).
+"""
+
+import enum
+
+from ._native import TransferEngine as _NativeTransferEngine
+
+
+class TransferOpcode(enum.IntEnum):
+    """Direction of ``transfer_sync`` / ``batch_transfer_sync``."""
+
+    Read = 0
+    Write = 1
+    READ = 0
+    WRITE = 1
+
+
+class TransferEngine(_NativeTransferEngine):
+    """Mooncake's ``TransferEngine`` API over kvmove.
+
+    Every method returns 0 (or a batch id / address) on success and a
+    negative number (0 for batch ids and addresses) on failure; the reason is
+    available from :meth:`last_error` on the same thread.
+    """
+
+    TransferOpcode = TransferOpcode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+__all__ = ["TransferEngine", "TransferOpcode"]
