@@ -1,0 +1,91 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+class Peer:
+    """A decode-like peer in its own Python process (see kvpeer.py)."""
+
+    def __init__(self, host: str, nbytes: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "kvpeer.py"), host, str(nbytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited with {self.proc.wait()}")
+        info = json.loads(line)
+        if "error" in info:
+            raise RuntimeError(f"peer failed to start: {info['error']}")
+        self.session_id = info["session_id"]
+        self.addr = info["addr"]
+        self.len = info["len"]
+
+    @property
+    def port(self) -> int:
+        return int(self.session_id.rsplit(":", 1)[1])
+
+    def ask(self, cmd: str) -> str:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def spawn_peer():
+    peers = []
+
+    def spawn(host: str = "127.0.0.1", nbytes: int = 1 << 20) -> Peer:
+        p = Peer(host, nbytes)
+        peers.append(p)
+        return p
+
+    yield spawn
+    for p in peers:
+        p.stop()
+
+
+def wait_until(fn, timeout: float = 20.0, pause: float = 0.05):
+    """Calls fn() until it returns a truthy value; returns it (or the last)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(pause)
+
+
+@pytest.fixture(autouse=True)
+def _no_protocol_override(monkeypatch):
+    monkeypatch.delenv("KVMOVE_PROTOCOL", raising=False)
+    monkeypatch.delenv("KVMOVE_POLICY", raising=False)
+    yield

@@ -1,0 +1,84 @@
+"""A killed peer gives a clean failure; the same port restarted works again."""
+
+import hashlib
+import time
+
+import numpy as np
+import pytest
+
+import kvmove
+from kvmove.mooncake import TransferEngine
+
+from conftest import wait_until
+
+
+def test_killed_peer_fails_cleanly_then_restart_works(spawn_peer, monkeypatch):
+    # Fast policy so the test does not sit in backoff or an open breaker.
+    monkeypatch.setenv(
+        "KVMOVE_POLICY",
+        '{"retry": {"max_attempts": 2, "initial_backoff_ms": 10}, "breaker": {"cooldown_ms": 200}}',
+    )
+    decode = spawn_peer(nbytes=1 << 20)
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = np.full(1 << 20, 7, dtype=np.uint8)
+    assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    assert e.transfer_sync_write(decode.session_id, buf.ctypes.data, decode.addr, 4096) == 0
+
+    port = decode.port
+    decode.kill()
+
+    t0 = time.monotonic()
+    assert e.transfer_sync_write(decode.session_id, buf.ctypes.data, decode.addr, 4096) < 0
+    assert time.monotonic() - t0 < 30, "failure must be prompt, not a long stall"
+    err = e.last_error()
+    assert isinstance(err, kvmove.TransientError), err
+    assert err.is_transient and err.kind in {
+        "connection_refused",
+        "connection_reset",
+        "peer_unavailable",
+        "peer_restarted",
+        "handshake_failed",
+        "timeout",
+        "io",
+    }, err
+    assert e.send_probe(decode.session_id) != 0
+    # Async and batch paths fail cleanly too.
+    assert e.batch_transfer_async_write(decode.session_id, [buf.ctypes.data], [decode.addr], [16]) == 0
+    assert e.batch_transfer_sync_write(decode.session_id, [buf.ctypes.data], [decode.addr], [16]) < 0
+
+    # The peer comes back on the same port (a new process: new addresses).
+    restarted = wait_until(lambda: _try_spawn(spawn_peer, f"127.0.0.1:{port}"), timeout=20)
+    assert restarted, "could not restart the peer on its port"
+    assert restarted.session_id == decode.session_id
+
+    def attempt():
+        return e.transfer_sync_write(restarted.session_id, buf.ctypes.data, restarted.addr, buf.nbytes) == 0
+
+    assert wait_until(attempt, timeout=30, pause=0.1), e.last_error()
+    assert restarted.ask("digest") == hashlib.sha256(buf.tobytes()).hexdigest()
+    assert e.send_probe(restarted.session_id) == 0
+    e.close()
+
+
+def _try_spawn(spawn_peer, host):
+    try:
+        return spawn_peer(host=host, nbytes=1 << 20)
+    except RuntimeError:
+        return None
+
+
+def test_pythonic_engine_raises_transient_on_dead_peer(spawn_peer):
+    decode = spawn_peer(nbytes=1 << 16)
+    with kvmove.Engine(policy={"retry": {"max_attempts": 1}}) as eng:
+        buf = bytearray(4096)
+        with eng.register(buf) as r, eng.connect(decode.session_id) as s:
+            s.write(r.addr, decode.addr, 4096)
+            decode.kill()
+            with pytest.raises(kvmove.TransientError) as info:
+                for _ in range(50):  # the first may still land in socket buffers
+                    s.write(r.addr, decode.addr, 4096)
+            assert info.value.is_transient
+        # A session to a port nobody listens on fails at connect.
+        with pytest.raises(kvmove.TransientError):
+            eng.connect(decode.session_id)
