@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Tests of the Python package (python/, the standalone crate kvmove-py):
+# fmt and clippy of its Rust code, its Rust unit tests, then a fresh
+# virtualenv with `pip install ./python` and the pytest suite (every test
+# with a timeout). Called by scripts/test.sh.
+#
+#   scripts/python-tests.sh            # everything
+#   PYTHON=python3.12 scripts/python-tests.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+step() { printf '\n==> python: %s\n' "$*"; }
+
+py=${PYTHON:-python3}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+venv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}
+# pyo3 builds against the interpreter the tests use.
+export PYO3_PYTHON=$py
+
+step "cargo fmt --check (python/)"
+(cd python && cargo fmt -- --check)
+
+step "cargo clippy --all-targets -- -D warnings (python/)"
+(cd python && cargo clippy --all-targets -- -D warnings)
+
+step "cargo test (python/)"
+libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
+ldlib=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LDLIBRARY") or "")')
+if [ -n "$libdir" ] && [ -e "$libdir/$ldlib" ] && [[ "$ldlib" == *.so* ]]; then
+  (cd python && LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test)
+else
+  echo "!!! RUST UNIT TESTS OF python/ SKIPPED: no shared libpython ($libdir/$ldlib) to link them against"
+  echo "!!! (install the python dev package); the pytest suite below still covers the same code"
+fi
+
+step "virtualenv $venv"
+if [ ! -x "$venv/bin/python" ]; then
+  if ! "$py" -m venv "$venv"; then
+    rm -rf "$venv"
+    "$py" -m pip install -q --user virtualenv
+    "$py" -m virtualenv -q "$venv"
+  fi
+fi
+vpy=$venv/bin/python
+"$vpy" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy
+
+step "pip install ./python"
+PATH="$venv/bin:$PATH" "$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
+
+step "pytest python/tests"
+# From inside python/ with the pytest script (not `python -m pytest`), so
+# `import kvmove` is the installed wheel, not the source directory.
+(cd python && "$venv/bin/pytest" -p no:cacheprovider --timeout 120 -q tests)
