@@ -141,12 +141,8 @@ impl EndpointCache {
 
     /// Destroys the least recently used idle endpoint; false if all are busy.
     pub fn evict_lru_idle(&mut self) -> bool {
-        let victim = self
-            .live
-            .values()
-            .filter(|e| e.idle())
-            .min_by_key(|e| *e.last_used.lock())
-            .map(|e| e.peer.clone());
+        let victim =
+            self.live.values().filter(|e| e.idle()).min_by_key(|e| *e.last_used.lock()).map(|e| e.peer.clone());
         match victim {
             Some(peer) => self.destroy_peer(&peer),
             None => false,

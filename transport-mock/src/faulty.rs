@@ -16,8 +16,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus,
-    ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus, ResourceStats,
+    Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
 use crate::plan::{FaultPlan, FaultState, RequestInfo};
@@ -114,9 +114,10 @@ impl Shared {
                     BatchStatus::from_requests(reqs)
                 });
                 let merged = e.merge(timed.as_ref(), Some(&RequestStatus::TimedOut));
-                e.done = Some(merged.unwrap_or_else(|err| {
-                    BatchStatus::from_requests(vec![RequestStatus::Failed(err); e.slots.len()])
-                }));
+                e.done =
+                    Some(merged.unwrap_or_else(|err| {
+                        BatchStatus::from_requests(vec![RequestStatus::Failed(err); e.slots.len()])
+                    }));
             }
         }
         drop(st);
@@ -241,10 +242,7 @@ impl FaultyTransport {
                 if e.done.is_none() {
                     let killed = inner_status.map(|s| {
                         BatchStatus::from_requests(
-                            s.requests
-                                .into_iter()
-                                .map(|r| if r.is_completed() { r } else { reset.clone() })
-                                .collect(),
+                            s.requests.into_iter().map(|r| if r.is_completed() { r } else { reset.clone() }).collect(),
                         )
                     });
                     let merged = e.merge(killed.as_ref(), Some(&reset));
@@ -459,10 +457,9 @@ impl Transport for FaultyTransport {
         };
         let status = {
             let mut st = self.shared.state.lock();
-            let e = st
-                .batches
-                .get_mut(&batch.0)
-                .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch))?;
+            let e = st.batches.get_mut(&batch.0).ok_or_else(|| {
+                Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch)
+            })?;
             if let Some(d) = &e.done {
                 d.clone()
             } else {

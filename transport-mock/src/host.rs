@@ -11,9 +11,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 use tokio::task::JoinSet;
-use transport_core::{
-    BatchId, Error, ErrorKind, RequestStatus, ResourceStats, Result, SegmentDescriptor, SegmentId,
-};
+use transport_core::{BatchId, Error, ErrorKind, RequestStatus, ResourceStats, Result, SegmentDescriptor, SegmentId};
 
 use crate::batch::Batch;
 use crate::config::MockConfig;

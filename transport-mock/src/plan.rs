@@ -99,7 +99,11 @@ impl RequestFault {
     /// Fails the request at `index` of every batch with `kind`, for the
     /// first `attempts` attempts of that request.
     pub fn index(index: usize, kind: ErrorKind, attempts: u32) -> Self {
-        Self { when: RequestMatch { index: Some(index), max_attempt: Some(attempts), ..Default::default() }, kind, times: None }
+        Self {
+            when: RequestMatch { index: Some(index), max_attempt: Some(attempts), ..Default::default() },
+            kind,
+            times: None,
+        }
     }
 
     /// Fails the request at `index` of the next batch only.
@@ -163,8 +167,7 @@ impl FaultPlan {
     /// Checks the plan; the error names the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("fault_plan.{field}: {why}")));
-        if self.fail_opens.contains(&0) || self.fail_handshakes.contains(&0) || self.reset_endpoint_after.contains(&0)
-        {
+        if self.fail_opens.contains(&0) || self.fail_handshakes.contains(&0) || self.reset_endpoint_after.contains(&0) {
             return bad("fail_opens/fail_handshakes/reset_endpoint_after", "counts start at 1");
         }
         if let Some(r) = &self.random {
@@ -324,12 +327,20 @@ impl FaultState {
 }
 
 fn matches(m: &RequestMatch, n: u64, attempt: u32, info: &RequestInfo<'_>) -> bool {
-    m.nth.map_or(true, |x| x == n)
-        && m.index.map_or(true, |x| x == info.index)
-        && m.segment.as_deref().map_or(true, |x| x == info.segment)
-        && m.remote_addr.map_or(true, |x| x == info.remote_addr)
-        && m.op.map_or(true, |x| x == info.op)
-        && m.max_attempt.map_or(true, |x| attempt <= x)
+    unset_or(m.nth, |x| x == n)
+        && unset_or(m.index, |x| x == info.index)
+        && unset_or(m.segment.as_deref(), |x| x == info.segment)
+        && unset_or(m.remote_addr, |x| x == info.remote_addr)
+        && unset_or(m.op, |x| x == info.op)
+        && unset_or(m.max_attempt, |x| attempt <= x)
+}
+
+/// True when the matcher field is unset or `f` holds for it.
+fn unset_or<T>(v: Option<T>, f: impl FnOnce(T) -> bool) -> bool {
+    match v {
+        Some(x) => f(x),
+        None => true,
+    }
 }
 
 #[cfg(test)]
@@ -355,10 +366,8 @@ mod tests {
 
     #[test]
     fn attempts_and_times_are_counted() {
-        let plan = FaultPlan {
-            requests: vec![RequestFault::index(1, ErrorKind::ConnectionReset, 2)],
-            ..FaultPlan::default()
-        };
+        let plan =
+            FaultPlan { requests: vec![RequestFault::index(1, ErrorKind::ConnectionReset, 2)], ..FaultPlan::default() };
         let mut s = FaultState::new(plan);
         assert!(s.on_request(info(0)).fail.is_none());
         assert!(s.on_request(info(1)).fail.is_some());

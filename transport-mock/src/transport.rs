@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use tokio::runtime::Handle;
 use tokio::time::Instant;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus,
-    ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus, ResourceStats,
+    Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
 use crate::batch::{Batch, Planned};
@@ -51,8 +51,9 @@ impl MockTransport {
     /// live host is a `Config` error.
     pub fn new(fabric: &MockFabric, config: MockConfig) -> Result<Arc<Self>> {
         config.validate()?;
-        let runtime = Handle::try_current()
-            .map_err(|e| Error::new(ErrorKind::Config, "MockTransport::new must run inside a tokio runtime").with_source(e))?;
+        let runtime = Handle::try_current().map_err(|e| {
+            Error::new(ErrorKind::Config, "MockTransport::new must run inside a tokio runtime").with_source(e)
+        })?;
         let inner = fabric.inner.clone();
         let name = config.name.clone().unwrap_or_else(|| inner.auto_name());
         let host = Arc::new(HostShared::new(name, inner.next_generation(), config, inner.clone(), runtime));

@@ -4,9 +4,7 @@
 mod common;
 
 use common::*;
-use transport_core::{
-    Access, BatchState, ErrorKind, RegionId, SegmentId, SubmitOptions, TransferRequest, Transport,
-};
+use transport_core::{Access, BatchState, ErrorKind, RegionId, SegmentId, SubmitOptions, TransferRequest, Transport};
 use transport_mock::MockConfig;
 
 #[test]
@@ -43,9 +41,15 @@ fn whole_submit_errors_name_the_request_and_start_nothing() {
         let big = vec![p.write(0, 0, 1); max + 1];
         assert_eq!(t.submit(big, SubmitOptions::default()).await.unwrap_err().kind(), ErrorKind::InvalidRequest);
         let bad_region = TransferRequest::write(RegionId(9999), 0, p.seg, p.remote.addr(), 8);
-        assert_eq!(t.submit(vec![bad_region], SubmitOptions::default()).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        assert_eq!(
+            t.submit(vec![bad_region], SubmitOptions::default()).await.unwrap_err().kind(),
+            ErrorKind::InvalidHandle
+        );
         let bad_seg = TransferRequest::write(p.lid, 0, SegmentId(9999), p.remote.addr(), 8);
-        assert_eq!(t.submit(vec![bad_seg], SubmitOptions::default()).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        assert_eq!(
+            t.submit(vec![bad_seg], SubmitOptions::default()).await.unwrap_err().kind(),
+            ErrorKind::InvalidHandle
+        );
         let e = t.submit(vec![p.write(u64::MAX - 2, 0, 8)], SubmitOptions::default()).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::OutOfBounds);
         assert_eq!(t.stats().batches, 0);
@@ -86,9 +90,15 @@ fn remote_checks_fail_the_request_permanently() {
         assert_eq!(e.first_error().unwrap().kind(), ErrorKind::AccessDenied);
         assert_eq!(ro.read(), ro_before);
         let rd = TransferRequest::read(p.lid, 0, p.seg, wo.addr(), 16);
-        assert_eq!(run_batch(&*p.a, vec![rd], SubmitOptions::default()).await.first_error().unwrap().kind(), ErrorKind::AccessDenied);
+        assert_eq!(
+            run_batch(&*p.a, vec![rd], SubmitOptions::default()).await.first_error().unwrap().kind(),
+            ErrorKind::AccessDenied
+        );
         let lw = TransferRequest::write(p.lid, 0, p.seg, lo.addr(), 16);
-        assert_eq!(run_batch(&*p.a, vec![lw], SubmitOptions::default()).await.first_error().unwrap().kind(), ErrorKind::AccessDenied);
+        assert_eq!(
+            run_batch(&*p.a, vec![lw], SubmitOptions::default()).await.first_error().unwrap().kind(),
+            ErrorKind::AccessDenied
+        );
         assert_eq!(p.remote.read(), r);
         assert!(p.remote.canaries_intact() && ro.canaries_intact());
         // Only remotely accessible regions are in the descriptor.

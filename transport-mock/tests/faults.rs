@@ -103,7 +103,12 @@ fn endpoints_are_bounded_and_reclaimed_when_idle() {
         }
         for _ in 0..2 {
             for (_, m, seg) in &peers {
-                let s = run_batch(&*a, vec![TransferRequest::write(lid, 0, *seg, m.addr(), 4096)], SubmitOptions::default()).await;
+                let s = run_batch(
+                    &*a,
+                    vec![TransferRequest::write(lid, 0, *seg, m.addr(), 4096)],
+                    SubmitOptions::default(),
+                )
+                .await;
                 assert_eq!(s.state, BatchState::Completed);
                 assert!(a.stats().endpoints <= 2);
             }
@@ -137,7 +142,8 @@ async fn random_outcomes(seed: u64) -> Vec<bool> {
     let seg = a.open_segment("b").await.unwrap();
     let mut out = Vec::new();
     for i in 0..40u64 {
-        let s = run_batch(&*a, vec![TransferRequest::write(lid, i, seg, r.addr() + i, 8)], SubmitOptions::default()).await;
+        let s =
+            run_batch(&*a, vec![TransferRequest::write(lid, i, seg, r.addr() + i, 8)], SubmitOptions::default()).await;
         if let Some(e) = s.first_error() {
             assert!(e.is_transient());
         }
@@ -161,14 +167,19 @@ fn scripted_faults() {
     run(async {
         let p = Pair::default(LEN).await;
         // Handshake failure on the first endpoint, then it works.
-        p.a.set_fault_plan(FaultPlan { fail_handshakes: vec![1], fail_opens: vec![1], ..FaultPlan::default() }).unwrap();
+        p.a.set_fault_plan(FaultPlan { fail_handshakes: vec![1], fail_opens: vec![1], ..FaultPlan::default() })
+            .unwrap();
         assert_eq!(p.a.open_segment("b").await.unwrap_err().kind(), ErrorKind::HandshakeFailed);
         let e = one(&p, p.write(0, 0, 8)).await.first_error().cloned().unwrap();
         assert_eq!(e.kind(), ErrorKind::HandshakeFailed);
         assert_eq!(p.a.stats().endpoints, 0);
         assert_eq!(one(&p, p.write(0, 0, 8)).await.state, BatchState::Completed);
         // Nth request fails with a chosen kind, touching nothing.
-        p.a.set_fault_plan(FaultPlan { requests: vec![RequestFault::nth(2, ErrorKind::AccessDenied)], ..FaultPlan::default() }).unwrap();
+        p.a.set_fault_plan(FaultPlan {
+            requests: vec![RequestFault::nth(2, ErrorKind::AccessDenied)],
+            ..FaultPlan::default()
+        })
+        .unwrap();
         let snap = p.remote.read();
         p.local.write(0, &pattern(50, 16));
         let s = run_batch(&*p.a, vec![p.write(100, 100, 8), p.write(0, 0, 16)], SubmitOptions::default()).await;
@@ -190,7 +201,11 @@ fn scripted_faults() {
         let s = run_batch(&*p.a, vec![p.write(0, 0, 8)], SubmitOptions::with_timeout(Duration::from_millis(100))).await;
         assert_eq!(s.state, BatchState::TimedOut);
         // Kill a host after N requests.
-        p.a.set_fault_plan(FaultPlan { kill_after: Some(KillAfter { host: Some("b".into()), requests: 1 }), ..FaultPlan::default() }).unwrap();
+        p.a.set_fault_plan(FaultPlan {
+            kill_after: Some(KillAfter { host: Some("b".into()), requests: 1 }),
+            ..FaultPlan::default()
+        })
+        .unwrap();
         assert_eq!(one(&p, p.write(0, 0, 8)).await.state, BatchState::Completed);
         assert!(p.fabric.generation("b").is_none(), "b was killed");
         assert!(one(&p, p.write(0, 0, 8)).await.first_error().unwrap().is_transient());

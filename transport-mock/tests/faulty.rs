@@ -16,7 +16,8 @@ const LEN: usize = 1 << 20;
 fn injected_failures_are_not_sent_and_counted() {
     run(async {
         let p = Pair::default(LEN).await;
-        let plan = FaultPlan { requests: vec![RequestFault::index(1, ErrorKind::ConnectionReset, 2)], ..FaultPlan::default() };
+        let plan =
+            FaultPlan { requests: vec![RequestFault::index(1, ErrorKind::ConnectionReset, 2)], ..FaultPlan::default() };
         let f = FaultyTransport::new(p.a.clone(), plan).unwrap();
         assert_eq!(f.backend(), "faulty(mock)");
         let reqs = vec![p.write(0, 0, 4096), p.write(4096, 4096, 4096)];
@@ -36,7 +37,11 @@ fn injected_failures_are_not_sent_and_counted() {
         assert_eq!(f.submissions_of(reqs[0].segment, reqs[0].remote_addr, reqs[0].len), 3);
         assert_eq!(f.stats(), p.a.stats());
         // All requests injected: the layer holds the batch itself.
-        f.set_fault_plan(FaultPlan { requests: vec![RequestFault::next_batch(0, ErrorKind::OutOfBounds)], ..FaultPlan::default() }).unwrap();
+        f.set_fault_plan(FaultPlan {
+            requests: vec![RequestFault::next_batch(0, ErrorKind::OutOfBounds)],
+            ..FaultPlan::default()
+        })
+        .unwrap();
         let b = f.submit(vec![reqs[0]], SubmitOptions::default()).await.unwrap();
         assert_eq!(f.stats().batches, p.a.stats().batches + 1);
         assert_eq!(f.wait(b).await.unwrap().first_error().unwrap().kind(), ErrorKind::OutOfBounds);
@@ -50,7 +55,11 @@ fn injected_failures_are_not_sent_and_counted() {
 fn opens_fail_and_are_limited() {
     run(async {
         let p = Pair::default(4096).await;
-        let f = FaultyTransport::new(p.a.clone(), FaultPlan { fail_opens: vec![1], segment_limit: Some(2), ..FaultPlan::default() }).unwrap();
+        let f = FaultyTransport::new(
+            p.a.clone(),
+            FaultPlan { fail_opens: vec![1], segment_limit: Some(2), ..FaultPlan::default() },
+        )
+        .unwrap();
         assert_eq!(f.open_segment("b").await.unwrap_err().kind(), ErrorKind::HandshakeFailed);
         let s1 = f.open_segment("b").await.unwrap();
         let _s2 = f.open_segment("b").await.unwrap();
@@ -64,7 +73,8 @@ fn opens_fail_and_are_limited() {
 fn stalled_batch_times_out_quietly() {
     run(async {
         let p = Pair::default(LEN).await;
-        let plan = FaultPlan { stalls: vec![StallFault { when: Default::default(), times: Some(1) }], ..FaultPlan::default() };
+        let plan =
+            FaultPlan { stalls: vec![StallFault { when: Default::default(), times: Some(1) }], ..FaultPlan::default() };
         let f = FaultyTransport::new(p.a.clone(), plan).unwrap();
         // p.write(0..) is stalled (first request); the second goes through.
         p.fabric.stall("b", true).unwrap();

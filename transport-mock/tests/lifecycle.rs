@@ -39,7 +39,8 @@ fn cancel_with_latency_is_quiet_and_sticky() {
     run(async {
         let a = MockConfig { latency: Duration::from_millis(300), ..MockConfig::named("a") };
         let p = Pair::new(LEN, a, MockConfig::named("b")).await;
-        let b = p.a.submit(vec![p.write(0, 0, 4096), p.write(4096, 4096, 4096)], SubmitOptions::default()).await.unwrap();
+        let b =
+            p.a.submit(vec![p.write(0, 0, 4096), p.write(4096, 4096, 4096)], SubmitOptions::default()).await.unwrap();
         assert_eq!(p.a.poll(b).unwrap().state, BatchState::InProgress);
         assert_eq!(p.a.release(b).unwrap_err().kind(), ErrorKind::InvalidRequest);
         let s = p.a.cancel(b).await.unwrap();

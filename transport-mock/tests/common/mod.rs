@@ -5,9 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use transport_core::{
-    Access, BatchStatus, Buffer, RegionId, SegmentId, SubmitOptions, TransferRequest, Transport,
-};
+use transport_core::{Access, BatchStatus, Buffer, RegionId, SegmentId, SubmitOptions, TransferRequest, Transport};
 use transport_mock::{MockConfig, MockFabric, MockTransport};
 
 /// Runs a test body on a multi-thread runtime with a 20 s timeout.
