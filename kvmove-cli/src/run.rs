@@ -166,14 +166,18 @@ impl Session {
     async fn layers(&self, plan: &Plan, kind: PassKind, bar: &ProgressBar) -> kvmove::Result<PassResult> {
         let sem = Arc::new(Semaphore::new(self.concurrency));
         let mut set = JoinSet::new();
+        // Layer `l` is ready at `start + (l + 1) x delay` on a fixed
+        // schedule: the simulated compute runs on another device (the GPU)
+        // and is not slowed when this process is busy sending.
         let start = Instant::now();
+        let ready_at = |l: u32| tokio::time::Instant::from_std(start + self.compute_delay * l);
         if kind == PassKind::AllAtEnd {
-            tokio::time::sleep(self.compute_delay * plan.layers).await;
+            tokio::time::sleep_until(ready_at(plan.layers)).await;
         }
         let mut first_submit = None;
-        for reqs in &plan.by_layer {
+        for (l, reqs) in (1u32..).zip(&plan.by_layer) {
             if kind == PassKind::Layerwise {
-                tokio::time::sleep(self.compute_delay).await;
+                tokio::time::sleep_until(ready_at(l)).await;
             }
             first_submit.get_or_insert_with(Instant::now);
             let bytes: u64 = reqs.iter().map(|r| r.len).sum();
@@ -181,7 +185,7 @@ impl Session {
             let (engine, sem) = (self.engine.clone(), sem.clone());
             set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, bytes)) });
         }
-        let last_ready = Instant::now();
+        let last_ready = start + self.compute_delay * plan.layers;
         let first_submit = first_submit.unwrap_or(last_ready);
         let mut latencies = Vec::with_capacity(plan.by_layer.len());
         let mut last_done = last_ready;
@@ -196,8 +200,8 @@ impl Session {
             bytes: plan.total_bytes,
             requests: plan.total_requests as u64,
             latencies,
-            transfer: last_done - first_submit,
-            tail: Some(last_done - last_ready),
+            transfer: last_done.saturating_duration_since(first_submit),
+            tail: Some(last_done.saturating_duration_since(last_ready)),
             end_to_end: Some(last_done - start),
             verdict: Verdict::default(),
         })
