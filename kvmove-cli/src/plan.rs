@@ -66,10 +66,7 @@ pub struct Req {
 pub struct Plan {
     pub model: Model,
     pub layers: u32,
-    pub tokens: u64,
-    pub page_size: u64,
     pub page_bytes: u64,
-    pub pages_per_part: u64,
     /// Requests of each layer (one batch per layer).
     pub by_layer: Vec<Vec<Req>>,
     /// Bytes of the initiator's buffer (and of the target's).
@@ -155,10 +152,7 @@ impl Plan {
         Ok(Plan {
             model: m,
             layers,
-            tokens: w.tokens,
-            page_size: w.page_size,
             page_bytes,
-            pages_per_part: pages,
             by_layer,
             buffer_len,
             total_bytes,
@@ -169,11 +163,6 @@ impl Plan {
     /// Every request, layer by layer.
     pub fn requests(&self) -> impl Iterator<Item = &Req> {
         self.by_layer.iter().flatten()
-    }
-
-    /// Largest single request.
-    pub fn max_request(&self) -> u64 {
-        self.requests().map(|r| r.len).max().unwrap_or(0)
     }
 }
 

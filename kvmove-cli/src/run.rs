@@ -47,7 +47,6 @@ impl PassKind {
 /// What one pass measured.
 #[derive(Debug, Clone)]
 pub struct PassResult {
-    pub kind: PassKind,
     pub bytes: u64,
     pub requests: u64,
     /// Latency of each batch (per-request pass: of each request), from
@@ -196,7 +195,6 @@ impl Session {
             bar.inc(bytes);
         }
         Ok(PassResult {
-            kind,
             bytes: plan.total_bytes,
             requests: plan.total_requests as u64,
             latencies,
@@ -225,7 +223,6 @@ impl Session {
             bar.inc(bytes);
         }
         Ok(PassResult {
-            kind: PassKind::PerRequest,
             bytes: plan.total_bytes,
             requests: plan.total_requests as u64,
             latencies,

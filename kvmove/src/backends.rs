@@ -15,3 +15,19 @@ pub(crate) async fn tcp(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
         .map_err(|e| e.with("listen", listen))?;
     Ok(Arc::new(t))
 }
+
+/// A host on the process-wide mock fabric ([`crate::mock_fabric`]).
+#[cfg(feature = "mock")]
+pub(crate) async fn mock(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
+    let t = transport_mock::MockTransport::new(&crate::mock_fabric(), cfg.backend.mock.clone())?;
+    Ok(t)
+}
+
+/// The fabric every mock transport of this process lives on, so engines
+/// built from configs reach each other by segment name, and tests can
+/// inject faults (`kill`, `cut`, `stall`) into them.
+#[cfg(feature = "mock")]
+pub fn mock_fabric() -> transport_mock::MockFabric {
+    static FABRIC: std::sync::OnceLock<transport_mock::MockFabric> = std::sync::OnceLock::new();
+    FABRIC.get_or_init(transport_mock::MockFabric::new).clone()
+}

@@ -47,6 +47,8 @@ mod toml_error;
 
 pub use toml_error::locate as locate_error;
 
+#[cfg(feature = "mock")]
+pub use backends::mock_fabric;
 pub use build::{build, build_metadata, build_transport, own_descriptor, process_store};
 pub use config::{
     parse_toml, read_file, BackendConfig, BackendKind, EngineConfig, EtcdOptions, MetadataConfig, MetadataKind,

@@ -25,7 +25,7 @@ pub(crate) fn describe(e: &toml::de::Error, text: &str, origin: &str) -> Error {
         }
         None => Error::new(ErrorKind::Config, format!("{origin}: {message}")),
     };
-    err.with("config", origin)
+    err
 }
 
 /// Adds the origin (a file name) and, where the failing key is written in
@@ -40,7 +40,7 @@ pub fn locate(e: Error, text: &str, origin: &str) -> Error {
         Some(l) => format!("{origin}:{l}"),
         None => origin.to_owned(),
     };
-    Error::new(e.kind(), format!("{loc}: {msg}")).with("config", origin)
+    Error::new(e.kind(), format!("{loc}: {msg}"))
 }
 
 /// 1-based line and column of a byte offset.
