@@ -28,9 +28,12 @@
 //! A case the backend cannot run (a fault hook returns `Ok(false)`, no
 //! [`Harness::os_probe`], `capabilities().read == false`, ...) is reported
 //! as **ignored** with the reason, never as passed; with
-//! `CONFORMANCE_STRICT=1` ([`STRICT_ENV`]) those skips fail instead. (Under
-//! nextest, which does not read runtime skips, an ignored case shows as
-//! passed: use strict mode there where hardware is expected.)
+//! `CONFORMANCE_STRICT=1` ([`STRICT_ENV`]) those skips fail instead. Each
+//! case lists what it [`Need`]s; under nextest, which cannot see a skip
+//! decided at run time, the runner first [`probe`]s the harness (a
+//! throw-away node: `stall(false)`, `cut`, `kill`, `capabilities().read`,
+//! `os_probe`) and marks the cases whose needs are unmet as ignored up
+//! front, so they show as skipped there too.
 //!
 //! [`run_case`] runs one case programmatically (this is how the tests of
 //! [`broken`] prove the suite fails broken transports), and [`cases`]
@@ -52,63 +55,63 @@
 //! 5 terminal means quiet, 6 poll never panics, 7 errors say what to do,
 //! 8 policy is shared, 9 memory is guarded, 10 backends chosen by config.
 //!
-//! | case | rule | checks |
-//! | --- | --- | --- |
-//! | `data::write_lands_exact` | 5 | writes of 1 B to 128 KiB at odd offsets land byte-exact, nothing else changes |
-//! | `data::read_lands_exact` | 5 | reads land byte-exact, nothing else changes |
-//! | `data::random_batches_match_model` | 5 | proptest: random mixed batches (1 B to 3 MiB) match a model of both memories |
-//! | `data::concurrent_batches_from_many_tasks` | 5 | 16 tasks x 4 rounds of batches to their own slices, all exact |
-//! | `data::terminal_state_is_sticky` | 5 | one terminal state per batch; poll, wait and cancel agree and never change it |
-//! | `bad_input::local_out_of_bounds` | 9 | local out of bounds: OutOfBounds at submit, naming the request index |
-//! | `bad_input::remote_out_of_bounds` | 9 | remote out of bounds (past the end, before the start): OutOfBounds, canaries intact |
-//! | `bad_input::addr_len_overflow` | 9 | addr + len overflow, local and remote: refused, never wrapped |
-//! | `bad_input::zero_length` | 9 | zero-length request: InvalidRequest |
-//! | `bad_input::unknown_handles` | 7 | unknown region and segment handles: InvalidHandle |
-//! | `bad_input::unregistered_local_region` | 9 | a local region used after unregister: InvalidHandle |
-//! | `bad_input::empty_batch` | 7 | empty batch: InvalidRequest, nothing counted |
-//! | `bad_input::oversized_batch` | 7 | max_batch_len + 1 requests: InvalidRequest |
-//! | `bad_input::oversized_request` | 7 | a request above max_request_len: refused |
-//! | `bad_input::refused_batch_starts_nothing` | 9 | one bad request refuses the batch; the valid ones move no byte |
-//! | `memory::write_to_read_only_denied` | 9 | write into a remote read-only region: AccessDenied, region unchanged |
-//! | `memory::read_from_write_only_denied` | 9 | read from a remote write-only region: AccessDenied |
-//! | `memory::local_only_region_unreachable` | 9 | a peer's local-only region cannot be reached |
-//! | `memory::overlapping_registration_refused` | 9 | same or overlapping registration: AlreadyRegistered; re-register after unregister works |
-//! | `memory::double_unregister` | 9 | unregister twice or an unknown id: InvalidHandle |
-//! | `memory::write_to_unregistered_remote_fails` | 9 | write into a peer region unregistered before: fails, memory untouched |
-//! | `memory::unregister_local_in_flight` | 9 | unregister a source in flight: request ends Unregistered, memory quiet after |
-//! | `memory::unregister_remote_in_flight` | 9 | peer unregisters the target in flight: its memory is quiet once the call returns |
-//! | `lifecycle::open_close_reopen` | 3 | five open/transfer/close rounds: counts and OS counts back to baseline |
-//! | `lifecycle::close_releases_endpoints` | 3 | close destroys endpoints; the closed handle is InvalidHandle; reopen works |
-//! | `lifecycle::double_close_is_an_error` | 3 | closing twice (or an unknown handle) is InvalidHandle |
-//! | `lifecycle::close_with_transfers_in_flight` | 3 | close with work in flight ends it before returning; memory quiet after |
-//! | `lifecycle::release_frees_batches` | 1 | release returns the batch count; a released id is InvalidHandle everywhere |
-//! | `lifecycle::counts_return_after_each_operation` | 1 | register/unregister, open/close, submit/release: counts back each time |
-//! | `lifecycle::shutdown_with_transfers_in_flight` | 1 | shutdown with work in flight: returns, all counts zero, later calls Shutdown |
-//! | `lifecycle::drop_with_transfers_in_flight` | 1 | dropping a transport with work in flight frees it (no task keeps it alive) |
-//! | `lifecycle::os_resources_return` | 1 | OS probe (fds, kernel RDMA objects) back to baseline after node lifetimes |
-//! | `failure::failed_endpoint_is_freed` | 2 | after a peer kill the broken endpoint is destroyed; no leak after restart |
-//! | `failure::next_transfer_builds_new_endpoint` | 2 | after a cut at most one transfer fails; the next builds a new endpoint |
-//! | `failure::kill_restart_cycles_stay_bounded` | 4 | field scenario: 50 kill/restart/transfer cycles, endpoints never past the bound |
-//! | `failure::restart_is_noticed` | 2 | restarted peer: new generation seen, stale memory never written |
-//! | `endpoints::bound_never_exceeded` | 4 | five peers, bound two: sequential and concurrent transfers never exceed it |
-//! | `endpoints::idle_endpoints_reclaimed` | 4 | idle endpoints are destroyed on the timer |
-//! | `deadline::stalled_transfer_times_out` | 5 | a stalled batch ends TimedOut within its deadline plus a margin, sticky |
-//! | `deadline::quiet_after_timeout` | 5 | after a timeout the batch's memory never changes (stalled and resumed) |
-//! | `deadline::cancel_in_flight_ends` | 5 | cancel of stalled work returns Cancelled promptly; memory quiet after |
-//! | `poll::unknown_batch_ids` | 6 | poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic |
-//! | `poll::release_in_progress_refused` | 6 | release of a batch in progress: InvalidRequest, batch intact |
-//! | `poll::poll_during_faults` | 6 | tight polling during cut, stall, cancel and kill: no panic, terminal states sticky |
-//! | `errors::peer_failures_are_transient` | 7 | a killed peer gives transient peer-failure errors |
-//! | `policy::transient_failures_are_retried` | 8 | transient failures are retried with backoff and recover |
-//! | `policy::retries_stop_at_the_limit` | 8 | retries stop at max_attempts with the transient error |
-//! | `policy::permanent_errors_not_retried` | 8 | permanent errors (injected or from the backend) are sent exactly once |
-//! | `policy::only_failed_requests_resent` | 8 | only failed requests are resent, completed ones exactly once |
-//! | `policy::breaker_opens_and_recovers` | 8 | breaker opens at its threshold, fails fast, half-opens, closes on a good probe |
-//! | `policy::breaker_is_per_peer` | 8 | an open breaker for one peer does not block another |
-//! | `policy::deadline_from_config` | 8 | DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after |
-//! | `backpressure::full_budget_pushes_back` | 8 | full budget: try_submit is Backpressure, submit waits and completes |
-//! | `backpressure::cancel_frees_budget` | 8 | cancelling the holder frees the budget at once |
-//! | `config::works_behind_dyn_transport` | 10 | works as Arc<dyn Transport> under an Engine configured from JSON |
+//! | case | rule | needs | checks |
+//! | --- | --- | --- | --- |
+//! | `data::write_lands_exact` | 5 | - | writes of 1 B to 128 KiB at odd offsets land byte-exact, nothing else changes |
+//! | `data::read_lands_exact` | 5 | Read | reads land byte-exact, nothing else changes |
+//! | `data::random_batches_match_model` | 5 | - | proptest: random mixed batches (1 B to 3 MiB) match a model of both memories |
+//! | `data::concurrent_batches_from_many_tasks` | 5 | - | 16 tasks x 4 rounds of batches to their own slices, all exact |
+//! | `data::terminal_state_is_sticky` | 5 | - | one terminal state per batch; poll, wait and cancel agree and never change it |
+//! | `bad_input::local_out_of_bounds` | 9 | - | local out of bounds: OutOfBounds at submit, naming the request index |
+//! | `bad_input::remote_out_of_bounds` | 9 | - | remote out of bounds (past the end, before the start): OutOfBounds, canaries intact |
+//! | `bad_input::addr_len_overflow` | 9 | - | addr + len overflow, local and remote: refused, never wrapped |
+//! | `bad_input::zero_length` | 9 | - | zero-length request: InvalidRequest |
+//! | `bad_input::unknown_handles` | 7 | - | unknown region and segment handles: InvalidHandle |
+//! | `bad_input::unregistered_local_region` | 9 | - | a local region used after unregister: InvalidHandle |
+//! | `bad_input::empty_batch` | 7 | - | empty batch: InvalidRequest, nothing counted |
+//! | `bad_input::oversized_batch` | 7 | - | max_batch_len + 1 requests: InvalidRequest |
+//! | `bad_input::oversized_request` | 7 | - | a request above max_request_len: refused |
+//! | `bad_input::refused_batch_starts_nothing` | 9 | - | one bad request refuses the batch; the valid ones move no byte |
+//! | `memory::write_to_read_only_denied` | 9 | - | write into a remote read-only region: AccessDenied, region unchanged |
+//! | `memory::read_from_write_only_denied` | 9 | Read | read from a remote write-only region: AccessDenied |
+//! | `memory::local_only_region_unreachable` | 9 | - | a peer's local-only region cannot be reached |
+//! | `memory::overlapping_registration_refused` | 9 | - | same or overlapping registration: AlreadyRegistered; re-register after unregister works |
+//! | `memory::double_unregister` | 9 | - | unregister twice or an unknown id: InvalidHandle |
+//! | `memory::write_to_unregistered_remote_fails` | 9 | - | write into a peer region unregistered before: fails, memory untouched |
+//! | `memory::unregister_local_in_flight` | 9 | Stall | unregister a source in flight: request ends Unregistered, memory quiet after |
+//! | `memory::unregister_remote_in_flight` | 9 | Stall | peer unregisters the target in flight: its memory is quiet once the call returns |
+//! | `lifecycle::open_close_reopen` | 3 | - | five open/transfer/close rounds: counts and OS counts back to baseline |
+//! | `lifecycle::close_releases_endpoints` | 3 | - | close destroys endpoints; the closed handle is InvalidHandle; reopen works |
+//! | `lifecycle::double_close_is_an_error` | 3 | - | closing twice (or an unknown handle) is InvalidHandle |
+//! | `lifecycle::close_with_transfers_in_flight` | 3 | Stall | close with work in flight ends it before returning; memory quiet after |
+//! | `lifecycle::release_frees_batches` | 1 | - | release returns the batch count; a released id is InvalidHandle everywhere |
+//! | `lifecycle::counts_return_after_each_operation` | 1 | - | register/unregister, open/close, submit/release: counts back each time |
+//! | `lifecycle::shutdown_with_transfers_in_flight` | 1 | Stall | shutdown with work in flight: returns, all counts zero, later calls Shutdown |
+//! | `lifecycle::drop_with_transfers_in_flight` | 1 | Stall | dropping a transport with work in flight frees it (no task keeps it alive) |
+//! | `lifecycle::os_resources_return` | 1 | OsProbe | OS probe (fds, kernel RDMA objects) back to baseline after node lifetimes |
+//! | `failure::failed_endpoint_is_freed` | 2 | Kill | after a peer kill the broken endpoint is destroyed; no leak after restart |
+//! | `failure::next_transfer_builds_new_endpoint` | 2 | Cut | after a cut at most one transfer fails; the next builds a new endpoint |
+//! | `failure::kill_restart_cycles_stay_bounded` | 4 | Kill | field scenario: 50 kill/restart/transfer cycles, endpoints never past the bound |
+//! | `failure::restart_is_noticed` | 2 | Kill | restarted peer: new generation seen, stale memory never written |
+//! | `endpoints::bound_never_exceeded` | 4 | - | five peers, bound two: sequential and concurrent transfers never exceed it |
+//! | `endpoints::idle_endpoints_reclaimed` | 4 | - | idle endpoints are destroyed on the timer |
+//! | `deadline::stalled_transfer_times_out` | 5 | Stall | a stalled batch ends TimedOut within its deadline plus a margin, sticky |
+//! | `deadline::quiet_after_timeout` | 5 | Stall | after a timeout the batch's memory never changes (stalled and resumed) |
+//! | `deadline::cancel_in_flight_ends` | 5 | Stall | cancel of stalled work returns Cancelled promptly; memory quiet after |
+//! | `poll::unknown_batch_ids` | 6 | - | poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic |
+//! | `poll::release_in_progress_refused` | 6 | Stall | release of a batch in progress: InvalidRequest, batch intact |
+//! | `poll::poll_during_faults` | 6 | - | tight polling during cut, stall, cancel and kill: no panic, terminal states sticky |
+//! | `errors::peer_failures_are_transient` | 7 | Kill | a killed peer gives transient peer-failure errors |
+//! | `policy::transient_failures_are_retried` | 8 | - | transient failures are retried with backoff and recover |
+//! | `policy::retries_stop_at_the_limit` | 8 | - | retries stop at max_attempts with the transient error |
+//! | `policy::permanent_errors_not_retried` | 8 | - | permanent errors (injected or from the backend) are sent exactly once |
+//! | `policy::only_failed_requests_resent` | 8 | - | only failed requests are resent, completed ones exactly once |
+//! | `policy::breaker_opens_and_recovers` | 8 | - | breaker opens at its threshold, fails fast, half-opens, closes on a good probe |
+//! | `policy::breaker_is_per_peer` | 8 | - | an open breaker for one peer does not block another |
+//! | `policy::deadline_from_config` | 8 | Stall | DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after |
+//! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |
+//! | `backpressure::cancel_frees_budget` | 8 | Stall | cancelling the holder frees the budget at once |
+//! | `config::works_behind_dyn_transport` | 10 | - | works as Arc<dyn Transport> under an Engine configured from JSON |
 #![deny(unsafe_code)]
 
 pub mod broken;
@@ -129,6 +132,6 @@ pub use faults::{FaultLayer, Target};
 pub use guard::{pattern, Guarded, CANARY, GUARD};
 pub use harness::{Harness, Node, NodeOptions};
 pub use runner::{
-    main_with, run_case, run_case_with, strict, trials, Case, CaseError, CaseFuture, CaseResult, Outcome, CASE_TIMEOUT,
-    STRICT_ENV,
+    main_with, probe, run_case, run_case_with, strict, trials, Case, CaseError, CaseFuture, CaseResult, Need, Outcome,
+    Support, CASE_TIMEOUT, STRICT_ENV,
 };

@@ -68,6 +68,58 @@ pub type CaseResult = Result<(), CaseError>;
 /// A boxed case body.
 pub type CaseFuture = Pin<Box<dyn Future<Output = CaseResult> + Send + 'static>>;
 
+/// What a case needs from the harness or the backend beyond the basics.
+/// Cases whose needs are not met are skipped (reported as ignored).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// `capabilities().read`.
+    Read,
+    /// [`Harness::kill`] and [`Harness::restart`].
+    Kill,
+    /// [`Harness::cut`].
+    Cut,
+    /// [`Harness::stall`].
+    Stall,
+    /// [`Harness::os_probe`].
+    OsProbe,
+}
+
+/// What a harness supports, found by [`probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Support {
+    pub read: bool,
+    pub kill: bool,
+    pub cut: bool,
+    pub stall: bool,
+    pub os_probe: bool,
+}
+
+impl Support {
+    /// Whether `need` is met.
+    pub fn has(&self, need: Need) -> bool {
+        match need {
+            Need::Read => self.read,
+            Need::Kill => self.kill,
+            Need::Cut => self.cut,
+            Need::Stall => self.stall,
+            Need::OsProbe => self.os_probe,
+        }
+    }
+}
+
+/// Finds what `harness` supports by trying each hook on a throw-away node
+/// (`stall(false)`, `cut`, then `kill`). `None` if no node could be made.
+pub async fn probe(harness: &dyn Harness) -> Option<Support> {
+    let opts = crate::harness::NodeOptions::default();
+    let node = harness.node(&opts).await.ok()?;
+    let read = node.transport.capabilities().read;
+    let stall = matches!(harness.stall(&node, false).await, Ok(true));
+    let cut = matches!(harness.cut(&node).await, Ok(true));
+    let kill = matches!(harness.kill(&node).await, Ok(true));
+    let _ = node.transport.shutdown().await;
+    Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some() })
+}
+
 /// One conformance case.
 #[derive(Clone, Copy)]
 pub struct Case {
@@ -77,6 +129,8 @@ pub struct Case {
     pub name: &'static str,
     /// The DESIGN.md rule (1..=10) it checks.
     pub rule: u8,
+    /// Hooks and capabilities it needs (it skips without them).
+    pub needs: &'static [Need],
     /// One line: what it checks.
     pub summary: &'static str,
     /// The body.
@@ -195,24 +249,39 @@ where
     F: Fn() -> H + Send + Sync + 'static,
 {
     let make = Arc::new(make);
-    let backend = {
+    let strict = strict();
+    // Under nextest, which cannot see a skip decided at run time, cases the
+    // harness cannot run are marked ignored up front (found by `probe`).
+    let static_skips = std::env::var_os("NEXTEST").is_some() && !strict;
+    let (backend, support) = {
         // The constructor may need a runtime (spawning, binding sockets).
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
         match rt {
             Ok(rt) => {
-                let _enter = rt.enter();
-                make().backend().to_owned()
+                let h = {
+                    let _enter = rt.enter();
+                    make()
+                };
+                let support = if static_skips {
+                    rt.block_on(async { tokio::time::timeout(Duration::from_secs(30), probe(&h)).await.ok().flatten() })
+                } else {
+                    None
+                };
+                let name = h.backend().to_owned();
+                drop(h);
+                rt.shutdown_timeout(Duration::from_secs(5));
+                (name, support)
             }
-            Err(_) => make().backend().to_owned(),
+            Err(_) => (make().backend().to_owned(), None),
         }
     };
-    let strict = strict();
     cases()
         .iter()
         .map(|case| {
             let case = *case;
             let make = make.clone();
             let name = format!("{backend}::{}", case.id());
+            let unmet = support.is_some_and(|s| case.needs.iter().any(|n| !s.has(*n)));
             Trial::ignorable_test(name, move || {
                 let factory = || Some(Arc::new(make()) as Arc<dyn Harness>);
                 match execute(&factory, &case, CASE_TIMEOUT) {
@@ -224,6 +293,7 @@ where
                     Err(why) => Err(Failed::from(format!("[rule {}] {why}", case.rule))),
                 }
             })
+            .with_ignored_flag(unmet)
         })
         .collect()
 }

@@ -52,7 +52,8 @@ fn retries_permanent_fails_permanent_not_retried() {
 #[test]
 #[ignore = "slow survey; run by hand"]
 fn survey() {
-    let variants: Vec<(&str, fn() -> MockHarness)> = vec![
+    type Make = fn() -> MockHarness;
+    let variants: Vec<(&str, Make)> = vec![
         ("leak_endpoint_on_failure", || bugs(|b| b.leak_endpoint_on_failure = true)),
         ("cache_broken_endpoint", || bugs(|b| b.cache_broken_endpoint = true)),
         ("write_after_timeout", || bugs(|b| b.write_after_timeout = true)),

@@ -13,14 +13,15 @@ mod memory;
 mod policy;
 mod poll;
 
-use crate::runner::{Case, CaseFuture};
+use crate::runner::{Case, CaseFuture, Need};
 
 macro_rules! case {
-    ($group:ident :: $name:ident, $rule:literal, $summary:literal) => {
+    ($group:ident :: $name:ident, $rule:literal, [$($need:ident),*], $summary:literal) => {
         Case {
             group: stringify!($group),
             name: stringify!($name),
             rule: $rule,
+            needs: &[$(Need::$need),*],
             summary: $summary,
             run: |cx| -> CaseFuture { Box::pin($group::$name(cx)) },
         }
@@ -28,157 +29,231 @@ macro_rules! case {
 }
 
 static CASES: &[Case] = &[
-    case!(data::write_lands_exact, 5, "writes of 1 B to 128 KiB at odd offsets land byte-exact, nothing else changes"),
-    case!(data::read_lands_exact, 5, "reads land byte-exact, nothing else changes"),
+    case!(
+        data::write_lands_exact,
+        5,
+        [],
+        "writes of 1 B to 128 KiB at odd offsets land byte-exact, nothing else changes"
+    ),
+    case!(data::read_lands_exact, 5, [Read], "reads land byte-exact, nothing else changes"),
     case!(
         data::random_batches_match_model,
         5,
+        [],
         "proptest: random mixed batches (1 B to 3 MiB) match a model of both memories"
     ),
-    case!(data::concurrent_batches_from_many_tasks, 5, "16 tasks x 4 rounds of batches to their own slices, all exact"),
+    case!(
+        data::concurrent_batches_from_many_tasks,
+        5,
+        [],
+        "16 tasks x 4 rounds of batches to their own slices, all exact"
+    ),
     case!(
         data::terminal_state_is_sticky,
         5,
+        [],
         "one terminal state per batch; poll, wait and cancel agree and never change it"
     ),
-    case!(bad_input::local_out_of_bounds, 9, "local out of bounds: OutOfBounds at submit, naming the request index"),
+    case!(
+        bad_input::local_out_of_bounds,
+        9,
+        [],
+        "local out of bounds: OutOfBounds at submit, naming the request index"
+    ),
     case!(
         bad_input::remote_out_of_bounds,
         9,
+        [],
         "remote out of bounds (past the end, before the start): OutOfBounds, canaries intact"
     ),
-    case!(bad_input::addr_len_overflow, 9, "addr + len overflow, local and remote: refused, never wrapped"),
-    case!(bad_input::zero_length, 9, "zero-length request: InvalidRequest"),
-    case!(bad_input::unknown_handles, 7, "unknown region and segment handles: InvalidHandle"),
-    case!(bad_input::unregistered_local_region, 9, "a local region used after unregister: InvalidHandle"),
-    case!(bad_input::empty_batch, 7, "empty batch: InvalidRequest, nothing counted"),
-    case!(bad_input::oversized_batch, 7, "max_batch_len + 1 requests: InvalidRequest"),
-    case!(bad_input::oversized_request, 7, "a request above max_request_len: refused"),
-    case!(bad_input::refused_batch_starts_nothing, 9, "one bad request refuses the batch; the valid ones move no byte"),
-    case!(memory::write_to_read_only_denied, 9, "write into a remote read-only region: AccessDenied, region unchanged"),
-    case!(memory::read_from_write_only_denied, 9, "read from a remote write-only region: AccessDenied"),
-    case!(memory::local_only_region_unreachable, 9, "a peer's local-only region cannot be reached"),
+    case!(bad_input::addr_len_overflow, 9, [], "addr + len overflow, local and remote: refused, never wrapped"),
+    case!(bad_input::zero_length, 9, [], "zero-length request: InvalidRequest"),
+    case!(bad_input::unknown_handles, 7, [], "unknown region and segment handles: InvalidHandle"),
+    case!(bad_input::unregistered_local_region, 9, [], "a local region used after unregister: InvalidHandle"),
+    case!(bad_input::empty_batch, 7, [], "empty batch: InvalidRequest, nothing counted"),
+    case!(bad_input::oversized_batch, 7, [], "max_batch_len + 1 requests: InvalidRequest"),
+    case!(bad_input::oversized_request, 7, [], "a request above max_request_len: refused"),
+    case!(
+        bad_input::refused_batch_starts_nothing,
+        9,
+        [],
+        "one bad request refuses the batch; the valid ones move no byte"
+    ),
+    case!(
+        memory::write_to_read_only_denied,
+        9,
+        [],
+        "write into a remote read-only region: AccessDenied, region unchanged"
+    ),
+    case!(memory::read_from_write_only_denied, 9, [Read], "read from a remote write-only region: AccessDenied"),
+    case!(memory::local_only_region_unreachable, 9, [], "a peer's local-only region cannot be reached"),
     case!(
         memory::overlapping_registration_refused,
         9,
+        [],
         "same or overlapping registration: AlreadyRegistered; re-register after unregister works"
     ),
-    case!(memory::double_unregister, 9, "unregister twice or an unknown id: InvalidHandle"),
+    case!(memory::double_unregister, 9, [], "unregister twice or an unknown id: InvalidHandle"),
     case!(
         memory::write_to_unregistered_remote_fails,
         9,
+        [],
         "write into a peer region unregistered before: fails, memory untouched"
     ),
     case!(
         memory::unregister_local_in_flight,
         9,
+        [Stall],
         "unregister a source in flight: request ends Unregistered, memory quiet after"
     ),
     case!(
         memory::unregister_remote_in_flight,
         9,
+        [Stall],
         "peer unregisters the target in flight: its memory is quiet once the call returns"
     ),
-    case!(lifecycle::open_close_reopen, 3, "five open/transfer/close rounds: counts and OS counts back to baseline"),
+    case!(
+        lifecycle::open_close_reopen,
+        3,
+        [],
+        "five open/transfer/close rounds: counts and OS counts back to baseline"
+    ),
     case!(
         lifecycle::close_releases_endpoints,
         3,
+        [],
         "close destroys endpoints; the closed handle is InvalidHandle; reopen works"
     ),
-    case!(lifecycle::double_close_is_an_error, 3, "closing twice (or an unknown handle) is InvalidHandle"),
+    case!(lifecycle::double_close_is_an_error, 3, [], "closing twice (or an unknown handle) is InvalidHandle"),
     case!(
         lifecycle::close_with_transfers_in_flight,
         3,
+        [Stall],
         "close with work in flight ends it before returning; memory quiet after"
     ),
     case!(
         lifecycle::release_frees_batches,
         1,
+        [],
         "release returns the batch count; a released id is InvalidHandle everywhere"
     ),
     case!(
         lifecycle::counts_return_after_each_operation,
         1,
+        [],
         "register/unregister, open/close, submit/release: counts back each time"
     ),
     case!(
         lifecycle::shutdown_with_transfers_in_flight,
         1,
+        [Stall],
         "shutdown with work in flight: returns, all counts zero, later calls Shutdown"
     ),
     case!(
         lifecycle::drop_with_transfers_in_flight,
         1,
+        [Stall],
         "dropping a transport with work in flight frees it (no task keeps it alive)"
     ),
     case!(
         lifecycle::os_resources_return,
         1,
+        [OsProbe],
         "OS probe (fds, kernel RDMA objects) back to baseline after node lifetimes"
     ),
     case!(
         failure::failed_endpoint_is_freed,
         2,
+        [Kill],
         "after a peer kill the broken endpoint is destroyed; no leak after restart"
     ),
     case!(
         failure::next_transfer_builds_new_endpoint,
         2,
+        [Cut],
         "after a cut at most one transfer fails; the next builds a new endpoint"
     ),
     case!(
         failure::kill_restart_cycles_stay_bounded,
         4,
+        [Kill],
         "field scenario: 50 kill/restart/transfer cycles, endpoints never past the bound"
     ),
-    case!(failure::restart_is_noticed, 2, "restarted peer: new generation seen, stale memory never written"),
+    case!(failure::restart_is_noticed, 2, [Kill], "restarted peer: new generation seen, stale memory never written"),
     case!(
         endpoints::bound_never_exceeded,
         4,
+        [],
         "five peers, bound two: sequential and concurrent transfers never exceed it"
     ),
-    case!(endpoints::idle_endpoints_reclaimed, 4, "idle endpoints are destroyed on the timer"),
+    case!(endpoints::idle_endpoints_reclaimed, 4, [], "idle endpoints are destroyed on the timer"),
     case!(
         deadline::stalled_transfer_times_out,
         5,
+        [Stall],
         "a stalled batch ends TimedOut within its deadline plus a margin, sticky"
     ),
-    case!(deadline::quiet_after_timeout, 5, "after a timeout the batch's memory never changes (stalled and resumed)"),
-    case!(deadline::cancel_in_flight_ends, 5, "cancel of stalled work returns Cancelled promptly; memory quiet after"),
-    case!(poll::unknown_batch_ids, 6, "poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic"),
-    case!(poll::release_in_progress_refused, 6, "release of a batch in progress: InvalidRequest, batch intact"),
+    case!(
+        deadline::quiet_after_timeout,
+        5,
+        [Stall],
+        "after a timeout the batch's memory never changes (stalled and resumed)"
+    ),
+    case!(
+        deadline::cancel_in_flight_ends,
+        5,
+        [Stall],
+        "cancel of stalled work returns Cancelled promptly; memory quiet after"
+    ),
+    case!(poll::unknown_batch_ids, 6, [], "poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic"),
+    case!(
+        poll::release_in_progress_refused,
+        6,
+        [Stall],
+        "release of a batch in progress: InvalidRequest, batch intact"
+    ),
     case!(
         poll::poll_during_faults,
         6,
+        [],
         "tight polling during cut, stall, cancel and kill: no panic, terminal states sticky"
     ),
-    case!(errors::peer_failures_are_transient, 7, "a killed peer gives transient peer-failure errors"),
-    case!(policy::transient_failures_are_retried, 8, "transient failures are retried with backoff and recover"),
-    case!(policy::retries_stop_at_the_limit, 8, "retries stop at max_attempts with the transient error"),
+    case!(errors::peer_failures_are_transient, 7, [Kill], "a killed peer gives transient peer-failure errors"),
+    case!(policy::transient_failures_are_retried, 8, [], "transient failures are retried with backoff and recover"),
+    case!(policy::retries_stop_at_the_limit, 8, [], "retries stop at max_attempts with the transient error"),
     case!(
         policy::permanent_errors_not_retried,
         8,
+        [],
         "permanent errors (injected or from the backend) are sent exactly once"
     ),
-    case!(policy::only_failed_requests_resent, 8, "only failed requests are resent, completed ones exactly once"),
+    case!(policy::only_failed_requests_resent, 8, [], "only failed requests are resent, completed ones exactly once"),
     case!(
         policy::breaker_opens_and_recovers,
         8,
+        [],
         "breaker opens at its threshold, fails fast, half-opens, closes on a good probe"
     ),
-    case!(policy::breaker_is_per_peer, 8, "an open breaker for one peer does not block another"),
+    case!(policy::breaker_is_per_peer, 8, [], "an open breaker for one peer does not block another"),
     case!(
         policy::deadline_from_config,
         8,
+        [Stall],
         "DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after"
     ),
     case!(
         backpressure::full_budget_pushes_back,
         8,
+        [Stall],
         "full budget: try_submit is Backpressure, submit waits and completes"
     ),
-    case!(backpressure::cancel_frees_budget, 8, "cancelling the holder frees the budget at once"),
-    case!(config::works_behind_dyn_transport, 10, "works as Arc<dyn Transport> under an Engine configured from JSON"),
+    case!(backpressure::cancel_frees_budget, 8, [Stall], "cancelling the holder frees the budget at once"),
+    case!(
+        config::works_behind_dyn_transport,
+        10,
+        [],
+        "works as Arc<dyn Transport> under an Engine configured from JSON"
+    ),
 ];
 
 /// Every case of the suite, in order.
@@ -212,7 +287,9 @@ mod tests {
     fn the_crate_doc_table_lists_every_case() {
         let doc = include_str!("../lib.rs");
         for c in cases() {
-            let row = format!("| `{}` | {} |", c.id(), c.rule);
+            let needs: Vec<String> = c.needs.iter().map(|n| format!("{n:?}")).collect();
+            let needs = if needs.is_empty() { "-".to_owned() } else { needs.join(", ") };
+            let row = format!("| `{}` | {} | {} |", c.id(), c.rule, needs);
             assert!(doc.contains(&row), "lib.rs table lacks the row {row}");
         }
     }
