@@ -145,12 +145,12 @@ async fn connect(
     let (address, advertised) = match store {
         Some(store) => match store.get(target).await.map_err(|e| e.with("resolving", target))? {
             Some(d) => (d.address.clone(), Some(d)),
-            None => {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("no target named '{target}' in the metadata store (is `kvmove target --name {target}` running?)"),
-                ))
-            }
+            None => return Err(Error::new(
+                ErrorKind::NotFound,
+                format!(
+                    "no target named '{target}' in the metadata store (is `kvmove target --name {target}` running?)"
+                ),
+            )),
         },
         None => (target.to_owned(), None),
     };
@@ -189,15 +189,16 @@ fn session(
         Op::Write => r.access.remote_write && (!remote_check || r.access.remote_read),
         Op::Read => r.access.remote_read && r.access.remote_write,
     };
-    let region = desc.regions.iter().filter(|r| access_ok(r) && r.len >= need).max_by_key(|r| r.len).ok_or_else(|| {
-        let largest = desc.regions.iter().map(|r| r.len).max().unwrap_or(0);
-        config_err(format!(
+    let region =
+        desc.regions.iter().filter(|r| access_ok(r) && r.len >= need).max_by_key(|r| r.len).ok_or_else(|| {
+            let largest = desc.regions.iter().map(|r| r.len).max().unwrap_or(0);
+            config_err(format!(
             "the target serves {} of remotely writable memory but the workload needs {}; start the target with the \
              same --model/--tokens/--page-size/--layers or a larger --mem-mib",
             report::bytes(largest),
             report::bytes(need)
         ))
-    })?;
+        })?;
     let local_buf = alloc(need, "initiator memory")?;
     let local = engine.register(local_buf.region(), Access::LOCAL)?;
     let check = if remote_check {

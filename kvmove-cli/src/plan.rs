@@ -100,9 +100,10 @@ impl Plan {
         let page_bytes = w.page_size.checked_mul(part_bytes).ok_or("workload.page_size is too large")?;
         let pages = w.tokens.div_ceil(w.page_size);
         let units = u64::from(layers) * u64::from(m.parts) * pages;
-        let buffer_len = units.checked_mul(page_bytes).filter(|&b| b <= (1 << 40)).ok_or_else(|| {
-            "the workload is larger than 1 TiB; lower --tokens or --layers".to_owned()
-        })?;
+        let buffer_len = units
+            .checked_mul(page_bytes)
+            .filter(|&b| b <= (1 << 40))
+            .ok_or_else(|| "the workload is larger than 1 TiB; lower --tokens or --layers".to_owned())?;
         if units > 1 << 24 {
             return Err(format!("{units} pages are too many; raise --page-size or lower --tokens"));
         }
@@ -129,8 +130,11 @@ impl Plan {
             for part in 0..u64::from(m.parts) {
                 for p in 0..pages {
                     let u = ((l * u64::from(m.parts) + part) * pages + p) as usize;
-                    let r =
-                        Req { local_off: src_slot[u] * page_bytes, remote_off: dst_slot[u] * page_bytes, len: page_len(p) };
+                    let r = Req {
+                        local_off: src_slot[u] * page_bytes,
+                        remote_off: dst_slot[u] * page_bytes,
+                        len: page_len(p),
+                    };
                     total_bytes += r.len;
                     // Merge with the previous request when both sides continue it.
                     if let Some(last) = reqs.last_mut() {
@@ -149,15 +153,7 @@ impl Plan {
             total_requests += reqs.len();
             by_layer.push(reqs);
         }
-        Ok(Plan {
-            model: m,
-            layers,
-            page_bytes,
-            by_layer,
-            buffer_len,
-            total_bytes,
-            total_requests,
-        })
+        Ok(Plan { model: m, layers, page_bytes, by_layer, buffer_len, total_bytes, total_requests })
     }
 
     /// Every request, layer by layer.

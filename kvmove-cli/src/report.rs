@@ -183,11 +183,8 @@ impl Report {
         let w = &self.workload;
         let mut s = String::new();
         let parts = if self.parts == 2 { "K,V" } else { "MLA latent" };
-        let _ = writeln!(
-            s,
-            "kvmove {}: {} ({} metadata) -> {}",
-            self.command, self.backend, self.metadata, self.target
-        );
+        let _ =
+            writeln!(s, "kvmove {}: {} ({} metadata) -> {}", self.command, self.backend, self.metadata, self.target);
         let _ = writeln!(
             s,
             "workload: {}, {} tokens, {} layers x {}, page {} tokens ({}), {}, {}",

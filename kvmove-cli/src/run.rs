@@ -237,11 +237,7 @@ impl Session {
 /// Waits for a slot, runs one transfer to the end and returns when it left
 /// the queue and when it finished. Any request that did not complete is
 /// an error (the engine already retried what was transient).
-async fn send(
-    engine: Engine,
-    sem: Arc<Semaphore>,
-    batch: Vec<TransferRequest>,
-) -> kvmove::Result<(Instant, Instant)> {
+async fn send(engine: Engine, sem: Arc<Semaphore>, batch: Vec<TransferRequest>) -> kvmove::Result<(Instant, Instant)> {
     let _permit =
         sem.acquire_owned().await.map_err(|_| Error::new(ErrorKind::Internal, "the in-flight limit was closed"))?;
     let began = Instant::now();

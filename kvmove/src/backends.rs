@@ -10,9 +10,7 @@ use crate::config::EngineConfig;
 #[cfg(feature = "tcp")]
 pub(crate) async fn tcp(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
     let listen = cfg.backend.tcp.listen.clone();
-    let t = transport_tcp::TcpTransport::new(cfg.backend.tcp.clone())
-        .await
-        .map_err(|e| e.with("listen", listen))?;
+    let t = transport_tcp::TcpTransport::new(cfg.backend.tcp.clone()).await.map_err(|e| e.with("listen", listen))?;
     Ok(Arc::new(t))
 }
 

@@ -53,10 +53,9 @@ pub async fn build_metadata(cfg: &MetadataConfig) -> Result<Option<Arc<dyn Metad
             Ok(Some(Arc::new(store)))
         }
         #[cfg(not(feature = "etcd"))]
-        MetadataKind::Etcd => Err(Error::new(
-            ErrorKind::Config,
-            "metadata store 'etcd' is not built in; rebuild with --features etcd",
-        )),
+        MetadataKind::Etcd => {
+            Err(Error::new(ErrorKind::Config, "metadata store 'etcd' is not built in; rebuild with --features etcd"))
+        }
     }
 }
 

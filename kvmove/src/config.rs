@@ -248,9 +248,8 @@ fn prefix(table: &str, r: Result<()>) -> Result<()> {
 
 /// Reads a config file; the error names the path.
 pub fn read_file(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|e| {
-        Error::new(ErrorKind::Config, format!("cannot read config file {}: {e}", path.display()))
-    })
+    std::fs::read_to_string(path)
+        .map_err(|e| Error::new(ErrorKind::Config, format!("cannot read config file {}: {e}", path.display())))
 }
 
 /// Parses TOML text into any serde type with one-line errors that name the

@@ -60,9 +60,10 @@ fn table_at(text: &str, offset: usize) -> Option<String> {
 
 fn header_of(line: &str) -> Option<String> {
     let l = line.trim();
-    let inner = l.strip_prefix("[[").and_then(|r| r.split("]]").next()).or_else(|| {
-        l.strip_prefix('[').and_then(|r| r.split(']').next())
-    })?;
+    let inner = l
+        .strip_prefix("[[")
+        .and_then(|r| r.split("]]").next())
+        .or_else(|| l.strip_prefix('[').and_then(|r| r.split(']').next()))?;
     Some(inner.split('.').map(|p| p.trim().trim_matches('"')).collect::<Vec<_>>().join("."))
 }
 
