@@ -145,12 +145,14 @@ async fn connect(
     let (address, advertised) = match store {
         Some(store) => match store.get(target).await.map_err(|e| e.with("resolving", target))? {
             Some(d) => (d.address.clone(), Some(d)),
-            None => return Err(Error::new(
-                ErrorKind::NotFound,
-                format!(
+            None => {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!(
                     "no target named '{target}' in the metadata store (is `kvmove target --name {target}` running?)"
                 ),
-            )),
+                ))
+            }
         },
         None => (target.to_owned(), None),
     };

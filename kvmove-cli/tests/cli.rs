@@ -1,0 +1,270 @@
+//! The built `kvmove` binary, run as a user would: tiny workloads, JSON
+//! output, two processes over loopback, and the errors a user can act on.
+//! Every child process is bounded in time and killed on the way out.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvmove");
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Small enough for a debug build on two cores: 64 tokens of a 4-layer
+/// llama3-8b (2 MiB per pass).
+const TINY: &[&str] =
+    &["--tokens", "64", "--layers", "4", "--iterations", "1", "--warmup", "0", "--compute-delay-ms", "1"];
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Kills the child when dropped, so a failing test leaves nothing behind.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn run(args: &[&str]) -> Run {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvmove");
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let out_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("kvmove {args:?} did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Run { code: status.code(), stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap() }
+}
+
+fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v: Vec<&str> = extra.to_vec();
+    v.extend_from_slice(TINY);
+    v
+}
+
+fn json(r: &Run) -> serde_json::Value {
+    assert_eq!(r.code, Some(0), "stderr: {}", r.stderr);
+    serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout))
+}
+
+/// Each pass moves the whole plan once and verifies every request.
+fn assert_verified(v: &serde_json::Value, passes: u64) {
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["mismatched_requests"], 0);
+    let per_pass = v["bytes_per_pass"].as_u64().unwrap();
+    assert_eq!(per_pass, 64 * 4096 * 4, "64 tokens x 4 KiB x 4 layers");
+    assert_eq!(v["verified_bytes"].as_u64().unwrap(), per_pass * passes, "{v}");
+    assert_eq!(v["verified_requests"].as_u64().unwrap(), v["requests_per_pass"].as_u64().unwrap() * passes);
+}
+
+/// A failure is one line on stderr, a non-zero exit and never a panic.
+fn assert_one_line_error(r: &Run, needle: &str) {
+    assert_ne!(r.code, Some(0), "stdout: {}", r.stdout);
+    assert!(!r.stderr.contains("panicked") && !r.stderr.contains("RUST_BACKTRACE"), "{}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {:?}", r.stderr);
+    assert!(lines[0].starts_with("kvmove: error: "), "{}", lines[0]);
+    assert!(lines[0].contains(needle), "{} should mention {needle}", lines[0]);
+}
+
+#[test]
+fn default_bench_over_tcp_verifies_every_byte() {
+    let v = json(&run(&args(&["--json"])));
+    assert_eq!(v["command"], "bench");
+    assert_eq!(v["backend"], "tcp");
+    // all-at-end, layerwise, per-request: one pass each.
+    assert_eq!(v["modes"].as_array().unwrap().len(), 3);
+    assert_verified(&v, 3);
+    let gain = v["overlap_gain"].as_f64().unwrap();
+    assert!(gain > 0.0, "{v}");
+    let m = &v["modes"][0];
+    assert_eq!(m["mode"], "all-at-end");
+    assert!(m["bandwidth_gib_s"].as_f64().unwrap() > 0.0);
+    assert!(m["tail_ms"].as_f64().is_some());
+    assert!(v["modes"][2]["request_latency"]["p999_ms"].as_f64().is_some());
+}
+
+#[test]
+fn bench_subcommand_over_mock_reads_contiguous_pages() {
+    let v = json(&run(&args(&[
+        "bench",
+        "--json",
+        "--backend",
+        "mock",
+        "--op",
+        "read",
+        "--fragmentation",
+        "contiguous",
+        "--mode",
+        "layerwise",
+        "--per-request",
+        "false",
+    ])));
+    assert_eq!(v["backend"], "mock");
+    assert_eq!(v["modes"].as_array().unwrap().len(), 1);
+    assert_eq!(v["requests_per_pass"], 8, "one request per layer and K/V");
+    assert_verified(&v, 1);
+}
+
+#[test]
+fn bench_with_in_process_metadata_resolves_a_name() {
+    let v = json(&run(&args(&["--json", "--metadata", "in-process", "--mode", "all-at-end"])));
+    assert_eq!(v["metadata"], "in-process");
+    assert!(v["target"].as_str().unwrap().starts_with("kvmove-target"), "{v}");
+}
+
+#[test]
+fn table_output_has_the_numbers() {
+    let r = run(TINY);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    for needle in
+        ["bandwidth (GiB/s)", "bandwidth (Gbit/s)", "requests/s", "p999", "tail after last layer", "verified:"]
+    {
+        assert!(r.stdout.contains(needle), "missing {needle}:\n{}", r.stdout);
+    }
+    assert!(r.stderr.is_empty(), "no progress bar when not a terminal: {}", r.stderr);
+}
+
+/// Starts `kvmove target` on an ephemeral loopback port and returns it
+/// with the segment name it printed.
+fn start_target(extra: &[&str]) -> (Guard, String) {
+    let mut a = vec!["target", "--json", "--listen", "127.0.0.1:0"];
+    a.extend_from_slice(extra);
+    a.extend_from_slice(TINY);
+    let mut child =
+        Command::new(BIN).args(&a).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let guard = Guard(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(30)).expect("target printed its address");
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(v["event"], "ready");
+    (guard, v["segment"].as_str().unwrap().to_owned())
+}
+
+#[test]
+fn initiator_against_a_target_process_writes_and_reads() {
+    let (mut target, segment) = start_target(&[]);
+    assert!(segment.starts_with("127.0.0.1:"), "{segment}");
+    for op in ["write", "read"] {
+        let v = json(&run(&args(&["initiator", "--target", &segment, "--json", "--op", op])));
+        assert_eq!(v["command"], "initiator");
+        assert_verified(&v, 3);
+    }
+    // SIGTERM-like stop: the target is still serving; kill ends it.
+    assert!(target.0.try_wait().unwrap().is_none(), "target still running");
+}
+
+#[test]
+fn initiator_to_a_dead_peer_is_one_line() {
+    // Bind and drop a listener: nothing listens on that port any more.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let r = run(&args(&["initiator", "--target", &addr]));
+    assert_one_line_error(&r, &addr);
+    assert_eq!(r.code, Some(1));
+}
+
+#[test]
+fn initiator_to_a_bad_address_is_one_line() {
+    let r = run(&args(&["initiator", "--target", "not-an-address"]));
+    assert_one_line_error(&r, "not-an-address");
+}
+
+#[test]
+fn a_target_too_small_for_the_workload_is_named() {
+    let (_target, segment) = start_target(&[]);
+    let r = run(&["initiator", "--target", &segment, "--tokens", "4096", "--layers", "4"]);
+    assert_one_line_error(&r, "--mem-mib");
+}
+
+#[test]
+fn bad_config_file_names_file_line_and_key() {
+    let dir = std::env::temp_dir().join(format!("kvmove-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.toml");
+    std::fs::write(&path, "[workload]\ntokens = 64\n\n[backend.tcp]\nlane = 2\n").unwrap();
+    let r = run(&["--config", path.to_str().unwrap()]);
+    assert_one_line_error(&r, &format!("{}:5:1: in [backend.tcp]", path.display()));
+    assert!(r.stderr.contains("lane"), "{}", r.stderr);
+    assert_eq!(r.code, Some(2));
+
+    std::fs::write(&path, "[workload]\nop = \"sideways\"\n").unwrap();
+    let r = run(&["--config", path.to_str().unwrap()]);
+    assert_one_line_error(&r, ":2:");
+
+    std::fs::write(&path, "[policy.retry]\nmax_attempts = 0\n").unwrap();
+    let r = run(&["--config", path.to_str().unwrap()]);
+    assert_one_line_error(&r, "policy.retry.max_attempts");
+
+    let r = run(&["--config", dir.join("missing.toml").to_str().unwrap()]);
+    assert_one_line_error(&r, "missing.toml");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn config_file_drives_the_run_and_config_prints_it() {
+    let dir = std::env::temp_dir().join(format!("kvmove-cli-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.toml");
+    std::fs::write(
+        &path,
+        "[backend]\nkind = \"mock\"\n[workload]\ntokens = 64\nlayers = 4\niterations = 1\nwarmup = 0\nmode = \"all-at-end\"\n\
+         per_request = false\n",
+    )
+    .unwrap();
+    let r = run(&["config", "--config", path.to_str().unwrap(), "--seed", "7"]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("kind = \"mock\"") && r.stdout.contains("seed = 7"), "{}", r.stdout);
+    // The printed config is itself a valid config file.
+    let printed = dir.join("printed.toml");
+    std::fs::write(&printed, &r.stdout).unwrap();
+    let v = json(&run(&["--config", printed.to_str().unwrap(), "--json"]));
+    assert_eq!(v["backend"], "mock");
+    assert_eq!(v["workload"]["seed"], 7);
+    assert_verified(&v, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unknown_model_and_backend_are_one_line() {
+    assert_one_line_error(&run(&["--model", "gpt-9"]), "llama3-8b");
+    assert_one_line_error(&run(&["--backend", "carrier-pigeon"]), "carrier-pigeon");
+    if !cfg!(feature = "rdma") {
+        assert_one_line_error(&run(&["--backend", "rdma"]), "--features rdma");
+    }
+}
