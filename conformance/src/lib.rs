@@ -42,11 +42,12 @@
 //! # Layers
 //!
 //! [`Harness::wrap`] puts a layer around every transport a harness gives
-//! the suite: `mock_faulty` runs the whole suite through the mock's
-//! fault-injecting wrapper with a benign plan, and [`broken::RetriesPermanent`]
-//! is a deliberately broken layer. The policy cases add the suite's own
-//! [`FaultLayer`] *below* that wrapper, so its counts see every request a
-//! wrapper resends.
+//! the suite: `mock_faulty` runs the whole suite through
+//! `transport_mock::FaultyTransport` with no faults planned, and
+//! [`broken::RetriesPermanent`] is a deliberately broken layer. The policy
+//! cases put their own `FaultyTransport` *below* that wrapper (see
+//! [`Ctx::node_layered`]), so its counts see every request a wrapper
+//! resends.
 //!
 //! # The cases
 //!
@@ -117,7 +118,6 @@
 pub mod broken;
 mod cases;
 mod ctx;
-mod faults;
 mod guard;
 mod harness;
 pub mod mock;
@@ -128,7 +128,6 @@ pub use ctx::{
     batch_error, bounded, complete, expect_kind, expect_permanent, expect_quiet, expect_stats, open, permanent_kind,
     run_batch, settle, Ctx, Pair, SETTLE, WAIT_LIMIT,
 };
-pub use faults::{FaultLayer, Target};
 pub use guard::{pattern, Guarded, CANARY, GUARD};
 pub use harness::{Harness, Node, NodeOptions};
 pub use runner::{

@@ -1,6 +1,6 @@
-//! The whole conformance suite against the mock backend seen through the
-//! suite's fault layer with no faults planned: a wrapper must keep the
-//! contract too.
+//! The whole conformance suite against the mock backend seen through
+//! `transport_mock::FaultyTransport` with no faults planned: a fault
+//! injector at rest must keep the contract too.
 conformance::conformance_main!(|| conformance::mock::MockHarness::wrapped("mock_faulty", |t| {
-    conformance::FaultLayer::new(t) as std::sync::Arc<dyn transport_core::Transport>
+    transport_mock::FaultyTransport::wrap(t) as std::sync::Arc<dyn transport_core::Transport>
 }));

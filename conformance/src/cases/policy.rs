@@ -1,8 +1,9 @@
 //! Policy is shared (rule 8): the [`Engine`] over this backend retries
 //! only failed transient requests, never permanent ones, enforces
 //! deadlines, and runs a circuit breaker that recovers. Faults come from
-//! the suite's [`FaultLayer`] directly above the backend, whose counts see
-//! every resubmission, including any a broken wrapper makes on its own.
+//! `transport_mock::FaultyTransport` put directly above the backend (below
+//! any [`crate::Harness::wrap`] layer), whose counts see every
+//! resubmission, including any a broken wrapper makes on its own.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,30 +12,69 @@ use transport_core::{
     Access, BatchState, BreakerState, Engine, ErrorKind, ManualClock, PolicyConfig, RetryConfig, TransferRequest,
     Transport,
 };
+use transport_mock::{FaultPlan, FaultyTransport, RequestFault, RequestMatch};
 
 use crate::ctx::{bounded, expect_quiet, open, Ctx, Pair};
 use crate::ensure;
-use crate::faults::{FaultLayer, Target};
 use crate::guard::pattern;
 use crate::harness::NodeOptions;
 use crate::runner::{CaseError, CaseResult};
 
 const LEN: usize = 256 << 10;
 
-/// A pair whose `a` transport is `harness.wrap(FaultLayer(backend))`.
-async fn faulty_pair(cx: &Ctx) -> Result<(Pair, Arc<FaultLayer>), CaseError> {
+/// Which requests a fault hits.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    All,
+    Addr(u64),
+}
+
+/// The suite's handle on the fault injector under test.
+struct Faults(Arc<FaultyTransport>);
+
+impl Faults {
+    /// Installs exactly these faults: `(target, kind, times)`, `u32::MAX`
+    /// meaning every matching request.
+    fn set(&self, rules: &[(Target, ErrorKind, u32)]) -> CaseResult {
+        let requests = rules
+            .iter()
+            .map(|&(target, kind, times)| RequestFault {
+                when: match target {
+                    Target::All => RequestMatch::default(),
+                    Target::Addr(a) => RequestMatch { remote_addr: Some(a), ..RequestMatch::default() },
+                },
+                kind,
+                times: (times != u32::MAX).then_some(times),
+            })
+            .collect();
+        self.0.set_fault_plan(FaultPlan { requests, ..FaultPlan::none() })?;
+        Ok(())
+    }
+
+    fn clear(&self) -> CaseResult {
+        self.set(&[])
+    }
+
+    /// How many times `r` was submitted to the injector.
+    fn seen(&self, r: &TransferRequest) -> u32 {
+        self.0.attempts_of(r.segment, r.remote_addr, r.len)
+    }
+}
+
+/// A pair whose `a` transport is `harness.wrap(FaultyTransport(backend))`.
+async fn faulty_pair(cx: &Ctx) -> Result<(Pair, Faults), CaseError> {
     let slot = Arc::new(parking_lot::Mutex::new(None));
     let s2 = slot.clone();
     let a = cx
         .node_layered(&NodeOptions::default(), move |t| {
-            let f = FaultLayer::new(t);
+            let f = FaultyTransport::wrap(t);
             *s2.lock() = Some(f.clone());
             f as Arc<dyn Transport>
         })
         .await?;
-    let layer = slot.lock().take().ok_or("fault layer was not installed")?;
+    let layer = slot.lock().take().ok_or("the fault injector was not installed")?;
     let b = cx.node(&NodeOptions::default()).await?;
-    Ok((cx.pair_between(a, b, LEN).await?, layer))
+    Ok((cx.pair_between(a, b, LEN).await?, Faults(layer)))
 }
 
 fn fast_retry(max_attempts: u32) -> PolicyConfig {
@@ -67,7 +107,7 @@ pub async fn transient_failures_are_retried(cx: Ctx) -> CaseResult {
     let (p, f) = faulty_pair(&cx).await?;
     let engine = Engine::new(p.t().clone(), fast_retry(4))?;
     let (x, y) = (p.write(0, 0, 4096), p.write(4096, 4096, 4096));
-    f.fail(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, 2);
+    f.set(&[(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, 2)])?;
     let out = bounded("engine transfer", engine.transfer(vec![x, y])).await??;
     ensure!(out.is_success(), "transfer ended {:?}: {:?}", out.state, out.first_error().map(ToString::to_string));
     ensure!(out.attempts == 3, "expected 3 attempts, got {}", out.attempts);
@@ -86,7 +126,7 @@ pub async fn retries_stop_at_the_limit(cx: Ctx) -> CaseResult {
     let (p, f) = faulty_pair(&cx).await?;
     let engine = Engine::new(p.t().clone(), fast_retry(3))?;
     let x = p.write(0, 0, 4096);
-    f.fail(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, u32::MAX);
+    f.set(&[(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, u32::MAX)])?;
     let out = bounded("engine transfer", engine.transfer(vec![x])).await??;
     ensure!(out.state == BatchState::Failed, "transfer ended {:?}", out.state);
     let e = out.first_error().ok_or("failed without an error")?;
@@ -102,12 +142,12 @@ pub async fn permanent_errors_not_retried(cx: Ctx) -> CaseResult {
     let (p, f) = faulty_pair(&cx).await?;
     let engine = Engine::new(p.t().clone(), fast_retry(4))?;
     let x = p.write(0, 0, 4096);
-    f.fail(Target::Addr(x.remote_addr), ErrorKind::AccessDenied, u32::MAX);
+    f.set(&[(Target::Addr(x.remote_addr), ErrorKind::AccessDenied, u32::MAX)])?;
     let out = bounded("engine transfer", engine.transfer(vec![x])).await??;
     ensure!(out.state == BatchState::Failed, "transfer ended {:?}", out.state);
     ensure!(out.first_error().map(|e| e.kind()) == Some(ErrorKind::AccessDenied), "error {:?}", out.first_error());
     ensure!(f.seen(&x) == 1, "a permanently failing request was submitted {} times (rule 8)", f.seen(&x));
-    f.clear();
+    f.clear()?;
     let oob = p.write(0, LEN as u64 - 8, 16);
     let r = bounded("engine transfer", engine.transfer(vec![oob])).await?;
     let kind = match r {
@@ -129,8 +169,10 @@ pub async fn only_failed_requests_resent(cx: Ctx) -> CaseResult {
     let (p, f) = faulty_pair(&cx).await?;
     let engine = Engine::new(p.t().clone(), fast_retry(4))?;
     let reqs: Vec<TransferRequest> = (0..4u64).map(|i| p.write(i * 8192, i * 8192, 8192)).collect();
-    f.fail(Target::Addr(reqs[1].remote_addr), ErrorKind::ConnectionReset, 1);
-    f.fail(Target::Addr(reqs[3].remote_addr), ErrorKind::RetryExceeded, 1);
+    f.set(&[
+        (Target::Addr(reqs[1].remote_addr), ErrorKind::ConnectionReset, 1),
+        (Target::Addr(reqs[3].remote_addr), ErrorKind::RetryExceeded, 1),
+    ])?;
     let out = bounded("engine transfer", engine.transfer(reqs.clone())).await??;
     ensure!(out.is_success(), "transfer ended {:?}", out.state);
     let counts: Vec<u32> = reqs.iter().map(|r| f.seen(r)).collect();
@@ -151,7 +193,7 @@ pub async fn breaker_opens_and_recovers(cx: Ctx) -> CaseResult {
     let engine = Engine::with_clock(p.t().clone(), cfg, Arc::new(clock.clone()))?;
     let peer = p.t().segment_descriptor(p.seg)?.name;
     let x = p.write(0, 0, 4096);
-    f.fail(Target::All, ErrorKind::ConnectionRefused, u32::MAX);
+    f.set(&[(Target::All, ErrorKind::ConnectionRefused, u32::MAX)])?;
     for i in 0..3 {
         ensure!(engine.breaker_state(&peer) == BreakerState::Closed, "breaker opened after {i} failures, threshold 3");
         let out = bounded("engine transfer", engine.transfer(vec![x])).await??;
@@ -162,7 +204,7 @@ pub async fn breaker_opens_and_recovers(cx: Ctx) -> CaseResult {
         "breaker is {:?} after 3 failures",
         engine.breaker_state(&peer)
     );
-    let sent = f.seen_total();
+    let sent = f.seen(&x);
     let start = Instant::now();
     let fast = bounded("engine transfer", engine.transfer(vec![x])).await?;
     let kind = match fast {
@@ -171,7 +213,7 @@ pub async fn breaker_opens_and_recovers(cx: Ctx) -> CaseResult {
     };
     ensure!(kind == ErrorKind::PeerUnavailable, "with the breaker open, a transfer failed with {kind}");
     ensure!(start.elapsed() < Duration::from_secs(1), "failing fast took {:?}", start.elapsed());
-    ensure!(f.seen_total() == sent, "with the breaker open, a request still reached the backend");
+    ensure!(f.seen(&x) == sent, "with the breaker open, a request still reached the backend");
     let o = bounded("engine open", engine.open_segment(&peer)).await?;
     ensure!(
         o.as_ref().err().map(|e| e.kind()) == Some(ErrorKind::PeerUnavailable),
@@ -191,7 +233,7 @@ pub async fn breaker_opens_and_recovers(cx: Ctx) -> CaseResult {
         engine.breaker_state(&peer)
     );
     clock.advance(Duration::from_secs(10));
-    f.clear();
+    f.clear()?;
     let ok = bounded("engine transfer", engine.transfer(vec![x])).await??;
     ensure!(ok.is_success(), "the successful probe ended {:?}", ok.state);
     ensure!(
@@ -236,7 +278,7 @@ pub async fn breaker_is_per_peer(cx: Ctx) -> CaseResult {
     cfg.breaker.cooldown = Duration::from_secs(3600);
     let engine = Engine::new(p.t().clone(), cfg)?;
     let x = p.write(0, 0, 4096);
-    f.fail(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, u32::MAX);
+    f.set(&[(Target::Addr(x.remote_addr), ErrorKind::ConnectionReset, u32::MAX)])?;
     for _ in 0..2 {
         bounded("engine transfer", engine.transfer(vec![x])).await??;
     }
