@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# rdma-bench.sh: the RDMA backend's write bandwidth (64 KiB and 1 MiB pages)
+# and 4 KiB write latency, next to perftest's ib_write_bw / ib_write_lat on
+# the same device in the same run, with the ratios (ours / perftest).
+#
+#   scripts/rdma-bench.sh            # host: builds, then runs in the soft-RoCE VM
+#                                    # (or directly if there is an RDMA device)
+#   BENCH_SECONDS=5 scripts/rdma-bench.sh
+#
+# Under soft-RoCE in a TCG VM the absolute numbers mean little; the ratios
+# (same device, same VM, same moment) are what to read. Latency: ours is one
+# 4 KiB write from submit to completed (a full round trip: RC completes on
+# the ACK); ib_write_lat reports half a ping-pong round trip, so the ratio
+# is taken against 2 x its typical latency.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS=${BENCH_SECONDS:-4}
+
+if [ "${RXE_VM:-0}" != 1 ] && [ -z "${RDMA_BENCH_INNER:-}" ]; then
+  cargo build --release -p transport-rdma --example rdma_bench >&2
+  bin=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/examples/rdma_bench
+  [ -x "$bin" ] || { echo "rdma-bench: $bin was not built" >&2; exit 1; }
+  export RDMA_BENCH_BIN=$bin RDMA_BENCH_INNER=1 BENCH_SECONDS=$SECS
+  if compgen -G "/sys/class/infiniband/*" >/dev/null; then
+    exec "$0"
+  fi
+  RXE_VM_PASS_ENV="RDMA_BENCH_BIN RDMA_BENCH_INNER BENCH_SECONDS" exec scripts/rxe-vm --timeout 900 -- bash scripts/rdma-bench.sh
+fi
+
+DEV=${RDMA_TEST_DEVICE:-$(ibv_devices | awk 'NR>2{print $1; exit}')}
+BIN=${RDMA_BENCH_BIN:?}
+echo "rdma-bench: device $DEV, $SECS s per bandwidth run"
+
+perf_pair() { # tool args...: server in background, client to 127.0.0.1
+  local tool=$1; shift
+  "$tool" -d "$DEV" -x 0 -F "$@" >/tmp/perf-server.txt 2>&1 &
+  local spid=$!
+  local out="" i
+  for i in $(seq 1 50); do
+    sleep 0.5
+    if out=$("$tool" -d "$DEV" -x 0 -F "$@" 127.0.0.1 2>&1); then break; fi
+    out=""
+  done
+  wait "$spid" 2>/dev/null || true
+  printf '%s\n' "$out"
+}
+
+bw_perf() { # size -> MiB/s (BW average)
+  perf_pair ib_write_bw -s "$1" -D "$SECS" | awk -v s="$1" '$1==s {print $4; exit}'
+}
+lat_perf() { # size -> t_typical usec
+  perf_pair ib_write_lat -s "$1" -n 1000 | awk -v s="$1" '$1==s {print $5; exit}'
+}
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b+0 > 0) printf "%.2f", a/b; else print "n/a" }'; }
+
+results=()
+for size in 65536 1048576; do
+  p=$(bw_perf "$size"); p=${p:-0}
+  o=$("$BIN" bw "$size" "$SECS" | sed -n 's/.*MiB\/s=\([0-9.]*\).*/\1/p'); o=${o:-0}
+  results+=("write_bw  $(printf '%7d' "$size") B: ours ${o} MiB/s, ib_write_bw ${p} MiB/s, ratio $(ratio "$o" "$p")")
+done
+p=$(lat_perf 4096); p=${p:-0}
+line=$("$BIN" lat 4096 1000)
+o50=$(printf '%s' "$line" | sed -n 's/.*p50_us=\([0-9.]*\).*/\1/p')
+o99=$(printf '%s' "$line" | sed -n 's/.*p99_us=\([0-9.]*\).*/\1/p')
+rtt=$(awk -v t="$p" 'BEGIN { printf "%.2f", 2*t }')
+results+=("write_lat    4096 B: ours p50 ${o50} us p99 ${o99} us (submit->completed), ib_write_lat typical ${p} us one-way (x2 = ${rtt} us), ratio p50/(2 x typical) $(ratio "$o50" "$rtt")")
+
+echo
+echo "==== RDMA benchmark ($DEV, same VM run) ===="
+printf '%s\n' "${results[@]}"
