@@ -55,7 +55,7 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
 fn table_at(text: &str, offset: usize) -> Option<String> {
     let before = &text[..offset.min(text.len())];
     // The header on the error's own line counts only if the error is in it.
-    before.lines().filter_map(header_of).last()
+    before.lines().rev().find_map(header_of)
 }
 
 fn header_of(line: &str) -> Option<String> {
