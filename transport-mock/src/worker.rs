@@ -29,8 +29,14 @@ enum Step {
 pub(crate) async fn run_batch(host: Arc<HostShared>, batch: Arc<Batch>) {
     for i in 0..batch.requests.len() {
         run_request(&host, &batch, i).await;
-        host.fabric.bump();
+        // Wake requests waiting for an endpoint slot only when there may be
+        // some, so a long batch costs linear time, not one wake-up of every
+        // waiter per request.
+        if host.endpoints.lock().count() >= host.config.max_endpoints {
+            host.fabric.bump();
+        }
     }
+    host.fabric.bump();
 }
 
 /// Whether a terminal status still lets the worker copy: only with the

@@ -149,3 +149,17 @@ fn concurrent_batches_land_exact() {
         assert_eq!(p.remote.read(), p.local.read());
     });
 }
+
+#[test]
+fn large_batches_of_small_pages_complete() {
+    run(async {
+        let p = Pair::default(1 << 20).await;
+        let reqs: Vec<_> = (0..20_000u64).map(|i| p.write(i * 48, i * 48 + 7, 48)).collect();
+        let start = std::time::Instant::now();
+        let s = run_batch(&*p.a, reqs, SubmitOptions::default()).await;
+        assert_eq!(s.state, BatchState::Completed);
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "took {:?}", start.elapsed());
+        assert_eq!(&p.remote.read()[7..7 + 48 * 20_000], &p.local.read()[..48 * 20_000]);
+        assert!(p.remote.canaries_intact());
+    });
+}
