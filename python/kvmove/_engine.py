@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 from ._native import NativeEngine, TransferError
 
@@ -268,21 +269,30 @@ class Session:
 class Engine:
     """A transfer engine.
 
-    ``protocol`` is ``"tcp"`` or ``"rdma"``; it listens on ``host:port``
-    (port 0 picks a free one) and peers reach it by :attr:`session_id`.
-    ``policy`` is a dict with the keys of the Rust ``PolicyConfig``, e.g.
-    ``{"retry": {"max_attempts": 2}, "breaker": {"cooldown_ms": 100}}``.
+    ``protocol`` is ``"tcp"`` (default) or ``"rdma"``; it listens on
+    ``host:port`` (default ``127.0.0.1``, port 0 picks a free one) and peers
+    reach it by :attr:`session_id`. ``policy`` is a dict with the keys of
+    the Rust ``PolicyConfig``, e.g. ``{"retry": {"max_attempts": 2},
+    "breaker": {"cooldown_ms": 100}}``. ``config`` is a kvmove TOML config
+    (text, or a ``pathlib.Path`` to a file) with the backend's options and
+    the policy; the other arguments override it where given.
     """
 
     def __init__(
         self,
-        protocol: str = "tcp",
-        host: str = "127.0.0.1",
-        port: int = 0,
-        device: str = "",
+        protocol: Optional[str] = None,
+        host: Optional[str] = None,
+        port: Optional[int] = None,
+        device: Optional[str] = None,
         policy: Optional[dict] = None,
+        config: Union[str, "os.PathLike[str]", None] = None,
     ):
-        self._native = NativeEngine(protocol, host, port, device, json.dumps(policy) if policy else None)
+        if config is not None and not isinstance(config, str):
+            with open(config, encoding="utf-8") as f:
+                config = f.read()
+        self._native = NativeEngine(
+            protocol, host, port, device, json.dumps(policy) if policy else None, config
+        )
         self._regions: set = set()
         self._sessions: set = set()
 

@@ -45,6 +45,10 @@ impl BackendOptions {
         let protocol =
             std::env::var(PROTOCOL_ENV).ok().filter(|p| !p.is_empty()).unwrap_or_else(|| protocol.to_owned());
         let protocol = protocol.trim().to_ascii_lowercase();
+        if !matches!(protocol.as_str(), "tcp" | "rdma") {
+            return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
+                .with("protocol", protocol));
+        }
         let (host, port) = split_host_port(local_hostname)?;
         let device = device_name.split(',').map(str::trim).find(|d| !d.is_empty()).unwrap_or_default().to_owned();
         Ok(Self { protocol, host, port, device })
@@ -91,41 +95,65 @@ pub(crate) fn split_host_port(s: &str) -> Result<(String, u16)> {
     Ok((host.to_owned(), port))
 }
 
-/// Builds the backend. Must run inside the engine's tokio runtime.
-pub(crate) async fn build(opts: &BackendOptions) -> Result<Arc<dyn Transport>> {
-    match opts.protocol.as_str() {
-        "tcp" => build_tcp(opts).await,
-        "rdma" => build_rdma(opts).await,
-        other => {
-            Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"").with("protocol", other))
+/// Environment variable naming a kvmove TOML config file (the facade's
+/// `EngineConfig`: backend options, policy) used as the base of every
+/// Mooncake-style engine; `initialize`'s arguments override its backend
+/// kind and listen address.
+pub(crate) const CONFIG_ENV: &str = "KVMOVE_CONFIG";
+
+/// The engine configuration: `base` (TOML text of a `kvmove::EngineConfig`,
+/// or the defaults), with the backend kind and listen address (and RDMA
+/// device) replaced by `opts` where given. Goes through the facade's own
+/// parser, so unknown keys and bad values are `Config` errors that name the
+/// key.
+pub(crate) fn engine_config(opts: Option<&BackendOptions>, base: Option<&str>) -> Result<kvmove::EngineConfig> {
+    let mut table: toml::Table = match base {
+        Some(text) => text
+            .parse()
+            .map_err(|e: toml::de::Error| Error::new(ErrorKind::Config, format!("config: {}", e.message().trim())))?,
+        None => toml::Table::new(),
+    };
+    if let Some(o) = opts {
+        let backend = sub_table(&mut table, "backend")?;
+        backend.insert("kind".into(), toml::Value::String(o.protocol.clone()));
+        let options = sub_table(backend, &o.protocol)?;
+        options.insert("listen".into(), toml::Value::String(o.listen_addr()));
+        if o.protocol == "rdma" && !o.device.is_empty() {
+            options.insert("device".into(), toml::Value::String(o.device.clone()));
         }
+    }
+    let text = toml::to_string(&table).map_err(|e| Error::new(ErrorKind::Config, format!("config: {e}")))?;
+    kvmove::EngineConfig::from_toml_named(&text, "kvmove config")
+}
+
+fn sub_table<'a>(t: &'a mut toml::Table, key: &str) -> Result<&'a mut toml::Table> {
+    t.entry(key.to_owned())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .ok_or_else(|| Error::new(ErrorKind::Config, format!("config: `{key}` must be a table")))
+}
+
+/// The base config of Mooncake-style engines: the file named by
+/// `KVMOVE_CONFIG`, if set.
+pub(crate) fn base_config_from_env() -> Result<Option<String>> {
+    match std::env::var(CONFIG_ENV) {
+        Ok(path) if !path.trim().is_empty() => {
+            std::fs::read_to_string(&path).map(Some).map_err(|e| Error::from(e).with("config", path))
+        }
+        _ => Ok(None),
     }
 }
 
-async fn build_tcp(opts: &BackendOptions) -> Result<Arc<dyn Transport>> {
-    let cfg = transport_tcp::TcpConfig { listen: opts.listen_addr(), ..Default::default() };
-    Ok(Arc::new(transport_tcp::TcpTransport::new(cfg).await?))
-}
-
-#[cfg(feature = "rdma")]
-async fn build_rdma(opts: &BackendOptions) -> Result<Arc<dyn Transport>> {
-    let cfg = transport_rdma::RdmaConfig {
-        device: (!opts.device.is_empty()).then(|| opts.device.clone()),
-        listen: opts.listen_addr(),
-        ..Default::default()
-    };
-    Ok(Arc::new(transport_rdma::RdmaTransport::new(cfg).await?))
-}
-
-#[cfg(not(feature = "rdma"))]
-async fn build_rdma(_opts: &BackendOptions) -> Result<Arc<dyn Transport>> {
-    Err(Error::new(
-        ErrorKind::Unsupported,
-        format!(
-            "this build of kvmove has no RDMA backend (rebuild with the `rdma` feature), \
-             or set {PROTOCOL_ENV}=tcp to run over TCP"
-        ),
-    ))
+/// Builds the backend the config names. Must run inside the engine's
+/// tokio runtime.
+pub(crate) async fn build(cfg: &kvmove::EngineConfig) -> Result<Arc<dyn Transport>> {
+    if cfg.backend.kind == kvmove::BackendKind::Rdma && !kvmove::BackendKind::Rdma.is_built_in() {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("this build of kvmove has no RDMA backend; set {PROTOCOL_ENV}=tcp to run over TCP"),
+        ));
+    }
+    kvmove::build_transport(cfg).await
 }
 
 #[cfg(test)]
@@ -153,5 +181,20 @@ mod tests {
         let o = BackendOptions::from_mooncake("h:5", "P2PHANDSHAKE", "rdma", "mlx5_1, mlx5_2").unwrap();
         assert_eq!(o.device, "mlx5_1");
         assert_eq!(o.listen_addr(), "h:5");
+        assert!(BackendOptions::from_mooncake("h", "P2PHANDSHAKE", "ib", "").is_err());
+    }
+
+    #[test]
+    fn config_overrides_listen_and_keeps_the_rest() {
+        let o = BackendOptions::from_mooncake("127.0.0.1:7000", "P2PHANDSHAKE", "tcp", "").unwrap();
+        let base = "[backend.tcp]\nlanes = 2\n[policy.retry]\nmax_attempts = 1\n";
+        let cfg = engine_config(Some(&o), Some(base)).unwrap();
+        assert_eq!(cfg.backend.kind, kvmove::BackendKind::Tcp);
+        assert_eq!(cfg.backend.tcp.listen, "127.0.0.1:7000");
+        assert_eq!(cfg.backend.tcp.lanes, 2);
+        assert_eq!(cfg.policy.retry.max_attempts, 1);
+        let e = engine_config(None, Some("[backend.tcp]\nlane = 2\n")).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("lane"), "{e}");
     }
 }

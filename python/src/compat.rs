@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use transport_core::{Buffer, Error, ErrorKind, Opcode, PolicyConfig, Result, Transfer, TransferOutcome};
 
-use crate::backend::BackendOptions;
+use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::errors::invalid;
 use crate::outcome::{last_error, log, set_last_error};
@@ -122,7 +122,9 @@ impl MooncakeEngine {
     /// `"P2PHANDSHAKE"`; `protocol` is `"tcp"` or `"rdma"` (the environment
     /// variable `KVMOVE_PROTOCOL` overrides it); `device_name` names the RDMA
     /// device (first of a comma-separated list; empty = first device).
-    /// Returns 0, or -1 (see `last_error()`).
+    /// `KVMOVE_CONFIG` may name a kvmove TOML config (backend options,
+    /// policy) these arguments are applied to; `KVMOVE_POLICY` (JSON)
+    /// replaces its policy. Returns 0, or -1 (see `last_error()`).
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name))]
     fn initialize(
         &self,
@@ -138,8 +140,12 @@ impl MooncakeEngine {
             }
             let opts =
                 BackendOptions::from_mooncake(local_hostname, metadata_server, protocol, device_name.unwrap_or(""))?;
-            let policy = policy_from_env()?;
-            let core = py.allow_threads(|| Core::start(&opts, policy))?;
+            let base = backend::base_config_from_env()?;
+            let mut cfg = backend::engine_config(Some(&opts), base.as_deref())?;
+            if let Some(policy) = policy_from_env()? {
+                cfg.policy = policy;
+            }
+            let core = py.allow_threads(|| Core::start(&cfg))?;
             *self.core.lock() = Some(Arc::new(core));
             Ok(())
         })();
@@ -651,11 +657,11 @@ fn no_notify(notify: Option<PyObject>) -> Result<()> {
     }
 }
 
-/// The policy for Mooncake-style engines: defaults, or the JSON in
-/// `KVMOVE_POLICY` (same keys as the Rust `PolicyConfig`).
-fn policy_from_env() -> Result<PolicyConfig> {
+/// A policy override for Mooncake-style engines: the JSON in
+/// `KVMOVE_POLICY` (same keys as the Rust `PolicyConfig`), if set.
+fn policy_from_env() -> Result<Option<PolicyConfig>> {
     match std::env::var("KVMOVE_POLICY") {
-        Ok(s) if !s.trim().is_empty() => crate::native::parse_policy(&s),
-        _ => Ok(PolicyConfig::default()),
+        Ok(s) if !s.trim().is_empty() => crate::native::parse_policy(&s).map(Some),
+        _ => Ok(None),
     }
 }

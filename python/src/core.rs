@@ -12,11 +12,11 @@ use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use tokio::runtime::Runtime;
 use transport_core::{
-    Access, Engine, Error, ErrorKind, MemoryRegion, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome,
+    Access, Engine, Error, ErrorKind, MemoryRegion, Opcode, Result, SegmentId, Transfer, TransferOutcome,
     TransferRequest,
 };
 
-use crate::backend::{self, BackendOptions};
+use crate::backend;
 use crate::regions::{Entry, Regions};
 
 /// One transfer as Python describes it: raw local address, remote address.
@@ -45,17 +45,18 @@ pub(crate) struct Core {
 const WORKER_THREADS: usize = 2;
 
 impl Core {
-    /// Starts the runtime and the backend.
-    pub(crate) fn start(opts: &BackendOptions, policy: PolicyConfig) -> Result<Self> {
+    /// Starts the runtime and the backend the config names, under the
+    /// config's policy.
+    pub(crate) fn start(cfg: &kvmove::EngineConfig) -> Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(WORKER_THREADS)
             .thread_name("kvmove-rt")
             .enable_all()
             .build()
             .map_err(|e| Error::from(e).with("while", "starting the tokio runtime"))?;
-        let transport = rt.block_on(backend::build(opts))?;
+        let transport = rt.block_on(backend::build(cfg))?;
         let session_id = transport.local_segment_name();
-        let engine = Engine::new(transport, policy)?;
+        let engine = Engine::new(transport, cfg.policy.clone())?;
         Ok(Self {
             rt,
             engine,

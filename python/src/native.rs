@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome};
 
-use crate::backend::{split_host_port, BackendOptions};
+use crate::backend::{engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::errors::{invalid, to_pyerr};
 use crate::outcome::outcome_to_py;
@@ -50,29 +50,50 @@ fn raw_ops(ops: &[OpTuple]) -> Vec<RawOp> {
 
 #[pymethods]
 impl NativeEngine {
+    /// Starts an engine. With `config` (TOML text of a kvmove
+    /// `EngineConfig`), the backend and its options come from it and
+    /// `protocol` / `host` / `port` / `device` override them only when given;
+    /// without it they default to TCP on `127.0.0.1`, a free port.
+    /// `policy_json` replaces the policy.
     #[new]
-    #[pyo3(signature = (protocol = "tcp", host = "127.0.0.1", port = 0, device = "", policy_json = None))]
+    #[pyo3(signature = (protocol = None, host = None, port = None, device = None, policy_json = None, config = None))]
     fn new(
         py: Python<'_>,
-        protocol: &str,
-        host: &str,
-        port: u16,
-        device: &str,
+        protocol: Option<&str>,
+        host: Option<&str>,
+        port: Option<u16>,
+        device: Option<&str>,
         policy_json: Option<&str>,
+        config: Option<&str>,
     ) -> PyResult<Self> {
         let r = (|| {
-            let (host, p) = split_host_port(host)?;
-            if p != 0 && port != 0 && p != port {
-                return Err(invalid("port given both in host and as port, differently"));
-            }
-            let opts = BackendOptions {
-                protocol: protocol.trim().to_ascii_lowercase(),
-                host,
-                port: if port != 0 { port } else { p },
-                device: device.to_owned(),
+            let overrides = config.is_none() || protocol.is_some() || host.is_some() || port.is_some();
+            let opts = if overrides {
+                let (h, p) = split_host_port(host.unwrap_or("127.0.0.1"))?;
+                if let (Some(port), true) = (port, p != 0) {
+                    if port != p {
+                        return Err(invalid("port given both in host and as port, differently"));
+                    }
+                }
+                let protocol = protocol.unwrap_or("tcp").trim().to_ascii_lowercase();
+                if !matches!(protocol.as_str(), "tcp" | "rdma") {
+                    return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
+                        .with("protocol", protocol));
+                }
+                Some(BackendOptions {
+                    protocol,
+                    host: h,
+                    port: port.unwrap_or(p),
+                    device: device.unwrap_or_default().to_owned(),
+                })
+            } else {
+                None
             };
-            let policy = policy_json.map(parse_policy).transpose()?.unwrap_or_default();
-            py.allow_threads(|| Core::start(&opts, policy))
+            let mut cfg = engine_config(opts.as_ref(), config)?;
+            if let Some(p) = policy_json {
+                cfg.policy = parse_policy(p)?;
+            }
+            py.allow_threads(|| Core::start(&cfg))
         })();
         Ok(Self { core: Arc::new(py_result(py, r)?) })
     }

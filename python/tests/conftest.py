@@ -88,4 +88,5 @@ def wait_until(fn, timeout: float = 20.0, pause: float = 0.05):
 def _no_protocol_override(monkeypatch):
     monkeypatch.delenv("KVMOVE_PROTOCOL", raising=False)
     monkeypatch.delenv("KVMOVE_POLICY", raising=False)
+    monkeypatch.delenv("KVMOVE_CONFIG", raising=False)
     yield

@@ -152,3 +152,38 @@ def test_close_releases_everything():
         eng.register(bytearray(16))
     assert info.value.kind == "shutdown"
     peer.close()
+
+
+def test_backend_chosen_by_config(tmp_path):
+    cfg = tmp_path / "kvmove.toml"
+    cfg.write_text('[backend]\nkind = "tcp"\n[backend.tcp]\nlisten = "127.0.0.1:0"\nlanes = 1\n[policy.retry]\nmax_attempts = 1\n')
+    with kvmove.Engine(config=cfg) as a, kvmove.Engine(config=cfg.read_text()) as b:
+        assert a.backend == "tcp" and b.session_id.startswith("127.0.0.1:")
+        src, dst = bytearray(b"x" * 4096), bytearray(4096)
+        with a.register(src) as rs, b.register(dst) as rd, a.connect(b.session_id) as s:
+            s.write(rs.addr, rd.addr, 4096)
+        assert dst == src
+    with pytest.raises(kvmove.PermanentError) as info:
+        kvmove.Engine(config="[backend.tcp]\nlane = 1\n")
+    assert info.value.kind == "config" and "lane" in str(info.value)
+    with pytest.raises(kvmove.PermanentError) as info:
+        kvmove.Engine(protocol="carrier-pigeon")
+    assert info.value.kind == "unsupported"
+
+
+def test_mooncake_engine_reads_kvmove_config(tmp_path, monkeypatch):
+    cfg = tmp_path / "kvmove.toml"
+    cfg.write_text("[backend.tcp]\nlanes = 2\n")
+    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
+    e = kvmove.TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    e.close()
+    cfg.write_text("[backend.tcp]\nbogus = 2\n")
+    e = kvmove.TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert e.last_error().kind == "config"
+    monkeypatch.setenv("KVMOVE_PROTOCOL", "tcp")
+    monkeypatch.delenv("KVMOVE_CONFIG")
+    e = kvmove.TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0, "KVMOVE_PROTOCOL overrides rdma"
+    e.close()
