@@ -134,15 +134,21 @@ impl HostShared {
     }
 
     pub fn stats(&self) -> ResourceStats {
+        // One lock at a time: a copy holds a batch lock and then takes a
+        // region table lock, so no table lock may be held here while the
+        // batches are counted.
         let endpoints = self.endpoints.lock().count();
-        let batches: Vec<Arc<Batch>> = self.batches.lock().values().cloned().collect();
+        let segments = self.segments.lock().len();
+        let regions = self.regions.lock().len();
+        let batches = self.all_batches();
+        let inflight = batches.iter().map(|b| b.pending()).sum();
         ResourceStats {
             endpoints,
             endpoint_lanes: endpoints * self.config.lanes_per_endpoint,
-            segments: self.segments.lock().len(),
-            regions: self.regions.lock().len(),
+            segments,
+            regions,
             batches: batches.len(),
-            inflight: batches.iter().map(|b| b.pending()).sum(),
+            inflight,
             tasks: self.task_count.load(Ordering::SeqCst),
         }
     }

@@ -163,3 +163,34 @@ fn large_batches_of_small_pages_complete() {
         assert!(p.remote.canaries_intact());
     });
 }
+
+#[test]
+fn loopback_to_its_own_segment_works() {
+    run(async {
+        let f = transport_mock::MockFabric::new();
+        let t = host(&f, "solo");
+        let (src, dst) = (Mem::new(8192, 1), Mem::new(8192, 2));
+        let sid = t.register(src.region(), Access::LOCAL).unwrap();
+        t.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = t.open_segment("solo").await.unwrap();
+        let stats = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let poller = {
+            let (t, stats) = (t.clone(), stats.clone());
+            tokio::spawn(async move {
+                while stats.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = t.stats();
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        for _ in 0..50 {
+            let s =
+                run_batch(&*t, vec![TransferRequest::write(sid, 0, seg, dst.addr(), 8192)], SubmitOptions::default())
+                    .await;
+            assert_eq!(s.state, BatchState::Completed);
+        }
+        stats.store(false, std::sync::atomic::Ordering::Relaxed);
+        poller.await.unwrap();
+        assert_eq!(dst.read(), src.read());
+    });
+}
