@@ -199,10 +199,15 @@ impl MooncakeEngine {
     #[pyo3(signature = (buffer_addr, capacity, location = "*"))]
     fn register_memory(&self, py: Python<'_>, buffer_addr: u64, capacity: u64, location: &str) -> i64 {
         let _ = location;
-        // SAFETY: the caller's contract, stated in this method's docstring
-        // (Mooncake's contract too): the range is live memory until it is
-        // unregistered.
-        let r = self.core().and_then(|c| unsafe { c.register(buffer_addr, capacity, None) });
+        // RDMA pins the pages here, which can take a while: GIL released.
+        let r = self.core().and_then(|c| {
+            py.allow_threads(|| {
+                // SAFETY: the caller's contract, stated in this method's
+                // docstring (Mooncake's contract too): the range is live
+                // memory until it is unregistered.
+                unsafe { c.register(buffer_addr, capacity, None) }
+            })
+        });
         Self::code(py, "register_memory", r)
     }
 
@@ -228,11 +233,13 @@ impl MooncakeEngine {
             if buffer_addresses.len() != capacities.len() {
                 return Err(invalid("buffer_addresses and capacities have different lengths"));
             }
-            for (&a, &n) in buffer_addresses.iter().zip(&capacities) {
-                // SAFETY: as in `register_memory`.
-                unsafe { c.register(a, n, None) }?;
-            }
-            Ok(())
+            py.allow_threads(|| {
+                for (&a, &n) in buffer_addresses.iter().zip(&capacities) {
+                    // SAFETY: as in `register_memory`.
+                    unsafe { c.register(a, n, None) }?;
+                }
+                Ok(())
+            })
         });
         Self::code(py, "batch_register_memory", r)
     }

@@ -113,9 +113,13 @@ impl NativeEngine {
     /// Registers raw memory. See `kvmove.Engine.register_address` for the
     /// safety contract the caller keeps.
     fn register_address(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
-        // SAFETY: the Python caller keeps `MemoryRegion::from_raw`'s
-        // contract, as documented on `kvmove.Engine.register_address`.
-        py_result(py, unsafe { self.core.register(addr, length, None) })
+        let core = &self.core;
+        let r = py.allow_threads(|| {
+            // SAFETY: the Python caller keeps `MemoryRegion::from_raw`'s
+            // contract, as documented on `kvmove.Engine.register_address`.
+            unsafe { core.register(addr, length, None) }
+        });
+        py_result(py, r)
     }
 
     /// Registers a writable, C-contiguous Python buffer (bytearray,
@@ -133,10 +137,15 @@ impl NativeEngine {
         let bytes = view.call_method1("cast", ("B",))?;
         let buf = PyBuffer::<u8>::get(&bytes)?;
         let (addr, len) = (buf.buf_ptr() as u64, buf.len_bytes() as u64);
-        // SAFETY: `buf` is a live export of the object's memory; it is stored
-        // with the region and released only after the transport unregistered
-        // the region (or shut down), so the memory outlives every transfer.
-        py_result(py, unsafe { self.core.register(addr, len, Some(buf)) })?;
+        let core = &self.core;
+        let r = py.allow_threads(|| {
+            // SAFETY: `buf` is a live export of the object's memory; it is
+            // stored with the region and released only after the transport
+            // unregistered the region (or shut down), so the memory outlives
+            // every transfer.
+            unsafe { core.register(addr, len, Some(buf)) }
+        });
+        py_result(py, r)?;
         Ok((addr, len))
     }
 
