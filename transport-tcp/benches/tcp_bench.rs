@@ -1,1 +1,167 @@
-fn main() {}
+//! The TCP backend's benchmark (a benchmark, not a test): bandwidth of
+//! writes and reads with 1 MiB and 64 KiB slices, 4 KiB write latency next
+//! to a plain 4 KiB TCP ping-pong measured in the same run, time per
+//! request for batches of 1, 64, 4096 and 262144 requests of 2 KiB, and the
+//! peak RSS of the 262144-request batch. Loopback only; every loop is
+//! bounded. Run with `cargo bench -p transport-tcp` (or `bench.sh`, which
+//! adds iperf3 and the ratios).
+
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use transport_core::{Access, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+fn rss_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+async fn batch(t: &TcpTransport, reqs: Vec<TransferRequest>) {
+    let b = t.submit(reqs, SubmitOptions::default()).await.expect("submit");
+    let s = t.wait(b).await.expect("wait");
+    assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+    t.release(b).expect("release");
+}
+
+async fn bandwidth(slice: usize, read: bool) -> f64 {
+    let cfg = TcpConfig { slice_size: slice, max_frame: slice.max(1 << 20), ..TcpConfig::default() };
+    let (a, b) = (TcpTransport::new(cfg.clone()).await.unwrap(), TcpTransport::new(cfg).await.unwrap());
+    let len = 64 << 20;
+    let (src, dst) = (Buffer::new(len).unwrap(), Buffer::new(len).unwrap());
+    src.fill(7);
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    b.register(dst.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let req = |k: u64| {
+        let o = (k % 4) * (16 << 20);
+        if read {
+            TransferRequest::read(l, o, seg, dst.addr() + o, 16 << 20)
+        } else {
+            TransferRequest::write(l, o, seg, dst.addr() + o, 16 << 20)
+        }
+    };
+    batch(&a, (0..4).map(req).collect()).await; // warm up
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    while start.elapsed() < Duration::from_secs(3) {
+        batch(&a, (0..8).map(req).collect()).await;
+        bytes += 8 * (16 << 20);
+    }
+    let gbps = bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    gbps
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p) as usize]
+}
+
+async fn latency() -> (f64, f64) {
+    let (a, b) =
+        (TcpTransport::new(TcpConfig::default()).await.unwrap(), TcpTransport::new(TcpConfig::default()).await.unwrap());
+    let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    b.register(dst.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let mut v = Vec::new();
+    for i in 0..3000 {
+        let t0 = Instant::now();
+        batch(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
+        if i >= 200 {
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    (pct(&mut v, 0.5), pct(&mut v, 0.99))
+}
+
+/// Plain TCP: 4 KiB out, an 8-byte answer back, on one connection.
+async fn ping_pong() -> (f64, f64) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let srv = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut buf = vec![0u8; 4096];
+        while s.read_exact(&mut buf).await.is_ok() {
+            if s.write_all(&[1u8; 8]).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    c.set_nodelay(true).unwrap();
+    let (out, mut back) = (vec![3u8; 4096], [0u8; 8]);
+    let mut v = Vec::new();
+    for i in 0..3000 {
+        let t0 = Instant::now();
+        c.write_all(&out).await.unwrap();
+        c.read_exact(&mut back).await.unwrap();
+        if i >= 200 {
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    drop(c);
+    let _ = srv.await;
+    (pct(&mut v, 0.5), pct(&mut v, 0.99))
+}
+
+async fn per_request(n: usize) -> (f64, u64) {
+    let (a, b) =
+        (TcpTransport::new(TcpConfig::default()).await.unwrap(), TcpTransport::new(TcpConfig::default()).await.unwrap());
+    let len = n * 2048;
+    let (src, dst) = (Buffer::new(len).unwrap(), Buffer::new(len).unwrap());
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    b.register(dst.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let reqs: Vec<_> = (0..n as u64).map(|k| TransferRequest::write(l, k * 2048, seg, dst.addr() + k * 2048, 2048)).collect();
+    batch(&a, reqs.clone()).await;
+    let rounds = (262_144 / n).clamp(3, 2000);
+    let start = Instant::now();
+    let mut done = 0;
+    while done < rounds && start.elapsed() < Duration::from_secs(5) {
+        batch(&a, reqs.clone()).await;
+        done += 1;
+    }
+    let us = start.elapsed().as_secs_f64() * 1e6 / (done * n) as f64;
+    let hwm = rss_kib("VmHWM:");
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    (us, hwm)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // `cargo test --benches` lists nothing: this is not a test.
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        println!("# transport-tcp benchmark (loopback, {} CPUs)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+        for (slice, name) in [(1 << 20, "1MiB"), (64 << 10, "64KiB")] {
+            let w = bandwidth(slice, false).await;
+            let r = bandwidth(slice, true).await;
+            println!("bw_write_{name}_gbps {w:.2}");
+            println!("bw_read_{name}_gbps {r:.2}");
+        }
+        let (p50, p99) = latency().await;
+        let (q50, q99) = ping_pong().await;
+        println!("lat_write_4KiB_p50_us {p50:.1}\nlat_write_4KiB_p99_us {p99:.1}");
+        println!("pingpong_4KiB_p50_us {q50:.1}\npingpong_4KiB_p99_us {q99:.1}");
+        println!("lat_ratio_p50 {:.2}", p50 / q50);
+        let base = rss_kib("VmRSS:");
+        println!("rss_before_batches_kib {base}");
+        for n in [1usize, 64, 4096, 262_144] {
+            let (us, hwm) = per_request(n).await;
+            println!("batch_{n}_us_per_req {us:.3}");
+            if n == 262_144 {
+                println!("peak_rss_262144x2KiB_kib {hwm} (buffers alone: {} KiB)", 2 * 262_144 * 2);
+            }
+        }
+    });
+}
