@@ -109,6 +109,7 @@
 //! | `policy::only_failed_requests_resent` | 8 | - | only failed requests are resent, completed ones exactly once |
 //! | `policy::breaker_opens_and_recovers` | 8 | - | breaker opens at its threshold, fails fast, half-opens, closes on a good probe |
 //! | `policy::breaker_is_per_peer` | 8 | - | an open breaker for one peer does not block another |
+//! | `policy::breaker_recovers_after_peer_restart` | 8 | Kill | real peer kill opens the breaker; after restart and cool-down a probe closes it |
 //! | `policy::deadline_from_config` | 8 | Stall | DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after |
 //! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |
 //! | `backpressure::cancel_frees_budget` | 8 | Stall | cancelling the holder frees the budget at once |

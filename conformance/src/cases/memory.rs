@@ -115,6 +115,7 @@ pub async fn write_to_unregistered_remote_fails(cx: Ctx) -> CaseResult {
 pub async fn unregister_local_in_flight(cx: Ctx) -> CaseResult {
     let p = cx.pair(1 << 20).await?;
     let t = p.t().clone();
+    let base = t.stats();
     cx.stall(&p.b, true).await?;
     let b = t.submit(vec![p.write(0, 0, 1 << 20)], SubmitOptions::default()).await?;
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -135,6 +136,12 @@ pub async fn unregister_local_in_flight(cx: Ctx) -> CaseResult {
     expect_quiet(&p.remote, &remote, Duration::from_millis(300), "peer memory after the source was unregistered")
         .await?;
     t.release(b)?;
+    let ok = crate::ctx::settle(crate::ctx::SETTLE, || {
+        let s = t.stats();
+        s.regions + 1 == base.regions && s.batches == base.batches && s.inflight == 0
+    })
+    .await;
+    ensure!(ok, "after unregister and release: {:?}, baseline {base:?} less one region (rule 1)", t.stats());
     Ok(())
 }
 

@@ -236,6 +236,12 @@ static CASES: &[Case] = &[
     ),
     case!(policy::breaker_is_per_peer, 8, [], "an open breaker for one peer does not block another"),
     case!(
+        policy::breaker_recovers_after_peer_restart,
+        8,
+        [Kill],
+        "real peer kill opens the breaker; after restart and cool-down a probe closes it"
+    ),
+    case!(
         policy::deadline_from_config,
         8,
         [Stall],

@@ -293,3 +293,53 @@ pub async fn breaker_is_per_peer(cx: Ctx) -> CaseResult {
     ensure!(out.is_success(), "a healthy peer failed while another's breaker was open: {:?}", out.state);
     Ok(())
 }
+
+/// With real faults: the peer is killed, transfers through the engine
+/// fail until its breaker opens; the peer restarts; after the (short,
+/// real) cool-down the next open is the probe, it succeeds, the breaker
+/// closes and transfers to the restarted peer complete. Never a permanent
+/// blacklist.
+pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
+    let opts = NodeOptions::default();
+    let p = cx.pair_with(LEN, &opts).await?;
+    let mut cfg = fast_retry(1);
+    cfg.breaker.failure_threshold = 2;
+    cfg.breaker.cooldown = Duration::from_millis(300);
+    cfg.deadline.base = Duration::from_secs(2);
+    let engine = Engine::new(p.t().clone(), cfg)?;
+    let peer = p.b.name.clone();
+    cx.kill(&p.b).await?;
+    let x = p.write(0, 0, 4096);
+    let mut tries = 0;
+    while engine.breaker_state(&peer) == BreakerState::Closed {
+        ensure!(tries < 5, "the breaker did not open after {tries} failed transfers, threshold 2");
+        let r = bounded("engine transfer", engine.transfer(vec![x])).await?;
+        ensure!(!matches!(&r, Ok(o) if o.is_success()), "a transfer to a killed peer completed");
+        tries += 1;
+    }
+    let b2 = cx.restart(&p.b, &opts).await?;
+    let mem = cx.guarded(LEN, 31)?;
+    b2.transport.register(mem.region(), Access::REMOTE_RW)?;
+    let start = Instant::now();
+    let seg = loop {
+        match bounded("engine open", engine.open_segment(&peer)).await? {
+            Ok(seg) => break seg,
+            Err(e) => ensure!(
+                e.is_transient() && start.elapsed() < Duration::from_secs(5),
+                "opening the restarted peer through the engine: {e} after {:?}",
+                start.elapsed()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    ensure!(
+        engine.breaker_state(&peer) == BreakerState::Closed,
+        "breaker is {:?} after a successful probe",
+        engine.breaker_state(&peer)
+    );
+    let out =
+        bounded("engine transfer", engine.transfer(vec![TransferRequest::write(p.local_id, 0, seg, mem.addr(), 4096)]))
+            .await??;
+    ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
+    Ok(())
+}
