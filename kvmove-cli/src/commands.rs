@@ -415,3 +415,30 @@ async fn initiate(s: &Settings, plan: &Plan, engine: &Engine, target: &str, json
     let shown = if desc.name == target { target.to_owned() } else { format!("{target} ({})", desc.name) };
     workload(s, plan, &session, "initiator", shown, json).await
 }
+
+#[cfg(all(test, feature = "mock"))]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// A store entry whose generation differs from what the peer serves
+    /// (the peer restarted) is refused, never used.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stale_generation_in_the_store_is_refused() {
+        let cfg = kvmove::EngineConfig::from_toml_str("[backend]\nkind = \"mock\"\n").unwrap();
+        let target = kvmove::build(&cfg).await.unwrap();
+        let initiator = kvmove::build(&cfg).await.unwrap();
+        let store = kvmove::InProcessStore::new();
+        let mut desc = publish(&target, &store, "stale-peer").await.unwrap();
+        let (seg, _) = connect(&initiator, Some(&store), "stale-peer").await.unwrap();
+        initiator.close_segment(seg).await.unwrap();
+        desc.generation = desc.generation.wrapping_add(1);
+        store.put(desc).await.unwrap();
+        let e = connect(&initiator, Some(&store), "stale-peer").await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PeerRestarted);
+        assert!(e.to_string().contains("stale"), "{e}");
+        assert_eq!(connect(&initiator, Some(&store), "absent").await.unwrap_err().kind(), ErrorKind::NotFound);
+        initiator.shutdown().await.unwrap();
+        target.shutdown().await.unwrap();
+    }
+}

@@ -268,3 +268,62 @@ fn unknown_model_and_backend_are_one_line() {
         assert_one_line_error(&run(&["--backend", "rdma"]), "--features rdma");
     }
 }
+
+/// Through a real etcd server (skipped, loudly, where `etcd` is not
+/// installed; built only with `--features etcd`): the target publishes
+/// under a logical name, the initiator resolves it, and a name nobody
+/// serves is one clear line.
+#[cfg(feature = "etcd")]
+#[test]
+fn initiator_resolves_a_target_through_etcd() {
+    let Some(etcd) = start_etcd() else {
+        eprintln!("SKIPPED initiator_resolves_a_target_through_etcd: no `etcd` binary on PATH");
+        return;
+    };
+    let url = etcd.1.clone();
+    let (_target, segment) = start_target(&["--metadata", "etcd", "--etcd-endpoints", &url, "--name", "prefill-7"]);
+    let v = json(&run(&args(&[
+        "initiator",
+        "--target",
+        "prefill-7",
+        "--metadata",
+        "etcd",
+        "--etcd-endpoints",
+        &url,
+        "--json",
+    ])));
+    assert_verified(&v, 3);
+    assert!(v["target"].as_str().unwrap().contains("prefill-7"), "{v}");
+    let _ = segment;
+    let r = run(&args(&["initiator", "--target", "nobody", "--metadata", "etcd", "--etcd-endpoints", &url]));
+    assert_one_line_error(&r, "no target named 'nobody'");
+    let (server, _, dir) = etcd;
+    drop(server);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[cfg(feature = "etcd")]
+fn start_etcd() -> Option<(Guard, String, std::path::PathBuf)> {
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (client, peer) = (format!("http://127.0.0.1:{}", free()), format!("http://127.0.0.1:{}", free()));
+    let dir = std::env::temp_dir().join(format!("kvmove-cli-etcd-{}", std::process::id()));
+    let child = Command::new("etcd")
+        .args(["--name", "kvmove-cli", "--data-dir"])
+        .arg(dir.join("data"))
+        .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+        .arg("--initial-cluster")
+        .arg(format!("kvmove-cli={peer}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let guard = Guard(child);
+    let port: u16 = client.rsplit(':').next().unwrap().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "etcd did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some((guard, client, dir))
+}

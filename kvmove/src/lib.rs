@@ -55,6 +55,6 @@ pub use config::{
     MockOptions, RdmaOptions, TcpOptions,
 };
 pub use transport_core::{
-    Access, Buffer, Engine, Error, ErrorKind, MemoryRegion, MetadataStore, PolicyConfig, RegionId, RegionInfo, Result,
-    SegmentDescriptor, SegmentId, Transfer, TransferOutcome, TransferRequest, Transport,
+    Access, Buffer, Engine, Error, ErrorKind, InProcessStore, MemoryRegion, MetadataStore, PolicyConfig, RegionId,
+    RegionInfo, Result, SegmentDescriptor, SegmentId, Transfer, TransferOutcome, TransferRequest, Transport,
 };
