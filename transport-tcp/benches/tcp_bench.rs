@@ -5,6 +5,7 @@
 //! peak RSS of the 262144-request batch. Loopback only; every loop is
 //! bounded. Run with `cargo bench -p transport-tcp` (or `bench.sh`, which
 //! adds iperf3 and the ratios).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
 
 use std::time::{Duration, Instant};
 
@@ -62,8 +63,10 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 async fn latency() -> (f64, f64) {
-    let (a, b) =
-        (TcpTransport::new(TcpConfig::default()).await.unwrap(), TcpTransport::new(TcpConfig::default()).await.unwrap());
+    let (a, b) = (
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+    );
     let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
     b.register(dst.region(), Access::REMOTE_RW).unwrap();
@@ -113,14 +116,17 @@ async fn ping_pong() -> (f64, f64) {
 }
 
 async fn per_request(n: usize) -> (f64, u64) {
-    let (a, b) =
-        (TcpTransport::new(TcpConfig::default()).await.unwrap(), TcpTransport::new(TcpConfig::default()).await.unwrap());
+    let (a, b) = (
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+    );
     let len = n * 2048;
     let (src, dst) = (Buffer::new(len).unwrap(), Buffer::new(len).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
     b.register(dst.region(), Access::REMOTE_RW).unwrap();
     let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-    let reqs: Vec<_> = (0..n as u64).map(|k| TransferRequest::write(l, k * 2048, seg, dst.addr() + k * 2048, 2048)).collect();
+    let reqs: Vec<_> =
+        (0..n as u64).map(|k| TransferRequest::write(l, k * 2048, seg, dst.addr() + k * 2048, 2048)).collect();
     batch(&a, reqs.clone()).await;
     let rounds = (262_144 / n).clamp(3, 2000);
     let start = Instant::now();
@@ -142,7 +148,10 @@ fn main() {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
-        println!("# transport-tcp benchmark (loopback, {} CPUs)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+        println!(
+            "# transport-tcp benchmark (loopback, {} CPUs)",
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        );
         for (slice, name) in [(1 << 20, "1MiB"), (64 << 10, "64KiB")] {
             let w = bandwidth(slice, false).await;
             let r = bandwidth(slice, true).await;

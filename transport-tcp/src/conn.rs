@@ -57,11 +57,7 @@ pub(crate) fn status_err(s: Status, peer: &str) -> Error {
 }
 
 /// Reads and validates one frame header.
-pub(crate) async fn read_header<R: AsyncRead + Unpin>(
-    r: &mut R,
-    max_frame: usize,
-    peer: &str,
-) -> Result<Header> {
+pub(crate) async fn read_header<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize, peer: &str) -> Result<Header> {
     let mut b = [0u8; HEADER_LEN];
     r.read_exact(&mut b).await.map_err(|e| Error::from(e).with("peer", peer))?;
     Header::decode(&b, max_frame).map_err(|e| proto_err(e, peer))
@@ -76,7 +72,11 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize, peer: &st
 }
 
 /// Writes a header and a payload.
-pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, mut h: Header, payload: &[u8]) -> std::io::Result<()> {
+pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut h: Header,
+    payload: &[u8],
+) -> std::io::Result<()> {
     h.payload_len = payload.len() as u32;
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     h.encode_into(&mut out);
@@ -157,7 +157,9 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
         // With a secret configured we require the server to prove it too,
         // so an impostor listening on the address is never sent data.
         if !auth_required || !auth::verify(k.as_bytes(), Role::Server, &cn, &sn, &server_proof) {
-            return Err(Error::new(ErrorKind::AuthFailed, "the peer did not prove the shared secret").with("peer", peer));
+            return Err(
+                Error::new(ErrorKind::AuthFailed, "the peer did not prove the shared secret").with("peer", peer)
+            );
         }
     }
     Ok(Hello { generation: h.generation })

@@ -423,13 +423,13 @@ impl Endpoint {
                 if self.is_dead() {
                     return;
                 }
-                return self.broke(
-                    Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer),
-                );
+                return self
+                    .broke(Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer));
             };
             let expected = if s.op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
             if h.ty != expected || (h.status == Status::Ok && h.ty == FrameType::ReadResp && h.len != s.len) {
-                s.batch.slice_done(s.req, Some(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer)));
+                s.batch
+                    .slice_done(s.req, Some(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer)));
                 return self.broke(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer));
             }
             self.lanes[lane].window.add_permits(1);

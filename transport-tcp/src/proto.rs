@@ -147,7 +147,10 @@ pub enum ProtoError {
     UnknownStatus(u8),
     Reserved,
     /// Payload longer than the configured bound.
-    TooLarge { len: u64, max: usize },
+    TooLarge {
+        len: u64,
+        max: usize,
+    },
     /// Fields that contradict each other for this frame type.
     Inconsistent(&'static str),
 }

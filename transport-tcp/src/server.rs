@@ -49,7 +49,14 @@ impl From<std::io::Error> for Close {
 
 impl Server {
     pub fn new(cfg: Arc<TcpConfig>, regions: Arc<RegionTable>, generation: u64, counters: Arc<Counters>) -> Arc<Self> {
-        Arc::new(Self { cfg, regions, generation, counters, conns: Mutex::new(HashMap::new()), next_conn: AtomicU64::new(0) })
+        Arc::new(Self {
+            cfg,
+            regions,
+            generation,
+            counters,
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
+        })
     }
 
     /// Accepts connections until aborted.

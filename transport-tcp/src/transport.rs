@@ -63,7 +63,8 @@ struct Inner {
 }
 
 fn fresh_generation() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let t =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     (t ^ rand::random::<u64>()) | 1
 }
 
@@ -155,7 +156,9 @@ impl Drop for TcpTransport {
 
 fn resolve(name: &str) -> Result<SocketAddr> {
     name.to_socket_addrs()
-        .map_err(|e| Error::new(ErrorKind::NotFound, format!("cannot resolve segment name: {e}")).with("segment", name))?
+        .map_err(|e| {
+            Error::new(ErrorKind::NotFound, format!("cannot resolve segment name: {e}")).with("segment", name)
+        })?
         .next()
         .ok_or_else(|| Error::new(ErrorKind::NotFound, "segment name resolves to no address").with("segment", name))
 }
@@ -246,7 +249,6 @@ impl Inner {
         descriptor(name, ep.addr, ep.generation, &ep.regions)
     }
 
-
     /// Ends the pending requests of `batch` chosen by `pick`, then makes
     /// them quiet: their unsent slices are dropped and every endpoint that
     /// still carries slices of the batch is destroyed (its sockets reset),
@@ -268,8 +270,8 @@ impl Inner {
         }
         for ep in eps {
             if ep.carries(batch) {
-                let err = Error::new(ErrorKind::ConnectionReset, "endpoint reset to end a batch")
-                    .with("peer", &ep.name);
+                let err =
+                    Error::new(ErrorKind::ConnectionReset, "endpoint reset to end a batch").with("peer", &ep.name);
                 ep.destroy(err).await;
             }
         }
@@ -333,10 +335,9 @@ impl Transport for TcpTransport {
 
     async fn unregister(&self, region: RegionId) -> Result<()> {
         let i = &self.inner;
-        let r = i
-            .regions
-            .remove(region)
-            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or unregistered region").with("region", region))?;
+        let r = i.regions.remove(region).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidHandle, "unknown or unregistered region").with("region", region)
+        })?;
         // Peers' copies into or out of it stop here (the gate waits for a
         // running one); then local requests using it are ended and quieted.
         r.kill();
@@ -345,8 +346,9 @@ impl Transport for TcpTransport {
             if b.is_terminal() || !b.reqs.iter().any(|q| q.local == region) {
                 continue;
             }
-            let err = Error::new(ErrorKind::Unregistered, "the local region was unregistered with the request in flight")
-                .with("region", region);
+            let err =
+                Error::new(ErrorKind::Unregistered, "the local region was unregistered with the request in flight")
+                    .with("region", region);
             i.end_requests(&b, EndReason::Failed(err), |_, q| q.local == region).await;
         }
         Ok(())
@@ -368,11 +370,9 @@ impl Transport for TcpTransport {
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         let i = &self.inner;
-        let entry = i
-            .segments
-            .lock()
-            .remove(&segment)
-            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or closed segment").with("segment", segment))?;
+        let entry = i.segments.lock().remove(&segment).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidHandle, "unknown or closed segment").with("segment", segment)
+        })?;
         let batches: Vec<Arc<Batch>> = i.batches.lock().values().cloned().collect();
         for b in batches {
             if !b.is_terminal() && b.reqs.iter().any(|q| q.segment == segment) {
@@ -524,8 +524,9 @@ impl Transport for TcpTransport {
             .get(&batch)
             .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch))?;
         if !b.is_terminal() {
-            return Err(Error::new(ErrorKind::InvalidRequest, "the batch is in progress; cancel it first")
-                .with("batch", batch));
+            return Err(
+                Error::new(ErrorKind::InvalidRequest, "the batch is in progress; cancel it first").with("batch", batch)
+            );
         }
         m.remove(&batch);
         Ok(())

@@ -3,6 +3,7 @@
 //! `cut` and `stall` are real socket faults; `kill` resets every connection
 //! and stops the listener abruptly, then drops the node; `restart` starts a
 //! new node (new generation) behind a proxy on the same address.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
 
 mod support;
 

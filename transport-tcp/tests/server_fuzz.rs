@@ -2,6 +2,7 @@
 //! decoder (property test), and raw sockets sending malformed, truncated,
 //! oversized and unexpected frames or skipping authentication: each such
 //! connection is closed, memory is untouched, and the server keeps serving.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
 
 mod support;
 
@@ -86,7 +87,8 @@ async fn malformed_frames_close_only_their_connection() {
             let mut s = TcpStream::connect(addr).await.unwrap();
             hello(&mut s).await
         };
-        let mut cases: Vec<(&str, Vec<u8>)> = vec![("garbage", vec![0xFF; 100]), ("truncated header", vec![0x4B, 7, 0])];
+        let mut cases: Vec<(&str, Vec<u8>)> =
+            vec![("garbage", vec![0xFF; 100]), ("truncated header", vec![0x4B, 7, 0])];
         let mut big = Header::new(FrameType::Write);
         big.len = 64 << 20;
         big.payload_len = 64 << 20;
@@ -150,7 +152,10 @@ async fn malformed_frames_close_only_their_connection() {
         let src = Buffer::from_slice(&[5u8; 4096]).unwrap();
         let l = a.register(src.region(), Access::LOCAL).unwrap();
         let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-        let bt = a.submit(vec![TransferRequest::write(l, 0, seg, mem.addr(), 4096)], SubmitOptions::default()).await.unwrap();
+        let bt = a
+            .submit(vec![TransferRequest::write(l, 0, seg, mem.addr(), 4096)], SubmitOptions::default())
+            .await
+            .unwrap();
         assert_eq!(a.wait(bt).await.unwrap().state, BatchState::Completed);
         assert_eq!(&mem.to_vec()[..4096], &[5u8; 4096][..]);
         a.shutdown().await.unwrap();

@@ -1,6 +1,7 @@
 //! Real sockets on loopback: data integrity, concurrency, teardown,
 //! authentication, faults through the proxy, and a peer process killed
 //! mid-batch.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
 
 mod support;
 
@@ -41,7 +42,10 @@ async fn byte_exact_writes_and_reads_of_many_sizes() {
             let s = run(&a, vec![TransferRequest::write(l, off, seg, dst.addr() + off + 3, size as u64)]).await;
             assert_eq!(s.state, BatchState::Completed, "write {size}: {:?}", s.first_error());
             let got = dst.to_vec();
-            assert_eq!(&got[off as usize + 3..off as usize + 3 + size], &src.to_vec()[off as usize..off as usize + size]);
+            assert_eq!(
+                &got[off as usize + 3..off as usize + 3 + size],
+                &src.to_vec()[off as usize..off as usize + size]
+            );
             assert!(got[..off as usize + 3].iter().all(|&x| x == 0), "bytes before the write changed");
             assert!(got[off as usize + 3 + size..].iter().all(|&x| x == 0), "bytes after the write changed");
             // Read it back into a fresh local region.
@@ -148,7 +152,10 @@ async fn shared_secret_is_required_and_checked() {
         let src = Buffer::from_slice(&[9u8; 4096]).unwrap();
         let l = good.register(src.region(), Access::LOCAL).unwrap();
         let seg = good.open_segment(&name).await.unwrap();
-        assert_eq!(run(&good, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await.state, BatchState::Completed);
+        assert_eq!(
+            run(&good, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await.state,
+            BatchState::Completed
+        );
         assert_eq!(dst.to_vec(), vec![9u8; 4096]);
         for t in [b, none, wrong, open, good] {
             t.shutdown().await.unwrap();
@@ -244,8 +251,9 @@ async fn peer_process_killed_mid_batch_then_restarted() {
         let seg = a.open_segment(&name).await.unwrap();
         let gen1 = a.segment_descriptor(seg).unwrap().generation;
         // A long batch; the peer dies in the middle of it.
-        let reqs: Vec<_> =
-            (0..256u64).map(|k| TransferRequest::write(l, (k % 4) << 20, seg, raddr + ((k % 4) << 20), 1 << 20)).collect();
+        let reqs: Vec<_> = (0..256u64)
+            .map(|k| TransferRequest::write(l, (k % 4) << 20, seg, raddr + ((k % 4) << 20), 1 << 20))
+            .collect();
         let b = a.submit(reqs, SubmitOptions::default()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         child.kill().unwrap();

@@ -1,6 +1,6 @@
 //! Test support shared by the integration tests: the fault proxy, fd
 //! counting, node construction.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod proxy;
 

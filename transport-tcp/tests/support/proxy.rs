@@ -175,10 +175,8 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if *stall.borrow() {
-            if stall.wait_for(|s| !*s).await.is_err() {
-                return;
-            }
+        if *stall.borrow() && stall.wait_for(|s| !*s).await.is_err() {
+            return;
         }
         // The sender reset while we held its bytes: they die with it.
         if matches!(r.as_ref().take_error(), Ok(Some(_)) | Err(_)) {
