@@ -31,6 +31,19 @@ use crate::tasks::{spawn_counted, Counters};
 
 /// Bytes a writer gathers before one `write` when slices are small.
 const COALESCE: usize = 256 << 10;
+/// Payloads larger than this are copied and sent (or received and copied)
+/// in chunks of this size, so each copy stays in cache.
+const STREAM: usize = 128 << 10;
+
+/// What `stage` did with a slice.
+enum Staged {
+    /// Ended without being sent (its request is gone).
+    Skipped,
+    /// The whole frame is in the send buffer.
+    Inline,
+    /// The header is in the send buffer; the payload is to be streamed.
+    Stream { batch: Arc<Batch>, req: usize, local_off: u64, len: u64 },
+}
 
 /// The requests of one batch routed to one endpoint, and how far the lanes
 /// got in cutting them into slices.
@@ -56,6 +69,37 @@ struct Slice {
     len: u64,
     local_off: u64,
     op: Opcode,
+}
+
+/// A slice taken out of the pending map by the reader; ends on drop.
+struct Held(Option<Slice>);
+
+impl Held {
+    fn finish(mut self, err: Option<Error>) {
+        if let Some(s) = self.0.take() {
+            s.batch.slice_done(s.req, err);
+        }
+    }
+}
+
+impl std::ops::Deref for Held {
+    type Target = Slice;
+    fn deref(&self) -> &Slice {
+        // Invariant: `0` is `Some` until `finish` consumes the value.
+        match &self.0 {
+            Some(s) => s,
+            None => unreachable!("Held is consumed by finish"),
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed mid-answer");
+            s.batch.slice_done(s.req, Some(err));
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -279,8 +323,10 @@ impl Endpoint {
     }
 
     /// Puts one slice's frame into `buf[*used..]` and records it as
-    /// outstanding on `lane`. Returns false (and ends the slice) when its
-    /// request is no longer alive or its memory is gone.
+    /// outstanding on `lane`. A WRITE larger than [`STREAM`] gets only its
+    /// header here: its payload is streamed by the writer in chunks, each
+    /// copied while the request is checked alive, so the copy stays in
+    /// cache and overlaps the socket.
     #[allow(clippy::too_many_arguments)]
     fn stage(
         &self,
@@ -292,7 +338,7 @@ impl Endpoint {
         generation: u64,
         buf: &mut Vec<u8>,
         used: &mut usize,
-    ) -> bool {
+    ) -> Staged {
         let req = batch.reqs[i];
         let id = self.counters.next_id();
         let mut h = Header::new(if req.op == Opcode::Write { FrameType::Write } else { FrameType::Read });
@@ -301,12 +347,16 @@ impl Endpoint {
         h.len = len;
         h.generation = generation;
         let start = *used;
-        let frame_len = HEADER_LEN + if req.op == Opcode::Write { len as usize } else { 0 };
+        let stream = req.op == Opcode::Write && len as usize > STREAM;
+        let inline = if req.op == Opcode::Write && !stream { len as usize } else { 0 };
+        let frame_len = HEADER_LEN + inline;
         if buf.len() < start + frame_len {
             buf.resize(start + frame_len, 0);
         }
         if req.op == Opcode::Write {
             h.payload_len = len as u32;
+        }
+        if inline > 0 {
             let copied = match batch.enter(i) {
                 None => Ok(false),
                 Some(_g) => {
@@ -322,16 +372,16 @@ impl Endpoint {
                 Ok(true) => {}
                 Ok(false) => {
                     batch.slice_done(i, None);
-                    return false;
+                    return Staged::Skipped;
                 }
                 Err(e) => {
                     batch.slice_done(i, Some(e));
-                    return false;
+                    return Staged::Skipped;
                 }
             }
         } else if !batch.is_alive(i) {
             batch.slice_done(i, None);
-            return false;
+            return Staged::Skipped;
         }
         buf[start..start + HEADER_LEN].copy_from_slice(&h.encode());
         let mut p = self.lanes[lane].pending.lock();
@@ -339,15 +389,21 @@ impl Endpoint {
             drop(p);
             let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &self.name);
             batch.slice_done(i, Some(err));
-            return false;
+            return Staged::Skipped;
         }
-        p.map.insert(id, Slice { batch, req: i, len, local_off: req.local_offset + off, op: req.op });
+        let local_off = req.local_offset + off;
+        p.map.insert(id, Slice { batch: batch.clone(), req: i, len, local_off, op: req.op });
         *used = start + frame_len;
-        true
+        if stream {
+            Staged::Stream { batch, req: i, local_off, len }
+        } else {
+            Staged::Inline
+        }
     }
 
     async fn writer(self: Arc<Self>, lane: usize, mut w: OwnedWriteHalf) {
         let mut buf: Vec<u8> = Vec::new();
+        let mut chunk: Vec<u8> = Vec::new();
         loop {
             let Ok(permit) = self.lanes[lane].window.acquire().await else { return };
             permit.forget();
@@ -362,20 +418,27 @@ impl Endpoint {
             };
             let mut used = 0;
             let mut staged = 0usize;
+            let mut streamed = None;
             let (b, i, off, len, g) = first;
-            if self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
-                staged += 1;
-            } else {
-                self.lanes[lane].window.add_permits(1);
+            match self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
+                Staged::Skipped => self.lanes[lane].window.add_permits(1),
+                Staged::Inline => staged += 1,
+                Staged::Stream { batch, req, local_off, len } => {
+                    staged += 1;
+                    streamed = Some((batch, req, local_off, len));
+                }
             }
-            while used < COALESCE {
+            while streamed.is_none() && used < COALESCE {
                 let Ok(p) = self.lanes[lane].window.try_acquire() else { break };
                 let Some((b, i, off, len, g)) = self.take_slice() else { break };
                 p.forget();
-                if self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
-                    staged += 1;
-                } else {
-                    self.lanes[lane].window.add_permits(1);
+                match self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
+                    Staged::Skipped => self.lanes[lane].window.add_permits(1),
+                    Staged::Inline => staged += 1,
+                    Staged::Stream { batch, req, local_off, len } => {
+                        staged += 1;
+                        streamed = Some((batch, req, local_off, len));
+                    }
                 }
             }
             if staged == 0 {
@@ -384,6 +447,38 @@ impl Endpoint {
             if let Err(e) = w.write_all(&buf[..used]).await {
                 self.broke(Error::from(e).with("peer", &self.name));
                 return;
+            }
+            if let Some((batch, req, local_off, len)) = streamed {
+                if chunk.len() < STREAM {
+                    chunk.resize(STREAM, 0);
+                }
+                let mut done = 0u64;
+                while done < len {
+                    let n = (len - done).min(STREAM as u64) as usize;
+                    let copied = match batch.enter(req) {
+                        None => Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent")),
+                        Some(_g) => match batch.locals[req]
+                            .with_live(|m| m.read_at((local_off + done) as usize, &mut chunk[..n]))
+                        {
+                            Some(Ok(())) => Ok(()),
+                            Some(Err(e)) => Err(Error::from(e)),
+                            None => Err(Error::new(ErrorKind::Unregistered, "the local region was unregistered")),
+                        },
+                    };
+                    if let Err(e) = copied {
+                        // Half a frame is on the wire: the connection cannot
+                        // continue (and the peer never applies a partial
+                        // slice). The slice ends when the endpoint is
+                        // destroyed.
+                        self.broke(e.with("peer", &self.name));
+                        return;
+                    }
+                    if let Err(e) = w.write_all(&chunk[..n]).await {
+                        self.broke(Error::from(e).with("peer", &self.name));
+                        return;
+                    }
+                    done += n as u64;
+                }
             }
             if buf.len() > 2 * COALESCE.max(self.cfg.slice_size + HEADER_LEN) {
                 buf = Vec::new();
@@ -410,46 +505,54 @@ impl Endpoint {
                 }
             }
             let n = h.payload_len as usize;
-            if n > 0 {
-                if payload.len() < n {
-                    payload.resize(n, 0);
-                }
-                if let Err(e) = tokio::io::AsyncReadExt::read_exact(&mut r, &mut payload[..n]).await {
-                    return self.broke(Error::from(e).with("peer", &peer));
-                }
-            }
             let slice = self.lanes[lane].pending.lock().map.remove(&h.id);
             let Some(s) = slice else {
                 if self.is_dead() {
                     return;
                 }
-                return self
-                    .broke(Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer));
+                return self.broke(
+                    Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer),
+                );
             };
+            // Held across the payload reads: if this task is aborted (the
+            // endpoint is destroyed) the slice still ends, after the task.
+            let s = Held(Some(s));
             let expected = if s.op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
             if h.ty != expected || (h.status == Status::Ok && h.ty == FrameType::ReadResp && h.len != s.len) {
-                s.batch
-                    .slice_done(s.req, Some(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer)));
-                return self.broke(Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer));
+                let err = Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer);
+                s.finish(Some(err.clone()));
+                return self.broke(err);
             }
-            self.lanes[lane].window.add_permits(1);
-            let err = if h.status != Status::Ok {
-                Some(status_err(h.status, &peer))
-            } else if s.op == Opcode::Read {
-                match s.batch.enter(s.req) {
-                    None => None,
-                    Some(_g) => {
-                        match s.batch.locals[s.req].with_live(|m| m.write_at(s.local_off as usize, &payload[..n])) {
+            // Stream the payload into local memory chunk by chunk, each
+            // copy under the batch gate (a request ended meanwhile gets no
+            // more bytes; the rest is drained).
+            let mut err = if h.status != Status::Ok { Some(status_err(h.status, &peer)) } else { None };
+            let mut done = 0usize;
+            while done < n {
+                let k = (n - done).min(STREAM);
+                if payload.len() < k {
+                    payload.resize(k, 0);
+                }
+                if let Err(e) = tokio::io::AsyncReadExt::read_exact(&mut r, &mut payload[..k]).await {
+                    let e = Error::from(e).with("peer", &peer);
+                    s.finish(Some(e.clone()));
+                    return self.broke(e);
+                }
+                if err.is_none() {
+                    if let Some(_g) = s.batch.enter(s.req) {
+                        err = match s.batch.locals[s.req]
+                            .with_live(|m| m.write_at(s.local_off as usize + done, &payload[..k]))
+                        {
                             Some(Ok(())) => None,
                             Some(Err(e)) => Some(Error::from(e)),
                             None => Some(Error::new(ErrorKind::Unregistered, "the local region was unregistered")),
-                        }
+                        };
                     }
                 }
-            } else {
-                None
-            };
-            s.batch.slice_done(s.req, err);
+                done += k;
+            }
+            self.lanes[lane].window.add_permits(1);
+            s.finish(err);
             if payload.len() > 2 * self.cfg.slice_size {
                 payload = Vec::new();
             }

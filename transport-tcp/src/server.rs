@@ -22,6 +22,8 @@ use crate::tasks::{spawn_counted, Counters};
 
 /// Output gathered before one `write` when answers are small.
 const OUT_FLUSH: usize = 256 << 10;
+/// READ answers larger than this are copied and sent in chunks of it.
+const STREAM: usize = 128 << 10;
 
 /// What the server needs, shared with its connection tasks.
 #[derive(Debug)]
@@ -164,6 +166,7 @@ impl Server {
         let (r, mut w) = s.into_split();
         let mut r = BufReader::with_capacity(OUT_FLUSH, r);
         let mut staging: Vec<u8> = Vec::new();
+        let mut chunk: Vec<u8> = Vec::new();
         let mut out: Vec<u8> = Vec::with_capacity(OUT_FLUSH);
         loop {
             if r.buffer().is_empty() && !out.is_empty() {
@@ -213,6 +216,41 @@ impl Server {
                     a.id = h.id;
                     a.status = status;
                     a.encode_into(&mut out);
+                }
+                FrameType::Read if h.len as usize > STREAM && h.generation == self.generation => {
+                    // Large answers stream in chunks, each copied (under the
+                    // region's gate) just before it is sent.
+                    let region = match self.regions.remote(h.addr, h.len, false) {
+                        Ok(r) => r,
+                        Err(status) => {
+                            let mut a = Header::new(FrameType::ReadResp);
+                            a.id = h.id;
+                            a.status = status;
+                            a.encode_into(&mut out);
+                            continue;
+                        }
+                    };
+                    let mut a = Header::new(FrameType::ReadResp);
+                    a.id = h.id;
+                    a.len = h.len;
+                    a.payload_len = h.len as u32;
+                    a.encode_into(&mut out);
+                    w.write_all(&out).await?;
+                    out.clear();
+                    if chunk.len() < STREAM {
+                        chunk.resize(STREAM, 0);
+                    }
+                    let mut done = 0u64;
+                    while done < h.len {
+                        let k = (h.len - done).min(STREAM as u64) as usize;
+                        if region.read_abs(h.addr + done, &mut chunk[..k]).is_err() {
+                            // Half an answer is on the wire; only closing
+                            // the connection ends it cleanly.
+                            return Err(Close::Proto("region unregistered while a read was answered".into()));
+                        }
+                        w.write_all(&chunk[..k]).await?;
+                        done += k as u64;
+                    }
                 }
                 FrameType::Read => {
                     let n = h.len as usize;
