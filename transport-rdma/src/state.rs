@@ -201,6 +201,14 @@ pub(crate) struct Limits {
 }
 
 impl State {
+    /// Whether endpoint `ep` exists and is not broken.
+    pub(crate) fn usable(&self, ep: u64) -> bool {
+        match self.endpoints.get(&ep) {
+            Some(e) => e.broken_at.is_none(),
+            None => false,
+        }
+    }
+
     pub(crate) fn next_id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id

@@ -349,8 +349,9 @@ impl Inner {
     }
 
     /// Takes a slot under `max_endpoints`, evicting the least recently used
-    /// idle endpoint if the store is full; waits (bounded) for broken ones
-    /// to finish flushing; else fails with `ResourceExhausted`.
+    /// idle endpoint if the store is full. If every endpoint is busy (or
+    /// still flushing), waits up to `handshake_timeout_ms` for one to go
+    /// idle, then fails with `ResourceExhausted` (transient).
     async fn reserve_slot(&self) -> Result<()> {
         let start = Instant::now();
         loop {
@@ -369,14 +370,19 @@ impl Inner {
                     .filter(|(_, e)| e.broken_at.is_none() && e.idle())
                     .min_by_key(|(_, e)| e.last_used)
                     .map(|(id, _)| *id);
-                let dying = st.endpoints.values().any(|e| e.broken_at.is_some());
                 match lru {
                     Some(id) => st.destroy_endpoint_now(id, &mut g),
-                    None if dying && start.elapsed() < self.lim.flush_timeout * 2 => {}
+                    // Busy endpoints go idle when their work completes and
+                    // broken ones when they have flushed: wait, bounded.
+                    None if start.elapsed() < self.cfg.handshake_timeout() => {}
                     None => {
                         return Err(Error::new(
                             ErrorKind::ResourceExhausted,
-                            format!("endpoint store full: {} endpoints, all busy", self.cfg.max_endpoints),
+                            format!(
+                                "endpoint store full: {} endpoints, all busy for {:?}",
+                                self.cfg.max_endpoints,
+                                self.cfg.handshake_timeout()
+                            ),
                         ))
                     }
                 }
@@ -552,9 +558,19 @@ impl Inner {
             if !seen.insert(seg) {
                 continue;
             }
-            let got = self.endpoint(seg).await;
-            let grave = {
+            // The endpoint may be evicted (it is idle until our slices are
+            // queued) between `endpoint` and taking the lock: try again.
+            let mut attempts = 0;
+            let grave = loop {
+                attempts += 1;
+                let got = self.endpoint(seg).await;
                 let mut st = self.state.lock();
+                if let Ok((ep, false)) = &got {
+                    if attempts < 5 && !st.usable(*ep) {
+                        drop(st);
+                        continue;
+                    }
+                }
                 let mut g = Graveyard::default();
                 match got {
                     Err(e) => {
@@ -576,7 +592,15 @@ impl Inner {
                         }
                     }
                     Ok((ep, false)) => {
-                        if let Some(e) = st.endpoints.get_mut(&ep) {
+                        if !st.usable(ep) {
+                            for (i, r) in requests.iter().enumerate() {
+                                if r.segment == seg {
+                                    let e = Error::new(ErrorKind::ConnectionReset, "endpoint evicted while starting")
+                                        .with("request", i);
+                                    st.finish_req(id, i, RequestStatus::Failed(e));
+                                }
+                            }
+                        } else if let Some(e) = st.endpoints.get_mut(&ep) {
                             for (i, r) in requests.iter().enumerate() {
                                 if r.segment != seg {
                                     continue;
@@ -593,7 +617,7 @@ impl Inner {
                         st.pump(ep, &self.lim, &mut g);
                     }
                 }
-                g
+                break g;
             };
             drop(grave);
         }

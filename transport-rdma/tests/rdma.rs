@@ -448,3 +448,73 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
         client.shutdown().await.unwrap();
     });
 }
+
+#[test]
+fn random_mixed_batches_are_byte_exact() {
+    run("random_mixed_batches_are_byte_exact", 240, async {
+        let server = transport(config()).await;
+        let client = transport(config()).await;
+        const N: u64 = 8 << 20;
+        const H: u64 = N / 2;
+        let remote = buffer_with(N as usize, 77);
+        let local = buffer_with(N as usize, 13);
+        server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..8 {
+            let (mut wcur, mut rcur) = (0u64, H);
+            let mut reqs = Vec::new();
+            for _ in 0..1 + next() % 47 {
+                let len = match next() % 7 {
+                    0..=2 => 1 + next() % 64,
+                    3..=5 => 65 + next() % 8128,
+                    _ => 8193 + next() % ((3 << 20) - 8193),
+                }
+                .min(H);
+                let src = next() % (H - len + 1);
+                let gap = next() % 301;
+                if next() % 2 == 0 {
+                    let dst = wcur + gap;
+                    if dst + len > H {
+                        continue;
+                    }
+                    wcur = dst + len;
+                    reqs.push(TransferRequest::write(lid, src, seg, remote.addr() + dst, len));
+                } else {
+                    let dst = rcur + gap;
+                    if dst + len > N {
+                        continue;
+                    }
+                    rcur = dst + len;
+                    reqs.push(TransferRequest::read(lid, dst, seg, remote.addr() + H + src, len));
+                }
+            }
+            if reqs.is_empty() {
+                continue;
+            }
+            let (mut want_l, mut want_r) = (local.to_vec(), remote.to_vec());
+            for r in &reqs {
+                let (lo, ro, n) = (r.local_offset as usize, (r.remote_addr - remote.addr()) as usize, r.len as usize);
+                match r.op {
+                    transport_core::Opcode::Write => want_r[ro..ro + n].copy_from_slice(&local.to_vec()[lo..lo + n]),
+                    transport_core::Opcode::Read => want_l[lo..lo + n].copy_from_slice(&remote.to_vec()[ro..ro + n]),
+                }
+            }
+            let b = client.submit(reqs.clone(), SubmitOptions::default()).await.unwrap();
+            let st = wait(&client, b).await;
+            assert_eq!(st.state, BatchState::Completed, "round {round}: {:?}", st.first_error());
+            client.release(b).unwrap();
+            assert!(local.to_vec() == want_l, "round {round}: local memory differs ({} requests)", reqs.len());
+            assert!(remote.to_vec() == want_r, "round {round}: remote memory differs ({} requests)", reqs.len());
+        }
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
