@@ -29,3 +29,20 @@ pub fn mock_fabric() -> transport_mock::MockFabric {
     static FABRIC: std::sync::OnceLock<transport_mock::MockFabric> = std::sync::OnceLock::new();
     FABRIC.get_or_init(transport_mock::MockFabric::new).clone()
 }
+
+/// An RDMA transport on `backend.rdma.device` (the first device when unset).
+#[cfg(feature = "rdma")]
+pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
+    let device = cfg.backend.rdma.device.clone().unwrap_or_else(|| "the first RDMA device".into());
+    let t = transport_rdma::RdmaTransport::new(cfg.backend.rdma.clone()).await.map_err(|e| {
+        transport_core::Error::new(
+            e.kind(),
+            format!(
+                "cannot open {device}: {}; check `ibv_devices` (or load soft-RoCE, rdma_rxe), or use the tcp backend",
+                e.message()
+            ),
+        )
+        .with("backend", "rdma")
+    })?;
+    Ok(Arc::new(t))
+}
