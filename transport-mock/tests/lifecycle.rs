@@ -161,3 +161,23 @@ fn drop_with_work_in_flight_frees_the_transport() {
         assert_eq!(again.local_segment_name(), "a");
     });
 }
+
+#[test]
+fn drop_outside_the_runtime_does_not_panic() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let p = rt.block_on(async {
+        let p = Pair::default(4096).await;
+        p.fabric.stall("b", true).unwrap();
+        p.a.submit(vec![p.write(0, 0, 4096)], SubmitOptions::default()).await.unwrap();
+        p
+    });
+    drop(rt);
+    drop(p);
+}
+
+#[test]
+fn new_outside_a_runtime_is_a_config_error() {
+    let f = transport_mock::MockFabric::new();
+    let e = transport_mock::MockTransport::new(&f, MockConfig::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+}
