@@ -284,6 +284,31 @@ pub async fn complete(t: &Arc<dyn Transport>, reqs: Vec<TransferRequest>) -> Res
     }
 }
 
+/// Runs a batch until it completes, resubmitting it (at most `attempts`
+/// times in all) while it fails with a transient error, as a user over
+/// the engine would. A permanent error or running out of attempts fails.
+pub async fn complete_retrying(
+    t: &Arc<dyn Transport>,
+    reqs: Vec<TransferRequest>,
+    attempts: u32,
+) -> Result<BatchStatus, CaseError> {
+    let mut last = String::new();
+    for _ in 0..attempts {
+        let (state, err) = match run_batch(t, reqs.clone(), SubmitOptions::default()).await? {
+            Err(e) => (transport_core::BatchState::Failed, Some(e)),
+            Ok(s) if s.state == transport_core::BatchState::Completed => return Ok(s),
+            Ok(s) => (s.state, s.first_error().cloned()),
+        };
+        match err {
+            Some(e) if !e.is_transient() => {
+                return Err(CaseError::Fail(format!("batch failed with a permanent error: {e}")))
+            }
+            e => last = format!("{state:?} {:?}", e.map(|e| e.to_string())),
+        }
+    }
+    Err(CaseError::Fail(format!("batch did not complete in {attempts} attempts; last: {last}")))
+}
+
 /// Requires an error of one of `kinds` that is permanent (rule 7).
 pub fn expect_permanent<T: fmt::Debug>(
     r: Result<T, Error>,

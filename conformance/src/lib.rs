@@ -126,8 +126,8 @@ mod runner;
 
 pub use cases::cases;
 pub use ctx::{
-    batch_error, bounded, complete, expect_kind, expect_permanent, expect_quiet, expect_stats, open, permanent_kind,
-    run_batch, settle, Ctx, Pair, SETTLE, WAIT_LIMIT,
+    batch_error, bounded, complete, complete_retrying, expect_kind, expect_permanent, expect_quiet, expect_stats, open,
+    permanent_kind, run_batch, settle, Ctx, Pair, SETTLE, WAIT_LIMIT,
 };
 pub use guard::{pattern, Guarded, CANARY, GUARD};
 pub use harness::{Harness, Node, NodeOptions};

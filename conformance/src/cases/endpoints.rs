@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use transport_core::{Access, TransferRequest};
 
-use crate::ctx::{bounded, complete, open, settle, Ctx};
+use crate::ctx::{bounded, complete, complete_retrying, open, settle, Ctx};
 use crate::ensure;
 use crate::harness::NodeOptions;
 use crate::runner::{CaseError, CaseResult};
@@ -56,7 +56,10 @@ pub async fn bound_never_exceeded(cx: Ctx) -> CaseResult {
         let (t, seg, addr) = (t.clone(), *seg, mem.addr());
         tasks.push(tokio::spawn(async move {
             for k in 0..5u64 {
-                complete(&t, vec![TransferRequest::write(lid, k * 4096, seg, addr + k * 4096, 4096)]).await?;
+                // Evicting an endpoint another task is using may fail that
+                // task's batch transiently; it must go through on retry.
+                let req = TransferRequest::write(lid, k * 4096, seg, addr + k * 4096, 4096);
+                complete_retrying(&t, vec![req], 5).await?;
             }
             Ok::<(), CaseError>(())
         }));
