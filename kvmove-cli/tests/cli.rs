@@ -185,8 +185,20 @@ fn initiator_against_a_target_process_writes_and_reads() {
         assert_eq!(v["command"], "initiator");
         assert_verified(&v, 3);
     }
-    // SIGTERM-like stop: the target is still serving; kill ends it.
+    // SIGTERM stops the target cleanly (exit 0), within the time limit.
     assert!(target.0.try_wait().unwrap().is_none(), "target still running");
+    let pid = target.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = target.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "target did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
 }
 
 #[test]
