@@ -41,7 +41,9 @@ impl fmt::Debug for Node {
 
 /// A backend under test. Implemented once per backend (the mock's lives in
 /// this crate; TCP's and RDMA's in their crates' tests) and handed to
-/// [`crate::run`] / [`crate::conformance_main!`].
+/// [`crate::run_case`] / [`crate::conformance_main!`]. The runner builds one
+/// harness per case (cases run in parallel threads of one process), so a
+/// harness can keep per-case state such as the ports of its nodes.
 ///
 /// Fault hooks return `Ok(false)` when the backend cannot produce that
 /// fault; cases that need it are then reported as skipped, never passed.
@@ -69,8 +71,11 @@ pub trait Harness: Send + Sync + 'static {
     /// but connections stay up. Ok(false) if unsupported.
     async fn stall(&self, to: &Node, on: bool) -> Result<bool>;
 
-    /// Operating-system resource counts for this process (open file
-    /// descriptors, kernel RDMA objects), or `None` if there is no probe.
+    /// Operating-system resource counts (open file descriptors, sockets,
+    /// kernel RDMA objects), or `None` if there is no probe. Cases run in
+    /// parallel in one process, so count only what this harness's nodes
+    /// hold (e.g. sockets on their ports). The suite checks that no count
+    /// stays above its baseline once things are closed (rule 1).
     fn os_probe(&self) -> Option<Vec<(String, u64)>>;
 
     /// Wraps every transport the suite uses from this harness (after

@@ -113,7 +113,7 @@
 //! | `policy::deadline_from_config` | 8 | Stall | DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after |
 //! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |
 //! | `backpressure::cancel_frees_budget` | 8 | Stall | cancelling the holder frees the budget at once |
-//! | `config::works_behind_dyn_transport` | 10 | - | works as Arc<dyn Transport> under an Engine configured from JSON |
+//! | `config::works_behind_dyn_transport` | 10 | - | works as `Arc<dyn Transport>` under an Engine configured from JSON |
 #![deny(unsafe_code)]
 
 pub mod broken;

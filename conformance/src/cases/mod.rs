@@ -258,7 +258,7 @@ static CASES: &[Case] = &[
         config::works_behind_dyn_transport,
         10,
         [],
-        "works as Arc<dyn Transport> under an Engine configured from JSON"
+        "works as `Arc<dyn Transport>` under an Engine configured from JSON"
     ),
 ];
 
