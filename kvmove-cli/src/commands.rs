@@ -21,6 +21,14 @@ pub enum Outcome {
     Mismatch(String),
 }
 
+/// Writes to stdout, ignoring a closed pipe (`kvmove target | head -1`):
+/// `println!` would panic there.
+fn out(text: &str) {
+    let mut o = std::io::stdout().lock();
+    let _ = o.write_all(text.as_bytes());
+    let _ = o.flush();
+}
+
 fn config_err(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::Config, msg)
 }
@@ -44,7 +52,7 @@ fn alloc(len: u64, what: &str) -> kvmove::Result<Buffer> {
 /// `kvmove config`: the effective configuration as TOML.
 pub fn config(s: &Settings) -> kvmove::Result<Outcome> {
     let text = toml::to_string(s).map_err(|e| Error::new(ErrorKind::Internal, format!("cannot print config: {e}")))?;
-    print!("{text}");
+    out(&text);
     Ok(Outcome::Ok)
 }
 
@@ -289,9 +297,9 @@ async fn workload(
     if json {
         let text = serde_json::to_string(&report)
             .map_err(|e| Error::new(ErrorKind::Internal, format!("cannot write JSON: {e}")))?;
-        println!("{text}");
+        out(&format!("{text}\n"));
     } else {
-        print!("{}", report.table());
+        out(&report.table());
     }
     if report.ok {
         Ok(Outcome::Ok)
@@ -344,29 +352,29 @@ async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::R
             "generation": desc.generation,
             "bytes": len,
         });
-        println!("{line}");
+        out(&format!("{line}\n"));
     } else {
         let via = match &published {
             Some(n) => format!(", published as '{n}' in {} metadata", s.metadata.kind),
             None => String::new(),
         };
-        println!(
-            "kvmove target: serving {} at {segment} ({}, generation {}{via}); Ctrl-C to stop",
+        out(&format!(
+            "kvmove target: serving {} at {segment} ({}, generation {}{via}); Ctrl-C to stop\nrun: kvmove initiator \
+             --target {}\n",
             report::bytes(len),
             s.backend.kind,
-            desc.generation
-        );
-        println!("run: kvmove initiator --target {}", published.as_deref().unwrap_or(&segment));
+            desc.generation,
+            published.as_deref().unwrap_or(&segment)
+        ));
     }
-    let _ = std::io::stdout().flush();
     let signal = shutdown_signal().await;
     if let (Some(store), Some(name)) = (&store, &published) {
         let _ = tokio::time::timeout(Duration::from_secs(3), store.remove(name)).await;
     }
     if json {
-        println!("{}", serde_json::json!({ "event": "stopped", "signal": signal }));
+        out(&format!("{}\n", serde_json::json!({ "event": "stopped", "signal": signal })));
     } else {
-        eprintln!("kvmove target: {signal}, stopping");
+        crate::say!("kvmove target: {signal}, stopping");
     }
     Ok(Outcome::Ok)
 }

@@ -7,6 +7,15 @@
 //! error, 3 when bytes did not verify. A panic prints one line too.
 #![forbid(unsafe_code)]
 
+/// `eprintln!` that ignores a closed stderr instead of panicking.
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod args;
 mod commands;
 mod data;
@@ -31,7 +40,7 @@ fn main() -> ExitCode {
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
         let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
-        eprintln!("kvmove: internal error: {}{at}; please report it", one_line(&msg));
+        crate::say!("kvmove: internal error: {}{at}; please report it", one_line(&msg));
     }));
     let cli = Cli::parse();
     let settings = match cli.opts.settings() {
@@ -41,7 +50,7 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("kvmove: error: cannot start the async runtime: {}", one_line(&e.to_string()));
+            crate::say!("kvmove: error: cannot start the async runtime: {}", one_line(&e.to_string()));
             return ExitCode::from(1);
         }
     };
@@ -59,7 +68,7 @@ fn main() -> ExitCode {
     match result {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Mismatch(msg)) => {
-            eprintln!("kvmove: error: {}", one_line(&msg));
+            crate::say!("kvmove: error: {}", one_line(&msg));
             ExitCode::from(3)
         }
         Err(e) => fail(&e),
@@ -67,7 +76,7 @@ fn main() -> ExitCode {
 }
 
 fn fail(e: &kvmove::Error) -> ExitCode {
-    eprintln!("kvmove: error: {}", one_line(&e.to_string()));
+    crate::say!("kvmove: error: {}", one_line(&e.to_string()));
     if e.kind() == kvmove::ErrorKind::Config {
         ExitCode::from(2)
     } else {
