@@ -72,7 +72,20 @@ pub(crate) struct Endpoint {
     /// Set when the endpoint broke (QPs moved to ERROR): it is never used
     /// again and is destroyed once its posted work has flushed.
     pub broken_at: Option<Instant>,
-    pub _stream: Option<TcpStream>,
+    /// The side channel, until the watcher task takes it over.
+    pub stream: Option<TcpStream>,
+    /// Watches the side channel: the peer closing it (crash, shutdown)
+    /// breaks the endpoint at once instead of after the QP retry timeout.
+    /// Aborted (closing the socket, which frees the peer's half) on drop.
+    pub watcher: Option<AbortHandle>,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if let Some(h) = self.watcher.take() {
+            h.abort();
+        }
+    }
 }
 
 impl Endpoint {

@@ -33,6 +33,7 @@ pub(crate) struct Inner {
     pub device: String,
     pub state: Mutex<State>,
     pub tasks: Mutex<Vec<JoinHandle<()>>>,
+    me: Weak<Inner>,
 }
 
 /// The RDMA backend: RC queue pairs over one device, handshakes over a TCP
@@ -113,7 +114,8 @@ impl RdmaTransport {
         };
         let verbs = Arc::new(Verbs { cq, chan, pd, _ctx: ctx, port });
         let state = State { verbs: Some(verbs.clone()), ..Default::default() };
-        let inner = Arc::new(Inner {
+        let inner = Arc::new_cyclic(|me| Inner {
+            me: me.clone(),
             cfg,
             lim,
             name,
@@ -233,6 +235,10 @@ impl Inner {
         drop(grave);
     }
 
+    fn weak(&self) -> Weak<Inner> {
+        self.me.clone()
+    }
+
     pub(crate) fn descriptor(&self) -> SegmentDescriptor {
         self.state.lock().descriptor(&self.name, self.generation, &self.address)
     }
@@ -343,6 +349,10 @@ impl Inner {
         let restarted = peer.generation != s.desc.generation;
         s.desc = peer;
         let id = st.next_id();
+        let mut ep = ep;
+        if let Some(stream) = ep.stream.take() {
+            ep.watcher = Some(tokio::spawn(watch(self.weak(), id, stream)).abort_handle());
+        }
         st.endpoints.insert(id, ep);
         st.seg_ep.insert(seg, id);
         Ok((id, restarted))
@@ -444,7 +454,8 @@ impl Inner {
             next_qp: 0,
             last_used: Instant::now(),
             broken_at: None,
-            _stream: Some(stream.into_inner()),
+            stream: Some(stream.into_inner()),
+            watcher: None,
         };
         Ok((ep, desc))
     }
@@ -654,6 +665,30 @@ fn batch_quiet(b: Option<&Batch>) -> bool {
     }
 }
 
+/// Breaks endpoint `ep` when the peer closes its side channel.
+async fn watch(weak: Weak<Inner>, ep: u64, mut stream: TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 64];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    let Some(inner) = weak.upgrade() else { return };
+    let grave = {
+        let mut st = inner.state.lock();
+        let mut g = Graveyard::default();
+        if let Some(e) = st.endpoints.get_mut(&ep) {
+            e.watcher = None; // this task is ending by itself
+            let why = Error::new(ErrorKind::ConnectionReset, "the peer closed the side channel (crashed or shut down)");
+            st.break_endpoint(ep, why, &mut g);
+        }
+        g
+    };
+    drop(grave);
+}
+
 async fn deadline(weak: Weak<Inner>, batch: BatchId, after: Duration) {
     tokio::time::sleep(after).await;
     let Some(inner) = weak.upgrade() else { return };
@@ -831,7 +866,10 @@ impl Transport for RdmaTransport {
             regions: st.regions.len(),
             batches: st.batches.len(),
             inflight: st.wrs.len(),
-            tasks: running + st.deadline_tasks + st.passive_tasks.len(),
+            tasks: running
+                + st.deadline_tasks
+                + st.passive_tasks.len()
+                + st.endpoints.values().filter(|e| e.watcher.is_some()).count(),
         }
     }
 
