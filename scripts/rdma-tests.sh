@@ -24,7 +24,8 @@
 #                   device in one VM run; prints ratios; never fails the suite).
 #
 # Environment: RDMA_VM_TIMEOUT (seconds, default 1500) bounds the VM run;
-# CARGO_TARGET_DIR is honoured. Inside the tests, RDMA_REQUIRED=1 makes a
+# CARGO_TARGET_DIR is honoured; tests are built --release (the VM emulates
+# the CPU), RDMA_TESTS_DEBUG=1 builds them unoptimised. Inside the tests, RDMA_REQUIRED=1 makes a
 # missing device a failure instead of a skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,8 +90,12 @@ if ! pkg-config --exists libibverbs 2>/dev/null; then
 fi
 
 echo "rdma-tests: building the transport-rdma test binaries"
-json=$(cargo test --manifest-path transport-rdma/Cargo.toml --no-run --message-format=json 2>/dev/null) || {
-  cargo test --manifest-path transport-rdma/Cargo.toml --no-run >&2 || true
+# Release build: the VM emulates the CPU (TCG), and the suites' own
+# checking code (models, canaries) is many times slower unoptimised.
+profile=(--release)
+[ "${RDMA_TESTS_DEBUG:-0}" = 1 ] && profile=()
+json=$(cargo test "${profile[@]}" --manifest-path transport-rdma/Cargo.toml --no-run --message-format=json 2>/dev/null) || {
+  cargo test "${profile[@]}" --manifest-path transport-rdma/Cargo.toml --no-run >&2 || true
   echo "rdma-tests: build failed" >&2
   exit 1
 }
