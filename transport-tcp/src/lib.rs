@@ -52,16 +52,18 @@
 //!
 //! - its **local** buffers are neither read (WRITE sources) nor written (READ
 //!   destinations) by this transport again;
-//! - for **WRITEs that did not complete**, the remote side never applies a
-//!   slice that had not been completely received by the peer process when
-//!   its connection was reset: ending a batch with slices on the wire
-//!   resets (RST, `SO_LINGER 0`) every lane of the endpoints carrying them,
-//!   and the server applies a slice only after its whole payload is in hand
-//!   and the connection shows no reset. A slice that the peer had already
-//!   fully read before the reset reached it may still be applied: for TCP,
-//!   bytes already delivered cannot be recalled. At most `lanes x window`
-//!   slices per endpoint are exposed to this, and only when the peer was
-//!   reachable (a stalled or dead path delivers nothing).
+//! - for **WRITEs that did not complete**, the peer applies no byte that
+//!   reaches its process after its connection was reset: ending a batch
+//!   with slices on the wire resets (RST, `SO_LINGER 0`) every lane of the
+//!   endpoints carrying them, and the server checks the connection for a
+//!   reset before applying each received chunk (128 KiB) of a WRITE, so
+//!   bytes queued behind a stalled or dead path are dropped with the
+//!   connection. Bytes the peer process had already read before the reset
+//!   reached it may have been applied (for TCP, delivered bytes cannot be
+//!   recalled): at most the slices in flight at that moment, i.e. `lanes x
+//!   window` slices per endpoint, and only while the path delivered.
+//!   Such a request is reported cancelled, timed out or failed, never
+//!   completed, and its destination range holds unspecified bytes.
 //!
 //! Resetting an endpoint to end one batch fails the other batches' slices
 //! on it with the transient `ConnectionReset`; the policy layer retries them.
@@ -84,8 +86,8 @@
 //!   unregister in progress cannot race a copy. A malformed, truncated,
 //!   oversized or unexpected frame closes that connection (logged with
 //!   `tracing`) and never affects other connections or crashes the server.
-//! - **Resource exhaustion**: memory per connection is bounded (one staging
-//!   buffer of `max_frame` plus an output buffer of 256 KiB + one frame);
+//! - **Resource exhaustion**: memory per connection is bounded (a staging
+//!   chunk of 128 KiB plus an output buffer of 256 KiB + one frame);
 //!   connections are capped by `max_connections`; a handshake must finish
 //!   within `connect_timeout`.
 //! - **Authentication** (optional): with `secret` set, a peer must prove it

@@ -190,31 +190,39 @@ impl Server {
                     out.extend_from_slice(&regions);
                 }
                 FrameType::Write => {
+                    // The payload is received in cache-sized chunks, each
+                    // applied as soon as it is in hand (a check failure
+                    // drains the rest and answers the error). Before every
+                    // chunk the connection is checked for a reset: a client
+                    // that gave up on this write resets the connection, and
+                    // bytes that arrive with the reset behind them are
+                    // dropped, never applied.
                     let n = h.payload_len as usize;
-                    if staging.len() < n {
-                        staging.resize(n, 0);
-                    }
-                    r.read_exact(&mut staging[..n]).await?;
-                    // A client that gave up on this write resets the
-                    // connection; a slice that arrives with the reset
-                    // behind it is dropped, never applied.
-                    if let Some(e) = r.get_ref().as_ref().take_error()? {
-                        return Err(Close::Io(e));
-                    }
-                    let status = if h.generation != self.generation {
-                        Status::StaleGeneration
+                    let mut status = if h.generation != self.generation {
+                        Err(Status::StaleGeneration)
                     } else {
-                        match self.regions.remote(h.addr, h.len, true) {
-                            Ok(region) => match region.write_abs(h.addr, &staging[..n]) {
-                                Ok(()) => Status::Ok,
-                                Err(s) => s,
-                            },
-                            Err(s) => s,
-                        }
+                        self.regions.remote(h.addr, h.len, true)
                     };
+                    let mut done = 0usize;
+                    while done < n {
+                        let k = (n - done).min(STREAM);
+                        if staging.len() < k {
+                            staging.resize(k, 0);
+                        }
+                        r.read_exact(&mut staging[..k]).await?;
+                        if let Some(e) = r.get_ref().as_ref().take_error()? {
+                            return Err(Close::Io(e));
+                        }
+                        if let Ok(region) = &status {
+                            if let Err(s) = region.write_abs(h.addr + done as u64, &staging[..k]) {
+                                status = Err(s);
+                            }
+                        }
+                        done += k;
+                    }
                     let mut a = Header::new(FrameType::WriteAck);
                     a.id = h.id;
-                    a.status = status;
+                    a.status = status.err().unwrap_or(Status::Ok);
                     a.encode_into(&mut out);
                 }
                 FrameType::Read if h.len as usize > STREAM && h.generation == self.generation => {
