@@ -49,6 +49,19 @@
 //! [`Ctx::node_layered`]), so its counts see every request a wrapper
 //! resends.
 //!
+//! # The suite can fail
+//!
+//! `tests/broken.rs` runs it against deliberately broken transports and
+//! asserts that the matching case fails while the correct mock passes it:
+//!
+//! | broken transport | caught by |
+//! | --- | --- |
+//! | mock, `leak_endpoint_on_failure` | `failure::failed_endpoint_is_freed` |
+//! | mock, `cache_broken_endpoint` | `failure::next_transfer_builds_new_endpoint` |
+//! | mock, `write_after_timeout` | `deadline::quiet_after_timeout` |
+//! | mock, `noop_close_segment` | `lifecycle::close_releases_endpoints` |
+//! | [`broken::RetriesPermanent`] around the mock | `policy::permanent_errors_not_retried` |
+//!
 //! # The cases
 //!
 //! Every DESIGN.md rule has at least one case. Rule numbers: 1 resources
