@@ -63,3 +63,40 @@ fn every_case_is_reachable_by_name() {
         assert!(r != Ok(conformance::Outcome::Passed), "{} passed without a node", c.id());
     }
 }
+
+/// The mock with its stall hook switched off.
+struct NoStall(conformance::mock::MockHarness);
+
+#[async_trait]
+impl Harness for NoStall {
+    fn backend(&self) -> &str {
+        "nostall"
+    }
+    async fn node(&self, o: &NodeOptions) -> Result<Node> {
+        self.0.node(o).await
+    }
+    async fn kill(&self, n: &Node) -> Result<bool> {
+        self.0.kill(n).await
+    }
+    async fn restart(&self, n: &Node, o: &NodeOptions) -> Result<Node> {
+        self.0.restart(n, o).await
+    }
+    async fn cut(&self, n: &Node) -> Result<bool> {
+        self.0.cut(n).await
+    }
+    async fn stall(&self, _: &Node, _: bool) -> Result<bool> {
+        Ok(false)
+    }
+    fn os_probe(&self) -> Option<Vec<(String, u64)>> {
+        None
+    }
+}
+
+#[test]
+fn a_missing_hook_is_a_skip_not_a_pass() {
+    let r = run_case(NoStall(conformance::mock::MockHarness::new()), "deadline::quiet_after_timeout");
+    match r {
+        Ok(conformance::Outcome::Skipped(why)) => assert!(why.contains("stall"), "{why}"),
+        other => panic!("expected a skip, got {other:?}"),
+    }
+}
