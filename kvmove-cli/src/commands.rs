@@ -237,7 +237,7 @@ fn progress(total: u64, json: bool) -> ProgressBar {
     }
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     if let Ok(style) = ProgressStyle::with_template(
-        "{spinner} {msg:<12} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        "{spinner} {msg:<11} [{bar:24}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}",
     ) {
         bar.set_style(style.progress_chars("=> "));
     }
