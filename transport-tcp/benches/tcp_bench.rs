@@ -27,6 +27,34 @@ async fn batch(t: &TcpTransport, reqs: Vec<TransferRequest>) {
     t.release(b).expect("release");
 }
 
+/// iperf3 single stream on loopback for `secs`, in Gbit/s, if iperf3 is
+/// installed. Run right next to each of our measurements, so both see the
+/// same machine load.
+fn iperf3(secs: u32) -> Option<f64> {
+    use std::process::{Command, Stdio};
+    let port = "5299";
+    let mut srv = Command::new("iperf3")
+        .args(["-s", "-1", "-p", port])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = Command::new("iperf3")
+        .args(["-c", "127.0.0.1", "-p", port, "-t", &secs.to_string(), "-J"])
+        .stderr(Stdio::null())
+        .output();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let v: serde_json::Value = serde_json::from_slice(&out.ok()?.stdout).ok()?;
+    Some(v["end"]["sum_received"]["bits_per_second"].as_f64()? / 1e9)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
 async fn bandwidth(slice: usize, read: bool) -> f64 {
     let cfg = TcpConfig { slice_size: slice, max_frame: slice.max(1 << 20), ..TcpConfig::default() };
     let (a, b) = (TcpTransport::new(cfg.clone()).await.unwrap(), TcpTransport::new(cfg).await.unwrap());
@@ -47,7 +75,7 @@ async fn bandwidth(slice: usize, read: bool) -> f64 {
     batch(&a, (0..4).map(req).collect()).await; // warm up
     let start = Instant::now();
     let mut bytes = 0u64;
-    while start.elapsed() < Duration::from_secs(3) {
+    while start.elapsed() < Duration::from_secs(2) {
         batch(&a, (0..8).map(req).collect()).await;
         bytes += 8 * (16 << 20);
     }
@@ -152,11 +180,27 @@ fn main() {
             "# transport-tcp benchmark (loopback, {} CPUs)",
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
         );
+        // Each measurement right after an iperf3 run of the same length;
+        // three rounds, medians reported (the machine may be shared).
         for (slice, name) in [(1 << 20, "1MiB"), (64 << 10, "64KiB")] {
-            let w = bandwidth(slice, false).await;
-            let r = bandwidth(slice, true).await;
-            println!("bw_write_{name}_gbps {w:.2}");
-            println!("bw_read_{name}_gbps {r:.2}");
+            for read in [false, true] {
+                let dir = if read { "read" } else { "write" };
+                let (mut ours, mut refs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+                for _ in 0..3 {
+                    let reference = iperf3(2);
+                    let g = bandwidth(slice, read).await;
+                    ours.push(g);
+                    if let Some(r) = reference {
+                        refs.push(r);
+                        ratios.push(g / r);
+                    }
+                }
+                println!("bw_{dir}_{name}_gbps {:.2}", median(ours));
+                if !ratios.is_empty() {
+                    println!("iperf3_next_to_{dir}_{name}_gbps {:.2}", median(refs));
+                    println!("bw_{dir}_{name}_ratio_to_iperf3 {:.2}", median(ratios));
+                }
+            }
         }
         let (p50, p99) = latency().await;
         let (q50, q99) = ping_pong().await;

@@ -510,9 +510,8 @@ impl Endpoint {
                 if self.is_dead() {
                     return;
                 }
-                return self.broke(
-                    Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer),
-                );
+                return self
+                    .broke(Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer));
             };
             // Held across the payload reads: if this task is aborted (the
             // endpoint is destroyed) the slice still ends, after the task.
