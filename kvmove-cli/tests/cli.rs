@@ -339,3 +339,18 @@ fn start_etcd() -> Option<(Guard, String, std::path::PathBuf)> {
     }
     Some((guard, client, dir))
 }
+
+#[test]
+fn a_target_that_dies_mid_run_ends_the_initiator_with_one_line() {
+    let (mut target, segment) = start_target(&[]);
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(800));
+        let _ = target.0.kill();
+        let _ = target.0.wait();
+    });
+    // Far more passes than fit in 800 ms.
+    let r = run(&["initiator", "--target", &segment, "--tokens", "64", "--layers", "4", "--iterations", "100000"]);
+    killer.join().unwrap();
+    assert_one_line_error(&r, &segment);
+    assert_eq!(r.code, Some(1));
+}
