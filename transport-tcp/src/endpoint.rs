@@ -72,32 +72,30 @@ struct Slice {
 }
 
 /// A slice taken out of the pending map by the reader; ends on drop.
-struct Held(Option<Slice>);
+struct Held {
+    s: Slice,
+    done: bool,
+}
 
 impl Held {
     fn finish(mut self, err: Option<Error>) {
-        if let Some(s) = self.0.take() {
-            s.batch.slice_done(s.req, err);
-        }
+        self.done = true;
+        self.s.batch.slice_done(self.s.req, err);
     }
 }
 
 impl std::ops::Deref for Held {
     type Target = Slice;
     fn deref(&self) -> &Slice {
-        // Invariant: `0` is `Some` until `finish` consumes the value.
-        match &self.0 {
-            Some(s) => s,
-            None => unreachable!("Held is consumed by finish"),
-        }
+        &self.s
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let Some(s) = self.0.take() {
+        if !self.done {
             let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed mid-answer");
-            s.batch.slice_done(s.req, Some(err));
+            self.s.batch.slice_done(self.s.req, Some(err));
         }
     }
 }
@@ -515,7 +513,7 @@ impl Endpoint {
             };
             // Held across the payload reads: if this task is aborted (the
             // endpoint is destroyed) the slice still ends, after the task.
-            let s = Held(Some(s));
+            let s = Held { s, done: false };
             let expected = if s.op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
             if h.ty != expected || (h.status == Status::Ok && h.ty == FrameType::ReadResp && h.len != s.len) {
                 let err = Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer);
