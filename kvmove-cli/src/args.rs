@@ -140,10 +140,10 @@ impl Options {
             };
         }
         if let Some(e) = &self.etcd_endpoints {
-            set_etcd_endpoints(&mut s, e.clone())?;
+            s.metadata.set_etcd_endpoints(e.clone());
         }
         if let Some(l) = &self.listen {
-            set_listen(&mut s, l.clone());
+            s.backend.set_listen(l);
         }
         let t = &mut s.target;
         if let Some(v) = &self.name {
@@ -170,38 +170,5 @@ impl Options {
         }
         s.engine().validate()?;
         Ok(s)
-    }
-}
-
-#[cfg(feature = "etcd")]
-fn set_etcd_endpoints(s: &mut Settings, e: Vec<String>) -> kvmove::Result<()> {
-    s.metadata.etcd.endpoints = e;
-    Ok(())
-}
-
-#[cfg(not(feature = "etcd"))]
-fn set_etcd_endpoints(s: &mut Settings, e: Vec<String>) -> kvmove::Result<()> {
-    let list = e.into_iter().map(toml::Value::String).collect();
-    s.metadata.etcd.insert("endpoints".into(), toml::Value::Array(list));
-    Ok(())
-}
-
-/// Sets the listen address of the selected backend's options.
-fn set_listen(s: &mut Settings, addr: String) {
-    match s.backend.kind {
-        #[cfg(feature = "tcp")]
-        kvmove::BackendKind::Tcp => s.backend.tcp.listen = addr,
-        #[cfg(not(feature = "tcp"))]
-        kvmove::BackendKind::Tcp => {
-            s.backend.tcp.insert("listen".into(), toml::Value::String(addr));
-        }
-        #[cfg(feature = "rdma")]
-        kvmove::BackendKind::Rdma => s.backend.rdma.listen = addr,
-        #[cfg(not(feature = "rdma"))]
-        kvmove::BackendKind::Rdma => {
-            s.backend.rdma.insert("listen".into(), toml::Value::String(addr));
-        }
-        // The mock has no address: segments are names in the process.
-        kvmove::BackendKind::Mock => {}
     }
 }

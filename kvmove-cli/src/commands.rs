@@ -61,7 +61,7 @@ pub async fn bench(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
     let plan = plan_of(s)?;
     let cfg = s.engine();
     let target = kvmove::build(&cfg).await.map_err(|e| e.with("role", "target"))?;
-    let initiator = match kvmove::build(&initiator_config(&cfg)).await {
+    let initiator = match kvmove::build(&cfg.sibling()).await {
         Ok(e) => e,
         Err(e) => {
             let _ = target.shutdown().await;
@@ -72,34 +72,6 @@ pub async fn bench(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
     let _ = initiator.shutdown().await;
     let _ = target.shutdown().await;
     result
-}
-
-/// The initiator of a bench runs beside the target: it must not take the
-/// target's fixed listen address or mock host name.
-fn initiator_config(cfg: &kvmove::EngineConfig) -> kvmove::EngineConfig {
-    let mut cfg = cfg.clone();
-    #[cfg(feature = "tcp")]
-    {
-        cfg.backend.tcp.listen = any_port(&cfg.backend.tcp.listen);
-    }
-    #[cfg(feature = "rdma")]
-    {
-        cfg.backend.rdma.listen = any_port(&cfg.backend.rdma.listen);
-    }
-    #[cfg(feature = "mock")]
-    {
-        cfg.backend.mock.name = None;
-    }
-    cfg
-}
-
-/// `host:port` with port 0 (any free port on the same interface).
-#[cfg(any(feature = "tcp", feature = "rdma"))]
-fn any_port(listen: &str) -> String {
-    match listen.rsplit_once(':') {
-        Some((host, _)) => format!("{host}:0"),
-        None => "127.0.0.1:0".into(),
-    }
 }
 
 async fn bench_with(

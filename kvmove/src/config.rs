@@ -259,3 +259,80 @@ pub fn read_file(path: &Path) -> Result<String> {
 pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str, origin: &str) -> Result<T> {
     toml::from_str(text).map_err(|e| toml_error::describe(&e, text, origin))
 }
+
+impl BackendConfig {
+    /// Sets the listen address of the selected backend (`tcp`, `rdma`);
+    /// the mock has no address and ignores it. Works whether or not the
+    /// backend is compiled in.
+    pub fn set_listen(&mut self, addr: &str) {
+        match self.kind {
+            BackendKind::Tcp => set_listen_tcp(&mut self.tcp, addr),
+            BackendKind::Rdma => set_listen_rdma(&mut self.rdma, addr),
+            BackendKind::Mock => {}
+        }
+    }
+}
+
+#[cfg(feature = "tcp")]
+fn set_listen_tcp(o: &mut TcpOptions, addr: &str) {
+    o.listen = addr.to_owned();
+}
+#[cfg(not(feature = "tcp"))]
+fn set_listen_tcp(o: &mut TcpOptions, addr: &str) {
+    o.insert("listen".into(), toml::Value::String(addr.to_owned()));
+}
+#[cfg(feature = "rdma")]
+fn set_listen_rdma(o: &mut RdmaOptions, addr: &str) {
+    o.listen = addr.to_owned();
+}
+#[cfg(not(feature = "rdma"))]
+fn set_listen_rdma(o: &mut RdmaOptions, addr: &str) {
+    o.insert("listen".into(), toml::Value::String(addr.to_owned()));
+}
+
+impl MetadataConfig {
+    /// Sets `[metadata.etcd] endpoints`, whether or not etcd is compiled in.
+    pub fn set_etcd_endpoints(&mut self, endpoints: Vec<String>) {
+        #[cfg(feature = "etcd")]
+        {
+            self.etcd.endpoints = endpoints;
+        }
+        #[cfg(not(feature = "etcd"))]
+        {
+            let list = endpoints.into_iter().map(toml::Value::String).collect();
+            self.etcd.insert("endpoints".into(), toml::Value::Array(list));
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The config of a second engine in the same process (a benchmark's
+    /// initiator beside its target): the same options, but listening on
+    /// any free port of the same interface, and with an automatic mock
+    /// host name, so the two never collide.
+    pub fn sibling(&self) -> EngineConfig {
+        let mut cfg = self.clone();
+        #[cfg(feature = "tcp")]
+        {
+            cfg.backend.tcp.listen = any_port(&cfg.backend.tcp.listen);
+        }
+        #[cfg(feature = "rdma")]
+        {
+            cfg.backend.rdma.listen = any_port(&cfg.backend.rdma.listen);
+        }
+        #[cfg(feature = "mock")]
+        {
+            cfg.backend.mock.name = None;
+        }
+        cfg
+    }
+}
+
+/// `host:port` with port 0 (any free port on the same interface).
+#[cfg(any(feature = "tcp", feature = "rdma"))]
+fn any_port(listen: &str) -> String {
+    match listen.rsplit_once(':') {
+        Some((host, _)) => format!("{host}:0"),
+        None => "127.0.0.1:0".into(),
+    }
+}
