@@ -52,3 +52,38 @@ step "pytest python/tests"
 # From inside python/ with the pytest script (not `python -m pytest`), so
 # `import kvmove` is the installed wheel, not the source directory.
 (cd python && "$venv/bin/pytest" -p no:cacheprovider --timeout 120 -q tests)
+
+# The same prefill/decode exchange over RDMA: on this machine's RDMA device,
+# else in a soft-RoCE VM (scripts/rxe-vm), with a build that has the RDMA
+# backend. In CI (or with RDMA_STRICT=1) it never skips.
+step "RDMA exchange (python/tests/test_rdma.py)"
+rdma_skip() {
+  if [ "${CI:-}" = true ] || [ "${RDMA_STRICT:-0}" = 1 ]; then
+    echo "PYTHON RDMA TESTS FAILED TO RUN: $*" >&2
+    exit 1
+  fi
+  echo "!!! PYTHON RDMA TESTS SKIPPED: $*"
+}
+if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
+  echo "!!! PYTHON RDMA TESTS SKIPPED: SKIP_RDMA=1 (never allowed in CI)"
+elif [ ! -e /usr/include/infiniband/verbs.h ]; then
+  rdma_skip "libibverbs headers missing (scripts/rdma-tests.sh --install-deps installs them)"
+else
+  rvenv=$CARGO_TARGET_DIR/python-venv-rdma
+  wheels=$CARGO_TARGET_DIR/python-wheels-rdma
+  [ -x "$rvenv/bin/python" ] || "$py" -m venv "$rvenv" || "$py" -m virtualenv -q "$rvenv"
+  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy
+  rm -rf "$wheels"
+  (cd python && "$rvenv/bin/maturin" build --release --features rdma --compatibility linux --skip-auditwheel \
+    -i "$rvenv/bin/python" -o "$wheels")
+  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheels"/*.whl
+  run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_rdma.py)
+  if compgen -G "/sys/class/infiniband/*" >/dev/null; then
+    (cd python && RDMA_REQUIRED=1 "${run_rdma[@]}")
+  elif scripts/rxe-vm --check >/dev/null 2>&1; then
+    (cd python && RXE_VM_PASS_ENV="RDMA_REQUIRED" RDMA_REQUIRED=1 \
+      ../scripts/rxe-vm --timeout "${RDMA_VM_TIMEOUT:-900}" -- "${run_rdma[@]}")
+  else
+    rdma_skip "no RDMA device and no soft-RoCE VM here ($(scripts/rxe-vm --check 2>&1 | tail -1))"
+  fi
+fi

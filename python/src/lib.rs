@@ -36,6 +36,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<native::NativeEngine>()?;
     m.add_class::<native::NativeBatch>()?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
-    m.add("HAS_RDMA", kvmove::BackendKind::Rdma.is_built_in())?;
+    m.add("HAS_RDMA", backend::has_rdma())?;
     Ok(())
 }

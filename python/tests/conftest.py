@@ -14,9 +14,9 @@ HERE = Path(__file__).parent
 class Peer:
     """A decode-like peer in its own Python process (see kvpeer.py)."""
 
-    def __init__(self, host: str, nbytes: int):
+    def __init__(self, host: str, nbytes: int, protocol: str = "tcp", device: str = ""):
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "kvpeer.py"), host, str(nbytes)],
+            [sys.executable, str(HERE / "kvpeer.py"), host, str(nbytes), protocol, device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -64,8 +64,8 @@ class Peer:
 def spawn_peer():
     peers = []
 
-    def spawn(host: str = "127.0.0.1", nbytes: int = 1 << 20) -> Peer:
-        p = Peer(host, nbytes)
+    def spawn(host: str = "127.0.0.1", nbytes: int = 1 << 20, protocol: str = "tcp", device: str = "") -> Peer:
+        p = Peer(host, nbytes, protocol, device)
         peers.append(p)
         return p
 

@@ -1,7 +1,7 @@
 """A decode-like peer process for the tests, driven over stdin/stdout.
 
-Started as ``python kvpeer.py HOST[:PORT] NBYTES``: it initializes a
-Mooncake-style ``TransferEngine`` over TCP, registers an ``NBYTES`` numpy
+Started as ``python kvpeer.py HOST[:PORT] NBYTES [PROTOCOL [DEVICE]]``: it
+initializes a Mooncake-style ``TransferEngine`` (default over TCP), registers an ``NBYTES`` numpy
 buffer, and prints one JSON line ``{"session_id", "addr", "len"}``. Then it
 answers one command per line:
 
@@ -25,8 +25,10 @@ def pattern(seed: int, n: int) -> np.ndarray:
 
 def main() -> int:
     host, nbytes = sys.argv[1], int(sys.argv[2])
+    protocol = sys.argv[3] if len(sys.argv) > 3 else "tcp"
+    device = sys.argv[4] if len(sys.argv) > 4 else ""
     engine = TransferEngine()
-    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+    if engine.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
         print(json.dumps({"error": str(engine.last_error())}), flush=True)
         return 1
     buf = np.zeros(nbytes, dtype=np.uint8)
