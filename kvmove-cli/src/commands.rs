@@ -33,7 +33,9 @@ fn config_err(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::Config, msg)
 }
 
-fn plan_of(s: &Settings) -> kvmove::Result<Plan> {
+/// The plan, once the buffers of `copies` plans are known to fit in memory.
+fn plan_of(s: &Settings, copies: u64) -> kvmove::Result<Plan> {
+    check_memory(Plan::buffer_len(&s.workload).map_err(config_err)?, copies)?;
     let plan = Plan::new(&s.workload).map_err(config_err)?;
     if s.workload.concurrency == 0 {
         return Err(config_err("workload.concurrency must be at least 1"));
@@ -42,6 +44,30 @@ fn plan_of(s: &Settings) -> kvmove::Result<Plan> {
         return Err(config_err("workload.iterations must be at least 1"));
     }
     Ok(plan)
+}
+
+/// Memory the kernel says it can still give (`MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a workload whose buffers (`copies` of the plan's size) would
+/// not fit in memory, instead of being killed half-way by the kernel.
+fn check_memory(buffer_len: u64, copies: u64) -> kvmove::Result<()> {
+    let need = buffer_len.saturating_mul(copies);
+    match available_memory() {
+        Some(avail) if need > avail => Err(config_err(format!(
+            "the workload needs {} of memory ({copies} buffers of {}) but only {} is available; lower --tokens or \
+             --layers",
+            report::bytes(need),
+            report::bytes(buffer_len),
+            report::bytes(avail)
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn alloc(len: u64, what: &str) -> kvmove::Result<Buffer> {
@@ -58,7 +84,7 @@ pub fn config(s: &Settings) -> kvmove::Result<Outcome> {
 
 /// `kvmove bench`: target and initiator in this process.
 pub async fn bench(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
-    let plan = plan_of(s)?;
+    let plan = plan_of(s, 2)?;
     let cfg = s.engine();
     let target = kvmove::build(&cfg).await.map_err(|e| e.with("role", "target"))?;
     let initiator = match kvmove::build(&cfg.sibling()).await {
@@ -292,7 +318,7 @@ pub async fn target(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
              or --backend tcp for a target",
         ));
     }
-    let plan = plan_of(s)?;
+    let plan = plan_of(s, 1)?;
     let len = match s.target.mem_mib {
         Some(0) => return Err(config_err("target.mem_mib must be at least 1")),
         Some(m) => m.checked_mul(1 << 20).ok_or_else(|| config_err("target.mem_mib is too large"))?,
@@ -378,7 +404,7 @@ pub async fn initiator(s: &Settings, target: &str, json: bool) -> kvmove::Result
             "the mock backend only reaches peers inside one process; use `kvmove bench --backend mock`",
         ));
     }
-    let plan = plan_of(s)?;
+    let plan = plan_of(s, if s.workload.op == Op::Write { 2 } else { 1 })?;
     let engine = kvmove::build(&s.engine()).await?;
     let r = initiate(s, &plan, &engine, target, json).await;
     let _ = engine.shutdown().await;

@@ -61,23 +61,19 @@ pub struct Req {
     pub len: u64,
 }
 
-/// The whole workload of one pass: requests grouped by layer.
-#[derive(Debug, Clone)]
-pub struct Plan {
-    pub model: Model,
-    pub layers: u32,
-    pub page_bytes: u64,
-    /// Requests of each layer (one batch per layer).
-    pub by_layer: Vec<Vec<Req>>,
-    /// Bytes of the initiator's buffer (and of the target's).
-    pub buffer_len: u64,
-    pub total_bytes: u64,
-    pub total_requests: usize,
+/// Sizes derived from the options, checked.
+struct Geometry {
+    m: Model,
+    layers: u32,
+    part_bytes: u64,
+    page_bytes: u64,
+    pages: u64,
+    units: u64,
+    buffer_len: u64,
 }
 
-impl Plan {
-    /// Builds the plan; errors are one line that names the option.
-    pub fn new(w: &WorkloadConfig) -> Result<Plan, String> {
+impl Geometry {
+    fn of(w: &WorkloadConfig) -> Result<Geometry, String> {
         let base = model(&w.model).ok_or_else(|| format!("unknown model '{}'; known: {}", w.model, model_names()))?;
         let mut m = base;
         if let Some(b) = w.bytes_per_token {
@@ -107,6 +103,34 @@ impl Plan {
         if units > 1 << 24 {
             return Err(format!("{units} pages are too many; raise --page-size or lower --tokens"));
         }
+        Ok(Geometry { m, layers, part_bytes, page_bytes, pages, units, buffer_len })
+    }
+}
+
+/// The whole workload of one pass: requests grouped by layer.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub model: Model,
+    pub layers: u32,
+    pub page_bytes: u64,
+    /// Requests of each layer (one batch per layer).
+    pub by_layer: Vec<Vec<Req>>,
+    /// Bytes of the initiator's buffer (and of the target's).
+    pub buffer_len: u64,
+    pub total_bytes: u64,
+    pub total_requests: usize,
+}
+
+impl Plan {
+    /// Bytes of each side's buffer for this workload, without building
+    /// the plan (to check memory first).
+    pub fn buffer_len(w: &WorkloadConfig) -> Result<u64, String> {
+        Geometry::of(w).map(|g| g.buffer_len)
+    }
+
+    /// Builds the plan; errors are one line that names the option.
+    pub fn new(w: &WorkloadConfig) -> Result<Plan, String> {
+        let Geometry { m, layers, part_bytes, page_bytes, pages, units, buffer_len } = Geometry::of(w)?;
         // Length of page `p` (the last page may be partial).
         let page_len = |p: u64| {
             let first = p * w.page_size;
