@@ -33,7 +33,7 @@ use crate::tasks::{spawn_counted, Counters};
 const COALESCE: usize = 256 << 10;
 /// Payloads larger than this are copied and sent (or received and copied)
 /// in chunks of this size, so each copy stays in cache.
-const STREAM: usize = 128 << 10;
+const STREAM: usize = 256 << 10;
 
 /// What `stage` did with a slice.
 enum Staged {
@@ -442,41 +442,45 @@ impl Endpoint {
             if staged == 0 {
                 continue;
             }
-            if let Err(e) = w.write_all(&buf[..used]).await {
-                self.broke(Error::from(e).with("peer", &self.name));
-                return;
-            }
-            if let Some((batch, req, local_off, len)) = streamed {
-                if chunk.len() < STREAM {
-                    chunk.resize(STREAM, 0);
+            let Some((batch, req, local_off, len)) = streamed else {
+                if let Err(e) = w.write_all(&buf[..used]).await {
+                    self.broke(Error::from(e).with("peer", &self.name));
+                    return;
                 }
-                let mut done = 0u64;
-                while done < len {
-                    let n = (len - done).min(STREAM as u64) as usize;
-                    let copied = match batch.enter(req) {
-                        None => Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent")),
-                        Some(_g) => match batch.locals[req]
-                            .with_live(|m| m.read_at((local_off + done) as usize, &mut chunk[..n]))
-                        {
-                            Some(Ok(())) => Ok(()),
-                            Some(Err(e)) => Err(Error::from(e)),
-                            None => Err(Error::new(ErrorKind::Unregistered, "the local region was unregistered")),
-                        },
-                    };
-                    if let Err(e) = copied {
-                        // Half a frame is on the wire: the connection cannot
-                        // continue (and the peer never applies a partial
-                        // slice). The slice ends when the endpoint is
-                        // destroyed.
-                        self.broke(e.with("peer", &self.name));
-                        return;
-                    }
-                    if let Err(e) = w.write_all(&chunk[..n]).await {
-                        self.broke(Error::from(e).with("peer", &self.name));
-                        return;
-                    }
-                    done += n as u64;
+                continue;
+            };
+            // The frames gathered so far go out with the first chunk of
+            // the streamed payload (one `write`, no tiny header segment).
+            let mut done = 0u64;
+            while done < len {
+                let n = (len - done).min(STREAM as u64) as usize;
+                let (dst, prefix) = if done == 0 { (&mut buf, used) } else { (&mut chunk, 0) };
+                if dst.len() < prefix + n {
+                    dst.resize(prefix + n, 0);
                 }
+                let copied = match batch.enter(req) {
+                    None => Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent")),
+                    Some(_g) => match batch.locals[req]
+                        .with_live(|m| m.read_at((local_off + done) as usize, &mut dst[prefix..prefix + n]))
+                    {
+                        Some(Ok(())) => Ok(()),
+                        Some(Err(e)) => Err(Error::from(e)),
+                        None => Err(Error::new(ErrorKind::Unregistered, "the local region was unregistered")),
+                    },
+                };
+                if let Err(e) = copied {
+                    // Half a frame may be on the wire: the connection
+                    // cannot continue (and the peer never applies bytes
+                    // after the reset). The slice ends when the endpoint
+                    // is destroyed.
+                    self.broke(e.with("peer", &self.name));
+                    return;
+                }
+                if let Err(e) = w.write_all(&dst[..prefix + n]).await {
+                    self.broke(Error::from(e).with("peer", &self.name));
+                    return;
+                }
+                done += n as u64;
             }
             if buf.len() > 2 * COALESCE.max(self.cfg.slice_size + HEADER_LEN) {
                 buf = Vec::new();

@@ -243,22 +243,25 @@ impl Server {
                     a.len = h.len;
                     a.payload_len = h.len as u32;
                     a.encode_into(&mut out);
-                    w.write_all(&out).await?;
-                    out.clear();
-                    if chunk.len() < STREAM {
-                        chunk.resize(STREAM, 0);
-                    }
+                    // The answers gathered so far and this header go out
+                    // with the first chunk (one `write`).
                     let mut done = 0u64;
                     while done < h.len {
                         let k = (h.len - done).min(STREAM as u64) as usize;
-                        if region.read_abs(h.addr + done, &mut chunk[..k]).is_err() {
-                            // Half an answer is on the wire; only closing
-                            // the connection ends it cleanly.
+                        let olen = out.len();
+                        let (dst, prefix) = if done == 0 { (&mut out, olen) } else { (&mut chunk, 0) };
+                        if dst.len() < prefix + k {
+                            dst.resize(prefix + k, 0);
+                        }
+                        if region.read_abs(h.addr + done, &mut dst[prefix..prefix + k]).is_err() {
+                            // Half an answer may be on the wire; only
+                            // closing the connection ends it cleanly.
                             return Err(Close::Proto("region unregistered while a read was answered".into()));
                         }
-                        w.write_all(&chunk[..k]).await?;
+                        w.write_all(&dst[..prefix + k]).await?;
                         done += k as u64;
                     }
+                    out.clear();
                 }
                 FrameType::Read => {
                     let n = h.len as usize;
