@@ -26,7 +26,7 @@ mod settings;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::Parser as _;
 
 use crate::args::{Cli, Command};
 use crate::commands::Outcome;
@@ -42,7 +42,22 @@ fn main() -> ExitCode {
         let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
         crate::say!("kvmove: internal error: {}{at}; please report it", one_line(&msg));
     }));
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // One line, like every other error: clap's text without the hint.
+            let text = e.to_string();
+            let msg: Vec<&str> =
+                text.lines().filter(|l| !l.trim().is_empty() && !l.starts_with("For more information")).collect();
+            let msg = one_line(&msg.join(" "));
+            crate::say!(
+                "kvmove: error: {} (see kvmove --help)",
+                msg.trim_start_matches("error: ").replace("error: ", "")
+            );
+            return ExitCode::from(2);
+        }
+    };
     let settings = match cli.opts.settings() {
         Ok(s) => s,
         Err(e) => return fail(&e),

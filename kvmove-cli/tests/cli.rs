@@ -276,6 +276,10 @@ fn config_file_drives_the_run_and_config_prints_it() {
 fn unknown_model_and_backend_are_one_line() {
     assert_one_line_error(&run(&["--model", "gpt-9"]), "llama3-8b");
     assert_one_line_error(&run(&["--backend", "carrier-pigeon"]), "carrier-pigeon");
+    let r = run(&["--op", "sideways"]);
+    assert_eq!(r.code, Some(2));
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    assert!(r.stderr.contains("sideways") && r.stderr.contains("write, read"), "{}", r.stderr);
     // 1M tokens of llama3-70b is 320 GiB per side: refused before allocating.
     assert_one_line_error(&run(&["--model", "llama3-70b", "--tokens", "1000000"]), "memory");
     // Not built in ("rebuild with --features rdma") or no device here:
