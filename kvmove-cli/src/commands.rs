@@ -114,7 +114,7 @@ async fn bench_with(
     // between machines; peer to peer it opens the target's address.
     let name = match &store {
         Some(store) => {
-            publish(target, store.as_ref(), &s.target.name).await?;
+            kvmove::publish(target, store.as_ref(), &s.target.name).await?;
             s.target.name.clone()
         }
         None => target.transport().local_segment_name(),
@@ -130,56 +130,30 @@ async fn bench_with(
     outcome
 }
 
-/// Publishes the target's descriptor under a logical `name`, with the
-/// segment name to open in `address`.
-async fn publish(engine: &Engine, store: &dyn MetadataStore, name: &str) -> kvmove::Result<SegmentDescriptor> {
-    let mut desc = kvmove::own_descriptor(engine.transport()).await?;
-    desc.address = engine.transport().local_segment_name();
-    desc.name = name.to_owned();
-    store.put(desc.clone()).await.map_err(|e| e.with("publishing", name))?;
-    Ok(desc)
-}
-
-/// Opens the target: through the metadata store when there is one (then
-/// checks that the peer serves the generation the store advertises), else
+/// Opens the target: through the metadata store when there is one, else
 /// directly by its `host:port`.
 async fn connect(
     engine: &Engine,
     store: Option<&dyn MetadataStore>,
     target: &str,
 ) -> kvmove::Result<(SegmentId, SegmentDescriptor)> {
-    let (address, advertised) = match store {
-        Some(store) => match store.get(target).await.map_err(|e| e.with("resolving", target))? {
-            Some(d) => (d.address.clone(), Some(d)),
-            None => {
-                return Err(Error::new(
+    match store {
+        Some(store) => kvmove::resolve(engine, store, target).await.map_err(|e| {
+            if e.kind() == ErrorKind::NotFound {
+                Error::new(
                     ErrorKind::NotFound,
                     format!(
-                    "no target named '{target}' in the metadata store (is `kvmove target --name {target}` running?)"
-                ),
-                ))
+                        "no target named '{target}' in the metadata store (is `kvmove target --name {target}` running?)"
+                    ),
+                )
+            } else {
+                e
             }
-        },
-        None => (target.to_owned(), None),
-    };
-    let segment = engine.open_segment(&address).await.map_err(|e| {
-        Error::new(e.kind(), format!("cannot reach the target at {address}: {}", e.message())).with("target", target)
-    })?;
-    let served = engine.transport().segment_descriptor(segment)?;
-    if let Some(adv) = advertised {
-        if adv.generation != served.generation {
-            let _ = engine.close_segment(segment).await;
-            return Err(Error::new(
-                ErrorKind::PeerRestarted,
-                format!(
-                    "target '{target}' is advertised with generation {} but the peer at {address} serves generation {} \
-                     (it restarted; its entry is stale)",
-                    adv.generation, served.generation
-                ),
-            ));
-        }
+        }),
+        None => kvmove::open(engine, target).await.map_err(|e| {
+            Error::new(e.kind(), format!("cannot reach the target at {target}: {}", e.message())).with("target", target)
+        }),
     }
-    Ok((segment, served))
 }
 
 /// The initiator's side: local memory and where the target's buffer is.
@@ -336,7 +310,7 @@ async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::R
     let segment = engine.transport().local_segment_name();
     let store = kvmove::build_metadata(&s.metadata).await?;
     let desc = match &store {
-        Some(store) => publish(engine, store.as_ref(), &s.target.name).await?,
+        Some(store) => kvmove::publish(engine, store.as_ref(), &s.target.name).await?,
         None => kvmove::own_descriptor(engine.transport()).await?,
     };
     let published = store.as_ref().map(|_| s.target.name.clone());
@@ -435,7 +409,7 @@ mod tests {
         let target = kvmove::build(&cfg).await.unwrap();
         let initiator = kvmove::build(&cfg).await.unwrap();
         let store = kvmove::InProcessStore::new();
-        let mut desc = publish(&target, &store, "stale-peer").await.unwrap();
+        let mut desc = kvmove::publish(&target, &store, "stale-peer").await.unwrap();
         let (seg, _) = connect(&initiator, Some(&store), "stale-peer").await.unwrap();
         initiator.close_segment(seg).await.unwrap();
         desc.generation = desc.generation.wrapping_add(1);

@@ -32,6 +32,13 @@
 //! feature to turn on; its options table is still accepted, so one file
 //! serves every build.
 //!
+//! Peers find each other peer to peer by default (the segment name is the
+//! peer's `host:port`). With a metadata store ([`build_metadata`]: etcd or
+//! in-process), [`publish`] puts an engine's descriptor under a logical
+//! name and [`resolve`] opens the peer behind a name after checking that it
+//! serves the generation the store advertises (a restarted peer's stale
+//! entry is refused, never used).
+//!
 //! The mock backend keeps one fabric per process: every engine built with
 //! `kind = "mock"` in a process can reach every other by segment name.
 //!
@@ -43,6 +50,7 @@
 mod backends;
 mod build;
 mod config;
+mod directory;
 mod toml_error;
 
 pub use toml_error::locate as locate_error;
@@ -54,6 +62,7 @@ pub use config::{
     parse_toml, read_file, BackendConfig, BackendKind, EngineConfig, EtcdOptions, MetadataConfig, MetadataKind,
     MockOptions, RdmaOptions, TcpOptions,
 };
+pub use directory::{open, publish, resolve};
 pub use transport_core::{
     Access, Buffer, Engine, Error, ErrorKind, InProcessStore, MemoryRegion, MetadataStore, PolicyConfig, RegionId,
     RegionInfo, Result, SegmentDescriptor, SegmentId, Transfer, TransferOutcome, TransferRequest, Transport,

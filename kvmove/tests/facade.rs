@@ -161,3 +161,31 @@ async fn in_process_metadata_is_shared_by_the_process() {
     let p2p = EngineConfig::default();
     assert!(kvmove::build_metadata(&p2p.metadata).await.unwrap().is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_and_resolve_by_name_refuse_a_stale_generation() {
+    let cfg = EngineConfig::from_toml_str("[backend]\nkind = \"tcp\"\n[metadata]\nkind = \"in-process\"\n").unwrap();
+    let target = kvmove::build(&cfg).await.unwrap();
+    let initiator = kvmove::build(&cfg.sibling()).await.unwrap();
+    let store = kvmove::build_metadata(&cfg.metadata).await.unwrap().unwrap();
+    let buf = Buffer::new(4096).unwrap();
+    target.register(buf.region(), Access::REMOTE_RW).unwrap();
+    let published = kvmove::publish(&target, store.as_ref(), "decode-0").await.unwrap();
+    assert_eq!(published.address, target.transport().local_segment_name());
+    let (seg, served) = kvmove::resolve(&initiator, store.as_ref(), "decode-0").await.unwrap();
+    assert_eq!(served.generation, published.generation);
+    assert_eq!(served.regions.len(), 1);
+    initiator.close_segment(seg).await.unwrap();
+
+    let mut stale = published.clone();
+    stale.generation = stale.generation.wrapping_add(1);
+    store.put(stale).await.unwrap();
+    let e = kvmove::resolve(&initiator, store.as_ref(), "decode-0").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::PeerRestarted, "{e}");
+    assert_eq!(initiator.transport().stats().segments, 0, "the stale handle was closed");
+    let e = kvmove::resolve(&initiator, store.as_ref(), "nobody").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    store.remove("decode-0").await.unwrap();
+    initiator.shutdown().await.unwrap();
+    target.shutdown().await.unwrap();
+}
