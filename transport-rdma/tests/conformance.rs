@@ -11,8 +11,8 @@
 //! (`rdma resource`), so cases run one at a time.
 //!
 //! Without an RDMA device every case is reported ignored (with a loud
-//! line), unless RDMA_REQUIRED=1, RXE_VM=1 or CONFORMANCE_STRICT=1, where
-//! that is a failure.
+//! line), unless RDMA_REQUIRED=1 or RXE_VM=1, where that is a failure
+//! (scripts/rdma-tests.sh sets it for its runs on a device or in the VM).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure
 
 mod common;
@@ -103,12 +103,14 @@ fn main() {
     args.test_threads = Some(1);
     let have = !rdma_devices().unwrap_or_default().is_empty();
     let flag = |v: &str| std::env::var(v).is_ok_and(|x| x == "1" || x.eq_ignore_ascii_case("true"));
-    let required = flag("RDMA_REQUIRED") || flag("RXE_VM") || conformance::strict();
+    // CONFORMANCE_STRICT alone does not demand a device: on a machine
+    // without one, scripts/rdma-tests.sh runs this suite in the VM instead.
+    let required = flag("RDMA_REQUIRED") || flag("RXE_VM");
     let trials = conformance::trials(|| RdmaHarness);
     let trials = if have {
         trials
     } else if required {
-        eprintln!("rdma conformance: no RDMA device, but RDMA_REQUIRED/RXE_VM/CONFORMANCE_STRICT is set");
+        eprintln!("rdma conformance: no RDMA device, but RDMA_REQUIRED or RXE_VM is set");
         std::process::exit(1);
     } else {
         eprintln!("RDMA CONFORMANCE SKIPPED: no RDMA device (scripts/rdma-tests.sh runs it in a soft-RoCE VM)");
