@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use transport_core::{Engine, Error, ErrorKind, InProcessStore, MetadataStore, Result, Transport};
+use transport_core::{Engine, InProcessStore, MetadataStore, Result, Transport};
 
 use crate::config::{BackendKind, EngineConfig, MetadataConfig, MetadataKind};
 
@@ -16,7 +16,7 @@ use crate::config::{BackendKind, EngineConfig, MetadataConfig, MetadataKind};
 ///   no RDMA device, ...).
 pub async fn build_transport(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
     cfg.validate()?;
-    let kind = cfg.backend.kind;
+    let kind: BackendKind = cfg.backend.kind;
     if !kind.is_built_in() {
         return Err(kind.not_built_in());
     }
@@ -53,9 +53,10 @@ pub async fn build_metadata(cfg: &MetadataConfig) -> Result<Option<Arc<dyn Metad
             Ok(Some(Arc::new(store)))
         }
         #[cfg(not(feature = "etcd"))]
-        MetadataKind::Etcd => {
-            Err(Error::new(ErrorKind::Config, "metadata store 'etcd' is not built in; rebuild with --features etcd"))
-        }
+        MetadataKind::Etcd => Err(transport_core::Error::new(
+            transport_core::ErrorKind::Config,
+            "metadata store 'etcd' is not built in; rebuild with --features etcd",
+        )),
     }
 }
 
@@ -76,9 +77,4 @@ pub async fn own_descriptor(transport: &Arc<dyn Transport>) -> Result<transport_
     let desc = desc?;
     closed?;
     Ok(desc)
-}
-
-#[allow(dead_code)]
-pub(crate) fn internal(msg: impl Into<String>) -> Error {
-    Error::new(ErrorKind::Internal, msg)
 }

@@ -240,6 +240,7 @@ impl EngineConfig {
     }
 }
 
+#[cfg(any(feature = "tcp", feature = "rdma", feature = "etcd"))]
 /// Prefixes a validation error's message with the table it came from, so
 /// `tcp.lanes` reads `backend.tcp.lanes` like the file does.
 fn prefix(table: &str, r: Result<()>) -> Result<()> {
@@ -311,6 +312,7 @@ impl EngineConfig {
     /// any free port of the same interface, and with an automatic mock
     /// host name, so the two never collide.
     pub fn sibling(&self) -> EngineConfig {
+        #[allow(unused_mut)] // nothing to change when no backend with an address is built in
         let mut cfg = self.clone();
         #[cfg(feature = "tcp")]
         {

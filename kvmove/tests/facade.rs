@@ -1,6 +1,7 @@
 //! The facade: configs parse (or fail with a located error), every
 //! compiled-in backend builds, and one program runs unchanged over the mock
 //! and TCP by changing only the config.
+#![cfg(feature = "tcp")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
