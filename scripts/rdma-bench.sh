@@ -15,6 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${BENCH_SECONDS:-4}
+# Bytes per ib_write_bw run (iteration count = this / message size).
+BENCH_BYTES=${BENCH_BYTES:-100663296}
 
 if [ "${RXE_VM:-0}" != 1 ] && [ -z "${RDMA_BENCH_INNER:-}" ]; then
   cargo build --release -p transport-rdma --example rdma_bench >&2
@@ -29,7 +31,7 @@ fi
 
 DEV=${RDMA_TEST_DEVICE:-$(ibv_devices | awk 'NR>2{print $1; exit}')}
 BIN=${RDMA_BENCH_BIN:?}
-echo "rdma-bench: device $DEV, $SECS s per bandwidth run"
+echo "rdma-bench: device $DEV; ours runs $SECS s per size, ib_write_bw moves $BENCH_BYTES bytes per size"
 
 perf_pair() { # tool args...: server in background, client to 127.0.0.1
   local tool=$1; shift
@@ -45,8 +47,10 @@ perf_pair() { # tool args...: server in background, client to 127.0.0.1
   printf '%s\n' "$out"
 }
 
-bw_perf() { # size -> MiB/s (BW average)
-  perf_pair ib_write_bw -s "$1" -D "$SECS" | awk -v s="$1" '$1==s {print $4; exit}'
+bw_perf() { # size -> MiB/s (BW average). Iteration mode: with -D, large
+  # messages under TCG can finish 0 iterations in the window.
+  local n=$(( BENCH_BYTES / $1 )); [ "$n" -lt 20 ] && n=20
+  perf_pair ib_write_bw -s "$1" -n "$n" | awk -v s="$1" '$1==s {print $4; exit}'
 }
 lat_perf() { # size -> t_typical usec
   perf_pair ib_write_lat -s "$1" -n 1000 | awk -v s="$1" '$1==s {print $5; exit}'
