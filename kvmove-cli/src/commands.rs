@@ -130,13 +130,15 @@ async fn bench_with(
     outcome
 }
 
-/// Opens the target: through the metadata store when there is one, else
-/// directly by its `host:port`.
+/// Opens the target: by its `host:port` when it is one, else through the
+/// metadata store (which checks the generation), else as a segment name.
 async fn connect(
     engine: &Engine,
     store: Option<&dyn MetadataStore>,
     target: &str,
 ) -> kvmove::Result<(SegmentId, SegmentDescriptor)> {
+    // A literal address needs no lookup, whatever the store.
+    let store = store.filter(|_| target.parse::<std::net::SocketAddr>().is_err());
     match store {
         Some(store) => kvmove::resolve(engine, store, target).await.map_err(|e| {
             if e.kind() == ErrorKind::NotFound {
