@@ -193,14 +193,15 @@ impl fmt::Display for MetadataKind {
 }
 
 impl EngineConfig {
-    /// Parses TOML text. `origin` names the text in errors (a file path or
-    /// `"<string>"`). Errors are `Config` and read
-    /// `origin:line:column: in [table]: what is wrong`.
+    /// Parses and validates TOML text. Errors are `Config` and read
+    /// `<config>:line:column: in [table]: what is wrong` (or
+    /// `<config>:line: table.key: why` for a value out of range).
     pub fn from_toml_str(text: &str) -> Result<Self> {
         Self::from_toml_named(text, "<config>")
     }
 
-    /// Like [`EngineConfig::from_toml_str`], naming the source in errors.
+    /// Like [`EngineConfig::from_toml_str`], naming the source `origin`
+    /// (a file path) in errors instead of `<config>`.
     pub fn from_toml_named(text: &str, origin: &str) -> Result<Self> {
         let cfg: EngineConfig = parse_toml(text, origin)?;
         cfg.validate().map_err(|e| toml_error::locate(e, text, origin))?;
