@@ -162,7 +162,8 @@ impl Plan {
                     total_bytes += r.len;
                     // Merge with the previous request when both sides continue it.
                     if let Some(last) = reqs.last_mut() {
-                        if p > 0
+                        if w.fragmentation == Fragmentation::Contiguous
+                            && p > 0
                             && last.local_off + last.len == r.local_off
                             && last.remote_off + last.len == r.remote_off
                             && last.len + r.len <= MAX_RUN
@@ -226,6 +227,7 @@ mod tests {
         offs.sort_unstable();
         offs.dedup();
         assert_eq!(offs.len(), p.total_requests);
+        assert_eq!(p.total_requests, 16 * 2 * 32, "one request per page, never merged");
         assert!(p.requests().all(|r| r.remote_off + r.len <= p.buffer_len && r.local_off + r.len <= p.buffer_len));
     }
 
