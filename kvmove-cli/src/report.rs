@@ -244,10 +244,11 @@ impl Report {
         let _ = writeln!(s);
         if let Some(g) = self.overlap_gain {
             let tail = |m: &str| self.modes.iter().find(|r| r.mode == m).and_then(|r| r.tail_ms).unwrap_or(0.0);
+            let verdict = if g >= 1.0 { format!("{g:.1}x sooner") } else { format!("{:.1}x later", 1.0 / g) };
             let _ = writeln!(
                 s,
                 "overlap: the last byte landed {:.2} ms after the last layer was ready when sending all at the end, \
-                 {:.2} ms when sending layer by layer ({g:.1}x sooner)",
+                 {:.2} ms when sending layer by layer ({verdict})",
                 tail("all-at-end"),
                 tail("layerwise"),
             );
