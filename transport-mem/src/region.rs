@@ -65,6 +65,17 @@ impl MemoryRegion {
         Ok(Self { addr, len, _owner: None })
     }
 
+    /// The part `offset .. offset + len` of this region, keeping the same
+    /// owner alive: the safe way to register or address a sub-range (guard
+    /// bytes around a region, overlapping registrations in tests).
+    pub fn sub(&self, offset: usize, len: usize) -> Result<MemoryRegion, MemError> {
+        if len == 0 {
+            return Err(MemError::ZeroLength);
+        }
+        self.check(offset as u64, len as u64)?;
+        Ok(Self { addr: self.addr + offset as u64, len, _owner: self._owner.clone() })
+    }
+
     /// Address of the first byte.
     pub fn addr(&self) -> u64 {
         self.addr
