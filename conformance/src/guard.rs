@@ -1,6 +1,5 @@
 //! Registered memory with canary bytes on both sides, so a stray write
 //! outside a region (or after a terminal report) is seen, not suffered.
-#![allow(unsafe_code)]
 
 use std::fmt;
 
@@ -36,15 +35,7 @@ impl Guarded {
         }
         let buf = Buffer::new(len + 2 * GUARD).map_err(|e| CaseError::Fail(format!("allocation failed: {e}")))?;
         buf.fill(CANARY);
-        // SAFETY: `buf.addr() + GUARD .. + len` lies inside `buf`'s live
-        // allocation. The `Buffer` is kept in this struct and, by
-        // `Ctx::guarded`, in the case context, which is dropped only after
-        // the case's runtime and every node of the case have been shut down
-        // and dropped, so no transport can touch the range after it is
-        // freed. The suite only accesses it by copying (`read_at` /
-        // `write_at`), never through Rust references.
-        let region = unsafe { MemoryRegion::from_raw(buf.addr() + GUARD as u64, len) }
-            .map_err(|e| CaseError::Fail(format!("cannot make a region: {e}")))?;
+        let region = buf.region().sub(GUARD, len).map_err(|e| CaseError::Fail(format!("cannot make a region: {e}")))?;
         let g = Self { buf, region };
         g.fill_pattern(seed);
         Ok(g)
@@ -74,10 +65,7 @@ impl Guarded {
     /// overlapping registration). Fails if it does not fit.
     pub fn sub(&self, offset: usize, len: usize) -> Result<MemoryRegion, CaseError> {
         self.region.check(offset as u64, len as u64).map_err(|e| CaseError::Fail(format!("bad sub-region: {e}")))?;
-        // SAFETY: the range lies inside this region (checked above), which
-        // lives as long as the context keeps `buf` (see `Guarded::new`).
-        unsafe { MemoryRegion::from_raw(self.addr() + offset as u64, len) }
-            .map_err(|e| CaseError::Fail(format!("cannot make a sub-region: {e}")))
+        self.region.sub(offset, len).map_err(|e| CaseError::Fail(format!("cannot make a sub-region: {e}")))
     }
 
     /// A copy of the region's bytes.

@@ -127,7 +127,7 @@
 //! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |
 //! | `backpressure::cancel_frees_budget` | 8 | Stall | cancelling the holder frees the budget at once |
 //! | `config::works_behind_dyn_transport` | 10 | - | works as `Arc<dyn Transport>` under an Engine configured from JSON |
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod broken;
 mod cases;

@@ -54,11 +54,8 @@ impl Mem {
     }
 }
 
-#[allow(unsafe_code)]
 fn sub_region(buf: &Buffer, off: usize, len: usize) -> transport_core::MemoryRegion {
-    // SAFETY: the range lies inside `buf`, which every test keeps alive (in
-    // its `Mem`) until the transports using it are shut down or dropped.
-    unsafe { transport_core::MemoryRegion::from_raw(buf.addr() + off as u64, len).unwrap() }
+    buf.region().sub(off, len).unwrap()
 }
 
 pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
