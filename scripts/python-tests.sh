@@ -80,9 +80,10 @@ else
   run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_rdma.py)
   if compgen -G "/sys/class/infiniband/*" >/dev/null; then
     (cd python && RDMA_REQUIRED=1 "${run_rdma[@]}")
-  elif [[ "$root/" == /tmp/* || "$rvenv/" == /tmp/* ]]; then
-    # The guest gets a fresh tmpfs on /tmp: it sees neither the checkout nor the venv there.
-    rdma_skip "the checkout or CARGO_TARGET_DIR is under /tmp, which the soft-RoCE VM cannot see"
+  elif [[ "$rvenv/" == /tmp/* && "$rvenv/" != "$root/"* ]]; then
+    # The guest gets a fresh tmpfs on /tmp with only the checkout mounted
+    # in it: a venv elsewhere under /tmp is invisible there.
+    rdma_skip "CARGO_TARGET_DIR is under /tmp outside the checkout, which the soft-RoCE VM cannot see"
   elif scripts/rxe-vm --check >/dev/null 2>&1; then
     (cd python && RXE_VM_PASS_ENV="RDMA_REQUIRED" RDMA_REQUIRED=1 \
       ../scripts/rxe-vm --timeout "${RDMA_VM_TIMEOUT:-900}" -- "${run_rdma[@]}")
