@@ -282,9 +282,12 @@ impl Engine {
         let driver =
             Driver { inner: inner.clone(), requests, peer_of: plan.peer_of, peers: plan.peers, cancel: cancel_rx };
         handle.spawn(async move {
-            let _active = ActiveGuard(driver.inner.clone());
+            let active = ActiveGuard(driver.inner.clone());
             let outcome = driver.run(first).await;
+            // Budget and the task count are given back before the outcome
+            // is published, so a caller who saw the outcome sees them freed.
             drop(reservation);
+            drop(active);
             let _ = out_tx.send(Some(outcome));
         });
         Ok(Transfer { outcome: out_rx, cancel: cancel_tx })
