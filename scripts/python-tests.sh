@@ -85,8 +85,9 @@ else
     # in it: a venv elsewhere under /tmp is invisible there.
     rdma_skip "CARGO_TARGET_DIR is under /tmp outside the checkout, which the soft-RoCE VM cannot see"
   elif scripts/rxe-vm --check >/dev/null 2>&1; then
-    (cd python && RXE_VM_PASS_ENV="RDMA_REQUIRED" RDMA_REQUIRED=1 \
-      ../scripts/rxe-vm --timeout "${RDMA_VM_TIMEOUT:-900}" -- "${run_rdma[@]}")
+    # Share the whole checkout (not only python/): the venv lives in target/.
+    RXE_VM_PASS_ENV="RDMA_REQUIRED" RDMA_REQUIRED=1 \
+      scripts/rxe-vm --timeout "${RDMA_VM_TIMEOUT:-900}" -- sh -c 'cd python && exec "$@"' sh "${run_rdma[@]}"
   else
     rdma_skip "no RDMA device and no soft-RoCE VM here ($(scripts/rxe-vm --check 2>&1 | tail -1))"
   fi
