@@ -22,6 +22,7 @@ mod clock;
 mod error;
 mod metadata;
 mod policy;
+pub mod serde_ms;
 mod stats;
 mod transport;
 mod types;

@@ -33,10 +33,10 @@ pub struct EtcdConfig {
     pub lease_ttl_secs: u64,
     /// Bound on establishing the connection when the store is created.
     /// Default 3 s.
-    #[serde(rename = "connect_timeout_ms", with = "ms")]
+    #[serde(rename = "connect_timeout_ms", with = "transport_core::serde_ms")]
     pub connect_timeout: Duration,
     /// Bound on every request (get, put, delete, lease calls). Default 3 s.
-    #[serde(rename = "request_timeout_ms", with = "ms")]
+    #[serde(rename = "request_timeout_ms", with = "transport_core::serde_ms")]
     pub request_timeout: Duration,
 }
 
@@ -95,20 +95,6 @@ impl EtcdConfig {
     /// The endpoints as one string, for error context.
     pub(crate) fn endpoint_list(&self) -> String {
         self.endpoints.join(",")
-    }
-}
-
-mod ms {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis().min(u64::MAX as u128) as u64)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
     }
 }
 

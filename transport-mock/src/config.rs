@@ -20,11 +20,11 @@ pub struct MockConfig {
     pub max_endpoints: usize,
     /// An endpoint unused for this long is destroyed by the reaper task.
     /// Default 30 s.
-    #[serde(rename = "idle_timeout_ms", with = "ms")]
+    #[serde(rename = "idle_timeout_ms", with = "transport_core::serde_ms")]
     pub idle_timeout: Duration,
     /// Time each request takes before its bytes move (so that cancel and
     /// deadlines have something to act on). Default 0.
-    #[serde(rename = "latency_ms", with = "ms")]
+    #[serde(rename = "latency_ms", with = "transport_core::serde_ms")]
     pub latency: Duration,
     /// Largest batch; more requests is `InvalidRequest`. Default 65 536.
     pub max_batch_len: usize,
@@ -103,21 +103,6 @@ pub struct MockBugs {
     pub write_after_timeout: bool,
     /// `close_segment` returns `Ok` but keeps the handle and its endpoint.
     pub noop_close_segment: bool,
-}
-
-/// Serde for `Duration` as integer milliseconds.
-pub(crate) mod ms {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis().min(u64::MAX as u128) as u64)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
-    }
 }
 
 #[cfg(test)]

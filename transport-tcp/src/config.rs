@@ -33,11 +33,11 @@ pub struct TcpConfig {
     pub max_endpoints: usize,
     /// An endpoint unused for this long is closed by the reaper task.
     /// Default 30 s.
-    #[serde(with = "millis")]
+    #[serde(with = "transport_core::serde_ms")]
     pub idle_timeout: Duration,
     /// Connecting and handshaking one lane (and fetching a descriptor) must
     /// finish within this. Default 5 s.
-    #[serde(with = "millis")]
+    #[serde(with = "transport_core::serde_ms")]
     pub connect_timeout: Duration,
     /// `TCP_NODELAY` on every socket. Default true.
     pub nodelay: bool,
@@ -46,7 +46,7 @@ pub struct TcpConfig {
     /// `SO_RCVBUF` in bytes, `None` = the kernel's autotuning. Default 4 MiB.
     pub recv_buffer: Option<usize>,
     /// TCP keepalive idle time, `None` = off. Default 10 s.
-    #[serde(with = "opt_millis")]
+    #[serde(with = "transport_core::serde_ms::option")]
     pub keepalive: Option<Duration>,
     /// Shared secret. When set, both sides prove they hold it (HMAC-SHA256
     /// challenge-response) before any request is served, and a peer without
@@ -112,37 +112,6 @@ impl TcpConfig {
             return bad("secret", "must not be empty (leave it out to disable authentication)");
         }
         Ok(())
-    }
-}
-
-mod millis {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis() as u64)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
-    }
-}
-
-mod opt_millis {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => s.serialize_some(&(d.as_millis() as u64)),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
     }
 }
 

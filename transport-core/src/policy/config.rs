@@ -61,10 +61,10 @@ pub struct RetryConfig {
     /// Total attempts per request including the first. Default 4; 1 disables retry.
     pub max_attempts: u32,
     /// Backoff before the second attempt. Default 20 ms.
-    #[serde(rename = "initial_backoff_ms", with = "ms")]
+    #[serde(rename = "initial_backoff_ms", with = "crate::serde_ms")]
     pub initial_backoff: Duration,
     /// Cap on the backoff. Default 2 s.
-    #[serde(rename = "max_backoff_ms", with = "ms")]
+    #[serde(rename = "max_backoff_ms", with = "crate::serde_ms")]
     pub max_backoff: Duration,
     /// Growth factor per attempt. Default 2.0.
     pub multiplier: f64,
@@ -90,11 +90,11 @@ impl Default for RetryConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct DeadlineConfig {
     /// Fixed allowance per attempt (connection setup, round trips). Default 5 s.
-    #[serde(rename = "base_ms", with = "ms")]
+    #[serde(rename = "base_ms", with = "crate::serde_ms")]
     pub base: Duration,
     /// Allowance per MiB of the attempt's bytes. Default 50 ms (20 MiB/s
     /// floor, far below any healthy link, so only stalls trip it).
-    #[serde(rename = "per_mib_ms", with = "ms")]
+    #[serde(rename = "per_mib_ms", with = "crate::serde_ms")]
     pub per_mib: Duration,
 }
 
@@ -119,7 +119,7 @@ pub struct BreakerConfig {
     /// Consecutive failed attempts to one peer that open its breaker. Default 5.
     pub failure_threshold: u32,
     /// Time an open breaker fails fast before letting one probe through. Default 2 s.
-    #[serde(rename = "cooldown_ms", with = "ms")]
+    #[serde(rename = "cooldown_ms", with = "crate::serde_ms")]
     pub cooldown: Duration,
 }
 
@@ -152,21 +152,6 @@ impl Default for BackpressureConfig {
             per_peer_inflight_bytes: 2 << 30,
             per_peer_inflight_requests: 1 << 18,
         }
-    }
-}
-
-/// Serde for `Duration` as integer milliseconds.
-mod ms {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis().min(u64::MAX as u128) as u64)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_millis(u64::deserialize(d)?))
     }
 }
 
