@@ -58,6 +58,12 @@ impl Access {
     /// Peers may read and write it.
     pub const REMOTE_RW: Access = Access { remote_read: true, remote_write: true };
 
+    /// Whether peers may reach the region at all (it belongs in the
+    /// segment descriptor).
+    pub fn is_remote(self) -> bool {
+        self.remote_read || self.remote_write
+    }
+
     /// Whether a remote peer may perform `op` against a region with this access.
     pub fn allows(self, op: Opcode) -> bool {
         match op {

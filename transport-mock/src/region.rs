@@ -105,7 +105,7 @@ impl RegionTable {
     pub fn infos(&self) -> Vec<RegionInfo> {
         self.by_addr
             .values()
-            .filter(|e| e.access.remote_read || e.access.remote_write)
+            .filter(|e| e.access.is_remote())
             .map(|e| RegionInfo { addr: e.mem.addr(), len: e.mem.len() as u64, access: e.access, key: e.id.0 })
             .collect()
     }

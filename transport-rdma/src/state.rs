@@ -504,7 +504,7 @@ impl State {
             regions: self
                 .regions
                 .values()
-                .filter(|r| r.access.remote_read || r.access.remote_write)
+                .filter(|r| r.access.is_remote())
                 .map(|r| RegionInfo {
                     addr: r.mem.addr(),
                     len: r.mem.len() as u64,

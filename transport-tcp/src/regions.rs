@@ -133,7 +133,7 @@ impl RegionTable {
             .read()
             .by_addr
             .values()
-            .filter(|r| r.access.remote_read || r.access.remote_write)
+            .filter(|r| r.access.is_remote())
             .map(|r| WireRegion {
                 addr: r.mem.addr(),
                 len: r.mem.len() as u64,
