@@ -95,6 +95,7 @@ fn accept(inner: &Arc<Inner>, id: u64, gid: &str, lid: u16, mtu: u32, theirs: &[
     if theirs.is_empty() || theirs.len() > 64 {
         return Err(Error::new(ErrorKind::HandshakeFailed, format!("{} QPs requested (1..=64)", theirs.len())));
     }
+    inner.link_usable()?;
     {
         let st = inner.state.lock();
         if st.passive.len() >= inner.cfg.max_passive {

@@ -34,7 +34,7 @@ pub(crate) struct Verbs {
     pub cq: Arc<Cq>,
     pub chan: Arc<crate::verbs::CompChannel>,
     pub pd: Arc<Pd>,
-    pub _ctx: Arc<crate::verbs::Context>,
+    pub ctx: Arc<crate::verbs::Context>,
     pub port: PortInfo,
 }
 
@@ -201,6 +201,11 @@ pub(crate) struct State {
     pub passive: HashMap<u64, PassiveConn>,
     pub passive_tasks: HashMap<u64, AbortHandle>,
     pub deadline_tasks: usize,
+    /// Set by the async-event reader on IBV_EVENT_PORT_ERR, cleared on
+    /// IBV_EVENT_PORT_ACTIVE: no endpoint is built while the link is down.
+    pub port_down: bool,
+    /// Set on IBV_EVENT_DEVICE_FATAL: the device is gone for good.
+    pub device_failed: bool,
     pub next_id: u64,
     pub next_wr: u64,
 }
@@ -396,6 +401,45 @@ impl State {
             if let Some(ep) = self.endpoints.remove(&ep_id) {
                 grave.endpoints.push(ep);
             }
+        }
+    }
+
+    /// Breaks whatever owns QP number `qpn` (an async event said it
+    /// failed): our endpoint, or a peer's QP group (dropped, which closes
+    /// its side channel so the peer breaks its half at once).
+    pub(crate) fn break_qp(&mut self, qpn: u32, why: Error, grave: &mut Graveyard) {
+        let ep = self.endpoints.iter().find(|(_, e)| e.qps.iter().any(|q| q.qp.qpn() == qpn)).map(|(id, _)| *id);
+        if let Some(ep) = ep {
+            self.break_endpoint(ep, why, grave);
+            return;
+        }
+        let passive = self.passive.iter().find(|(_, p)| p.qps.iter().any(|q| q.qpn() == qpn)).map(|(id, _)| *id);
+        if let Some(id) = passive {
+            self.drop_passive(id, grave);
+        }
+    }
+
+    /// Breaks every endpoint and drops every peer QP group (port down,
+    /// device failure, lost completions).
+    pub(crate) fn break_all(&mut self, why: &Error, grave: &mut Graveyard) {
+        let ids: Vec<u64> = self.endpoints.keys().copied().collect();
+        for id in ids {
+            self.break_endpoint(id, why.clone(), grave);
+        }
+        let ids: Vec<u64> = self.passive.keys().copied().collect();
+        for id in ids {
+            self.drop_passive(id, grave);
+        }
+    }
+
+    /// Stops serving a peer's QP group: its task (and so its side channel)
+    /// ends and its QPs go to the graveyard.
+    fn drop_passive(&mut self, id: u64, grave: &mut Graveyard) {
+        if let Some(h) = self.passive_tasks.remove(&id) {
+            h.abort();
+        }
+        if let Some(p) = self.passive.remove(&id) {
+            grave.passive.push(p);
         }
     }
 

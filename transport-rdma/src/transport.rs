@@ -1,6 +1,7 @@
 //! [`RdmaTransport`]: the [`Transport`] implementation over verbs.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -17,12 +18,15 @@ use transport_core::{
 
 use crate::config::RdmaConfig;
 use crate::state::{Batch, Endpoint, Graveyard, Limits, LocalRegion, QpSlot, Req, Segment, Slice, State, Verbs};
-use crate::verbs::{CompChannel, Context, Cq, Mr, Pd, Qp, QpTiming, RemoteQp};
+use crate::verbs::{AsyncEvent, CompChannel, Context, Cq, Mr, Pd, Qp, QpTiming, RemoteQp};
 use crate::wire::{self, QpInfo, Reply, Request};
 
 /// Background tasks that run for the transport's whole life: CQ poller,
-/// reaper, side-channel listener.
-const FIXED_TASKS: usize = 3;
+/// reaper, side-channel listener, async-event handler.
+const FIXED_TASKS: usize = 4;
+
+/// How often the async-event thread checks whether it should stop.
+const EVENT_POLL_MS: i32 = 100;
 
 pub(crate) struct Inner {
     pub cfg: RdmaConfig,
@@ -33,6 +37,9 @@ pub(crate) struct Inner {
     pub device: String,
     pub state: Mutex<State>,
     pub tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Stops the async-event thread (it checks every `EVENT_POLL_MS`).
+    events_stop: Arc<AtomicBool>,
+    events_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     me: Weak<Inner>,
 }
 
@@ -75,6 +82,17 @@ fn shut() -> Error {
     Error::new(ErrorKind::Shutdown, "the RDMA transport was shut down")
 }
 
+fn link_down(dev: &str, port: u8) -> Error {
+    Error::new(
+        ErrorKind::ConnectionReset,
+        format!("link down: port {port} of {dev} is not active (IBV_EVENT_PORT_ERR); retry when it is back"),
+    )
+}
+
+fn device_failed(dev: &str) -> Error {
+    Error::new(ErrorKind::Shutdown, format!("RDMA device {dev} failed (IBV_EVENT_DEVICE_FATAL); recreate the transport"))
+}
+
 fn bad_segment(s: SegmentId) -> Error {
     Error::new(ErrorKind::InvalidHandle, format!("unknown or closed segment {s}")).with("segment", s)
 }
@@ -91,6 +109,7 @@ impl RdmaTransport {
         cfg.validate()?;
         let ctx = Context::open(cfg.device.as_deref())?;
         let port = ctx.port_info(cfg.port, cfg.gid_index)?;
+        ctx.async_events_nonblocking()?;
         let pd = Pd::new(&ctx)?;
         let chan = CompChannel::new(&ctx)?;
         let per_qp = cfg.max_outstanding_per_qp.min(port.max_qp_wr as usize);
@@ -112,7 +131,7 @@ impl RdmaTransport {
             flush_timeout: cfg.flush_timeout(),
             idle_timeout: cfg.idle_timeout(),
         };
-        let verbs = Arc::new(Verbs { cq, chan, pd, _ctx: ctx, port });
+        let verbs = Arc::new(Verbs { cq, chan, pd, ctx: ctx.clone(), port });
         let state = State { verbs: Some(verbs.clone()), ..Default::default() };
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
@@ -124,12 +143,26 @@ impl RdmaTransport {
             device,
             state: Mutex::new(state),
             tasks: Mutex::new(Vec::new()),
+            events_stop: Arc::new(AtomicBool::new(false)),
+            events_thread: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
+        // Async events are read (and acknowledged at once) on a thread of
+        // their own: `ibv_destroy_qp` waits until every event reported for
+        // the QP was acknowledged, so the reader must never wait behind a
+        // destroy running on a runtime worker.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let stop = inner.events_stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvmove-rdma-events".into())
+            .spawn(move || read_async_events(&ctx, &stop, &tx))
+            .map_err(|e| Error::new(ErrorKind::ResourceExhausted, format!("cannot start the async-event thread: {e}")))?;
+        *inner.events_thread.lock() = Some(thread);
         let poller = tokio::spawn(poller(weak.clone(), verbs.cq.clone(), verbs.chan.clone()));
         let reaper = tokio::spawn(reaper(weak.clone()));
+        let events = tokio::spawn(on_async_events(weak.clone(), rx));
         let server = tokio::spawn(crate::server::listen(weak, listener));
-        inner.tasks.lock().extend([poller, reaper, server]);
+        inner.tasks.lock().extend([poller, reaper, events, server]);
         Ok(Self { inner })
     }
 
@@ -147,7 +180,9 @@ impl RdmaTransport {
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
         // Background tasks hold only weak references; stopping them lets the
-        // state (QPs, MRs, CQ, PD, context) drop in order with `Inner`.
+        // state (QPs, MRs, CQ, PD, context) drop in order with `Inner`. The
+        // event thread ends within `EVENT_POLL_MS` and then lets the context go.
+        self.inner.events_stop.store(true, Ordering::Relaxed);
         for t in self.inner.tasks.lock().drain(..) {
             t.abort();
         }
@@ -204,6 +239,35 @@ async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel>) {
     }
 }
 
+/// The async-event thread: reads, acknowledges and forwards events until
+/// told to stop or nobody listens.
+fn read_async_events(ctx: &Context, stop: &AtomicBool, tx: &tokio::sync::mpsc::UnboundedSender<AsyncEvent>) {
+    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+        match ctx.next_async_event(EVENT_POLL_MS) {
+            Ok(Some(ev)) => {
+                if tx.send(ev).is_err() {
+                    return;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!("reading async events of {}: {e}", ctx.name());
+                std::thread::sleep(Duration::from_millis(EVENT_POLL_MS as u64));
+            }
+        }
+    }
+}
+
+/// Applies async events: a failed QP breaks its endpoint (or peer group);
+/// the port going down breaks everything on it and refuses new endpoints
+/// until it is active again; a device failure ends all work for good.
+async fn on_async_events(weak: Weak<Inner>, mut rx: tokio::sync::mpsc::UnboundedReceiver<AsyncEvent>) {
+    while let Some(ev) = rx.recv().await {
+        let Some(inner) = weak.upgrade() else { return };
+        inner.on_async_event(ev);
+    }
+}
+
 async fn reaper(weak: Weak<Inner>) {
     let period = {
         let Some(inner) = weak.upgrade() else { return };
@@ -223,6 +287,87 @@ async fn reaper(weak: Weak<Inner>) {
 }
 
 impl Inner {
+    fn on_async_event(&self, ev: AsyncEvent) {
+        let dev = &self.device;
+        let port = self.cfg.port;
+        let grave = {
+            let mut st = self.state.lock();
+            let mut g = Graveyard::default();
+            match ev {
+                AsyncEvent::QpError { qpn, what } => {
+                    tracing::warn!("{dev}: queue pair {qpn} failed ({what})");
+                    let why = Error::new(ErrorKind::ConnectionReset, format!("queue pair {qpn} failed ({what})"));
+                    st.break_qp(qpn, why, &mut g);
+                }
+                AsyncEvent::PortError { port: p } if p == port => {
+                    tracing::warn!("{dev}: port {p} went down; breaking every endpoint on it");
+                    st.port_down = true;
+                    st.break_all(&link_down(dev, port), &mut g);
+                }
+                AsyncEvent::PortActive { port: p } if p == port => {
+                    tracing::info!("{dev}: port {p} is active again");
+                    st.port_down = false;
+                }
+                AsyncEvent::CqError => {
+                    tracing::error!("{dev}: completion queue overrun; breaking every endpoint");
+                    let why = Error::new(ErrorKind::ConnectionReset, "completion queue overrun (completions lost)");
+                    st.break_all(&why, &mut g);
+                }
+                AsyncEvent::DeviceFatal => {
+                    tracing::error!("{dev}: device failed (IBV_EVENT_DEVICE_FATAL)");
+                    st.device_failed = true;
+                    st.break_all(&device_failed(dev), &mut g);
+                }
+                other => tracing::debug!("{dev}: async event {other:?}"),
+            }
+            g
+        };
+        drop(grave);
+    }
+
+    /// Refuses new endpoints while the port is down (re-reading the port
+    /// state, so a missed PORT_ACTIVE event cannot wedge it) or the device
+    /// has failed.
+    pub(crate) fn link_usable(&self) -> Result<()> {
+        let (down, failed, v) = {
+            let st = self.state.lock();
+            (st.port_down, st.device_failed, st.verbs.clone())
+        };
+        if failed {
+            return Err(device_failed(&self.device));
+        }
+        if !down {
+            return Ok(());
+        }
+        let v = v.ok_or_else(shut)?;
+        if v.ctx.port_active(self.cfg.port).unwrap_or(false) {
+            self.state.lock().port_down = false;
+            return Ok(());
+        }
+        Err(link_down(&self.device, self.cfg.port))
+    }
+
+    /// Polls the CQ until it is empty, applying what it finds; returns how
+    /// many completions there were. Safe to call from any task: the poller
+    /// and busy-polling waiters share the CQ (ibv_poll_cq is thread-safe).
+    fn drain_cq(&self, buf: &mut Vec<crate::verbs::Completion>) -> usize {
+        let Some(v) = self.state.lock().verbs.clone() else { return 0 };
+        let mut total = 0;
+        loop {
+            match v.cq.poll(buf, 32) {
+                Ok(0) => return total,
+                Ok(n) => {
+                    total += n;
+                    self.on_completions(buf);
+                }
+                Err(e) => {
+                    tracing::error!("{e}");
+                    return total;
+                }
+            }
+        }
+    }
+
     fn on_completions(&self, cs: &[crate::verbs::Completion]) {
         let grave = {
             let mut st = self.state.lock();
@@ -335,6 +480,7 @@ impl Inner {
             }
             s.desc.name.clone()
         };
+        self.link_usable()?;
         self.reserve_slot().await?;
         let r = self.build_endpoint(seg, &name).await;
         let mut st = self.state.lock();
@@ -814,6 +960,11 @@ impl Transport for RdmaTransport {
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
+        // Busy-poll first (bounded by `busy_poll_us`): a small transfer's
+        // completion is then seen here, without a wakeup through the
+        // completion channel and the poller task.
+        let spin_until = Instant::now() + self.inner.cfg.busy_poll();
+        let mut buf = Vec::new();
         loop {
             let notify = {
                 let st = self.inner.state.lock();
@@ -827,6 +978,14 @@ impl Transport for RdmaTransport {
                 }
                 b.notify.clone()
             };
+            if Instant::now() < spin_until {
+                if buf.capacity() == 0 {
+                    buf.reserve(32);
+                }
+                self.inner.drain_cq(&mut buf);
+                tokio::task::yield_now().await;
+                continue;
+            }
             let _ = tokio::time::timeout(Duration::from_millis(2), notify.notified()).await;
         }
     }
@@ -901,6 +1060,12 @@ impl Transport for RdmaTransport {
         }
         for t in tasks {
             let _ = t.await;
+        }
+        inner.events_stop.store(true, Ordering::Relaxed);
+        let thread = inner.events_thread.lock().take();
+        if let Some(th) = thread {
+            // Ends within EVENT_POLL_MS; joined off the runtime's workers.
+            let _ = tokio::task::spawn_blocking(move || th.join()).await;
         }
         let (grave, verbs) = {
             let mut st = inner.state.lock();

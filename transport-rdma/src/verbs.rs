@@ -52,6 +52,18 @@ pub(crate) fn check<R: VerbsRet>(verb: &'static str, ret: R) -> Result<R::Ok, Ve
     ret.into_result(verb)
 }
 
+/// Makes a descriptor owned by a verbs object non-blocking.
+fn set_nonblocking(fd: c_int) -> Result<(), VerbsError> {
+    // SAFETY: `fd` is an open descriptor of a live verbs object; F_GETFL
+    // takes no pointer.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if fl < 0 {
+        return Err(VerbsError::last("fcntl(F_GETFL)"));
+    }
+    // SAFETY: as above; F_SETFL takes an int.
+    check("fcntl(F_SETFL)", unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) })
+}
+
 fn log_release(verb: &'static str, rc: c_int) {
     if let Err(e) = check(verb, rc) {
         tracing::warn!("{e}");
@@ -190,6 +202,109 @@ impl Context {
     }
 }
 
+/// An asynchronous event of the device, copied out of `ibv_async_event`
+/// (already acknowledged, so destroying the object it names never waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AsyncEvent {
+    /// A QP broke by itself (`what` names the event).
+    QpError { qpn: u32, what: &'static str },
+    /// The port went down (link lost).
+    PortError { port: u8 },
+    /// The port is active again.
+    PortActive { port: u8 },
+    /// A CQ overran: completions were lost, so every QP on it is suspect.
+    CqError,
+    /// The device failed or is being removed; nothing on it works.
+    DeviceFatal,
+    /// Anything else (informational), with its `ibv_event_type` value.
+    Other(u32),
+}
+
+impl Context {
+    /// Makes the context's async-event descriptor non-blocking (so a
+    /// reader can wait on it with a timeout and stop).
+    pub(crate) fn async_events_nonblocking(&self) -> Result<(), VerbsError> {
+        set_nonblocking(self.async_fd())
+    }
+
+    fn async_fd(&self) -> c_int {
+        // SAFETY: the context is open; `async_fd` is a plain field.
+        unsafe { (*self.ctx.as_ptr()).async_fd }
+    }
+
+    /// Waits up to `timeout_ms` for the next asynchronous event and
+    /// acknowledges it; `Ok(None)` if none came.
+    pub(crate) fn next_async_event(&self, timeout_ms: c_int) -> Result<Option<AsyncEvent>, VerbsError> {
+        use ffi::ibv_event_type as T;
+        let mut pfd = libc::pollfd { fd: self.async_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: `pfd` is one valid pollfd; the fd stays open (we hold the context).
+        let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        if n < 0 {
+            let e = VerbsError::last("poll(async_fd)");
+            return if e.errno == libc::EINTR { Ok(None) } else { Err(e) };
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let mut ev = std::mem::MaybeUninit::<ffi::ibv_async_event>::zeroed();
+        // SAFETY: the context is open and `ev` is a valid out-pointer; the
+        // descriptor is non-blocking, so this returns at once.
+        let rc = unsafe { ffi::ibv_get_async_event(self.ctx.as_ptr(), ev.as_mut_ptr()) };
+        if rc != 0 {
+            let e = VerbsError::last("ibv_get_async_event");
+            return if e.errno == libc::EAGAIN || e.errno == libc::EINTR { Ok(None) } else { Err(e) };
+        }
+        let p = ev.as_mut_ptr();
+        // SAFETY: filled by ibv_get_async_event. The type is read as its raw
+        // integer so that a value this binding does not know is not an
+        // invalid Rust enum.
+        let kind = unsafe { ptr::addr_of!((*p).event_type).cast::<u32>().read() };
+        let is = |t: T| kind == t as u32;
+        let qp_error = |what| {
+            // SAFETY: for QP events the union holds the QP, which cannot be
+            // destroyed before this event is acknowledged (below).
+            let qpn = unsafe { (*(*p).element.qp).qp_num };
+            AsyncEvent::QpError { qpn, what }
+        };
+        let out = if is(T::IBV_EVENT_QP_FATAL) {
+            qp_error("IBV_EVENT_QP_FATAL")
+        } else if is(T::IBV_EVENT_QP_REQ_ERR) {
+            qp_error("IBV_EVENT_QP_REQ_ERR")
+        } else if is(T::IBV_EVENT_QP_ACCESS_ERR) {
+            qp_error("IBV_EVENT_QP_ACCESS_ERR")
+        } else if is(T::IBV_EVENT_PATH_MIG_ERR) {
+            qp_error("IBV_EVENT_PATH_MIG_ERR")
+        } else if is(T::IBV_EVENT_PORT_ERR) || is(T::IBV_EVENT_PORT_ACTIVE) {
+            // SAFETY: for port events the union holds the port number.
+            let port = unsafe { (*p).element.port_num }.clamp(0, 255) as u8;
+            if is(T::IBV_EVENT_PORT_ERR) {
+                AsyncEvent::PortError { port }
+            } else {
+                AsyncEvent::PortActive { port }
+            }
+        } else if is(T::IBV_EVENT_CQ_ERR) {
+            AsyncEvent::CqError
+        } else if is(T::IBV_EVENT_DEVICE_FATAL) {
+            AsyncEvent::DeviceFatal
+        } else {
+            AsyncEvent::Other(kind)
+        };
+        // SAFETY: `ev` came from ibv_get_async_event and is acknowledged
+        // exactly once; nothing reads its element afterwards.
+        unsafe { ffi::ibv_ack_async_event(p) };
+        Ok(Some(out))
+    }
+
+    /// Whether `port` is ACTIVE now.
+    pub(crate) fn port_active(&self, port: u8) -> Result<bool, VerbsError> {
+        // SAFETY: ibv_port_attr is a plain C struct for which all-zero is valid.
+        let mut pa: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `pa` is a valid out-pointer of the right size.
+        check("ibv_query_port", unsafe { ffi::___ibv_query_port(self.ctx.as_ptr(), port, &mut pa) })?;
+        Ok(pa.state == ffi::ibv_port_state::IBV_PORT_ACTIVE)
+    }
+}
+
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: opened by ibv_open_device, closed once; every child holds
@@ -244,14 +359,7 @@ impl CompChannel {
         // SAFETY: `ctx` is open and outlives the channel (held below).
         let ch = check("ibv_create_comp_channel", unsafe { ffi::ibv_create_comp_channel(ctx.ctx.as_ptr()) })?;
         let me = Arc::new(CompChannel { ch, _ctx: ctx.clone() });
-        let fd = me.fd();
-        // SAFETY: `fd` is the channel's open descriptor; F_GETFL takes no pointer.
-        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        if fl < 0 {
-            return Err(VerbsError::last("fcntl(F_GETFL)"));
-        }
-        // SAFETY: as above; F_SETFL takes an int.
-        check("fcntl(F_SETFL)", unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) })?;
+        set_nonblocking(me.fd())?;
         Ok(me)
     }
 
