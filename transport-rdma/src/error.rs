@@ -98,6 +98,11 @@ pub(crate) fn completion_error(status: u32, vendor_err: u32) -> Error {
         S::IBV_WC_REM_OP_ERR => (ErrorKind::ConnectionReset, "remote operation error"),
         S::IBV_WC_REM_ABORT_ERR => (ErrorKind::ConnectionReset, "remote aborted"),
         S::IBV_WC_FATAL_ERR => (ErrorKind::ConnectionReset, "fatal device error"),
+        S::IBV_WC_LOC_QP_OP_ERR => (
+            ErrorKind::ConnectionReset,
+            "local QP operation error (it could not send: link down or no route to the peer)",
+        ),
+        S::IBV_WC_LOC_LEN_ERR => (ErrorKind::Protocol, "local length error (a work request exceeded a limit)"),
         _ => (ErrorKind::ConnectionReset, "work completion error"),
     };
     Error::new(kind, what).with("wc_status", status).with("vendor_err", vendor_err)
@@ -124,5 +129,7 @@ mod tests {
         assert_eq!(completion_error(S::IBV_WC_REM_ACCESS_ERR, 0).kind(), ErrorKind::AccessDenied);
         assert!(!completion_error(S::IBV_WC_REM_ACCESS_ERR, 0).is_transient());
         assert!(completion_error(99, 0).is_transient());
+        let e = completion_error(S::IBV_WC_LOC_QP_OP_ERR, 0);
+        assert!(e.is_transient() && e.message().contains("link down"), "{e}");
     }
 }

@@ -90,7 +90,10 @@ fn link_down(dev: &str, port: u8) -> Error {
 }
 
 fn device_failed(dev: &str) -> Error {
-    Error::new(ErrorKind::Shutdown, format!("RDMA device {dev} failed (IBV_EVENT_DEVICE_FATAL); recreate the transport"))
+    Error::new(
+        ErrorKind::Shutdown,
+        format!("RDMA device {dev} failed (IBV_EVENT_DEVICE_FATAL); recreate the transport"),
+    )
 }
 
 fn bad_segment(s: SegmentId) -> Error {
@@ -156,7 +159,9 @@ impl RdmaTransport {
         let thread = std::thread::Builder::new()
             .name("kvmove-rdma-events".into())
             .spawn(move || read_async_events(&ctx, &stop, &tx))
-            .map_err(|e| Error::new(ErrorKind::ResourceExhausted, format!("cannot start the async-event thread: {e}")))?;
+            .map_err(|e| {
+                Error::new(ErrorKind::ResourceExhausted, format!("cannot start the async-event thread: {e}"))
+            })?;
         *inner.events_thread.lock() = Some(thread);
         let poller = tokio::spawn(poller(weak.clone(), verbs.cq.clone(), verbs.chan.clone()));
         let reaper = tokio::spawn(reaper(weak.clone()));

@@ -1,14 +1,26 @@
 //! The conformance suite against the RDMA backend, on a real device (the
 //! soft-RoCE VM of scripts/rdma-tests.sh where there is no hardware).
 //!
-//! Nodes are transports in this process on the test device. `kill` shuts
-//! the node's transport down (its QPs are destroyed, so peers' work fails
-//! with a transport error and their side channels close); `restart` starts
-//! a new transport (new generation) on the same side-channel address. `cut`
-//! and `stall` are not supported (one soft-RoCE device has no per-peer link
-//! to cut): those cases are reported as ignored, never passed. The OS
-//! probe is the kernel's own count of this process's QPs, CQs, MRs and PDs
-//! (`rdma resource`), so cases run one at a time.
+//! Nodes are transports in this process. `kill` shuts the node's
+//! transport down (its QPs are destroyed, so peers' work fails with a
+//! transport error and their side channels close); `restart` starts a new
+//! transport (new generation) on the same side-channel address and device.
+//! The OS probe is the kernel's own count of this process's QPs, CQs, MRs
+//! and PDs (`rdma resource`), so cases run one at a time.
+//!
+//! Link faults need links that may be faulted: the soft-RoCE VM
+//! (scripts/rxe-vm) names them in RDMA_TEST_FAULT_LINKS ("rxe0:rv0:rvb0
+//! ..."; device, its netdev, its bridge port). There each node gets a
+//! device of its own, so traffic between nodes crosses the bridge, and
+//! * `cut` takes the node's link down and up again (`ip link`): its port
+//!   reports IBV_EVENT_PORT_ERR, it drops every QP on it, peers see their
+//!   side channels close; new connections work once the port is active;
+//! * `stall` drops every packet to and from the node's device (netem
+//!   `loss 100%` on its netdev and its bridge port) until resumed; QPs
+//!   stay up and retransmit (the ACK timeout below outlasts the stalls).
+//!
+//! Elsewhere (a real NIC is never faulted) `cut` and `stall` are
+//! unsupported and those cases are reported ignored, never passed.
 //!
 //! Without an RDMA device every case is reported ignored (with a loud
 //! line), unless RDMA_REQUIRED=1 or RXE_VM=1, where that is a failure
@@ -18,6 +30,8 @@
 mod common;
 
 use std::any::Any;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -26,30 +40,90 @@ use conformance::{Harness, Node, NodeOptions};
 use transport_core::{Error, ErrorKind, Result, Transport};
 use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 
+/// A device whose link the harness may fault.
+#[derive(Debug, Clone)]
+struct Link {
+    device: String,
+    netdev: String,
+    bridge_port: String,
+}
+
+/// RDMA_TEST_FAULT_LINKS, set only by the soft-RoCE VM.
+fn fault_links() -> Vec<Link> {
+    let v = std::env::var("RDMA_TEST_FAULT_LINKS").unwrap_or_default();
+    v.split_whitespace()
+        .filter_map(|l| {
+            let mut it = l.split(':');
+            let (d, n, b) = (it.next()?, it.next()?, it.next()?);
+            Some(Link { device: d.into(), netdev: n.into(), bridge_port: b.into() })
+        })
+        .collect()
+}
+
 #[derive(Debug, Default)]
-struct RdmaHarness;
+struct RdmaHarness {
+    links: Vec<Link>,
+    next: AtomicUsize,
+}
 
 struct State {
     transport: Weak<RdmaTransport>,
+    link: Option<Link>,
 }
 
-fn cfg(opts: &NodeOptions, listen: String) -> RdmaConfig {
+fn cfg(opts: &NodeOptions, listen: String, device: Option<String>) -> RdmaConfig {
+    let base = common::config();
     RdmaConfig {
         listen,
+        device: device.or(base.device),
         max_endpoints: opts.max_endpoints,
         idle_timeout_ms: opts.idle_timeout.as_millis().max(1) as u64,
-        ..common::config()
+        // ~0.5 s ACK timeout x 7 retries: a stalled QP retransmits for ~4 s
+        // before it gives up, longer than any stall of the suite.
+        ack_timeout: 17,
+        retry_count: 7,
+        ..base
     }
 }
 
-async fn make(opts: &NodeOptions, listen: String) -> Result<Node> {
+/// Runs a command of the fault tooling (`ip`, `tc`); its failure is the
+/// case's failure, with the command's own words.
+fn sh(args: &[&str]) -> Result<()> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| Error::new(ErrorKind::Io, format!("{}: {e}", args.join(" "))))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Io,
+        format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()),
+    ))
+}
+
+/// Waits (bounded) until `device`'s port 1 is in `state` ("ACTIVE", "DOWN").
+async fn port_state(device: &str, state: &str) -> Result<()> {
+    let path = format!("/sys/class/infiniband/{device}/ports/1/state");
+    for _ in 0..500 {
+        if std::fs::read_to_string(&path).is_ok_and(|s| s.contains(state)) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err(Error::new(ErrorKind::Timeout, format!("{device} port 1 did not become {state} within 5 s")))
+}
+
+async fn make(opts: &NodeOptions, listen: String, link: Option<Link>) -> Result<Node> {
     let mut last = None;
     // A restarted node rebinds the old address; give the old socket a moment.
     for _ in 0..100 {
-        match RdmaTransport::new(cfg(opts, listen.clone())).await {
+        let device = link.as_ref().map(|l| l.device.clone());
+        match RdmaTransport::new(cfg(opts, listen.clone(), device)).await {
             Ok(t) => {
                 let t = Arc::new(t);
-                let st: Arc<dyn Any + Send + Sync> = Arc::new(State { transport: Arc::downgrade(&t) });
+                let st: Arc<dyn Any + Send + Sync> =
+                    Arc::new(State { transport: Arc::downgrade(&t), link: link.clone() });
                 return Ok(Node { name: t.local_segment_name(), transport: t, state: st });
             }
             Err(e) if e.kind() == ErrorKind::Io || e.kind() == ErrorKind::ResourceExhausted => {
@@ -69,32 +143,58 @@ impl Harness for RdmaHarness {
     }
 
     async fn node(&self, opts: &NodeOptions) -> Result<Node> {
-        make(opts, "127.0.0.1:0".into()).await
+        // One device per node (round robin), so nodes talk across the bridge.
+        let link = match self.links.len() {
+            0 => None,
+            n => Some(self.links[self.next.fetch_add(1, Ordering::Relaxed) % n].clone()),
+        };
+        make(opts, "127.0.0.1:0".into(), link).await
     }
 
     async fn kill(&self, node: &Node) -> Result<bool> {
-        let st = node.state.downcast_ref::<State>().ok_or_else(|| Error::new(ErrorKind::Internal, "foreign node"))?;
-        if let Some(t) = st.transport.upgrade() {
+        if let Some(t) = state(node)?.transport.upgrade() {
             t.shutdown().await?;
         }
         Ok(true)
     }
 
     async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node> {
-        make(opts, node.name.clone()).await
+        make(opts, node.name.clone(), state(node)?.link.clone()).await
     }
 
-    async fn cut(&self, _to: &Node) -> Result<bool> {
-        Ok(false)
+    async fn cut(&self, to: &Node) -> Result<bool> {
+        let Some(l) = &state(to)?.link else { return Ok(false) };
+        sh(&["ip", "link", "set", &l.netdev, "down"])?;
+        port_state(&l.device, "DOWN").await?;
+        // The node sees IBV_EVENT_PORT_ERR and drops its QPs; give its
+        // event handler a moment before the link returns.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        sh(&["ip", "link", "set", &l.netdev, "up"])?;
+        port_state(&l.device, "ACTIVE").await?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        Ok(true)
     }
 
-    async fn stall(&self, _to: &Node, _on: bool) -> Result<bool> {
-        Ok(false)
+    async fn stall(&self, to: &Node, on: bool) -> Result<bool> {
+        let Some(l) = &state(to)?.link else { return Ok(false) };
+        for dev in [&l.netdev, &l.bridge_port] {
+            if on {
+                sh(&["tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%"])?;
+            } else {
+                // Nothing to delete is fine (a resume without a stall).
+                let _ = sh(&["tc", "qdisc", "del", "dev", dev, "root"]);
+            }
+        }
+        Ok(true)
     }
 
     fn os_probe(&self) -> Option<Vec<(String, u64)>> {
         Some(common::my_counts().into_iter().collect())
     }
+}
+
+fn state(node: &Node) -> Result<&State> {
+    node.state.downcast_ref::<State>().ok_or_else(|| Error::new(ErrorKind::Internal, "foreign node"))
 }
 
 fn main() {
@@ -106,7 +206,11 @@ fn main() {
     // CONFORMANCE_STRICT alone does not demand a device: on a machine
     // without one, scripts/rdma-tests.sh runs this suite in the VM instead.
     let required = flag("RDMA_REQUIRED") || flag("RXE_VM");
-    let trials = conformance::trials(|| RdmaHarness);
+    let links = fault_links();
+    if have && links.is_empty() {
+        eprintln!("rdma conformance: no RDMA_TEST_FAULT_LINKS (not the soft-RoCE VM): cut/stall cases are ignored");
+    }
+    let trials = conformance::trials(move || RdmaHarness { links: links.clone(), next: AtomicUsize::new(0) });
     let trials = if have {
         trials
     } else if required {

@@ -363,10 +363,25 @@ fn start_peer(listen: &str) -> (Child, String) {
     panic!("peer exited without printing its name");
 }
 
+/// Churn cycles (RDMA_CHURN_CYCLES, default 200), bounded to 300 s; at
+/// least 100 (or all asked for) must run.
+fn churn_cycles() -> (usize, usize, Duration) {
+    let want = std::env::var("RDMA_CHURN_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(200usize);
+    (want, want.min(100), Duration::from_secs(300))
+}
+
+/// The field failure: a peer process SIGKILLed and restarted on the same
+/// port, hundreds of times, while a task keeps transferring to it (two
+/// handles) and to a second peer. The kernel's QP count of this process
+/// never exceeds max_endpoints x qps_per_endpoint, every failure is
+/// transient, each incarnation of the peer is reached by a transfer, and
+/// the count is back at its baseline after close.
 fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
-    run("churn_killed_and_restarted_peer_never_grows_kernel_qps", 400, async {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    run("churn_killed_and_restarted_peer_never_grows_kernel_qps", 600, async {
         const MAX_EP: usize = 2;
         const QPS: usize = 2;
+        let (want, at_least, limit) = churn_cycles();
         let base_qp = my_qps();
         let cfg = RdmaConfig { max_endpoints: MAX_EP, qps_per_endpoint: QPS, ..config() };
         let client = Arc::new(transport(cfg).await);
@@ -375,53 +390,94 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let listen = format!("127.0.0.1:{port}");
         let (mut peer, name) = start_peer(&listen);
-        // Two handles to the same peer, plus one to a second peer, to keep
+        // Two handles to the churned peer, plus one to a second peer, keep
         // the store at its bound.
         let (mut other, other_name) = start_peer("127.0.0.1:0");
         let seg = client.open_segment(&name).await.unwrap();
         let seg2 = client.open_segment(&name).await.unwrap();
         let seg3 = client.open_segment(&other_name).await.unwrap();
-        let mut max_seen = 0;
-        let mut failures = 0;
-        for round in 0..6 {
-            for s in [seg, seg2, seg3] {
-                // Address from the handle's (possibly refreshed) descriptor.
-                let d = client.segment_descriptor(s).unwrap();
-                let addr = d.regions[0].addr;
-                let b = client
-                    .submit(vec![TransferRequest::write(lid, 0, s, addr, 1 << 16)], SubmitOptions::default())
-                    .await;
-                match b {
-                    Ok(b) => {
-                        let st = wait(&*client, b).await;
-                        if let Some(e) = st.first_error() {
-                            assert!(e.is_transient(), "round {round}: a dead or restarted peer is transient: {e}");
-                            failures += 1;
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let reached = Arc::new(AtomicU64::new(0)); // successes to the churned peer
+        let failures = Arc::new(AtomicU64::new(0));
+        let transfers = Arc::new(AtomicU64::new(0));
+        let max_seen = Arc::new(AtomicU64::new(0));
+        let worker = {
+            let (client, stop, reached, failures, transfers, max_seen) =
+                (client.clone(), stop.clone(), reached.clone(), failures.clone(), transfers.clone(), max_seen.clone());
+            tokio::spawn(async move {
+                while !stop.load(Relaxed) {
+                    for s in [seg, seg2, seg3] {
+                        // Address from the handle's (possibly refreshed) descriptor.
+                        let addr = client.segment_descriptor(s).unwrap().regions[0].addr;
+                        let req = TransferRequest::write(lid, 0, s, addr, 1 << 16);
+                        let opts = SubmitOptions::with_timeout(Duration::from_secs(10));
+                        let err = match client.submit(vec![req], opts).await {
+                            Ok(b) => {
+                                let st = wait(&*client, b).await;
+                                client.release(b).unwrap();
+                                st.first_error().cloned()
+                            }
+                            Err(e) => Some(e),
+                        };
+                        transfers.fetch_add(1, Relaxed);
+                        match err {
+                            None if s != seg3 => _ = reached.fetch_add(1, Relaxed),
+                            None => {}
+                            Some(e) => {
+                                assert!(e.is_transient(), "a dead or restarted peer is a transient failure: {e}");
+                                failures.fetch_add(1, Relaxed);
+                            }
                         }
-                        client.release(b).unwrap();
+                        assert!(client.stats().endpoints <= MAX_EP);
                     }
-                    Err(e) => {
-                        assert!(e.is_transient(), "round {round}: {e}");
-                        failures += 1;
-                    }
+                    // The kernel's count once per round (each read runs `rdma`).
+                    let q = my_qps().saturating_sub(base_qp);
+                    max_seen.fetch_max(q, Relaxed);
+                    assert!(q as usize <= MAX_EP * QPS, "{q} kernel QPs > {MAX_EP} x {QPS}");
                 }
-                let q = my_qps() - base_qp;
-                max_seen = max_seen.max(q);
-                assert!(q as usize <= MAX_EP * QPS, "round {round}: {q} kernel QPs > {MAX_EP} x {QPS}");
-                assert!(client.stats().endpoints <= MAX_EP);
-            }
-            // Kill the first peer abruptly and start it again on the same port.
+            })
+        };
+        let start = std::time::Instant::now();
+        let mut cycles = 0;
+        let (mut in_start, mut in_reach) = (Duration::ZERO, Duration::ZERO);
+        while cycles < want && start.elapsed() < limit && !worker.is_finished() {
+            // Each incarnation is reached by a transfer before it is killed.
+            let before = reached.load(Relaxed);
+            let t = std::time::Instant::now();
+            assert!(
+                eventually(Duration::from_secs(30), || reached.load(Relaxed) > before || worker.is_finished()).await,
+                "cycle {cycles}: no transfer reached the restarted peer in 30 s"
+            );
+            in_reach += t.elapsed();
             peer.kill().unwrap();
             peer.wait().unwrap();
+            let t = std::time::Instant::now();
             let (p, n) = start_peer(&listen);
+            in_start += t.elapsed();
+            let q = my_qps().saturating_sub(base_qp);
+            max_seen.fetch_max(q, Relaxed);
+            assert!(q as usize <= MAX_EP * QPS, "cycle {cycles}: {q} kernel QPs > {MAX_EP} x {QPS}");
             assert_eq!(n, name);
             peer = p;
+            cycles += 1;
         }
+        stop.store(true, Relaxed);
+        if let Err(e) = worker.await {
+            std::panic::resume_unwind(e.into_panic());
+        }
+        let took = start.elapsed();
         eprintln!(
-            "churn: max kernel QPs above baseline {max_seen} (bound {}), {failures} transient failures",
+            "churn: {cycles} kill/restart cycles in {took:.1?}, {} transfers ({} failed, all transient); \
+             kernel QPs above baseline {base_qp}: max {} (bound {}); peer starts took {in_start:.1?}, \
+             reaching each new peer {in_reach:.1?}",
+            transfers.load(Relaxed),
+            failures.load(Relaxed),
+            max_seen.load(Relaxed),
             MAX_EP * QPS
         );
-        assert!(failures > 0, "killing the peer must have failed some transfers");
+        assert!(cycles >= at_least, "only {cycles} cycles in {limit:?} (want at least {at_least})");
+        assert!(failures.load(Relaxed) > 0, "killing the peer must have failed some transfers");
         for s in [seg, seg2, seg3] {
             client.close_segment(s).await.unwrap();
         }
@@ -436,6 +492,98 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
         let _ = peer.wait();
         let _ = other.wait();
         client.shutdown().await.unwrap();
+    });
+}
+
+/// Brings a link back up however the test ends.
+struct LinkUp<'a>(&'a str);
+
+impl Drop for LinkUp<'_> {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "set", self.0, "up"]).status();
+    }
+}
+
+fn ip_link(netdev: &str, state: &str) {
+    let st = Command::new("ip").args(["link", "set", netdev, state]).status().expect("run `ip`");
+    assert!(st.success(), "ip link set {netdev} {state} failed");
+}
+
+fn port_is(device: &str, state: &str) -> bool {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
+}
+
+/// A link taken down in the middle of a transfer (`ip link set <netdev>
+/// down` on the initiator's device): the batch ends with a transient
+/// error, its endpoint is destroyed (stats and the kernel's QP count back
+/// at baseline), new transfers fail fast and transiently while the link
+/// is down, and once it is up again the next transfer completes byte-exact.
+/// Needs faultable links (the soft-RoCE VM's RDMA_TEST_FAULT_LINKS).
+fn link_down_mid_transfer_fails_transiently_and_frees_the_endpoint() {
+    run("link_down_mid_transfer_fails_transiently_and_frees_the_endpoint", 300, async {
+        let links = fault_links();
+        let (dev_c, netdev) = links[0].clone();
+        let dev_s = links[1 % links.len()].0.clone();
+        const LEN: usize = 64 << 20;
+        const SLICE: u64 = 1 << 20;
+        let server = transport(RdmaConfig { device: Some(dev_s), ..config() }).await;
+        let client = transport(RdmaConfig { device: Some(dev_c.clone()), ..config() }).await;
+        let base_qp = my_qps();
+        let remote = Buffer::new(LEN).unwrap();
+        server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(LEN, 21);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let raddr = remote.addr();
+        let write = |off: u64, len: u64| TransferRequest::write(lid, off, seg, raddr + off, len);
+        let b = client.submit(vec![write(0, 4096)], SubmitOptions::default()).await.unwrap();
+        assert_eq!(wait(&client, b).await.state, BatchState::Completed);
+        client.release(b).unwrap();
+        let with_ep = my_qps();
+
+        let reqs: Vec<_> = (0..LEN as u64 / SLICE).map(|i| write(i * SLICE, SLICE)).collect();
+        let b = client.submit(reqs, SubmitOptions::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let _up = LinkUp(&netdev);
+        ip_link(&netdev, "down");
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Failed, "a batch cut by a link failure ended {:?}", st.state);
+        let e = st.first_error().unwrap();
+        assert!(e.is_transient() && e.kind() == ErrorKind::ConnectionReset, "link down: {e}");
+        let done = st.requests.iter().filter(|r| matches!(r, RequestStatus::Completed)).count();
+        eprintln!("link down: {done} of {} requests had completed; first error: {e}", st.requests.len());
+        client.release(b).unwrap();
+        assert!(
+            eventually(Duration::from_secs(10), || client.stats().endpoints == 0 && my_qps() < with_ep).await,
+            "the endpoint of the failed link was not freed: {:?}, kernel QPs {} (with it {with_ep})",
+            client.stats(),
+            my_qps()
+        );
+
+        // While the link is down: a transient error, fast, that says why.
+        let t0 = std::time::Instant::now();
+        let e = match client.submit(vec![write(0, 4096)], SubmitOptions::default()).await {
+            Err(e) => e,
+            Ok(b) => {
+                let st = wait(&client, b).await;
+                client.release(b).unwrap();
+                st.first_error().cloned().expect("a transfer over a down link failed")
+            }
+        };
+        assert!(e.is_transient() && e.to_string().contains("link down"), "while the link is down: {e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "a down link took {:?} to report", t0.elapsed());
+
+        ip_link(&netdev, "up");
+        assert!(eventually(Duration::from_secs(10), || port_is(&dev_c, "ACTIVE")).await, "{dev_c} did not come back");
+        let b = client.submit(vec![write(0, LEN as u64)], SubmitOptions::default()).await.unwrap();
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Completed, "after the link returned: {:?}", st.first_error());
+        client.release(b).unwrap();
+        assert!(remote.to_vec() == local.to_vec(), "bytes after the link returned");
+        client.close_segment(seg).await.unwrap();
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+        assert!(eventually(Duration::from_secs(5), || my_qps() <= base_qp).await, "kernel QPs {}", my_qps());
     });
 }
 
@@ -516,7 +664,7 @@ fn main() {
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 9] = [
         ("write_and_read_are_byte_exact", write_and_read_are_byte_exact),
         ("bad_input_is_rejected_with_the_right_kind", bad_input_is_rejected_with_the_right_kind),
         ("close_and_shutdown_release_kernel_objects", close_and_shutdown_release_kernel_objects),
@@ -537,11 +685,20 @@ fn main() {
             churn_killed_and_restarted_peer_never_grows_kernel_qps,
         ),
         ("random_mixed_batches_are_byte_exact", random_mixed_batches_are_byte_exact),
+        (
+            "link_down_mid_transfer_fails_transiently_and_frees_the_endpoint",
+            link_down_mid_transfer_fails_transiently_and_frees_the_endpoint,
+        ),
     ];
     let have = device_or_skip("rdma tests");
+    let faults = !fault_links().is_empty();
+    if have && !faults {
+        eprintln!("SKIPPED link_down_*: no RDMA_TEST_FAULT_LINKS (only the soft-RoCE VM's links are faulted)");
+    }
     let trials = tests
         .into_iter()
         .map(|(name, f)| {
+            let runnable = have && (faults || !name.starts_with("link_down"));
             libtest_mimic::Trial::test(name, move || {
                 std::panic::catch_unwind(f).map_err(|e| {
                     let msg =
@@ -549,7 +706,7 @@ fn main() {
                     libtest_mimic::Failed::from(msg.unwrap_or_else(|| "panicked".into()))
                 })
             })
-            .with_ignored_flag(!have)
+            .with_ignored_flag(!runnable)
         })
         .collect();
     libtest_mimic::run(&args, trials).exit()

@@ -23,6 +23,19 @@ pub fn device_or_skip(test: &str) -> bool {
     false
 }
 
+/// Devices whose links the tests may fault, with their netdevs, from
+/// RDMA_TEST_FAULT_LINKS ("rxe0:rv0:rvb0 ..."), which only the soft-RoCE
+/// VM sets (a real NIC is never taken down).
+pub fn fault_links() -> Vec<(String, String)> {
+    let v = std::env::var("RDMA_TEST_FAULT_LINKS").unwrap_or_default();
+    v.split_whitespace()
+        .filter_map(|l| {
+            let mut it = l.split(':');
+            Some((it.next()?.to_string(), it.next()?.to_string()))
+        })
+        .collect()
+}
+
 /// A config on the test device (RDMA_TEST_DEVICE, else the first one).
 pub fn config() -> RdmaConfig {
     RdmaConfig {
