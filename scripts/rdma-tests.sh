@@ -7,7 +7,9 @@
 # * If this machine has an RDMA device (/sys/class/infiniband/* exists) the
 #   test binaries run here, directly.
 # * Otherwise they are built here (cargo test --no-run) and run inside a
-#   soft-RoCE VM by scripts/rxe-vm (qemu TCG, rdma_rxe on a dummy netdev).
+#   soft-RoCE VM by scripts/rxe-vm (qemu TCG; rdma_rxe devices rxe0..rxe2 on
+#   veth links joined by a bridge, which the tests fault: link down, netem
+#   stalls).
 # * If neither is possible it prints "RDMA SUITE SKIPPED: <reason>" and
 #   exits 0, unless CI=true or RDMA_STRICT=1: then it exits 1 (CI never
 #   skips).

@@ -4,21 +4,112 @@
 //!
 //!   rdma_bench bw  <page-bytes> <seconds>   # prints MiB/s
 //!   rdma_bench lat <page-bytes> <iterations> # prints p50/p99 of one write, submit to completed
+//!   rdma_bench pingpong <bytes> <iterations> # ib_write_lat's method: half a write ping-pong
 //!
 //! scripts/rdma-bench.sh runs it beside ib_write_bw / ib_write_lat and
 //! prints the ratios. Device: RDMA_TEST_DEVICE, else the first one.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use transport_core::{Access, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_core::{Access, BatchId, Buffer, SubmitOptions, TransferRequest, Transport};
 use transport_rdma::{RdmaConfig, RdmaTransport};
 
+type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
 fn usage() -> ! {
-    eprintln!("usage: rdma_bench bw|lat <page-bytes> <seconds|iterations>");
+    eprintln!("usage: rdma_bench bw|lat|pingpong <page-bytes> <seconds|iterations>");
     std::process::exit(2)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// Waits for and releases a finished batch, failing on its error.
+async fn reap(t: &RdmaTransport, b: Option<BatchId>) -> Result<(), BoxErr> {
+    let Some(b) = b else { return Ok(()) };
+    let st = t.wait(b).await?;
+    t.release(b)?;
+    match st.first_error() {
+        Some(e) => Err(e.clone().into()),
+        None => Ok(()),
+    }
+}
+
+/// Spins (yielding) until the last byte of `inbox` is `want`.
+async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
+    let mut last = [0u8; 1];
+    let at = inbox.len() - 1;
+    let start = Instant::now();
+    loop {
+        inbox.read_at(at, &mut last)?;
+        if last[0] == want {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err("ping-pong: no arrival in 10 s".into());
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// ib_write_lat's measurement with our API: A writes `size` bytes into B's
+/// inbox (the last byte carries the iteration), B sees it in its memory
+/// and writes back, A sees that. Latency = half of A's round trip; each
+/// side reaps its previous write's completion off the timed path's end.
+async fn pingpong(cfg: RdmaConfig, size: u64, n: u64) -> Result<Vec<f64>, BoxErr> {
+    let a = Arc::new(RdmaTransport::new(cfg.clone()).await?);
+    let b = Arc::new(RdmaTransport::new(cfg).await?);
+    let side = |t: &RdmaTransport| -> Result<(Buffer, Buffer, transport_core::RegionId), BoxErr> {
+        let inbox = Buffer::new(size as usize)?;
+        t.register(inbox.region(), Access::REMOTE_RW)?;
+        let outbox = Buffer::new(size as usize)?;
+        let out = t.register(outbox.region(), Access::LOCAL)?;
+        Ok((inbox, outbox, out))
+    };
+    let (in_a, out_a, oa) = side(&a)?;
+    let (in_b, out_b, ob) = side(&b)?;
+    let to_b = a.open_segment(&b.local_segment_name()).await?;
+    let to_a = b.open_segment(&a.local_segment_name()).await?;
+    let w_ab = TransferRequest::write(oa, 0, to_b, in_b.addr(), size);
+    let w_ba = TransferRequest::write(ob, 0, to_a, in_a.addr(), size);
+    let total = n + 20;
+    let responder = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            let mut prev = None;
+            for i in 1..=total {
+                arrival(&in_b, i as u8).await?;
+                out_b.write_at(out_b.len() - 1, &[i as u8])?;
+                let id = b.submit(vec![w_ba], SubmitOptions::default()).await?;
+                reap(&b, prev.replace(id)).await?;
+            }
+            reap(&b, prev).await
+        })
+    };
+    let mut lat = Vec::with_capacity(n as usize);
+    let mut prev = None;
+    for i in 1..=total {
+        let t0 = Instant::now();
+        out_a.write_at(out_a.len() - 1, &[i as u8])?;
+        let id = a.submit(vec![w_ab], SubmitOptions::default()).await?;
+        arrival(&in_a, i as u8).await?;
+        let rtt = t0.elapsed();
+        reap(&a, prev.replace(id)).await?;
+        if i > 20 {
+            lat.push(rtt.as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    reap(&a, prev).await?;
+    responder.await??;
+    a.shutdown().await?;
+    b.shutdown().await?;
+    Ok(lat)
+}
+
+fn pct(lat: &mut [f64], p: f64) -> f64 {
+    lat.sort_by(f64::total_cmp);
+    lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)]
+}
+
+fn main() -> Result<(), BoxErr> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 4 {
         usage();
@@ -28,6 +119,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let cfg = RdmaConfig { device: std::env::var("RDMA_TEST_DEVICE").ok(), ..RdmaConfig::default() };
+        if args[1] == "pingpong" {
+            let mut lat = pingpong(cfg, size.max(1), n.max(1)).await?;
+            let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
+            println!("ours write_pingpong size={size} p50_us={p50:.1} p99_us={p99:.1}");
+            return Ok(());
+        }
         let server = RdmaTransport::new(cfg.clone()).await?;
         let client = RdmaTransport::new(cfg).await?;
         let total = (32u64 << 20).max(size * 16);
@@ -79,14 +176,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         lat.push(dt.as_secs_f64() * 1e6);
                     }
                 }
-                lat.sort_by(f64::total_cmp);
-                let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
-                println!("ours write_lat size={size} p50_us={:.1} p99_us={:.1}", pct(0.5), pct(0.99));
+                let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
+                println!("ours write_lat size={size} p50_us={p50:.1} p99_us={p99:.1}");
             }
             _ => usage(),
         }
         client.shutdown().await?;
         server.shutdown().await?;
-        Ok::<_, Box<dyn std::error::Error>>(())
+        Ok::<_, BoxErr>(())
     })
 }

@@ -13,6 +13,7 @@
 //! that has moved on.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -78,6 +79,31 @@ pub(crate) struct Endpoint {
     /// breaks the endpoint at once instead of after the QP retry timeout.
     /// Aborted (closing the socket, which frees the peer's half) on drop.
     pub watcher: Option<AbortHandle>,
+    /// Its place under `max_endpoints`, given back only after the QPs above
+    /// were destroyed (fields drop in order), so the kernel's QP count
+    /// never exceeds max_endpoints x qps_per_endpoint, not even while a
+    /// replacement is being built.
+    pub _slot: EndpointSlot,
+}
+
+/// One of `max_endpoints` places, held from the start of an endpoint's
+/// build until its QPs are destroyed.
+#[derive(Debug)]
+pub(crate) struct EndpointSlot(Arc<AtomicUsize>);
+
+impl EndpointSlot {
+    /// Takes a place if fewer than `max` are held.
+    pub(crate) fn try_take(held: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| EndpointSlot(held.clone()))
+    }
+}
+
+impl Drop for EndpointSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Drop for Endpoint {
@@ -194,8 +220,9 @@ pub(crate) struct State {
     pub endpoints: HashMap<u64, Endpoint>,
     /// Live (unbroken) endpoint of each segment handle.
     pub seg_ep: HashMap<SegmentId, u64>,
-    /// Endpoint builds in progress (they hold a slot of `max_endpoints`).
-    pub connecting: usize,
+    /// Places under `max_endpoints` held by live, dying and connecting
+    /// endpoints (see [`EndpointSlot`]).
+    pub slots: Arc<AtomicUsize>,
     pub batches: HashMap<BatchId, Batch>,
     pub wrs: HashMap<u64, WrRef>,
     pub passive: HashMap<u64, PassiveConn>,

@@ -17,7 +17,9 @@ use transport_core::{
 };
 
 use crate::config::RdmaConfig;
-use crate::state::{Batch, Endpoint, Graveyard, Limits, LocalRegion, QpSlot, Req, Segment, Slice, State, Verbs};
+use crate::state::{
+    Batch, Endpoint, EndpointSlot, Graveyard, Limits, LocalRegion, QpSlot, Req, Segment, Slice, State, Verbs,
+};
 use crate::verbs::{AsyncEvent, CompChannel, Context, Cq, Mr, Pd, Qp, QpTiming, RemoteQp};
 use crate::wire::{self, QpInfo, Reply, Request};
 
@@ -486,11 +488,10 @@ impl Inner {
             s.desc.name.clone()
         };
         self.link_usable()?;
-        self.reserve_slot().await?;
-        let r = self.build_endpoint(seg, &name).await;
+        let slot = self.reserve_slot().await?;
+        // On failure the QPs built so far are destroyed before `slot` goes.
+        let (ep, peer) = self.build_endpoint(seg, &name, slot).await?;
         let mut st = self.state.lock();
-        st.connecting = st.connecting.saturating_sub(1);
-        let (ep, peer) = r?;
         if st.shutdown {
             return Err(shut());
         }
@@ -513,42 +514,45 @@ impl Inner {
     /// idle endpoint if the store is full. If every endpoint is busy (or
     /// still flushing), waits up to `handshake_timeout_ms` for one to go
     /// idle, then fails with `ResourceExhausted` (transient).
-    async fn reserve_slot(&self) -> Result<()> {
+    async fn reserve_slot(&self) -> Result<EndpointSlot> {
         let start = Instant::now();
         loop {
-            let grave;
-            {
+            let grave = {
                 let mut st = self.state.lock();
                 let mut g = Graveyard::default();
+                // Reaped endpoints give their places back once destroyed
+                // (below, outside the lock); look again after that.
                 st.reap(&self.lim, false, &mut g);
-                if st.endpoints.len() + st.connecting < self.cfg.max_endpoints {
-                    st.connecting += 1;
-                    return Ok(());
-                }
-                let lru = st
-                    .endpoints
-                    .iter()
-                    .filter(|(_, e)| e.broken_at.is_none() && e.idle())
-                    .min_by_key(|(_, e)| e.last_used)
-                    .map(|(id, _)| *id);
-                match lru {
-                    Some(id) => st.destroy_endpoint_now(id, &mut g),
-                    // Busy endpoints go idle when their work completes and
-                    // broken ones when they have flushed: wait, bounded.
-                    None if start.elapsed() < self.cfg.handshake_timeout() => {}
-                    None => {
-                        return Err(Error::new(
-                            ErrorKind::ResourceExhausted,
-                            format!(
-                                "endpoint store full: {} endpoints, all busy for {:?}",
-                                self.cfg.max_endpoints,
-                                self.cfg.handshake_timeout()
-                            ),
-                        ))
+                if g.is_empty() {
+                    if let Some(slot) = EndpointSlot::try_take(&st.slots, self.cfg.max_endpoints) {
+                        return Ok(slot);
+                    }
+                    let lru = st
+                        .endpoints
+                        .iter()
+                        .filter(|(_, e)| e.broken_at.is_none() && e.idle())
+                        .min_by_key(|(_, e)| e.last_used)
+                        .map(|(id, _)| *id);
+                    match lru {
+                        Some(id) => st.destroy_endpoint_now(id, &mut g),
+                        // Busy endpoints go idle when their work completes,
+                        // broken ones when they have flushed, dying ones
+                        // when their QPs are destroyed: wait, bounded.
+                        None if start.elapsed() < self.cfg.handshake_timeout() => {}
+                        None => {
+                            return Err(Error::new(
+                                ErrorKind::ResourceExhausted,
+                                format!(
+                                    "endpoint store full: {} endpoints, all busy for {:?}",
+                                    self.cfg.max_endpoints,
+                                    self.cfg.handshake_timeout()
+                                ),
+                            ))
+                        }
                     }
                 }
-                grave = g;
-            }
+                g
+            };
             let wait = !grave.is_empty();
             drop(grave);
             if !wait {
@@ -557,7 +561,12 @@ impl Inner {
         }
     }
 
-    async fn build_endpoint(&self, seg: SegmentId, name: &str) -> Result<(Endpoint, SegmentDescriptor)> {
+    async fn build_endpoint(
+        &self,
+        seg: SegmentId,
+        name: &str,
+        slot: EndpointSlot,
+    ) -> Result<(Endpoint, SegmentDescriptor)> {
         let v = self.verbs()?;
         let qps = self.new_qps(&v, self.cfg.qps_per_endpoint)?;
         let hello = Request::Connect {
@@ -607,6 +616,7 @@ impl Inner {
             broken_at: None,
             stream: Some(stream.into_inner()),
             watcher: None,
+            _slot: slot,
         };
         Ok((ep, desc))
     }

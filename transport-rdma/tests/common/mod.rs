@@ -86,12 +86,25 @@ fn tid_is_ours(tid: u64, pid: u32) -> bool {
 /// The kernel's count of RDMA objects of `kind` (`qp`, `cq`, `pd`, `mr`)
 /// owned by process `pid`, from `rdma -j resource show <kind>`.
 pub fn kernel_count(kind: &str, pid: u32) -> u64 {
+    count_where(kind, |tid| tid_is_ours(tid, pid))
+}
+
+/// Like [`kernel_count`], but only objects created by a live thread of
+/// this process: exact for tests whose threads all outlive the count
+/// (the churn test, where killed peers' objects, whose creators are gone,
+/// may linger in the kernel's table for a moment).
+pub fn my_live_qps() -> u64 {
+    let pid = std::process::id();
+    count_where("qp", |tid| std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists())
+}
+
+fn count_where(kind: &str, ours: impl Fn(u64) -> bool) -> u64 {
     let out = Command::new("rdma").args(["-j", "resource", "show", kind]).output().expect("run `rdma` (iproute2)");
     assert!(out.status.success(), "rdma resource show {kind}: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or(serde_json::Value::Array(vec![]));
     let arr = v.as_array().cloned().unwrap_or_default();
-    arr.iter().filter(|e| e.get("pid").and_then(|p| p.as_u64()).is_some_and(|t| tid_is_ours(t, pid))).count() as u64
+    arr.iter().filter(|e| e.get("pid").and_then(|p| p.as_u64()).is_some_and(&ours)).count() as u64
 }
 
 pub fn my_qps() -> u64 {
