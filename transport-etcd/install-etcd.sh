@@ -2,13 +2,17 @@
 # Installs what transport-etcd needs on a Debian machine, where missing:
 #   - etcd-server       (/usr/bin/etcd): the real server its tests start;
 #   - protobuf-compiler (/usr/bin/protoc): etcd-client's build script compiles
-#     etcd's .proto files, so building the crate at all needs it.
+#     etcd's .proto files, so building the crate at all needs it;
+#   - libprotobuf-dev (/usr/include/google/protobuf/*.proto): the well-known
+#     types those files import (only a recommendation of protobuf-compiler,
+#     so --no-install-recommends leaves them out).
 # Non-interactive and quiet; safe to run again. Needs root (or sudo).
 set -euo pipefail
 
 need=()
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 if [ "${#need[@]}" -eq 0 ]; then
     exit 0
 fi

@@ -458,7 +458,12 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
             in_start += t.elapsed();
             let q = my_live_qps().saturating_sub(base_qp);
             max_seen.fetch_max(q, Relaxed);
-            assert!(q as usize <= MAX_EP * QPS, "cycle {cycles}: {q} kernel QPs > {MAX_EP} x {QPS}");
+            assert!(
+                q as usize <= MAX_EP * QPS,
+                "cycle {cycles}: {q} kernel QPs > {MAX_EP} x {QPS}; {:?}\n{}",
+                client.stats(),
+                qp_table()
+            );
             assert_eq!(n, name);
             peer = p;
             cycles += 1;

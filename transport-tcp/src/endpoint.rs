@@ -417,19 +417,10 @@ impl Endpoint {
             let mut used = 0;
             let mut staged = 0usize;
             let mut streamed = None;
-            let (b, i, off, len, g) = first;
-            match self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
-                Staged::Skipped => self.lanes[lane].window.add_permits(1),
-                Staged::Inline => staged += 1,
-                Staged::Stream { batch, req, local_off, len } => {
-                    staged += 1;
-                    streamed = Some((batch, req, local_off, len));
-                }
-            }
-            while streamed.is_none() && used < COALESCE {
-                let Ok(p) = self.lanes[lane].window.try_acquire() else { break };
-                let Some((b, i, off, len, g)) = self.take_slice() else { break };
-                p.forget();
+            // Stage the first slice, then coalesce more while the window
+            // has room, up to COALESCE bytes or a slice that must stream.
+            let mut next = Some(first);
+            while let Some((b, i, off, len, g)) = next.take() {
                 match self.stage(lane, b, i, off, len, g, &mut buf, &mut used) {
                     Staged::Skipped => self.lanes[lane].window.add_permits(1),
                     Staged::Inline => staged += 1,
@@ -437,6 +428,14 @@ impl Endpoint {
                         staged += 1;
                         streamed = Some((batch, req, local_off, len));
                     }
+                }
+                if streamed.is_some() || used >= COALESCE {
+                    break;
+                }
+                let Ok(p) = self.lanes[lane].window.try_acquire() else { break };
+                next = self.take_slice();
+                if next.is_some() {
+                    p.forget();
                 }
             }
             if staged == 0 {

@@ -104,7 +104,26 @@ fn count_where(kind: &str, ours: impl Fn(u64) -> bool) -> u64 {
     let text = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or(serde_json::Value::Array(vec![]));
     let arr = v.as_array().cloned().unwrap_or_default();
-    arr.iter().filter(|e| e.get("pid").and_then(|p| p.as_u64()).is_some_and(&ours)).count() as u64
+    // One object per (device, id): a dump that races with changes can
+    // list an object twice (seen: a QP once in RESET, once in INIT).
+    let mut seen = std::collections::HashSet::new();
+    arr.iter()
+        .filter(|e| e.get("pid").and_then(|p| p.as_u64()).is_some_and(&ours))
+        .filter(|e| {
+            let id = ["lqpn", "cqn", "mrn", "pdn"].iter().find_map(|k| e.get(*k)).map(ToString::to_string);
+            seen.insert((e.get("ifname").map(ToString::to_string), id.unwrap_or_else(|| e.to_string())))
+        })
+        .count() as u64
+}
+
+/// The kernel's QP table as `rdma resource show qp` prints it, with this
+/// process's thread ids (for failure messages).
+pub fn qp_table() -> String {
+    let out = Command::new("rdma").args(["resource", "show", "qp"]).output().map(|o| o.stdout).unwrap_or_default();
+    let tids: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    format!("{}(our threads: {})", String::from_utf8_lossy(&out), tids.join(" "))
 }
 
 pub fn my_qps() -> u64 {
