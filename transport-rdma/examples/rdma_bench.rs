@@ -9,7 +9,6 @@
 //! scripts/rdma-bench.sh runs it beside ib_write_bw / ib_write_lat and
 //! prints the ratios. Device: RDMA_TEST_DEVICE, else the first one.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use transport_core::{Access, BatchId, Buffer, SubmitOptions, TransferRequest, Transport};
@@ -53,54 +52,69 @@ async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
 /// ib_write_lat's measurement with our API: A writes `size` bytes into B's
 /// inbox (the last byte carries the iteration), B sees it in its memory
 /// and writes back, A sees that. Latency = half of A's round trip; each
-/// side reaps its previous write's completion off the timed path's end.
-async fn pingpong(cfg: RdmaConfig, size: u64, n: u64) -> Result<Vec<f64>, BoxErr> {
-    let a = Arc::new(RdmaTransport::new(cfg.clone()).await?);
-    let b = Arc::new(RdmaTransport::new(cfg).await?);
-    let side = |t: &RdmaTransport| -> Result<(Buffer, Buffer, transport_core::RegionId), BoxErr> {
+/// side reaps its previous write's completion after the timed path. Like
+/// perftest's two processes, each side runs alone on its own thread (a
+/// current-thread runtime each), so neither waits for the other's CPU.
+fn pingpong(cfg: RdmaConfig, size: u64, n: u64) -> Result<Vec<f64>, BoxErr> {
+    use std::sync::mpsc::channel;
+    let total = n + 20;
+    // Names and inbox addresses cross between the two sides over channels.
+    let (to_a, from_b) = channel::<(String, u64)>();
+    let (to_b, from_a) = channel::<(String, u64)>();
+    let side = move |t: &RdmaTransport| -> Result<(Buffer, Buffer, transport_core::RegionId), BoxErr> {
         let inbox = Buffer::new(size as usize)?;
         t.register(inbox.region(), Access::REMOTE_RW)?;
         let outbox = Buffer::new(size as usize)?;
         let out = t.register(outbox.region(), Access::LOCAL)?;
         Ok((inbox, outbox, out))
     };
-    let (in_a, out_a, oa) = side(&a)?;
-    let (in_b, out_b, ob) = side(&b)?;
-    let to_b = a.open_segment(&b.local_segment_name()).await?;
-    let to_a = b.open_segment(&a.local_segment_name()).await?;
-    let w_ab = TransferRequest::write(oa, 0, to_b, in_b.addr(), size);
-    let w_ba = TransferRequest::write(ob, 0, to_a, in_a.addr(), size);
-    let total = n + 20;
-    let responder = {
-        let b = b.clone();
-        tokio::spawn(async move {
+    let current = || tokio::runtime::Builder::new_current_thread().enable_all().build();
+    let cfg_b = cfg.clone();
+    let responder = std::thread::spawn(move || -> Result<(), BoxErr> {
+        current()?.block_on(async move {
+            let b = RdmaTransport::new(cfg_b).await?;
+            let (in_b, out_b, ob) = side(&b)?;
+            to_a.send((b.local_segment_name(), in_b.addr()))?;
+            let (name_a, in_a) = from_a.recv()?;
+            let seg = b.open_segment(&name_a).await?;
+            let w = TransferRequest::write(ob, 0, seg, in_a, size);
             let mut prev = None;
             for i in 1..=total {
                 arrival(&in_b, i as u8).await?;
                 out_b.write_at(out_b.len() - 1, &[i as u8])?;
-                let id = b.submit(vec![w_ba], SubmitOptions::default()).await?;
+                let id = b.submit(vec![w], SubmitOptions::default()).await?;
                 reap(&b, prev.replace(id)).await?;
             }
-            reap(&b, prev).await
+            reap(&b, prev).await?;
+            b.shutdown().await?;
+            Ok(())
         })
-    };
-    let mut lat = Vec::with_capacity(n as usize);
-    let mut prev = None;
-    for i in 1..=total {
-        let t0 = Instant::now();
-        out_a.write_at(out_a.len() - 1, &[i as u8])?;
-        let id = a.submit(vec![w_ab], SubmitOptions::default()).await?;
-        arrival(&in_a, i as u8).await?;
-        let rtt = t0.elapsed();
-        reap(&a, prev.replace(id)).await?;
-        if i > 20 {
-            lat.push(rtt.as_secs_f64() * 1e6 / 2.0);
+    });
+    let lat = current()?.block_on(async move {
+        let a = RdmaTransport::new(cfg).await?;
+        let (in_a, out_a, oa) = side(&a)?;
+        to_b.send((a.local_segment_name(), in_a.addr()))?;
+        let (name_b, in_b) = from_b.recv()?;
+        let seg = a.open_segment(&name_b).await?;
+        let w = TransferRequest::write(oa, 0, seg, in_b, size);
+        let mut lat = Vec::with_capacity(n as usize);
+        let mut prev = None;
+        for i in 1..=total {
+            let t0 = Instant::now();
+            out_a.write_at(out_a.len() - 1, &[i as u8])?;
+            let id = a.submit(vec![w], SubmitOptions::default()).await?;
+            arrival(&in_a, i as u8).await?;
+            let rtt = t0.elapsed();
+            reap(&a, prev.replace(id)).await?;
+            if i > 20 {
+                lat.push(rtt.as_secs_f64() * 1e6 / 2.0);
+            }
         }
-    }
-    reap(&a, prev).await?;
-    responder.await??;
-    a.shutdown().await?;
-    b.shutdown().await?;
+        reap(&a, prev).await?;
+        a.shutdown().await?;
+        Ok::<_, BoxErr>(lat)
+    })?;
+    responder.join().map_err(|_| "responder thread panicked")??;
     Ok(lat)
 }
 
@@ -116,15 +130,16 @@ fn main() -> Result<(), BoxErr> {
     }
     let size: u64 = args[2].parse().unwrap_or_else(|_| usage());
     let n: u64 = args[3].parse().unwrap_or_else(|_| usage());
+    if args[1] == "pingpong" {
+        let cfg = RdmaConfig { device: std::env::var("RDMA_TEST_DEVICE").ok(), ..RdmaConfig::default() };
+        let mut lat = pingpong(cfg, size.max(1), n.max(1))?;
+        let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
+        println!("ours write_pingpong size={size} p50_us={p50:.1} p99_us={p99:.1}");
+        return Ok(());
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let cfg = RdmaConfig { device: std::env::var("RDMA_TEST_DEVICE").ok(), ..RdmaConfig::default() };
-        if args[1] == "pingpong" {
-            let mut lat = pingpong(cfg, size.max(1), n.max(1)).await?;
-            let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
-            println!("ours write_pingpong size={size} p50_us={p50:.1} p99_us={p99:.1}");
-            return Ok(());
-        }
         let server = RdmaTransport::new(cfg.clone()).await?;
         let client = RdmaTransport::new(cfg).await?;
         let total = (32u64 << 20).max(size * 16);
