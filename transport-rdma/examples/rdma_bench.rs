@@ -32,15 +32,22 @@ async fn reap(t: &RdmaTransport, b: Option<BatchId>) -> Result<(), BoxErr> {
     }
 }
 
-/// Spins (yielding) until the last byte of `inbox` is `want`.
+/// Spins until the last byte of `inbox` is `want`, as ib_write_lat does
+/// (a tight loop over the memory), yielding to the runtime now and then.
 async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
     let mut last = [0u8; 1];
     let at = inbox.len() - 1;
+    let region = inbox.region();
     let start = Instant::now();
     loop {
-        inbox.read_at(at, &mut last)?;
-        if last[0] == want {
-            return Ok(());
+        for _ in 0..4096 {
+            // The NIC writes this memory: read it afresh every time.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            region.read_at(at, &mut last)?;
+            if last[0] == want {
+                return Ok(());
+            }
+            std::hint::spin_loop();
         }
         if start.elapsed() > Duration::from_secs(10) {
             return Err("ping-pong: no arrival in 10 s".into());
