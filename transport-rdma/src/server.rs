@@ -106,6 +106,7 @@ fn accept(inner: &Arc<Inner>, id: u64, gid: &str, lid: u16, mtu: u32, theirs: &[
         }
     }
     let v = inner.verbs()?;
+    let created = std::time::Instant::now();
     let qps = inner.new_qps(&v, theirs.len())?;
     let mtu = mtu.clamp(1, 5).min(v.port.active_mtu);
     for ((qp, psn), r) in qps.iter().zip(theirs) {
@@ -118,6 +119,6 @@ fn accept(inner: &Arc<Inner>, id: u64, gid: &str, lid: u16, mtu: u32, theirs: &[
     if st.shutdown {
         return Err(Error::new(ErrorKind::Shutdown, "shutting down"));
     }
-    st.passive.insert(id, PassiveConn { qps: qps.into_iter().map(|(q, _)| q).collect() });
+    st.passive.insert(id, PassiveConn { qps: qps.into_iter().map(|(q, _)| q).collect(), created });
     Ok(Reply::Connected { gid: wire::gid_hex(&v.port.gid), lid: v.port.lid, mtu, qps: info, descriptor })
 }

@@ -70,6 +70,8 @@ pub(crate) struct Endpoint {
     pub pending: VecDeque<Slice>,
     pub next_qp: usize,
     pub last_used: Instant,
+    /// When its QPs were created (async events read before that are not about it).
+    pub created: Instant,
     /// Set when the endpoint broke (QPs moved to ERROR): it is never used
     /// again and is destroyed once its posted work has flushed.
     pub broken_at: Option<Instant>,
@@ -179,6 +181,8 @@ impl Batch {
 #[derive(Debug)]
 pub(crate) struct PassiveConn {
     pub qps: Vec<Qp>,
+    /// When its QPs were created (async events read before that are not about it).
+    pub created: Instant,
 }
 
 /// Things to destroy after the lock is released.
@@ -431,29 +435,39 @@ impl State {
         }
     }
 
-    /// Breaks whatever owns QP number `qpn` (an async event said it
-    /// failed): our endpoint, or a peer's QP group (dropped, which closes
-    /// its side channel so the peer breaks its half at once).
-    pub(crate) fn break_qp(&mut self, qpn: u32, why: Error, grave: &mut Graveyard) {
-        let ep = self.endpoints.iter().find(|(_, e)| e.qps.iter().any(|q| q.qp.qpn() == qpn)).map(|(id, _)| *id);
+    /// Breaks whatever owns QP number `qpn` (an async event read at `at`
+    /// said it failed): our endpoint, or a peer's QP group (dropped, which
+    /// closes its side channel so the peer breaks its half at once). A QP
+    /// created after `at` is a newer one that reuses the number: untouched.
+    pub(crate) fn break_qp(&mut self, qpn: u32, at: Instant, why: Error, grave: &mut Graveyard) {
+        let ep = self
+            .endpoints
+            .iter()
+            .find(|(_, e)| e.created <= at && e.qps.iter().any(|q| q.qp.qpn() == qpn))
+            .map(|(id, _)| *id);
         if let Some(ep) = ep {
             self.break_endpoint(ep, why, grave);
             return;
         }
-        let passive = self.passive.iter().find(|(_, p)| p.qps.iter().any(|q| q.qpn() == qpn)).map(|(id, _)| *id);
+        let passive = self
+            .passive
+            .iter()
+            .find(|(_, p)| p.created <= at && p.qps.iter().any(|q| q.qpn() == qpn))
+            .map(|(id, _)| *id);
         if let Some(id) = passive {
             self.drop_passive(id, grave);
         }
     }
 
-    /// Breaks every endpoint and drops every peer QP group (port down,
-    /// device failure, lost completions).
-    pub(crate) fn break_all(&mut self, why: &Error, grave: &mut Graveyard) {
-        let ids: Vec<u64> = self.endpoints.keys().copied().collect();
+    /// Breaks every endpoint and drops every peer QP group that existed at
+    /// `at` (port down, device failure, lost completions); ones built since
+    /// (after the port came back) are left alone.
+    pub(crate) fn break_all(&mut self, at: Instant, why: &Error, grave: &mut Graveyard) {
+        let ids: Vec<u64> = self.endpoints.iter().filter(|(_, e)| e.created <= at).map(|(id, _)| *id).collect();
         for id in ids {
             self.break_endpoint(id, why.clone(), grave);
         }
-        let ids: Vec<u64> = self.passive.keys().copied().collect();
+        let ids: Vec<u64> = self.passive.iter().filter(|(_, p)| p.created <= at).map(|(id, _)| *id).collect();
         for id in ids {
             self.drop_passive(id, grave);
         }

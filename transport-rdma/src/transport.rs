@@ -30,6 +30,13 @@ const FIXED_TASKS: usize = 4;
 /// How often the async-event thread checks whether it should stop.
 const EVENT_POLL_MS: i32 = 100;
 
+/// How much of the CQ a call of [`Inner::drain_cq`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    All,
+    Chunk,
+}
+
 pub(crate) struct Inner {
     pub cfg: RdmaConfig,
     pub lim: Limits,
@@ -39,6 +46,8 @@ pub(crate) struct Inner {
     pub device: String,
     pub state: Mutex<State>,
     pub tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// Held across polling the CQ and applying what was polled.
+    cq_lock: Mutex<()>,
     /// Stops the async-event thread (it checks every `EVENT_POLL_MS`).
     events_stop: Arc<AtomicBool>,
     events_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -148,6 +157,7 @@ impl RdmaTransport {
             device,
             state: Mutex::new(state),
             tasks: Mutex::new(Vec::new()),
+            cq_lock: Mutex::new(()),
             events_stop: Arc::new(AtomicBool::new(false)),
             events_thread: Mutex::new(None),
         });
@@ -218,16 +228,9 @@ async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel>) {
         if let Err(e) = cq.arm() {
             tracing::warn!("{e}");
         }
-        loop {
+        {
             let Some(inner) = weak.upgrade() else { return };
-            match cq.poll(&mut buf, 32) {
-                Ok(0) => break,
-                Ok(_) => inner.on_completions(&buf),
-                Err(e) => {
-                    tracing::error!("{e}");
-                    break;
-                }
-            }
+            inner.drain_cq(&mut buf, Drain::All);
         }
         match &afd {
             Some(afd) => {
@@ -248,17 +251,30 @@ async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel>) {
 
 /// The async-event thread: reads, acknowledges and forwards events until
 /// told to stop or nobody listens.
-fn read_async_events(ctx: &Context, stop: &AtomicBool, tx: &tokio::sync::mpsc::UnboundedSender<AsyncEvent>) {
+/// Each event is stamped with the time it was read, so that it only
+/// touches objects that existed then (a late PORT_ERR must not break an
+/// endpoint built after the link came back). The thread ends after a
+/// device failure, or when the device's event file stops working.
+fn read_async_events(ctx: &Context, stop: &AtomicBool, tx: &tokio::sync::mpsc::UnboundedSender<(AsyncEvent, Instant)>) {
+    let mut errors = 0;
     while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
         match ctx.next_async_event(EVENT_POLL_MS) {
             Ok(Some(ev)) => {
-                if tx.send(ev).is_err() {
+                if tx.send((ev, Instant::now())).is_err() || ev == AsyncEvent::DeviceFatal {
                     return;
                 }
+                errors = 0;
             }
             Ok(None) => {}
             Err(e) => {
-                tracing::error!("reading async events of {}: {e}", ctx.name());
+                errors += 1;
+                if errors == 1 {
+                    tracing::error!("reading async events of {}: {e}", ctx.name());
+                }
+                if matches!(e.errno, libc::EIO | libc::ENODEV) || errors >= 10 {
+                    tracing::error!("{}: no more async events will be read ({e})", ctx.name());
+                    return;
+                }
                 std::thread::sleep(Duration::from_millis(EVENT_POLL_MS as u64));
             }
         }
@@ -268,10 +284,10 @@ fn read_async_events(ctx: &Context, stop: &AtomicBool, tx: &tokio::sync::mpsc::U
 /// Applies async events: a failed QP breaks its endpoint (or peer group);
 /// the port going down breaks everything on it and refuses new endpoints
 /// until it is active again; a device failure ends all work for good.
-async fn on_async_events(weak: Weak<Inner>, mut rx: tokio::sync::mpsc::UnboundedReceiver<AsyncEvent>) {
-    while let Some(ev) = rx.recv().await {
+async fn on_async_events(weak: Weak<Inner>, mut rx: tokio::sync::mpsc::UnboundedReceiver<(AsyncEvent, Instant)>) {
+    while let Some((ev, at)) = rx.recv().await {
         let Some(inner) = weak.upgrade() else { return };
-        inner.on_async_event(ev);
+        inner.on_async_event(ev, at);
     }
 }
 
@@ -294,7 +310,8 @@ async fn reaper(weak: Weak<Inner>) {
 }
 
 impl Inner {
-    fn on_async_event(&self, ev: AsyncEvent) {
+    /// Applies `ev`, read at `at`, to the objects that existed then.
+    fn on_async_event(&self, ev: AsyncEvent, at: Instant) {
         let dev = &self.device;
         let port = self.cfg.port;
         let grave = {
@@ -304,12 +321,12 @@ impl Inner {
                 AsyncEvent::QpError { qpn, what } => {
                     tracing::warn!("{dev}: queue pair {qpn} failed ({what})");
                     let why = Error::new(ErrorKind::ConnectionReset, format!("queue pair {qpn} failed ({what})"));
-                    st.break_qp(qpn, why, &mut g);
+                    st.break_qp(qpn, at, why, &mut g);
                 }
                 AsyncEvent::PortError { port: p } if p == port => {
                     tracing::warn!("{dev}: port {p} went down; breaking every endpoint on it");
                     st.port_down = true;
-                    st.break_all(&link_down(dev, port), &mut g);
+                    st.break_all(at, &link_down(dev, port), &mut g);
                 }
                 AsyncEvent::PortActive { port: p } if p == port => {
                     tracing::info!("{dev}: port {p} is active again");
@@ -318,12 +335,12 @@ impl Inner {
                 AsyncEvent::CqError => {
                     tracing::error!("{dev}: completion queue overrun; breaking every endpoint");
                     let why = Error::new(ErrorKind::ConnectionReset, "completion queue overrun (completions lost)");
-                    st.break_all(&why, &mut g);
+                    st.break_all(at, &why, &mut g);
                 }
                 AsyncEvent::DeviceFatal => {
                     tracing::error!("{dev}: device failed (IBV_EVENT_DEVICE_FATAL)");
                     st.device_failed = true;
-                    st.break_all(&device_failed(dev), &mut g);
+                    st.break_all(at, &device_failed(dev), &mut g);
                 }
                 other => tracing::debug!("{dev}: async event {other:?}"),
             }
@@ -354,11 +371,22 @@ impl Inner {
         Err(link_down(&self.device, self.cfg.port))
     }
 
-    /// Polls the CQ until it is empty, applying what it finds; returns how
-    /// many completions there were. Safe to call from any task: the poller
-    /// and busy-polling waiters share the CQ (ibv_poll_cq is thread-safe).
-    fn drain_cq(&self, buf: &mut Vec<crate::verbs::Completion>) -> usize {
+    /// Polls the CQ and applies what it finds, in CQ order: the poll and
+    /// the apply happen under `cq_lock`, so a busy-polling waiter and the
+    /// poller never apply completions out of order (a flush completion
+    /// must not overtake the error that caused it). `Drain::All` (the
+    /// poller) waits for the lock and empties the CQ; `Drain::Chunk` (a
+    /// busy-polling waiter) takes at most one chunk, and nothing if the
+    /// poller is at it. Returns how many completions were applied.
+    fn drain_cq(&self, buf: &mut Vec<crate::verbs::Completion>, how: Drain) -> usize {
         let Some(v) = self.state.lock().verbs.clone() else { return 0 };
+        let _order = match how {
+            Drain::All => self.cq_lock.lock(),
+            Drain::Chunk => match self.cq_lock.try_lock() {
+                Some(g) => g,
+                None => return 0,
+            },
+        };
         let mut total = 0;
         loop {
             match v.cq.poll(buf, 32) {
@@ -366,6 +394,9 @@ impl Inner {
                 Ok(n) => {
                     total += n;
                     self.on_completions(buf);
+                    if how == Drain::Chunk {
+                        return total;
+                    }
                 }
                 Err(e) => {
                     tracing::error!("{e}");
@@ -568,6 +599,7 @@ impl Inner {
         slot: EndpointSlot,
     ) -> Result<(Endpoint, SegmentDescriptor)> {
         let v = self.verbs()?;
+        let created = Instant::now();
         let qps = self.new_qps(&v, self.cfg.qps_per_endpoint)?;
         let hello = Request::Connect {
             gid: wire::gid_hex(&v.port.gid),
@@ -613,6 +645,7 @@ impl Inner {
             pending: Default::default(),
             next_qp: 0,
             last_used: Instant::now(),
+            created,
             broken_at: None,
             stream: Some(stream.into_inner()),
             watcher: None,
@@ -997,7 +1030,7 @@ impl Transport for RdmaTransport {
                 if buf.capacity() == 0 {
                     buf.reserve(32);
                 }
-                self.inner.drain_cq(&mut buf);
+                self.inner.drain_cq(&mut buf, Drain::Chunk);
                 tokio::task::yield_now().await;
                 continue;
             }
