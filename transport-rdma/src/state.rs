@@ -600,3 +600,20 @@ impl State {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_slots_are_bounded_and_given_back_on_drop() {
+        let held = Arc::new(AtomicUsize::new(0));
+        let a = EndpointSlot::try_take(&held, 2).expect("first place");
+        let b = EndpointSlot::try_take(&held, 2).expect("second place");
+        assert!(EndpointSlot::try_take(&held, 2).is_none(), "a third place under a bound of 2");
+        drop(a);
+        let c = EndpointSlot::try_take(&held, 2).expect("a place given back is free again");
+        drop((b, c));
+        assert_eq!(held.load(Ordering::Acquire), 0);
+    }
+}
