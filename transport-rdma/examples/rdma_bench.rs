@@ -64,65 +64,60 @@ async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
 /// current-thread runtime each), so neither waits for the other's CPU.
 fn pingpong(cfg: RdmaConfig, size: u64, n: u64) -> Result<Vec<f64>, BoxErr> {
     use std::sync::mpsc::channel;
-    let total = n + 20;
     // Names and inbox addresses cross between the two sides over channels.
-    let (to_a, from_b) = channel::<(String, u64)>();
-    let (to_b, from_a) = channel::<(String, u64)>();
-    let side = move |t: &RdmaTransport| -> Result<(Buffer, Buffer, transport_core::RegionId), BoxErr> {
+    let (to_a, from_b) = channel();
+    let (to_b, from_a) = channel();
+    let cfg_b = cfg.clone();
+    let responder = std::thread::spawn(move || pingpong_side(cfg_b, size, n, (to_a, from_a), false));
+    let lat = pingpong_side(cfg, size, n, (to_b, from_b), true)?;
+    responder.join().map_err(|_| "responder thread panicked")??;
+    Ok(lat)
+}
+
+type Introduction = (String, u64);
+
+/// One side of [`pingpong`] on its own current-thread runtime. The side
+/// that `starts` writes first and times each round trip (returned as
+/// half-round-trip latencies, warm-up excluded); the other answers.
+fn pingpong_side(
+    cfg: RdmaConfig,
+    size: u64,
+    n: u64,
+    (tell, hear): (std::sync::mpsc::Sender<Introduction>, std::sync::mpsc::Receiver<Introduction>),
+    starts: bool,
+) -> Result<Vec<f64>, BoxErr> {
+    const WARMUP: u64 = 20;
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async move {
+        let t = RdmaTransport::new(cfg).await?;
         let inbox = Buffer::new(size as usize)?;
         t.register(inbox.region(), Access::REMOTE_RW)?;
         let outbox = Buffer::new(size as usize)?;
         let out = t.register(outbox.region(), Access::LOCAL)?;
-        Ok((inbox, outbox, out))
-    };
-    let current = || tokio::runtime::Builder::new_current_thread().enable_all().build();
-    let cfg_b = cfg.clone();
-    let responder = std::thread::spawn(move || -> Result<(), BoxErr> {
-        current()?.block_on(async move {
-            let b = RdmaTransport::new(cfg_b).await?;
-            let (in_b, out_b, ob) = side(&b)?;
-            to_a.send((b.local_segment_name(), in_b.addr()))?;
-            let (name_a, in_a) = from_a.recv()?;
-            let seg = b.open_segment(&name_a).await?;
-            let w = TransferRequest::write(ob, 0, seg, in_a, size);
-            let mut prev = None;
-            for i in 1..=total {
-                arrival(&in_b, i as u8).await?;
-                out_b.write_at(out_b.len() - 1, &[i as u8])?;
-                let id = b.submit(vec![w], SubmitOptions::default()).await?;
-                reap(&b, prev.replace(id)).await?;
-            }
-            reap(&b, prev).await?;
-            b.shutdown().await?;
-            Ok(())
-        })
-    });
-    let lat = current()?.block_on(async move {
-        let a = RdmaTransport::new(cfg).await?;
-        let (in_a, out_a, oa) = side(&a)?;
-        to_b.send((a.local_segment_name(), in_a.addr()))?;
-        let (name_b, in_b) = from_b.recv()?;
-        let seg = a.open_segment(&name_b).await?;
-        let w = TransferRequest::write(oa, 0, seg, in_b, size);
+        tell.send((t.local_segment_name(), inbox.addr()))?;
+        let (peer, peer_inbox) = hear.recv()?;
+        let seg = t.open_segment(&peer).await?;
+        let w = TransferRequest::write(out, 0, seg, peer_inbox, size);
         let mut lat = Vec::with_capacity(n as usize);
         let mut prev = None;
-        for i in 1..=total {
+        for i in 1..=n + WARMUP {
             let t0 = Instant::now();
-            out_a.write_at(out_a.len() - 1, &[i as u8])?;
-            let id = a.submit(vec![w], SubmitOptions::default()).await?;
-            arrival(&in_a, i as u8).await?;
-            let rtt = t0.elapsed();
-            reap(&a, prev.replace(id)).await?;
-            if i > 20 {
-                lat.push(rtt.as_secs_f64() * 1e6 / 2.0);
+            if !starts {
+                arrival(&inbox, i as u8).await?;
             }
+            outbox.write_at(outbox.len() - 1, &[i as u8])?;
+            let id = t.submit(vec![w], SubmitOptions::default()).await?;
+            if starts {
+                arrival(&inbox, i as u8).await?;
+                if i > WARMUP {
+                    lat.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+                }
+            }
+            reap(&t, prev.replace(id)).await?;
         }
-        reap(&a, prev).await?;
-        a.shutdown().await?;
-        Ok::<_, BoxErr>(lat)
-    })?;
-    responder.join().map_err(|_| "responder thread panicked")??;
-    Ok(lat)
+        reap(&t, prev).await?;
+        t.shutdown().await?;
+        Ok(lat)
+    })
 }
 
 fn pct(lat: &mut [f64], p: f64) -> f64 {

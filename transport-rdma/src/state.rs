@@ -232,9 +232,6 @@ pub(crate) struct State {
     pub passive: HashMap<u64, PassiveConn>,
     pub passive_tasks: HashMap<u64, AbortHandle>,
     pub deadline_tasks: usize,
-    /// Set by the async-event reader on IBV_EVENT_PORT_ERR, cleared on
-    /// IBV_EVENT_PORT_ACTIVE: no endpoint is built while the link is down.
-    pub port_down: bool,
     /// Set on IBV_EVENT_DEVICE_FATAL: the device is gone for good.
     pub device_failed: bool,
     pub next_id: u64,

@@ -282,8 +282,9 @@ fn read_async_events(ctx: &Context, stop: &AtomicBool, tx: &tokio::sync::mpsc::U
 }
 
 /// Applies async events: a failed QP breaks its endpoint (or peer group);
-/// the port going down breaks everything on it and refuses new endpoints
-/// until it is active again; a device failure ends all work for good.
+/// the port going down breaks everything on it (new endpoints are refused
+/// while the port is not active, see `Inner::link_usable`); a device
+/// failure ends all work for good.
 async fn on_async_events(weak: Weak<Inner>, mut rx: tokio::sync::mpsc::UnboundedReceiver<(AsyncEvent, Instant)>) {
     while let Some((ev, at)) = rx.recv().await {
         let Some(inner) = weak.upgrade() else { return };
@@ -325,12 +326,7 @@ impl Inner {
                 }
                 AsyncEvent::PortError { port: p } if p == port => {
                     tracing::warn!("{dev}: port {p} went down; breaking every endpoint on it");
-                    st.port_down = true;
                     st.break_all(at, &link_down(dev, port), &mut g);
-                }
-                AsyncEvent::PortActive { port: p } if p == port => {
-                    tracing::info!("{dev}: port {p} is active again");
-                    st.port_down = false;
                 }
                 AsyncEvent::CqError => {
                     tracing::error!("{dev}: completion queue overrun; breaking every endpoint");
@@ -349,26 +345,21 @@ impl Inner {
         drop(grave);
     }
 
-    /// Refuses new endpoints while the port is down (re-reading the port
-    /// state, so a missed PORT_ACTIVE event cannot wedge it) or the device
-    /// has failed.
+    /// Refuses new endpoints once the device has failed, or while the port
+    /// is not active (asked of the device itself: one query per endpoint
+    /// build, never on the data path, and no cached flag to go stale).
     pub(crate) fn link_usable(&self) -> Result<()> {
-        let (down, failed, v) = {
+        let (failed, v) = {
             let st = self.state.lock();
-            (st.port_down, st.device_failed, st.verbs.clone())
+            (st.device_failed, st.verbs.clone())
         };
         if failed {
             return Err(device_failed(&self.device));
         }
-        if !down {
-            return Ok(());
+        match v.ok_or_else(shut)?.ctx.port_active(self.cfg.port) {
+            Ok(true) => Ok(()),
+            _ => Err(link_down(&self.device, self.cfg.port)),
         }
-        let v = v.ok_or_else(shut)?;
-        if v.ctx.port_active(self.cfg.port).unwrap_or(false) {
-            self.state.lock().port_down = false;
-            return Ok(());
-        }
-        Err(link_down(&self.device, self.cfg.port))
     }
 
     /// Polls the CQ and applies what it finds, in CQ order: the poll and
@@ -1012,7 +1003,7 @@ impl Transport for RdmaTransport {
         // completion is then seen here, without a wakeup through the
         // completion channel and the poller task.
         let spin_until = Instant::now() + self.inner.cfg.busy_poll();
-        let mut buf = Vec::new();
+        let mut buf = Vec::new(); // allocated by the first poll that finds work
         loop {
             let notify = {
                 let st = self.inner.state.lock();
@@ -1027,9 +1018,6 @@ impl Transport for RdmaTransport {
                 b.notify.clone()
             };
             if Instant::now() < spin_until {
-                if buf.capacity() == 0 {
-                    buf.reserve(32);
-                }
                 self.inner.drain_cq(&mut buf, Drain::Chunk);
                 tokio::task::yield_now().await;
                 continue;

@@ -169,10 +169,7 @@ impl Context {
     /// Queries the port, its GID at `gid_index` and device limits.
     pub(crate) fn port_info(&self, port: u8, gid_index: u8) -> Result<PortInfo, crate::error::RdmaError> {
         use crate::error::RdmaError;
-        // SAFETY: ibv_port_attr is a plain C struct for which all-zero is valid.
-        let mut pa: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: `ctx` is open; `pa` is a valid out-pointer of the right size.
-        check("ibv_query_port", unsafe { ffi::___ibv_query_port(self.ctx.as_ptr(), port, &mut pa) })?;
+        let pa = self.query_port(port)?;
         if pa.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
             return Err(RdmaError::PortDown { device: self.name.clone(), port, state: pa.state });
         }
@@ -210,8 +207,6 @@ pub(crate) enum AsyncEvent {
     QpError { qpn: u32, what: &'static str },
     /// The port went down (link lost).
     PortError { port: u8 },
-    /// The port is active again.
-    PortActive { port: u8 },
     /// A CQ overran: completions were lost, so every QP on it is suspect.
     CqError,
     /// The device failed or is being removed; nothing on it works.
@@ -274,14 +269,10 @@ impl Context {
             qp_error("IBV_EVENT_QP_ACCESS_ERR")
         } else if is(T::IBV_EVENT_PATH_MIG_ERR) {
             qp_error("IBV_EVENT_PATH_MIG_ERR")
-        } else if is(T::IBV_EVENT_PORT_ERR) || is(T::IBV_EVENT_PORT_ACTIVE) {
+        } else if is(T::IBV_EVENT_PORT_ERR) {
             // SAFETY: for port events the union holds the port number.
             let port = unsafe { (*p).element.port_num }.clamp(0, 255) as u8;
-            if is(T::IBV_EVENT_PORT_ERR) {
-                AsyncEvent::PortError { port }
-            } else {
-                AsyncEvent::PortActive { port }
-            }
+            AsyncEvent::PortError { port }
         } else if is(T::IBV_EVENT_CQ_ERR) {
             AsyncEvent::CqError
         } else if is(T::IBV_EVENT_DEVICE_FATAL) {
@@ -295,13 +286,17 @@ impl Context {
         Ok(Some(out))
     }
 
-    /// Whether `port` is ACTIVE now.
-    pub(crate) fn port_active(&self, port: u8) -> Result<bool, VerbsError> {
+    fn query_port(&self, port: u8) -> Result<ffi::ibv_port_attr, VerbsError> {
         // SAFETY: ibv_port_attr is a plain C struct for which all-zero is valid.
         let mut pa: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: `ctx` is open; `pa` is a valid out-pointer of the right size.
         check("ibv_query_port", unsafe { ffi::___ibv_query_port(self.ctx.as_ptr(), port, &mut pa) })?;
-        Ok(pa.state == ffi::ibv_port_state::IBV_PORT_ACTIVE)
+        Ok(pa)
+    }
+
+    /// Whether `port` is ACTIVE now.
+    pub(crate) fn port_active(&self, port: u8) -> Result<bool, VerbsError> {
+        Ok(self.query_port(port)?.state == ffi::ibv_port_state::IBV_PORT_ACTIVE)
     }
 }
 

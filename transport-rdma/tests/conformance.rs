@@ -36,29 +36,10 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::Link;
 use conformance::{Harness, Node, NodeOptions};
 use transport_core::{Error, ErrorKind, Result, Transport};
 use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
-
-/// A device whose link the harness may fault.
-#[derive(Debug, Clone)]
-struct Link {
-    device: String,
-    netdev: String,
-    bridge_port: String,
-}
-
-/// RDMA_TEST_FAULT_LINKS, set only by the soft-RoCE VM.
-fn fault_links() -> Vec<Link> {
-    let v = std::env::var("RDMA_TEST_FAULT_LINKS").unwrap_or_default();
-    v.split_whitespace()
-        .filter_map(|l| {
-            let mut it = l.split(':');
-            let (d, n, b) = (it.next()?, it.next()?, it.next()?);
-            Some(Link { device: d.into(), netdev: n.into(), bridge_port: b.into() })
-        })
-        .collect()
-}
 
 #[derive(Debug, Default)]
 struct RdmaHarness {
@@ -206,7 +187,7 @@ fn main() {
     // CONFORMANCE_STRICT alone does not demand a device: on a machine
     // without one, scripts/rdma-tests.sh runs this suite in the VM instead.
     let required = flag("RDMA_REQUIRED") || flag("RXE_VM");
-    let links = fault_links();
+    let links = common::fault_links();
     if have && links.is_empty() {
         eprintln!("rdma conformance: no RDMA_TEST_FAULT_LINKS (not the soft-RoCE VM): cut/stall cases are ignored");
     }

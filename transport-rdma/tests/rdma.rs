@@ -535,8 +535,8 @@ fn port_is(device: &str, state: &str) -> bool {
 fn link_down_mid_transfer_fails_transiently_and_frees_the_endpoint() {
     run("link_down_mid_transfer_fails_transiently_and_frees_the_endpoint", 300, async {
         let links = fault_links();
-        let (dev_c, netdev) = links[0].clone();
-        let dev_s = links[1 % links.len()].0.clone();
+        let (dev_c, netdev) = (links[0].device.clone(), links[0].netdev.clone());
+        let dev_s = links[1 % links.len()].device.clone();
         const LEN: usize = 64 << 20;
         const SLICE: u64 = 1 << 20;
         let server = transport(RdmaConfig { device: Some(dev_s), ..config() }).await;

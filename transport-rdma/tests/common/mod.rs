@@ -23,15 +23,25 @@ pub fn device_or_skip(test: &str) -> bool {
     false
 }
 
-/// Devices whose links the tests may fault, with their netdevs, from
-/// RDMA_TEST_FAULT_LINKS ("rxe0:rv0:rvb0 ..."), which only the soft-RoCE
-/// VM sets (a real NIC is never taken down).
-pub fn fault_links() -> Vec<(String, String)> {
+/// A device whose link the tests may fault: the device, its netdev and
+/// the netdev's bridge port.
+#[derive(Debug, Clone)]
+pub struct Link {
+    pub device: String,
+    pub netdev: String,
+    pub bridge_port: String,
+}
+
+/// Devices whose links the tests may fault, from RDMA_TEST_FAULT_LINKS
+/// ("rxe0:rv0:rvb0 ..."), which only the soft-RoCE VM sets (a real NIC is
+/// never taken down).
+pub fn fault_links() -> Vec<Link> {
     let v = std::env::var("RDMA_TEST_FAULT_LINKS").unwrap_or_default();
     v.split_whitespace()
         .filter_map(|l| {
             let mut it = l.split(':');
-            Some((it.next()?.to_string(), it.next()?.to_string()))
+            let (d, n, b) = (it.next()?, it.next()?, it.next()?);
+            Some(Link { device: d.into(), netdev: n.into(), bridge_port: b.into() })
         })
         .collect()
 }
