@@ -406,11 +406,27 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
         let worker = {
             let (client, stop, reached, failures, transfers, max_seen) =
                 (client.clone(), stop.clone(), reached.clone(), failures.clone(), transfers.clone(), max_seen.clone());
+            let name = name.clone();
             tokio::spawn(async move {
+                let mut segs = [seg, seg2, seg3];
                 while !stop.load(Relaxed) {
-                    for s in [seg, seg2, seg3] {
-                        // Address from the handle's (possibly refreshed) descriptor.
-                        let addr = client.segment_descriptor(s).unwrap().regions[0].addr;
+                    for (k, handle) in segs.iter_mut().enumerate() {
+                        let s = *handle;
+                        // Address from the handle's (possibly refreshed)
+                        // descriptor. A restarted peer may have answered
+                        // before it registered its memory: reopen the handle
+                        // (a fresh descriptor), as a user would.
+                        let Some(addr) = client.segment_descriptor(s).unwrap().regions.first().map(|r| r.addr) else {
+                            client.close_segment(s).await.unwrap();
+                            *handle = loop {
+                                match client.open_segment(&name).await {
+                                    Ok(n) => break n,
+                                    Err(e) => assert!(e.is_transient(), "reopening a restarting peer: {e}"),
+                                }
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            };
+                            continue;
+                        };
                         let req = TransferRequest::write(lid, 0, s, addr, 1 << 16);
                         let opts = SubmitOptions::with_timeout(Duration::from_secs(10));
                         let err = match client.submit(vec![req], opts).await {
@@ -423,7 +439,7 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
                         };
                         transfers.fetch_add(1, Relaxed);
                         match err {
-                            None if s != seg3 => _ = reached.fetch_add(1, Relaxed),
+                            None if k != 2 => _ = reached.fetch_add(1, Relaxed),
                             None => {}
                             Some(e) => {
                                 assert!(e.is_transient(), "a dead or restarted peer is a transient failure: {e}");
@@ -437,6 +453,7 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
                     max_seen.fetch_max(q, Relaxed);
                     assert!(q as usize <= MAX_EP * QPS, "{q} kernel QPs > {MAX_EP} x {QPS}");
                 }
+                segs
             })
         };
         let start = std::time::Instant::now();
@@ -469,9 +486,10 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
             cycles += 1;
         }
         stop.store(true, Relaxed);
-        if let Err(e) = worker.await {
-            std::panic::resume_unwind(e.into_panic());
-        }
+        let segs = match worker.await {
+            Ok(segs) => segs,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        };
         let took = start.elapsed();
         eprintln!(
             "churn: {cycles} kill/restart cycles in {took:.1?}, {} transfers ({} failed, all transient); \
@@ -484,7 +502,7 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
         );
         assert!(cycles >= at_least, "only {cycles} cycles in {limit:?} (want at least {at_least})");
         assert!(failures.load(Relaxed) > 0, "killing the peer must have failed some transfers");
-        for s in [seg, seg2, seg3] {
+        for s in segs {
             client.close_segment(s).await.unwrap();
         }
         assert_eq!(client.stats().endpoints, 0);
