@@ -200,6 +200,50 @@ impl Error {
     }
 }
 
+/// Constructors for the errors every backend returns in the same words, so
+/// a caller sees one message and one kind whichever backend it runs on.
+impl Error {
+    /// `Shutdown`: the transport was shut down (rule 1; later calls fail).
+    pub fn shut_down() -> Self {
+        Error::new(ErrorKind::Shutdown, "the transport was shut down")
+    }
+
+    /// `InvalidHandle`: the batch id is unknown or was released.
+    pub fn unknown_batch(batch: crate::BatchId) -> Self {
+        Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch)
+    }
+
+    /// `InvalidRequest`: `release` of a batch that is not terminal yet.
+    pub fn batch_in_progress(batch: crate::BatchId) -> Self {
+        Error::new(ErrorKind::InvalidRequest, "the batch is in progress; cancel it first").with("batch", batch)
+    }
+
+    /// `InvalidHandle`: the region id is unknown or was unregistered.
+    pub fn unknown_region(region: crate::RegionId) -> Self {
+        Error::new(ErrorKind::InvalidHandle, "unknown or unregistered region").with("region", region)
+    }
+
+    /// `InvalidHandle`: the segment id is unknown or was closed.
+    pub fn unknown_segment(segment: crate::SegmentId) -> Self {
+        Error::new(ErrorKind::InvalidHandle, "unknown or closed segment").with("segment", segment)
+    }
+
+    /// `Unregistered`: a request's local region was unregistered while it
+    /// was in flight (rule 9).
+    pub fn region_unregistered(region: crate::RegionId) -> Self {
+        Error::new(ErrorKind::Unregistered, "the local region was unregistered with the request in flight")
+            .with("region", region)
+    }
+
+    /// `ResourceExhausted`: the endpoint bound is reached and no endpoint
+    /// could be evicted in time (rule 4).
+    pub fn endpoints_exhausted(peer: impl fmt::Display, max_endpoints: usize) -> Self {
+        Error::new(ErrorKind::ResourceExhausted, "every endpoint is busy and the endpoint bound is reached")
+            .with("peer", peer)
+            .with("max_endpoints", max_endpoints)
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.message)?;

@@ -20,6 +20,7 @@
 
 mod clock;
 mod error;
+pub mod lifecycle;
 mod metadata;
 mod policy;
 pub mod serde_ms;

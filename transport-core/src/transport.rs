@@ -71,6 +71,17 @@ pub trait Transport: Send + Sync + 'static {
     /// transport's registered memory (for TCP and RDMA: `host:port`).
     fn local_segment_name(&self) -> String;
 
+    /// This transport's own segment descriptor, as a peer that opens
+    /// [`Transport::local_segment_name`] would receive it: the current
+    /// generation and every region registered with remote access. Used to
+    /// publish the segment to a metadata store without a network round trip.
+    ///
+    /// # Behavior
+    /// - After shutdown: `Shutdown`.
+    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        Err(crate::Error::new(crate::ErrorKind::Unsupported, "this backend does not describe itself yet"))
+    }
+
     /// Registers local memory for transfers and, if `access` allows, for
     /// remote access by peers.
     ///
