@@ -108,8 +108,8 @@ proptest! {
         prop_assert!(l.is_terminal());
         prop_assert_eq!(l.on_wire(), 0);
         prop_assert_eq!(terminal_events, 1, "the batch must become terminal exactly once");
-        for i in 0..n {
-            if let (Some(first), Some(now)) = (&seen[i], l.request(i)) {
+        for (i, first) in seen.iter().enumerate() {
+            if let (Some(first), Some(now)) = (first, l.request(i)) {
                 prop_assert!(same(first, now));
             }
         }
