@@ -1,6 +1,6 @@
 //! The conformance suite every transport backend runs to prove it keeps
-//! the contract of `DESIGN.md` (rules 1 to 10, stated on
-//! [`transport_core::Transport`]).
+//! the contract: rules 1 to 10 of `docs/CONTRACT.md`, shown on
+//! [`transport_core::Transport`].
 //!
 //! # Running it against a backend: one line
 //!
@@ -64,10 +64,8 @@
 //!
 //! # The cases
 //!
-//! Every DESIGN.md rule has at least one case. Rule numbers: 1 resources
-//! counted, 2 failure frees, 3 close is real, 4 bounded endpoints,
-//! 5 terminal means quiet, 6 poll never panics, 7 errors say what to do,
-//! 8 policy is shared, 9 memory is guarded, 10 backends chosen by config.
+//! Every rule of the contract has at least one case; the rule numbers are
+//! those of `docs/CONTRACT.md` (shown on [`transport_core::Transport`]).
 //!
 //! | case | rule | needs | checks |
 //! | --- | --- | --- | --- |

@@ -1,5 +1,5 @@
 //! kvmove: the KV-cache transfer engine with its backend chosen by
-//! configuration (DESIGN.md rule 10), not by code.
+//! configuration (rule 10 of the contract, `docs/CONTRACT.md`), not by code.
 //!
 //! # Design
 //!

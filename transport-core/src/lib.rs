@@ -7,8 +7,10 @@
 //! Serving engines register large memory regions once and then push batches
 //! of `(local region + offset, remote segment + address, length)` requests,
 //! polling them to completion. The [`Transport`] trait is that small
-//! primitive surface; its docs carry the contract (ten rules, numbered as in
-//! `DESIGN.md`) that the `conformance` crate checks against every backend.
+//! primitive surface. The contract every backend keeps (ten numbered rules)
+//! lives in `docs/CONTRACT.md` and is shown on [`Transport`]; the
+//! `conformance` crate checks it against every backend, and [`lifecycle`]
+//! holds the sans-IO state machines backends share to keep it.
 //!
 //! Backends report; they do not decide. Retrying, deadlines, the per-peer
 //! circuit breaker and backpressure live once in [`Engine`], configured by

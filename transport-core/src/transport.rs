@@ -13,52 +13,9 @@ use crate::types::{
 /// segments. Implemented by the TCP, RDMA and mock backends; wrapped by the
 /// policy layer ([`crate::Engine`]) that users call.
 ///
-/// # Contract
-///
-/// Every implementation keeps these rules; the `conformance` crate checks
-/// each one (the case names cite the rule number).
-///
-/// 1. **Every resource is counted.** [`Transport::stats`] reports live
-///    endpoints, segments, regions, batches, in-flight work and background
-///    tasks. After `close_segment`, `unregister`, `release`, `shutdown` or
-///    drop, the counts return to their earlier values, and so do the
-///    operating system's (open file descriptors, kernel RDMA objects).
-/// 2. **Failure frees.** A failure that breaks an endpoint destroys it at
-///    once; a broken endpoint is never cached or reused. The next transfer to
-///    the peer builds a new one.
-/// 3. **Close is real.** `close_segment` destroys the segment's endpoints.
-///    Work in flight to it ends as cancelled or failed before the call
-///    returns; later use of the handle is `InvalidHandle`; opening the same
-///    name again works. Closing twice is `InvalidHandle`, not a crash.
-/// 4. **Bounded endpoints.** At most [`Capabilities::max_endpoints`]
-///    endpoints are live; eviction destroys the endpoint; idle endpoints are
-///    reclaimed on a timer.
-/// 5. **Terminal means quiet.** A batch reaches exactly one terminal state
-///    (completed, failed, timed out, cancelled) and keeps it. Once a batch
-///    or request is reported terminal, the transport never again reads or
-///    writes its buffers, locally or remotely: the memory can be reused at
-///    once. A deadline given in [`SubmitOptions`] is enforced by the backend
-///    with this guarantee.
-/// 6. **Poll never panics.** Every state the wire can produce maps to a
-///    status or an error; nothing a peer, a timer or a caller controls can
-///    make a method panic.
-/// 7. **Errors say what to do.** Every error has a kind and
-///    [`crate::Error::is_transient`].
-/// 8. **Policy is shared.** Backends do not retry failed requests, do not
-///    blacklist peers and do not queue without bound: they report. Retry,
-///    deadlines, the circuit breaker and backpressure live in
-///    [`crate::Engine`], once for all backends.
-/// 9. **Memory is guarded.** Every local and remote access is checked
-///    (registration, bounds, `addr + len` overflow, access flags) before a
-///    byte moves. Overlapping registration is `AlreadyRegistered`;
-///    unregistering twice is `InvalidHandle`; unregistering a region with
-///    transfers in flight fails those requests with `Unregistered` and
-///    returns only when they are quiet.
-/// 10. **Backends are chosen by config**, not code: programs hold an
-///    `Arc<dyn Transport>`.
-///
-/// Methods may be called concurrently from many tasks. Async methods must be
-/// called inside a tokio runtime.
+/// The contract below is `docs/CONTRACT.md`, its one home; everything else
+/// links to it.
+#[doc = include_str!("../../docs/CONTRACT.md")]
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
     /// Backend kind: `"mock"`, `"tcp"`, `"rdma"`, or a wrapper's name.

@@ -1,4 +1,5 @@
-//! Every case, in one list. Each names the DESIGN.md rule it checks.
+//! Every case, in one list. Each names the rule of `docs/CONTRACT.md` it
+//! checks.
 
 mod backpressure;
 mod bad_input;
