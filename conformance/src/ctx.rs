@@ -14,7 +14,7 @@ use transport_core::{
 
 use crate::guard::Guarded;
 use crate::harness::{Harness, Node, NodeOptions};
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 /// Longest a single `wait`, `cancel`, `close` or `shutdown` may take in a
 /// case before it counts as hanging.

@@ -5,7 +5,7 @@ use std::fmt;
 
 use transport_core::{Buffer, MemoryRegion};
 
-use crate::runner::CaseError;
+use crate::outcome::CaseError;
 
 /// Bytes of canary before and after every guarded region.
 pub const GUARD: usize = 4096;

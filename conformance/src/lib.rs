@@ -128,13 +128,16 @@
 #![forbid(unsafe_code)]
 
 pub mod broken;
+mod case;
 mod cases;
 mod ctx;
 mod guard;
 mod harness;
 pub mod mock;
+mod outcome;
 mod runner;
 
+pub use case::{Case, CaseFuture, Need};
 pub use cases::cases;
 pub use ctx::{
     batch_error, bounded, complete, complete_retrying, expect_kind, expect_permanent, expect_quiet, expect_stats, open,
@@ -142,7 +145,7 @@ pub use ctx::{
 };
 pub use guard::{pattern, Guarded, CANARY, GUARD};
 pub use harness::{Harness, Node, NodeOptions};
+pub use outcome::{CaseError, CaseResult};
 pub use runner::{
-    main_with, probe, run_case, run_case_with, strict, trials, Case, CaseError, CaseFuture, CaseResult, Need, Outcome,
-    Support, CASE_TIMEOUT, STRICT_ENV,
+    main_with, probe, run_case, run_case_with, strict, trials, Outcome, Support, CASE_TIMEOUT, STRICT_ENV,
 };

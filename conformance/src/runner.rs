@@ -3,17 +3,16 @@
 //! main for `harness = false` test targets.
 
 use std::any::Any;
-use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
+use crate::case::{Case, Need};
 use crate::cases::cases;
 use crate::ctx::Ctx;
 use crate::harness::Harness;
+use crate::outcome::CaseError;
 
 /// How long one case may run before it counts as hung (a failure).
 pub const CASE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -24,65 +23,6 @@ const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Set to `1` to turn every skip into a failure (for machines where every
 /// capability and fault hook is expected to work, e.g. RDMA CI).
 pub const STRICT_ENV: &str = "CONFORMANCE_STRICT";
-
-/// Why a case did not pass.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CaseError {
-    /// The backend broke the rule; the message says how.
-    Fail(String),
-    /// The case cannot run against this backend (capability or fault hook
-    /// missing); reported as ignored, never as passed.
-    Skip(String),
-}
-
-impl fmt::Display for CaseError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            CaseError::Fail(m) => write!(f, "{m}"),
-            CaseError::Skip(m) => write!(f, "skipped: {m}"),
-        }
-    }
-}
-
-impl From<String> for CaseError {
-    fn from(m: String) -> Self {
-        CaseError::Fail(m)
-    }
-}
-
-impl From<&str> for CaseError {
-    fn from(m: &str) -> Self {
-        CaseError::Fail(m.to_owned())
-    }
-}
-
-impl From<transport_core::Error> for CaseError {
-    fn from(e: transport_core::Error) -> Self {
-        CaseError::Fail(format!("unexpected error: {e}"))
-    }
-}
-
-/// What a case body returns.
-pub type CaseResult = Result<(), CaseError>;
-
-/// A boxed case body.
-pub type CaseFuture = Pin<Box<dyn Future<Output = CaseResult> + Send + 'static>>;
-
-/// What a case needs from the harness or the backend beyond the basics.
-/// Cases whose needs are not met are skipped (reported as ignored).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Need {
-    /// `capabilities().read`.
-    Read,
-    /// [`Harness::kill`] and [`Harness::restart`].
-    Kill,
-    /// [`Harness::cut`].
-    Cut,
-    /// [`Harness::stall`].
-    Stall,
-    /// [`Harness::os_probe`].
-    OsProbe,
-}
 
 /// What a harness supports, found by [`probe`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -118,36 +58,6 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
     let kill = matches!(harness.kill(&node).await, Ok(true));
     let _ = node.transport.shutdown().await;
     Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some() })
-}
-
-/// One conformance case.
-#[derive(Clone, Copy)]
-pub struct Case {
-    /// Group, the middle part of the test name (`teardown`, `data`, ...).
-    pub group: &'static str,
-    /// Case name, the last part of the test name.
-    pub name: &'static str,
-    /// The rule of `docs/CONTRACT.md` (1..=10) it checks.
-    pub rule: u8,
-    /// Hooks and capabilities it needs (it skips without them).
-    pub needs: &'static [Need],
-    /// One line: what it checks.
-    pub summary: &'static str,
-    /// The body.
-    pub run: fn(Ctx) -> CaseFuture,
-}
-
-impl Case {
-    /// `group::name`.
-    pub fn id(&self) -> String {
-        format!("{}::{}", self.group, self.name)
-    }
-}
-
-impl fmt::Debug for Case {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Case").field("id", &self.id()).field("rule", &self.rule).finish()
-    }
 }
 
 /// The result of a case that did not fail.

@@ -7,7 +7,7 @@ use transport_core::{BatchState, Engine, ErrorKind, PolicyConfig};
 
 use crate::ctx::{bounded, Ctx};
 use crate::ensure;
-use crate::runner::CaseResult;
+use crate::outcome::CaseResult;
 
 fn tiny() -> PolicyConfig {
     let mut cfg = PolicyConfig::default();

@@ -8,7 +8,7 @@ use transport_core::{ErrorKind, RegionId, SegmentId, SubmitOptions, TransferRequ
 
 use crate::ctx::{batch_error, bounded, expect_permanent, permanent_kind, Ctx, Pair};
 use crate::ensure;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 64 << 10;
 

@@ -7,7 +7,7 @@ use transport_core::{Engine, PolicyConfig, Transport};
 
 use crate::ctx::Ctx;
 use crate::ensure;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 /// The node's transport, held only as `Arc<dyn Transport>`, reports sane
 /// capabilities and its own segment name, and runs a transfer through an

@@ -10,7 +10,7 @@ use transport_core::{BatchState, Opcode, SubmitOptions, TransferRequest};
 use crate::ctx::{bounded, complete, Ctx, Pair};
 use crate::ensure;
 use crate::guard::pattern;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 /// What both regions of a [`Pair`] should hold.
 struct Model {

@@ -8,7 +8,7 @@ use transport_core::{BatchState, RequestStatus, SubmitOptions};
 use crate::ctx::{bounded, expect_quiet, Ctx};
 use crate::ensure;
 use crate::guard::pattern;
-use crate::runner::CaseResult;
+use crate::outcome::CaseResult;
 
 const LEN: usize = 1 << 20;
 const DEADLINE: Duration = Duration::from_millis(300);

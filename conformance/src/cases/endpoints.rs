@@ -10,7 +10,7 @@ use transport_core::{Access, TransferRequest};
 use crate::ctx::{bounded, complete, complete_retrying, open, settle, Ctx};
 use crate::ensure;
 use crate::harness::NodeOptions;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 /// Five peers, a bound of two: sequential and concurrent transfers to all
 /// of them complete, and the endpoint count never passes two.

@@ -6,7 +6,7 @@ use transport_core::{ErrorKind, SubmitOptions};
 
 use crate::ctx::{bounded, run_batch, Ctx};
 use crate::ensure;
-use crate::runner::CaseResult;
+use crate::outcome::CaseResult;
 
 /// A transfer to a killed peer fails with a transient error (of a peer
 /// kind or a timeout), and opening the dead peer anew is transient too.

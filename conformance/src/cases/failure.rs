@@ -8,7 +8,7 @@ use transport_core::{Access, BatchState, SubmitOptions, TransferRequest, Transpo
 use crate::ctx::{bounded, complete, open, run_batch, settle, Ctx, SETTLE};
 use crate::ensure;
 use crate::harness::{Node, NodeOptions};
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 64 << 10;
 

@@ -10,7 +10,7 @@ use crate::ctx::{bounded, complete, expect_permanent, expect_quiet, expect_stats
 use crate::ensure;
 use crate::guard::pattern;
 use crate::harness::NodeOptions;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 256 << 10;
 

@@ -8,7 +8,7 @@ use transport_core::{Access, BatchState, ErrorKind, RegionId, RequestStatus, Sub
 use crate::ctx::{batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, Ctx};
 use crate::ensure;
 use crate::guard::pattern;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 64 << 10;
 

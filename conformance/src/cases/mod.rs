@@ -14,7 +14,7 @@ mod memory;
 mod policy;
 mod poll;
 
-use crate::runner::{Case, CaseFuture, Need};
+use crate::case::{Case, CaseFuture, Need};
 
 macro_rules! case {
     ($group:ident :: $name:ident, $rule:literal, [$($need:ident),*], $summary:literal) => {

@@ -18,7 +18,7 @@ use crate::ctx::{bounded, expect_quiet, open, Ctx, Pair};
 use crate::ensure;
 use crate::guard::pattern;
 use crate::harness::NodeOptions;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 256 << 10;
 

@@ -12,7 +12,7 @@ use transport_core::{BatchId, BatchState, ErrorKind, SubmitOptions};
 
 use crate::ctx::{bounded, expect_permanent, Ctx};
 use crate::ensure;
-use crate::runner::{CaseError, CaseResult};
+use crate::outcome::{CaseError, CaseResult};
 
 /// `poll`, `wait`, `cancel` and `release` of ids never issued (0,
 /// `u64::MAX`, random) are `InvalidHandle`, never a panic or a hang.
