@@ -21,12 +21,12 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use transport_core::{
-    Access, BatchId, BatchStatus, Error, ErrorKind, MemoryRegion, Opcode, RegionId, RegionInfo, RequestStatus,
-    SegmentDescriptor, SegmentId, TransferRequest,
+    Access, BatchId, BatchStatus, Error, ErrorKind, Opcode, RegionId, RegionInfo, RequestStatus, SegmentDescriptor,
+    SegmentId, TransferRequest,
 };
 
 use crate::error::completion_error;
-use crate::verbs::{Completion, Cq, Mr, Pd, PortInfo, Qp, WorkRequest};
+use crate::verbs::{Completion, Cq, Pd, PortInfo, Qp, Registration, WorkRequest};
 
 /// The device objects shared by everything: released (in this order: CQ,
 /// channel, PD, context, by the `Arc` chain) when the last user drops them.
@@ -41,9 +41,7 @@ pub(crate) struct Verbs {
 
 #[derive(Debug)]
 pub(crate) struct LocalRegion {
-    // Field order is drop order: deregister before the memory may go.
-    pub mr: Mr,
-    pub mem: MemoryRegion,
+    pub reg: Registration,
     pub access: Access,
 }
 
@@ -309,20 +307,13 @@ impl State {
             let wr = WorkRequest {
                 wr_id: self.next_wr,
                 read: spec.op == Opcode::Read,
-                local_addr: region.mem.addr() + spec.local_offset + slice.offset,
-                lkey: region.mr.lkey(),
+                local_offset: spec.local_offset + slice.offset,
                 len: slice.len,
                 remote_addr: spec.remote_addr + slice.offset,
                 rkey,
             };
             let Some(ep) = self.endpoints.get_mut(&ep_id) else { return };
-            // SAFETY: (`post` is an unsafe fn) the local range was
-            // bounds-checked against the registered region at submit; the
-            // region (memory + MR) stays in `self.regions` until no work
-            // request refers to it (unregister waits for that), and
-            // `self.wrs` tracks this id until its completion or the QP's
-            // destruction.
-            let posted = unsafe { ep.qps[qi].qp.post(&wr) };
+            let posted = ep.qps[qi].qp.post(&region.reg, &wr);
             match posted {
                 Ok(()) => {
                     ep.qps[qi].outstanding += 1;
@@ -588,10 +579,10 @@ impl State {
                 .values()
                 .filter(|r| r.access.is_remote())
                 .map(|r| RegionInfo {
-                    addr: r.mem.addr(),
-                    len: r.mem.len() as u64,
+                    addr: r.reg.mem().addr(),
+                    len: r.reg.mem().len() as u64,
                     access: r.access,
-                    key: u64::from(r.mr.rkey()),
+                    key: u64::from(r.reg.rkey()),
                 })
                 .collect(),
         }

@@ -20,7 +20,7 @@ use crate::config::RdmaConfig;
 use crate::state::{
     Batch, Endpoint, EndpointSlot, Graveyard, Limits, LocalRegion, QpSlot, Req, Segment, Slice, State, Verbs,
 };
-use crate::verbs::{AsyncEvent, CompChannel, Context, Cq, Mr, Pd, Qp, QpTiming, RemoteQp};
+use crate::verbs::{AsyncEvent, CompChannel, Context, Cq, Pd, Qp, QpTiming, Registration, RemoteQp};
 use crate::wire::{self, QpInfo, Reply, Request};
 
 /// Background tasks that run for the transport's whole life: CQ poller,
@@ -654,7 +654,7 @@ impl Inner {
         let region = st.regions.get(&r.local).ok_or_else(|| {
             Error::new(ErrorKind::InvalidHandle, format!("unknown or unregistered region {}", r.local))
         })?;
-        region.mem.check(r.local_offset, r.len).map_err(Error::from)?;
+        region.reg.mem().check(r.local_offset, r.len).map_err(Error::from)?;
         let seg = st.segments.get(&r.segment).ok_or_else(|| bad_segment(r.segment))?;
         let Some(info) = seg.desc.region_for(r.remote_addr, r.len) else {
             return Ok(None);
@@ -910,17 +910,13 @@ impl Transport for RdmaTransport {
         if st.shutdown {
             return Err(shut());
         }
-        if let Some((id, _)) = st.regions.iter().find(|(_, r)| r.mem.overlaps(&mem)) {
+        if let Some((id, _)) = st.regions.iter().find(|(_, r)| r.reg.mem().overlaps(&mem)) {
             return Err(Error::new(ErrorKind::AlreadyRegistered, format!("memory overlaps {id}")));
         }
         let pd = st.verbs.as_ref().map(|v| v.pd.clone()).ok_or_else(shut)?;
-        // SAFETY: (`register` is an unsafe fn) `mem` is valid for its whole
-        // range while any clone of it lives (a `Buffer` owns it; `from_raw`'s
-        // caller promised it), and the clone is stored beside the MR in
-        // `LocalRegion`, whose field order drops the MR first.
-        let mr = unsafe { Mr::register(&pd, mem.addr(), mem.len(), access.remote_read, access.remote_write) }?;
+        let reg = Registration::new(&pd, mem, access.remote_read, access.remote_write)?;
         let id = RegionId(st.next_id());
-        st.regions.insert(id, LocalRegion { mr, mem, access });
+        st.regions.insert(id, LocalRegion { reg, access });
         Ok(id)
     }
 

@@ -17,6 +17,7 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use rdma_sys as ffi;
+use transport_mem::MemoryRegion;
 
 use crate::error::VerbsError;
 
@@ -472,9 +473,9 @@ impl Drop for Cq {
     }
 }
 
-/// A memory registration.
+/// A memory registration (private: [`Registration`] is the safe way in).
 #[derive(Debug)]
-pub(crate) struct Mr {
+struct Mr {
     mr: NonNull<ffi::ibv_mr>,
     _pd: Arc<Pd>,
 }
@@ -489,9 +490,9 @@ impl Mr {
     ///
     /// # Safety
     /// The range must be memory of this process that stays allocated until
-    /// the returned `Mr` is dropped (the transport keeps the owning
-    /// `MemoryRegion` beside it, and drops the `Mr` first).
-    pub(crate) unsafe fn register(
+    /// the returned `Mr` is dropped ([`Registration`] keeps the owning
+    /// `MemoryRegion` beside it and drops the `Mr` first).
+    unsafe fn register(
         pd: &Arc<Pd>,
         addr: u64,
         len: usize,
@@ -513,14 +514,50 @@ impl Mr {
         Ok(Mr { mr, _pd: pd.clone() })
     }
 
-    pub(crate) fn lkey(&self) -> u32 {
+    fn lkey(&self) -> u32 {
         // SAFETY: the MR is live; `lkey` is a plain field set at registration.
         unsafe { (*self.mr.as_ptr()).lkey }
     }
 
-    pub(crate) fn rkey(&self) -> u32 {
+    fn rkey(&self) -> u32 {
         // SAFETY: as for `lkey`.
         unsafe { (*self.mr.as_ptr()).rkey }
+    }
+}
+
+/// Registered memory: the registration and the memory it covers, owned
+/// together so the memory outlives the registration (field order is drop
+/// order: `ibv_dereg_mr` first, then the memory may go).
+#[derive(Debug)]
+pub(crate) struct Registration {
+    mr: Mr,
+    mem: MemoryRegion,
+}
+
+impl Registration {
+    /// Registers `mem` for local write and, as asked, remote read / write.
+    pub(crate) fn new(
+        pd: &Arc<Pd>,
+        mem: MemoryRegion,
+        remote_read: bool,
+        remote_write: bool,
+    ) -> Result<Self, VerbsError> {
+        // SAFETY: (`register` is an unsafe fn) `mem` is valid for its whole
+        // range while any clone of it lives (a `Buffer` owns it; `from_raw`'s
+        // caller promised it); the clone is stored in the returned value
+        // beside the MR, whose field order drops the MR first.
+        let mr = unsafe { Mr::register(pd, mem.addr(), mem.len(), remote_read, remote_write) }?;
+        Ok(Self { mr, mem })
+    }
+
+    /// The memory registered.
+    pub(crate) fn mem(&self) -> &MemoryRegion {
+        &self.mem
+    }
+
+    /// The key peers use to reach it.
+    pub(crate) fn rkey(&self) -> u32 {
+        self.mr.rkey()
     }
 }
 
@@ -550,13 +587,13 @@ pub(crate) struct QpTiming {
     pub retry_cnt: u8,
 }
 
-/// One RDMA WRITE or READ to post.
+/// One RDMA WRITE or READ to post: `len` bytes at `local_offset` of a
+/// [`Registration`] to or from `remote_addr` under `rkey`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WorkRequest {
     pub wr_id: u64,
     pub read: bool,
-    pub local_addr: u64,
-    pub lkey: u32,
+    pub local_offset: u64,
     pub len: u32,
     pub remote_addr: u64,
     pub rkey: u32,
@@ -680,14 +717,13 @@ impl Qp {
         self.modify(&mut a, ffi::ibv_qp_attr_mask::IBV_QP_STATE)
     }
 
-    /// Posts one signaled RDMA WRITE or READ.
-    ///
-    /// # Safety
-    /// `wr.local_addr .. + wr.len` must lie in memory registered under
-    /// `wr.lkey` that stays allocated and registered until the completion
-    /// for `wr.wr_id` is polled, or this QP has been destroyed.
-    pub(crate) unsafe fn post(&self, wr: &WorkRequest) -> Result<(), VerbsError> {
-        let mut sge = ffi::ibv_sge { addr: wr.local_addr, length: wr.len, lkey: wr.lkey };
+    /// Posts one signaled RDMA WRITE or READ on `local`. A range outside
+    /// `local` is refused (`EINVAL`) before anything is posted.
+    pub(crate) fn post(&self, local: &Registration, wr: &WorkRequest) -> Result<(), VerbsError> {
+        if local.mem.check(wr.local_offset, u64::from(wr.len)).is_err() {
+            return Err(VerbsError::new("ibv_post_send (local range outside its registration)", libc::EINVAL));
+        }
+        let mut sge = ffi::ibv_sge { addr: local.mem.addr() + wr.local_offset, length: wr.len, lkey: local.mr.lkey() };
         // SAFETY: all-zero is valid for ibv_send_wr (null next, zero flags).
         let mut swr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         swr.wr_id = wr.wr_id;
@@ -698,7 +734,14 @@ impl Qp {
         swr.wr.rdma = ffi::rdma_t { remote_addr: wr.remote_addr, rkey: wr.rkey };
         let mut bad = ptr::null_mut();
         // SAFETY: the QP is live; `swr` and `sge` outlive the call (the
-        // provider copies them); the caller guarantees the buffer's lifetime.
+        // provider copies them). The local range was checked above to lie
+        // inside `local`, and the NIC reaches it only through `local`'s MR:
+        // the memory stays allocated while the MR is registered (the
+        // `Registration` owns both and deregisters first), and once
+        // `ibv_dereg_mr` returned the NIC no longer touches it (a work
+        // request still posted then fails with a protection error). That
+        // the memory is not reused while a work request is posted (rule 5)
+        // is the transport's bookkeeping, not a memory-safety matter.
         check("ibv_post_send", unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut swr, &mut bad) })
     }
 }
