@@ -1,6 +1,8 @@
 //! Deliberately broken transports, to prove the suite fails them (a suite
 //! no broken backend fails is decoration). The mock's own switches
-//! (`transport_mock::MockBugs`) break the backend itself; this module adds
+//! (`transport_mock::MockBugs`, behind transport-mock's test-only `bugs`
+//! feature, through `MockTransport::with_bugs`) break the backend itself;
+//! this module adds
 //! a broken *layer* that any backend can be wrapped in through
 //! [`crate::Harness::wrap`].
 

@@ -61,17 +61,11 @@ impl MockHarness {
     }
 
     fn config(&self, name: Option<String>, opts: &NodeOptions) -> MockConfig {
-        MockConfig {
-            name,
-            max_endpoints: opts.max_endpoints,
-            idle_timeout: opts.idle_timeout,
-            bugs: self.bugs,
-            ..MockConfig::default()
-        }
+        MockConfig { name, max_endpoints: opts.max_endpoints, idle_timeout: opts.idle_timeout, ..MockConfig::default() }
     }
 
     fn start(&self, cfg: MockConfig) -> Result<Node> {
-        let t = MockTransport::new(&self.fabric, cfg)?;
+        let t = MockTransport::with_bugs(&self.fabric, cfg, self.bugs)?;
         let name = t.local_segment_name();
         Ok(Node { transport: t, name, state: Arc::new(()) })
     }

@@ -1,4 +1,6 @@
-//! The serde configuration of one mock host, and its deliberate bugs.
+//! The serde configuration of one mock host. It has no switch for the
+//! deliberate bugs (see `crate::bugs`): a config file can never break the
+//! mock, and an unknown key such as `[bugs]` is refused.
 
 use std::time::Duration;
 
@@ -32,8 +34,6 @@ pub struct MockConfig {
     pub max_request_len: u64,
     /// Lanes (simulated QPs or sockets) per endpoint. Default 1.
     pub lanes_per_endpoint: usize,
-    /// Deliberately broken behaviours (all off by default).
-    pub bugs: MockBugs,
     /// Faults injected by this host (empty by default).
     pub fault_plan: FaultPlan,
 }
@@ -48,7 +48,6 @@ impl Default for MockConfig {
             max_batch_len: 1 << 16,
             max_request_len: 1 << 32,
             lanes_per_endpoint: 1,
-            bugs: MockBugs::default(),
             fault_plan: FaultPlan::default(),
         }
     }
@@ -85,26 +84,6 @@ impl MockConfig {
     }
 }
 
-/// Deliberately broken behaviours, each a real code path in the mock, used
-/// to prove that the conformance suite fails a backend that has them. All
-/// `false` by default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct MockBugs {
-    /// A broken endpoint is taken out of use but never freed: it stays
-    /// allocated and counted, and counts against `max_endpoints` (so enough
-    /// failures end in "Failed to create QP: Cannot allocate memory").
-    pub leak_endpoint_on_failure: bool,
-    /// A broken endpoint stays cached and is reused, so every later
-    /// transfer to the peer fails again (the field's "blacklisted peer").
-    pub cache_broken_endpoint: bool,
-    /// Cancel and deadlines report `Cancelled`/`TimedOut` at once, but the
-    /// pending copy still runs later (e.g. when a stall ends).
-    pub write_after_timeout: bool,
-    /// `close_segment` returns `Ok` but keeps the handle and its endpoint.
-    pub noop_close_segment: bool,
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -118,10 +97,18 @@ mod tests {
         assert!(s.contains("\"idle_timeout_ms\":30000"), "{s}");
         let back: MockConfig = serde_json::from_str(&s).unwrap();
         assert_eq!(back, c);
-        let p: MockConfig = toml::from_str("max_endpoints = 2\n[bugs]\nnoop_close_segment = true\n").unwrap();
-        assert_eq!(p.max_endpoints, 2);
-        assert!(p.bugs.noop_close_segment && !p.bugs.cache_broken_endpoint);
+        let p: MockConfig = toml::from_str("max_endpoints = 2\n").unwrap();
+        assert_eq!(p, MockConfig { max_endpoints: 2, ..MockConfig::default() });
         assert!(toml::from_str::<MockConfig>("max_endpoint = 2\n").is_err());
+    }
+
+    /// The deliberate bugs are reachable from tests only: a config file
+    /// that tries to switch one on is refused (unknown field).
+    #[test]
+    fn a_bugs_table_is_refused() {
+        let e = toml::from_str::<MockConfig>("max_endpoints = 2\n[bugs]\nnoop_close_segment = true\n").unwrap_err();
+        assert!(e.to_string().contains("bugs"), "{e}");
+        assert!(serde_json::from_str::<MockConfig>(r#"{"bugs":{"write_after_timeout":true}}"#).is_err());
     }
 
     #[test]

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use tokio::sync::watch;
 use transport_core::{Error, ErrorKind, Result};
 
 use crate::host::{HostShared, Life};
+use crate::wake::Events;
 
 /// A registry of mock hosts in one process, by segment name. Cheap to
 /// clone; clones share the hosts.
@@ -36,7 +36,7 @@ pub(crate) struct FabricInner {
     hosts: Mutex<HashMap<String, Weak<HostShared>>>,
     next_generation: AtomicU64,
     next_name: AtomicU64,
-    events: watch::Sender<u64>,
+    pub events: Events,
 }
 
 impl Default for FabricInner {
@@ -45,7 +45,7 @@ impl Default for FabricInner {
             hosts: Mutex::default(),
             next_generation: AtomicU64::new(1),
             next_name: AtomicU64::new(1),
-            events: watch::channel(0).0,
+            events: Events::default(),
         }
     }
 }
@@ -86,10 +86,7 @@ impl MockFabric {
     /// ever had that name; a no-op for a host that is down.
     pub fn cut(&self, name: &str) -> Result<()> {
         self.inner.known(name)?;
-        for h in self.inner.live_hosts() {
-            h.endpoints.lock().break_peer(name);
-        }
-        self.inner.bump();
+        self.inner.cut(name);
         Ok(())
     }
 
@@ -153,18 +150,19 @@ impl FabricInner {
     /// Crashes `host` and breaks the endpoints toward it.
     pub fn kill(&self, host: &Arc<HostShared>) {
         drop(host.teardown(Life::Killed));
+        self.cut(&host.name);
+    }
+
+    /// Breaks every live host's endpoint toward `name`.
+    fn cut(&self, name: &str) {
         for h in self.live_hosts() {
-            h.endpoints.lock().break_peer(&host.name);
+            h.endpoints.lock().cut(name);
         }
         self.bump();
     }
 
     /// Wakes every waiter: something changed.
     pub fn bump(&self) {
-        self.events.send_modify(|v| *v = v.wrapping_add(1));
-    }
-
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
-        self.events.subscribe()
+        self.events.bump();
     }
 }

@@ -263,7 +263,7 @@ impl FaultyTransport {
     fn check(&self, refuse_when_killed: bool) -> Result<()> {
         let st = self.shared.state.lock();
         if st.shut {
-            return Err(Error::new(ErrorKind::Shutdown, "the transport was shut down"));
+            return Err(Error::shut_down());
         }
         if refuse_when_killed && st.killed {
             return Err(Error::new(ErrorKind::ConnectionRefused, "injected: the transport was killed"));
@@ -274,19 +274,13 @@ impl FaultyTransport {
     fn entry_view(&self, batch: BatchId) -> Result<(Option<BatchId>, Option<BatchStatus>, bool)> {
         self.check(false)?;
         let st = self.shared.state.lock();
-        let e = st
-            .batches
-            .get(&batch.0)
-            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch))?;
+        let e = st.batches.get(&batch.0).ok_or_else(|| Error::unknown_batch(batch))?;
         Ok((e.inner, e.done.clone(), e.held()))
     }
 
     fn merged(&self, batch: BatchId, inner: Option<&BatchStatus>) -> Result<BatchStatus> {
         let st = self.shared.state.lock();
-        let e = st
-            .batches
-            .get(&batch.0)
-            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch))?;
+        let e = st.batches.get(&batch.0).ok_or_else(|| Error::unknown_batch(batch))?;
         match &e.done {
             Some(d) => Ok(d.clone()),
             None => e.merge(inner, None),
@@ -312,6 +306,11 @@ impl Transport for FaultyTransport {
 
     fn local_segment_name(&self) -> String {
         self.shared.inner.local_segment_name()
+    }
+
+    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        self.check(false)?;
+        self.shared.inner.local_descriptor()
     }
 
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
@@ -457,9 +456,7 @@ impl Transport for FaultyTransport {
         };
         let status = {
             let mut st = self.shared.state.lock();
-            let e = st.batches.get_mut(&batch.0).ok_or_else(|| {
-                Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", batch)
-            })?;
+            let e = st.batches.get_mut(&batch.0).ok_or_else(|| Error::unknown_batch(batch))?;
             if let Some(d) = &e.done {
                 d.clone()
             } else {
@@ -475,8 +472,7 @@ impl Transport for FaultyTransport {
     fn release(&self, batch: BatchId) -> Result<()> {
         let status = self.poll(batch)?;
         if !status.is_terminal() {
-            return Err(Error::new(ErrorKind::InvalidRequest, "batch is still in progress; cancel it first")
-                .with("batch", batch));
+            return Err(Error::batch_in_progress(batch));
         }
         let inner = self.shared.state.lock().batches.get(&batch.0).and_then(|e| e.inner);
         if let Some(ib) = inner {

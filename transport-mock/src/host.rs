@@ -1,25 +1,29 @@
 //! The state of one mock host, shared by its transport handle and its
 //! tasks: regions, segments, endpoints, batches, tasks and the fault plan;
-//! and the teardown that kill, shutdown and drop share.
+//! submit's validation; and the teardown that kill, shutdown and drop
+//! share. The host knows the fabric only through its event channel.
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
-use tokio::task::JoinSet;
-use transport_core::{BatchId, Error, ErrorKind, RequestStatus, ResourceStats, Result, SegmentDescriptor, SegmentId};
+use tokio::task::JoinHandle;
+use transport_core::lifecycle::{validate_batch, BatchLimits, BatchTable, EndReason, TaskSet};
+use transport_core::{
+    Error, ErrorKind, RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, TransferRequest,
+};
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Planned};
+use crate::bugs::MockBugs;
 use crate::config::MockConfig;
-use crate::endpoint::{Endpoint, EndpointCache, EndpointUse};
-use crate::fabric::FabricInner;
+use crate::endpoint::{EndpointUse, Endpoints, Link, Reach};
 use crate::plan::FaultState;
 use crate::region::{RegionState, RegionTable};
 use crate::segment::SegmentEntry;
+use crate::wake::{Clock, Events};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Life {
@@ -34,47 +38,50 @@ pub(crate) struct HostShared {
     pub name: String,
     pub generation: u64,
     pub config: MockConfig,
-    pub fabric: Arc<FabricInner>,
+    pub bugs: MockBugs,
+    pub events: Events,
+    pub clock: Clock,
     life: Mutex<Life>,
     stalled: AtomicBool,
     pub regions: Mutex<RegionTable>,
     pub segments: Mutex<HashMap<SegmentId, Arc<SegmentEntry>>>,
-    pub endpoints: Mutex<EndpointCache>,
-    pub batches: Mutex<HashMap<BatchId, Arc<Batch>>>,
+    pub endpoints: Arc<Mutex<Endpoints>>,
+    pub batches: Mutex<BatchTable<Arc<Batch>>>,
     pub faults: Mutex<FaultState>,
-    tasks: Mutex<Option<JoinSet<()>>>,
-    task_count: Arc<AtomicUsize>,
+    tasks: TaskSet,
+    /// Handles of the spawned tasks, to abort them; `None` once torn down.
+    handles: Mutex<Option<Vec<JoinHandle<()>>>>,
     next_id: AtomicU64,
     runtime: Handle,
 }
 
-/// Decrements the task count when a task's future is dropped (finished or
-/// aborted).
-struct TaskGuard(Arc<AtomicUsize>);
-
-impl Drop for TaskGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 impl HostShared {
-    pub fn new(name: String, generation: u64, config: MockConfig, fabric: Arc<FabricInner>, runtime: Handle) -> Self {
+    pub fn new(
+        name: String,
+        generation: u64,
+        config: MockConfig,
+        bugs: MockBugs,
+        events: Events,
+        runtime: Handle,
+    ) -> Self {
         let faults = Mutex::new(FaultState::new(config.fault_plan.clone()));
+        let endpoints = Arc::new(Mutex::new(Endpoints::new(config.max_endpoints)));
         Self {
             name,
             generation,
             config,
-            fabric,
+            bugs,
+            events,
+            clock: Clock::start(),
             life: Mutex::new(Life::Live),
             stalled: AtomicBool::new(false),
             regions: Mutex::default(),
             segments: Mutex::default(),
-            endpoints: Mutex::default(),
+            endpoints,
             batches: Mutex::default(),
             faults,
-            tasks: Mutex::new(Some(JoinSet::new())),
-            task_count: Arc::new(AtomicUsize::new(0)),
+            tasks: TaskSet::new(),
+            handles: Mutex::new(Some(Vec::new())),
             next_id: AtomicU64::new(1),
             runtime,
         }
@@ -89,7 +96,7 @@ impl HostShared {
         match self.life() {
             Life::Live => Ok(()),
             Life::Killed => Err(Error::new(ErrorKind::Shutdown, "this mock host was killed").with("host", &self.name)),
-            Life::Shut => Err(Error::new(ErrorKind::Shutdown, "the transport was shut down").with("host", &self.name)),
+            Life::Shut => Err(Error::shut_down().with("host", &self.name)),
         }
     }
 
@@ -105,20 +112,15 @@ impl HostShared {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Spawns a counted task owned by the host; `Shutdown` once torn down.
+    /// Spawns a task owned by the host, counted in its [`TaskSet`] (rule
+    /// 1); `Shutdown` once torn down.
     pub fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) -> Result<()> {
-        let mut tasks = self.tasks.lock();
-        let set = tasks.as_mut().ok_or_else(|| self.check_live().err().unwrap_or_else(shut))?;
-        while set.try_join_next().is_some() {}
-        self.task_count.fetch_add(1, Ordering::SeqCst);
-        let guard = TaskGuard(self.task_count.clone());
-        set.spawn_on(
-            async move {
-                let _guard = guard;
-                fut.await
-            },
-            &self.runtime,
-        );
+        let mut handles = self.handles.lock();
+        let Some(list) = handles.as_mut() else {
+            return Err(self.check_live().err().unwrap_or_else(Error::shut_down));
+        };
+        list.retain(|h| !h.is_finished());
+        list.push(self.tasks.spawn_on(&self.runtime, fut));
         Ok(())
     }
 
@@ -133,11 +135,39 @@ impl HostShared {
         }
     }
 
+    /// Submit's validation, in one place ([`validate_batch`]): the whole
+    /// batch is checked (size, shape, local handles and bounds, segment
+    /// handles) before anything starts; errors name the request index.
+    pub fn plan(&self, requests: &[TransferRequest]) -> Result<Vec<Planned>> {
+        let limits =
+            BatchLimits { max_batch_len: self.config.max_batch_len, max_request_len: self.config.max_request_len };
+        let regions = self.regions.lock();
+        let segments = self.segments.lock();
+        let locals = validate_batch(
+            requests,
+            limits,
+            |id| regions.get(id).map(|e| (e.clone(), e.mem.len() as u64)),
+            |s| segments.contains_key(&s),
+        )?;
+        requests
+            .iter()
+            .zip(locals)
+            .enumerate()
+            .map(|(i, (r, local))| {
+                let segment = segments
+                    .get(&r.segment)
+                    .cloned()
+                    .ok_or_else(|| Error::unknown_segment(r.segment).with("request", i))?;
+                Ok(Planned { req: *r, local, segment })
+            })
+            .collect()
+    }
+
     pub fn stats(&self) -> ResourceStats {
         // One lock at a time: a copy holds a batch lock and then takes a
         // region table lock, so no table lock may be held here while the
         // batches are counted.
-        let endpoints = self.endpoints.lock().count();
+        let endpoints = self.endpoints.lock().held();
         let segments = self.segments.lock().len();
         let regions = self.regions.lock().len();
         let batches = self.all_batches();
@@ -149,98 +179,87 @@ impl HostShared {
             regions,
             batches: batches.len(),
             inflight,
-            tasks: self.task_count.load(Ordering::SeqCst),
+            tasks: self.tasks.count(),
         }
     }
 
     fn all_batches(&self) -> Vec<Arc<Batch>> {
-        self.batches.lock().values().cloned().collect()
+        self.batches.lock().iter().map(|(_, b)| b.clone()).collect()
     }
 
-    /// Ends this host's pending requests to `segment` as cancelled.
+    /// Rule 3: ends this host's live requests to `segment` as cancelled
+    /// (quiet on return: see [`Batch`]).
     pub fn cancel_segment(&self, segment: SegmentId) {
         for b in self.all_batches() {
-            b.end_pending(|p| p.segment.id == segment, &RequestStatus::Cancelled);
+            b.end_where(&EndReason::Cancelled, |p| p.segment.id == segment);
         }
     }
 
-    /// Fails this host's pending requests that use the local region `id`.
-    pub fn fail_local_users(&self, id: transport_core::RegionId) {
-        let err = Error::new(ErrorKind::Unregistered, "the local region was unregistered").with("region", id);
+    /// Rule 9: fails this host's live requests that use the local region `id`.
+    pub fn fail_local_users(&self, id: RegionId) {
+        let reason = EndReason::Failed(Error::region_unregistered(id));
         for b in self.all_batches() {
-            b.end_pending(|p| p.local.id == id, &RequestStatus::Failed(err.clone()));
+            b.end_where(&reason, |p| p.local.id == id);
         }
     }
 
-    /// Fails this host's pending requests toward `peer` that touch
+    /// Rule 9: fails this host's live requests toward `peer` that touch
     /// `[addr, addr + len)` (the peer unregistered that memory).
     pub fn fail_remote_users(&self, peer: &str, addr: u64, len: u64) {
         let err = Error::new(ErrorKind::Unregistered, "the peer unregistered the target memory").with("segment", peer);
+        let reason = EndReason::Failed(err);
         for b in self.all_batches() {
-            b.end_pending(
-                |p| {
-                    let end = p.req.remote_addr.saturating_add(p.req.len);
-                    p.segment.name == peer && p.req.remote_addr < addr.saturating_add(len) && addr < end
-                },
-                &RequestStatus::Failed(err.clone()),
-            );
+            b.end_where(&reason, |p| {
+                let end = p.req.remote_addr.saturating_add(p.req.len);
+                p.segment.name == peer && p.req.remote_addr < addr.saturating_add(len) && addr < end
+            });
         }
     }
 
-    /// Takes an endpoint to `peer` for one request: the cached one, or a new
-    /// one (evicting the least recently used idle endpoint at the bound).
-    /// `Ok(None)`: every endpoint is busy at the bound; wait for an event.
-    pub fn acquire_endpoint(&self, peer: &HostShared) -> Result<Option<EndpointUse>> {
-        let mut cache = self.endpoints.lock();
-        if let Some(ep) = cache.get(&peer.name) {
-            return Ok(Some(cache.use_of(&ep)));
-        }
-        if cache.count() >= self.config.max_endpoints && !cache.evict_lru_idle() {
-            if cache.has_live() {
-                return Ok(None);
-            }
-            // Only leaked endpoints hold the slots: nothing will free them.
-            return Err(Error::new(ErrorKind::ResourceExhausted, "Failed to create QP: Cannot allocate memory")
-                .with("peer", &peer.name)
-                .with("live_endpoints", cache.count()));
-        }
-        if let Some(e) = self.faults.lock().on_handshake(&peer.name, cache.count()) {
-            return Err(e);
-        }
-        let ep = Arc::new(Endpoint::new(self.next_id(), peer.name.clone(), peer.generation));
-        tracing::debug!(host = %self.name, peer = %peer.name, id = ep.id, "endpoint created");
-        Ok(Some(cache.insert(ep)))
+    /// Rule 4: an endpoint to `peer` for one request (see
+    /// [`Endpoints::acquire`]). `Ok(None)`: every slot is busy; wait.
+    pub fn acquire_endpoint(&self, peer: &str, generation: u64) -> Result<Option<EndpointUse>> {
+        let now = self.clock.now();
+        let reach =
+            self.endpoints.lock().acquire(peer, generation, now, |held| self.faults.lock().on_handshake(peer, held))?;
+        Ok(match reach {
+            Reach::Use(link) => Some(EndpointUse::new(link, self.endpoints.clone(), self.clock)),
+            Reach::Wait => None,
+        })
     }
 
-    /// An endpoint failed: destroy it (rule 2), unless a bug keeps it.
-    pub fn endpoint_failed(&self, ep: &Arc<Endpoint>) {
-        ep.break_it();
-        if self.config.bugs.cache_broken_endpoint {
+    /// Rule 2: an endpoint failed; destroy it, unless a bug keeps it.
+    pub fn endpoint_failed(&self, link: &Link) {
+        link.break_it();
+        if self.bugs.cache_broken_endpoint {
+            // The bug: the pool is never told, so the broken link stays
+            // cached and is handed out again.
             return;
         }
-        self.endpoints.lock().remove(ep, self.config.bugs.leak_endpoint_on_failure);
+        self.endpoints.lock().failed(link.id, self.bugs.leak_endpoint_on_failure);
+        self.events.bump();
     }
 
-    /// Whether an endpoint to `peer` is cached.
-    pub fn has_endpoint(&self, peer: &str) -> Option<Arc<Endpoint>> {
-        self.endpoints.lock().get(peer)
+    /// The live link to `peer`, if any.
+    pub fn link_to(&self, peer: &str) -> Option<Arc<Link>> {
+        self.endpoints.lock().link_to(peer)
     }
 
-    /// Reclaims idle endpoints (the reaper's tick).
+    /// Rule 4: reclaims idle endpoints (the reaper's tick).
     pub fn reap(&self) {
-        let n = self.endpoints.lock().reap(Instant::now(), self.config.idle_timeout);
+        let n = self.endpoints.lock().reap(self.clock.now(), self.config.idle_timeout);
         if n > 0 {
             tracing::debug!(host = %self.name, reclaimed = n, "idle endpoints reclaimed");
-            self.fabric.bump();
+            self.events.bump();
         }
     }
 
-    /// Stops everything: later calls fail, tasks are aborted, pending
+    /// Stops everything: later calls fail, tasks are aborted, live
     /// requests end (cancelled on shutdown, failed on a kill), regions are
     /// retired (waiting for copies in progress), counts drop to zero.
     /// Returns the aborted tasks for the caller to await (`None` if the
     /// host was already down).
-    pub fn teardown(&self, how: Life) -> Option<JoinSet<()>> {
+    pub fn teardown(&self, how: Life) -> Option<Vec<JoinHandle<()>>> {
         {
             let mut life = self.life.lock();
             if *life != Life::Live {
@@ -248,19 +267,19 @@ impl HostShared {
             }
             *life = how;
         }
-        let mut tasks = self.tasks.lock().take();
-        if let Some(t) = tasks.as_mut() {
-            t.abort_all();
+        let handles = self.handles.lock().take();
+        for h in handles.iter().flatten() {
+            h.abort();
         }
         let end = match how {
-            Life::Killed => RequestStatus::Failed(
+            Life::Killed => EndReason::Failed(
                 Error::new(ErrorKind::ConnectionReset, "the mock host was killed").with("host", &self.name),
             ),
-            _ => RequestStatus::Cancelled,
+            _ => EndReason::Cancelled,
         };
-        let batches: Vec<Arc<Batch>> = self.batches.lock().drain().map(|(_, b)| b).collect();
-        for b in &batches {
-            b.end_pending(|_| true, &end);
+        let batches = self.batches.lock().drain();
+        for (_, b) in &batches {
+            b.end_where(&end, |_| true);
         }
         let regions = self.regions.lock().drain();
         for r in &regions {
@@ -269,12 +288,13 @@ impl HostShared {
         self.segments.lock().clear();
         self.endpoints.lock().clear();
         self.stalled.store(false, Ordering::SeqCst);
-        self.fabric.bump();
+        self.events.bump();
         tracing::debug!(host = %self.name, ?how, "mock host torn down");
-        tasks
+        handles
     }
-}
 
-fn shut() -> Error {
-    Error::new(ErrorKind::Shutdown, "the transport was shut down")
+    /// Waits (bounded) until every task of the host ended.
+    pub async fn tasks_idle(&self) -> bool {
+        self.tasks.wait_idle(std::time::Duration::from_secs(5)).await
+    }
 }

@@ -76,6 +76,7 @@
 #![forbid(unsafe_code)]
 
 mod batch;
+mod bugs;
 mod config;
 mod endpoint;
 mod fabric;
@@ -85,9 +86,12 @@ mod plan;
 mod region;
 mod segment;
 mod transport;
+mod wake;
 mod worker;
 
-pub use config::{MockBugs, MockConfig};
+#[cfg(feature = "bugs")]
+pub use bugs::MockBugs;
+pub use config::MockConfig;
 pub use fabric::MockFabric;
 pub use faulty::FaultyTransport;
 pub use plan::{FaultPlan, KillAfter, RandomFaults, RequestFault, RequestMatch, StallFault};

@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::runtime::Handle;
-use tokio::time::Instant;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, RequestStatus, ResourceStats,
-    Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, ResourceStats, Result,
+    SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
-use crate::batch::{Batch, Planned};
+use crate::batch::Batch;
+use crate::bugs::MockBugs;
 use crate::config::MockConfig;
 use crate::fabric::MockFabric;
 use crate::host::{HostShared, Life};
@@ -50,13 +50,25 @@ impl MockTransport {
     /// shut-down host is its restart, with a new generation; the name of a
     /// live host is a `Config` error.
     pub fn new(fabric: &MockFabric, config: MockConfig) -> Result<Arc<Self>> {
+        Self::start(fabric, config, MockBugs::default())
+    }
+
+    /// [`MockTransport::new`] with deliberate bugs switched on. Test-only:
+    /// behind the `bugs` cargo feature, never reachable from a config.
+    #[cfg(feature = "bugs")]
+    pub fn with_bugs(fabric: &MockFabric, config: MockConfig, bugs: MockBugs) -> Result<Arc<Self>> {
+        Self::start(fabric, config, bugs)
+    }
+
+    fn start(fabric: &MockFabric, config: MockConfig, bugs: MockBugs) -> Result<Arc<Self>> {
         config.validate()?;
         let runtime = Handle::try_current().map_err(|e| {
             Error::new(ErrorKind::Config, "MockTransport::new must run inside a tokio runtime").with_source(e)
         })?;
         let inner = fabric.inner.clone();
         let name = config.name.clone().unwrap_or_else(|| inner.auto_name());
-        let host = Arc::new(HostShared::new(name, inner.next_generation(), config, inner.clone(), runtime));
+        let generation = inner.next_generation();
+        let host = Arc::new(HostShared::new(name, generation, config, bugs, inner.events.clone(), runtime));
         inner.add(&host)?;
         let weak = Arc::downgrade(&host);
         let tick = (host.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
@@ -94,42 +106,11 @@ impl MockTransport {
 
     fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
         self.host.check_live()?;
-        self.host
-            .batches
-            .lock()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or released batch").with("batch", id))
+        self.host.batches.lock().get(id).cloned()
     }
 
     fn segment(&self, id: SegmentId) -> Result<Arc<SegmentEntry>> {
-        self.host
-            .segments
-            .lock()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| Error::new(ErrorKind::InvalidHandle, "unknown or closed segment").with("segment", id))
-    }
-
-    fn plan(&self, i: usize, r: &TransferRequest) -> Result<Planned> {
-        let at = |e: Error| e.with("request", i);
-        if r.len == 0 {
-            return Err(at(Error::new(ErrorKind::InvalidRequest, "zero-length request")));
-        }
-        if r.len > self.host.config.max_request_len {
-            return Err(at(Error::new(ErrorKind::InvalidRequest, "request is larger than max_request_len")
-                .with("len", r.len)
-                .with("max_request_len", self.host.config.max_request_len)));
-        }
-        let local = self.host.regions.lock().get(r.local).ok_or_else(|| {
-            at(Error::new(ErrorKind::InvalidHandle, "unknown or unregistered local region").with("region", r.local))
-        })?;
-        local.mem.check(r.local_offset, r.len).map_err(|e| at(Error::from(e).with("region", r.local)))?;
-        let segment = self.segment(r.segment).map_err(at)?;
-        if r.remote_addr.checked_add(r.len).is_none() {
-            return Err(at(Error::new(ErrorKind::OutOfBounds, "remote addr + len overflows")));
-        }
-        Ok(Planned { req: *r, local, segment })
+        self.host.segments.lock().get(&id).cloned().ok_or_else(|| Error::unknown_segment(id))
     }
 }
 
@@ -171,6 +152,11 @@ impl Transport for MockTransport {
         self.host.name.clone()
     }
 
+    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        self.host.check_live()?;
+        Ok(self.host.descriptor())
+    }
+
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
         self.host.check_live()?;
         let id = RegionId(self.host.next_id());
@@ -179,19 +165,19 @@ impl Transport for MockTransport {
         Ok(id)
     }
 
+    /// Rule 9: the region is retired under its write lock (so no copy is
+    /// running on return), then every live request using it fails, here
+    /// and on the peers that target it.
     async fn unregister(&self, region: RegionId) -> Result<()> {
         self.host.check_live()?;
-        let entry = self.host.regions.lock().remove(region).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidHandle, "unknown or already unregistered region").with("region", region)
-        })?;
-        // Waits for a copy in progress; none starts afterwards.
+        let entry = self.host.regions.lock().remove(region).ok_or_else(|| Error::unknown_region(region))?;
         entry.retire(RegionState::Unregistered);
         self.host.fail_local_users(region);
         let (addr, len) = (entry.mem.addr(), entry.mem.len() as u64);
-        for h in self.host.fabric.live_hosts() {
+        for h in self.fabric.inner.live_hosts() {
             h.fail_remote_users(&self.host.name, addr, len);
         }
-        self.host.fabric.bump();
+        self.fabric.inner.bump();
         Ok(())
     }
 
@@ -201,7 +187,7 @@ impl Transport for MockTransport {
         if let Some(e) = self.host.faults.lock().on_open(name, open_now) {
             return Err(e);
         }
-        let peer = self.host.fabric.live_host(name).ok_or_else(|| {
+        let peer = self.fabric.inner.live_host(name).ok_or_else(|| {
             Error::new(ErrorKind::ConnectionRefused, "no live mock host has this name").with("segment", name)
         })?;
         let id = SegmentId(self.host.next_id());
@@ -209,21 +195,22 @@ impl Transport for MockTransport {
         Ok(id)
     }
 
+    /// Rule 3: the handle goes, its live requests end cancelled (quiet on
+    /// return), and the endpoint to the peer is destroyed when no other
+    /// open handle names the peer.
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.host.check_live()?;
-        if self.host.config.bugs.noop_close_segment {
+        if self.host.bugs.noop_close_segment {
             // The bug: nothing is closed, the handle keeps working.
             return self.segment(segment).map(|_| ());
         }
-        let entry = self.host.segments.lock().remove(&segment).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidHandle, "unknown or already closed segment").with("segment", segment)
-        })?;
+        let entry = self.host.segments.lock().remove(&segment).ok_or_else(|| Error::unknown_segment(segment))?;
         self.host.cancel_segment(segment);
         let shared = self.host.segments.lock().values().any(|s| s.name == entry.name);
         if !shared {
-            self.host.endpoints.lock().destroy_peer(&entry.name);
+            self.host.endpoints.lock().close_peer(&entry.name);
         }
-        self.host.fabric.bump();
+        self.fabric.inner.bump();
         Ok(())
     }
 
@@ -234,45 +221,35 @@ impl Transport for MockTransport {
 
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
         self.host.check_live()?;
-        if requests.is_empty() {
-            return Err(Error::new(ErrorKind::InvalidRequest, "empty batch"));
-        }
-        let max = self.host.config.max_batch_len;
-        if requests.len() > max {
-            return Err(Error::new(ErrorKind::InvalidRequest, "batch is longer than max_batch_len")
-                .with("len", requests.len())
-                .with("max_batch_len", max));
-        }
-        let planned = requests.iter().enumerate().map(|(i, r)| self.plan(i, r)).collect::<Result<Vec<_>>>()?;
-        let id = BatchId(self.host.next_id());
-        let deadline = opts.timeout.map(|t| Instant::now() + t);
+        let planned = self.host.plan(&requests)?;
+        let deadline = opts.timeout.map(|t| self.host.clock.now().saturating_add(t));
         let batch = Arc::new(Batch::new(planned, deadline));
-        self.host.batches.lock().insert(id, batch.clone());
-        if let Err(e) = self.host.spawn(run_batch(self.host.clone(), batch)) {
-            self.host.batches.lock().remove(&id);
+        let id = self.host.batches.lock().insert(batch.clone());
+        if let Err(e) = self.host.spawn(run_batch(self.fabric.inner.clone(), self.host.clone(), batch)) {
+            self.host.batches.lock().remove(id);
             return Err(e);
         }
         Ok(id)
     }
 
     fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
-        Ok(self.batch(batch)?.status())
+        Ok(self.batch(batch)?.status(self.host.clock.now()))
     }
 
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
-        let mut events = self.host.fabric.subscribe();
+        let mut events = self.host.events.subscribe();
         loop {
             events.borrow_and_update();
             let b = self.batch(batch)?;
-            let status = b.status();
+            let status = b.status(self.host.clock.now());
             if status.is_terminal() {
                 return Ok(status);
             }
-            match b.deadline {
+            match b.deadline() {
                 Some(at) => {
                     tokio::select! {
                         _ = events.changed() => {}
-                        _ = tokio::time::sleep_until(at) => {}
+                        _ = tokio::time::sleep_until(self.host.clock.instant(at)) => {}
                     }
                 }
                 None => {
@@ -284,27 +261,18 @@ impl Transport for MockTransport {
         }
     }
 
+    /// Rule 5: live requests end cancelled under the batch lock, so the
+    /// batch is quiet when this returns.
     async fn cancel(&self, batch: BatchId) -> Result<BatchStatus> {
-        let b = self.batch(batch)?;
-        {
-            let mut st = b.statuses.lock();
-            b.expire_if_due(&mut st);
-            for s in st.iter_mut().filter(|s| !s.is_terminal()) {
-                *s = RequestStatus::Cancelled;
-            }
-        }
-        self.host.fabric.bump();
-        Ok(b.status())
+        let status = self.batch(batch)?.cancel(self.host.clock.now());
+        self.fabric.inner.bump();
+        Ok(status)
     }
 
     fn release(&self, batch: BatchId) -> Result<()> {
-        let b = self.batch(batch)?;
-        if !b.status().is_terminal() {
-            return Err(Error::new(ErrorKind::InvalidRequest, "batch is still in progress; cancel it first")
-                .with("batch", batch));
-        }
-        self.host.batches.lock().remove(&batch);
-        Ok(())
+        self.host.check_live()?;
+        let now = self.host.clock.now();
+        self.host.batches.lock().release(batch, |b| b.is_terminal(now)).map(drop)
     }
 
     fn stats(&self) -> ResourceStats {
@@ -312,9 +280,11 @@ impl Transport for MockTransport {
     }
 
     async fn shutdown(&self) -> Result<()> {
-        if let Some(mut tasks) = self.host.teardown(Life::Shut) {
-            tasks.abort_all();
-            while tasks.join_next().await.is_some() {}
+        if let Some(handles) = self.host.teardown(Life::Shut) {
+            for h in handles {
+                let _ = h.await;
+            }
+            self.host.tasks_idle().await;
         }
         Ok(())
     }

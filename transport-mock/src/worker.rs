@@ -3,18 +3,20 @@
 //! peer and the fault plan allow it.
 //!
 //! A request waits (for latency, a stall, a free endpoint slot) on the
-//! fabric's event channel, bounded by the batch deadline. Before a copy it
-//! re-checks, under the batch lock, that the request is still pending, and
-//! holds the regions' read locks while bytes move: whoever marks a request
-//! terminal or retires a region therefore knows no copy runs afterwards.
+//! fabric's event channel, bounded by the batch deadline. The copy itself
+//! runs under the batch lock as the request's one unit in the ledger
+//! ([`Batch::run_unit`]), holding the regions' read locks while bytes move:
+//! whoever marks a request terminal or retires a region therefore knows no
+//! copy runs afterwards (rules 5 and 9).
 
 use std::sync::Arc;
 
 use tokio::time::Instant;
-use transport_core::{Error, ErrorKind, Opcode, RequestStatus, Result};
+use transport_core::{Error, ErrorKind, Opcode, Result};
 
 use crate::batch::{Batch, Planned};
 use crate::endpoint::EndpointUse;
+use crate::fabric::FabricInner;
 use crate::host::HostShared;
 use crate::plan::RequestInfo;
 use crate::region::RegionState;
@@ -25,141 +27,150 @@ enum Step {
     Wait(Option<Instant>),
 }
 
+/// What one request's steps share.
+struct Ctx<'a> {
+    fabric: &'a FabricInner,
+    host: &'a HostShared,
+    batch: &'a Batch,
+    i: usize,
+    plan: &'a Planned,
+}
+
 /// Runs every request of `batch`.
-pub(crate) async fn run_batch(host: Arc<HostShared>, batch: Arc<Batch>) {
-    for i in 0..batch.requests.len() {
-        run_request(&host, &batch, i).await;
+pub(crate) async fn run_batch(fabric: Arc<FabricInner>, host: Arc<HostShared>, batch: Arc<Batch>) {
+    for (i, plan) in batch.requests.iter().enumerate() {
+        run_request(&Ctx { fabric: &fabric, host: &host, batch: &batch, i, plan }).await;
         // Wake requests waiting for an endpoint slot only when there may be
         // some, so a long batch costs linear time, not one wake-up of every
         // waiter per request.
-        if host.endpoints.lock().count() >= host.config.max_endpoints {
-            host.fabric.bump();
+        let full = {
+            let eps = host.endpoints.lock();
+            eps.held() >= eps.max()
+        };
+        if full {
+            host.events.bump();
         }
     }
-    host.fabric.bump();
+    host.events.bump();
 }
 
-/// Whether a terminal status still lets the worker copy: only with the
-/// `write_after_timeout` bug, for requests ended by a deadline or a cancel.
-fn ghost(host: &HostShared, status: &RequestStatus) -> bool {
-    host.config.bugs.write_after_timeout && matches!(status, RequestStatus::TimedOut | RequestStatus::Cancelled)
+impl Ctx<'_> {
+    /// Whether the request may still be copied: it is live, or (the
+    /// `write_after_timeout` bug) it ended by a cancel or a deadline.
+    fn wanted(&self) -> bool {
+        self.batch.is_live(self.i, self.host.clock.now())
+            || (self.host.bugs.write_after_timeout && self.batch.ended_early(self.i))
+    }
+
+    /// Fails the request (unless something decided it first).
+    fn fail(&self, e: Error) -> Step {
+        self.batch.fail(self.i, e.with("segment", &self.plan.segment.name));
+        Step::Done
+    }
 }
 
-async fn run_request(host: &Arc<HostShared>, batch: &Arc<Batch>, i: usize) {
-    let Some(plan) = batch.requests.get(i) else { return };
-    let first = batch.status_of(i);
-    if first.is_terminal() && !ghost(host, &first) {
+async fn run_request(cx: &Ctx<'_>) {
+    if !cx.wanted() {
         return;
     }
-    let decision = host.faults.lock().on_request(RequestInfo {
-        segment: &plan.segment.name,
-        index: i,
-        op: plan.req.op,
-        remote_addr: plan.req.remote_addr,
-        len: plan.req.len,
+    let decision = cx.host.faults.lock().on_request(RequestInfo {
+        segment: &cx.plan.segment.name,
+        index: cx.i,
+        op: cx.plan.req.op,
+        remote_addr: cx.plan.req.remote_addr,
+        len: cx.plan.req.len,
     });
     let mut endpoint: Option<EndpointUse> = None;
     if let Some(e) = decision.fail {
-        batch.finish(i, RequestStatus::Failed(e.with("request", i)));
+        cx.batch.fail(cx.i, e);
     } else {
-        let ready_at = Instant::now() + host.config.latency;
-        let mut events = host.fabric.subscribe();
-        loop {
-            events.borrow_and_update();
-            let step = step(host, batch, i, plan, &mut endpoint, decision.stall, ready_at);
-            let Step::Wait(until) = step else { break };
-            let status = batch.status_of(i);
-            let deadline = if status.is_terminal() { None } else { batch.deadline };
-            let wake = match (until, deadline) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            match wake {
-                Some(at) => {
-                    tokio::select! {
-                        r = events.changed() => if r.is_err() { return },
-                        _ = tokio::time::sleep_until(at) => {}
-                    }
-                }
-                None => {
-                    if events.changed().await.is_err() {
-                        return;
-                    }
-                }
-            }
+        let ready_at = Instant::now() + cx.host.config.latency;
+        if !wait_and_copy(cx, &mut endpoint, decision.stall, ready_at).await {
+            return;
         }
     }
     if decision.reset_after {
         if let Some(u) = &endpoint {
-            u.ep.break_it();
+            u.link.break_it();
         }
     }
     drop(endpoint);
     if let Some(target) = decision.kill {
-        let name = target.unwrap_or_else(|| host.name.clone());
-        if let Some(h) = host.fabric.live_host(&name) {
-            host.fabric.kill(&h);
+        let name = target.unwrap_or_else(|| cx.host.name.clone());
+        if let Some(h) = cx.fabric.live_host(&name) {
+            cx.fabric.kill(&h);
         }
     }
 }
 
-fn step(
-    host: &HostShared,
-    batch: &Batch,
-    i: usize,
-    plan: &Planned,
-    endpoint: &mut Option<EndpointUse>,
-    fault_stall: bool,
-    ready_at: Instant,
-) -> Step {
-    let status = batch.status_of(i);
-    let ghost = status.is_terminal();
-    if ghost && !self::ghost(host, &status) {
+/// Steps until the request is copied or ended; `false` if the event
+/// channel closed (the fabric is gone).
+async fn wait_and_copy(cx: &Ctx<'_>, endpoint: &mut Option<EndpointUse>, stall: bool, ready_at: Instant) -> bool {
+    let mut events = cx.host.events.subscribe();
+    loop {
+        events.borrow_and_update();
+        let Step::Wait(until) = step(cx, endpoint, stall, ready_at) else { return true };
+        let live = cx.batch.is_live(cx.i, cx.host.clock.now());
+        let deadline = if live { cx.batch.deadline().map(|d| cx.host.clock.instant(d)) } else { None };
+        let wake = match (until, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        match wake {
+            Some(at) => {
+                tokio::select! {
+                    r = events.changed() => if r.is_err() { return false },
+                    _ = tokio::time::sleep_until(at) => {}
+                }
+            }
+            None => {
+                if events.changed().await.is_err() {
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+fn step(cx: &Ctx<'_>, endpoint: &mut Option<EndpointUse>, fault_stall: bool, ready_at: Instant) -> Step {
+    if !cx.wanted() {
         return Step::Done;
     }
-    let fail = |e: Error| {
-        if !ghost {
-            batch.finish(i, RequestStatus::Failed(e.with("request", i).with("segment", &plan.segment.name)));
-        }
-        Step::Done
-    };
-    let peer_name = &plan.segment.name;
-    let Some(peer) = host.fabric.live_host(peer_name) else {
-        let had = endpoint.as_ref().map(|u| u.ep.clone()).or_else(|| host.has_endpoint(peer_name));
+    let host = cx.host;
+    let peer_name = &cx.plan.segment.name;
+    let Some(peer) = cx.fabric.live_host(peer_name) else {
+        let had = endpoint.take().map(|u| u.link.clone()).or_else(|| host.link_to(peer_name));
         return match had {
-            Some(ep) => {
-                *endpoint = None;
-                host.endpoint_failed(&ep);
-                fail(Error::new(ErrorKind::ConnectionReset, "the peer went away; its endpoint broke"))
+            Some(link) => {
+                host.endpoint_failed(&link);
+                cx.fail(Error::new(ErrorKind::ConnectionReset, "the peer went away; its endpoint broke"))
             }
-            None => fail(Error::new(ErrorKind::ConnectionRefused, "the peer is not reachable")),
+            None => cx.fail(Error::new(ErrorKind::ConnectionRefused, "the peer is not reachable")),
         };
     };
-    if plan.segment.generation() != peer.generation {
-        plan.segment.refresh(peer.descriptor());
-        if let Some(ep) = host.has_endpoint(peer_name).filter(|e| e.peer_generation != peer.generation) {
-            host.endpoint_failed(&ep);
-        }
+    if cx.plan.segment.generation() != peer.generation {
+        cx.plan.segment.refresh(peer.descriptor());
         *endpoint = None;
-        return fail(
+        if let Some(link) = host.link_to(peer_name).filter(|l| l.peer_generation != peer.generation) {
+            host.endpoint_failed(&link);
+        }
+        return cx.fail(
             Error::new(ErrorKind::PeerRestarted, "the peer restarted; the descriptor was refreshed")
                 .with("generation", peer.generation),
         );
     }
     if endpoint.is_none() {
-        match host.acquire_endpoint(&peer) {
+        match host.acquire_endpoint(peer_name, peer.generation) {
             Ok(Some(u)) => *endpoint = Some(u),
             Ok(None) => return Step::Wait(None),
-            Err(e) => return fail(e),
+            Err(e) => return cx.fail(e),
         }
     }
-    if let Some(u) = endpoint.as_ref() {
-        if u.ep.is_destroyed() || u.ep.is_broken() || u.ep.peer_generation != peer.generation {
-            let ep = u.ep.clone();
-            *endpoint = None;
-            host.endpoint_failed(&ep);
-            return fail(Error::new(ErrorKind::ConnectionReset, "the endpoint broke").with("endpoint", ep.id));
-        }
+    let broken = endpoint.as_ref().filter(|u| u.link.is_broken() || u.link.peer_generation != peer.generation);
+    if let Some(link) = broken.map(|u| u.link.clone()) {
+        *endpoint = None;
+        host.endpoint_failed(&link);
+        return cx.fail(Error::new(ErrorKind::ConnectionReset, "the endpoint broke").with("endpoint", link.id));
     }
     if host.stalled() || peer.stalled() || fault_stall {
         return Step::Wait(None);
@@ -167,33 +178,18 @@ fn step(
     if Instant::now() < ready_at {
         return Step::Wait(Some(ready_at));
     }
-    copy(batch, i, plan, &peer, ghost);
+    let segment = &cx.plan.segment.name;
+    cx.batch.run_unit(cx.i, host.clock.now(), host.bugs.write_after_timeout, || {
+        move_bytes(cx.plan, &peer).map_err(|e| e.with("segment", segment))
+    });
     Step::Done
-}
-
-/// Moves the bytes of request `i`, under the batch lock and the regions'
-/// read locks, and records the outcome (unless the request is a ghost).
-fn copy(batch: &Batch, i: usize, plan: &Planned, peer: &HostShared, ghost: bool) {
-    let mut statuses = batch.statuses.lock();
-    batch.expire_if_due(&mut statuses);
-    let Some(slot) = statuses.get_mut(i) else { return };
-    if slot.is_terminal() && !ghost {
-        return;
-    }
-    let result = move_bytes(plan, peer);
-    if !ghost {
-        *slot = match result {
-            Ok(()) => RequestStatus::Completed,
-            Err(e) => RequestStatus::Failed(e.with("request", i).with("segment", &plan.segment.name)),
-        };
-    }
 }
 
 fn move_bytes(plan: &Planned, peer: &HostShared) -> Result<()> {
     let req = &plan.req;
     let local_state = plan.local.state.read_recursive();
     if *local_state != RegionState::Live {
-        return Err(Error::new(ErrorKind::Unregistered, "the local region was unregistered").with("region", req.local));
+        return Err(Error::region_unregistered(req.local));
     }
     let remote = peer.regions.lock().find_remote(req.remote_addr, req.len)?;
     let remote_state = remote.state.read_recursive();

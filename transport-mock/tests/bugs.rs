@@ -8,12 +8,15 @@ use std::time::Duration;
 
 use common::*;
 use transport_core::{BatchState, ErrorKind, SubmitOptions, Transport};
-use transport_mock::{MockBugs, MockConfig};
+use transport_mock::{MockBugs, MockConfig, MockFabric, MockTransport};
 
 const LEN: usize = 64 << 10;
 
 async fn pair(bugs: MockBugs) -> Pair {
-    Pair::new(LEN, MockConfig { bugs, max_endpoints: 2, ..MockConfig::named("a") }, MockConfig::named("b")).await
+    let fabric = MockFabric::new();
+    let a = MockTransport::with_bugs(&fabric, MockConfig { max_endpoints: 2, ..MockConfig::named("a") }, bugs).unwrap();
+    let b = MockTransport::new(&fabric, MockConfig::named("b")).unwrap();
+    Pair::of(LEN, fabric, a, b).await
 }
 
 async fn one(p: &Pair) -> transport_core::BatchStatus {

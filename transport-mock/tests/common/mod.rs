@@ -84,6 +84,10 @@ impl Pair {
         let fabric = MockFabric::new();
         let a = MockTransport::new(&fabric, a).unwrap();
         let b = MockTransport::new(&fabric, b).unwrap();
+        Self::of(len, fabric, a, b).await
+    }
+    /// A pair of hosts already started on `fabric`.
+    pub async fn of(len: usize, fabric: MockFabric, a: Arc<MockTransport>, b: Arc<MockTransport>) -> Self {
         let local = Mem::new(len, 1);
         let remote = Mem::new(len, 2);
         let lid = a.register(local.region(), Access::LOCAL).unwrap();
