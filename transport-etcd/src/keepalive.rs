@@ -7,39 +7,19 @@
 //! over meanwhile (then this store gives the name up). The task is counted
 //! in `Shared::tasks` and ends when the store is closed or dropped.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 use transport_core::{ErrorKind, Result};
 
-use crate::store::{bounded, Owned, Shared};
+use crate::shared::{bounded, Owned, Shared};
 
-/// Starts the task; the store aborts the returned handle to stop it.
+/// Starts the task, counted in `shared.tasks` until it ends or is aborted;
+/// the store aborts the returned handle to stop it.
 pub(crate) fn spawn(shared: Arc<Shared>) -> JoinHandle<()> {
-    let guard = TaskGuard::new(shared.tasks.clone());
-    tokio::spawn(async move {
-        let _guard = guard;
-        run(&shared).await;
-    })
-}
-
-/// Counts a live task; the count drops when the task's future is dropped,
-/// whether it finished or was aborted.
-struct TaskGuard(Arc<AtomicUsize>);
-
-impl TaskGuard {
-    fn new(counter: Arc<AtomicUsize>) -> Self {
-        counter.fetch_add(1, Ordering::SeqCst);
-        Self(counter)
-    }
-}
-
-impl Drop for TaskGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
+    let tasks = shared.tasks.clone();
+    tasks.spawn(async move { run(&shared).await })
 }
 
 async fn run(shared: &Shared) {

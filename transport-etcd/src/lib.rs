@@ -64,6 +64,7 @@ mod codec;
 mod config;
 mod error;
 mod keepalive;
+mod shared;
 mod store;
 mod watch;
 

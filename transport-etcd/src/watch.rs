@@ -8,7 +8,7 @@ use transport_core::{ErrorKind, Result, SegmentDescriptor};
 
 use crate::codec;
 use crate::error::Ctx;
-use crate::store::{bounded, Shared};
+use crate::shared::{bounded, Shared};
 
 /// Follows the descriptor of one segment.
 ///
