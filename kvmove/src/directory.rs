@@ -8,7 +8,7 @@ use crate::build::own_descriptor;
 
 /// Publishes this engine's descriptor under the logical `name`. The stored
 /// descriptor is the one peers get from the engine itself (same generation
-/// and regions), renamed to `name`, with `address` set to the segment name
+/// and regions; see [`own_descriptor`]), renamed to `name`, with `address` set to the segment name
 /// to open (`host:port` for TCP and RDMA).
 pub async fn publish(engine: &Engine, store: &dyn MetadataStore, name: &str) -> Result<SegmentDescriptor> {
     let mut desc = own_descriptor(engine.transport()).await?;
