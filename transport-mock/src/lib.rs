@@ -20,45 +20,64 @@
 //!
 //! # Design
 //!
+//! The mock is a thin driver over the lifecycle core
+//! ([`transport_core::lifecycle`]); it keeps only what is mock-specific:
+//! the in-process fabric, the memory copies, the fault plan and
+//! kill/cut/stall.
+//!
 //! - **Hosts and generations.** Each `MockTransport` is a host registered
 //!   in the fabric under its segment name, with a generation that is new on
 //!   every start. Creating a transport with the name of a killed or shut
 //!   down host is its restart. `open_segment` looks the host up (unknown or
 //!   dead: transient `ConnectionRefused`) and snapshots its descriptor
 //!   (the remotely accessible regions, `key` = region id).
-//! - **Lazy endpoints.** An endpoint (this host → a peer) is built on the
-//!   first transfer to the peer, not at open, and shared by every handle to
-//!   that peer. It records the peer's generation. At most
-//!   `max_endpoints` exist: a new one evicts (destroys) the least recently
-//!   used idle one, or waits while all are busy. A reaper task destroys
-//!   endpoints idle for `idle_timeout`. A request that finds its endpoint
-//!   broken (cut, peer killed, plan reset) fails with `ConnectionReset` and
-//!   destroys it; `close_segment` destroys it when no other open handle
-//!   names the peer. Only the initiator counts endpoints (the passive side
-//!   holds nothing). One lane per endpoint unless configured.
-//! - **Batches.** `submit` validates the whole batch (size, zero length,
-//!   handles, local bounds, `addr + len` overflow; the error names the
-//!   `request` index) and spawns one task that runs the requests in order.
-//!   Remote checks happen when a request runs, against the peer's live
-//!   region table: outside one region is `OutOfBounds`, a forbidden
-//!   direction `AccessDenied`, retired memory `Unregistered` (all
-//!   permanent); a peer whose generation changed fails the request with
-//!   transient `PeerRestarted` and refreshes the handle's descriptor.
-//! - **Terminal means quiet.** A request's status changes only under its
-//!   batch's lock, and the copy runs under that lock after checking the
-//!   request is still pending, holding the regions' read locks. So cancel,
-//!   deadlines (enforced by the task and by every `poll`/`wait`),
-//!   `close_segment` and `shutdown` are quiet as soon as they mark the
-//!   request, and `unregister` and a kill (which take the region's write
-//!   lock) return only when no copy touches the memory.
+//! - **Lazy endpoints** in an `EndpointPool<String>` keyed by peer name,
+//!   with time as a `Duration` since the host started. An endpoint (a
+//!   simulated link recording the peer's generation) is built on the first
+//!   transfer to the peer and shared by every handle to it. The pool
+//!   decides the bound, LRU eviction of idle endpoints and idle reclaim (a
+//!   reaper task); the mock destroys what the pool retires at once and
+//!   reports it `destroyed`. A request that finds its endpoint broken (cut,
+//!   peer killed, plan reset) fails with `ConnectionReset` and reports it
+//!   `broken`. Only the initiator counts endpoints.
+//! - **Batches.** `submit` validates the whole batch once
+//!   (`validate_batch`: size, zero length, handles, local bounds,
+//!   `addr + len` overflow; the error names the `request` index), keeps
+//!   it in a `BatchTable` and spawns one task (counted in a `TaskSet`)
+//!   that runs the requests in order. Remote checks happen when a request
+//!   runs, against the peer's live region table: outside one region is
+//!   `OutOfBounds`, a forbidden direction `AccessDenied`, retired memory
+//!   `Unregistered` (all permanent); a peer whose generation changed fails
+//!   the request with transient `PeerRestarted` and refreshes the handle's
+//!   descriptor.
+//! - **Terminal means quiet.** Each batch keeps a `BatchLedger` (one unit
+//!   per request: its copy) behind its lock. The copy runs under that lock
+//!   between `start(i)` (refused unless the request is live) and
+//!   `unit_done`, holding the regions' read locks. So cancel, deadlines
+//!   (applied by `expire(now)` on every read), `close_segment` and
+//!   `shutdown` are quiet as soon as they decide the request, and
+//!   `unregister` and a kill (which take the region's write lock) return
+//!   only when no copy touches the memory.
 //! - **Waiting** (latency, stalls, a free endpoint slot, `wait`) listens to
 //!   one fabric-wide event channel, bounded by the batch deadline.
-//! - **Counts** ([`transport_core::ResourceStats`]) are read from the live
-//!   tables; tasks (the reaper and running batch tasks) are counted by a
-//!   guard inside each task. Shutdown aborts and awaits them; dropping the
-//!   transport aborts them, and no task holds the transport itself.
+//! - **Counts** ([`transport_core::ResourceStats`]) come from the pool,
+//!   the tables, the ledgers and the `TaskSet`. Shutdown aborts the tasks
+//!   and awaits them; dropping the transport aborts them, and no task holds
+//!   the transport itself.
 //!
-//! # Faults
+//! # Which functions keep which rule
+//!
+//! | rule | kept in this crate by |
+//! |---|---|
+//! | 1 every resource is counted | `HostShared::stats` (pool `held`, ledgers' `pending`, `TaskSet::count`), `HostShared::spawn`, `HostShared::teardown` |
+//! | 2 failure frees | `HostShared::endpoint_failed` -> `Endpoints::failed` (`broken` then `destroyed`); the worker's `step` checks the link before every copy |
+//! | 3 close is real | `MockTransport::close_segment` (`HostShared::cancel_segment`, `Endpoints::close_peer`) |
+//! | 4 bounded endpoints | `Endpoints::acquire` (bound, LRU eviction, waits while all are busy), `Endpoints::reap` via the reaper task |
+//! | 5 terminal means quiet | `Batch::run_unit` (copy under the batch lock after `ledger.start`), `Batch::cancel`, `Batch::status` (deadline via `expire`) |
+//! | 6 poll never panics | `MockTransport::poll` (ledger snapshot; no unwrap on anything a peer, timer or caller controls) |
+//! | 9 memory is guarded | `HostShared::plan` (`validate_batch`), `move_bytes` (remote region, access, retired memory), `MockTransport::unregister` (`RegionEntry::retire`, `fail_local_users`, `fail_remote_users`) |
+//!
+//! //! # Faults
 //!
 //! - Real faults on the fabric: [`MockFabric::kill`], [`MockFabric::cut`],
 //!   [`MockFabric::stall`], and restart by a new transport of the same name.
@@ -70,9 +89,10 @@
 //!   after N requests, and random transient failures from a `SmallRng`.
 //! - [`FaultyTransport`] applies a plan at the API boundary of *any*
 //!   transport (TCP, RDMA), and counts how often each request was passed on.
-//! - [`MockBugs`]: deliberately broken behaviours (leaking or caching
-//!   broken endpoints, writing after a timeout, a no-op close) that prove
-//!   the conformance suite can fail.
+//! - `MockBugs` (test-only, behind the `bugs` cargo feature, through
+//!   `MockTransport::with_bugs`; never in [`MockConfig`]): deliberately
+//!   broken behaviours (leaking or caching broken endpoints, writing after
+//!   a timeout, a no-op close) that prove the conformance suite can fail.
 #![forbid(unsafe_code)]
 
 mod batch;

@@ -181,3 +181,46 @@ fn new_outside_a_runtime_is_a_config_error() {
     let e = transport_mock::MockTransport::new(&f, MockConfig::default()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config);
 }
+
+/// `local_descriptor` is what a peer opening the host receives (same
+/// generation, the remotely accessible regions), through the fault layer
+/// too; after shutdown it is `Shutdown`.
+#[test]
+fn local_descriptor_is_what_peers_open() {
+    run(async {
+        let p = Pair::default(LEN).await;
+        let own = p.b.local_descriptor().unwrap();
+        assert_eq!(own, p.a.segment_descriptor(p.seg).unwrap());
+        assert_eq!((own.generation, own.regions.len()), (p.b.generation(), 1));
+        assert!(p.a.local_descriptor().unwrap().regions.is_empty(), "a's region is local only");
+        let faulty = transport_mock::FaultyTransport::wrap(p.b.clone());
+        assert_eq!(faulty.local_descriptor().unwrap(), own);
+        p.b.shutdown().await.unwrap();
+        assert_eq!(p.b.local_descriptor().unwrap_err().kind(), ErrorKind::Shutdown);
+    });
+}
+
+/// The idle reaper and the LRU eviction of the endpoint pool free their
+/// slots: a bound of one serves two peers in turn, and an idle endpoint is
+/// reclaimed.
+#[test]
+fn pool_evicts_and_reaps() {
+    run(async {
+        let a = MockConfig { max_endpoints: 1, idle_timeout: Duration::from_millis(50), ..MockConfig::named("a") };
+        let p = Pair::new(LEN, a, MockConfig::named("b")).await;
+        let c = host(&p.fabric, "c");
+        let remote = Mem::new(4096, 3);
+        c.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let seg_c = p.a.open_segment("c").await.unwrap();
+        for _ in 0..3 {
+            assert_eq!(
+                run_batch(&*p.a, vec![p.write(0, 0, 4096)], SubmitOptions::default()).await.state,
+                BatchState::Completed
+            );
+            let to_c = transport_core::TransferRequest::write(p.lid, 0, seg_c, remote.addr(), 4096);
+            assert_eq!(run_batch(&*p.a, vec![to_c], SubmitOptions::default()).await.state, BatchState::Completed);
+            assert_eq!(p.a.stats().endpoints, 1, "the bound holds");
+        }
+        assert!(settle(|| p.a.stats().endpoints == 0).await, "idle endpoint reclaimed: {:?}", p.a.stats());
+    });
+}
