@@ -110,11 +110,13 @@ mod auth;
 mod batch;
 mod config;
 mod conn;
+mod driver;
 mod endpoint;
+mod lane;
+mod pool;
 mod proto;
 mod regions;
 mod server;
-mod tasks;
 mod transport;
 
 pub use config::TcpConfig;

@@ -12,13 +12,13 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
+use transport_core::lifecycle::TaskSet;
 
 use crate::auth::{self, Role};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::regions::RegionTable;
-use crate::tasks::{spawn_counted, Counters};
 
 /// Output gathered before one `write` when answers are small.
 const OUT_FLUSH: usize = 256 << 10;
@@ -31,7 +31,7 @@ pub(crate) struct Server {
     pub cfg: Arc<TcpConfig>,
     pub regions: Arc<RegionTable>,
     pub generation: u64,
-    pub counters: Arc<Counters>,
+    pub tasks: TaskSet,
     conns: Mutex<HashMap<u64, JoinHandle<()>>>,
     next_conn: AtomicU64,
 }
@@ -50,12 +50,12 @@ impl From<std::io::Error> for Close {
 }
 
 impl Server {
-    pub fn new(cfg: Arc<TcpConfig>, regions: Arc<RegionTable>, generation: u64, counters: Arc<Counters>) -> Arc<Self> {
+    pub fn new(cfg: Arc<TcpConfig>, regions: Arc<RegionTable>, generation: u64, tasks: TaskSet) -> Arc<Self> {
         Arc::new(Self {
             cfg,
             regions,
             generation,
-            counters,
+            tasks,
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
         })
@@ -80,7 +80,7 @@ impl Server {
             }
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let me = self.clone();
-            let h = spawn_counted(&self.counters, async move {
+            let h = self.tasks.spawn(async move {
                 if let Err(e) = me.serve(s).await {
                     match e {
                         Close::Io(e) => tracing::debug!(%peer, error = %e, "connection closed"),

@@ -1,0 +1,213 @@
+//! The transport's shared state and the I/O it does for the lifecycle
+//! core: building, evicting and reclaiming endpoints as the
+//! [`EndpointPool`](transport_core::EndpointPool) decides, and making ended
+//! requests quiet (resetting the endpoints that carry their slices).
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+use transport_core::lifecycle::{BatchTable, EndReason};
+use transport_core::{
+    Access, BatchId, Error, ErrorKind, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
+};
+
+use crate::batch::Batch;
+use crate::config::TcpConfig;
+use crate::endpoint::{Endpoint, EndpointSlots, EndpointUse, Env};
+use crate::lane;
+use crate::pool::Slot;
+use crate::proto::WireRegion;
+use crate::regions::RegionTable;
+use crate::server::Server;
+
+/// An open segment handle.
+#[derive(Debug)]
+pub(crate) struct SegmentEntry {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub desc: SegmentDescriptor,
+}
+
+/// Everything a transport owns, shared with its background tasks.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub cfg: Arc<TcpConfig>,
+    pub local_name: String,
+    pub generation: u64,
+    pub env: Arc<Env>,
+    pub regions: Arc<RegionTable>,
+    pub server: Arc<Server>,
+    pub slots: Arc<EndpointSlots>,
+    pub segments: Mutex<HashMap<SegmentId, SegmentEntry>>,
+    pub batches: Mutex<BatchTable<Arc<Batch>>>,
+    pub background: Mutex<Vec<JoinHandle<()>>>,
+    pub next_handle: AtomicU64,
+    pub shut: AtomicBool,
+}
+
+/// Resolves a segment name (`host:port`).
+pub(crate) fn resolve(name: &str) -> Result<SocketAddr> {
+    name.to_socket_addrs()
+        .map_err(|e| {
+            Error::new(ErrorKind::NotFound, format!("cannot resolve segment name: {e}")).with("segment", name)
+        })?
+        .next()
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, "segment name resolves to no address").with("segment", name))
+}
+
+/// The descriptor of a peer as a client sees it.
+pub(crate) fn descriptor(name: &str, addr: SocketAddr, generation: u64, regions: &[WireRegion]) -> SegmentDescriptor {
+    SegmentDescriptor {
+        name: name.to_owned(),
+        backend: "tcp".into(),
+        generation,
+        address: addr.to_string(),
+        regions: regions
+            .iter()
+            .map(|r| RegionInfo {
+                addr: r.addr,
+                len: r.len,
+                access: Access { remote_read: r.read, remote_write: r.write },
+                key: 0,
+            })
+            .collect(),
+    }
+}
+
+/// Reclaims idle endpoints on a timer (rule 4).
+pub(crate) async fn reaper(inner: Weak<Inner>) {
+    loop {
+        let tick = match inner.upgrade() {
+            Some(i) => (i.cfg.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1)),
+            None => return,
+        };
+        tokio::time::sleep(tick).await;
+        let Some(i) = inner.upgrade() else { return };
+        for ep in i.slots.reap(i.cfg.idle_timeout) {
+            tracing::debug!(peer = %ep.name, "reclaiming idle endpoint");
+            ep.destroy(Error::new(ErrorKind::ConnectionReset, "idle endpoint reclaimed")).await;
+        }
+    }
+}
+
+/// Times the batch out at its deadline (rule 5: the ledger decides, the
+/// endpoints carrying its slices are reset).
+pub(crate) async fn deadline(inner: Weak<Inner>, batch: Arc<Batch>, at: Duration) {
+    let Some(when) = inner.upgrade().and_then(|i| i.slots.instant(at)) else { return };
+    tokio::time::sleep_until(tokio::time::Instant::from_std(when)).await;
+    if let Some(i) = inner.upgrade() {
+        batch.expire(i.slots.now().max(at));
+        i.quiet(&batch).await;
+    }
+}
+
+impl Inner {
+    pub fn check_open(&self) -> Result<()> {
+        if self.shut.load(Ordering::Acquire) {
+            Err(Error::shut_down())
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn handle(&self) -> u64 {
+        self.next_handle.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A live endpoint to `name` and one counted use of it, built if
+    /// needed, within the bound (rule 4). At the bound an idle endpoint is
+    /// evicted (destroyed before its slot is reused); if none can be, the
+    /// caller waits up to `connect_timeout`, then gets `ResourceExhausted`.
+    pub async fn endpoint(&self, name: &str, addr: SocketAddr) -> Result<(Arc<Endpoint>, EndpointUse)> {
+        let key = name.to_owned();
+        let give_up = tokio::time::Instant::now() + self.cfg.connect_timeout;
+        loop {
+            self.check_open()?;
+            match self.slots.acquire(&key) {
+                Slot::Use(ep) => {
+                    let using = ep.new_use();
+                    return Ok((ep, using));
+                }
+                Slot::Build(id) => {
+                    let built = lane::connect(id, name, addr, &self.env, Arc::downgrade(&self.slots)).await;
+                    let ep = match built {
+                        Ok(ep) => ep,
+                        Err(e) => {
+                            self.slots.build_failed(id);
+                            return Err(e);
+                        }
+                    };
+                    let using = ep.new_use();
+                    if !self.slots.built(id, &ep) || self.check_open().is_err() {
+                        drop(using);
+                        ep.destroy(Error::shut_down()).await;
+                        self.check_open()?;
+                        continue;
+                    }
+                    return Ok((ep, using));
+                }
+                Slot::Evict(ep) => {
+                    tracing::debug!(peer = %ep.name, "evicting endpoint at the bound");
+                    ep.destroy(Error::new(ErrorKind::ConnectionReset, "endpoint evicted")).await;
+                }
+                Slot::Full if tokio::time::Instant::now() >= give_up => {
+                    return Err(Error::endpoints_exhausted(name, self.cfg.max_endpoints));
+                }
+                Slot::Wait | Slot::Full => self.slots.changed(Duration::from_millis(5)).await,
+            }
+        }
+    }
+
+    /// Ends the live requests of `batch` that `pick` selects, then makes
+    /// the batch quiet (see [`Inner::quiet`]).
+    pub async fn end_requests(
+        &self,
+        batch: &Arc<Batch>,
+        reason: EndReason,
+        pick: impl FnMut(&TransferRequest) -> bool,
+    ) {
+        let _ = batch.end(&reason, pick);
+        self.quiet(batch).await;
+    }
+
+    /// Makes the ended requests of `batch` quiet: if none is live its
+    /// queued work is dropped, and every endpoint that still carries a
+    /// started slice of an ended request is destroyed (its sockets reset),
+    /// so nothing of theirs is read, written or applied afterwards and the
+    /// ledger can report them.
+    pub async fn quiet(&self, batch: &Arc<Batch>) {
+        if batch.is_terminal() {
+            return;
+        }
+        let eps = self.slots.built_where(|e| batch.peers.contains(&e.name));
+        if !batch.any_live() {
+            for ep in &eps {
+                ep.unqueue(batch);
+            }
+        }
+        if batch.on_wire() == 0 {
+            return;
+        }
+        for ep in eps {
+            if ep.carries_ended(batch) {
+                let err =
+                    Error::new(ErrorKind::ConnectionReset, "endpoint reset to end a batch").with("peer", &ep.name);
+                ep.destroy(err).await;
+            }
+        }
+    }
+
+    pub fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        self.batches.lock().get(id).cloned()
+    }
+
+    /// Every batch not yet terminal.
+    pub fn running(&self) -> Vec<Arc<Batch>> {
+        self.batches.lock().iter().map(|(_, b)| b).filter(|b| !b.is_terminal()).cloned().collect()
+    }
+}

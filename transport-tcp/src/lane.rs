@@ -1,0 +1,334 @@
+//! The lanes of an endpoint: connecting them, and the two tasks per lane.
+//!
+//! The writer pulls slices off the endpoint's queue, asks the batch's
+//! ledger to start each one ([`Batch::start`]: a slice of a request that is
+//! no longer live is dropped before it touches memory), copies WRITE
+//! payloads out of local memory into a bounded send buffer and coalesces
+//! small frames into one `write`. The reader matches answers to
+//! outstanding slices by request id, copies READ payloads into local
+//! memory and ends the slice in the ledger. A lane has at most `window`
+//! slices outstanding. The hot path takes the batch's ledger lock once
+//! when a slice starts and once when it ends (and once per 256 KiB chunk
+//! of a streamed WRITE), never per byte.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use transport_core::lifecycle::EndpointId;
+use transport_core::{Error, ErrorKind, Opcode, Result};
+
+use crate::batch::Batch;
+use crate::conn::{self, read_header, status_err};
+use crate::endpoint::{Endpoint, EndpointSlots, Env, Next, Slice};
+use crate::proto::{FrameType, Header, Status, HEADER_LEN};
+
+/// Bytes a writer gathers before one `write` when slices are small.
+const COALESCE: usize = 256 << 10;
+/// Payloads larger than this are copied and sent (or received and copied)
+/// in chunks of this size, so each copy stays in cache.
+const STREAM: usize = 256 << 10;
+
+/// Connects `cfg.lanes` lanes to `addr`, fetches the descriptor over the
+/// first, and starts the lane tasks. Sockets opened before a failure are
+/// closed when this returns the error.
+pub(crate) async fn connect(
+    id: EndpointId,
+    name: &str,
+    addr: SocketAddr,
+    env: &Arc<Env>,
+    slots: Weak<EndpointSlots>,
+) -> Result<Arc<Endpoint>> {
+    let cfg = &env.cfg;
+    let mut streams = Vec::with_capacity(cfg.lanes);
+    let mut generation = 0;
+    let mut regions = Vec::new();
+    for i in 0..cfg.lanes {
+        let (mut s, hello) = conn::connect(addr, cfg, name).await?;
+        if i == 0 {
+            let (g, r) = conn::fetch_regions(&mut s, cfg, env.next_id(), name).await?;
+            if g != hello.generation {
+                return Err(
+                    Error::new(ErrorKind::PeerRestarted, "generation changed during the handshake").with("peer", name)
+                );
+            }
+            generation = g;
+            regions = r;
+        } else if hello.generation != generation {
+            return Err(Error::new(ErrorKind::PeerRestarted, "the peer restarted while lanes were connecting")
+                .with("peer", name));
+        }
+        streams.push(s);
+    }
+    let ep = Endpoint::new(id, name, addr, (generation, regions), env.clone(), slots);
+    env.lanes.fetch_add(streams.len(), std::sync::atomic::Ordering::Relaxed);
+    let mut tasks = Vec::with_capacity(2 * streams.len());
+    for (i, s) in streams.into_iter().enumerate() {
+        let (r, w) = s.into_split();
+        tasks.push(env.tasks.spawn(reader(ep.clone(), i, r)));
+        tasks.push(env.tasks.spawn(writer(ep.clone(), i, w)));
+    }
+    ep.set_tasks(tasks);
+    Ok(ep)
+}
+
+/// What `stage` did with a slice.
+enum Staged {
+    /// Not sent (its request is not live, or it failed before the wire).
+    Skipped,
+    /// The whole frame is in the send buffer.
+    Inline,
+    /// The header is in the send buffer; the payload is to be streamed.
+    Stream { batch: Arc<Batch>, req: usize, local_off: u64, len: u64 },
+}
+
+/// Copies `dst.len()` bytes of request `i`'s local region from `off`.
+fn copy_out(batch: &Batch, i: usize, off: u64, dst: &mut [u8]) -> Result<()> {
+    let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
+    let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
+    match region.with_live(|m| m.read_at(off, dst)) {
+        Some(r) => r.map_err(Error::from),
+        None => Err(Error::region_unregistered(region.id)),
+    }
+}
+
+/// Copies `src` into request `i`'s local region at `off`.
+fn copy_in(batch: &Batch, i: usize, off: u64, src: &[u8]) -> Result<()> {
+    let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
+    let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
+    match region.with_live(|m| m.write_at(off, src)) {
+        Some(r) => r.map_err(Error::from),
+        None => Err(Error::region_unregistered(region.id)),
+    }
+}
+
+/// Puts one slice's frame into `buf[*used..]` and records it as
+/// outstanding on `lane`. A WRITE larger than [`STREAM`] gets only its
+/// header here: its payload is streamed by the writer in chunks, so the
+/// copy stays in cache and overlaps the socket.
+fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usize) -> Staged {
+    let Next { batch, req: i, off, len, generation, using } = n;
+    let Some(req) = batch.reqs.get(i).copied() else { return Staged::Skipped };
+    // Validation bounded every request (len <= 2^40, ranges without
+    // overflow), so these sums cannot overflow; checked all the same.
+    let (Some(addr), Some(local_off)) = (req.remote_addr.checked_add(off), req.local_offset.checked_add(off)) else {
+        batch.fail(i, Error::new(ErrorKind::OutOfBounds, "slice offset overflows"));
+        return Staged::Skipped;
+    };
+    let id = ep.env.next_id();
+    {
+        // Started and recorded as outstanding under the lane's lock, so
+        // whoever quiets an ended request sees every started slice.
+        let mut p = ep.lanes[lane].pending.lock();
+        if p.dead {
+            drop(p);
+            batch.fail(i, Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &ep.name));
+            return Staged::Skipped;
+        }
+        // The ledger decides: a request that is not live is never touched.
+        if !batch.start(i) {
+            return Staged::Skipped;
+        }
+        p.map.insert(id, Slice { batch: batch.clone(), req: i, len, local_off, op: req.op, _using: using });
+    }
+    let write = req.op == Opcode::Write;
+    let stream = write && len > STREAM as u64;
+    // A slice is at most `slice_size` (<= 64 MiB) bytes.
+    let inline = if write && !stream { len as usize } else { 0 };
+    let start = *used;
+    let frame_len = HEADER_LEN + inline;
+    if buf.len() < start + frame_len {
+        buf.resize(start + frame_len, 0);
+    }
+    if inline > 0 {
+        if let Err(e) = copy_out(&batch, i, local_off, &mut buf[start + HEADER_LEN..start + frame_len]) {
+            let s = ep.lanes[lane].pending.lock().map.remove(&id);
+            if let Some(s) = s {
+                s.batch.slice_done(s.req, Err(e));
+            }
+            return Staged::Skipped;
+        }
+    }
+    let mut h = Header::new(if write { FrameType::Write } else { FrameType::Read });
+    h.id = id;
+    h.addr = addr;
+    h.len = len;
+    h.generation = generation;
+    if write {
+        h.payload_len = len as u32;
+    }
+    buf[start..start + HEADER_LEN].copy_from_slice(&h.encode());
+    *used = start + frame_len;
+    if stream {
+        Staged::Stream { batch, req: i, local_off, len }
+    } else {
+        Staged::Inline
+    }
+}
+
+async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk: Vec<u8> = Vec::new();
+    let window = &ep.lanes[lane].window;
+    loop {
+        let Ok(permit) = window.acquire().await else { return };
+        permit.forget();
+        let first = loop {
+            let notified = ep.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(s) = ep.take_slice() {
+                break s;
+            }
+            notified.await;
+        };
+        let mut used = 0;
+        let mut staged = 0usize;
+        let mut streamed = None;
+        // Stage the first slice, then coalesce more while the window has
+        // room, up to COALESCE bytes or a slice that must stream.
+        let mut next = Some(first);
+        while let Some(n) = next.take() {
+            match stage(&ep, lane, n, &mut buf, &mut used) {
+                Staged::Skipped => window.add_permits(1),
+                Staged::Inline => staged += 1,
+                Staged::Stream { batch, req, local_off, len } => {
+                    staged += 1;
+                    streamed = Some((batch, req, local_off, len));
+                }
+            }
+            if streamed.is_some() || used >= COALESCE {
+                break;
+            }
+            let Ok(p) = window.try_acquire() else { break };
+            next = ep.take_slice();
+            if next.is_some() {
+                p.forget();
+            }
+        }
+        if staged == 0 {
+            continue;
+        }
+        let Some((batch, req, local_off, len)) = streamed else {
+            if let Err(e) = w.write_all(&buf[..used]).await {
+                return ep.broke(Error::from(e).with("peer", &ep.name));
+            }
+            continue;
+        };
+        // The frames gathered so far go out with the first chunk of the
+        // streamed payload (one `write`, no tiny header segment).
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(STREAM as u64) as usize;
+            let (dst, prefix) = if done == 0 { (&mut buf, used) } else { (&mut chunk, 0) };
+            if dst.len() < prefix + n {
+                dst.resize(prefix + n, 0);
+            }
+            let copied = if batch.is_live(req) {
+                copy_out(&batch, req, local_off + done, &mut dst[prefix..prefix + n])
+            } else {
+                Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent"))
+            };
+            if let Err(e) = copied {
+                // Half a frame may be on the wire: the connection cannot
+                // continue (and the peer never applies bytes after the
+                // reset). The slice ends when the endpoint is destroyed.
+                return ep.broke(e.with("peer", &ep.name));
+            }
+            if let Err(e) = w.write_all(&dst[..prefix + n]).await {
+                return ep.broke(Error::from(e).with("peer", &ep.name));
+            }
+            done += n as u64;
+        }
+        if buf.len() > 2 * COALESCE.max(ep.env.cfg.slice_size + HEADER_LEN) {
+            buf = Vec::new();
+        }
+    }
+}
+
+/// A slice taken out of the pending map by the reader; if the reader is
+/// aborted (the endpoint destroyed) before it ends the slice, dropping it
+/// ends the slice as failed, after the task.
+struct Held(Option<Slice>);
+
+impl Held {
+    fn finish(mut self, result: Result<()>) {
+        if let Some(s) = self.0.take() {
+            s.batch.slice_done(s.req, result);
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed mid-answer");
+            s.batch.slice_done(s.req, Err(err));
+        }
+    }
+}
+
+async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
+    let mut r = BufReader::with_capacity(COALESCE, r);
+    let mut payload: Vec<u8> = Vec::new();
+    let peer = ep.name.clone();
+    loop {
+        let h = match read_header(&mut r, ep.env.cfg.max_frame, &peer).await {
+            Ok(h) => h,
+            Err(e) => return ep.broke(e),
+        };
+        match h.ty {
+            FrameType::WriteAck | FrameType::ReadResp => {}
+            other => {
+                return ep
+                    .broke(Error::new(ErrorKind::Protocol, format!("unexpected {other:?} frame")).with("peer", &peer))
+            }
+        }
+        let n = h.payload_len as usize;
+        let slice = ep.lanes[lane].pending.lock().map.remove(&h.id);
+        let Some(s) = slice else {
+            if ep.is_dead() {
+                return;
+            }
+            return ep.broke(Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer));
+        };
+        let (batch, req, local_off, slice_len, op) = (s.batch.clone(), s.req, s.local_off, s.len, s.op);
+        let s = Held(Some(s));
+        let expected = if op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
+        // A READ answer carries exactly the slice (or nothing, with an
+        // error status); anything else is a protocol error, so a peer can
+        // never make the copy below leave the slice's range.
+        let ok_len = h.status != Status::Ok || h.ty != FrameType::ReadResp || (h.len == slice_len && n as u64 == h.len);
+        if h.ty != expected || !ok_len {
+            let err = Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer);
+            s.finish(Err(err.clone()));
+            return ep.broke(err);
+        }
+        // Stream a READ's payload into local memory chunk by chunk; a copy
+        // error (the region was unregistered) drains the rest, and so is
+        // any payload of another answer.
+        let mut result = if h.status != Status::Ok { Err(status_err(h.status, &peer)) } else { Ok(()) };
+        let mut done = 0usize;
+        while done < n {
+            let k = (n - done).min(STREAM);
+            if payload.len() < k {
+                payload.resize(k, 0);
+            }
+            if let Err(e) = r.read_exact(&mut payload[..k]).await {
+                let e = Error::from(e).with("peer", &peer);
+                s.finish(Err(e.clone()));
+                return ep.broke(e);
+            }
+            if result.is_ok() && op == Opcode::Read {
+                result = copy_in(&batch, req, local_off + done as u64, &payload[..k]);
+            }
+            done += k;
+        }
+        ep.lanes[lane].window.add_permits(1);
+        s.finish(result);
+        if payload.len() > 2 * ep.env.cfg.slice_size {
+            payload = Vec::new();
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The endpoint slots of one transport: [`transport_core::EndpointPool`]
+//! (bound, LRU eviction, idle reclaim, "failure frees") behind one mutex,
+//! together with the endpoints it decided to keep, the transport's clock
+//! and a wake-up for callers waiting on a slot.
+//!
+//! Generic over the endpoint type so that this module does not depend on
+//! the one that builds endpoints (no module cycle).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use transport_core::lifecycle::{Acquire, EndpointId, EndpointPool, PoolCounts};
+
+#[derive(Debug)]
+struct State<E> {
+    pool: EndpointPool<String>,
+    /// Every built endpoint until it is destroyed (live or dying).
+    built: HashMap<EndpointId, Arc<E>>,
+}
+
+/// The pool's decision, with the endpoint when there is one to use or
+/// destroy.
+#[derive(Debug)]
+pub(crate) enum Slot<E> {
+    Use(Arc<E>),
+    Build(EndpointId),
+    Evict(Arc<E>),
+    Wait,
+    Full,
+}
+
+/// Endpoint slots, shared by the transport and its endpoints (which hold a
+/// `Weak` to report release and destruction).
+#[derive(Debug)]
+pub(crate) struct Slots<E> {
+    state: Mutex<State<E>>,
+    origin: Instant,
+    changed: Notify,
+}
+
+impl<E> Slots<E> {
+    pub fn new(max_endpoints: usize) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(State { pool: EndpointPool::new(max_endpoints), built: HashMap::new() }),
+            origin: Instant::now(),
+            changed: Notify::new(),
+        })
+    }
+
+    /// The transport's clock: time since it started.
+    pub fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+
+    /// The instant `at` on the transport's clock (`None`: beyond what the
+    /// clock can represent, i.e. never).
+    pub fn instant(&self, at: Duration) -> Option<Instant> {
+        self.origin.checked_add(at)
+    }
+
+    /// What to do to reach `key` (see [`Acquire`]).
+    pub fn acquire(&self, key: &String) -> Slot<E> {
+        let now = self.now();
+        let mut s = self.state.lock();
+        match s.pool.acquire(key, now) {
+            Acquire::Use(id) => match s.built.get(&id).cloned() {
+                Some(e) => Slot::Use(e),
+                // Live in the pool but not stored: cannot happen; treat as
+                // broken so it is never handed out.
+                None => {
+                    s.pool.release(id, now);
+                    let _ = s.pool.broken(id);
+                    s.pool.destroyed(id);
+                    Slot::Wait
+                }
+            },
+            Acquire::Build(id) => Slot::Build(id),
+            Acquire::Building(_) => Slot::Wait,
+            Acquire::Evict(id) => match s.built.get(&id).cloned() {
+                Some(e) => Slot::Evict(e),
+                None => {
+                    s.pool.destroyed(id);
+                    Slot::Wait
+                }
+            },
+            Acquire::Full { busy: 0, .. } => Slot::Wait,
+            Acquire::Full { .. } => Slot::Full,
+        }
+    }
+
+    /// The build of `id` succeeded. `false`: it was retired meanwhile and
+    /// `e` must be destroyed (then [`Slots::destroyed`]).
+    pub fn built(&self, id: EndpointId, e: &Arc<E>) -> bool {
+        let now = self.now();
+        let mut s = self.state.lock();
+        s.built.insert(id, e.clone());
+        s.pool.built(id, now)
+    }
+
+    /// The build of `id` failed; nothing exists to destroy.
+    pub fn build_failed(&self, id: EndpointId) {
+        self.state.lock().pool.build_failed(id);
+        self.changed.notify_waiters();
+    }
+
+    /// One use of `id` ended.
+    pub fn release(&self, id: EndpointId) {
+        let now = self.now();
+        self.state.lock().pool.release(id, now);
+        self.changed.notify_waiters();
+    }
+
+    /// `id` broke or is closed: never handed out again. `true` if this call
+    /// retired it.
+    pub fn broken(&self, id: EndpointId) -> bool {
+        self.state.lock().pool.broken(id)
+    }
+
+    /// `id` was destroyed (its sockets closed, its tasks joined): its slot
+    /// is free.
+    pub fn destroyed(&self, id: EndpointId) {
+        {
+            let mut s = self.state.lock();
+            s.pool.destroyed(id);
+            s.built.remove(&id);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Retires the endpoint of `key` and returns it for destruction.
+    pub fn retire_key(&self, key: &String) -> Option<Arc<E>> {
+        let mut s = self.state.lock();
+        let id = s.pool.retire_key(key)?;
+        s.built.get(&id).cloned()
+    }
+
+    /// Retires every endpoint; returns the built ones for destruction
+    /// (including those already dying, whose destroyer may still run).
+    pub fn retire_all(&self) -> Vec<Arc<E>> {
+        let mut s = self.state.lock();
+        let _ = s.pool.retire_all();
+        s.built.values().cloned().collect()
+    }
+
+    /// Retires endpoints idle for `idle` or longer; returns them.
+    pub fn reap(&self, idle: Duration) -> Vec<Arc<E>> {
+        let now = self.now();
+        let mut s = self.state.lock();
+        let ids = s.pool.reap(now, idle);
+        ids.iter().filter_map(|id| s.built.get(id).cloned()).collect()
+    }
+
+    /// Built endpoints (live or dying) whose key `pick` selects.
+    pub fn built_where(&self, mut pick: impl FnMut(&E) -> bool) -> Vec<Arc<E>> {
+        self.state.lock().built.values().filter(|e| pick(e)).cloned().collect()
+    }
+
+    /// Endpoints in each state.
+    pub fn counts(&self) -> PoolCounts {
+        self.state.lock().pool.counts()
+    }
+
+    /// Waits until a slot may have changed or `limit` passed.
+    pub async fn changed(&self, limit: Duration) {
+        let n = self.changed.notified();
+        let _ = tokio::time::timeout(limit, n).await;
+    }
+}
+
+/// One use of an endpoint, released when the last holder drops it (the
+/// work it carried ended).
+#[derive(Debug)]
+pub(crate) struct Use<E> {
+    slots: Weak<Slots<E>>,
+    id: EndpointId,
+}
+
+impl<E> Use<E> {
+    pub fn new(slots: Weak<Slots<E>>, id: EndpointId) -> Arc<Self> {
+        Arc::new(Self { slots, id })
+    }
+}
+
+impl<E> Drop for Use<E> {
+    fn drop(&mut self) {
+        if let Some(s) = self.slots.upgrade() {
+            s.release(self.id);
+        }
+    }
+}
