@@ -383,7 +383,8 @@ impl Transport for FaultyTransport {
             }
         }
         let inner = if pass.is_empty() { None } else { Some(self.shared.inner.submit(pass.clone(), opts).await?) };
-        let deadline = opts.timeout.map(|t| Instant::now() + t);
+        // A timeout past what `Instant` holds never fires (no panic, rule 6).
+        let deadline = opts.timeout.and_then(|t| Instant::now().checked_add(t));
         let id = {
             let mut st = self.shared.state.lock();
             for r in &pass {

@@ -43,8 +43,11 @@ impl Clock {
         self.0.elapsed()
     }
 
-    /// The instant `at` on this clock, for `sleep_until`.
+    /// The instant `at` on this clock, for `sleep_until`. A time past what
+    /// `Instant` can hold (a caller's huge timeout) is a year from the
+    /// start instead of a panic (rule 6).
     pub fn instant(&self, at: Duration) -> Instant {
-        self.0 + at
+        const FAR: Duration = Duration::from_secs(365 * 24 * 3600);
+        self.0.checked_add(at).or_else(|| self.0.checked_add(FAR)).unwrap_or(self.0)
     }
 }

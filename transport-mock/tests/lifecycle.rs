@@ -224,3 +224,20 @@ fn pool_evicts_and_reaps() {
         assert!(settle(|| p.a.stats().endpoints == 0).await, "idle endpoint reclaimed: {:?}", p.a.stats());
     });
 }
+
+/// Rule 6: a caller's huge timeout is no panic, directly or through the
+/// fault layer.
+#[test]
+fn huge_timeout_does_not_panic() {
+    run(async {
+        let p = Pair::default(LEN).await;
+        let opts = SubmitOptions::with_timeout(Duration::MAX);
+        assert_eq!(run_batch(&*p.a, vec![p.write(0, 0, 4096)], opts).await.state, BatchState::Completed);
+        let faulty = transport_mock::FaultyTransport::wrap(p.a.clone());
+        assert_eq!(run_batch(&*faulty, vec![p.write(0, 0, 4096)], opts).await.state, BatchState::Completed);
+        p.fabric.stall("b", true).unwrap();
+        let b = p.a.submit(vec![p.write(0, 0, 4096)], opts).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(p.a.cancel(b).await.unwrap().state, BatchState::Cancelled);
+    });
+}
