@@ -55,6 +55,9 @@ impl Transport for RetriesPermanent {
     fn local_segment_name(&self) -> String {
         self.inner.local_segment_name()
     }
+    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        self.inner.local_descriptor()
+    }
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
         self.inner.register(mem, access)
     }
