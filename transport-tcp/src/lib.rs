@@ -16,8 +16,9 @@
 //! pipeline (up to `window` outstanding per lane; small frames are
 //! coalesced into one `write`). Endpoints are counted (`stats().endpoints`,
 //! `stats().endpoint_lanes` = sockets), bounded by `max_endpoints` (an idle
-//! one is evicted and its sockets closed; if all are busy the caller waits up
-//! to `connect_timeout`, then gets `ResourceExhausted`), reclaimed by a
+//! one is evicted and its sockets closed before its slot is reused; if all
+//! are busy the caller waits up to `connect_timeout`, then gets
+//! `ResourceExhausted`), reclaimed by a
 //! reaper task after `idle_timeout`, and destroyed at once when any lane
 //! fails (rule 2); the next transfer builds a new one.
 //!
@@ -42,12 +43,16 @@
 //!
 //! # Terminal means quiet, for TCP
 //!
-//! A request is reported terminal only when every one of its slices has
-//! ended: answered by the peer, skipped before it touched memory, or failed
-//! after the lane tasks that carried it were aborted *and joined* and their
-//! sockets closed. Copies into and out of local memory happen under a
-//! per-batch gate that `cancel`, timeouts, `close_segment`, `unregister` and
-//! `shutdown` take exclusively before ending requests. So, once a batch is
+//! Each batch keeps a `BatchLedger` (units = slices). A lane asks it to
+//! start a slice before the slice touches memory; a request that was ended
+//! (cancelled, timed out, failed, its region unregistered) is not live and
+//! none of its slices starts again. The ledger reports a request terminal
+//! only when none of its started slices is on the wire: each has been
+//! answered by the peer, or failed after the lane tasks that carried it
+//! were aborted *and joined* and their sockets closed. `cancel`, timeouts,
+//! `close_segment`, `unregister` and `shutdown` end requests in the ledger,
+//! then reset the endpoints that carry their started slices. So, once a
+//! batch is
 //! reported terminal:
 //!
 //! - its **local** buffers are neither read (WRITE sources) nor written (READ
@@ -68,42 +73,22 @@
 //! Resetting an endpoint to end one batch fails the other batches' slices
 //! on it with the transient `ConnectionReset`; the policy layer retries them.
 //!
-//! # Threat model
+//! # The contract, and where this crate keeps it
 //!
-//! The serving side is a security boundary: any host that can reach the
-//! listener can send it bytes.
+//! The lifecycle is decided by `transport_core::lifecycle` (sans-IO); this
+//! crate is the driver that does the I/O those machines ask for.
 //!
-//! - **Assets**: this process's memory. Peers may only touch regions
-//!   registered with remote access, within their bounds, in the direction
-//!   the registration allows; nothing else is reachable, ever.
-//! - **Untrusted input**: every byte from a socket. Each frame header is
-//!   validated (magic, header check, known type and status, per-type length
-//!   rules, payload <= `max_frame`) before anything is allocated or done;
-//!   every WRITE/READ range is checked against the live registrations
-//!   (`addr + len` without overflow, wholly inside one region, access
-//!   flags, current generation) before a byte moves, and copies go through
-//!   `MemoryRegion`'s bounds-checked methods under the region's gate, so an
-//!   unregister in progress cannot race a copy. A malformed, truncated,
-//!   oversized or unexpected frame closes that connection (logged with
-//!   `tracing`) and never affects other connections or crashes the server.
-//! - **Resource exhaustion**: memory per connection is bounded (a staging
-//!   chunk of 128 KiB plus an output buffer of 256 KiB + one frame);
-//!   connections are capped by `max_connections`; a handshake must finish
-//!   within `connect_timeout`.
-//! - **Authentication** (optional): with `secret` set, a peer must prove it
-//!   holds the shared secret before any request is served, by an
-//!   HMAC-SHA256 challenge-response over fresh nonces from both sides
-//!   (replay of a recorded handshake fails); the server proves it too, so a
-//!   client never sends data to an impostor. A peer without the secret is
-//!   refused with `AuthFailed`.
-//! - **Not covered**: confidentiality and integrity of payload bytes on the
-//!   wire (no encryption or MAC per frame; use a private network, IPsec or
-//!   WireGuard where that matters; payload integrity relies on TCP's
-//!   checksum, headers carry their own check); without a secret, anyone who
-//!   can connect may read and write the exposed regions; denial of service
-//!   by a peer that is allowed to connect (it can saturate the link);
-//!   a peer that holds the secret is fully trusted within the exposed
-//!   regions.
+//! | rule | kept here by |
+//! |---|---|
+//! | 1 every resource is counted | `TcpTransport::stats` (endpoints: the pool's slots held, `Slots::counts`; sockets: `Env::lanes`; in flight: each `Batch`'s ledger `on_wire`; tasks: the one `TaskSet` every spawn goes through, `Env::tasks`); `TcpTransport::shutdown` waits until tasks and slots are zero |
+//! | 2 failure frees | `Endpoint::broke` → `Endpoint::begin_destroy` (the pool retires it: never handed out again) → `Endpoint::teardown` (lane tasks aborted and joined, sockets reset, slices failed, then `Slots::destroyed` frees the slot) |
+//! | 3 close is real | `TcpTransport::close_segment` → `Inner::end_requests` (cancel, quiet) → `Slots::retire_key` → `Endpoint::destroy`; the handle is gone from `segments` first |
+//! | 4 bounded endpoints | `Inner::endpoint` acts on `Slots::acquire` (use, build in a reserved slot, evict the LRU idle one and wait for its destruction, or wait up to `connect_timeout`, then `Error::endpoints_exhausted`); `driver::reaper` (`Slots::reap`); uses counted by `pool::Use` held by queued work and every slice on the wire |
+//! | 5 terminal means quiet | `Batch` (the ledger: sticky, terminal only when no slice is on the wire); `lane::stage` (`Batch::start` before a slice touches memory, under the lane's lock); `lane::reader` (`Held`: a slice ends only after its last copy, or after its task was joined); `Inner::quiet` (resets endpoints carrying started slices of ended requests); `driver::deadline` (`Batch::expire`) |
+//! | 6 poll never panics | `TcpTransport::poll` reads the ledger; every frame maps to a status or an error (`conn::status_err`, `lane::reader`); no unchecked arithmetic on peer values |
+//! | 9 memory is guarded | `TcpTransport::submit` (`validate_batch`); the server side `RegionTable::remote` and `Region::with_live`; `TcpTransport::unregister` (`Region::kill`, then `Error::region_unregistered` and quiet) |
+//!
+#![doc = include_str!("../THREAT_MODEL.md")]
 #![forbid(unsafe_code)]
 
 mod auth;

@@ -285,3 +285,24 @@ async fn peer_process_killed_mid_batch_then_restarted() {
     .await
     .expect("test timed out");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_descriptor_is_what_a_peer_sees() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let (a, b) = (node(test_config()).await, node(test_config()).await);
+        let (exposed, local) = (Buffer::new(1 << 16).unwrap(), Buffer::new(1 << 16).unwrap());
+        b.register(exposed.region(), Access::REMOTE_RW).unwrap();
+        b.register(local.region(), Access::LOCAL).unwrap();
+        let own = b.local_descriptor().unwrap();
+        assert_eq!(own.generation, b.generation());
+        assert_eq!(own.regions.len(), 1, "only remotely accessible regions are described");
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let seen = a.segment_descriptor(seg).unwrap();
+        assert_eq!(own, seen);
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+        assert_eq!(b.local_descriptor().unwrap_err().kind(), ErrorKind::Shutdown);
+    })
+    .await
+    .expect("test timed out");
+}
