@@ -14,8 +14,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
+use futures::future::{BoxFuture, FutureExt, Shared};
 use parking_lot::Mutex;
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{EndpointId, TaskSet};
 use transport_core::{Error, ErrorKind, Opcode};
@@ -130,7 +131,9 @@ pub(crate) struct Endpoint {
     queue: Mutex<VecDeque<Work>>,
     pub notify: Notify,
     dead: AtomicBool,
-    destroyed: watch::Sender<bool>,
+    /// The teardown task, once started; awaiting it means the endpoint is
+    /// destroyed and the task itself is gone (no longer counted).
+    teardown: Mutex<Option<Shared<BoxFuture<'static, ()>>>>,
 }
 
 impl Endpoint {
@@ -160,7 +163,7 @@ impl Endpoint {
             queue: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
             dead: AtomicBool::new(false),
-            destroyed: watch::channel(false).0,
+            teardown: Mutex::new(None),
         })
     }
 
@@ -236,9 +239,11 @@ impl Endpoint {
     /// counted task of its own, so that a caller that stops waiting cannot
     /// leave it half done. Must be called inside a tokio runtime.
     pub fn begin_destroy(self: &Arc<Self>, err: Error) {
-        if self.dead.swap(true, Ordering::AcqRel) {
+        let mut teardown = self.teardown.lock();
+        if teardown.is_some() {
             return;
         }
+        self.dead.store(true, Ordering::Release);
         if let Some(s) = self.slots.upgrade() {
             let _ = s.broken(self.id);
         }
@@ -246,7 +251,8 @@ impl Endpoint {
             l.pending.lock().dead = true;
         }
         let ep = self.clone();
-        self.env.tasks.spawn(async move { ep.teardown(err).await });
+        let task = self.env.tasks.spawn(async move { ep.teardown(err).await });
+        *teardown = Some(task.map(drop).boxed().shared());
     }
 
     /// Destroys the endpoint: retired in the pool (never handed out again),
@@ -255,8 +261,10 @@ impl Endpoint {
     /// Idempotent; every caller returns once all of it is done.
     pub async fn destroy(self: &Arc<Self>, err: Error) {
         self.begin_destroy(err);
-        let mut rx = self.destroyed.subscribe();
-        let _ = rx.wait_for(|d| *d).await;
+        let task = self.teardown.lock().clone();
+        if let Some(task) = task {
+            task.await;
+        }
     }
 
     async fn teardown(self: Arc<Self>, err: Error) {
@@ -282,7 +290,6 @@ impl Endpoint {
         if let Some(s) = self.slots.upgrade() {
             s.destroyed(self.id);
         }
-        self.destroyed.send_replace(true);
     }
 
     /// Takes the next slice off the queue.

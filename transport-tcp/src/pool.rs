@@ -95,9 +95,13 @@ impl<E> Slots<E> {
     /// `e` must be destroyed (then [`Slots::destroyed`]).
     pub fn built(&self, id: EndpointId, e: &Arc<E>) -> bool {
         let now = self.now();
-        let mut s = self.state.lock();
-        s.built.insert(id, e.clone());
-        s.pool.built(id, now)
+        let live = {
+            let mut s = self.state.lock();
+            s.built.insert(id, e.clone());
+            s.pool.built(id, now)
+        };
+        self.changed.notify_waiters();
+        live
     }
 
     /// The build of `id` failed; nothing exists to destroy.
