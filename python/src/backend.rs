@@ -144,42 +144,29 @@ pub(crate) fn base_config_from_env() -> Result<Option<String>> {
     }
 }
 
-/// Builds the backend the config names. Must run inside the engine's
-/// tokio runtime.
+/// Builds the backend the config names, through the facade's one builder
+/// (`kvmove::build_transport`). Must run inside the engine's tokio runtime.
+///
+/// # Errors
+/// - Whatever the facade returns; asking for RDMA from a build without it
+///   is `Unsupported`, and the message says how to run over TCP instead.
 pub(crate) async fn build(cfg: &kvmove::EngineConfig) -> Result<Arc<dyn Transport>> {
-    if cfg.backend.kind == kvmove::BackendKind::Rdma && !kvmove::BackendKind::Rdma.is_built_in() {
-        return build_rdma_direct(cfg).await;
+    if cfg.backend.kind == kvmove::BackendKind::Rdma && !has_rdma() {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "this build of kvmove has no RDMA backend (rebuild with the `rdma` feature); \
+                 set {PROTOCOL_ENV}=tcp to run over TCP"
+            ),
+        ));
     }
     kvmove::build_transport(cfg).await
 }
 
-/// Whether this build can run the RDMA backend.
+/// Whether this build can run the RDMA backend (the `rdma` feature, which
+/// turns on the facade's).
 pub(crate) fn has_rdma() -> bool {
-    kvmove::BackendKind::Rdma.is_built_in() || cfg!(feature = "rdma")
-}
-
-/// RDMA through `transport-rdma` directly, its options read from the
-/// config's `[backend.rdma]` table.
-#[cfg(feature = "rdma")]
-async fn build_rdma_direct(cfg: &kvmove::EngineConfig) -> Result<Arc<dyn Transport>> {
-    let bad = |e: &dyn std::fmt::Display| Error::new(ErrorKind::Config, format!("backend.rdma: {e}"));
-    let value = toml::Value::try_from(&cfg.backend.rdma).map_err(|e| bad(&e))?;
-    let rdma: transport_rdma::RdmaConfig = value.try_into().map_err(|e| bad(&e))?;
-    rdma.validate()?;
-    let listen = rdma.listen.clone();
-    let t = transport_rdma::RdmaTransport::new(rdma).await.map_err(|e| e.with("listen", listen))?;
-    Ok(Arc::new(t))
-}
-
-#[cfg(not(feature = "rdma"))]
-async fn build_rdma_direct(_cfg: &kvmove::EngineConfig) -> Result<Arc<dyn Transport>> {
-    Err(Error::new(
-        ErrorKind::Unsupported,
-        format!(
-            "this build of kvmove has no RDMA backend (rebuild with the `rdma` feature); \
-             set {PROTOCOL_ENV}=tcp to run over TCP"
-        ),
-    ))
+    kvmove::BackendKind::Rdma.is_built_in()
 }
 
 #[cfg(test)]
