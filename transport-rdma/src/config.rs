@@ -5,6 +5,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use transport_core::{Error, ErrorKind, Result};
 
+use crate::handshake::MAX_QPS_PER_GROUP;
+
 /// Options of an [`crate::RdmaTransport`]. Every field has a default, so
 /// `{}` is a valid config (first device, port 1, GID index 0, listening on
 /// an ephemeral loopback port).
@@ -85,7 +87,7 @@ impl RdmaConfig {
         if self.port == 0 {
             return bad("port", "ports are numbered from 1");
         }
-        if self.qps_per_endpoint == 0 || self.qps_per_endpoint > 64 {
+        if self.qps_per_endpoint == 0 || self.qps_per_endpoint > MAX_QPS_PER_GROUP {
             return bad("qps_per_endpoint", "must be 1..=64");
         }
         if self.max_endpoints == 0 {

@@ -30,27 +30,67 @@
 //!   next transfer builds a new one. `IBV_EVENT_PORT_ERR` (link down)
 //!   breaks every endpoint and peer QP group on the port and refuses new
 //!   ones with a transient "link down" error until the port is active
-//!   again; `IBV_EVENT_DEVICE_FATAL` ends the transport's work for good. Work-request ids are never reused, so a late completion finds
+//!   again; `IBV_EVENT_DEVICE_FATAL` ends the transport's work for good.
+//!   Work-request ids are never reused, so a late completion finds
 //!   nothing to touch. Cancel, timeout, `close_segment` and `unregister`
 //!   flush the QPs carrying affected work and report terminal only when it
 //!   is quiet.
 //! * **Latency**: `wait` polls the CQ itself for up to `busy_poll_us`
 //!   before it sleeps on the completion event, so a small transfer is seen
 //!   at polling latency instead of after two thread wakeups.
-//! * **Unsafe**: all of it is in the private `verbs` module, each verb
-//!   called through one checked helper that names the verb and the errno.
+//! * **Unsafe**: all of it is in the private `verbs` module, `verbs.rs`
+//!   and `verbs/qp.rs` (`grep -rn unsafe src/` finds no other file but
+//!   these docs), each block with a `// SAFETY:`
+//!   reason and each verb called through one checked helper that names the
+//!   verb and the errno. The rest of the crate sees safe owners only: a
+//!   `Registration` owns an MR together with the memory it covers (the MR
+//!   is deregistered first), and `Qp::post` bounds-checks the local range
+//!   against the `Registration` it is given.
+//!
+//! # The contract, and where it is kept
+//!
+//! The backend is a driver over `transport_core::lifecycle`: per-request
+//! status in a `BatchLedger` per batch (units are work requests), the
+//! endpoint bound in an `EndpointPool<SegmentId>`, background work counted
+//! in a `TaskSet`, validation by `validate_batch`.
+//!
+//! | rule | kept by |
+//! |---|---|
+//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks, the event thread, deadline / watcher / peer tasks as `state::Task`, uncounted as their owner lets go) |
+//! | 2 failure frees | `State::break_endpoint` (QPs to ERROR, `EndpointPool::broken`: never handed out again), `State::after_work` / `State::reap` (destroyed once flushed or after `flush_timeout_ms`), `Inner::on_async_event` (QP, port, CQ, device events) |
+//! | 3 close is real | `close_segment` (`State::end_requests`, `EndpointPool::retire_key`, `State::break_endpoint`, then `Inner::settle` until its endpoints are destroyed) |
+//! | 4 bounded endpoints | `Inner::endpoint` (`EndpointPool::acquire`: LRU eviction of idle endpoints, bounded wait, `endpoints_exhausted`), `State::reap` (`EndpointPool::reap`), `Inner::with_state` (a place is freed only after its QPs are destroyed) |
+//! | 5 terminal means quiet | `BatchLedger` via `State::pump` (`start` before each post), `State::on_completion` (`unit_done`, in CQ order under `Inner::cq_lock`), `State::end_requests` (`end_where`, then reset the endpoints carrying decided work), `State::destroy_endpoint_now` (`units_lost`), `Inner::stop_batch` |
+//! | 9 memory is guarded | `Inner::check` (`validate_batch`; remote range, access and rkey against the descriptor), `Qp::post` (local range against its `Registration`), `register` (overlap), `unregister` (`end_requests`, `settle` until nothing of the region is posted, then `ibv_dereg_mr`) |
+//!
+//! # Modules
+//!
+//! `transport` (the trait, thin) -> `submit` (validation, batches,
+//! deadlines) -> `endpoint` (pool, builds, side-channel watchers) ->
+//! `handshake` (the one QP bring-up, also used by `server`) ; `background`
+//! (CQ poller and draining, reaper, async events) ; `work` (the data path
+//! over the ledger) -> `state` (shared state, `Inner::with_state`) ->
+//! `verbs` (all unsafe), `wire`, `config`, `error`.
 //!
 //! Transfers from and to this process (two transports, or loopback through
 //! one device) work like remote ones, which is how the tests run on a
 //! single soft-RoCE device.
 
+mod background;
 mod config;
+mod endpoint;
 mod error;
+mod handshake;
 mod server;
 mod state;
+mod submit;
 mod transport;
 mod verbs;
 mod wire;
+mod work;
+
+/// The backend's name (`Transport::backend`, descriptors' `backend`).
+const BACKEND: &str = "rdma";
 
 pub use config::RdmaConfig;
 pub use error::VerbsError;

@@ -1,19 +1,26 @@
-//! The passive side: serves descriptors and accepts QP groups from peers.
+//! The passive side: serves descriptors and accepts QP groups from peers
+//! (with the same [`QpGroup`] bring-up the connecting side uses).
 //!
 //! A peer's QP group lives exactly as long as its side-channel socket:
 //! when the peer closes it (endpoint destroyed, process killed), the QPs
 //! are moved to ERROR and destroyed here.
 
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use transport_core::{Error, ErrorKind, Result};
 
-use crate::state::PassiveConn;
-use crate::transport::Inner;
-use crate::verbs::RemoteQp;
-use crate::wire::{self, QpInfo, Reply, Request};
+use crate::handshake::{Half, QpGroup, MAX_QPS_PER_GROUP};
+use crate::state::{Inner, PassiveConn, PeerGroupId, Task};
+use crate::wire::{self, Reply, Request};
+
+/// Pause after a failed `accept` (out of descriptors, ...).
+const ACCEPT_RETRY: Duration = Duration::from_millis(10);
+/// Bytes read at a time while holding a peer's QPs (the peer sends nothing
+/// more; anything it does send is ignored).
+const HOLD_BUF: usize = 256;
 
 pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
     loop {
@@ -21,37 +28,40 @@ pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!("side channel accept failed: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                tokio::time::sleep(ACCEPT_RETRY).await;
                 continue;
             }
         };
         let Some(inner) = weak.upgrade() else { return };
-        let mut st = inner.state.lock();
-        if st.shutdown {
+        let stop = inner.with_state(|st, _| {
+            if st.shutdown {
+                return true;
+            }
+            let id = st.new_peer_id();
+            let w = weak.clone();
+            let task = Task::spawn(&inner.tasks, async move {
+                serve(&w, id, sock).await;
+                if let Some(inner) = w.upgrade() {
+                    inner.with_state(|st, g| {
+                        if let Some(me) = st.passive_tasks.remove(&id) {
+                            me.ending();
+                        }
+                        if let Some(p) = st.passive.remove(&id) {
+                            g.passive.push(p);
+                        }
+                    });
+                }
+            });
+            st.passive_tasks.insert(id, task);
+            false
+        });
+        if stop {
             return;
         }
-        let id = st.next_id();
-        let w = weak.clone();
-        let h = tokio::spawn(async move {
-            serve(&w, id, sock).await;
-            if let Some(inner) = w.upgrade() {
-                let gone = {
-                    let mut st = inner.state.lock();
-                    st.passive_tasks.remove(&id);
-                    st.passive.remove(&id)
-                };
-                if let Some(p) = gone {
-                    for q in &p.qps {
-                        let _ = q.set_error();
-                    }
-                }
-            }
-        });
-        st.passive_tasks.insert(id, h.abort_handle());
     }
 }
 
-async fn serve(weak: &Weak<Inner>, id: u64, sock: TcpStream) {
+async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
     let _ = sock.set_nodelay(true);
     let mut sock = BufReader::new(sock);
     let timeout = match weak.upgrade() {
@@ -69,7 +79,7 @@ async fn serve(weak: &Weak<Inner>, id: u64, sock: TcpStream) {
     let reply = match weak.upgrade() {
         Some(inner) => match req {
             Request::Describe => Reply::Descriptor { descriptor: inner.descriptor() },
-            Request::Connect { gid, lid, mtu, qps } => match accept(&inner, id, &gid, lid, mtu, &qps) {
+            Request::Connect { gid, lid, mtu, qps } => match accept(&inner, id, &Half { gid, lid, mtu, qps }) {
                 Ok(r) => r,
                 Err(e) => Reply::Error { message: e.to_string() },
             },
@@ -81,7 +91,7 @@ async fn serve(weak: &Weak<Inner>, id: u64, sock: TcpStream) {
         return;
     }
     // Hold the QPs until the peer closes the channel (or dies).
-    let mut buf = [0u8; 256];
+    let mut buf = [0u8; HOLD_BUF];
     loop {
         match sock.read(&mut buf).await {
             Ok(0) | Err(_) => return,
@@ -90,35 +100,28 @@ async fn serve(weak: &Weak<Inner>, id: u64, sock: TcpStream) {
     }
 }
 
-fn accept(inner: &Arc<Inner>, id: u64, gid: &str, lid: u16, mtu: u32, theirs: &[QpInfo]) -> Result<Reply> {
-    let gid = wire::parse_gid(gid)?;
-    if theirs.is_empty() || theirs.len() > 64 {
-        return Err(Error::new(ErrorKind::HandshakeFailed, format!("{} QPs requested (1..=64)", theirs.len())));
+fn accept(inner: &Arc<Inner>, id: PeerGroupId, theirs: &Half) -> Result<Reply> {
+    let n = theirs.qps.len();
+    if n == 0 || n > MAX_QPS_PER_GROUP {
+        return Err(Error::new(ErrorKind::HandshakeFailed, format!("{n} QPs requested (1..={MAX_QPS_PER_GROUP})")));
     }
     inner.link_usable()?;
-    {
-        let st = inner.state.lock();
-        if st.passive.len() >= inner.cfg.max_passive {
-            return Err(Error::new(
-                ErrorKind::ResourceExhausted,
-                format!("peer QP groups at their limit ({})", inner.cfg.max_passive),
-            ));
-        }
+    if inner.state.lock().passive.len() >= inner.cfg.max_passive {
+        return Err(Error::new(
+            ErrorKind::ResourceExhausted,
+            format!("peer QP groups at their limit ({})", inner.cfg.max_passive),
+        ));
     }
     let v = inner.verbs()?;
-    let created = std::time::Instant::now();
-    let qps = inner.new_qps(&v, theirs.len())?;
-    let mtu = mtu.clamp(1, 5).min(v.port.active_mtu);
-    for ((qp, psn), r) in qps.iter().zip(theirs) {
-        let remote = RemoteQp { qpn: r.qpn, psn: r.psn, gid, lid };
-        qp.connect(*psn, &remote, v.port.port, v.port.gid_index, mtu, v.port.max_rd_atom, inner.timing())?;
-    }
-    let info: Vec<QpInfo> = qps.iter().map(|(q, psn)| QpInfo { qpn: q.qpn(), psn: *psn }).collect();
+    let group = QpGroup::new(&v, n, inner.lim.max_outstanding_per_qp)?;
+    let mtu = group.connect(&v, theirs, inner.timing())?;
+    let mine = group.hello(&v, mtu);
     let descriptor = inner.descriptor();
     let mut st = inner.state.lock();
     if st.shutdown {
-        return Err(Error::new(ErrorKind::Shutdown, "shutting down"));
+        return Err(Error::shut_down());
     }
-    st.passive.insert(id, PassiveConn { qps: qps.into_iter().map(|(q, _)| q).collect(), created });
-    Ok(Reply::Connected { gid: wire::gid_hex(&v.port.gid), lid: v.port.lid, mtu, qps: info, descriptor })
+    let created = group.created;
+    st.passive.insert(id, PassiveConn { qps: group.into_qps(), created });
+    Ok(Reply::Connected { gid: mine.gid, lid: mine.lid, mtu: mine.mtu, qps: mine.qps, descriptor })
 }

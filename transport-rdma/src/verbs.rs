@@ -1,4 +1,6 @@
-//! Every `unsafe` of the crate: owned wrappers around verbs objects.
+//! Every `unsafe` of the crate: owned wrappers around verbs objects (this
+//! file: device, context, async events, PD, completion channel, CQ;
+//! `verbs/qp.rs`: memory registrations and QPs).
 //!
 //! Each verb is called through [`check`], which turns the C convention
 //! (null pointer, `-1` + errno, or a positive errno) into a [`VerbsError`]
@@ -17,9 +19,12 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use rdma_sys as ffi;
-use transport_mem::MemoryRegion;
 
 use crate::error::VerbsError;
+
+mod qp;
+
+pub(crate) use qp::{Qp, QpTiming, Registration, RemoteQp, WorkRequest};
 
 /// What a verb returns, and how to tell success from failure.
 pub(crate) trait VerbsRet {
@@ -410,6 +415,9 @@ impl std::os::fd::AsRawFd for ChannelFd {
     }
 }
 
+/// Most completions one [`Cq::poll`] takes.
+pub(crate) const POLL_BATCH: usize = 32;
+
 /// One polled completion, copied out of `ibv_wc`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Completion {
@@ -450,7 +458,7 @@ impl Cq {
     pub(crate) fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize, VerbsError> {
         out.clear();
         // SAFETY: ibv_wc is a plain C struct; all-zero is a valid value.
-        let mut wcs: [ffi::ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        let mut wcs: [ffi::ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
         let want = max.min(wcs.len()) as i32;
         // SAFETY: the CQ is live; `wcs` has room for `want` entries.
         let n = unsafe { ffi::ibv_poll_cq(self.cq.as_ptr(), want, wcs.as_mut_ptr()) };
@@ -470,288 +478,5 @@ impl Drop for Cq {
         // uses it (they hold an Arc); all its events were acknowledged in
         // `take_event`, so this does not block.
         log_release("ibv_destroy_cq", unsafe { ffi::ibv_destroy_cq(self.cq.as_ptr()) });
-    }
-}
-
-/// A memory registration (private: [`Registration`] is the safe way in).
-#[derive(Debug)]
-struct Mr {
-    mr: NonNull<ffi::ibv_mr>,
-    _pd: Arc<Pd>,
-}
-
-// SAFETY: see `Context`.
-unsafe impl Send for Mr {}
-// SAFETY: see `Context`.
-unsafe impl Sync for Mr {}
-
-impl Mr {
-    /// Registers `addr .. addr + len`.
-    ///
-    /// # Safety
-    /// The range must be memory of this process that stays allocated until
-    /// the returned `Mr` is dropped ([`Registration`] keeps the owning
-    /// `MemoryRegion` beside it and drops the `Mr` first).
-    unsafe fn register(
-        pd: &Arc<Pd>,
-        addr: u64,
-        len: usize,
-        remote_read: bool,
-        remote_write: bool,
-    ) -> Result<Self, VerbsError> {
-        let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
-        if remote_read {
-            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
-        }
-        if remote_write {
-            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
-        }
-        // SAFETY: the PD is live; the caller guarantees the range is valid
-        // for the registration's lifetime.
-        let mr = check("ibv_reg_mr", unsafe {
-            ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as usize as *mut _, len, access.0 as c_int)
-        })?;
-        Ok(Mr { mr, _pd: pd.clone() })
-    }
-
-    fn lkey(&self) -> u32 {
-        // SAFETY: the MR is live; `lkey` is a plain field set at registration.
-        unsafe { (*self.mr.as_ptr()).lkey }
-    }
-
-    fn rkey(&self) -> u32 {
-        // SAFETY: as for `lkey`.
-        unsafe { (*self.mr.as_ptr()).rkey }
-    }
-}
-
-/// Registered memory: the registration and the memory it covers, owned
-/// together so the memory outlives the registration (field order is drop
-/// order: `ibv_dereg_mr` first, then the memory may go).
-#[derive(Debug)]
-pub(crate) struct Registration {
-    mr: Mr,
-    mem: MemoryRegion,
-}
-
-impl Registration {
-    /// Registers `mem` for local write and, as asked, remote read / write.
-    pub(crate) fn new(
-        pd: &Arc<Pd>,
-        mem: MemoryRegion,
-        remote_read: bool,
-        remote_write: bool,
-    ) -> Result<Self, VerbsError> {
-        // SAFETY: (`register` is an unsafe fn) `mem` is valid for its whole
-        // range while any clone of it lives (a `Buffer` owns it; `from_raw`'s
-        // caller promised it); the clone is stored in the returned value
-        // beside the MR, whose field order drops the MR first.
-        let mr = unsafe { Mr::register(pd, mem.addr(), mem.len(), remote_read, remote_write) }?;
-        Ok(Self { mr, mem })
-    }
-
-    /// The memory registered.
-    pub(crate) fn mem(&self) -> &MemoryRegion {
-        &self.mem
-    }
-
-    /// The key peers use to reach it.
-    pub(crate) fn rkey(&self) -> u32 {
-        self.mr.rkey()
-    }
-}
-
-impl Drop for Mr {
-    fn drop(&mut self) {
-        // SAFETY: registered by ibv_reg_mr, deregistered once. After this
-        // returns the NIC no longer touches the range.
-        log_release("ibv_dereg_mr", unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) });
-    }
-}
-
-/// The remote side of a QP connection.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RemoteQp {
-    pub qpn: u32,
-    pub psn: u32,
-    pub gid: [u8; 16],
-    pub lid: u16,
-}
-
-/// Timing knobs of a connected QP.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct QpTiming {
-    /// Local ACK timeout exponent (4.096 us * 2^timeout).
-    pub timeout: u8,
-    /// Transport retries before IBV_WC_RETRY_EXC_ERR.
-    pub retry_cnt: u8,
-}
-
-/// One RDMA WRITE or READ to post: `len` bytes at `local_offset` of a
-/// [`Registration`] to or from `remote_addr` under `rkey`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct WorkRequest {
-    pub wr_id: u64,
-    pub read: bool,
-    pub local_offset: u64,
-    pub len: u32,
-    pub remote_addr: u64,
-    pub rkey: u32,
-}
-
-/// A reliable-connected queue pair.
-#[derive(Debug)]
-pub(crate) struct Qp {
-    qp: NonNull<ffi::ibv_qp>,
-    _pd: Arc<Pd>,
-    _cq: Arc<Cq>,
-}
-
-// SAFETY: see `Context`.
-unsafe impl Send for Qp {}
-// SAFETY: see `Context`.
-unsafe impl Sync for Qp {}
-
-impl Qp {
-    /// Creates an RC QP in RESET and moves it to INIT.
-    pub(crate) fn new(pd: &Arc<Pd>, cq: &Arc<Cq>, port: u8, max_send_wr: u32) -> Result<Self, VerbsError> {
-        // SAFETY: all-zero is valid for this plain C struct (null pointers, zero caps).
-        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        init.send_cq = cq.cq.as_ptr();
-        init.recv_cq = cq.cq.as_ptr();
-        init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
-        init.cap.max_send_wr = max_send_wr;
-        init.cap.max_recv_wr = 1;
-        init.cap.max_send_sge = 1;
-        init.cap.max_recv_sge = 1;
-        // SAFETY: PD and CQ are live and kept alive by the returned Qp.
-        let qp = check("ibv_create_qp", unsafe { ffi::ibv_create_qp(pd.pd.as_ptr(), &mut init) })?;
-        let me = Qp { qp, _pd: pd.clone(), _cq: cq.clone() };
-        // SAFETY: all-zero is valid for ibv_qp_attr.
-        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
-        a.pkey_index = 0;
-        a.port_num = port;
-        a.qp_access_flags = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ
-            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
-            .0;
-        use ffi::ibv_qp_attr_mask as M;
-        me.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS)?;
-        Ok(me)
-    }
-
-    pub(crate) fn qpn(&self) -> u32 {
-        // SAFETY: the QP is live; `qp_num` is a plain field.
-        unsafe { (*self.qp.as_ptr()).qp_num }
-    }
-
-    fn modify(&self, a: &mut ffi::ibv_qp_attr, mask: ffi::ibv_qp_attr_mask) -> Result<(), VerbsError> {
-        // SAFETY: the QP is live; `a` is a valid attribute struct for `mask`.
-        check("ibv_modify_qp", unsafe { ffi::ibv_modify_qp(self.qp.as_ptr(), a, mask.0 as c_int) })
-    }
-
-    /// INIT -> RTR -> RTS toward `remote`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn connect(
-        &self,
-        local_psn: u32,
-        remote: &RemoteQp,
-        port: u8,
-        gid_index: u8,
-        mtu: u32,
-        rd_atom: u8,
-        timing: QpTiming,
-    ) -> Result<(), VerbsError> {
-        use ffi::ibv_qp_attr_mask as M;
-        // SAFETY: all-zero is valid for ibv_qp_attr.
-        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTR;
-        a.path_mtu = mtu;
-        a.dest_qp_num = remote.qpn;
-        a.rq_psn = remote.psn;
-        a.max_dest_rd_atomic = rd_atom;
-        a.min_rnr_timer = 12;
-        a.ah_attr.is_global = 1;
-        a.ah_attr.grh.dgid = ffi::ibv_gid { raw: remote.gid };
-        a.ah_attr.grh.sgid_index = gid_index;
-        a.ah_attr.grh.hop_limit = 64;
-        a.ah_attr.dlid = remote.lid;
-        a.ah_attr.sl = 0;
-        a.ah_attr.port_num = port;
-        self.modify(
-            &mut a,
-            M::IBV_QP_STATE
-                | M::IBV_QP_AV
-                | M::IBV_QP_PATH_MTU
-                | M::IBV_QP_DEST_QPN
-                | M::IBV_QP_RQ_PSN
-                | M::IBV_QP_MAX_DEST_RD_ATOMIC
-                | M::IBV_QP_MIN_RNR_TIMER,
-        )?;
-        // SAFETY: all-zero is valid for ibv_qp_attr.
-        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
-        a.timeout = timing.timeout;
-        a.retry_cnt = timing.retry_cnt;
-        a.rnr_retry = 7;
-        a.sq_psn = local_psn;
-        a.max_rd_atomic = rd_atom;
-        self.modify(
-            &mut a,
-            M::IBV_QP_STATE
-                | M::IBV_QP_TIMEOUT
-                | M::IBV_QP_RETRY_CNT
-                | M::IBV_QP_RNR_RETRY
-                | M::IBV_QP_SQ_PSN
-                | M::IBV_QP_MAX_QP_RD_ATOMIC,
-        )
-    }
-
-    /// Moves the QP to ERROR: every posted work request completes with
-    /// IBV_WC_WR_FLUSH_ERR and the NIC stops touching their buffers.
-    pub(crate) fn set_error(&self) -> Result<(), VerbsError> {
-        // SAFETY: all-zero is valid for ibv_qp_attr.
-        let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
-        self.modify(&mut a, ffi::ibv_qp_attr_mask::IBV_QP_STATE)
-    }
-
-    /// Posts one signaled RDMA WRITE or READ on `local`. A range outside
-    /// `local` is refused (`EINVAL`) before anything is posted.
-    pub(crate) fn post(&self, local: &Registration, wr: &WorkRequest) -> Result<(), VerbsError> {
-        if local.mem.check(wr.local_offset, u64::from(wr.len)).is_err() {
-            return Err(VerbsError::new("ibv_post_send (local range outside its registration)", libc::EINVAL));
-        }
-        let mut sge = ffi::ibv_sge { addr: local.mem.addr() + wr.local_offset, length: wr.len, lkey: local.mr.lkey() };
-        // SAFETY: all-zero is valid for ibv_send_wr (null next, zero flags).
-        let mut swr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
-        swr.wr_id = wr.wr_id;
-        swr.sg_list = &mut sge;
-        swr.num_sge = 1;
-        swr.opcode = if wr.read { ffi::ibv_wr_opcode::IBV_WR_RDMA_READ } else { ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE };
-        swr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        swr.wr.rdma = ffi::rdma_t { remote_addr: wr.remote_addr, rkey: wr.rkey };
-        let mut bad = ptr::null_mut();
-        // SAFETY: the QP is live; `swr` and `sge` outlive the call (the
-        // provider copies them). The local range was checked above to lie
-        // inside `local`, and the NIC reaches it only through `local`'s MR:
-        // the memory stays allocated while the MR is registered (the
-        // `Registration` owns both and deregisters first), and once
-        // `ibv_dereg_mr` returned the NIC no longer touches it (a work
-        // request still posted then fails with a protection error). That
-        // the memory is not reused while a work request is posted (rule 5)
-        // is the transport's bookkeeping, not a memory-safety matter.
-        check("ibv_post_send", unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut swr, &mut bad) })
-    }
-}
-
-impl Drop for Qp {
-    fn drop(&mut self) {
-        // SAFETY: created by ibv_create_qp, destroyed once. The transport
-        // moves a QP to ERROR and waits (bounded) for its flushed completions
-        // before dropping it; destroy is the final guarantee that the NIC no
-        // longer touches any of its buffers.
-        log_release("ibv_destroy_qp", unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) });
     }
 }

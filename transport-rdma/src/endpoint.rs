@@ -1,0 +1,176 @@
+//! Endpoints to opened segments, through the lifecycle core's
+//! [`EndpointPool`]: the bound on endpoints with LRU eviction of idle ones
+//! (rule 4), a place reserved before the QPs are created and given back
+//! only after they are destroyed ([`Inner::with_state`]).
+//!
+//! [`EndpointPool`]: transport_core::lifecycle::EndpointPool
+
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use transport_core::lifecycle::{Acquire, EndpointId};
+use transport_core::{Error, ErrorKind, Result, SegmentId};
+
+use crate::handshake::{self, QpGroup};
+use crate::state::{Endpoint, Inner, QpSlot, Task};
+use crate::verbs::QpTiming;
+
+/// How long a caller waits before asking the pool again when every place
+/// is busy or waits for its QPs to be destroyed.
+const FULL_RETRY: Duration = Duration::from_millis(1);
+/// Bytes the side-channel watcher reads at a time (the peer sends nothing;
+/// anything it does send is ignored).
+const WATCH_BUF: usize = 64;
+
+/// A place the pool reserved for a build: given back on drop unless the
+/// build settled it (`id` taken).
+struct Reservation<'a> {
+    inner: &'a Inner,
+    id: Option<EndpointId>,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.inner.with_state(|st, _| st.pool.build_failed(id));
+        }
+    }
+}
+
+/// What the pool said, after the driver did its part under the lock.
+enum Step {
+    Ready(EndpointId),
+    Build(EndpointId, String),
+    Again,
+    Wait,
+}
+
+impl Inner {
+    pub(crate) fn timing(&self) -> QpTiming {
+        QpTiming { timeout: self.cfg.ack_timeout, retry_cnt: self.cfg.retry_count }
+    }
+
+    /// The live endpoint of `seg`, with one use of it counted in the pool
+    /// for the caller (which keeps it from eviction and idle reclaim until
+    /// the caller queues work on it or gives the use back): builds one if
+    /// needed. The bool says the peer restarted (its generation changed)
+    /// since the handle's descriptor was read; the descriptor has been
+    /// refreshed.
+    pub(crate) async fn endpoint(&self, seg: SegmentId) -> Result<(EndpointId, bool)> {
+        let lock = self.with_state(|st, _| {
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            let s = st.segments.get(&seg).ok_or_else(|| Error::unknown_segment(seg))?;
+            let lock = s.connect_lock.clone();
+            let now = st.now();
+            match st.pool.live(&seg) {
+                Some(id) if st.pool.use_again(id, now) => Ok(Err(id)),
+                _ => Ok(Ok(lock)),
+            }
+        })?;
+        let lock = match lock {
+            Ok(lock) => lock,
+            Err(id) => return Ok((id, false)),
+        };
+        let _guard = lock.lock().await;
+        let start = Instant::now();
+        let (id, name) = loop {
+            let step = self.with_state(|st, g| {
+                if st.shutdown {
+                    return Err(Error::shut_down());
+                }
+                let name = st.segments.get(&seg).ok_or_else(|| Error::unknown_segment(seg))?.desc.name.clone();
+                // Flushed broken endpoints give their places back once
+                // destroyed (when this closure's graveyard is emptied).
+                st.reap(&self.lim, false, g);
+                let now = st.now();
+                Ok(match st.pool.acquire(&seg, now) {
+                    Acquire::Use(id) => Step::Ready(id),
+                    Acquire::Build(id) => Step::Build(id, name),
+                    Acquire::Evict(id) => {
+                        st.destroy_endpoint_now(id, g);
+                        Step::Again
+                    }
+                    // Busy endpoints go idle when their work completes,
+                    // broken ones when they have flushed, dying ones when
+                    // their QPs are destroyed: wait, bounded.
+                    Acquire::Building(_) | Acquire::Full { .. } => Step::Wait,
+                })
+            })?;
+            match step {
+                Step::Ready(id) => return Ok((id, false)),
+                Step::Build(id, name) => break (id, name),
+                Step::Again => {}
+                Step::Wait if start.elapsed() < self.cfg.handshake_timeout() => tokio::time::sleep(FULL_RETRY).await,
+                Step::Wait => return Err(Error::endpoints_exhausted(seg, self.cfg.max_endpoints)),
+            }
+        };
+        // Until the build is settled, the place goes back if this future
+        // is dropped or the build fails (the QPs built so far are dropped
+        // first, inside `build`).
+        let mut reserved = Reservation { inner: self, id: Some(id) };
+        self.link_usable()?;
+        let (group, stream, peer) = self.build(&name).await?;
+        reserved.id = None;
+        let created = group.created;
+        let mut ep = Endpoint {
+            segment: seg,
+            qps: group.into_qps().into_iter().map(|qp| QpSlot { qp, outstanding: 0 }).collect(),
+            pending: Default::default(),
+            next_qp: 0,
+            busy: false,
+            created,
+            broken_at: None,
+            watcher: None,
+        };
+        self.with_state(|st, g| {
+            let now = st.now();
+            if st.shutdown || !st.pool.built(id, now) {
+                // Closed or shut down meanwhile: the pool retired it.
+                g.endpoints.push((id, ep));
+                return Err(if st.shutdown { Error::shut_down() } else { Error::unknown_segment(seg) });
+            }
+            let Some(s) = st.segments.get_mut(&seg) else {
+                st.pool.broken(id);
+                g.endpoints.push((id, ep));
+                return Err(Error::unknown_segment(seg));
+            };
+            let restarted = peer.generation != s.desc.generation;
+            s.desc = peer;
+            ep.watcher = Some(Task::spawn(&self.tasks, watch(self.weak(), id, stream)));
+            st.endpoints.insert(id, ep);
+            Ok((id, restarted))
+        })
+    }
+
+    /// Creates the QPs and connects them to the segment `name`.
+    async fn build(&self, name: &str) -> Result<(QpGroup, TcpStream, transport_core::SegmentDescriptor)> {
+        let v = self.verbs()?;
+        let group = QpGroup::new(&v, self.cfg.qps_per_endpoint, self.lim.max_outstanding_per_qp)?;
+        let (stream, desc) = handshake::connect(&v, &group, name, self.timing(), self.cfg.handshake_timeout()).await?;
+        Ok((group, stream, desc))
+    }
+}
+
+/// Breaks endpoint `ep` when the peer closes its side channel.
+async fn watch(weak: std::sync::Weak<Inner>, ep: EndpointId, mut stream: TcpStream) {
+    let mut buf = [0u8; WATCH_BUF];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    let Some(inner) = weak.upgrade() else { return };
+    inner.with_state(|st, g| {
+        if let Some(e) = st.endpoints.get_mut(&ep) {
+            if let Some(me) = e.watcher.take() {
+                me.ending();
+            }
+            let why = Error::new(ErrorKind::ConnectionReset, "the peer closed the side channel (crashed or shut down)");
+            st.break_endpoint(ep, why, g);
+        }
+    });
+}

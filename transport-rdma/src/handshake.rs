@@ -1,0 +1,168 @@
+//! The QP handshake, written once for both sides: a [`QpGroup`] is created
+//! (RESET -> INIT, random PSNs), its half ([`QpGroup::hello`]) travels over
+//! the TCP side channel, and [`QpGroup::connect`] brings every QP up
+//! (INIT -> RTR -> RTS) toward the other half at the smaller of both
+//! ports' MTUs. The connecting side runs [`connect`]; `server.rs` answers
+//! with the same group operations.
+
+use std::time::{Duration, Instant};
+
+use tokio::io::BufReader;
+use tokio::net::TcpStream;
+use transport_core::{Error, ErrorKind, Result, SegmentDescriptor};
+
+use crate::state::Verbs;
+use crate::verbs::{Qp, QpTiming, RemoteQp};
+use crate::wire::{self, QpInfo, Reply, Request};
+
+/// Most QPs one group may have (a peer asking for more is refused).
+pub(crate) const MAX_QPS_PER_GROUP: usize = 64;
+/// `ibv_mtu` values: 1 = 256 bytes ... 5 = 4096 bytes.
+const IBV_MTU_MIN: u32 = 1;
+const IBV_MTU_MAX: u32 = 5;
+/// PSNs are 24 bits.
+const PSN_MASK: u32 = 0x00ff_ffff;
+
+/// One side's half of a QP group, as the side channel carries it.
+#[derive(Debug, Clone)]
+pub(crate) struct Half {
+    /// GID as 32 hex digits.
+    pub gid: String,
+    pub lid: u16,
+    /// `ibv_mtu` value of the side's active MTU.
+    pub mtu: u32,
+    pub qps: Vec<QpInfo>,
+}
+
+/// QPs created for one endpoint or peer group, with their starting PSNs.
+#[derive(Debug)]
+pub(crate) struct QpGroup {
+    qps: Vec<(Qp, u32)>,
+    /// When the QPs were created (async events read before are not about them).
+    pub created: Instant,
+}
+
+/// The path MTU both ports support: the smaller of the two active MTUs
+/// (a peer's out-of-range value is clamped into `ibv_mtu`'s range).
+pub(crate) fn path_mtu(peer: u32, local: u32) -> u32 {
+    peer.clamp(IBV_MTU_MIN, IBV_MTU_MAX).min(local)
+}
+
+impl QpGroup {
+    /// Creates `n` RC QPs in INIT with random PSNs, each allowing
+    /// `max_send_wr` posted work requests.
+    pub(crate) fn new(v: &Verbs, n: usize, max_send_wr: usize) -> Result<Self> {
+        let created = Instant::now();
+        let max_send_wr = u32::try_from(max_send_wr).unwrap_or(u32::MAX);
+        let mut qps = Vec::with_capacity(n);
+        for _ in 0..n {
+            let qp = Qp::new(&v.pd, &v.cq, v.port.port, max_send_wr)?;
+            qps.push((qp, rand::random::<u32>() & PSN_MASK));
+        }
+        Ok(Self { qps, created })
+    }
+
+    /// This side's half, to send to the other side.
+    pub(crate) fn hello(&self, v: &Verbs, mtu: u32) -> Half {
+        Half {
+            gid: wire::gid_hex(&v.port.gid),
+            lid: v.port.lid,
+            mtu,
+            qps: self.qps.iter().map(|(q, psn)| QpInfo { qpn: q.qpn(), psn: *psn }).collect(),
+        }
+    }
+
+    /// Brings every QP up toward the matching QP of `theirs` (INIT -> RTR
+    /// -> RTS). Returns the path MTU used.
+    pub(crate) fn connect(&self, v: &Verbs, theirs: &Half, timing: QpTiming) -> Result<u32> {
+        if theirs.qps.len() != self.qps.len() {
+            return Err(Error::new(ErrorKind::HandshakeFailed, "peer answered with a different QP count"));
+        }
+        let gid = wire::parse_gid(&theirs.gid)?;
+        let mtu = path_mtu(theirs.mtu, v.port.active_mtu);
+        for ((qp, psn), r) in self.qps.iter().zip(&theirs.qps) {
+            let remote = RemoteQp { qpn: r.qpn, psn: r.psn, gid, lid: theirs.lid };
+            qp.connect(*psn, &remote, v.port.port, v.port.gid_index, mtu, v.port.max_rd_atom, timing)
+                .map_err(|e| Error::new(ErrorKind::HandshakeFailed, e.to_string()))?;
+        }
+        Ok(mtu)
+    }
+
+    pub(crate) fn into_qps(self) -> Vec<Qp> {
+        self.qps.into_iter().map(|(q, _)| q).collect()
+    }
+}
+
+/// The connecting side: sends `group`'s half to the segment `name` and
+/// brings the QPs up toward the reply. Returns the side channel (kept
+/// open for the endpoint's life: its close makes the peer destroy its
+/// half) and the peer's descriptor as of now.
+pub(crate) async fn connect(
+    v: &Verbs,
+    group: &QpGroup,
+    name: &str,
+    timing: QpTiming,
+    limit: Duration,
+) -> Result<(TcpStream, SegmentDescriptor)> {
+    let hello = group.hello(v, v.port.active_mtu);
+    let request = Request::Connect { gid: hello.gid, lid: hello.lid, mtu: hello.mtu, qps: hello.qps };
+    let work = async {
+        let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
+        s.set_nodelay(true)?;
+        let mut s = BufReader::new(s);
+        wire::send(s.get_mut(), &request).await?;
+        let reply = wire::recv::<_, Reply>(&mut s).await?;
+        Ok::<_, Error>((s, reply))
+    };
+    let (stream, reply) = match tokio::time::timeout(limit, work).await {
+        Ok(r) => r?,
+        Err(_) => return Err(Error::new(ErrorKind::HandshakeFailed, "handshake timed out").with("segment", name)),
+    };
+    let (theirs, desc) = match reply {
+        Reply::Connected { gid, lid, mtu, qps, descriptor } => (Half { gid, lid, mtu, qps }, descriptor),
+        Reply::Error { message } => return Err(Error::new(ErrorKind::HandshakeFailed, message).with("segment", name)),
+        Reply::Descriptor { .. } => {
+            return Err(Error::new(ErrorKind::Protocol, "descriptor sent instead of a connect reply"))
+        }
+    };
+    group.connect(v, &theirs, timing)?;
+    Ok((stream.into_inner(), desc))
+}
+
+/// Asks the peer `name` for its descriptor over the side channel.
+pub(crate) async fn fetch_descriptor(name: &str, limit: Duration) -> Result<SegmentDescriptor> {
+    let work = async {
+        let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
+        s.set_nodelay(true)?;
+        let (r, mut w) = s.into_split();
+        let mut r = BufReader::new(r);
+        wire::send(&mut w, &Request::Describe).await?;
+        match wire::recv::<_, Reply>(&mut r).await? {
+            Reply::Descriptor { descriptor } => Ok(descriptor),
+            Reply::Error { message } => Err(Error::new(ErrorKind::HandshakeFailed, message)),
+            other => Err(Error::new(ErrorKind::Protocol, format!("unexpected reply {other:?}"))),
+        }
+    };
+    let d = match tokio::time::timeout(limit, work).await {
+        Ok(r) => r?,
+        Err(_) => return Err(Error::new(ErrorKind::HandshakeFailed, "descriptor request timed out")),
+    };
+    if d.backend != crate::BACKEND {
+        return Err(Error::new(ErrorKind::HandshakeFailed, format!("segment is served by {:?}, not rdma", d.backend))
+            .with("segment", name));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_mtu_is_the_smaller_and_clamps_the_peer() {
+        assert_eq!(path_mtu(5, 3), 3);
+        assert_eq!(path_mtu(2, 5), 2);
+        assert_eq!(path_mtu(0, 5), IBV_MTU_MIN);
+        assert_eq!(path_mtu(u32::MAX, 5), IBV_MTU_MAX);
+    }
+}

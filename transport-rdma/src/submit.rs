@@ -1,0 +1,248 @@
+//! `submit`, deadlines and stopping a batch: validation through the core
+//! ([`validate_batch`]), remote ranges against the segment's descriptor
+//! (refreshed once if stale), a [`BatchLedger`] per batch (units are the
+//! requests' slices), then each segment's slices queued on its endpoint.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use transport_core::lifecycle::{validate_batch, BatchLedger, BatchLimits, EndReason, EndpointId};
+use transport_core::{BatchId, BatchStatus, Error, ErrorKind, Result, SegmentId, SubmitOptions, TransferRequest};
+
+use crate::handshake;
+use crate::state::{Batch, Graveyard, Inner, Slice, State, Target, Task};
+
+/// How many times a segment's requests are offered a fresh endpoint when
+/// the one just obtained broke before they were queued on it (a peer
+/// reset, a cancel of other work on it).
+const START_ATTEMPTS: usize = 5;
+
+/// Whether a released batch, or one with nothing posted, is quiet.
+fn batch_quiet(st: &State, batch: BatchId) -> bool {
+    st.batches.get(batch).map_or(true, |b| b.ledger.on_wire() == 0)
+}
+
+fn peer_restarted(seg: SegmentId) -> Error {
+    Error::new(ErrorKind::PeerRestarted, "the peer restarted; re-read its descriptor").with("segment", seg)
+}
+
+/// The remote key for request `r`, or `None` if its remote range is in no
+/// region of the handle's descriptor (which may be stale).
+fn remote_key(st: &State, r: &TransferRequest) -> Result<Option<u32>> {
+    let seg = st.segments.get(&r.segment).ok_or_else(|| Error::unknown_segment(r.segment))?;
+    let Some(info) = seg.desc.region_for(r.remote_addr, r.len) else {
+        return Ok(None);
+    };
+    if !info.access.allows(r.op) {
+        return Err(Error::new(ErrorKind::AccessDenied, format!("remote region does not allow {:?}", r.op))
+            .with("segment", r.segment));
+    }
+    u32::try_from(info.key).map(Some).map_err(|_| Error::new(ErrorKind::Protocol, "remote key does not fit an rkey"))
+}
+
+/// The outcome of validating a batch under the lock.
+enum Checked {
+    Keys,
+    /// Request `i`'s remote range is unknown to segment `seg` (named `name`).
+    Stale(usize, SegmentId, String),
+}
+
+impl State {
+    /// Fails every request of `batch` on segment `seg` with `e`.
+    fn fail_segment(&mut self, batch: BatchId, seg: SegmentId, requests: &[TransferRequest], e: &Error) {
+        for (i, _) in requests.iter().enumerate().filter(|(_, r)| r.segment == seg) {
+            self.end_request(batch, i, EndReason::Failed(e.clone()));
+        }
+    }
+
+    /// Queues `batch`'s slices for segment `seg` on endpoint `ep`, which
+    /// holds a use for the caller: the use becomes the endpoint's "busy"
+    /// use (or is given back if it already had one). Returns `false`, the
+    /// use given back, if the endpoint broke since.
+    #[allow(clippy::too_many_arguments)]
+    fn queue(
+        &mut self,
+        batch: BatchId,
+        seg: SegmentId,
+        ep: EndpointId,
+        requests: &[TransferRequest],
+        slice: u64,
+        lim: &crate::state::Limits,
+        grave: &mut Graveyard,
+    ) -> bool {
+        let now = self.now();
+        let Some(e) = self.endpoints.get_mut(&ep).filter(|e| e.broken_at.is_none()) else {
+            self.pool.release(ep, now);
+            return false;
+        };
+        for (i, r) in requests.iter().enumerate().filter(|(_, r)| r.segment == seg) {
+            let mut off = 0;
+            while off < r.len {
+                // At most `slice` (a u32) bytes: the cast cannot truncate.
+                let len = (r.len - off).min(slice) as u32;
+                e.pending.push_back(Slice { batch, req: i, offset: off, len });
+                off += u64::from(len);
+            }
+        }
+        if e.busy {
+            self.pool.release(ep, now);
+        } else {
+            e.busy = true;
+        }
+        self.after_work(ep, lim, grave);
+        true
+    }
+}
+
+impl Inner {
+    fn limits(&self) -> BatchLimits {
+        BatchLimits { max_batch_len: self.cfg.max_batch_len, max_request_len: self.cfg.max_request_len }
+    }
+
+    /// Validates `requests` and collects their remote keys into `keys`.
+    fn check(
+        &self,
+        st: &State,
+        requests: &[TransferRequest],
+        refreshed: &HashSet<SegmentId>,
+        keys: &mut Vec<u32>,
+    ) -> Result<Checked> {
+        if st.shutdown {
+            return Err(Error::shut_down());
+        }
+        validate_batch(
+            requests,
+            self.limits(),
+            |id| st.regions.get(&id).map(|r| ((), r.reg.mem().len() as u64)),
+            |s| st.segments.contains_key(&s),
+        )?;
+        keys.clear();
+        for (i, r) in requests.iter().enumerate() {
+            match remote_key(st, r).map_err(|e| e.with("request", i))? {
+                Some(k) => keys.push(k),
+                None if !refreshed.contains(&r.segment) => {
+                    let name = st.segments.get(&r.segment).map(|s| s.desc.name.clone()).unwrap_or_default();
+                    return Ok(Checked::Stale(i, r.segment, name));
+                }
+                None => {
+                    return Err(Error::new(
+                        ErrorKind::OutOfBounds,
+                        format!("remote range {:#x}+{} is in no region of the segment", r.remote_addr, r.len),
+                    )
+                    .with("segment", r.segment)
+                    .with("request", i))
+                }
+            }
+        }
+        Ok(Checked::Keys)
+    }
+
+    pub(crate) async fn submit(
+        self: &Arc<Self>,
+        requests: Vec<TransferRequest>,
+        opts: SubmitOptions,
+    ) -> Result<BatchId> {
+        // Validate; refresh stale descriptors once if a remote range is unknown.
+        let mut keys = Vec::with_capacity(requests.len());
+        let mut refreshed = HashSet::new();
+        loop {
+            let checked = self.check(&self.state.lock(), &requests, &refreshed, &mut keys)?;
+            let Checked::Stale(i, seg, name) = checked else { break };
+            refreshed.insert(seg);
+            let d = handshake::fetch_descriptor(&name, self.cfg.handshake_timeout())
+                .await
+                .map_err(|e| e.with("request", i))?;
+            let mut st = self.state.lock();
+            let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg).with("request", i))?;
+            let restarted = d.generation != s.desc.generation;
+            s.desc = d;
+            if restarted {
+                return Err(peer_restarted(seg).with("request", i));
+            }
+        }
+        // Create the batch.
+        let slice = u64::from(self.cfg.slice_size);
+        let id = {
+            let mut st = self.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            let ledger = BatchLedger::new(requests.iter().map(|r| r.len.div_ceil(slice)), None);
+            let targets = requests.iter().zip(&keys).map(|(r, k)| Target { spec: *r, rkey: *k }).collect();
+            let id = st.batches.insert(Batch { ledger, targets, notify: Arc::new(Notify::new()), deadline: None });
+            if let Some(after) = opts.timeout {
+                let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
+                if let Ok(b) = st.batches.get_mut(id) {
+                    b.deadline = Some(task);
+                }
+            }
+            id
+        };
+        // Start each segment's requests on its endpoint.
+        let mut seen = HashSet::new();
+        for seg in requests.iter().map(|r| r.segment) {
+            if seen.insert(seg) {
+                self.start_segment(id, seg, &requests, slice).await;
+            }
+        }
+        Ok(id)
+    }
+
+    /// Queues the requests of `batch` to `seg` on its endpoint; if that is
+    /// impossible they fail with the reason.
+    async fn start_segment(&self, batch: BatchId, seg: SegmentId, requests: &[TransferRequest], slice: u64) {
+        for attempt in 1..=START_ATTEMPTS {
+            let got = self.endpoint(seg).await;
+            let queued = self.with_state(|st, g| {
+                let e = match got {
+                    Err(e) => e,
+                    Ok((ep, true)) => {
+                        let now = st.now();
+                        st.pool.release(ep, now);
+                        peer_restarted(seg)
+                    }
+                    Ok((ep, false)) => {
+                        if st.queue(batch, seg, ep, requests, slice, &self.lim, g) {
+                            return true;
+                        }
+                        if attempt < START_ATTEMPTS {
+                            return false;
+                        }
+                        Error::new(ErrorKind::ConnectionReset, "endpoint broke while starting")
+                    }
+                };
+                st.fail_segment(batch, seg, requests, &e);
+                true
+            });
+            if queued {
+                return;
+            }
+        }
+    }
+
+    /// Ends the live requests of `batch` with `reason`, flushes its posted
+    /// work and waits until the batch is quiet.
+    pub(crate) async fn stop_batch(&self, batch: BatchId, reason: EndReason) -> Result<BatchStatus> {
+        self.with_state(|st, g| {
+            st.batches.get(batch)?;
+            st.end_requests(|b, _| b == batch, &reason, g);
+            Ok::<_, Error>(())
+        })?;
+        self.settle(|st| batch_quiet(st, batch)).await;
+        self.state.lock().batches.get(batch).map(|b| b.ledger.status())
+    }
+}
+
+/// Times the batch out after `after`.
+async fn deadline(weak: Weak<Inner>, batch: BatchId, after: Duration) {
+    tokio::time::sleep(after).await;
+    let Some(inner) = weak.upgrade() else { return };
+    inner.with_state(|st, _| {
+        if let Some(me) = st.batches.get_mut(batch).ok().and_then(|b| b.deadline.take()) {
+            me.ending();
+        }
+    });
+    let _ = inner.stop_batch(batch, EndReason::TimedOut).await;
+}

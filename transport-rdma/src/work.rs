@@ -1,0 +1,344 @@
+//! The data path over the lifecycle core: slices are posted as work
+//! requests (ledger units: [`BatchLedger::start`] before each post,
+//! [`BatchLedger::unit_done`] for each completion, in CQ order), endpoints
+//! break and are destroyed ([`EndpointPool::broken`], the place freed by
+//! [`Inner::with_state`] once the QPs are gone), and requests end early
+//! ([`BatchLedger::end_where`]) with the endpoints carrying their posted
+//! work reset so it flushes ("terminal means quiet").
+//!
+//! [`BatchLedger::start`]: transport_core::lifecycle::BatchLedger::start
+//! [`BatchLedger::unit_done`]: transport_core::lifecycle::BatchLedger::unit_done
+//! [`BatchLedger::end_where`]: transport_core::lifecycle::BatchLedger::end_where
+//! [`EndpointPool::broken`]: transport_core::lifecycle::EndpointPool::broken
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use transport_core::lifecycle::{EndReason, EndpointId, Progress};
+use transport_core::{BatchId, Error, ErrorKind, Opcode};
+
+use crate::error::completion_error;
+use crate::state::{Batch, Graveyard, Inner, Limits, PeerGroupId, Slice, State, Target, WrId, WrRef};
+use crate::verbs::{Completion, WorkRequest};
+
+/// How often [`Inner::settle`] looks again.
+const SETTLE_POLL: Duration = Duration::from_millis(1);
+/// Added to twice the flush timeout before [`Inner::settle`] destroys
+/// every broken endpoint regardless.
+const SETTLE_GRACE: Duration = Duration::from_millis(100);
+
+fn wake(b: &Batch, p: Progress) {
+    if p.batch_terminal {
+        b.notify.notify_waiters();
+    }
+}
+
+impl State {
+    /// Ends request `req` of `batch` early (first decision wins).
+    pub(crate) fn end_request(&mut self, batch: BatchId, req: usize, reason: EndReason) {
+        if let Ok(b) = self.batches.get_mut(batch) {
+            let p = b.ledger.end(req, reason);
+            wake(b, p);
+        }
+    }
+
+    /// Posts queued slices of endpoint `ep_id` while its QPs have room.
+    /// Each work request is a ledger unit, started before it is posted; a
+    /// slice of a request that is no longer live is dropped unposted.
+    pub(crate) fn pump(&mut self, ep_id: EndpointId, lim: &Limits, grave: &mut Graveyard) {
+        loop {
+            let Some(ep) = self.endpoints.get_mut(&ep_id) else { return };
+            if ep.broken_at.is_some() {
+                return;
+            }
+            let n = ep.qps.len();
+            let Some(qi) =
+                (0..n).map(|k| (ep.next_qp + k) % n).find(|&i| ep.qps[i].outstanding < lim.max_outstanding_per_qp)
+            else {
+                return;
+            };
+            let Some(slice) = ep.pending.pop_front() else { return };
+            let Ok(b) = self.batches.get_mut(slice.batch) else { continue };
+            let Some(&Target { spec, rkey }) = b.targets.get(slice.req) else { continue };
+            if !b.ledger.is_live(slice.req) {
+                continue;
+            }
+            let Some(region) = self.regions.get(&spec.local) else {
+                let p = b.ledger.end(slice.req, EndReason::Failed(Error::region_unregistered(spec.local)));
+                wake(b, p);
+                continue;
+            };
+            if !b.ledger.start(slice.req) {
+                continue;
+            }
+            let wr_id = self.wr_ids.next();
+            // No overflow: submit checked local_offset + len against the
+            // region and remote_addr + len for overflow.
+            let wr = WorkRequest {
+                wr_id: wr_id.0,
+                read: spec.op == Opcode::Read,
+                local_offset: spec.local_offset + slice.offset,
+                len: slice.len,
+                remote_addr: spec.remote_addr + slice.offset,
+                rkey,
+            };
+            ep.next_qp = (qi + 1) % n;
+            let q = &mut ep.qps[qi];
+            match q.qp.post(&region.reg, &wr) {
+                Ok(()) => {
+                    q.outstanding += 1;
+                    self.wrs.insert(wr_id, WrRef { ep: ep_id, qp: qi, slice });
+                }
+                Err(e) => {
+                    let e: Error = e.into();
+                    let e = if e.kind() == ErrorKind::ResourceExhausted {
+                        Error::new(ErrorKind::ConnectionReset, e.message().to_string())
+                    } else {
+                        e
+                    };
+                    let p = b.ledger.unit_done(slice.req, Err(e.clone()));
+                    wake(b, p);
+                    self.break_endpoint(ep_id, e, grave);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Applies one completion.
+    pub(crate) fn on_completion(&mut self, c: &Completion, lim: &Limits, grave: &mut Graveyard) {
+        let Some(w) = self.wrs.remove(&WrId(c.wr_id)) else {
+            return; // late: its endpoint was destroyed
+        };
+        if let Some(q) = self.endpoints.get_mut(&w.ep).and_then(|ep| ep.qps.get_mut(w.qp)) {
+            q.outstanding = q.outstanding.saturating_sub(1);
+        }
+        let failed =
+            (c.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS).then(|| completion_error(c.status, c.vendor_err));
+        if let Ok(b) = self.batches.get_mut(w.slice.batch) {
+            let result = match &failed {
+                None => Ok(()),
+                Some(e) => Err(e.clone()),
+            };
+            let p = b.ledger.unit_done(w.slice.req, result);
+            wake(b, p);
+        }
+        if let Some(e) = failed {
+            // Rule 2: a completion error breaks the QP; the endpoint goes.
+            self.break_endpoint(w.ep, e, grave);
+        }
+        self.after_work(w.ep, lim, grave);
+    }
+
+    /// After work on `ep_id` ended: a broken endpoint that has flushed is
+    /// destroyed; a live one posts what is queued and, once idle, gives its
+    /// use back to the pool (it may then be evicted or reclaimed).
+    pub(crate) fn after_work(&mut self, ep_id: EndpointId, lim: &Limits, grave: &mut Graveyard) {
+        match self.endpoints.get(&ep_id) {
+            Some(ep) if ep.broken_at.is_some() && ep.outstanding() == 0 => {
+                if let Some(ep) = self.endpoints.remove(&ep_id) {
+                    grave.endpoints.push((ep_id, ep));
+                }
+            }
+            Some(ep) if ep.broken_at.is_some() => {}
+            Some(_) => {
+                self.pump(ep_id, lim, grave);
+                if let Some(ep) = self.endpoints.get_mut(&ep_id) {
+                    if ep.busy && ep.broken_at.is_none() && ep.idle() {
+                        ep.busy = false;
+                        let now = self.epoch.elapsed();
+                        self.pool.release(ep_id, now);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Marks an endpoint broken: never handed out again, QPs to ERROR
+    /// (posted work flushes), queued slices fail. It is destroyed at once
+    /// if nothing is posted, else when its flushed completions arrive (or
+    /// the flush timeout passes, see [`State::reap`]).
+    pub(crate) fn break_endpoint(&mut self, ep_id: EndpointId, reason: Error, grave: &mut Graveyard) {
+        let Some(ep) = self.endpoints.get_mut(&ep_id) else { return };
+        if ep.broken_at.is_none() {
+            ep.broken_at = Some(Instant::now());
+            for q in &ep.qps {
+                if let Err(e) = q.qp.set_error() {
+                    tracing::warn!("{e}");
+                }
+            }
+        }
+        let queued: Vec<Slice> = ep.pending.drain(..).collect();
+        let idle = ep.outstanding() == 0;
+        self.pool.broken(ep_id);
+        let reset = if matches!(reason.kind(), ErrorKind::ConnectionReset | ErrorKind::RetryExceeded) {
+            reason
+        } else {
+            Error::new(ErrorKind::ConnectionReset, format!("endpoint destroyed: {}", reason.message()))
+        };
+        for s in queued {
+            self.end_request(s.batch, s.req, EndReason::Failed(reset.clone()));
+        }
+        if idle {
+            if let Some(ep) = self.endpoints.remove(&ep_id) {
+                grave.endpoints.push((ep_id, ep));
+            }
+        }
+    }
+
+    /// Breaks whatever owns QP number `qpn` (an async event read at `at`
+    /// said it failed): our endpoint, or a peer's QP group (dropped, which
+    /// closes its side channel so the peer breaks its half at once). A QP
+    /// created after `at` is a newer one that reuses the number: untouched.
+    pub(crate) fn break_qp(&mut self, qpn: u32, at: Instant, why: Error, grave: &mut Graveyard) {
+        let ep = self
+            .endpoints
+            .iter()
+            .find(|(_, e)| e.created <= at && e.qps.iter().any(|q| q.qp.qpn() == qpn))
+            .map(|(id, _)| *id);
+        if let Some(ep) = ep {
+            self.break_endpoint(ep, why, grave);
+            return;
+        }
+        let passive = self
+            .passive
+            .iter()
+            .find(|(_, p)| p.created <= at && p.qps.iter().any(|q| q.qpn() == qpn))
+            .map(|(id, _)| *id);
+        if let Some(id) = passive {
+            self.drop_passive(id, grave);
+        }
+    }
+
+    /// Breaks every endpoint and drops every peer QP group that existed at
+    /// `at` (port down, device failure, lost completions); ones built since
+    /// (after the port came back) are left alone.
+    pub(crate) fn break_all(&mut self, at: Instant, why: &Error, grave: &mut Graveyard) {
+        let ids: Vec<EndpointId> = self.endpoints.iter().filter(|(_, e)| e.created <= at).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.break_endpoint(id, why.clone(), grave);
+        }
+        let ids: Vec<PeerGroupId> = self.passive.iter().filter(|(_, p)| p.created <= at).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.drop_passive(id, grave);
+        }
+    }
+
+    /// Stops serving a peer's QP group: its task (and so its side channel)
+    /// ends and its QPs go to the graveyard.
+    pub(crate) fn drop_passive(&mut self, id: PeerGroupId, grave: &mut Graveyard) {
+        self.passive_tasks.remove(&id); // aborts it
+        if let Some(p) = self.passive.remove(&id) {
+            grave.passive.push(p);
+        }
+    }
+
+    /// Destroys broken endpoints whose work has flushed, force-destroys
+    /// those whose flush took longer than the limit (destroying the QP is
+    /// what guarantees the NIC is done with the buffers), and reclaims idle
+    /// endpoints ([`EndpointPool::reap`], rule 4). `force` destroys every
+    /// broken endpoint now.
+    ///
+    /// [`EndpointPool::reap`]: transport_core::lifecycle::EndpointPool::reap
+    pub(crate) fn reap(&mut self, lim: &Limits, force: bool, grave: &mut Graveyard) {
+        let now = Instant::now();
+        let mut doomed: Vec<EndpointId> = self
+            .endpoints
+            .iter()
+            .filter(|(_, ep)| {
+                ep.broken_at
+                    .is_some_and(|t| force || ep.outstanding() == 0 || now.duration_since(t) >= lim.flush_timeout)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let clock = self.now();
+        doomed.extend(self.pool.reap(clock, lim.idle_timeout));
+        for id in doomed {
+            self.destroy_endpoint_now(id, grave);
+        }
+    }
+
+    /// Removes an endpoint, settling every work request still posted on it
+    /// (they can no longer complete once the QP is destroyed).
+    pub(crate) fn destroy_endpoint_now(&mut self, ep_id: EndpointId, grave: &mut Graveyard) {
+        self.pool.broken(ep_id);
+        let Some(mut ep) = self.endpoints.remove(&ep_id) else { return };
+        if ep.outstanding() > 0 {
+            let lost = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed with work in flight");
+            let mut gone = Vec::new();
+            self.wrs.retain(|_, w| {
+                let mine = w.ep == ep_id;
+                if mine {
+                    gone.push(w.slice);
+                }
+                !mine
+            });
+            for s in gone {
+                if let Ok(b) = self.batches.get_mut(s.batch) {
+                    let p = b.ledger.units_lost(s.req, 1, &lost);
+                    wake(b, p);
+                }
+            }
+        }
+        let unposted = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed before the slice was posted");
+        for s in ep.pending.drain(..) {
+            self.end_request(s.batch, s.req, EndReason::Failed(unposted.clone()));
+        }
+        grave.endpoints.push((ep_id, ep));
+    }
+
+    /// Ends every live request that `pick` selects with `reason`, and
+    /// resets the endpoints that carry posted work of decided requests so
+    /// it flushes (the requests become terminal once it has).
+    pub(crate) fn end_requests(
+        &mut self,
+        pick: impl Fn(BatchId, &Target) -> bool,
+        reason: &EndReason,
+        grave: &mut Graveyard,
+    ) {
+        for (&id, b) in self.batches.iter_mut() {
+            let targets = &b.targets;
+            let (_, p) = b.ledger.end_where(reason, |i| targets.get(i).is_some_and(|t| pick(id, t)));
+            wake(b, p);
+        }
+        let eps: HashSet<EndpointId> = self
+            .wrs
+            .values()
+            .filter(|w| self.batches.get(w.slice.batch).is_ok_and(|b| b.ledger.needs_quiet(w.slice.req)))
+            .map(|w| w.ep)
+            .collect();
+        for ep in eps {
+            let why = Error::new(ErrorKind::ConnectionReset, "endpoint reset to stop work in flight");
+            self.break_endpoint(ep, why, grave);
+        }
+    }
+
+    /// Whether any posted work belongs to a request that `pick` selects.
+    pub(crate) fn any_posted(&self, pick: impl Fn(&Target) -> bool) -> bool {
+        self.wrs
+            .values()
+            .any(|w| self.batches.get(w.slice.batch).is_ok_and(|b| b.targets.get(w.slice.req).is_some_and(&pick)))
+    }
+}
+
+impl Inner {
+    /// Waits (bounded) until `quiet` holds, reaping flushed endpoints; after
+    /// twice the flush timeout, destroys every broken endpoint, which makes
+    /// the state quiet by construction.
+    pub(crate) async fn settle(&self, quiet: impl Fn(&State) -> bool) {
+        let start = Instant::now();
+        let limit = self.lim.flush_timeout * 2 + SETTLE_GRACE;
+        loop {
+            let done = self.with_state(|st, g| {
+                let force = start.elapsed() >= limit;
+                st.reap(&self.lim, force, g);
+                quiet(st) || force
+            });
+            if done {
+                return;
+            }
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
+    }
+}
