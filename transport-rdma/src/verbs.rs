@@ -8,7 +8,7 @@
 //! `ibv_create_qp failed: Cannot allocate memory (errno 12)`.
 //!
 //! Objects own their parents the way the kernel needs them released: a
-//! [`Qp`] keeps its [`Pd`] and [`Cq`] alive, an [`Mr`] its `Pd`, a `Cq` its
+//! [`Qp`] keeps its [`Pd`] and [`Cq`] alive, an MR (in a [`Registration`]) its `Pd`, a `Cq` its
 //! [`CompChannel`], and all of them the [`Context`]. `Drop` releases each
 //! object once, logs (never panics on) a failure, and never blocks: the
 //! release order QP -> CQ -> MR -> PD -> context follows from the `Arc`s.

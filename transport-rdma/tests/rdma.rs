@@ -46,6 +46,8 @@ fn write_and_read_are_byte_exact() {
         let d = client.segment_descriptor(seg).unwrap();
         assert_eq!(d.backend, "rdma");
         assert_eq!(d.regions.len(), 1);
+        // The server describes itself (no network) as the peer sees it.
+        assert_eq!(server.local_descriptor().unwrap(), d);
         let raddr = remote.addr();
         // Odd sizes and offsets, one crossing several 1 MiB slices.
         let reqs = vec![
@@ -89,6 +91,7 @@ fn write_and_read_are_byte_exact() {
         client.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
         assert_eq!(client.stats(), ResourceStats::default());
+        assert_eq!(server.local_descriptor().unwrap_err().kind(), ErrorKind::Shutdown);
     });
 }
 
