@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use transport_core::{Engine, ErrorKind, InProcessStore, MetadataStore, Result, SegmentDescriptor, Transport};
+use transport_core::{Engine, InProcessStore, MetadataStore, Result, SegmentDescriptor, Transport};
 
 use crate::config::{BackendKind, EngineConfig, MetadataConfig, MetadataKind};
 
@@ -71,28 +71,10 @@ pub fn process_store() -> InProcessStore {
 /// descriptor to a metadata store under another name.
 ///
 /// Asks the transport itself ([`Transport::local_descriptor`]): no
-/// segment is opened and nothing crosses the network. A transport that
-/// keeps the trait's default and answers `Unsupported` (a backend or a
-/// wrapper that does not describe itself) is asked the way a peer would:
-/// its own segment is opened, read and closed again.
+/// segment is opened and nothing crosses the network.
 ///
 /// # Errors
 /// - After shutdown: `Shutdown`.
-/// - On the fallback path, whatever opening the own segment returns.
 pub async fn own_descriptor(transport: &Arc<dyn Transport>) -> Result<SegmentDescriptor> {
-    match transport.local_descriptor() {
-        Err(e) if e.kind() == ErrorKind::Unsupported => descriptor_as_a_peer(transport).await,
-        other => other,
-    }
-}
-
-/// Opens the transport's own segment, reads its descriptor, closes it.
-async fn descriptor_as_a_peer(transport: &Arc<dyn Transport>) -> Result<SegmentDescriptor> {
-    let name = transport.local_segment_name();
-    let seg = transport.open_segment(&name).await.map_err(|e| e.with("segment", &name))?;
-    let desc = transport.segment_descriptor(seg);
-    let closed = transport.close_segment(seg).await;
-    let desc = desc?;
-    closed?;
-    Ok(desc)
+    transport.local_descriptor()
 }

@@ -192,9 +192,8 @@ async fn publish_and_resolve_by_name_refuse_a_stale_generation() {
 }
 
 /// `own_descriptor` is what a peer opening the transport sees (generation,
-/// remote regions only); a backend that describes itself
-/// (`Transport::local_descriptor`) answers without opening a segment or
-/// building an endpoint.
+/// remote regions only), answered by `Transport::local_descriptor` without
+/// opening a segment or building an endpoint.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn own_descriptor_is_the_peer_view_without_the_network() {
     for kind in BackendKind::ALL.into_iter().filter(|k| k.is_built_in() && *k != BackendKind::Rdma) {
@@ -204,19 +203,15 @@ async fn own_descriptor_is_the_peer_view_without_the_network() {
         t.register(remote.region(), Access::REMOTE_RW).unwrap();
         t.register(local.region(), Access::LOCAL).unwrap();
         let own = kvmove::own_descriptor(&t).await.unwrap();
-        let described = t.local_descriptor();
-        if let Ok(d) = &described {
-            assert_eq!(&own, d, "{kind}: own_descriptor is local_descriptor");
-            let s = t.stats();
-            assert_eq!((s.segments, s.endpoints), (0, 0), "{kind}: no segment opened, no endpoint built: {s:?}");
-        }
+        assert_eq!(own, t.local_descriptor().unwrap(), "{kind}: own_descriptor is local_descriptor");
+        let s = t.stats();
+        assert_eq!((s.segments, s.endpoints), (0, 0), "{kind}: no segment opened, no endpoint built: {s:?}");
         let seg = t.open_segment(&t.local_segment_name()).await.unwrap();
         let seen = t.segment_descriptor(seg).unwrap();
         t.close_segment(seg).await.unwrap();
         assert_eq!(own.generation, seen.generation, "{kind}");
         assert_eq!(own.regions, seen.regions, "{kind}");
         assert_eq!(own.regions.len(), 1, "{kind}: only the remotely accessible region");
-        eprintln!("{kind}: local_descriptor {}", if described.is_ok() { "answers" } else { "unsupported (fallback)" });
         t.shutdown().await.unwrap();
     }
 }

@@ -35,9 +35,7 @@ pub trait Transport: Send + Sync + 'static {
     ///
     /// # Behavior
     /// - After shutdown: `Shutdown`.
-    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
-        Err(crate::Error::new(crate::ErrorKind::Unsupported, "this backend does not describe itself yet"))
-    }
+    fn local_descriptor(&self) -> Result<SegmentDescriptor>;
 
     /// Registers local memory for transfers and, if `access` allows, for
     /// remote access by peers.

@@ -57,6 +57,9 @@ impl Transport for Scripted {
     fn local_segment_name(&self) -> String {
         "me".into()
     }
+    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        Err(Error::new(ErrorKind::Unsupported, "scripted"))
+    }
     fn register(&self, _: MemoryRegion, _: Access) -> Result<RegionId> {
         Ok(RegionId(1))
     }
