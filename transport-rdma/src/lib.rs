@@ -56,7 +56,7 @@
 //!
 //! | rule | kept by |
 //! |---|---|
-//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks, the event thread, deadline / watcher / peer tasks as `state::Task`, uncounted as their owner lets go) |
+//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks, the event thread, deadline / watcher / peer tasks as `lifecycle::OwnedTask`, uncounted as their owner lets go) |
 //! | 2 failure frees | `State::break_endpoint` (QPs to ERROR, `EndpointPool::broken`: never handed out again), `State::after_work` / `State::reap` (destroyed once flushed or after `flush_timeout_ms`), `Inner::on_async_event` (QP, port, CQ, device events) |
 //! | 3 close is real | `close_segment` (`State::end_requests`, `EndpointPool::retire_key`, `State::break_endpoint`, then `Inner::settle` until its endpoints are destroyed) |
 //! | 4 bounded endpoints | `Inner::endpoint` (`EndpointPool::acquire`: LRU eviction of idle endpoints, bounded wait, `endpoints_exhausted`), `State::reap` (`EndpointPool::reap`), `Inner::with_state` (a place is freed only after its QPs are destroyed) |

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
-use tokio::task::{AbortHandle, JoinHandle};
-use transport_core::lifecycle::{BatchLedger, BatchTable, EndpointId, EndpointPool, TaskGuard, TaskSet};
+use tokio::task::JoinHandle;
+use transport_core::lifecycle::{BatchLedger, BatchTable, EndpointId, EndpointPool, TaskSet};
 use transport_core::{
     Access, BatchId, Error, ErrorKind, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
 };
@@ -75,39 +75,8 @@ pub(crate) struct Segment {
     pub connect_lock: Arc<tokio::sync::Mutex<()>>,
 }
 
-/// A spawned task, counted in the transport's [`TaskSet`] from its spawn
-/// until this handle is dropped (which aborts it) or the task lets go of
-/// its own handle ([`Task::ending`]). The count changes synchronously with
-/// the bookkeeping that holds the handle, so `stats().tasks` never lags.
-#[derive(Debug)]
-pub(crate) struct Task {
-    abort: Option<AbortHandle>,
-    _count: TaskGuard,
-}
-
-impl Task {
-    /// Spawns `fut` on the current runtime, counted in `set`.
-    pub(crate) fn spawn<F>(set: &TaskSet, fut: F) -> Self
-    where
-        F: std::future::Future<Output = ()> + Send + 'static,
-    {
-        let count = set.guard();
-        Self { abort: Some(tokio::spawn(fut).abort_handle()), _count: count }
-    }
-
-    /// The task itself is finishing: uncount it without aborting it.
-    pub(crate) fn ending(mut self) {
-        self.abort = None;
-    }
-}
-
-impl Drop for Task {
-    fn drop(&mut self) {
-        if let Some(h) = self.abort.take() {
-            h.abort();
-        }
-    }
-}
+/// Deadline, watcher and peer tasks: counted while their owner holds them.
+pub(crate) type Task = transport_core::lifecycle::OwnedTask;
 
 #[derive(Debug)]
 pub(crate) struct QpSlot {
@@ -408,18 +377,6 @@ pub(crate) fn device_failed(dev: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[tokio::test]
-    async fn a_task_is_counted_until_its_handle_goes() {
-        let set = TaskSet::new();
-        let aborted = Task::spawn(&set, std::future::pending());
-        let finishing = Task::spawn(&set, async {});
-        assert_eq!(set.count(), 2);
-        drop(aborted);
-        assert_eq!(set.count(), 1, "dropping the handle uncounts at once");
-        finishing.ending();
-        assert_eq!(set.count(), 0);
-    }
 
     #[test]
     fn work_request_ids_are_never_reused() {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::runtime::Handle;
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 
 /// A counter of live background tasks, shared by everything that spawns
 /// for one transport. Cloning shares the count.
@@ -90,6 +90,47 @@ impl TaskSet {
     }
 }
 
+/// A task counted in a [`TaskSet`] for as long as its owner holds this
+/// handle: from [`OwnedTask::spawn`] until the handle is dropped (which
+/// aborts the task) or the task releases it itself ([`OwnedTask::ending`]).
+///
+/// [`TaskSet::spawn`] counts a task until its future is dropped, which for
+/// an aborted task happens later, on the runtime. An owned task's count
+/// instead changes together with the bookkeeping that holds the handle
+/// (a batch's deadline timer, an endpoint's watcher), so `stats().tasks`
+/// is exact the moment `release` or `close_segment` returns.
+#[derive(Debug)]
+pub struct OwnedTask {
+    abort: Option<AbortHandle>,
+    _count: TaskGuard,
+}
+
+impl OwnedTask {
+    /// Spawns `fut` on the current runtime, counted in `set`. Must be
+    /// called inside a tokio runtime.
+    pub fn spawn<F>(set: &TaskSet, fut: F) -> Self
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let count = set.guard();
+        Self { abort: Some(tokio::spawn(fut).abort_handle()), _count: count }
+    }
+
+    /// The task is finishing on its own (it took its handle out of the
+    /// owner's bookkeeping): uncount it without aborting it.
+    pub fn ending(mut self) {
+        self.abort = None;
+    }
+}
+
+impl Drop for OwnedTask {
+    fn drop(&mut self) {
+        if let Some(h) = self.abort.take() {
+            h.abort();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +152,18 @@ mod tests {
         let g = set.guard();
         assert_eq!(set.count(), 1);
         drop(g);
+        assert_eq!(set.count(), 0);
+    }
+
+    #[tokio::test]
+    async fn owned_tasks_are_uncounted_with_their_handle() {
+        let set = TaskSet::new();
+        let aborted = OwnedTask::spawn(&set, std::future::pending());
+        let finishing = OwnedTask::spawn(&set, async {});
+        assert_eq!(set.count(), 2);
+        drop(aborted);
+        assert_eq!(set.count(), 1, "uncounted as the owner drops it, not later");
+        finishing.ending();
         assert_eq!(set.count(), 0);
     }
 }
