@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
-use transport_core::lifecycle::{BatchTable, EndReason};
+use transport_core::lifecycle::{BatchTable, EndReason, EndpointId};
 use transport_core::{
     Access, BatchId, Error, ErrorKind, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
 };
@@ -106,6 +106,29 @@ pub(crate) async fn deadline(inner: Weak<Inner>, batch: Arc<Batch>, at: Duration
     }
 }
 
+/// Reports the build of `id` failed unless disarmed: held from
+/// [`Slot::Build`] until the pool hears the outcome, so a build whose
+/// caller stopped waiting gives its slot back (the sockets it had opened
+/// are closed as the connect future is dropped; no lane task exists yet).
+struct BuildGuard<'a> {
+    slots: &'a EndpointSlots,
+    id: Option<EndpointId>,
+}
+
+impl BuildGuard<'_> {
+    fn disarm(mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for BuildGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.slots.build_failed(id);
+        }
+    }
+}
+
 impl Inner {
     pub fn check_open(&self) -> Result<()> {
         if self.shut.load(Ordering::Acquire) {
@@ -134,14 +157,16 @@ impl Inner {
                     return Ok((ep, using));
                 }
                 Slot::Build(id) => {
-                    let built = lane::connect(id, name, addr, &self.env, Arc::downgrade(&self.slots)).await;
-                    let ep = match built {
-                        Ok(ep) => ep,
-                        Err(e) => {
-                            self.slots.build_failed(id);
-                            return Err(e);
-                        }
-                    };
+                    // From here until the pool hears `built` or
+                    // `build_failed`, a dropped caller (a timeout around
+                    // submit, a select!, an aborted task) must not leave the
+                    // slot reserved: the guard reports the build failed.
+                    let guard = BuildGuard { slots: &self.slots, id: Some(id) };
+                    let ep = lane::connect(id, name, addr, &self.env, Arc::downgrade(&self.slots)).await?;
+                    guard.disarm();
+                    // No await between connect returning and `built`: the
+                    // endpoint is either handed to the pool or destroyed
+                    // below (its teardown frees the slot).
                     let using = ep.new_use();
                     if !self.slots.built(id, &ep) || self.check_open().is_err() {
                         drop(using);
@@ -155,10 +180,17 @@ impl Inner {
                     tracing::debug!(peer = %ep.name, "evicting endpoint at the bound");
                     ep.destroy(Error::new(ErrorKind::ConnectionReset, "endpoint evicted")).await;
                 }
-                Slot::Full if tokio::time::Instant::now() >= give_up => {
+                Slot::Building if tokio::time::Instant::now() >= give_up => {
+                    return Err(Error::new(
+                        ErrorKind::ConnectionRefused,
+                        "connect timed out (another caller's connect to the peer)",
+                    )
+                    .with("peer", name));
+                }
+                Slot::Wait | Slot::Full if tokio::time::Instant::now() >= give_up => {
                     return Err(Error::endpoints_exhausted(name, self.cfg.max_endpoints));
                 }
-                Slot::Wait | Slot::Full => self.slots.changed(Duration::from_millis(5)).await,
+                Slot::Building | Slot::Wait | Slot::Full => self.slots.changed(Duration::from_millis(5)).await,
             }
         }
     }

@@ -28,6 +28,8 @@ pub(crate) enum Slot<E> {
     Use(Arc<E>),
     Build(EndpointId),
     Evict(Arc<E>),
+    /// Another caller is building the endpoint to this key.
+    Building,
     Wait,
     Full,
 }
@@ -78,7 +80,7 @@ impl<E> Slots<E> {
                 }
             },
             Acquire::Build(id) => Slot::Build(id),
-            Acquire::Building(_) => Slot::Wait,
+            Acquire::Building(_) => Slot::Building,
             Acquire::Evict(id) => match s.built.get(&id).cloned() {
                 Some(e) => Slot::Evict(e),
                 None => {
