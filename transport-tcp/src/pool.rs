@@ -93,14 +93,19 @@ impl<E> Slots<E> {
         }
     }
 
-    /// The build of `id` succeeded. `false`: it was retired meanwhile and
-    /// `e` must be destroyed (then [`Slots::destroyed`]).
+    /// The build of `id` succeeded. `false`: it was retired (or already
+    /// destroyed: a lane broke as it started) meanwhile; `e` is not kept
+    /// and the caller must destroy it (its teardown reports
+    /// [`Slots::destroyed`]).
     pub fn built(&self, id: EndpointId, e: &Arc<E>) -> bool {
         let now = self.now();
         let live = {
             let mut s = self.state.lock();
-            s.built.insert(id, e.clone());
-            s.pool.built(id, now)
+            let live = s.pool.built(id, now);
+            if live {
+                s.built.insert(id, e.clone());
+            }
+            live
         };
         self.changed.notify_waiters();
         live
@@ -195,5 +200,46 @@ impl<E> Drop for Use<E> {
         if let Some(s) = self.slots.upgrade() {
             s.release(self.id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(slots: &Slots<u32>, key: &str) -> EndpointId {
+        match slots.acquire(&key.to_owned()) {
+            Slot::Build(id) => id,
+            other => panic!("expected a build slot, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_endpoint_destroyed_before_it_is_built_is_not_kept() {
+        let slots = Slots::<u32>::new(4);
+        let id = build(&slots, "peer");
+        // A lane broke as it started: its teardown ran before `built`.
+        assert!(slots.broken(id));
+        slots.destroyed(id);
+        assert!(!slots.built(id, &Arc::new(7)));
+        assert!(slots.built_where(|_| true).is_empty(), "a destroyed endpoint is never stored");
+        assert_eq!(slots.counts().held(), 0);
+        // The next acquire builds afresh.
+        let again = build(&slots, "peer");
+        assert!(slots.built(again, &Arc::new(8)));
+        assert_eq!(slots.built_where(|_| true).len(), 1);
+    }
+
+    #[test]
+    fn an_endpoint_retired_while_building_is_not_kept() {
+        let slots = Slots::<u32>::new(4);
+        let id = build(&slots, "peer");
+        assert!(slots.retire_key(&"peer".to_owned()).is_none(), "nothing built to hand back yet");
+        assert!(!slots.built(id, &Arc::new(7)));
+        assert!(slots.built_where(|_| true).is_empty());
+        // Its slot is held until the caller destroys what it built.
+        assert_eq!(slots.counts().dying, 1);
+        slots.destroyed(id);
+        assert_eq!(slots.counts().held(), 0);
     }
 }
