@@ -106,6 +106,11 @@ pub(crate) struct Slice {
 pub(crate) struct Pending {
     pub dead: bool,
     pub map: HashMap<u64, Slice>,
+    /// The WRITE slice whose payload the writer is streaming out of local
+    /// memory: an answer to it before it is wholly sent is a protocol
+    /// error (its slice must not end while the writer still reads the
+    /// caller's buffer).
+    pub streaming: Option<u64>,
 }
 
 #[derive(Debug)]

@@ -117,6 +117,8 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
         return Staged::Skipped;
     };
     let id = ep.env.next_id();
+    let write = req.op == Opcode::Write;
+    let stream = write && len > STREAM as u64;
     {
         // Started and recorded as outstanding under the lane's lock, so
         // whoever quiets an ended request sees every started slice.
@@ -131,9 +133,10 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
             return Staged::Skipped;
         }
         p.map.insert(id, Slice { batch: batch.clone(), req: i, len, local_off, op: req.op, _using: using });
+        if stream {
+            p.streaming = Some(id);
+        }
     }
-    let write = req.op == Opcode::Write;
-    let stream = write && len > STREAM as u64;
     // A slice is at most `slice_size` (<= 64 MiB) bytes.
     let inline = if write && !stream { len as usize } else { 0 };
     let start = *used;
@@ -165,6 +168,39 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
     } else {
         Staged::Inline
     }
+}
+
+/// Writes the streamed slice's payload (see [`Staged::Stream`]) after the
+/// frames in `buf[..used]`, chunk by chunk. Stops early (`Err`, the
+/// connection cannot continue) if the request ended or a copy or write
+/// failed.
+async fn stream_payload(
+    w: &mut OwnedWriteHalf,
+    buf: &mut Vec<u8>,
+    used: usize,
+    chunk: &mut Vec<u8>,
+    (batch, req, local_off, len): (Arc<Batch>, usize, u64, u64),
+) -> Result<()> {
+    // The frames gathered so far go out with the first chunk of the
+    // streamed payload (one `write`, no tiny header segment).
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(STREAM as u64) as usize;
+        let (dst, prefix) = if done == 0 { (&mut *buf, used) } else { (&mut *chunk, 0) };
+        if dst.len() < prefix + n {
+            dst.resize(prefix + n, 0);
+        }
+        // The slice cannot end while it is streaming (the reader refuses
+        // an early answer and only the teardown, after joining this task,
+        // ends it), so the request is not terminal while this copies.
+        if !batch.is_live(req) {
+            return Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent"));
+        }
+        copy_out(&batch, req, local_off + done, &mut dst[prefix..prefix + n])?;
+        w.write_all(&dst[..prefix + n]).await.map_err(Error::from)?;
+        done += n as u64;
+    }
+    Ok(())
 }
 
 async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
@@ -210,37 +246,19 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
         if staged == 0 {
             continue;
         }
-        let Some((batch, req, local_off, len)) = streamed else {
+        let Some(streamed) = streamed else {
             if let Err(e) = w.write_all(&buf[..used]).await {
                 return ep.broke(Error::from(e).with("peer", &ep.name));
             }
             continue;
         };
-        // The frames gathered so far go out with the first chunk of the
-        // streamed payload (one `write`, no tiny header segment).
-        let mut done = 0u64;
-        while done < len {
-            let n = (len - done).min(STREAM as u64) as usize;
-            let (dst, prefix) = if done == 0 { (&mut buf, used) } else { (&mut chunk, 0) };
-            if dst.len() < prefix + n {
-                dst.resize(prefix + n, 0);
-            }
-            let copied = if batch.is_live(req) {
-                copy_out(&batch, req, local_off + done, &mut dst[prefix..prefix + n])
-            } else {
-                Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent"))
-            };
-            if let Err(e) = copied {
-                // Half a frame may be on the wire: the connection cannot
-                // continue (and the peer never applies bytes after the
-                // reset). The slice ends when the endpoint is destroyed.
-                return ep.broke(e.with("peer", &ep.name));
-            }
-            if let Err(e) = w.write_all(&dst[..prefix + n]).await {
-                return ep.broke(Error::from(e).with("peer", &ep.name));
-            }
-            done += n as u64;
+        if let Err(e) = stream_payload(&mut w, &mut buf, used, &mut chunk, streamed).await {
+            // Half a frame may be on the wire: the connection cannot
+            // continue (and the peer never applies bytes after the reset).
+            // The slice ends when the endpoint is destroyed.
+            return ep.broke(e.with("peer", &ep.name));
         }
+        ep.lanes[lane].pending.lock().streaming = None;
         if buf.len() > 2 * COALESCE.max(ep.env.cfg.slice_size + HEADER_LEN) {
             buf = Vec::new();
         }
@@ -286,7 +304,18 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
             }
         }
         let n = h.payload_len as usize;
-        let slice = ep.lanes[lane].pending.lock().map.remove(&h.id);
+        let slice = {
+            let mut p = ep.lanes[lane].pending.lock();
+            if p.streaming == Some(h.id) {
+                // Answered before it was wholly sent: the writer is still
+                // reading the caller's buffer, so the slice must not end
+                // here; the teardown ends it after joining the writer.
+                drop(p);
+                let err = Error::new(ErrorKind::Protocol, "answer to a WRITE before its payload was sent");
+                return ep.broke(err.with("peer", &peer));
+            }
+            p.map.remove(&h.id)
+        };
         let Some(s) = slice else {
             if ep.is_dead() {
                 return;

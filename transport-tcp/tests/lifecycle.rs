@@ -5,12 +5,18 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use support::fake_peer::{self, FakePeer, Script};
 use support::proxy::FaultProxy;
 use support::{node, test_config};
-use transport_core::{Access, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
-use transport_tcp::TcpTransport;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::wire::{FrameType, Header, Status};
+use transport_tcp::{TcpConfig, TcpTransport};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -76,6 +82,72 @@ async fn a_dropped_build_gives_its_slot_back() {
         assert_eq!(a.stats().endpoints, 1);
         a.shutdown().await.unwrap();
         b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A peer that answers a WRITE before it has received the payload (here:
+/// an error status as soon as the header arrives) must not end the slice
+/// while the writer is still copying the caller's buffer: once the batch is
+/// reported terminal, nothing reads that buffer any more (rule 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_write_ack_does_not_end_a_slice_still_being_sent() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let len: usize = 64 << 20;
+        let (go_tx, go_rx) = watch::channel(false);
+        let (seen_tx, mut seen_rx) = mpsc::unbounded_channel::<u64>();
+        let script: Script = Arc::new(move |mut s: TcpStream| {
+            let (mut go, seen) = (go_rx.clone(), seen_tx.clone());
+            Box::pin(async move {
+                let Some(h) = fake_peer::next_request(&mut s).await else { return };
+                if h.ty != FrameType::Write {
+                    return;
+                }
+                let mut ack = Header::new(FrameType::WriteAck);
+                ack.id = h.id;
+                ack.status = Status::AccessDenied;
+                if s.write_all(&ack.encode()).await.is_err() {
+                    return;
+                }
+                // Read nothing more until the caller has seen the batch end
+                // and scribbled over its buffer; then look for the scribble.
+                let _ = go.wait_for(|g| *g).await;
+                let (mut total, mut scribbled) = (0u64, 0u64);
+                let mut buf = vec![0u8; 1 << 20];
+                while total < u64::from(h.payload_len) {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            scribbled += buf[..n].iter().filter(|&&b| b == 0xFF).count() as u64;
+                            total += n as u64;
+                        }
+                    }
+                }
+                let _ = seen.send(scribbled);
+            })
+        });
+        let peer = FakePeer::start(script).await;
+        let cfg = TcpConfig { slice_size: len, max_frame: len, ..test_config() };
+        let a = node(cfg).await;
+        let src = Buffer::from_slice(&vec![0x11u8; len]).unwrap();
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&peer.name()).await.unwrap();
+        let w = TransferRequest::write(l, 0, seg, fake_peer::REGION.addr, len as u64);
+        let b = a.submit(vec![w], SubmitOptions::default()).await.unwrap();
+        let s = tokio::time::timeout(LIMIT, a.wait(b)).await.expect("batch ends").unwrap();
+        assert_eq!(s.state, BatchState::Failed);
+        // The early answer is refused as a protocol error (the endpoint is
+        // reset); its status is never taken as the slice's outcome.
+        let e = s.first_error().expect("an error");
+        assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+        // Terminal: the buffer is the caller's again.
+        src.fill(0xFF);
+        go_tx.send_replace(true);
+        let scribbled = tokio::time::timeout(LIMIT, seen_rx.recv()).await.expect("peer done").unwrap();
+        assert_eq!(scribbled, 0, "bytes of the buffer were read after the batch was reported terminal");
+        a.release(b).unwrap();
+        a.shutdown().await.unwrap();
     })
     .await
     .expect("test timed out");

@@ -2,6 +2,7 @@
 //! counting, node construction.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod fake_peer;
 pub mod proxy;
 
 use std::time::Duration;
