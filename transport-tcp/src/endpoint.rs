@@ -119,6 +119,13 @@ pub(crate) struct Lane {
     pub window: Semaphore,
 }
 
+/// The lane tasks of an endpoint, and whether its teardown took them.
+#[derive(Debug, Default)]
+struct LaneTasks {
+    handles: Vec<JoinHandle<()>>,
+    taken: bool,
+}
+
 /// The lane pool to one peer.
 #[derive(Debug)]
 pub(crate) struct Endpoint {
@@ -132,7 +139,7 @@ pub(crate) struct Endpoint {
     pub env: Arc<Env>,
     slots: Weak<EndpointSlots>,
     pub lanes: Vec<Lane>,
-    tasks: Mutex<Vec<JoinHandle<()>>>,
+    tasks: Mutex<LaneTasks>,
     queue: Mutex<VecDeque<Work>>,
     pub notify: Notify,
     dead: AtomicBool,
@@ -143,7 +150,7 @@ pub(crate) struct Endpoint {
 
 impl Endpoint {
     /// An endpoint of `lanes` lanes whose tasks are not started yet (see
-    /// [`Endpoint::set_tasks`]).
+    /// [`Endpoint::start_tasks`]).
     pub fn new(
         id: EndpointId,
         name: &str,
@@ -164,7 +171,7 @@ impl Endpoint {
                 .collect(),
             env,
             slots,
-            tasks: Mutex::new(Vec::new()),
+            tasks: Mutex::new(LaneTasks::default()),
             queue: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
             dead: AtomicBool::new(false),
@@ -172,9 +179,16 @@ impl Endpoint {
         })
     }
 
-    /// Records the lane tasks (their sockets are counted in `env.lanes`).
-    pub fn set_tasks(&self, tasks: Vec<JoinHandle<()>>) {
-        *self.tasks.lock() = tasks;
+    /// Starts the lane tasks (their sockets are counted in `env.lanes`):
+    /// `spawn` runs under the lock of the task list, so a teardown started
+    /// at once by one of them (a lane already closed by the peer) finds
+    /// every handle and aborts and joins them all. If the endpoint was torn
+    /// down already, `spawn` is dropped unrun (closing what it owns).
+    pub fn start_tasks(&self, spawn: impl FnOnce() -> Vec<JoinHandle<()>>) {
+        let mut t = self.tasks.lock();
+        if !t.taken {
+            t.handles = spawn();
+        }
     }
 
     pub fn is_dead(&self) -> bool {
@@ -273,7 +287,11 @@ impl Endpoint {
     }
 
     async fn teardown(self: Arc<Self>, err: Error) {
-        let tasks = std::mem::take(&mut *self.tasks.lock());
+        let tasks = {
+            let mut t = self.tasks.lock();
+            t.taken = true;
+            std::mem::take(&mut t.handles)
+        };
         for t in &tasks {
             t.abort();
         }

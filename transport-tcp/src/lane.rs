@@ -63,13 +63,15 @@ pub(crate) async fn connect(
     }
     let ep = Endpoint::new(id, name, addr, (generation, regions), env.clone(), slots);
     env.lanes.fetch_add(streams.len(), std::sync::atomic::Ordering::Relaxed);
-    let mut tasks = Vec::with_capacity(2 * streams.len());
-    for (i, s) in streams.into_iter().enumerate() {
-        let (r, w) = s.into_split();
-        tasks.push(env.tasks.spawn(reader(ep.clone(), i, r)));
-        tasks.push(env.tasks.spawn(writer(ep.clone(), i, w)));
-    }
-    ep.set_tasks(tasks);
+    ep.start_tasks(|| {
+        let mut tasks = Vec::with_capacity(2 * streams.len());
+        for (i, s) in streams.into_iter().enumerate() {
+            let (r, w) = s.into_split();
+            tasks.push(env.tasks.spawn(reader(ep.clone(), i, r)));
+            tasks.push(env.tasks.spawn(writer(ep.clone(), i, w)));
+        }
+        tasks
+    });
     Ok(ep)
 }
 

@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -147,6 +148,45 @@ async fn an_early_write_ack_does_not_end_a_slice_still_being_sent() {
         let scribbled = tokio::time::timeout(LIMIT, seen_rx.recv()).await.expect("peer done").unwrap();
         assert_eq!(scribbled, 0, "bytes of the buffer were read after the batch was reported terminal");
         a.release(b).unwrap();
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Lanes that the peer closes as soon as they are up: the reader of one
+/// may run the endpoint's teardown while the build is still starting the
+/// others; every lane task is still aborted and joined (none is left
+/// waiting forever with its socket open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_closed_as_they_start_leave_no_task_behind() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let lanes = test_config().lanes;
+        let count = Arc::new(AtomicUsize::new(0));
+        let script: Script = Arc::new(move |mut s: TcpStream| {
+            let k = count.fetch_add(1, Ordering::Relaxed);
+            Box::pin(async move {
+                // Lane 0 of each build asks for the descriptor first.
+                if k.is_multiple_of(lanes) {
+                    let _ = fake_peer::answer_desc(&mut s).await;
+                }
+                drop(s);
+            })
+        });
+        let peer = FakePeer::start(script).await;
+        let a = node(test_config()).await;
+        let baseline = a.stats().tasks;
+        for _ in 0..200 {
+            if let Ok(seg) = a.open_segment(&peer.name()).await {
+                a.close_segment(seg).await.unwrap();
+            }
+            assert!(
+                eventually(|| a.stats().endpoints == 0 && a.stats().tasks == baseline).await,
+                "lane tasks left behind: {:?}",
+                a.stats()
+            );
+        }
+        assert_eq!(a.stats().endpoint_lanes, 0);
         a.shutdown().await.unwrap();
     })
     .await
