@@ -21,7 +21,7 @@ use transport_core::{Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
 use crate::conn::{self, read_header, status_err};
-use crate::endpoint::{Endpoint, EndpointSlots, Env, Next, Slice};
+use crate::endpoint::{Endpoint, EndpointSlots, Env, Lane, Next, Slice};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN};
 
 /// Bytes a writer gathers before one `write` when slices are small.
@@ -175,8 +175,11 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
 /// Writes the streamed slice's payload (see [`Staged::Stream`]) after the
 /// frames in `buf[..used]`, chunk by chunk. Stops early (`Err`, the
 /// connection cannot continue) if the request ended or a copy or write
-/// failed.
+/// failed. Once the last chunk is copied out of local memory (and before
+/// it is written, so before the peer can answer) the slice is marked no
+/// longer streaming on `lane`.
 async fn stream_payload(
+    lane: &Lane,
     w: &mut OwnedWriteHalf,
     buf: &mut Vec<u8>,
     used: usize,
@@ -199,6 +202,9 @@ async fn stream_payload(
             return Err(Error::new(ErrorKind::Cancelled, "request ended while its slice was sent"));
         }
         copy_out(&batch, req, local_off + done, &mut dst[prefix..prefix + n])?;
+        if done + n as u64 >= len {
+            lane.pending.lock().streaming = None;
+        }
         w.write_all(&dst[..prefix + n]).await.map_err(Error::from)?;
         done += n as u64;
     }
@@ -254,13 +260,12 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
             }
             continue;
         };
-        if let Err(e) = stream_payload(&mut w, &mut buf, used, &mut chunk, streamed).await {
+        if let Err(e) = stream_payload(&ep.lanes[lane], &mut w, &mut buf, used, &mut chunk, streamed).await {
             // Half a frame may be on the wire: the connection cannot
             // continue (and the peer never applies bytes after the reset).
             // The slice ends when the endpoint is destroyed.
             return ep.broke(e.with("peer", &ep.name));
         }
-        ep.lanes[lane].pending.lock().streaming = None;
         if buf.len() > 2 * COALESCE.max(ep.env.cfg.slice_size + HEADER_LEN) {
             buf = Vec::new();
         }
