@@ -201,7 +201,9 @@ impl Endpoint {
     }
 
     /// Whether a started slice of `batch` whose request is no longer live
-    /// is on one of the lanes (the endpoint must be reset to quiet it).
+    /// is on one of the lanes (the endpoint must be reset to quiet it). A
+    /// slice stays in its lane's pending map until it ends, also while the
+    /// writer streams its payload or the reader receives its answer's.
     pub fn carries_ended(&self, batch: &Arc<Batch>) -> bool {
         let reqs: Vec<usize> = self
             .lanes

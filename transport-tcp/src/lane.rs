@@ -272,28 +272,6 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
     }
 }
 
-/// A slice taken out of the pending map by the reader; if the reader is
-/// aborted (the endpoint destroyed) before it ends the slice, dropping it
-/// ends the slice as failed, after the task.
-struct Held(Option<Slice>);
-
-impl Held {
-    fn finish(mut self, result: Result<()>) {
-        if let Some(s) = self.0.take() {
-            s.batch.slice_done(s.req, result);
-        }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        if let Some(s) = self.0.take() {
-            let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed mid-answer");
-            s.batch.slice_done(s.req, Err(err));
-        }
-    }
-}
-
 async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
     let mut r = BufReader::with_capacity(COALESCE, r);
     let mut payload: Vec<u8> = Vec::new();
@@ -311,7 +289,12 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
             }
         }
         let n = h.payload_len as usize;
-        let slice = {
+        // An answer without payload ends its slice at once (taken out of
+        // the pending map). One with a payload leaves the slice in the map
+        // until the payload is in: whoever quiets an ended request sees it
+        // there and resets the endpoint, which aborts and joins this task,
+        // then ends the slice.
+        let found = {
             let mut p = ep.lanes[lane].pending.lock();
             if p.streaming == Some(h.id) {
                 // Answered before it was wholly sent: the writer is still
@@ -321,16 +304,18 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
                 let err = Error::new(ErrorKind::Protocol, "answer to a WRITE before its payload was sent");
                 return ep.broke(err.with("peer", &peer));
             }
-            p.map.remove(&h.id)
+            if n == 0 {
+                p.map.remove(&h.id).map(|s| (s.batch.clone(), s.req, s.local_off, s.len, s.op, Some(s)))
+            } else {
+                p.map.get(&h.id).map(|s| (s.batch.clone(), s.req, s.local_off, s.len, s.op, None))
+            }
         };
-        let Some(s) = slice else {
+        let Some((batch, req, local_off, slice_len, op, taken)) = found else {
             if ep.is_dead() {
                 return;
             }
             return ep.broke(Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer));
         };
-        let (batch, req, local_off, slice_len, op) = (s.batch.clone(), s.req, s.local_off, s.len, s.op);
-        let s = Held(Some(s));
         let expected = if op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
         // A READ answer carries exactly the slice (or nothing, with an
         // error status); anything else is a protocol error, so a peer can
@@ -338,12 +323,14 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
         let ok_len = h.status != Status::Ok || h.ty != FrameType::ReadResp || (h.len == slice_len && n as u64 == h.len);
         if h.ty != expected || !ok_len {
             let err = Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer);
-            s.finish(Err(err.clone()));
+            if let Some(s) = taken {
+                s.batch.slice_done(s.req, Err(err.clone()));
+            }
             return ep.broke(err);
         }
         // Stream a READ's payload into local memory chunk by chunk; a copy
-        // error (the region was unregistered) drains the rest, and so is
-        // any payload of another answer.
+        // error (the region was unregistered) drains the rest. A read error
+        // breaks the endpoint, whose teardown ends the slice.
         let mut result = if h.status != Status::Ok { Err(status_err(h.status, &peer)) } else { Ok(()) };
         let mut done = 0usize;
         while done < n {
@@ -352,17 +339,21 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
                 payload.resize(k, 0);
             }
             if let Err(e) = r.read_exact(&mut payload[..k]).await {
-                let e = Error::from(e).with("peer", &peer);
-                s.finish(Err(e.clone()));
-                return ep.broke(e);
+                return ep.broke(Error::from(e).with("peer", &peer));
             }
             if result.is_ok() && op == Opcode::Read {
                 result = copy_in(&batch, req, local_off + done as u64, &payload[..k]);
             }
             done += k;
         }
+        let s = match taken {
+            Some(s) => Some(s),
+            None => ep.lanes[lane].pending.lock().map.remove(&h.id),
+        };
         ep.lanes[lane].window.add_permits(1);
-        s.finish(result);
+        if let Some(s) = s {
+            s.batch.slice_done(s.req, result);
+        }
         if payload.len() > 2 * ep.env.cfg.slice_size {
             payload = Vec::new();
         }

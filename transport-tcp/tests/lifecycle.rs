@@ -154,6 +154,53 @@ async fn an_early_write_ack_does_not_end_a_slice_still_being_sent() {
     .expect("test timed out");
 }
 
+/// A peer that sends the header of a READ answer and part of its payload,
+/// then nothing: the deadline and cancel() still end the batch (the
+/// endpoint carrying the half-read slice is reset).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_answer_stalled_mid_payload_still_times_out_and_cancels() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let script: Script = Arc::new(|mut s: TcpStream| {
+            Box::pin(async move {
+                while let Some(h) = fake_peer::next_request(&mut s).await {
+                    if h.ty != FrameType::Read {
+                        return;
+                    }
+                    let mut r = Header::new(FrameType::ReadResp);
+                    r.id = h.id;
+                    r.len = h.len;
+                    r.payload_len = h.len as u32;
+                    let half = vec![0x22u8; (h.len / 2) as usize];
+                    if s.write_all(&r.encode()).await.is_err() || s.write_all(&half).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        });
+        let peer = FakePeer::start(script).await;
+        let a = node(test_config()).await;
+        let dst = Buffer::new(64 << 10).unwrap();
+        let l = a.register(dst.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&peer.name()).await.unwrap();
+        let r = TransferRequest::read(l, 0, seg, fake_peer::REGION.addr, 64 << 10);
+
+        let b = a.submit(vec![r], SubmitOptions::with_timeout(Duration::from_millis(300))).await.unwrap();
+        let s = tokio::time::timeout(Duration::from_secs(10), a.wait(b)).await.expect("the deadline ends the batch");
+        assert_eq!(s.unwrap().state, BatchState::TimedOut);
+        a.release(b).unwrap();
+
+        let b = a.submit(vec![r], SubmitOptions::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let s = tokio::time::timeout(Duration::from_secs(10), a.cancel(b)).await.expect("cancel returns");
+        assert_eq!(s.unwrap().state, BatchState::Cancelled);
+        a.release(b).unwrap();
+        assert!(eventually(|| a.stats().inflight == 0 && a.stats().endpoint_lanes == 0).await, "{:?}", a.stats());
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// Lanes that the peer closes as soon as they are up: the reader of one
 /// may run the endpoint's teardown while the build is still starting the
 /// others; every lane task is still aborted and joined (none is left
