@@ -159,17 +159,40 @@ pub(crate) struct PassiveConn {
     pub created: Instant,
 }
 
+/// Work requests of one request that were posted on a QP now in the
+/// graveyard: `n` ledger units of request `req` of `batch`, lost once that
+/// QP is destroyed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Lost {
+    pub batch: BatchId,
+    pub req: usize,
+    pub n: u64,
+}
+
 /// Things to destroy after the lock is released (see [`Inner::with_state`]).
+/// Field order is drop order: QPs (ours, then peers') before the regions
+/// their work may reach.
 #[derive(Debug, Default)]
 pub(crate) struct Graveyard {
     pub endpoints: Vec<(EndpointId, Endpoint)>,
-    pub regions: Vec<LocalRegion>,
     pub passive: Vec<PassiveConn>,
+    pub regions: Vec<Registration>,
+    /// Units posted on the QPs of `endpoints`: settled (the batch may turn
+    /// terminal) only after those QPs are destroyed (rule 5).
+    pub lost: Vec<Lost>,
 }
 
 impl Graveyard {
     pub(crate) fn is_empty(&self) -> bool {
-        self.endpoints.is_empty() && self.regions.is_empty() && self.passive.is_empty()
+        self.endpoints.is_empty() && self.regions.is_empty() && self.passive.is_empty() && self.lost.is_empty()
+    }
+
+    /// Counts one unit of `(batch, req)` lost with a destroyed QP.
+    pub(crate) fn lose(&mut self, batch: BatchId, req: usize) {
+        match self.lost.iter_mut().find(|l| l.batch == batch && l.req == req) {
+            Some(l) => l.n += 1,
+            None => self.lost.push(Lost { batch, req, n: 1 }),
+        }
     }
 }
 
@@ -215,6 +238,10 @@ pub(crate) struct State {
     pub wr_ids: WrIds,
     pub passive: HashMap<PeerGroupId, PassiveConn>,
     pub passive_tasks: HashMap<PeerGroupId, Task>,
+    /// Unregistered regions whose MR a QP still pins (work was posted on it
+    /// through a QP not yet destroyed): dropped here, never by a caller's
+    /// future, once no QP holds them ([`State::prune_retiring`]).
+    pub retiring: Vec<Registration>,
     /// The pool's clock starts here.
     pub epoch: Instant,
     next_region: u64,
@@ -224,10 +251,14 @@ pub(crate) struct State {
 
 impl State {
     pub(crate) fn new(verbs: Arc<Verbs>, max_endpoints: usize, epoch: Instant) -> Self {
+        Self::with_verbs(Some(verbs), max_endpoints, epoch)
+    }
+
+    fn with_verbs(verbs: Option<Arc<Verbs>>, max_endpoints: usize, epoch: Instant) -> Self {
         Self {
             shutdown: false,
             device_failed: false,
-            verbs: Some(verbs),
+            verbs,
             regions: BTreeMap::new(),
             segments: HashMap::new(),
             pool: EndpointPool::new(max_endpoints),
@@ -237,10 +268,41 @@ impl State {
             wr_ids: WrIds::default(),
             passive: HashMap::new(),
             passive_tasks: HashMap::new(),
+            retiring: Vec::new(),
             epoch,
             next_region: 0,
             next_segment: 0,
             next_peer: 0,
+        }
+    }
+
+    /// Moves the retiring regions no QP pins any more to the graveyard
+    /// (deregistered there, outside the lock).
+    pub(crate) fn prune_retiring(&mut self, grave: &mut Graveyard) {
+        if self.retiring.iter().any(|r| !r.pinned()) {
+            let (free, pinned) = std::mem::take(&mut self.retiring).into_iter().partition(|r| !r.pinned());
+            self.retiring = pinned;
+            grave.regions.extend::<Vec<Registration>>(free);
+        }
+    }
+
+    /// After the QPs of the endpoints `dead` were destroyed: their places
+    /// go back to the pool, and the work that was posted on them (`lost`)
+    /// ends now, when nothing can touch its memory any more.
+    pub(crate) fn after_destroy(&mut self, dead: &[EndpointId], lost: &[Lost]) {
+        for &id in dead {
+            self.pool.destroyed(id);
+        }
+        if lost.is_empty() {
+            return;
+        }
+        let err = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed with work in flight");
+        for l in lost {
+            if let Ok(b) = self.batches.get_mut(l.batch) {
+                if b.ledger.units_lost(l.req, l.n, &err).batch_terminal {
+                    b.notify.notify_waiters();
+                }
+            }
         }
     }
 
@@ -286,6 +348,20 @@ impl State {
     }
 }
 
+impl Drop for State {
+    /// Dropped without `shutdown`: QPs (ours, then peers') are destroyed
+    /// before the regions, so no work request is left posted on a region
+    /// being deregistered (each QP also pins the regions it posted on, so
+    /// this order is what releases the MRs now rather than memory safety).
+    fn drop(&mut self) {
+        self.endpoints.clear();
+        self.passive_tasks.clear();
+        self.passive.clear();
+        self.retiring.clear();
+        self.regions.clear();
+    }
+}
+
 /// Everything the transport's handle, its background tasks and its side
 /// channel share.
 pub(crate) struct Inner {
@@ -320,12 +396,11 @@ impl Inner {
             return out;
         }
         let dead: Vec<EndpointId> = grave.endpoints.iter().map(|(id, _)| *id).collect();
+        let lost = std::mem::take(&mut grave.lost);
         drop(grave); // ibv_destroy_qp, ibv_dereg_mr: outside the lock
-        if !dead.is_empty() {
+        if !dead.is_empty() || !lost.is_empty() {
             let mut st = self.state.lock();
-            for id in dead {
-                st.pool.destroyed(id);
-            }
+            st.after_destroy(&dead, &lost);
         }
         out
     }
@@ -377,6 +452,71 @@ pub(crate) fn device_failed(dev: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A state without a device, holding one batch of two requests with
+    /// `posted` units of request 0 on the wire (request 1 has none).
+    fn state_with_posted(posted: u64) -> (State, BatchId) {
+        let mut st = State::with_verbs(None, 4, Instant::now());
+        let req = TransferRequest::write(RegionId(1), 0, SegmentId(1), 0x1000, 8);
+        let targets = vec![Target { spec: req, rkey: 7 }, Target { spec: req, rkey: 7 }];
+        let ledger = BatchLedger::new([posted, 1], None);
+        let id = st.batches.insert(Batch { ledger, targets, notify: Arc::new(Notify::new()), deadline: None });
+        let b = st.batches.get_mut(id).unwrap();
+        for _ in 0..posted {
+            assert!(b.ledger.start(0));
+        }
+        assert!(b.ledger.start(1));
+        assert!(!b.ledger.unit_done(1, Ok(())).batch_terminal);
+        (st, id)
+    }
+
+    #[test]
+    fn lost_units_are_counted_per_request() {
+        let mut g = Graveyard::default();
+        let (a, b) = (BatchId(1), BatchId(2));
+        g.lose(a, 0);
+        g.lose(b, 0);
+        g.lose(a, 0);
+        g.lose(a, 1);
+        assert_eq!(
+            g.lost,
+            vec![Lost { batch: a, req: 0, n: 2 }, Lost { batch: b, req: 0, n: 1 }, Lost { batch: a, req: 1, n: 1 }]
+        );
+        assert!(!g.is_empty());
+        g.lost.clear(); // nothing to destroy: dropping it is a no-op
+    }
+
+    /// Rule 5: work posted on a QP being destroyed keeps its batch
+    /// non-terminal (and on the wire for `settle`) until the QP is gone;
+    /// only `after_destroy` (run by `with_state` after the graveyard was
+    /// dropped) ends it.
+    #[test]
+    fn lost_work_ends_only_after_the_qp_is_destroyed() {
+        let (mut st, id) = state_with_posted(3);
+        let mut g = Graveyard::default();
+        for _ in 0..3 {
+            g.lose(id, 0);
+        }
+        let lost = std::mem::take(&mut g.lost);
+        let b = st.batches.get(id).unwrap();
+        assert!(!b.ledger.is_terminal());
+        assert_eq!(b.ledger.on_wire(), 3);
+        assert!(st.any_on_wire(|t| t.spec.local == RegionId(1)));
+        drop(g); // where ibv_destroy_qp runs
+        st.after_destroy(&[], &lost);
+        let b = st.batches.get(id).unwrap();
+        assert!(b.ledger.is_terminal());
+        assert_eq!(b.ledger.on_wire(), 0);
+        assert!(b.ledger.status().first_error().is_some());
+        assert!(!st.any_on_wire(|_| true));
+    }
+
+    #[test]
+    fn lost_units_of_a_released_batch_are_ignored() {
+        let (mut st, _) = state_with_posted(1);
+        st.after_destroy(&[], &[Lost { batch: BatchId(99), req: 0, n: 1 }]);
+        st.after_destroy(&[], &[]);
+    }
 
     #[test]
     fn work_request_ids_are_never_reused() {

@@ -222,17 +222,26 @@ impl Transport for RdmaTransport {
     }
 
     async fn unregister(&self, region: RegionId) -> Result<()> {
-        let taken = self.inner.with_state(|st, g| {
+        self.inner.with_state(|st, g| {
             if st.shutdown {
                 return Err(Error::shut_down());
             }
             let r = st.regions.remove(&region).ok_or_else(|| Error::unknown_region(region))?;
             let why = EndReason::Failed(Error::region_unregistered(region));
             st.end_requests(|_, t| t.spec.local == region, &why, g);
-            Ok(r)
+            // Parked in the state, not in this future: the QPs that posted
+            // on it hold its MR until they are destroyed, and whoever
+            // drops the last of them (or the next prune) lets it go.
+            st.retiring.push(r.reg);
+            let ids: Vec<_> = st.endpoints.keys().copied().collect();
+            for id in ids {
+                st.drop_if_pinning_retired(id, g);
+            }
+            st.prune_retiring(g);
+            Ok(())
         })?;
-        self.inner.settle(|st| !st.any_posted(|t| t.spec.local == region)).await;
-        drop(taken); // ibv_dereg_mr, then the memory may go
+        self.inner.settle(|st| !st.any_on_wire(|t| t.spec.local == region)).await;
+        self.inner.with_state(|st, g| st.prune_retiring(g)); // ibv_dereg_mr, then the memory may go
         Ok(())
     }
 
@@ -265,7 +274,11 @@ impl Transport for RdmaTransport {
             }
             Ok(())
         })?;
-        self.inner.settle(|st| !st.endpoints.values().any(|e| e.segment == segment)).await;
+        self.inner
+            .settle(|st| {
+                !st.endpoints.values().any(|e| e.segment == segment) && !st.any_on_wire(|t| t.spec.segment == segment)
+            })
+            .await;
         Ok(())
     }
 
@@ -368,7 +381,8 @@ impl Transport for RdmaTransport {
             st.segments.clear();
             drop(st.batches.drain()); // aborts their deadline tasks
             st.wrs.clear();
-            g.regions.extend(std::mem::take(&mut st.regions).into_values());
+            g.regions.extend(std::mem::take(&mut st.regions).into_values().map(|r| r.reg));
+            g.regions.append(&mut st.retiring);
             st.verbs.take()
         }); // QPs are gone already; MRs now
         drop(verbs); // then CQ, channel, PD, context (last Arc)

@@ -148,10 +148,27 @@ impl State {
                         ep.busy = false;
                         let now = self.epoch.elapsed();
                         self.pool.release(ep_id, now);
+                        // Idle now: if it pins an unregistered region, it
+                        // goes, so that region's MR is released.
+                        self.drop_if_pinning_retired(ep_id, grave);
                     }
                 }
             }
             None => {}
+        }
+    }
+
+    /// Destroys endpoint `ep_id` if it is idle and one of its QPs pins a
+    /// retiring (unregistered) region, which it would otherwise keep
+    /// registered until the endpoint is destroyed.
+    pub(crate) fn drop_if_pinning_retired(&mut self, ep_id: EndpointId, grave: &mut Graveyard) {
+        if self.retiring.is_empty() {
+            return;
+        }
+        let Some(ep) = self.endpoints.get(&ep_id) else { return };
+        if ep.idle() && ep.qps.iter().any(|q| self.retiring.iter().any(|r| q.qp.pins(r))) {
+            let why = Error::new(ErrorKind::ConnectionReset, "endpoint released an unregistered region");
+            self.break_endpoint(ep_id, why, grave);
         }
     }
 
@@ -257,29 +274,26 @@ impl State {
         for id in doomed {
             self.destroy_endpoint_now(id, grave);
         }
+        self.prune_retiring(grave);
     }
 
-    /// Removes an endpoint, settling every work request still posted on it
-    /// (they can no longer complete once the QP is destroyed).
+    /// Removes an endpoint. The work requests still posted on it can no
+    /// longer complete once its QPs are destroyed: they are forgotten here
+    /// (a late completion is ignored) and recorded in the graveyard, whose
+    /// owner ([`Inner::with_state`]) settles them only after the QPs were
+    /// destroyed, so no batch is reported terminal while a QP that may
+    /// still touch its memory exists (rule 5).
     pub(crate) fn destroy_endpoint_now(&mut self, ep_id: EndpointId, grave: &mut Graveyard) {
         self.pool.broken(ep_id);
         let Some(mut ep) = self.endpoints.remove(&ep_id) else { return };
         if ep.outstanding() > 0 {
-            let lost = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed with work in flight");
-            let mut gone = Vec::new();
             self.wrs.retain(|_, w| {
                 let mine = w.ep == ep_id;
                 if mine {
-                    gone.push(w.slice);
+                    grave.lose(w.slice.batch, w.slice.req);
                 }
                 !mine
             });
-            for s in gone {
-                if let Ok(b) = self.batches.get_mut(s.batch) {
-                    let p = b.ledger.units_lost(s.req, 1, &lost);
-                    wake(b, p);
-                }
-            }
         }
         let unposted = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed before the slice was posted");
         for s in ep.pending.drain(..) {
@@ -314,11 +328,13 @@ impl State {
         }
     }
 
-    /// Whether any posted work belongs to a request that `pick` selects.
-    pub(crate) fn any_posted(&self, pick: impl Fn(&Target) -> bool) -> bool {
-        self.wrs
-            .values()
-            .any(|w| self.batches.get(w.slice.batch).is_ok_and(|b| b.targets.get(w.slice.req).is_some_and(&pick)))
+    /// Whether any work of a request that `pick` selects is on the wire:
+    /// posted, or posted on a QP not yet destroyed (the ledger counts it
+    /// until [`State::after_destroy`]).
+    pub(crate) fn any_on_wire(&self, pick: impl Fn(&Target) -> bool) -> bool {
+        self.batches.iter().any(|(_, b)| {
+            b.ledger.on_wire() > 0 && b.targets.iter().enumerate().any(|(i, t)| b.ledger.on_wire_of(i) > 0 && pick(t))
+        })
     }
 }
 

@@ -2,6 +2,7 @@
 //! that touches transfer memory (all of its `unsafe` with `// SAFETY:`
 //! reasons, like the rest of [`super`]).
 
+use std::mem::ManuallyDrop;
 use std::os::raw::c_int;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 use transport_mem::MemoryRegion;
 
-use super::{check, log_release, Cq, Pd};
+use super::{check, Cq, Pd};
 use crate::error::VerbsError;
 
 /// RNR NAK timer of our QPs (`ibv_qp_attr.min_rnr_timer` code 12: 0.64 ms).
@@ -19,10 +20,16 @@ const RNR_RETRY_FOREVER: u8 = 7;
 /// GRH hop limit of our QPs' address vectors.
 const HOP_LIMIT: u8 = 64;
 
-/// A memory registration (private: [`Registration`] is the safe way in).
+/// A memory registration together with the memory it covers (private:
+/// [`Registration`] is the safe way in). Dropped when the last owner lets
+/// go: the transport's region table, a retiring list, or a [`Qp`] that
+/// posted work on it (which holds it until the QP is destroyed).
 #[derive(Debug)]
 struct Mr {
     mr: NonNull<ffi::ibv_mr>,
+    /// Freed only after `ibv_dereg_mr` succeeded; leaked if it failed (the
+    /// pages may still be pinned and reachable by the NIC).
+    mem: ManuallyDrop<MemoryRegion>,
     _pd: Arc<Pd>,
 }
 
@@ -32,19 +39,9 @@ unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
 impl Mr {
-    /// Registers `addr .. addr + len`.
-    ///
-    /// # Safety
-    /// The range must be memory of this process that stays allocated until
-    /// the returned `Mr` is dropped ([`Registration`] keeps the owning
-    /// `MemoryRegion` beside it and drops the `Mr` first).
-    unsafe fn register(
-        pd: &Arc<Pd>,
-        addr: u64,
-        len: usize,
-        remote_read: bool,
-        remote_write: bool,
-    ) -> Result<Self, VerbsError> {
+    /// Registers `mem` (kept in the returned `Mr`: it is freed only after
+    /// the MR is deregistered).
+    fn register(pd: &Arc<Pd>, mem: MemoryRegion, remote_read: bool, remote_write: bool) -> Result<Self, VerbsError> {
         let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
         if remote_read {
             access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
@@ -52,12 +49,14 @@ impl Mr {
         if remote_write {
             access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
         }
-        // SAFETY: the PD is live; the caller guarantees the range is valid
-        // for the registration's lifetime.
+        // SAFETY: the PD is live. `mem` is valid for its whole range while
+        // any clone of it lives (a `Buffer` owns it; `from_raw`'s caller
+        // promised it); this clone is stored in the returned `Mr` and
+        // released only after `ibv_dereg_mr` succeeded (see `Drop`).
         let mr = check("ibv_reg_mr", unsafe {
-            ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as usize as *mut _, len, access.0 as c_int)
+            ffi::ibv_reg_mr(pd.pd.as_ptr(), mem.addr() as usize as *mut _, mem.len(), access.0 as c_int)
         })?;
-        Ok(Mr { mr, _pd: pd.clone() })
+        Ok(Mr { mr, mem: ManuallyDrop::new(mem), _pd: pd.clone() })
     }
 
     fn lkey(&self) -> u32 {
@@ -71,13 +70,32 @@ impl Mr {
     }
 }
 
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered by ibv_reg_mr, deregistered once. No QP can
+        // still have work posted on it: every `Qp` that posted on this MR
+        // holds an `Arc` to it until `ibv_destroy_qp` succeeded.
+        let rc = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        match check("ibv_dereg_mr", rc) {
+            // SAFETY: taken once, here, and never used again. The MR is
+            // gone, so the NIC no longer reaches the memory: it may be freed.
+            Ok(()) => drop(unsafe { ManuallyDrop::take(&mut self.mem) }),
+            Err(e) => tracing::error!(
+                "{e}; leaking {} bytes at {:#x} (still registered, must not be reused)",
+                self.mem.len(),
+                self.mem.addr()
+            ),
+        }
+    }
+}
+
 /// Registered memory: the registration and the memory it covers, owned
-/// together so the memory outlives the registration (field order is drop
-/// order: `ibv_dereg_mr` first, then the memory may go).
+/// together (the memory is freed only after `ibv_dereg_mr` succeeded).
+/// Shared with the [`Qp`]s that post on it, so it outlives every work
+/// request posted on it.
 #[derive(Debug)]
 pub(crate) struct Registration {
-    mr: Mr,
-    mem: MemoryRegion,
+    mr: Arc<Mr>,
 }
 
 impl Registration {
@@ -88,30 +106,23 @@ impl Registration {
         remote_read: bool,
         remote_write: bool,
     ) -> Result<Self, VerbsError> {
-        // SAFETY: (`register` is an unsafe fn) `mem` is valid for its whole
-        // range while any clone of it lives (a `Buffer` owns it; `from_raw`'s
-        // caller promised it); the clone is stored in the returned value
-        // beside the MR, whose field order drops the MR first.
-        let mr = unsafe { Mr::register(pd, mem.addr(), mem.len(), remote_read, remote_write) }?;
-        Ok(Self { mr, mem })
+        Ok(Self { mr: Arc::new(Mr::register(pd, mem, remote_read, remote_write)?) })
     }
 
     /// The memory registered.
     pub(crate) fn mem(&self) -> &MemoryRegion {
-        &self.mem
+        &self.mr.mem
     }
 
     /// The key peers use to reach it.
     pub(crate) fn rkey(&self) -> u32 {
         self.mr.rkey()
     }
-}
 
-impl Drop for Mr {
-    fn drop(&mut self) {
-        // SAFETY: registered by ibv_reg_mr, deregistered once. After this
-        // returns the NIC no longer touches the range.
-        log_release("ibv_dereg_mr", unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) });
+    /// Whether a QP still holds it (work was posted on it and the QP is
+    /// not destroyed yet): dropping this owner then deregisters nothing.
+    pub(crate) fn pinned(&self) -> bool {
+        Arc::strong_count(&self.mr) > 1
     }
 }
 
@@ -149,6 +160,9 @@ pub(crate) struct WorkRequest {
 #[derive(Debug)]
 pub(crate) struct Qp {
     qp: NonNull<ffi::ibv_qp>,
+    /// Every registration work was posted on, held until the QP is
+    /// destroyed: what makes a safe [`Qp::post`] sound.
+    pins: Vec<Arc<Mr>>,
     _pd: Arc<Pd>,
     _cq: Arc<Cq>,
 }
@@ -172,7 +186,7 @@ impl Qp {
         init.cap.max_recv_sge = 1;
         // SAFETY: PD and CQ are live and kept alive by the returned Qp.
         let qp = check("ibv_create_qp", unsafe { ffi::ibv_create_qp(pd.pd.as_ptr(), &mut init) })?;
-        let me = Qp { qp, _pd: pd.clone(), _cq: cq.clone() };
+        let me = Qp { qp, pins: Vec::new(), _pd: pd.clone(), _cq: cq.clone() };
         // SAFETY: all-zero is valid for ibv_qp_attr.
         let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
@@ -263,13 +277,26 @@ impl Qp {
         self.modify(&mut a, ffi::ibv_qp_attr_mask::IBV_QP_STATE)
     }
 
+    /// Whether work was ever posted on `reg` through this QP (it then
+    /// holds `reg` until it is destroyed).
+    pub(crate) fn pins(&self, reg: &Registration) -> bool {
+        self.pins.iter().any(|p| Arc::ptr_eq(p, &reg.mr))
+    }
+
     /// Posts one signaled RDMA WRITE or READ on `local`. A range outside
-    /// `local` is refused (`EINVAL`) before anything is posted.
-    pub(crate) fn post(&self, local: &Registration, wr: &WorkRequest) -> Result<(), VerbsError> {
-        if local.mem.check(wr.local_offset, u64::from(wr.len)).is_err() {
+    /// `local` is refused (`EINVAL`) before anything is posted. The QP
+    /// keeps `local` registered (and its memory allocated) until the QP is
+    /// destroyed; the first post on a registration stores one `Arc` clone,
+    /// later ones only compare pointers.
+    pub(crate) fn post(&mut self, local: &Registration, wr: &WorkRequest) -> Result<(), VerbsError> {
+        let mem = local.mem();
+        if mem.check(wr.local_offset, u64::from(wr.len)).is_err() {
             return Err(VerbsError::new("ibv_post_send (local range outside its registration)", libc::EINVAL));
         }
-        let mut sge = ffi::ibv_sge { addr: local.mem.addr() + wr.local_offset, length: wr.len, lkey: local.mr.lkey() };
+        if !self.pins(local) {
+            self.pins.push(local.mr.clone());
+        }
+        let mut sge = ffi::ibv_sge { addr: mem.addr() + wr.local_offset, length: wr.len, lkey: local.mr.lkey() };
         // SAFETY: all-zero is valid for ibv_send_wr (null next, zero flags).
         let mut swr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         swr.wr_id = wr.wr_id;
@@ -281,23 +308,32 @@ impl Qp {
         let mut bad = ptr::null_mut();
         // SAFETY: the QP is live; `swr` and `sge` outlive the call (the
         // provider copies them). The local range was checked above to lie
-        // inside `local`, and the NIC reaches it only through `local`'s MR:
-        // the memory stays allocated while the MR is registered (the
-        // `Registration` owns both and deregisters first), and once
-        // `ibv_dereg_mr` returned the NIC no longer touches it (a work
-        // request still posted then fails with a protection error). That
-        // the memory is not reused while a work request is posted (rule 5)
-        // is the transport's bookkeeping, not a memory-safety matter.
+        // inside `local`, and `local`'s MR (with the memory it covers) was
+        // pinned above: it stays registered and allocated until this QP is
+        // destroyed (`Drop` drops the pins only after `ibv_destroy_qp`
+        // succeeded), so the NIC never reaches freed or unregistered memory
+        // through this work request. That the memory's *contents* are not
+        // reused while the request is posted (rule 5) is the transport's
+        // bookkeeping, not a memory-safety matter.
         check("ibv_post_send", unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut swr, &mut bad) })
     }
 }
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        // SAFETY: created by ibv_create_qp, destroyed once. The transport
-        // moves a QP to ERROR and waits (bounded) for its flushed completions
-        // before dropping it; destroy is the final guarantee that the NIC no
-        // longer touches any of its buffers.
-        log_release("ibv_destroy_qp", unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) });
+        // SAFETY: created by ibv_create_qp, destroyed once. Work may still
+        // be posted (a QP dropped without flushing: passive, evicted,
+        // force-reaped, or dropped with the transport): a successful
+        // destroy ends it, after which the NIC no longer touches any of
+        // its buffers, so the pinned registrations may go (field drop,
+        // after this body).
+        let rc = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
+        if let Err(e) = check("ibv_destroy_qp", rc) {
+            // The QP may live on with work posted: keep what it can reach.
+            tracing::error!("{e}; leaking the {} memory registration(s) it used", self.pins.len());
+            for p in self.pins.drain(..) {
+                std::mem::forget(p);
+            }
+        }
     }
 }
