@@ -225,12 +225,38 @@ impl Inner {
         if batch.on_wire() == 0 {
             return;
         }
-        for ep in eps {
-            if ep.carries_ended(batch) {
-                let err =
-                    Error::new(ErrorKind::ConnectionReset, "endpoint reset to end a batch").with("peer", &ep.name);
-                ep.destroy(err).await;
-            }
+        // Every reset is started before any is awaited, so a caller that
+        // stops waiting leaves none undone (and they proceed together).
+        let doomed: Vec<Arc<Endpoint>> = eps.into_iter().filter(|ep| ep.carries_ended(batch)).collect();
+        let err = |ep: &Endpoint| {
+            Error::new(ErrorKind::ConnectionReset, "endpoint reset to end a batch").with("peer", &ep.name)
+        };
+        for ep in &doomed {
+            ep.begin_destroy(err(ep));
+        }
+        for ep in &doomed {
+            ep.destroy(err(ep)).await;
+        }
+    }
+
+    /// Retires every endpoint to `name` and returns once all of them are
+    /// destroyed: built ones are destroyed here (or by the destroyer
+    /// already at work), one being built is destroyed by its builder (or
+    /// freed if its caller went away); bounded by how long a build can
+    /// take.
+    pub async fn retire_peer(&self, name: &str, err: Error) {
+        let (eps, ids) = self.slots.retire_key_all(&name.to_owned());
+        for ep in &eps {
+            ep.begin_destroy(err.clone());
+        }
+        for ep in &eps {
+            ep.destroy(err.clone()).await;
+        }
+        let lanes = u32::try_from(self.cfg.lanes).unwrap_or(u32::MAX).saturating_add(1);
+        let bound = self.cfg.connect_timeout.saturating_mul(lanes.saturating_mul(2));
+        let give_up = tokio::time::Instant::now() + bound;
+        while !self.slots.all_gone(&ids) && tokio::time::Instant::now() < give_up {
+            self.slots.changed(Duration::from_millis(5)).await;
         }
     }
 

@@ -317,6 +317,24 @@ impl Endpoint {
         }
     }
 
+    /// Drops the slices of request `req` of `batch` not yet taken off the
+    /// queue: it is no longer live, so none of them would be started.
+    pub fn skip_rest(&self, batch: &Arc<Batch>, req: usize) {
+        let removed: Vec<Work> = {
+            let mut q = self.queue.lock();
+            for w in q.iter_mut() {
+                if Arc::ptr_eq(&w.batch, batch) && w.idx.get(w.pos).is_some_and(|&i| i as usize == req) {
+                    w.pos += 1;
+                    w.off = 0;
+                }
+            }
+            let (done, keep): (Vec<Work>, Vec<Work>) = q.drain(..).partition(|w| w.pos >= w.idx.len());
+            q.extend(keep);
+            done
+        };
+        drop(removed);
+    }
+
     /// Takes the next slice off the queue.
     pub fn take_slice(&self) -> Option<Next> {
         let mut q = self.queue.lock();

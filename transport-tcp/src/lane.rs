@@ -77,8 +77,10 @@ pub(crate) async fn connect(
 
 /// What `stage` did with a slice.
 enum Staged {
-    /// Not sent (its request is not live, or it failed before the wire).
+    /// Not sent (it failed before the wire).
     Skipped,
+    /// Not sent: its request is not live (none of its slices will be).
+    NotLive(Arc<Batch>, usize),
     /// The whole frame is in the send buffer.
     Inline,
     /// The header is in the send buffer; the payload is to be streamed.
@@ -132,7 +134,8 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
         }
         // The ledger decides: a request that is not live is never touched.
         if !batch.start(i) {
-            return Staged::Skipped;
+            drop(p);
+            return Staged::NotLive(batch, i);
         }
         p.map.insert(id, Slice { batch: batch.clone(), req: i, len, local_off, op: req.op, _using: using });
         if stream {
@@ -236,6 +239,10 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
         while let Some(n) = next.take() {
             match stage(&ep, lane, n, &mut buf, &mut used) {
                 Staged::Skipped => window.add_permits(1),
+                Staged::NotLive(batch, req) => {
+                    window.add_permits(1);
+                    ep.skip_rest(&batch, req);
+                }
                 Staged::Inline => staged += 1,
                 Staged::Stream { batch, req, local_off, len } => {
                     staged += 1;

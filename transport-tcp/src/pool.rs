@@ -141,11 +141,21 @@ impl<E> Slots<E> {
         self.changed.notify_waiters();
     }
 
-    /// Retires the endpoint of `key` and returns it for destruction.
-    pub fn retire_key(&self, key: &String) -> Option<Arc<E>> {
+    /// Retires the endpoint of `key` (live or building) and returns every
+    /// built endpoint of `key` in any state, for destruction, and the ids
+    /// of all of them (built or not), to wait for their slots.
+    pub fn retire_key_all(&self, key: &String) -> (Vec<Arc<E>>, Vec<EndpointId>) {
         let mut s = self.state.lock();
-        let id = s.pool.retire_key(key)?;
-        s.built.get(&id).cloned()
+        let _ = s.pool.retire_key(key);
+        let ids: Vec<EndpointId> = s.pool.ids().into_iter().filter(|&id| s.pool.key(id) == Some(key)).collect();
+        let eps = ids.iter().filter_map(|id| s.built.get(id).cloned()).collect();
+        (eps, ids)
+    }
+
+    /// Whether every one of `ids` is destroyed (its slot free).
+    pub fn all_gone(&self, ids: &[EndpointId]) -> bool {
+        let s = self.state.lock();
+        ids.iter().all(|&id| s.pool.state(id).is_none())
     }
 
     /// Retires every endpoint; returns the built ones for destruction
@@ -234,12 +244,16 @@ mod tests {
     fn an_endpoint_retired_while_building_is_not_kept() {
         let slots = Slots::<u32>::new(4);
         let id = build(&slots, "peer");
-        assert!(slots.retire_key(&"peer".to_owned()).is_none(), "nothing built to hand back yet");
+        let (eps, ids) = slots.retire_key_all(&"peer".to_owned());
+        assert!(eps.is_empty(), "nothing built to hand back yet");
+        assert_eq!(ids, vec![id]);
         assert!(!slots.built(id, &Arc::new(7)));
         assert!(slots.built_where(|_| true).is_empty());
         // Its slot is held until the caller destroys what it built.
         assert_eq!(slots.counts().dying, 1);
+        assert!(!slots.all_gone(&ids));
         slots.destroyed(id);
+        assert!(slots.all_gone(&ids));
         assert_eq!(slots.counts().held(), 0);
     }
 }

@@ -196,9 +196,7 @@ impl Transport for TcpTransport {
         }
         let shared = i.segments.lock().values().any(|s| s.name == entry.name);
         if !shared {
-            if let Some(ep) = i.slots.retire_key(&entry.name) {
-                ep.destroy(Error::new(ErrorKind::Cancelled, "segment closed")).await;
-            }
+            i.retire_peer(&entry.name, Error::new(ErrorKind::Cancelled, "segment closed")).await;
         }
         Ok(())
     }
@@ -237,6 +235,13 @@ impl Transport for TcpTransport {
         if let Some(at) = deadline {
             let h = i.env.tasks.spawn(crate::driver::deadline(Arc::downgrade(&self.inner), batch.clone(), at));
             *batch.deadline.lock() = Some(h);
+            // Terminal before the handle was stored (the deadline already
+            // passed): nobody else will abort it.
+            if batch.is_terminal() {
+                if let Some(h) = batch.deadline.lock().take() {
+                    h.abort();
+                }
+            }
         }
         for (seg, name, addr, idx) in targets {
             let (ep, using) = match i.endpoint(&name, addr).await {

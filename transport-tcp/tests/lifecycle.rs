@@ -239,3 +239,36 @@ async fn lanes_closed_as_they_start_leave_no_task_behind() {
     .await
     .expect("test timed out");
 }
+
+/// close_segment returns only once every endpoint to the peer is gone,
+/// also one another caller is still building (rule 3: close is real).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_segment_waits_for_an_endpoint_being_built() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let (a, b) = (Arc::new(node(test_config()).await), node(test_config()).await);
+        let proxy = FaultProxy::start("127.0.0.1:0".parse().unwrap(), b.local_addr()).await.unwrap();
+        let (src, dst) = (Buffer::new(1 << 16).unwrap(), Buffer::new(1 << 16).unwrap());
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&proxy.addr.to_string()).await.unwrap();
+        let w = TransferRequest::write(l, 0, seg, dst.addr(), 1 << 16);
+        assert_eq!(run(&a, vec![w]).await.state, BatchState::Completed);
+        // The endpoint is lost; a submit rebuilds it into a blackhole.
+        proxy.blackhole(true);
+        proxy.cut();
+        assert!(eventually(|| a.stats().endpoints == 0).await, "{:?}", a.stats());
+        let submitter = {
+            let a = a.clone();
+            tokio::spawn(async move { a.submit(vec![w], SubmitOptions::default()).await })
+        };
+        assert!(eventually(|| a.stats().endpoints == 1).await, "a build is under way: {:?}", a.stats());
+        a.close_segment(seg).await.unwrap();
+        assert_eq!(a.stats().endpoints, 0, "close_segment returned before the endpoint was gone");
+        let _ = submitter.await.unwrap();
+        proxy.blackhole(false);
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
