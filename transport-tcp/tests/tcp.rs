@@ -98,42 +98,6 @@ async fn concurrent_batches_land_exact() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fds_and_stats_return_to_baseline() {
-    tokio::time::timeout(Duration::from_secs(60), async {
-        let fds = support::open_fds();
-        for _ in 0..3 {
-            let (a, b) = (node(test_config()).await, node(test_config()).await);
-            let (src, dst) = (Buffer::new(1 << 20).unwrap(), Buffer::new(1 << 20).unwrap());
-            let l = a.register(src.region(), Access::LOCAL).unwrap();
-            b.register(dst.region(), Access::REMOTE_RW).unwrap();
-            let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-            assert_eq!(a.stats().endpoints, 1);
-            assert_eq!(a.stats().endpoint_lanes, 4);
-            run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20)]).await;
-            a.close_segment(seg).await.unwrap();
-            assert_eq!(a.stats().endpoints, 0);
-            assert_eq!(a.stats().endpoint_lanes, 0);
-            assert_eq!(a.close_segment(seg).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
-            a.shutdown().await.unwrap();
-            b.shutdown().await.unwrap();
-            assert_eq!(a.stats(), Default::default());
-            assert_eq!(b.stats(), Default::default());
-        }
-        let mut now = support::open_fds();
-        for _ in 0..100 {
-            if now == fds {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            now = support::open_fds();
-        }
-        assert_eq!(now, fds, "open file descriptors back to baseline");
-    })
-    .await
-    .expect("test timed out");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_secret_is_required_and_checked() {
     tokio::time::timeout(Duration::from_secs(30), async {
         let secret = TcpConfig { secret: Some("s3cret".into()), ..test_config() };
