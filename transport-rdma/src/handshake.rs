@@ -52,13 +52,15 @@ impl QpGroup {
     /// Creates `n` RC QPs in INIT with random PSNs, each allowing
     /// `max_send_wr` posted work requests.
     pub(crate) fn new(v: &Verbs, n: usize, max_send_wr: usize) -> Result<Self> {
-        let created = Instant::now();
         let max_send_wr = u32::try_from(max_send_wr).unwrap_or(u32::MAX);
         let mut qps = Vec::with_capacity(n);
         for _ in 0..n {
             let qp = Qp::new(&v.pd, &v.cq, v.port.port, max_send_wr)?;
             qps.push((qp, rand::random::<u32>() & PSN_MASK));
         }
+        // Stamped once every QP exists: an event read before this cannot be
+        // about them (it may be about an older QP that had the same number).
+        let created = Instant::now();
         Ok(Self { qps, created })
     }
 

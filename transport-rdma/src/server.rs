@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use transport_core::{Error, ErrorKind, Result};
 
 use crate::handshake::{Half, QpGroup, MAX_QPS_PER_GROUP};
-use crate::state::{Inner, PassiveConn, PeerGroupId, Task};
+use crate::state::{Inner, PassiveConn, PeerGroupId, State, Task};
 use crate::wire::{self, Reply, Request};
 
 /// Pause after a failed `accept` (out of descriptors, ...).
@@ -106,22 +106,57 @@ fn accept(inner: &Arc<Inner>, id: PeerGroupId, theirs: &Half) -> Result<Reply> {
         return Err(Error::new(ErrorKind::HandshakeFailed, format!("{n} QPs requested (1..={MAX_QPS_PER_GROUP})")));
     }
     inner.link_usable()?;
-    if inner.state.lock().passive.len() >= inner.cfg.max_passive {
-        return Err(Error::new(
-            ErrorKind::ResourceExhausted,
-            format!("peer QP groups at their limit ({})", inner.cfg.max_passive),
-        ));
-    }
+    // The place is taken under the lock before the QPs are created, so
+    // concurrent connects never hold more than `max_passive` groups.
+    let place = PassivePlace::take(inner)?;
     let v = inner.verbs()?;
     let group = QpGroup::new(&v, n, inner.lim.max_outstanding_per_qp)?;
     let mtu = group.connect(&v, theirs, inner.timing())?;
     let mine = group.hello(&v, mtu);
     let descriptor = inner.descriptor();
     let mut st = inner.state.lock();
+    place.fill(&mut st);
     if st.shutdown {
         return Err(Error::shut_down());
     }
     let created = group.created;
     st.passive.insert(id, PassiveConn { qps: group.into_qps(), created });
     Ok(Reply::Connected { gid: mine.gid, lid: mine.lid, mtu: mine.mtu, qps: mine.qps, descriptor })
+}
+
+/// A place under `max_passive` taken for a peer group being built: given
+/// back on drop unless [`PassivePlace::fill`] turned it into the group.
+struct PassivePlace<'a> {
+    inner: &'a Inner,
+    held: bool,
+}
+
+impl<'a> PassivePlace<'a> {
+    fn take(inner: &'a Inner) -> Result<Self> {
+        let mut st = inner.state.lock();
+        if st.passive.len() + st.passive_building >= inner.cfg.max_passive {
+            return Err(Error::new(
+                ErrorKind::ResourceExhausted,
+                format!("peer QP groups at their limit ({})", inner.cfg.max_passive),
+            ));
+        }
+        st.passive_building += 1;
+        Ok(Self { inner, held: true })
+    }
+
+    /// The group is stored (or dropped) under the lock held as `st`: the
+    /// place becomes its entry in `State::passive`.
+    fn fill(mut self, st: &mut State) {
+        st.passive_building = st.passive_building.saturating_sub(1);
+        self.held = false;
+    }
+}
+
+impl Drop for PassivePlace<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            let mut st = self.inner.state.lock();
+            st.passive_building = st.passive_building.saturating_sub(1);
+        }
+    }
 }

@@ -149,6 +149,9 @@ pub(crate) struct Batch {
     pub targets: Vec<Target>,
     pub notify: Arc<Notify>,
     pub deadline: Option<Task>,
+    /// Its `submit` was dropped before returning the id: nobody can
+    /// release it, so it is removed once terminal ([`State::reap`]).
+    pub orphaned: bool,
 }
 
 /// The QPs peers hold into us, alive while their side channel is open.
@@ -177,6 +180,8 @@ pub(crate) struct Graveyard {
     pub endpoints: Vec<(EndpointId, Endpoint)>,
     pub passive: Vec<PassiveConn>,
     pub regions: Vec<Registration>,
+    /// Orphaned batches removed (their deadline tasks end when dropped).
+    pub batches: Vec<Batch>,
     /// Units posted on the QPs of `endpoints`: settled (the batch may turn
     /// terminal) only after those QPs are destroyed (rule 5).
     pub lost: Vec<Lost>,
@@ -184,7 +189,11 @@ pub(crate) struct Graveyard {
 
 impl Graveyard {
     pub(crate) fn is_empty(&self) -> bool {
-        self.endpoints.is_empty() && self.regions.is_empty() && self.passive.is_empty() && self.lost.is_empty()
+        self.endpoints.is_empty()
+            && self.regions.is_empty()
+            && self.passive.is_empty()
+            && self.batches.is_empty()
+            && self.lost.is_empty()
     }
 
     /// Counts one unit of `(batch, req)` lost with a destroyed QP.
@@ -238,6 +247,8 @@ pub(crate) struct State {
     pub wr_ids: WrIds,
     pub passive: HashMap<PeerGroupId, PassiveConn>,
     pub passive_tasks: HashMap<PeerGroupId, Task>,
+    /// Peer groups being built: places under `max_passive` already taken.
+    pub passive_building: usize,
     /// Unregistered regions whose MR a QP still pins (work was posted on it
     /// through a QP not yet destroyed): dropped here, never by a caller's
     /// future, once no QP holds them ([`State::prune_retiring`]).
@@ -268,11 +279,22 @@ impl State {
             wr_ids: WrIds::default(),
             passive: HashMap::new(),
             passive_tasks: HashMap::new(),
+            passive_building: 0,
             retiring: Vec::new(),
             epoch,
             next_region: 0,
             next_segment: 0,
             next_peer: 0,
+        }
+    }
+
+    /// Moves terminal orphaned batches (their `submit` was dropped) to the
+    /// graveyard.
+    pub(crate) fn remove_orphans(&mut self, grave: &mut Graveyard) {
+        let done: Vec<BatchId> =
+            self.batches.iter().filter(|(_, b)| b.orphaned && b.ledger.is_terminal()).map(|(id, _)| *id).collect();
+        for id in done {
+            grave.batches.extend(self.batches.remove(id));
         }
     }
 
@@ -460,7 +482,13 @@ mod tests {
         let req = TransferRequest::write(RegionId(1), 0, SegmentId(1), 0x1000, 8);
         let targets = vec![Target { spec: req, rkey: 7 }, Target { spec: req, rkey: 7 }];
         let ledger = BatchLedger::new([posted, 1], None);
-        let id = st.batches.insert(Batch { ledger, targets, notify: Arc::new(Notify::new()), deadline: None });
+        let id = st.batches.insert(Batch {
+            ledger,
+            targets,
+            notify: Arc::new(Notify::new()),
+            deadline: None,
+            orphaned: false,
+        });
         let b = st.batches.get_mut(id).unwrap();
         for _ in 0..posted {
             assert!(b.ledger.start(0));
@@ -509,6 +537,19 @@ mod tests {
         assert_eq!(b.ledger.on_wire(), 0);
         assert!(b.ledger.status().first_error().is_some());
         assert!(!st.any_on_wire(|_| true));
+    }
+
+    #[test]
+    fn orphaned_batches_are_removed_once_terminal() {
+        let (mut st, id) = state_with_posted(1);
+        st.batches.get_mut(id).unwrap().orphaned = true;
+        let mut g = Graveyard::default();
+        st.remove_orphans(&mut g);
+        assert_eq!(st.batches.len(), 1, "work still posted: kept");
+        st.after_destroy(&[], &[Lost { batch: id, req: 0, n: 1 }]);
+        st.remove_orphans(&mut g);
+        assert_eq!(st.batches.len(), 0);
+        assert_eq!(g.batches.len(), 1);
     }
 
     #[test]

@@ -171,7 +171,13 @@ impl Inner {
             }
             let ledger = BatchLedger::new(requests.iter().map(|r| r.len.div_ceil(slice)), None);
             let targets = requests.iter().zip(&keys).map(|(r, k)| Target { spec: *r, rkey: *k }).collect();
-            let id = st.batches.insert(Batch { ledger, targets, notify: Arc::new(Notify::new()), deadline: None });
+            let id = st.batches.insert(Batch {
+                ledger,
+                targets,
+                notify: Arc::new(Notify::new()),
+                deadline: None,
+                orphaned: false,
+            });
             if let Some(after) = opts.timeout {
                 let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
                 if let Ok(b) = st.batches.get_mut(id) {
@@ -180,13 +186,16 @@ impl Inner {
             }
             id
         };
-        // Start each segment's requests on its endpoint.
+        // Start each segment's requests on its endpoint. If this future is
+        // dropped meanwhile, the batch is cancelled and removed once quiet.
+        let mut orphan = Orphan { inner: self, batch: Some(id) };
         let mut seen = HashSet::new();
         for seg in requests.iter().map(|r| r.segment) {
             if seen.insert(seg) {
                 self.start_segment(id, seg, &requests, slice).await;
             }
         }
+        orphan.batch = None;
         Ok(id)
     }
 
@@ -232,6 +241,28 @@ impl Inner {
         })?;
         self.settle(|st| batch_quiet(st, batch)).await;
         self.state.lock().batches.get(batch).map(|b| b.ledger.status())
+    }
+}
+
+/// A batch whose id `submit` has not returned yet: if the submit future is
+/// dropped, its requests are cancelled (posted work is flushed) and the
+/// batch is marked orphaned, so the reaper removes it once terminal
+/// instead of leaving it in the table for good.
+struct Orphan<'a> {
+    inner: &'a Inner,
+    batch: Option<BatchId>,
+}
+
+impl Drop for Orphan<'_> {
+    fn drop(&mut self) {
+        let Some(id) = self.batch.take() else { return };
+        self.inner.with_state(|st, g| {
+            st.end_requests(|b, _| b == id, &EndReason::Cancelled, g);
+            if let Ok(b) = st.batches.get_mut(id) {
+                b.orphaned = true;
+            }
+            st.remove_orphans(g);
+        });
     }
 }
 

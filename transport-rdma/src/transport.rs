@@ -21,7 +21,7 @@ use crate::background::{self, Drain};
 use crate::config::RdmaConfig;
 use crate::handshake;
 use crate::state::{Inner, Limits, LocalRegion, Segment, State, Verbs};
-use crate::verbs::{CompChannel, Context, Cq, Pd, Registration};
+use crate::verbs::{CompChannel, Context, Cq, Pd, Registration, POLL_BATCH};
 use crate::wire;
 
 /// The CQ holds a completion for every work request that can be posted
@@ -300,7 +300,7 @@ impl Transport for RdmaTransport {
         // completion is then seen here, without a wakeup through the
         // completion channel and the poller task.
         let spin_until = Instant::now() + self.inner.cfg.busy_poll();
-        let mut buf = Vec::new(); // allocated by the first poll that finds work
+        let mut buf = Vec::with_capacity(POLL_BATCH);
         loop {
             let notify = {
                 let st = self.inner.state.lock();

@@ -275,6 +275,7 @@ impl State {
             self.destroy_endpoint_now(id, grave);
         }
         self.prune_retiring(grave);
+        self.remove_orphans(grave);
     }
 
     /// Removes an endpoint. The work requests still posted on it can no
