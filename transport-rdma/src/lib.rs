@@ -43,9 +43,11 @@
 //!   these docs), each block with a `// SAFETY:`
 //!   reason and each verb called through one checked helper that names the
 //!   verb and the errno. The rest of the crate sees safe owners only: a
-//!   `Registration` owns an MR together with the memory it covers (the MR
-//!   is deregistered first), and `Qp::post` bounds-checks the local range
-//!   against the `Registration` it is given.
+//!   `Registration` owns an MR together with the memory it covers (the
+//!   memory is freed only after `ibv_dereg_mr` succeeded, leaked if it
+//!   failed), and `Qp::post` bounds-checks the local range against the
+//!   `Registration` it is given and pins that MR in the QP until the QP is
+//!   destroyed, so no posted work request ever outlives its registration.
 //!
 //! # The contract, and where it is kept
 //!
@@ -60,8 +62,8 @@
 //! | 2 failure frees | `State::break_endpoint` (QPs to ERROR, `EndpointPool::broken`: never handed out again), `State::after_work` / `State::reap` (destroyed once flushed or after `flush_timeout_ms`), `Inner::on_async_event` (QP, port, CQ, device events) |
 //! | 3 close is real | `close_segment` (`State::end_requests`, `EndpointPool::retire_key`, `State::break_endpoint`, then `Inner::settle` until its endpoints are destroyed) |
 //! | 4 bounded endpoints | `Inner::endpoint` (`EndpointPool::acquire`: LRU eviction of idle endpoints, bounded wait, `endpoints_exhausted`), `State::reap` (`EndpointPool::reap`), `Inner::with_state` (a place is freed only after its QPs are destroyed) |
-//! | 5 terminal means quiet | `BatchLedger` via `State::pump` (`start` before each post), `State::on_completion` (`unit_done`, in CQ order under `Inner::cq_lock`), `State::end_requests` (`end_where`, then reset the endpoints carrying decided work), `State::destroy_endpoint_now` (`units_lost`), `Inner::stop_batch` |
-//! | 9 memory is guarded | `Inner::check` (`validate_batch`; remote range, access and rkey against the descriptor), `Qp::post` (local range against its `Registration`), `register` (overlap), `unregister` (`end_requests`, `settle` until nothing of the region is posted, then `ibv_dereg_mr`) |
+//! | 5 terminal means quiet | `BatchLedger` via `State::pump` (`start` before each post), `State::on_completion` (`unit_done`, in CQ order under `Inner::cq_lock`), `State::end_requests` (`end_where`, then reset the endpoints carrying decided work), `State::destroy_endpoint_now` (records lost units in the `Graveyard`), `Inner::with_state` (`State::after_destroy`: `units_lost` only after `ibv_destroy_qp`), `Inner::stop_batch` |
+//! | 9 memory is guarded | `Inner::check` (`validate_batch`; remote range, access and rkey against the descriptor), `Qp::post` (local range against its `Registration`), `register` (overlap), `unregister` (`end_requests`, the region parked in `State::retiring`, idle endpoints pinning it destroyed, `settle` until nothing of the region is on the wire, then `ibv_dereg_mr` once no QP pins it) |
 //!
 //! # Modules
 //!

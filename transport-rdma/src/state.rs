@@ -7,7 +7,10 @@
 //! made under the lock are `ibv_post_send` and `ibv_modify_qp`, which
 //! return at once). Objects that must be destroyed go to a [`Graveyard`],
 //! which [`Inner::with_state`] empties after releasing the lock: the one
-//! place where "lock, act, release, destroy" is written.
+//! place where "lock, act, release, destroy" is written. Work that was
+//! still posted on a destroyed QP is settled there too, only after the
+//! destroy ([`State::after_destroy`]), so a batch never turns terminal
+//! while a QP that may touch its memory exists.
 //!
 //! Ids are newtypes with counters of their own, never reused within a
 //! transport: endpoints are the [`EndpointPool`]'s [`EndpointId`]s,
