@@ -5,7 +5,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use transport_core::{Error, ErrorKind, Result};
 
-use crate::handshake::MAX_QPS_PER_GROUP;
+/// Most QPs one group may have (a peer asking for more is refused).
+pub(crate) const MAX_QPS_PER_GROUP: usize = 64;
 
 /// Options of an [`crate::RdmaTransport`]. Every field has a default, so
 /// `{}` is a valid config (first device, port 1, GID index 0, listening on

@@ -15,8 +15,6 @@ use crate::state::Verbs;
 use crate::verbs::{Qp, QpTiming, RemoteQp};
 use crate::wire::{self, QpInfo, Reply, Request};
 
-/// Most QPs one group may have (a peer asking for more is refused).
-pub(crate) const MAX_QPS_PER_GROUP: usize = 64;
 /// `ibv_mtu` values: 1 = 256 bytes ... 5 = 4096 bytes.
 const IBV_MTU_MIN: u32 = 1;
 const IBV_MTU_MAX: u32 = 5;

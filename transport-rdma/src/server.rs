@@ -12,7 +12,8 @@ use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use transport_core::{Error, ErrorKind, Result};
 
-use crate::handshake::{Half, QpGroup, MAX_QPS_PER_GROUP};
+use crate::config::MAX_QPS_PER_GROUP;
+use crate::handshake::{Half, QpGroup};
 use crate::state::{Inner, PassiveConn, PeerGroupId, State, Task};
 use crate::wire::{self, Reply, Request};
 
