@@ -269,3 +269,52 @@ impl Inner {
         self.batches.lock().iter().map(|(_, b)| b).filter(|b| !b.is_terminal()).cloned().collect()
     }
 }
+
+/// Held by `submit` from the moment its batch is in the table until the id
+/// is returned. If the submit future is dropped in between (a caller's
+/// timeout while an endpoint is being built), nobody can cancel or release
+/// the batch: the guard cancels it, makes it quiet and removes it from the
+/// table once terminal (rules 1 and 5), in a counted task.
+#[derive(Debug)]
+pub(crate) struct AbandonedSubmit {
+    inner: Weak<Inner>,
+    id: BatchId,
+    batch: Arc<Batch>,
+    armed: bool,
+}
+
+impl AbandonedSubmit {
+    pub fn new(inner: Weak<Inner>, id: BatchId, batch: Arc<Batch>) -> Self {
+        Self { inner, id, batch, armed: true }
+    }
+
+    /// The submit returned the id: the caller owns the batch now.
+    pub fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbandonedSubmit {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Some(inner) = self.inner.upgrade() else { return };
+        let (weak, id, batch) = (self.inner.clone(), self.id, self.batch.clone());
+        if tokio::runtime::Handle::try_current().is_err() {
+            // No runtime to quiet it on: end what can be ended; the table
+            // goes with the transport.
+            batch.end(&EndReason::Cancelled, |_| true);
+            return;
+        }
+        inner.env.tasks.spawn(async move {
+            if let Some(inner) = weak.upgrade() {
+                inner.end_requests(&batch, EndReason::Cancelled, |_| true).await;
+            }
+            batch.wait_terminal().await;
+            if let Some(inner) = weak.upgrade() {
+                inner.batches.lock().remove(id);
+            }
+        });
+    }
+}

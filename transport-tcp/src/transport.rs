@@ -19,7 +19,7 @@ use transport_mem::MemoryRegion;
 
 use crate::batch::Batch;
 use crate::config::TcpConfig;
-use crate::driver::{descriptor, reaper, resolve, Inner, SegmentEntry};
+use crate::driver::{descriptor, reaper, resolve, AbandonedSubmit, Inner, SegmentEntry};
 use crate::endpoint::{EndpointSlots, Env, Work};
 use crate::regions::RegionTable;
 use crate::server::Server;
@@ -232,6 +232,7 @@ impl Transport for TcpTransport {
         let peers = targets.iter().map(|t| t.1.clone()).collect();
         let batch = Batch::new(requests, locals, slices, deadline, peers);
         let id = i.batches.lock().insert(batch.clone());
+        let abandoned = AbandonedSubmit::new(Arc::downgrade(&self.inner), id, batch.clone());
         if let Some(at) = deadline {
             let h = i.env.tasks.spawn(crate::driver::deadline(Arc::downgrade(&self.inner), batch.clone(), at));
             *batch.deadline.lock() = Some(h);
@@ -282,6 +283,7 @@ impl Transport for TcpTransport {
             let generation = ep.generation;
             ep.enqueue(Work::new(batch.clone(), idx, generation, using));
         }
+        abandoned.disarm();
         Ok(id)
     }
 

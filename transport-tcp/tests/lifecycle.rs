@@ -43,6 +43,8 @@ async fn eventually(mut f: impl FnMut() -> bool) -> bool {
 /// peer accepts TCP but never answers the handshake) gives the slot back:
 /// the pool returns to its baseline and a later transfer to the same name
 /// builds a new endpoint instead of waiting forever on the abandoned one.
+/// A dropped submit's batch (its id never reached the caller) is cancelled
+/// and removed from the table (rule 1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_build_gives_its_slot_back() {
     tokio::time::timeout(Duration::from_secs(60), async {
@@ -74,6 +76,8 @@ async fn a_dropped_build_gives_its_slot_back() {
             .await
             .is_err());
         assert!(eventually(|| a.stats().endpoints == 0 && a.stats().endpoint_lanes == 0).await, "{:?}", a.stats());
+        // Its batch, whose id nobody received, is cancelled and forgotten.
+        assert!(eventually(|| a.stats().batches == 0 && a.stats().inflight == 0).await, "{:?}", a.stats());
         proxy.cut();
         proxy.blackhole(false);
         let s = tokio::time::timeout(Duration::from_secs(10), run(&a, vec![w]))
