@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::TaskSet;
@@ -165,13 +166,47 @@ impl Server {
             .map_err(|_| Close::Proto("handshake timed out".into()))??;
         let (r, mut w) = s.into_split();
         let mut r = BufReader::with_capacity(OUT_FLUSH, r);
+        let mut out: Vec<u8> = Vec::with_capacity(OUT_FLUSH);
+        let e = match self.requests(&mut r, &mut w, &mut out).await {
+            Ok(never) => match never {},
+            Err(e) => e,
+        };
+        // `out` holds only answers not yet on the wire (every write empties
+        // it, even a failed one). Answers to the valid frames read before a
+        // malformed or truncated one are still due: send them, within
+        // `connect_timeout`, then close.
+        let read_side = match &e {
+            Close::Proto(_) => true,
+            Close::Io(io) => io.kind() == std::io::ErrorKind::UnexpectedEof,
+        };
+        if read_side && !out.is_empty() {
+            let _ = tokio::time::timeout(self.cfg.connect_timeout, w.write_all(&out)).await;
+        }
+        Err(e)
+    }
+
+    /// Writes `out` and empties it, whether or not the write succeeded (so
+    /// no byte is ever sent twice).
+    async fn flush(w: &mut OwnedWriteHalf, out: &mut Vec<u8>) -> std::io::Result<()> {
+        let r = w.write_all(out).await;
+        out.clear();
+        r
+    }
+
+    /// Serves requests until the connection ends (always with an error:
+    /// a close by the peer is an `UnexpectedEof`). Answers are gathered in
+    /// `out`; what is left there on return was never sent.
+    async fn requests(
+        &self,
+        r: &mut BufReader<OwnedReadHalf>,
+        w: &mut OwnedWriteHalf,
+        out: &mut Vec<u8>,
+    ) -> Result<std::convert::Infallible, Close> {
         let mut staging: Vec<u8> = Vec::new();
         let mut chunk: Vec<u8> = Vec::new();
-        let mut out: Vec<u8> = Vec::with_capacity(OUT_FLUSH);
         loop {
             if r.buffer().is_empty() && !out.is_empty() {
-                w.write_all(&out).await?;
-                out.clear();
+                Self::flush(w, out).await?;
             }
             let mut b = [0u8; HEADER_LEN];
             r.read_exact(&mut b).await?;
@@ -186,7 +221,7 @@ impl Server {
                     a.id = h.id;
                     a.generation = self.generation;
                     a.payload_len = regions.len() as u32;
-                    a.encode_into(&mut out);
+                    a.encode_into(out);
                     out.extend_from_slice(&regions);
                 }
                 FrameType::Write => {
@@ -223,7 +258,7 @@ impl Server {
                     let mut a = Header::new(FrameType::WriteAck);
                     a.id = h.id;
                     a.status = status.err().unwrap_or(Status::Ok);
-                    a.encode_into(&mut out);
+                    a.encode_into(out);
                 }
                 FrameType::Read if h.len as usize > STREAM && h.generation == self.generation => {
                     // Large answers stream in chunks, each copied (under the
@@ -234,34 +269,43 @@ impl Server {
                             let mut a = Header::new(FrameType::ReadResp);
                             a.id = h.id;
                             a.status = status;
-                            a.encode_into(&mut out);
+                            a.encode_into(out);
                             continue;
                         }
                     };
+                    let start = out.len();
                     let mut a = Header::new(FrameType::ReadResp);
                     a.id = h.id;
                     a.len = h.len;
                     a.payload_len = h.len as u32;
-                    a.encode_into(&mut out);
+                    a.encode_into(out);
                     // The answers gathered so far and this header go out
                     // with the first chunk (one `write`).
                     let mut done = 0u64;
                     while done < h.len {
                         let k = (h.len - done).min(STREAM as u64) as usize;
+                        let first = done == 0;
                         let olen = out.len();
-                        let (dst, prefix) = if done == 0 { (&mut out, olen) } else { (&mut chunk, 0) };
+                        let (dst, prefix) = if first { (&mut *out, olen) } else { (&mut chunk, 0) };
                         if dst.len() < prefix + k {
                             dst.resize(prefix + k, 0);
                         }
                         if region.read_abs(h.addr + done, &mut dst[prefix..prefix + k]).is_err() {
                             // Half an answer may be on the wire; only
-                            // closing the connection ends it cleanly.
+                            // closing the connection ends it cleanly. The
+                            // answers before it are still sent.
+                            if first {
+                                out.truncate(start);
+                            }
                             return Err(Close::Proto("region unregistered while a read was answered".into()));
                         }
-                        w.write_all(&dst[..prefix + k]).await?;
+                        let sent = w.write_all(&dst[..prefix + k]).await;
+                        if first {
+                            out.clear();
+                        }
+                        sent?;
                         done += k as u64;
                     }
-                    out.clear();
                 }
                 FrameType::Read => {
                     let n = h.len as usize;
@@ -292,10 +336,9 @@ impl Server {
                 other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
             }
             if out.len() >= OUT_FLUSH {
-                w.write_all(&out).await?;
-                out.clear();
+                Self::flush(w, out).await?;
                 if out.capacity() > 4 * OUT_FLUSH.max(self.cfg.max_frame) {
-                    out = Vec::with_capacity(OUT_FLUSH);
+                    *out = Vec::with_capacity(OUT_FLUSH);
                 }
             }
         }

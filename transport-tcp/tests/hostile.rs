@@ -105,3 +105,60 @@ async fn request_with_a_status_byte_is_refused() {
     .await
     .expect("test timed out");
 }
+
+/// Finding 7b: frames pipelined in one write, the last one malformed. The
+/// answers to the valid ones before it are due and are sent before the
+/// connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_before_a_malformed_frame_are_sent() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let b = support::node(support::test_config()).await;
+        let mem = Buffer::from_slice(&[3u8; 4096]).unwrap();
+        b.register(mem.region(), Access::REMOTE_RW).unwrap();
+        let addr = b.local_addr();
+        let bad_frames: [(&str, Vec<u8>); 3] = [
+            ("garbage", vec![0xFF; HEADER_LEN]),
+            ("a request with a status byte", {
+                let mut d = Header::new(FrameType::DescReq);
+                d.status = Status::Busy;
+                d.encode().to_vec()
+            }),
+            ("an unexpected frame type", Header::new(FrameType::WriteAck).encode().to_vec()),
+        ];
+        for (what, bad) in bad_frames {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let gen = hello(&mut s).await;
+            let mut bytes = Vec::new();
+            let mut d = Header::new(FrameType::DescReq);
+            d.id = 1;
+            bytes.extend_from_slice(&d.encode());
+            let mut w = Header::new(FrameType::Write);
+            w.id = 2;
+            w.addr = mem.addr() + 64;
+            w.len = 8;
+            w.payload_len = 8;
+            w.generation = gen;
+            bytes.extend_from_slice(&w.encode());
+            bytes.extend_from_slice(&[4u8; 8]);
+            let mut r = Header::new(FrameType::Read);
+            r.id = 3;
+            r.addr = mem.addr() + 60;
+            r.len = 16;
+            r.generation = gen;
+            bytes.extend_from_slice(&r.encode());
+            bytes.extend_from_slice(&bad);
+            s.write_all(&bytes).await.unwrap();
+            let (h, _) = next_frame(&mut s).await.unwrap_or_else(|| panic!("{what}: DESC_RESP is sent"));
+            assert_eq!((h.ty, h.id), (FrameType::DescResp, 1), "{what}");
+            let (h, _) = next_frame(&mut s).await.unwrap_or_else(|| panic!("{what}: WRITE_ACK is sent"));
+            assert_eq!((h.ty, h.id, h.status), (FrameType::WriteAck, 2, Status::Ok), "{what}");
+            let (h, p) = next_frame(&mut s).await.unwrap_or_else(|| panic!("{what}: READ_RESP is sent"));
+            assert_eq!((h.ty, h.id, h.status), (FrameType::ReadResp, 3, Status::Ok), "{what}");
+            assert_eq!(p, [3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 3, 3, 3, 3], "{what}");
+            assert!(closed(&mut s).await, "{what}: then the connection is closed");
+        }
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
