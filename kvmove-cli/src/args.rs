@@ -168,7 +168,7 @@ impl Options {
         if let Some(v) = self.bytes_per_token {
             w.bytes_per_token = Some(v);
         }
-        s.engine().validate()?;
+        s.validate()?;
         Ok(s)
     }
 }

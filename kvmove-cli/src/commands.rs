@@ -35,7 +35,7 @@ fn config_err(msg: impl Into<String>) -> Error {
 
 /// The plan, once the buffers of `copies` plans are known to fit in memory.
 fn plan_of(s: &Settings, copies: u64) -> kvmove::Result<Plan> {
-    check_memory(Plan::buffer_len(&s.workload).map_err(config_err)?, copies)?;
+    check_memory(Plan::buffer_len(&s.workload).map_err(config_err)?, copies, "lower --tokens or --layers")?;
     let plan = Plan::new(&s.workload).map_err(config_err)?;
     if s.workload.concurrency == 0 {
         return Err(config_err("workload.concurrency must be at least 1"));
@@ -56,12 +56,11 @@ fn available_memory() -> Option<u64> {
 
 /// Refuses a workload whose buffers (`copies` of the plan's size) would
 /// not fit in memory, instead of being killed half-way by the kernel.
-fn check_memory(buffer_len: u64, copies: u64) -> kvmove::Result<()> {
+fn check_memory(buffer_len: u64, copies: u64, hint: &str) -> kvmove::Result<()> {
     let need = buffer_len.saturating_mul(copies);
     match available_memory() {
         Some(avail) if need > avail => Err(config_err(format!(
-            "the workload needs {} of memory ({copies} buffers of {}) but only {} is available; lower --tokens or \
-             --layers",
+            "the workload needs {} of memory ({copies} buffers of {}) but only {} is available; {hint}",
             report::bytes(need),
             report::bytes(buffer_len),
             report::bytes(avail)
@@ -238,7 +237,7 @@ async fn workload(
         kinds.push(PassKind::PerRequest);
     }
     let passes = u64::from(w.warmup) + u64::from(w.iterations);
-    let bar = progress(plan.total_bytes * passes * kinds.len() as u64, json);
+    let bar = progress(plan.total_bytes.saturating_mul(passes).saturating_mul(kinds.len() as u64), json);
     let mut modes = Vec::new();
     let mut verdict = Verdict::default();
     let mut pass_no = 0u64;
@@ -256,9 +255,9 @@ async fn workload(
                     return Err(e.with("mode", kind.name()));
                 }
             };
-            verdict.bytes += r.verdict.bytes;
-            verdict.requests += r.verdict.requests;
-            verdict.mismatched += r.verdict.mismatched;
+            verdict.bytes = verdict.bytes.saturating_add(r.verdict.bytes);
+            verdict.requests = verdict.requests.saturating_add(r.verdict.requests);
+            verdict.mismatched = verdict.mismatched.saturating_add(r.verdict.mismatched);
             if i >= u64::from(w.warmup) {
                 measured.push(r);
             }
@@ -296,10 +295,11 @@ pub async fn target(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
     }
     let plan = plan_of(s, 1)?;
     let len = match s.target.mem_mib {
-        Some(0) => return Err(config_err("target.mem_mib must be at least 1")),
-        Some(m) => m.checked_mul(1 << 20).ok_or_else(|| config_err("target.mem_mib is too large"))?,
+        Some(0) => return Err(config_err("target.mem_mib: --mem-mib must be at least 1")),
+        Some(m) => m.checked_mul(1 << 20).ok_or_else(|| config_err("target.mem_mib: --mem-mib is too large"))?,
         None => plan.buffer_len,
     };
+    check_memory(len, 1, "lower --mem-mib")?;
     let engine = kvmove::build(&s.engine()).await?;
     let served = serve(s, &engine, len, json).await;
     let _ = engine.shutdown().await;

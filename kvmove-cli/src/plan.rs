@@ -22,6 +22,9 @@ use crate::settings::{Fragmentation, WorkloadConfig};
 /// Largest request a contiguous run is merged into.
 pub const MAX_RUN: u64 = 64 << 20;
 
+/// Most pages (layers x parts x pages per part) one plan may hold.
+pub const MAX_UNITS: u64 = 1 << 24;
+
 /// A model's KV-cache geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Model {
@@ -95,14 +98,17 @@ impl Geometry {
         let part_bytes = m.bytes_per_token_layer / u64::from(m.parts);
         let page_bytes = w.page_size.checked_mul(part_bytes).ok_or("workload.page_size is too large")?;
         let pages = w.tokens.div_ceil(w.page_size);
-        let units = u64::from(layers) * u64::from(m.parts) * pages;
+        let units = u64::from(layers)
+            .checked_mul(u64::from(m.parts))
+            .and_then(|u| u.checked_mul(pages))
+            .filter(|&u| u <= MAX_UNITS)
+            .ok_or_else(|| {
+                format!("the workload has more than {MAX_UNITS} pages; raise --page-size or lower --tokens or --layers")
+            })?;
         let buffer_len = units
             .checked_mul(page_bytes)
             .filter(|&b| b <= (1 << 40))
             .ok_or_else(|| "the workload is larger than 1 TiB; lower --tokens or --layers".to_owned())?;
-        if units > 1 << 24 {
-            return Err(format!("{units} pages are too many; raise --page-size or lower --tokens"));
-        }
         Ok(Geometry { m, layers, part_bytes, page_bytes, pages, units, buffer_len })
     }
 }

@@ -169,14 +169,24 @@ impl Session {
         // schedule: the simulated compute runs on another device (the GPU)
         // and is not slowed when this process is busy sending.
         let start = Instant::now();
-        let ready_at = |l: u32| tokio::time::Instant::from_std(start + self.compute_delay * l);
+        // Settings bound the delay and the layers; still, no overflow here.
+        let at = |l: u32| {
+            self.compute_delay.checked_mul(l).and_then(|d| start.checked_add(d)).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Config,
+                    format!("workload.compute_delay_ms x layers is too long ({:?} x {l})", self.compute_delay),
+                )
+            })
+        };
+        let last_ready = at(plan.layers)?;
+        let ready_at = |l: u32| at(l).map(tokio::time::Instant::from_std);
         if kind == PassKind::AllAtEnd {
-            tokio::time::sleep_until(ready_at(plan.layers)).await;
+            tokio::time::sleep_until(ready_at(plan.layers)?).await;
         }
         let mut first_submit = None;
         for (l, reqs) in (1u32..).zip(&plan.by_layer) {
             if kind == PassKind::Layerwise {
-                tokio::time::sleep_until(ready_at(l)).await;
+                tokio::time::sleep_until(ready_at(l)?).await;
             }
             first_submit.get_or_insert_with(Instant::now);
             let bytes: u64 = reqs.iter().map(|r| r.len).sum();
@@ -184,13 +194,12 @@ impl Session {
             let (engine, sem) = (self.engine.clone(), sem.clone());
             set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, bytes)) });
         }
-        let last_ready = start + self.compute_delay * plan.layers;
         let first_submit = first_submit.unwrap_or(last_ready);
         let mut latencies = Vec::with_capacity(plan.by_layer.len());
         let mut last_done = last_ready;
         while let Some(r) = set.join_next().await {
             let ((began, done), bytes) = joined(r)?;
-            latencies.push(done - began);
+            latencies.push(done.saturating_duration_since(began));
             last_done = last_done.max(done);
             bar.inc(bytes);
         }
@@ -200,7 +209,7 @@ impl Session {
             latencies,
             transfer: last_done.saturating_duration_since(first_submit),
             tail: Some(last_done.saturating_duration_since(last_ready)),
-            end_to_end: Some(last_done - start),
+            end_to_end: Some(last_done.saturating_duration_since(start)),
             verdict: Verdict::default(),
         })
     }
@@ -218,7 +227,7 @@ impl Session {
         let mut last_done = start;
         while let Some(r) = set.join_next().await {
             let ((began, done), bytes) = joined(r)?;
-            latencies.push(done - began);
+            latencies.push(done.saturating_duration_since(began));
             last_done = last_done.max(done);
             bar.inc(bytes);
         }
@@ -226,7 +235,7 @@ impl Session {
             bytes: plan.total_bytes,
             requests: plan.total_requests as u64,
             latencies,
-            transfer: last_done - start,
+            transfer: last_done.saturating_duration_since(start),
             tail: None,
             end_to_end: None,
             verdict: Verdict::default(),

@@ -20,8 +20,27 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Reads the file; errors name the file, line, table and key.
+    /// Reads the file; errors name the file, line, table and key. The
+    /// path must be a regular file (a FIFO or a device would block or
+    /// never end) of at most [`MAX_CONFIG_BYTES`].
     pub fn from_file(path: &Path) -> kvmove::Result<Settings> {
+        let cfg_err = |m: String| kvmove::Error::new(kvmove::ErrorKind::Config, m);
+        let meta =
+            std::fs::metadata(path).map_err(|e| cfg_err(format!("cannot read config file {}: {e}", path.display())))?;
+        if !meta.is_file() {
+            return Err(cfg_err(format!(
+                "config file {} is not a regular file (a directory, FIFO, socket or device); --config needs a \
+                 regular file",
+                path.display()
+            )));
+        }
+        if meta.len() > MAX_CONFIG_BYTES {
+            return Err(cfg_err(format!(
+                "config file {} is {} bytes; at most {MAX_CONFIG_BYTES} are accepted",
+                path.display(),
+                meta.len()
+            )));
+        }
         let text = kvmove::read_file(path)?;
         Self::from_toml_named(&text, &path.display().to_string())
     }
@@ -29,14 +48,81 @@ impl Settings {
     /// Parses TOML text; `origin` names it in errors.
     pub fn from_toml_named(text: &str, origin: &str) -> kvmove::Result<Settings> {
         let s: Settings = kvmove::parse_toml(text, origin)?;
-        s.engine().validate().map_err(|e| kvmove::locate_error(e, text, origin))?;
+        s.validate().map_err(|e| kvmove::locate_error(e, text, origin))?;
         Ok(s)
+    }
+
+    /// Checks the engine config and every number of `[workload]` and
+    /// `[target]` against its range (see [`LIMITS`]); the error names the
+    /// key and the option.
+    pub fn validate(&self) -> kvmove::Result<()> {
+        self.engine().validate()?;
+        let w = &self.workload;
+        check("tokens", w.tokens)?;
+        check("page_size", w.page_size)?;
+        if let Some(l) = w.layers {
+            check("layers", u64::from(l))?;
+        }
+        if let Some(b) = w.bytes_per_token {
+            check("bytes_per_token", b)?;
+        }
+        check("concurrency", u64::try_from(w.concurrency).unwrap_or(u64::MAX))?;
+        check("compute_delay_ms", w.compute_delay_ms)?;
+        check("iterations", u64::from(w.iterations))?;
+        check("warmup", u64::from(w.warmup))?;
+        if let Some(m) = self.target.mem_mib {
+            check("mem_mib", m)?;
+        }
+        Ok(())
     }
 
     /// The engine part.
     pub fn engine(&self) -> EngineConfig {
         EngineConfig { backend: self.backend.clone(), policy: self.policy.clone(), metadata: self.metadata.clone() }
     }
+}
+
+/// Largest `--config` file read (a config is a few hundred bytes).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// A numeric setting's range: key (under its table), table, option,
+/// smallest and largest value accepted.
+pub struct Limit {
+    pub key: &'static str,
+    pub table: &'static str,
+    pub option: &'static str,
+    pub min: u64,
+    pub max: u64,
+}
+
+/// Every numeric setting of `[workload]` and `[target]` with its range.
+/// The bounds keep every size, count and duration, and their products,
+/// far from overflow; the memory check refuses what does not fit.
+pub const LIMITS: [Limit; 9] = [
+    Limit { key: "tokens", table: "workload", option: "--tokens", min: 1, max: 1 << 24 },
+    Limit { key: "page_size", table: "workload", option: "--page-size", min: 1, max: 1 << 20 },
+    Limit { key: "layers", table: "workload", option: "--layers", min: 1, max: 10_000 },
+    Limit { key: "bytes_per_token", table: "workload", option: "--bytes-per-token", min: 1, max: 16 << 20 },
+    Limit { key: "concurrency", table: "workload", option: "--concurrency", min: 1, max: 65_536 },
+    Limit { key: "compute_delay_ms", table: "workload", option: "--compute-delay-ms", min: 0, max: 60_000 },
+    Limit { key: "iterations", table: "workload", option: "--iterations", min: 1, max: 1_000_000 },
+    Limit { key: "warmup", table: "workload", option: "--warmup", min: 0, max: 1_000_000 },
+    Limit { key: "mem_mib", table: "target", option: "--mem-mib", min: 1, max: 1 << 20 },
+];
+
+/// `value` of the setting `key` within its [`LIMITS`] range, or one line
+/// naming the key, the option, the range and the value.
+fn check(key: &str, value: u64) -> kvmove::Result<()> {
+    let Some(l) = LIMITS.iter().find(|l| l.key == key) else {
+        return Err(kvmove::Error::new(kvmove::ErrorKind::Internal, format!("no range for setting {key}")));
+    };
+    if (l.min..=l.max).contains(&value) {
+        return Ok(());
+    }
+    Err(kvmove::Error::new(
+        kvmove::ErrorKind::Config,
+        format!("{}.{}: {} must be between {} and {}, got {value}", l.table, l.key, l.option, l.min, l.max),
+    ))
 }
 
 /// Direction of the measured transfers, seen from the initiator (the

@@ -359,3 +359,50 @@ fn a_target_that_dies_mid_run_ends_the_initiator_with_one_line() {
     assert_one_line_error(&r, &segment);
     assert_eq!(r.code, Some(1));
 }
+
+/// Numbers past an option's range are refused up front with one line that
+/// names the option and its range: no overflow panic, no endless sleep.
+#[test]
+fn numbers_out_of_range_are_one_line_and_quick() {
+    let max = u64::MAX.to_string();
+    let half = i64::MAX.to_string();
+    let cases: [(&[&str], &str); 6] = [
+        (&["bench", "--tokens", "16", "--layers", "2000", "--compute-delay-ms", &max], "--compute-delay-ms"),
+        (&["bench", "--tokens", "16", "--layers", "1100", "--compute-delay-ms", &half], "--compute-delay-ms"),
+        (&["bench", "--tokens", "16", "--compute-delay-ms", &max], "--compute-delay-ms"),
+        (&["bench", "--tokens", &max, "--page-size", "1", "--layers", "4294967295"], "--tokens"),
+        (&["bench", "--bytes-per-token", &max], "--bytes-per-token"),
+        (&["target", "--mem-mib", &max], "--mem-mib"),
+    ];
+    for (a, needle) in cases {
+        let began = Instant::now();
+        let r = run(a);
+        assert!(began.elapsed() < Duration::from_secs(10), "{a:?} took {:?}", began.elapsed());
+        assert_one_line_error(&r, needle);
+        assert!(r.stderr.contains("must be between"), "the range is named: {}", r.stderr);
+        assert_eq!(r.code, Some(2), "{a:?}: {}", r.stderr);
+    }
+}
+
+/// A FIFO (or a directory) given as `--config` is refused at once: reading
+/// a FIFO would block until a writer came.
+#[test]
+fn a_config_path_that_is_not_a_regular_file_is_refused_quickly() {
+    let dir = std::env::temp_dir().join(format!("kvmove-cli-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("config.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if made.map(|s| s.success()).unwrap_or(false) {
+        let began = Instant::now();
+        let r = run(&["config", "--config", fifo.to_str().unwrap()]);
+        assert!(began.elapsed() < Duration::from_secs(10), "took {:?}", began.elapsed());
+        assert_one_line_error(&r, "not a regular file");
+        assert!(r.stderr.contains("config.fifo"), "{}", r.stderr);
+        assert_eq!(r.code, Some(2));
+    } else {
+        eprintln!("SKIPPED the FIFO case: no `mkfifo` here");
+    }
+    let r = run(&["config", "--config", dir.to_str().unwrap()]);
+    assert_one_line_error(&r, "not a regular file");
+    let _ = std::fs::remove_dir_all(&dir);
+}
