@@ -19,6 +19,7 @@ macro_rules! say {
 mod args;
 mod commands;
 mod data;
+mod log;
 mod plan;
 mod report;
 mod run;
@@ -58,6 +59,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let default_filter = match cli.command {
+        Some(Command::Target) => log::TARGET_DEFAULT,
+        _ => log::QUIET_DEFAULT,
+    };
+    log::init(default_filter, cli.opts.json);
     let settings = match cli.opts.settings() {
         Ok(s) => s,
         Err(e) => return fail(&e),

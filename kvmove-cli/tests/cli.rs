@@ -157,11 +157,16 @@ fn table_output_has_the_numbers() {
 /// Starts `kvmove target` on an ephemeral loopback port and returns it
 /// with the segment name it printed.
 fn start_target(extra: &[&str]) -> (Guard, String) {
+    start_target_with(extra, Stdio::null())
+}
+
+fn start_target_with(extra: &[&str], stderr: Stdio) -> (Guard, String) {
     let mut a = vec!["target", "--json", "--listen", "127.0.0.1:0"];
     a.extend_from_slice(extra);
     a.extend_from_slice(TINY);
-    let mut child =
-        Command::new(BIN).args(&a).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(&a).env_remove("RUST_LOG").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
+    let mut child = cmd.spawn().unwrap();
     let stdout = child.stdout.take().unwrap();
     let guard = Guard(child);
     let (tx, rx) = std::sync::mpsc::channel();
@@ -405,4 +410,40 @@ fn a_config_path_that_is_not_a_regular_file_is_refused_quickly() {
     let r = run(&["config", "--config", dir.to_str().unwrap()]);
     assert_one_line_error(&r, "not a regular file");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kvmove target` logs, at its default level and with no `RUST_LOG`, one
+/// line to stderr when it closes a connection that sent garbage: JSON
+/// lines under `--json`, naming the peer. Stdout keeps only its events.
+#[test]
+fn a_target_logs_a_bad_connection_to_stderr() {
+    use std::io::Write as _;
+    let (mut target, segment) = start_target_with(&[], Stdio::piped());
+    let stderr = target.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut conn = std::net::TcpStream::connect(&segment).unwrap();
+    let me = conn.local_addr().unwrap().to_string();
+    conn.write_all(&[0x67; 64]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut seen = Vec::new();
+    let line = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) if l.contains(&me) => break l,
+            Ok(l) => seen.push(l),
+            Err(_) => panic!("no log line about {me} within 15 s; stderr so far: {seen:?}"),
+        }
+    };
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+    assert!(["WARN", "INFO", "ERROR"].contains(&v["level"].as_str().unwrap_or("")), "{line}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{line}");
+    drop(conn);
 }
