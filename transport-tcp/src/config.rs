@@ -5,6 +5,13 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use transport_core::{Error, ErrorKind, Result};
 
+/// Seconds `keepalive` may be: what Linux accepts for `TCP_KEEPIDLE`
+/// (`MAX_TCP_KEEPIDLE`).
+pub const KEEPALIVE_SECS: std::ops::RangeInclusive<u64> = 1..=32767;
+/// Bytes `send_buffer` and `recv_buffer` may be: `setsockopt` takes a
+/// positive C `int`.
+pub const SOCKET_BUFFER_RANGE: std::ops::RangeInclusive<usize> = 1..=(i32::MAX as usize);
+
 /// Configuration of a [`crate::TcpTransport`]. Every field has a default;
 /// a JSON or TOML config may name only the fields it changes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,10 +49,17 @@ pub struct TcpConfig {
     /// `TCP_NODELAY` on every socket. Default true.
     pub nodelay: bool,
     /// `SO_SNDBUF` in bytes, `None` = the kernel's autotuning. Default 4 MiB.
+    /// Must be within [`SOCKET_BUFFER_RANGE`] (`setsockopt` takes a C
+    /// `int`; the kernel clamps it to `net.core.wmem_max`).
     pub send_buffer: Option<usize>,
     /// `SO_RCVBUF` in bytes, `None` = the kernel's autotuning. Default 4 MiB.
+    /// Must be within [`SOCKET_BUFFER_RANGE`] (the kernel clamps it to
+    /// `net.core.rmem_max`).
     pub recv_buffer: Option<usize>,
-    /// TCP keepalive idle time, `None` = off. Default 10 s.
+    /// TCP keepalive idle time (`SO_KEEPALIVE` + `TCP_KEEPIDLE`, whole
+    /// seconds; a fraction is dropped), `None` = off. Must be within
+    /// [`KEEPALIVE_SECS`] seconds, what Linux accepts for `TCP_KEEPIDLE`
+    /// (in milliseconds in a config file: 1000..=32767000). Default 10 s.
     #[serde(with = "transport_core::serde_ms::option")]
     pub keepalive: Option<Duration>,
     /// Shared secret. When set, both sides prove they hold it (HMAC-SHA256
@@ -108,6 +122,28 @@ impl TcpConfig {
         if self.max_connections == 0 {
             return bad("max_connections", "must be at least 1");
         }
+        if let Some(t) = self.keepalive {
+            if !KEEPALIVE_SECS.contains(&t.as_secs()) {
+                return bad(
+                    "keepalive",
+                    &format!(
+                        "{} ms is outside what TCP_KEEPIDLE accepts: 1..=32767 s (1000..=32767000 ms), or null to \
+                         disable keepalive",
+                        t.as_millis()
+                    ),
+                );
+            }
+        }
+        for (field, v) in [("send_buffer", self.send_buffer), ("recv_buffer", self.recv_buffer)] {
+            if let Some(n) = v {
+                if !SOCKET_BUFFER_RANGE.contains(&n) {
+                    return bad(
+                        field,
+                        &format!("{n} bytes is outside 1..={} (a C int), or null for autotuning", i32::MAX),
+                    );
+                }
+            }
+        }
         if matches!(&self.secret, Some(s) if s.is_empty()) {
             return bad("secret", "must not be empty (leave it out to disable authentication)");
         }
@@ -137,5 +173,26 @@ mod tests {
         let e = c.validate().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.message().contains("max_frame"));
+    }
+
+    #[test]
+    fn socket_options_outside_what_the_os_accepts_are_refused() {
+        for (c, field) in [
+            (TcpConfig { keepalive: Some(Duration::from_secs(40_000)), ..TcpConfig::default() }, "keepalive"),
+            (TcpConfig { keepalive: Some(Duration::from_millis(999)), ..TcpConfig::default() }, "keepalive"),
+            (TcpConfig { send_buffer: Some(0), ..TcpConfig::default() }, "send_buffer"),
+            (TcpConfig { recv_buffer: Some(1 << 31), ..TcpConfig::default() }, "recv_buffer"),
+        ] {
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Config);
+            assert!(e.message().contains(field), "{e}");
+        }
+        for c in [
+            TcpConfig { keepalive: Some(Duration::from_secs(32_767)), ..TcpConfig::default() },
+            TcpConfig { keepalive: Some(Duration::from_secs(1)), ..TcpConfig::default() },
+            TcpConfig { keepalive: None, send_buffer: None, recv_buffer: None, ..TcpConfig::default() },
+        ] {
+            c.validate().unwrap();
+        }
     }
 }

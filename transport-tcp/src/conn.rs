@@ -12,26 +12,41 @@ use crate::auth::{self, Role};
 use crate::config::TcpConfig;
 use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
 
+/// Names the socket option and its allowed values in an OS error, which
+/// otherwise says only "Invalid argument".
+fn sockopt<T>(name: &str, value: impl std::fmt::Display, allowed: &str, r: std::io::Result<T>) -> std::io::Result<T> {
+    r.map_err(|e| std::io::Error::new(e.kind(), format!("setting {name} to {value} (allowed: {allowed}) failed: {e}")))
+}
+
 /// Applies the configured socket options. Lanes also get `SO_LINGER 0`,
 /// so destroying an endpoint resets its connections (RST) and discards
-/// bytes not yet delivered, rather than flushing them.
+/// bytes not yet delivered, rather than flushing them. An OS error names
+/// the option and its allowed range.
 pub(crate) fn apply_options(s: &TcpStream, cfg: &TcpConfig, abortive: bool) -> std::io::Result<()> {
-    s.set_nodelay(cfg.nodelay)?;
+    sockopt("TCP_NODELAY (tcp.nodelay)", cfg.nodelay, "true or false", s.set_nodelay(cfg.nodelay))?;
     let r = SockRef::from(s);
     if let Some(n) = cfg.send_buffer {
-        r.set_send_buffer_size(n)?;
+        sockopt("SO_SNDBUF (tcp.send_buffer)", n, BUFFER_ALLOWED, r.set_send_buffer_size(n))?;
     }
     if let Some(n) = cfg.recv_buffer {
-        r.set_recv_buffer_size(n)?;
+        sockopt("SO_RCVBUF (tcp.recv_buffer)", n, BUFFER_ALLOWED, r.set_recv_buffer_size(n))?;
     }
     if let Some(t) = cfg.keepalive {
-        r.set_tcp_keepalive(&TcpKeepalive::new().with_time(t))?;
+        sockopt(
+            "SO_KEEPALIVE/TCP_KEEPIDLE (tcp.keepalive)",
+            format_args!("{} s", t.as_secs()),
+            KEEPALIVE_ALLOWED,
+            r.set_tcp_keepalive(&TcpKeepalive::new().with_time(t)),
+        )?;
     }
     if abortive {
-        r.set_linger(Some(std::time::Duration::ZERO))?;
+        sockopt("SO_LINGER (lanes)", "0 s", "0 s", r.set_linger(Some(std::time::Duration::ZERO)))?;
     }
     Ok(())
 }
+
+const BUFFER_ALLOWED: &str = "1..=2147483647 bytes, clamped by net.core.wmem_max/rmem_max";
+const KEEPALIVE_ALLOWED: &str = "1..=32767 s";
 
 /// Maps a protocol error to the public error (transient: a new connection
 /// may work).
@@ -50,7 +65,7 @@ pub(crate) fn status_err(s: Status, peer: &str) -> Error {
         Status::AuthFailed => (ErrorKind::AuthFailed, "the peer refused our authentication"),
         Status::TooLarge => (ErrorKind::InvalidRequest, "the peer refused an oversized frame"),
         Status::VersionMismatch => (ErrorKind::HandshakeFailed, "the peer speaks another protocol version"),
-        Status::Busy => (ErrorKind::ConnectionRefused, "the peer is at its connection limit"),
+        Status::Busy => (ErrorKind::ConnectionRefused, "the peer is busy (at its connection limit or shutting down)"),
         Status::Protocol => (ErrorKind::Protocol, "the peer could not parse our frames"),
     };
     Error::new(kind, msg).with("peer", peer)
@@ -95,11 +110,15 @@ pub(crate) struct Hello {
 pub(crate) async fn connect(addr: SocketAddr, cfg: &TcpConfig, peer: &str) -> Result<(TcpStream, Hello)> {
     let fut = async {
         let sock = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        // Validated to fit a C int; a value that does not fit u32 is
+        // passed on as u32::MAX, for the OS to refuse by name.
         if let Some(n) = cfg.send_buffer {
-            sock.set_send_buffer_size(n as u32)?;
+            let v = u32::try_from(n).unwrap_or(u32::MAX);
+            sockopt("SO_SNDBUF (tcp.send_buffer)", n, BUFFER_ALLOWED, sock.set_send_buffer_size(v))?;
         }
         if let Some(n) = cfg.recv_buffer {
-            sock.set_recv_buffer_size(n as u32)?;
+            let v = u32::try_from(n).unwrap_or(u32::MAX);
+            sockopt("SO_RCVBUF (tcp.recv_buffer)", n, BUFFER_ALLOWED, sock.set_recv_buffer_size(v))?;
         }
         let s = sock.connect(addr).await?;
         apply_options(&s, cfg, true)?;
@@ -191,4 +210,21 @@ pub(crate) async fn fetch_regions(
     }
     let regions = proto::decode_regions(&p).map_err(|e| proto_err(e, peer))?;
     Ok((r.generation, regions))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_os_error_on_a_socket_option_names_it_and_its_range() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        // Not validated: what the OS says about a keepalive it refuses.
+        let cfg = TcpConfig { keepalive: Some(std::time::Duration::from_secs(40_000)), ..TcpConfig::default() };
+        let e = apply_options(&s, &cfg, false).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("TCP_KEEPIDLE") && m.contains("tcp.keepalive") && m.contains("1..=32767 s"), "{m}");
+        apply_options(&s, &TcpConfig::default(), true).unwrap();
+    }
 }

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -25,6 +26,12 @@ use crate::regions::RegionTable;
 const OUT_FLUSH: usize = 256 << 10;
 /// READ answers larger than this are copied and sent in chunks of it.
 const STREAM: usize = 128 << 10;
+/// Connections refused at `max_connections` that may be answered `Busy` at
+/// once (each for at most `REFUSE_WAIT`); beyond this, a refused connection
+/// gets the answer only if its socket takes it at once, then is closed.
+const MAX_REFUSING: usize = 64;
+/// How long a refused connection is given to take its `Busy` answer.
+const REFUSE_WAIT: Duration = Duration::from_secs(1);
 
 /// What the server needs, shared with its connection tasks.
 #[derive(Debug)]
@@ -34,6 +41,8 @@ pub(crate) struct Server {
     pub generation: u64,
     pub tasks: TaskSet,
     conns: Mutex<HashMap<u64, JoinHandle<()>>>,
+    /// Connections being answered `Busy` (at most `MAX_REFUSING`).
+    refusing: Mutex<HashMap<u64, JoinHandle<()>>>,
     next_conn: AtomicU64,
 }
 
@@ -58,6 +67,7 @@ impl Server {
             generation,
             tasks,
             conns: Mutex::new(HashMap::new()),
+            refusing: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
         })
     }
@@ -69,17 +79,18 @@ impl Server {
                 Ok(x) => x,
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 }
             };
             let mut conns = self.conns.lock();
+            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             if conns.len() >= self.cfg.max_connections {
-                tracing::warn!(%peer, "connection limit reached; refusing");
-                drop(s);
+                drop(conns);
+                tracing::warn!(%peer, "connection limit reached; refusing (answered Busy)");
+                self.refuse(id, s);
                 continue;
             }
-            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let me = self.clone();
             let h = self.tasks.spawn(async move {
                 if let Err(e) = me.serve(s).await {
@@ -96,9 +107,43 @@ impl Server {
         }
     }
 
+    /// Answers a connection over the limit with an ERROR frame, status
+    /// `Busy`, so the initiator reports a transient "busy" error rather
+    /// than a reset. The answer is followed by a FIN, and what the peer
+    /// sends (its HELLO) is read and dropped until it closes, so the close
+    /// does not reset the connection and discard the answer; all within
+    /// `REFUSE_WAIT`, and for at most `MAX_REFUSING` connections at once.
+    fn refuse(self: &Arc<Self>, id: u64, mut s: TcpStream) {
+        let mut e = Header::new(FrameType::Error);
+        e.status = Status::Busy;
+        let frame = e.encode();
+        let mut refusing = self.refusing.lock();
+        if refusing.len() >= MAX_REFUSING {
+            // Best effort: a fresh socket's send buffer takes 48 bytes.
+            let _ = s.try_write(&frame);
+            return;
+        }
+        let me = self.clone();
+        let h = self.tasks.spawn(async move {
+            let _ = tokio::time::timeout(REFUSE_WAIT, async {
+                s.write_all(&frame).await?;
+                s.shutdown().await?;
+                let mut sink = [0u8; 256];
+                while s.read(&mut sink).await? != 0 {}
+                Ok::<_, std::io::Error>(())
+            })
+            .await;
+            me.refusing.lock().remove(&id);
+        });
+        if !h.is_finished() {
+            refusing.insert(id, h);
+        }
+    }
+
     /// Aborts every connection task and waits for them to end.
     pub async fn close_all(&self) {
-        let conns: Vec<JoinHandle<()>> = self.conns.lock().drain().map(|(_, h)| h).collect();
+        let mut conns: Vec<JoinHandle<()>> = self.conns.lock().drain().map(|(_, h)| h).collect();
+        conns.extend(self.refusing.lock().drain().map(|(_, h)| h));
         for h in &conns {
             h.abort();
         }
@@ -110,6 +155,9 @@ impl Server {
     /// Aborts every connection task without waiting (drop).
     pub fn abort_all(&self) {
         for (_, h) in self.conns.lock().drain() {
+            h.abort();
+        }
+        for (_, h) in self.refusing.lock().drain() {
             h.abort();
         }
     }

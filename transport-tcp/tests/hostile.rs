@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use transport_core::{Access, Buffer, Transport};
+use transport_core::{Access, Buffer, ErrorKind, Transport};
 use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use transport_tcp::{TcpConfig, TcpTransport};
 
 /// Runs the client side of a handshake without a secret; returns the
 /// server's generation.
@@ -157,6 +158,74 @@ async fn answers_before_a_malformed_frame_are_sent() {
             assert_eq!(p, [3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 3, 3, 3, 3], "{what}");
             assert!(closed(&mut s).await, "{what}: then the connection is closed");
         }
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Finding 6: a keepalive the OS would refuse (`TCP_KEEPIDLE` takes
+/// 1..=32767 s) is refused when the transport is built, naming the setting
+/// and its range, not later as "Invalid argument (os error 22)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socket_options_the_os_refuses_are_named_up_front() {
+    for (cfg, field, range) in [
+        (
+            TcpConfig { keepalive: Some(Duration::from_millis(40_000_000)), ..support::test_config() },
+            "keepalive",
+            "32767",
+        ),
+        (TcpConfig { send_buffer: Some(1 << 32), ..support::test_config() }, "send_buffer", "2147483647"),
+    ] {
+        let Err(e) = TcpTransport::new(cfg).await else { panic!("the config is refused") };
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(e.message().contains(field) && e.message().contains(range), "{e}");
+    }
+}
+
+/// Finding 6: a server at `max_connections` answers `Busy` before closing,
+/// and the initiator reports a transient "busy" error (not "early eof").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_at_its_connection_limit_answers_busy() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let b = support::node(TcpConfig { max_connections: 1, ..support::test_config() }).await;
+        let addr = b.local_addr();
+        // The one slot, held by a handshaken connection.
+        let mut held = TcpStream::connect(addr).await.unwrap();
+        hello(&mut held).await;
+        // A raw connection over the limit gets an ERROR frame, status Busy.
+        for _ in 0..3 {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let mut p = VERSION.to_le_bytes().to_vec();
+            p.extend_from_slice(&[7u8; NONCE_LEN]);
+            let mut h = Header::new(FrameType::Hello);
+            h.payload_len = p.len() as u32;
+            let _ = s.write_all(&h.encode()).await;
+            let _ = s.write_all(&p).await;
+            let (e, _) = next_frame(&mut s).await.expect("an answer before the close");
+            assert_eq!((e.ty, e.status), (FrameType::Error, Status::Busy));
+            assert!(closed(&mut s).await);
+        }
+        // An initiator reports it as a transient "busy" error.
+        let a = support::node(TcpConfig { lanes: 1, ..support::test_config() }).await;
+        let Err(e) = a.open_segment(&b.local_segment_name()).await else { panic!("refused at the limit") };
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+        assert!(e.kind().is_transient(), "{e}");
+        assert!(e.message().contains("busy"), "{e}");
+        // Once the slot is free, the same initiator is served.
+        drop(held);
+        let end = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            match a.open_segment(&b.local_segment_name()).await {
+                Ok(_) => break,
+                Err(e) if tokio::time::Instant::now() < end => {
+                    assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("still refused after the slot was freed: {e}"),
+            }
+        }
+        a.shutdown().await.unwrap();
         b.shutdown().await.unwrap();
     })
     .await
