@@ -93,11 +93,10 @@ impl Server {
             }
             let me = self.clone();
             let h = self.tasks.spawn(async move {
-                if let Err(e) = me.serve(s).await {
-                    match e {
-                        Close::Io(e) => tracing::debug!(%peer, error = %e, "connection closed"),
-                        Close::Proto(m) => tracing::warn!(%peer, reason = %m, "closing connection: bad frame"),
-                    }
+                match me.serve(s).await {
+                    Ok(()) => tracing::info!(%peer, reason = "closed by the peer", "connection closed"),
+                    Err(Close::Io(e)) => tracing::info!(%peer, reason = %e, "connection closed"),
+                    Err(Close::Proto(m)) => tracing::warn!(%peer, reason = %m, "closing connection: bad frame"),
                 }
                 me.conns.lock().remove(&id);
             });
@@ -212,6 +211,9 @@ impl Server {
         tokio::time::timeout(self.cfg.connect_timeout, self.handshake(&mut s))
             .await
             .map_err(|_| Close::Proto("handshake timed out".into()))??;
+        if let Ok(peer) = s.peer_addr() {
+            tracing::info!(%peer, authenticated = self.cfg.secret.is_some(), "peer connected");
+        }
         let (r, mut w) = s.into_split();
         let mut r = BufReader::with_capacity(OUT_FLUSH, r);
         let mut out: Vec<u8> = Vec::with_capacity(OUT_FLUSH);
