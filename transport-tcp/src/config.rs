@@ -12,6 +12,12 @@ pub const KEEPALIVE_SECS: std::ops::RangeInclusive<u64> = 1..=32767;
 /// positive C `int`.
 pub const SOCKET_BUFFER_RANGE: std::ops::RangeInclusive<usize> = 1..=(i32::MAX as usize);
 
+/// What `max_handshaking` and `max_handshaking_per_ip` may be.
+pub const MAX_HANDSHAKING_RANGE: std::ops::RangeInclusive<usize> = 1..=65536;
+/// What `handshake_timeout` may be: 10 ms..=600 s.
+pub const HANDSHAKE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(10)..=Duration::from_secs(600);
+
 /// Configuration of a [`crate::TcpTransport`]. Every field has a default;
 /// a JSON or TOML config may name only the fields it changes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,8 +44,8 @@ pub struct TcpConfig {
     /// evicted (its sockets closed), or the caller waits up to
     /// `connect_timeout` for one to become idle. Default 64.
     pub max_endpoints: usize,
-    /// An endpoint unused for this long is closed by the reaper task.
-    /// Default 30 s.
+    /// An endpoint unused for this long is closed by the reaper task
+    /// (initiator side). Default 30 s.
     #[serde(with = "transport_core::serde_ms")]
     pub idle_timeout: Duration,
     /// Connecting and handshaking one lane (and fetching a descriptor) must
@@ -70,9 +76,28 @@ pub struct TcpConfig {
     /// closes the connection. Bounds memory per connection. Must be at least
     /// `slice_size`. Default 1 MiB.
     pub max_frame: usize,
-    /// Connections the server accepts at once; more are refused (closed).
-    /// Default 1024.
+    /// Handshaken connections the server serves at once; one more is
+    /// answered `Busy` in place of READY and closed. Connections still in
+    /// their handshake do not count here (see `max_handshaking`). Must be
+    /// at least 1. Default 1024.
     pub max_connections: usize,
+    /// Connections in their handshake (accepted, READY not yet sent) at
+    /// once, from all peers; one more is answered `Busy` and closed at
+    /// once. A small pre-authentication quota, so peers without the secret
+    /// cannot take the slots of peers with it. Must be within
+    /// [`MAX_HANDSHAKING_RANGE`]. Default 64.
+    pub max_handshaking: usize,
+    /// Connections in their handshake at once from one peer IP address;
+    /// one more is answered `Busy` and closed. Must be 1..=65536 (above
+    /// `max_handshaking` it has no effect). Default 8 (an initiator connects its lanes
+    /// one after the other).
+    pub max_handshaking_per_ip: usize,
+    /// The server closes a connection whose handshake has not finished
+    /// within this (server side; the initiator bounds its own side with
+    /// `connect_timeout`). Must be within [`HANDSHAKE_TIMEOUT_RANGE`]
+    /// (10 ms..=600 s). Default 2 s.
+    #[serde(with = "transport_core::serde_ms")]
+    pub handshake_timeout: Duration,
 }
 
 impl Default for TcpConfig {
@@ -93,6 +118,9 @@ impl Default for TcpConfig {
             secret: None,
             max_frame: 1 << 20,
             max_connections: 1024,
+            max_handshaking: 64,
+            max_handshaking_per_ip: 8,
+            handshake_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -121,6 +149,18 @@ impl TcpConfig {
         }
         if self.max_connections == 0 {
             return bad("max_connections", "must be at least 1");
+        }
+        if !MAX_HANDSHAKING_RANGE.contains(&self.max_handshaking) {
+            return bad("max_handshaking", "must be 1..=65536");
+        }
+        if !MAX_HANDSHAKING_RANGE.contains(&self.max_handshaking_per_ip) {
+            return bad("max_handshaking_per_ip", "must be 1..=65536");
+        }
+        if !HANDSHAKE_TIMEOUT_RANGE.contains(&self.handshake_timeout) {
+            return bad(
+                "handshake_timeout",
+                &format!("{} ms is outside 10..=600000 ms", self.handshake_timeout.as_millis()),
+            );
         }
         if let Some(t) = self.keepalive {
             if !KEEPALIVE_SECS.contains(&t.as_secs()) {
@@ -182,6 +222,12 @@ mod tests {
             (TcpConfig { keepalive: Some(Duration::from_millis(999)), ..TcpConfig::default() }, "keepalive"),
             (TcpConfig { send_buffer: Some(0), ..TcpConfig::default() }, "send_buffer"),
             (TcpConfig { recv_buffer: Some(1 << 31), ..TcpConfig::default() }, "recv_buffer"),
+            (TcpConfig { max_handshaking: 0, ..TcpConfig::default() }, "max_handshaking"),
+            (TcpConfig { max_handshaking: 65537, ..TcpConfig::default() }, "max_handshaking"),
+            (TcpConfig { max_handshaking_per_ip: 65537, ..TcpConfig::default() }, "max_handshaking_per_ip"),
+            (TcpConfig { max_handshaking_per_ip: 0, ..TcpConfig::default() }, "max_handshaking_per_ip"),
+            (TcpConfig { handshake_timeout: Duration::ZERO, ..TcpConfig::default() }, "handshake_timeout"),
+            (TcpConfig { handshake_timeout: Duration::from_secs(601), ..TcpConfig::default() }, "handshake_timeout"),
         ] {
             let e = c.validate().unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Config);

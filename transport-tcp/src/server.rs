@@ -5,6 +5,7 @@
 //! malformed closes that connection only.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +34,94 @@ const MAX_REFUSING: usize = 64;
 /// How long a refused connection is given to take its `Busy` answer.
 const REFUSE_WAIT: Duration = Duration::from_secs(1);
 
+/// Connections counted per phase, in all and per peer IP address: those
+/// in their handshake (limited by `max_handshaking` and
+/// `max_handshaking_per_ip`) and those handshaken (`max_connections`), so
+/// peers that never finish a handshake cannot take the slots of peers that
+/// do.
+#[derive(Debug, Default)]
+struct Counts {
+    handshaking: usize,
+    served: usize,
+    /// (handshaking, served) per peer IP; an entry at (0, 0) is removed.
+    per_ip: HashMap<IpAddr, (usize, usize)>,
+}
+
+impl Counts {
+    /// Whether a new connection from `ip` may start its handshake: room in
+    /// the pre-authentication quota, in its IP's share of it, and among
+    /// the handshaken connections it would join.
+    fn admits(&self, cfg: &TcpConfig, ip: IpAddr) -> Result<(), &'static str> {
+        let (h, _) = self.per_ip.get(&ip).copied().unwrap_or((0, 0));
+        if self.served >= cfg.max_connections {
+            return Err("connection limit (max_connections) reached");
+        }
+        if self.handshaking >= cfg.max_handshaking {
+            return Err("handshake quota (max_handshaking) reached");
+        }
+        if h >= cfg.max_handshaking_per_ip {
+            return Err("per-address handshake cap (max_handshaking_per_ip) reached");
+        }
+        Ok(())
+    }
+}
+
+/// A connection's place in [`Counts`]; given back when dropped.
+#[derive(Debug)]
+struct Slot {
+    counts: Arc<Mutex<Counts>>,
+    ip: IpAddr,
+    served: bool,
+}
+
+impl Slot {
+    /// Counts a new connection in its handshake (the caller checked
+    /// [`Counts::admits`] under the same lock).
+    fn handshaking(counts: &Arc<Mutex<Counts>>, c: &mut Counts, ip: IpAddr) -> Self {
+        c.handshaking += 1;
+        c.per_ip.entry(ip).or_default().0 += 1;
+        Self { counts: counts.clone(), ip, served: false }
+    }
+
+    /// Moves the connection from its handshake to the handshaken ones, if
+    /// there is room; otherwise it stays counted in its handshake (and is
+    /// to be answered `Busy` and closed).
+    fn promote(&mut self, cfg: &TcpConfig) -> Result<(), &'static str> {
+        let mut c = self.counts.lock();
+        if c.served >= cfg.max_connections {
+            return Err("connection limit (max_connections) reached");
+        }
+        c.handshaking = c.handshaking.saturating_sub(1);
+        c.served += 1;
+        let e = c.per_ip.entry(self.ip).or_default();
+        e.0 = e.0.saturating_sub(1);
+        e.1 += 1;
+        self.served = true;
+        Ok(())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock();
+        if self.served {
+            c.served = c.served.saturating_sub(1);
+        } else {
+            c.handshaking = c.handshaking.saturating_sub(1);
+        }
+        if let Some(e) = c.per_ip.get_mut(&self.ip) {
+            if self.served {
+                e.1 = e.1.saturating_sub(1);
+            } else {
+                e.0 = e.0.saturating_sub(1);
+            }
+            if *e == (0, 0) {
+                c.per_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
 /// What the server needs, shared with its connection tasks.
 #[derive(Debug)]
 pub(crate) struct Server {
@@ -43,6 +132,7 @@ pub(crate) struct Server {
     conns: Mutex<HashMap<u64, JoinHandle<()>>>,
     /// Connections being answered `Busy` (at most `MAX_REFUSING`).
     refusing: Mutex<HashMap<u64, JoinHandle<()>>>,
+    counts: Arc<Mutex<Counts>>,
     next_conn: AtomicU64,
 }
 
@@ -68,6 +158,7 @@ impl Server {
             tasks,
             conns: Mutex::new(HashMap::new()),
             refusing: Mutex::new(HashMap::new()),
+            counts: Arc::default(),
             next_conn: AtomicU64::new(0),
         })
     }
@@ -83,17 +174,24 @@ impl Server {
                     continue;
                 }
             };
-            let mut conns = self.conns.lock();
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-            if conns.len() >= self.cfg.max_connections {
-                drop(conns);
-                tracing::warn!(%peer, "connection limit reached; refusing (answered Busy)");
-                self.refuse(id, s);
-                continue;
-            }
+            let ip = peer.ip().to_canonical();
+            let slot = {
+                let mut c = self.counts.lock();
+                match c.admits(&self.cfg, ip) {
+                    Ok(()) => Slot::handshaking(&self.counts, &mut c, ip),
+                    Err(why) => {
+                        drop(c);
+                        tracing::warn!(%peer, reason = why, "refusing connection (answered Busy)");
+                        self.refuse(id, s);
+                        continue;
+                    }
+                }
+            };
+            let mut conns = self.conns.lock();
             let me = self.clone();
             let h = self.tasks.spawn(async move {
-                match me.serve(s).await {
+                match me.serve(s, slot).await {
                     Ok(()) => tracing::info!(%peer, reason = "closed by the peer", "connection closed"),
                     Err(Close::Io(e)) => tracing::info!(%peer, reason = %e, "connection closed"),
                     Err(Close::Proto(m)) => tracing::warn!(%peer, reason = %m, "closing connection: bad frame"),
@@ -161,7 +259,7 @@ impl Server {
         }
     }
 
-    async fn handshake(&self, s: &mut TcpStream) -> Result<(), Close> {
+    async fn handshake(&self, s: &mut TcpStream, slot: &mut Slot) -> Result<(), Close> {
         let mut b = [0u8; HEADER_LEN];
         s.read_exact(&mut b).await?;
         let h = Header::decode(&b, 2 + NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
@@ -202,13 +300,23 @@ impl Server {
                 auth::prove(k.as_bytes(), Role::Server, cn, &sn)
             }
         };
+        // Handshaken connections filled up while this one handshook: it is
+        // answered `Busy` in place of READY.
+        if let Err(why) = slot.promote(&self.cfg) {
+            let mut e = Header::new(FrameType::Error);
+            e.status = Status::Busy;
+            let _ = write_frame(s, e, &[]).await;
+            return Err(Close::Proto(format!("refused after the handshake (answered Busy): {why}")));
+        }
         write_frame(s, Header::new(FrameType::Ready), &answer).await?;
         Ok(())
     }
 
-    async fn serve(&self, mut s: TcpStream) -> Result<(), Close> {
+    /// Serves one connection; `slot` counts it (in its handshake, then
+    /// handshaken) until this returns.
+    async fn serve(&self, mut s: TcpStream, mut slot: Slot) -> Result<(), Close> {
         apply_options(&s, &self.cfg, false)?;
-        tokio::time::timeout(self.cfg.connect_timeout, self.handshake(&mut s))
+        tokio::time::timeout(self.cfg.handshake_timeout, self.handshake(&mut s, &mut slot))
             .await
             .map_err(|_| Close::Proto("handshake timed out".into()))??;
         if let Ok(peer) = s.peer_addr() {

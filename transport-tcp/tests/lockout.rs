@@ -1,0 +1,207 @@
+//! Attacker tests over loopback for issue 12, findings 1 and 3: peers that
+//! never finish the handshake cannot lock out peers with the secret (a
+//! pre-authentication quota, a per-address cap, a short handshake
+//! deadline), and handshaken connections time out when idle.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
+
+mod support;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::time::Instant;
+use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+const SECRET: &str = "lockout-secret";
+
+/// A raw connection to `to` from the loopback address `from` (all of
+/// 127.0.0.0/8 is loopback on Linux), so one test can play peers on
+/// several addresses.
+async fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::new(IpAddr::V4(from), 0)).unwrap();
+    s.connect(to).await.unwrap()
+}
+
+/// Sends a HELLO (the first step of a handshake).
+async fn send_hello(s: &mut TcpStream) {
+    let mut p = VERSION.to_le_bytes().to_vec();
+    p.extend_from_slice(&[7u8; NONCE_LEN]);
+    let mut h = Header::new(FrameType::Hello);
+    h.payload_len = p.len() as u32;
+    let _ = s.write_all(&h.encode()).await;
+    let _ = s.write_all(&p).await;
+}
+
+/// Reads one whole frame, or `None` if the connection ended first or
+/// nothing came within `wait`.
+async fn next_frame(s: &mut TcpStream, wait: Duration) -> Option<(Header, Vec<u8>)> {
+    tokio::time::timeout(wait, async {
+        let mut b = [0u8; HEADER_LEN];
+        s.read_exact(&mut b).await.ok()?;
+        let h = Header::decode(&b, 1 << 20).unwrap();
+        let mut p = vec![0u8; h.payload_len as usize];
+        s.read_exact(&mut p).await.ok()?;
+        Some((h, p))
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// Reads until the server closes; the time it took, or `None` if it did
+/// not close within `wait`.
+async fn closed_within(s: &mut TcpStream, wait: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let mut sink = vec![0u8; 1 << 16];
+    loop {
+        match tokio::time::timeout_at(start + wait, s.read(&mut sink)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(start.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// A legitimate initiator (with the secret) opens the segment and writes
+/// 4 KiB, retrying transient refusals ("busy") as the Engine would, until
+/// `deadline`. Returns how many tries it took.
+async fn legit_write(a: &TcpTransport, b: &TcpTransport, dst: &Buffer, deadline: Duration) -> usize {
+    let src = Buffer::from_slice(&[5u8; 4096]).unwrap();
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    let end = Instant::now() + deadline;
+    let mut tries = 0;
+    let seg = loop {
+        tries += 1;
+        match a.open_segment(&b.local_segment_name()).await {
+            Ok(seg) => break seg,
+            Err(e) if e.kind().is_transient() && Instant::now() < end => {
+                assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the legitimate initiator was locked out after {tries} tries: {e}"),
+        }
+    };
+    let batch = a.submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)], SubmitOptions::default());
+    let status = tokio::time::timeout_at(end, async {
+        let b = batch.await.unwrap();
+        let st = a.wait(b).await.unwrap();
+        a.release(b).unwrap();
+        st
+    })
+    .await
+    .expect("the write finished in time");
+    assert_eq!(status.state, BatchState::Completed, "{:?}", status.first_error());
+    assert_eq!(dst.to_vec(), vec![5u8; 4096]);
+    tries
+}
+
+/// Finding 1: a flood of 200 sockets from one address that never send
+/// HELLO, more than `max_connections` (16 here) and `max_handshaking`
+/// (64 by default). The connect timeout is long (30 s): before the fix the
+/// flood held every slot for it. Now the flood takes at most its address's
+/// share of the handshake quota (8), and a legitimate initiator on another
+/// address gets through while every flood socket is still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_flood_does_not_lock_out_a_peer_with_the_secret() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let slow = TcpConfig {
+            secret: Some(SECRET.into()),
+            connect_timeout: Duration::from_secs(30),
+            max_connections: 16,
+            ..support::test_config()
+        };
+        let b = support::node(slow).await;
+        let dst = Buffer::new(4096).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let mut flood = Vec::with_capacity(200);
+        for _ in 0..200 {
+            flood.push(connect_from(Ipv4Addr::new(127, 0, 0, 2), b.local_addr()).await);
+        }
+        // The flood is established and silent; the legitimate peer (with
+        // the secret, from 127.0.0.1) gets through within a few seconds.
+        let a = support::node(TcpConfig { secret: Some(SECRET.into()), ..support::test_config() }).await;
+        let start = Instant::now();
+        let tries = legit_write(&a, &b, &dst, Duration::from_secs(4)).await;
+        eprintln!("legitimate initiator through in {:?} ({tries} tries)", start.elapsed());
+        assert_eq!(flood.len(), 200, "the flood sockets are still open");
+        drop(flood);
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Finding 1: the pre-authentication quota. With `max_handshaking` 4 and
+/// no per-address cap in the way, silent sockets spread over many
+/// addresses fill the quota; one more is answered `Busy` at once (not left
+/// hanging, not counted against `max_connections`); the handshake deadline
+/// frees the quota, and a legitimate initiator retrying "busy" gets
+/// through while the flood sockets are still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_quota_answers_busy_and_frees_at_the_deadline() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let cfg = TcpConfig {
+            secret: Some(SECRET.into()),
+            connect_timeout: Duration::from_secs(30),
+            max_handshaking: 4,
+            max_handshaking_per_ip: 1000,
+            handshake_timeout: Duration::from_millis(500),
+            ..support::test_config()
+        };
+        let b = support::node(cfg).await;
+        let dst = Buffer::new(4096).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let mut flood = Vec::new();
+        for i in 0..4u8 {
+            flood.push(connect_from(Ipv4Addr::new(127, 0, 1, 10 + i), b.local_addr()).await);
+        }
+        // Over the quota: answered Busy at once, whatever the address.
+        for i in 0..3u8 {
+            let mut s = connect_from(Ipv4Addr::new(127, 0, 2, 10 + i), b.local_addr()).await;
+            send_hello(&mut s).await;
+            let (e, _) = next_frame(&mut s, Duration::from_secs(1)).await.expect("an answer at once");
+            assert_eq!((e.ty, e.status), (FrameType::Error, Status::Busy));
+            flood.push(s);
+        }
+        let a = support::node(TcpConfig { secret: Some(SECRET.into()), lanes: 2, ..support::test_config() }).await;
+        legit_write(&a, &b, &dst, Duration::from_secs(4)).await;
+        assert_eq!(flood.len(), 7, "the flood sockets are still open");
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Finding 1: the handshake deadline (`handshake_timeout`, here 300 ms,
+/// apart from the 30 s `connect_timeout`) closes a socket that sends
+/// nothing, and one that stops after its HELLO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_deadline_closes_a_silent_socket() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let cfg = TcpConfig {
+            secret: Some(SECRET.into()),
+            connect_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_millis(300),
+            ..support::test_config()
+        };
+        let b = support::node(cfg).await;
+        let mut silent = TcpStream::connect(b.local_addr()).await.unwrap();
+        let t = closed_within(&mut silent, Duration::from_secs(3)).await.expect("a silent socket is closed");
+        assert!(t >= Duration::from_millis(200), "closed after {t:?}, before the deadline");
+        let mut half = TcpStream::connect(b.local_addr()).await.unwrap();
+        send_hello(&mut half).await;
+        let (c, _) = next_frame(&mut half, Duration::from_secs(1)).await.expect("a CHALLENGE");
+        assert_eq!(c.ty, FrameType::Challenge);
+        closed_within(&mut half, Duration::from_secs(3)).await.expect("a socket that stops after HELLO is closed");
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
