@@ -12,11 +12,15 @@ pub const KEEPALIVE_SECS: std::ops::RangeInclusive<u64> = 1..=32767;
 /// positive C `int`.
 pub const SOCKET_BUFFER_RANGE: std::ops::RangeInclusive<usize> = 1..=(i32::MAX as usize);
 
-/// What `max_handshaking` and `max_handshaking_per_ip` may be.
+/// What `max_handshaking` and `max_handshaking_per_ip` may be (also
+/// `max_connections_per_ip`).
 pub const MAX_HANDSHAKING_RANGE: std::ops::RangeInclusive<usize> = 1..=65536;
 /// What `handshake_timeout` may be: 10 ms..=600 s.
 pub const HANDSHAKE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
     Duration::from_millis(10)..=Duration::from_secs(600);
+/// What `server_idle_timeout` may be: 10 ms..=7 days.
+pub const SERVER_IDLE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(10)..=Duration::from_secs(7 * 86400);
 
 /// Configuration of a [`crate::TcpTransport`]. Every field has a default;
 /// a JSON or TOML config may name only the fields it changes.
@@ -45,7 +49,11 @@ pub struct TcpConfig {
     /// `connect_timeout` for one to become idle. Default 64.
     pub max_endpoints: usize,
     /// An endpoint unused for this long is closed by the reaper task
-    /// (initiator side). Default 30 s.
+    /// (initiator side). Default 30 s. Keep it below the peers'
+    /// `server_idle_timeout` (default 300 s), so an idle lane is closed by
+    /// its initiator before the server closes it; if a server closes an
+    /// idle lane first, the endpoint is found broken and rebuilt on its
+    /// next use.
     #[serde(with = "transport_core::serde_ms")]
     pub idle_timeout: Duration,
     /// Connecting and handshaking one lane (and fetching a descriptor) must
@@ -77,10 +85,17 @@ pub struct TcpConfig {
     /// `slice_size`. Default 1 MiB.
     pub max_frame: usize,
     /// Handshaken connections the server serves at once; one more is
-    /// answered `Busy` in place of READY and closed. Connections still in
+    /// answered `Busy` (before its handshake, or in place of READY if the
+    /// limit filled up during it) and closed. Connections still in
     /// their handshake do not count here (see `max_handshaking`). Must be
     /// at least 1. Default 1024.
     pub max_connections: usize,
+    /// Handshaken connections served at once from one peer IP address; one
+    /// more is answered `Busy` and closed. Must be 1..=65536 (above
+    /// `max_connections` it has no effect). An initiator opens `lanes` connections per endpoint, so keep it at
+    /// least `lanes` x the initiators' endpoints toward this server from
+    /// one host. Default 256.
+    pub max_connections_per_ip: usize,
     /// Connections in their handshake (accepted, READY not yet sent) at
     /// once, from all peers; one more is answered `Busy` and closed at
     /// once. A small pre-authentication quota, so peers without the secret
@@ -98,6 +113,14 @@ pub struct TcpConfig {
     /// (10 ms..=600 s). Default 2 s.
     #[serde(with = "transport_core::serde_ms")]
     pub handshake_timeout: Duration,
+    /// The server closes a handshaken connection that sent no request for
+    /// this long, or on which a frame or an answer made no progress for
+    /// this long (logged at info). Must be within
+    /// [`SERVER_IDLE_TIMEOUT_RANGE`] (10 ms..=7 days). Default 300 s,
+    /// above the initiators' `idle_timeout` (default 30 s), so in normal
+    /// use an initiator closes its idle lanes first.
+    #[serde(with = "transport_core::serde_ms")]
+    pub server_idle_timeout: Duration,
 }
 
 impl Default for TcpConfig {
@@ -118,9 +141,11 @@ impl Default for TcpConfig {
             secret: None,
             max_frame: 1 << 20,
             max_connections: 1024,
+            max_connections_per_ip: 256,
             max_handshaking: 64,
             max_handshaking_per_ip: 8,
             handshake_timeout: Duration::from_secs(2),
+            server_idle_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -150,6 +175,9 @@ impl TcpConfig {
         if self.max_connections == 0 {
             return bad("max_connections", "must be at least 1");
         }
+        if !MAX_HANDSHAKING_RANGE.contains(&self.max_connections_per_ip) {
+            return bad("max_connections_per_ip", "must be 1..=65536");
+        }
         if !MAX_HANDSHAKING_RANGE.contains(&self.max_handshaking) {
             return bad("max_handshaking", "must be 1..=65536");
         }
@@ -160,6 +188,12 @@ impl TcpConfig {
             return bad(
                 "handshake_timeout",
                 &format!("{} ms is outside 10..=600000 ms", self.handshake_timeout.as_millis()),
+            );
+        }
+        if !SERVER_IDLE_TIMEOUT_RANGE.contains(&self.server_idle_timeout) {
+            return bad(
+                "server_idle_timeout",
+                &format!("{} ms is outside 10..=604800000 ms (7 days)", self.server_idle_timeout.as_millis()),
             );
         }
         if let Some(t) = self.keepalive {
@@ -199,6 +233,8 @@ mod tests {
     fn defaults_validate_and_round_trip() {
         let c = TcpConfig::default();
         c.validate().unwrap();
+        // The initiator closes its idle lanes before a server would.
+        assert!(c.idle_timeout < c.server_idle_timeout);
         let j = serde_json::to_string(&c).unwrap();
         let back: TcpConfig = serde_json::from_str(&j).unwrap();
         assert_eq!(c, back);
@@ -226,8 +262,12 @@ mod tests {
             (TcpConfig { max_handshaking: 65537, ..TcpConfig::default() }, "max_handshaking"),
             (TcpConfig { max_handshaking_per_ip: 65537, ..TcpConfig::default() }, "max_handshaking_per_ip"),
             (TcpConfig { max_handshaking_per_ip: 0, ..TcpConfig::default() }, "max_handshaking_per_ip"),
+            (TcpConfig { max_connections_per_ip: 0, ..TcpConfig::default() }, "max_connections_per_ip"),
+            (TcpConfig { max_connections_per_ip: 65537, ..TcpConfig::default() }, "max_connections_per_ip"),
             (TcpConfig { handshake_timeout: Duration::ZERO, ..TcpConfig::default() }, "handshake_timeout"),
             (TcpConfig { handshake_timeout: Duration::from_secs(601), ..TcpConfig::default() }, "handshake_timeout"),
+            (TcpConfig { server_idle_timeout: Duration::ZERO, ..TcpConfig::default() }, "server_idle_timeout"),
+            (TcpConfig { server_idle_timeout: Duration::MAX, ..TcpConfig::default() }, "server_idle_timeout"),
         ] {
             let e = c.validate().unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Config);

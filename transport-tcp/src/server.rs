@@ -52,9 +52,12 @@ impl Counts {
     /// the pre-authentication quota, in its IP's share of it, and among
     /// the handshaken connections it would join.
     fn admits(&self, cfg: &TcpConfig, ip: IpAddr) -> Result<(), &'static str> {
-        let (h, _) = self.per_ip.get(&ip).copied().unwrap_or((0, 0));
+        let (h, s) = self.per_ip.get(&ip).copied().unwrap_or((0, 0));
         if self.served >= cfg.max_connections {
             return Err("connection limit (max_connections) reached");
+        }
+        if s >= cfg.max_connections_per_ip {
+            return Err("per-address connection cap (max_connections_per_ip) reached");
         }
         if self.handshaking >= cfg.max_handshaking {
             return Err("handshake quota (max_handshaking) reached");
@@ -90,6 +93,9 @@ impl Slot {
         let mut c = self.counts.lock();
         if c.served >= cfg.max_connections {
             return Err("connection limit (max_connections) reached");
+        }
+        if c.per_ip.get(&self.ip).is_some_and(|e| e.1 >= cfg.max_connections_per_ip) {
+            return Err("per-address connection cap (max_connections_per_ip) reached");
         }
         c.handshaking = c.handshaking.saturating_sub(1);
         c.served += 1;
@@ -343,6 +349,20 @@ impl Server {
         Err(e)
     }
 
+    /// Runs one wait on a handshaken connection (for a request, the rest
+    /// of a frame, or the peer taking an answer), bounded by
+    /// `server_idle_timeout`: a connection that makes no progress for that
+    /// long is closed (an I/O error of kind `TimedOut`, logged at info).
+    async fn idle<T>(&self, f: impl std::future::Future<Output = std::io::Result<T>>) -> Result<T, Close> {
+        match tokio::time::timeout(self.cfg.server_idle_timeout, f).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(Close::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("idle for {} ms (server_idle_timeout)", self.cfg.server_idle_timeout.as_millis()),
+            ))),
+        }
+    }
+
     /// Writes `out` and empties it, whether or not the write succeeded (so
     /// no byte is ever sent twice).
     async fn flush(w: &mut OwnedWriteHalf, out: &mut Vec<u8>) -> std::io::Result<()> {
@@ -364,10 +384,10 @@ impl Server {
         let mut chunk: Vec<u8> = Vec::new();
         loop {
             if r.buffer().is_empty() && !out.is_empty() {
-                Self::flush(w, out).await?;
+                self.idle(Self::flush(w, out)).await?;
             }
             let mut b = [0u8; HEADER_LEN];
-            r.read_exact(&mut b).await?;
+            self.idle(r.read_exact(&mut b)).await?;
             let h = Header::decode(&b, self.cfg.max_frame).map_err(|e| Close::Proto(e.to_string()))?;
             match h.ty {
                 FrameType::DescReq => {
@@ -402,7 +422,7 @@ impl Server {
                         if staging.len() < k {
                             staging.resize(k, 0);
                         }
-                        r.read_exact(&mut staging[..k]).await?;
+                        self.idle(r.read_exact(&mut staging[..k])).await?;
                         if let Some(e) = r.get_ref().as_ref().take_error()? {
                             return Err(Close::Io(e));
                         }
@@ -457,7 +477,7 @@ impl Server {
                             }
                             return Err(Close::Proto("region unregistered while a read was answered".into()));
                         }
-                        let sent = w.write_all(&dst[..prefix + k]).await;
+                        let sent = self.idle(w.write_all(&dst[..prefix + k])).await;
                         if first {
                             out.clear();
                         }
@@ -494,7 +514,7 @@ impl Server {
                 other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
             }
             if out.len() >= OUT_FLUSH {
-                Self::flush(w, out).await?;
+                self.idle(Self::flush(w, out)).await?;
                 if out.capacity() > 4 * OUT_FLUSH.max(self.cfg.max_frame) {
                     *out = Vec::with_capacity(OUT_FLUSH);
                 }

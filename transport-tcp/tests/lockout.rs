@@ -1,7 +1,8 @@
 //! Attacker tests over loopback for issue 12, findings 1 and 3: peers that
 //! never finish the handshake cannot lock out peers with the secret (a
 //! pre-authentication quota, a per-address cap, a short handshake
-//! deadline), and handshaken connections time out when idle.
+//! deadline), and handshaken connections time out when idle and are
+//! capped per peer address.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
 
 mod support;
@@ -200,6 +201,118 @@ async fn handshake_deadline_closes_a_silent_socket() {
         let (c, _) = next_frame(&mut half, Duration::from_secs(1)).await.expect("a CHALLENGE");
         assert_eq!(c.ty, FrameType::Challenge);
         closed_within(&mut half, Duration::from_secs(3)).await.expect("a socket that stops after HELLO is closed");
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Runs the client side of a handshake without a secret; returns the
+/// server's generation.
+async fn hello(s: &mut TcpStream) -> u64 {
+    send_hello(s).await;
+    let (c, _) = next_frame(s, Duration::from_secs(5)).await.expect("a CHALLENGE");
+    assert_eq!(c.ty, FrameType::Challenge);
+    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
+    let (r, _) = next_frame(s, Duration::from_secs(5)).await.expect("READY");
+    assert_eq!(r.ty, FrameType::Ready);
+    c.generation
+}
+
+/// Sends a DESC_REQ and expects its answer.
+async fn desc_req(s: &mut TcpStream, id: u64) {
+    let mut d = Header::new(FrameType::DescReq);
+    d.id = id;
+    s.write_all(&d.encode()).await.unwrap();
+    let (h, _) = next_frame(s, Duration::from_secs(5)).await.expect("a DESC_RESP");
+    assert_eq!((h.ty, h.id), (FrameType::DescResp, id));
+}
+
+/// Finding 3: a handshaken connection that sends no request for
+/// `server_idle_timeout` (here 400 ms) is closed by the server; one that
+/// keeps sending requests is not. An initiator whose idle lanes the server
+/// closed rebuilds its endpoint and its next write succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_handshaken_connection_is_closed() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let idle = Duration::from_millis(400);
+        let b = support::node(TcpConfig { server_idle_timeout: idle, ..support::test_config() }).await;
+        let dst = Buffer::new(4096).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let mut quiet = TcpStream::connect(b.local_addr()).await.unwrap();
+        hello(&mut quiet).await;
+        desc_req(&mut quiet, 1).await;
+        let mut busy = TcpStream::connect(b.local_addr()).await.unwrap();
+        hello(&mut busy).await;
+        // `busy` sends a request every 100 ms for 1.2 s (three idle
+        // timeouts): it stays open.
+        let keep = tokio::spawn(async move {
+            for id in 0..12 {
+                desc_req(&mut busy, id).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            busy
+        });
+        let t = closed_within(&mut quiet, Duration::from_secs(5)).await.expect("an idle connection is closed");
+        assert!(t >= Duration::from_millis(300), "closed after {t:?}, before the idle timeout");
+        let mut busy = keep.await.unwrap();
+        desc_req(&mut busy, 99).await;
+        // An initiator (default idle_timeout 30 s, longer than this
+        // server's) whose lanes the server closed as idle still writes.
+        let a = support::node(support::test_config()).await;
+        legit_write(&a, &b, &dst, Duration::from_secs(5)).await;
+        tokio::time::sleep(3 * idle).await;
+        let src = Buffer::from_slice(&[6u8; 4096]).unwrap();
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let batch = a.submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)], SubmitOptions::default());
+        let batch = batch.await.unwrap();
+        let st = a.wait(batch).await.unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert_eq!(dst.to_vec(), vec![6u8; 4096]);
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Finding 3: the per-address cap on handshaken connections. With
+/// `max_connections_per_ip` 2, a third handshaken connection from one
+/// address is answered `Busy` before its handshake; another address is
+/// still served, and the first address is again once one of its
+/// connections closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_address_cap_on_handshaken_connections() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let b = support::node(TcpConfig { max_connections_per_ip: 2, ..support::test_config() }).await;
+        let here = Ipv4Addr::new(127, 0, 3, 1);
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let mut s = connect_from(here, b.local_addr()).await;
+            hello(&mut s).await;
+            held.push(s);
+        }
+        let mut third = connect_from(here, b.local_addr()).await;
+        send_hello(&mut third).await;
+        let (e, _) = next_frame(&mut third, Duration::from_secs(2)).await.expect("an answer");
+        assert_eq!((e.ty, e.status), (FrameType::Error, Status::Busy));
+        let mut other = connect_from(Ipv4Addr::new(127, 0, 3, 2), b.local_addr()).await;
+        hello(&mut other).await;
+        desc_req(&mut other, 1).await;
+        drop(held.pop());
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut s = connect_from(here, b.local_addr()).await;
+            send_hello(&mut s).await;
+            let (h, _) = next_frame(&mut s, Duration::from_secs(2)).await.expect("an answer");
+            if h.ty == FrameType::Challenge {
+                break;
+            }
+            assert_eq!((h.ty, h.status), (FrameType::Error, Status::Busy));
+            assert!(Instant::now() < end, "the address stays refused after one of its connections closed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         b.shutdown().await.unwrap();
     })
     .await
