@@ -100,12 +100,15 @@ pub struct TcpConfig {
     /// once, from all peers; one more is answered `Busy` and closed at
     /// once. A small pre-authentication quota, so peers without the secret
     /// cannot take the slots of peers with it. Must be within
-    /// [`MAX_HANDSHAKING_RANGE`]. Default 64.
+    /// [`MAX_HANDSHAKING_RANGE`]. Default 256.
     pub max_handshaking: usize,
     /// Connections in their handshake at once from one peer IP address;
     /// one more is answered `Busy` and closed. Must be 1..=65536 (above
-    /// `max_handshaking` it has no effect). Default 8 (an initiator connects its lanes
-    /// one after the other).
+    /// `max_handshaking` it has no effect). Default 32: an initiator
+    /// connects its lanes one after the other, so this leaves room for many
+    /// initiator processes on one host starting at once (every rank of a
+    /// node), while one address cannot take more than an eighth of the
+    /// default quota.
     pub max_handshaking_per_ip: usize,
     /// The server closes a connection whose handshake has not finished
     /// within this (server side; the initiator bounds its own side with
@@ -142,8 +145,8 @@ impl Default for TcpConfig {
             max_frame: 1 << 20,
             max_connections: 1024,
             max_connections_per_ip: 256,
-            max_handshaking: 64,
-            max_handshaking_per_ip: 8,
+            max_handshaking: 256,
+            max_handshaking_per_ip: 32,
             handshake_timeout: Duration::from_secs(2),
             server_idle_timeout: Duration::from_secs(300),
         }
