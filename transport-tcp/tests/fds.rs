@@ -6,20 +6,12 @@
 
 mod support;
 
+use support::run;
+
 use std::time::Duration;
 
 use support::{node, test_config};
-use transport_core::{Access, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
-use transport_tcp::TcpTransport;
-
-const LIMIT: Duration = Duration::from_secs(30);
-
-async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> transport_core::BatchStatus {
-    let b = t.submit(reqs, SubmitOptions::default()).await.unwrap();
-    let s = tokio::time::timeout(LIMIT, t.wait(b)).await.expect("batch finishes").unwrap();
-    t.release(b).unwrap();
-    s
-}
+use transport_core::{Access, Buffer, ErrorKind, TransferRequest, Transport};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fds_and_stats_return_to_baseline() {

@@ -7,56 +7,15 @@
 
 mod support;
 
+use support::raw::{closed, hello, next_frame, WAIT};
+
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use transport_core::{Access, Buffer, ErrorKind, Transport};
 use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
 use transport_tcp::{TcpConfig, TcpTransport};
-
-/// Runs the client side of a handshake without a secret; returns the
-/// server's generation.
-async fn hello(s: &mut TcpStream) -> u64 {
-    let mut p = VERSION.to_le_bytes().to_vec();
-    p.extend_from_slice(&[7u8; NONCE_LEN]);
-    let mut h = Header::new(FrameType::Hello);
-    h.payload_len = p.len() as u32;
-    s.write_all(&h.encode()).await.unwrap();
-    s.write_all(&p).await.unwrap();
-    let mut b = [0u8; HEADER_LEN];
-    s.read_exact(&mut b).await.unwrap();
-    let c = Header::decode(&b, 1 << 20).unwrap();
-    let mut n = [0u8; NONCE_LEN];
-    s.read_exact(&mut n).await.unwrap();
-    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
-    s.read_exact(&mut b).await.unwrap();
-    assert_eq!(Header::decode(&b, 1 << 20).unwrap().ty, FrameType::Ready);
-    c.generation
-}
-
-/// Reads one whole frame, or `None` if the connection ended first.
-async fn next_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
-    let mut b = [0u8; HEADER_LEN];
-    s.read_exact(&mut b).await.ok()?;
-    let h = Header::decode(&b, 1 << 20).unwrap();
-    let mut p = vec![0u8; h.payload_len as usize];
-    s.read_exact(&mut p).await.ok()?;
-    Some((h, p))
-}
-
-/// Reads until the server closes; true if it did within 5 s.
-async fn closed(s: &mut TcpStream) -> bool {
-    let mut sink = vec![0u8; 1 << 16];
-    let end = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        match tokio::time::timeout_at(end, s.read(&mut sink)).await {
-            Err(_) => return false,
-            Ok(Ok(0)) | Ok(Err(_)) => return true,
-            Ok(Ok(_)) => {}
-        }
-    }
-}
 
 /// Finding 7a: a DESC_REQ (or any request) with a status byte other than 0
 /// is a malformed frame: the connection is closed without an answer.
@@ -73,7 +32,7 @@ async fn request_with_a_status_byte_is_refused() {
         let mut d = Header::new(FrameType::DescReq);
         d.id = 1;
         s.write_all(&d.encode()).await.unwrap();
-        let (h, _) = next_frame(&mut s).await.expect("a DESC_RESP");
+        let (h, _) = next_frame(&mut s, WAIT).await.expect("a DESC_RESP");
         assert_eq!(h.ty, FrameType::DescResp);
         // Every request type with a status byte set: no answer, closed.
         for ty in [FrameType::DescReq, FrameType::Read, FrameType::Write] {
@@ -97,7 +56,7 @@ async fn request_with_a_status_byte_is_refused() {
                 bytes.extend_from_slice(&r.encode());
             }
             s.write_all(&bytes).await.unwrap();
-            assert!(next_frame(&mut s).await.is_none(), "{ty:?} with status 5 must not be answered");
+            assert!(next_frame(&mut s, WAIT).await.is_none(), "{ty:?} with status 5 must not be answered");
             assert!(closed(&mut s).await, "{ty:?} with status 5 closes the connection");
         }
         assert_eq!(mem.to_vec(), vec![9u8; 4096], "no memory was touched");
@@ -149,11 +108,11 @@ async fn answers_before_a_malformed_frame_are_sent() {
             bytes.extend_from_slice(&r.encode());
             bytes.extend_from_slice(&bad);
             s.write_all(&bytes).await.unwrap();
-            let (h, _) = next_frame(&mut s).await.unwrap_or_else(|| panic!("{what}: DESC_RESP is sent"));
+            let (h, _) = next_frame(&mut s, WAIT).await.unwrap_or_else(|| panic!("{what}: DESC_RESP is sent"));
             assert_eq!((h.ty, h.id), (FrameType::DescResp, 1), "{what}");
-            let (h, _) = next_frame(&mut s).await.unwrap_or_else(|| panic!("{what}: WRITE_ACK is sent"));
+            let (h, _) = next_frame(&mut s, WAIT).await.unwrap_or_else(|| panic!("{what}: WRITE_ACK is sent"));
             assert_eq!((h.ty, h.id, h.status), (FrameType::WriteAck, 2, Status::Ok), "{what}");
-            let (h, p) = next_frame(&mut s).await.unwrap_or_else(|| panic!("{what}: READ_RESP is sent"));
+            let (h, p) = next_frame(&mut s, WAIT).await.unwrap_or_else(|| panic!("{what}: READ_RESP is sent"));
             assert_eq!((h.ty, h.id, h.status), (FrameType::ReadResp, 3, Status::Ok), "{what}");
             assert_eq!(p, [3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 3, 3, 3, 3], "{what}");
             assert!(closed(&mut s).await, "{what}: then the connection is closed");
@@ -202,7 +161,7 @@ async fn server_at_its_connection_limit_answers_busy() {
             h.payload_len = p.len() as u32;
             let _ = s.write_all(&h.encode()).await;
             let _ = s.write_all(&p).await;
-            let (e, _) = next_frame(&mut s).await.expect("an answer before the close");
+            let (e, _) = next_frame(&mut s, WAIT).await.expect("an answer before the close");
             assert_eq!((e.ty, e.status), (FrameType::Error, Status::Busy));
             assert!(closed(&mut s).await);
         }

@@ -5,6 +5,8 @@
 
 mod support;
 
+use support::run;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,16 +19,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
 use transport_tcp::wire::{FrameType, Header, Status};
-use transport_tcp::{TcpConfig, TcpTransport};
+use transport_tcp::TcpConfig;
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> transport_core::BatchStatus {
-    let b = t.submit(reqs, SubmitOptions::default()).await.unwrap();
-    let s = tokio::time::timeout(LIMIT, t.wait(b)).await.expect("batch finishes").unwrap();
-    t.release(b).unwrap();
-    s
-}
 
 /// Waits (bounded) until `f` holds; returns whether it did.
 async fn eventually(mut f: impl FnMut() -> bool) -> bool {

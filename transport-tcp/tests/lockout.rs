@@ -7,66 +7,19 @@
 
 mod support;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use support::raw::{closed_within, connect_from, hello, next_frame, send_hello};
+
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
-use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use transport_tcp::wire::{FrameType, Header, Status};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const SECRET: &str = "lockout-secret";
-
-/// A raw connection to `to` from the loopback address `from` (all of
-/// 127.0.0.0/8 is loopback on Linux), so one test can play peers on
-/// several addresses.
-async fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
-    let s = TcpSocket::new_v4().unwrap();
-    s.bind(SocketAddr::new(IpAddr::V4(from), 0)).unwrap();
-    s.connect(to).await.unwrap()
-}
-
-/// Sends a HELLO (the first step of a handshake).
-async fn send_hello(s: &mut TcpStream) {
-    let mut p = VERSION.to_le_bytes().to_vec();
-    p.extend_from_slice(&[7u8; NONCE_LEN]);
-    let mut h = Header::new(FrameType::Hello);
-    h.payload_len = p.len() as u32;
-    let _ = s.write_all(&h.encode()).await;
-    let _ = s.write_all(&p).await;
-}
-
-/// Reads one whole frame, or `None` if the connection ended first or
-/// nothing came within `wait`.
-async fn next_frame(s: &mut TcpStream, wait: Duration) -> Option<(Header, Vec<u8>)> {
-    tokio::time::timeout(wait, async {
-        let mut b = [0u8; HEADER_LEN];
-        s.read_exact(&mut b).await.ok()?;
-        let h = Header::decode(&b, 1 << 20).unwrap();
-        let mut p = vec![0u8; h.payload_len as usize];
-        s.read_exact(&mut p).await.ok()?;
-        Some((h, p))
-    })
-    .await
-    .ok()
-    .flatten()
-}
-
-/// Reads until the server closes; the time it took, or `None` if it did
-/// not close within `wait`.
-async fn closed_within(s: &mut TcpStream, wait: Duration) -> Option<Duration> {
-    let start = Instant::now();
-    let mut sink = vec![0u8; 1 << 16];
-    loop {
-        match tokio::time::timeout_at(start + wait, s.read(&mut sink)).await {
-            Err(_) => return None,
-            Ok(Ok(0)) | Ok(Err(_)) => return Some(start.elapsed()),
-            Ok(Ok(_)) => {}
-        }
-    }
-}
 
 /// A legitimate initiator (with the secret) opens the segment and writes
 /// 4 KiB, retrying transient refusals ("busy") as the Engine would, until
@@ -205,18 +158,6 @@ async fn handshake_deadline_closes_a_silent_socket() {
     })
     .await
     .expect("test timed out");
-}
-
-/// Runs the client side of a handshake without a secret; returns the
-/// server's generation.
-async fn hello(s: &mut TcpStream) -> u64 {
-    send_hello(s).await;
-    let (c, _) = next_frame(s, Duration::from_secs(5)).await.expect("a CHALLENGE");
-    assert_eq!(c.ty, FrameType::Challenge);
-    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
-    let (r, _) = next_frame(s, Duration::from_secs(5)).await.expect("READY");
-    assert_eq!(r.ty, FrameType::Ready);
-    c.generation
 }
 
 /// Sends a DESC_REQ and expects its answer.

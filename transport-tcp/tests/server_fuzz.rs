@@ -6,6 +6,8 @@
 
 mod support;
 
+use support::raw::{closed, hello};
+
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -39,37 +41,6 @@ proptest! {
         let mut b = h.encode();
         b[pos] ^= 1 << bit;
         prop_assert!(Header::decode(&b, 4096).is_err());
-    }
-}
-
-async fn hello(s: &mut TcpStream) -> u64 {
-    let mut p = VERSION.to_le_bytes().to_vec();
-    p.extend_from_slice(&[7u8; NONCE_LEN]);
-    let mut h = Header::new(FrameType::Hello);
-    h.payload_len = p.len() as u32;
-    s.write_all(&h.encode()).await.unwrap();
-    s.write_all(&p).await.unwrap();
-    let mut b = [0u8; HEADER_LEN];
-    s.read_exact(&mut b).await.unwrap();
-    let c = Header::decode(&b, 1 << 20).unwrap();
-    let mut n = [0u8; NONCE_LEN];
-    s.read_exact(&mut n).await.unwrap();
-    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
-    s.read_exact(&mut b).await.unwrap();
-    assert_eq!(Header::decode(&b, 1 << 20).unwrap().ty, FrameType::Ready);
-    c.generation
-}
-
-/// Reads until the server closes; true if it did within the limit.
-async fn closed(s: &mut TcpStream) -> bool {
-    let mut sink = vec![0u8; 1 << 16];
-    let end = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        match tokio::time::timeout_at(end, s.read(&mut sink)).await {
-            Err(_) => return false,
-            Ok(Ok(0)) | Ok(Err(_)) => return true,
-            Ok(Ok(_)) => {}
-        }
     }
 }
 

@@ -5,25 +5,20 @@
 
 mod support;
 
+use support::run;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use support::proxy::FaultProxy;
 use support::{node, test_config};
 use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
-use transport_tcp::{TcpConfig, TcpTransport};
+use transport_tcp::TcpConfig;
 
 const LIMIT: Duration = Duration::from_secs(30);
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8).collect()
-}
-
-async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> transport_core::BatchStatus {
-    let b = t.submit(reqs, SubmitOptions::default()).await.unwrap();
-    let s = tokio::time::timeout(LIMIT, t.wait(b)).await.expect("batch finishes").unwrap();
-    t.release(b).unwrap();
-    s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

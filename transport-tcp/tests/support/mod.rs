@@ -4,10 +4,21 @@
 
 pub mod fake_peer;
 pub mod proxy;
+pub mod raw;
 
 use std::time::Duration;
 
+use transport_core::{BatchStatus, SubmitOptions, TransferRequest, Transport};
 use transport_tcp::{TcpConfig, TcpTransport};
+
+/// Submits `reqs`, waits (at most 30 s) for the batch to end, releases it
+/// and returns its final status.
+pub async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> BatchStatus {
+    let b = t.submit(reqs, SubmitOptions::default()).await.unwrap();
+    let s = tokio::time::timeout(Duration::from_secs(30), t.wait(b)).await.expect("batch finishes").unwrap();
+    t.release(b).unwrap();
+    s
+}
 
 /// Open file descriptors of this process.
 pub fn open_fds() -> u64 {
