@@ -157,6 +157,13 @@ pub(crate) struct Batch {
     pub orphaned: bool,
 }
 
+impl Batch {
+    /// A new batch: no deadline task yet, not orphaned.
+    pub(crate) fn new(ledger: BatchLedger, targets: Vec<Target>) -> Self {
+        Self { ledger, targets, notify: Arc::new(Notify::new()), deadline: None, orphaned: false }
+    }
+}
+
 /// The QPs peers hold into us, alive while their side channel is open.
 #[derive(Debug)]
 pub(crate) struct PassiveConn {
@@ -485,13 +492,7 @@ mod tests {
         let req = TransferRequest::write(RegionId(1), 0, SegmentId(1), 0x1000, 8);
         let targets = vec![Target { spec: req, rkey: 7 }, Target { spec: req, rkey: 7 }];
         let ledger = BatchLedger::new([posted, 1], None);
-        let id = st.batches.insert(Batch {
-            ledger,
-            targets,
-            notify: Arc::new(Notify::new()),
-            deadline: None,
-            orphaned: false,
-        });
+        let id = st.batches.insert(Batch::new(ledger, targets));
         let b = st.batches.get_mut(id).unwrap();
         for _ in 0..posted {
             assert!(b.ledger.start(0));

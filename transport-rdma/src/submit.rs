@@ -7,7 +7,6 @@ use std::collections::HashSet;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use transport_core::lifecycle::{validate_batch, BatchLedger, BatchLimits, EndReason, EndpointId};
 use transport_core::{BatchId, BatchStatus, Error, ErrorKind, Result, SegmentId, SubmitOptions, TransferRequest};
 
@@ -171,13 +170,7 @@ impl Inner {
             }
             let ledger = BatchLedger::new(requests.iter().map(|r| r.len.div_ceil(slice)), None);
             let targets = requests.iter().zip(&keys).map(|(r, k)| Target { spec: *r, rkey: *k }).collect();
-            let id = st.batches.insert(Batch {
-                ledger,
-                targets,
-                notify: Arc::new(Notify::new()),
-                deadline: None,
-                orphaned: false,
-            });
+            let id = st.batches.insert(Batch::new(ledger, targets));
             if let Some(after) = opts.timeout {
                 let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
                 if let Ok(b) = st.batches.get_mut(id) {

@@ -7,14 +7,14 @@
 
 mod support;
 
-use support::raw::{closed, hello, next_frame, WAIT};
+use support::raw::{closed, hello, next_frame, send_hello, WAIT};
 
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use transport_core::{Access, Buffer, ErrorKind, Transport};
-use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use transport_tcp::wire::{FrameType, Header, Status, HEADER_LEN};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// Finding 7a: a DESC_REQ (or any request) with a status byte other than 0
@@ -155,12 +155,7 @@ async fn server_at_its_connection_limit_answers_busy() {
         // A raw connection over the limit gets an ERROR frame, status Busy.
         for _ in 0..3 {
             let mut s = TcpStream::connect(addr).await.unwrap();
-            let mut p = VERSION.to_le_bytes().to_vec();
-            p.extend_from_slice(&[7u8; NONCE_LEN]);
-            let mut h = Header::new(FrameType::Hello);
-            h.payload_len = p.len() as u32;
-            let _ = s.write_all(&h.encode()).await;
-            let _ = s.write_all(&p).await;
+            send_hello(&mut s).await;
             let (e, _) = next_frame(&mut s, WAIT).await.expect("an answer before the close");
             assert_eq!((e.ty, e.status), (FrameType::Error, Status::Busy));
             assert!(closed(&mut s).await);

@@ -93,13 +93,7 @@ pub async fn next_request(s: &mut TcpStream) -> Option<Header> {
         if h.ty != FrameType::DescReq {
             return Some(h);
         }
-        let regions = encode_regions(&[REGION]);
-        let mut a = Header::new(FrameType::DescResp);
-        a.id = h.id;
-        a.generation = GENERATION;
-        a.payload_len = regions.len() as u32;
-        s.write_all(&a.encode()).await.ok()?;
-        s.write_all(&regions).await.ok()?;
+        send_desc(s, h.id).await?;
     }
 }
 
@@ -111,12 +105,16 @@ pub async fn answer_desc(s: &mut TcpStream) -> Option<()> {
     if h.ty != FrameType::DescReq {
         return None;
     }
+    send_desc(s, h.id).await
+}
+
+/// Sends the fake peer's descriptor as the answer to request `id`.
+async fn send_desc(s: &mut TcpStream, id: u64) -> Option<()> {
     let regions = encode_regions(&[REGION]);
     let mut a = Header::new(FrameType::DescResp);
-    a.id = h.id;
+    a.id = id;
     a.generation = GENERATION;
     a.payload_len = regions.len() as u32;
     s.write_all(&a.encode()).await.ok()?;
-    s.write_all(&regions).await.ok()?;
-    Some(())
+    s.write_all(&regions).await.ok()
 }
