@@ -60,9 +60,8 @@ impl State {
             let Some(slice) = ep.pending.pop_front() else { return };
             let Ok(b) = self.batches.get_mut(slice.batch) else { continue };
             let Some(&Target { spec, rkey }) = b.targets.get(slice.req) else { continue };
-            if !b.ledger.is_live(slice.req) {
-                continue;
-            }
+            // A request that is no longer live is neither ended again (the
+            // first decision stands) nor started.
             let Some(region) = self.regions.get(&spec.local) else {
                 let p = b.ledger.end(slice.req, EndReason::Failed(Error::region_unregistered(spec.local)));
                 wake(b, p);

@@ -23,7 +23,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::types::{BatchState, BatchStatus, RequestStatus};
+use crate::types::{BatchStatus, RequestStatus};
 
 /// Why a request ended before all its units completed.
 #[derive(Debug, Clone)]
@@ -252,15 +252,6 @@ impl BatchLedger {
         BatchStatus::from_requests(self.entries.iter().map(|e| e.visible.clone()).collect())
     }
 
-    /// The batch state alone.
-    pub fn state(&self) -> BatchState {
-        if self.pending > 0 {
-            BatchState::InProgress
-        } else {
-            self.status().state
-        }
-    }
-
     /// Whether every request is visibly terminal (and so quiet).
     pub fn is_terminal(&self) -> bool {
         self.pending == 0
@@ -286,6 +277,7 @@ impl BatchLedger {
 mod tests {
     use super::*;
     use crate::error::ErrorKind;
+    use crate::types::BatchState;
 
     fn reset() -> Error {
         Error::new(ErrorKind::ConnectionReset, "cut")

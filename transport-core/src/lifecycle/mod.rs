@@ -24,4 +24,4 @@ pub use ledger::{BatchLedger, EndReason, Progress};
 pub use pool::{Acquire, EndpointId, EndpointPool, EndpointState, PoolCounts};
 pub use table::BatchTable;
 pub use tasks::{OwnedTask, TaskGuard, TaskSet};
-pub use validate::{check_batch_len, check_local_range, check_request_shape, validate_batch, BatchLimits};
+pub use validate::{validate_batch, BatchLimits};

@@ -22,7 +22,7 @@ impl From<&Capabilities> for BatchLimits {
 }
 
 /// The batch as a whole: 1 ..= `max_batch_len` requests.
-pub fn check_batch_len(len: usize, limits: BatchLimits) -> Result<()> {
+fn check_batch_len(len: usize, limits: BatchLimits) -> Result<()> {
     if len == 0 {
         return Err(Error::new(ErrorKind::InvalidRequest, "empty batch"));
     }
@@ -36,7 +36,7 @@ pub fn check_batch_len(len: usize, limits: BatchLimits) -> Result<()> {
 
 /// The checks of one request that need no lookup: non-zero length within
 /// `max_request_len`, and `remote_addr + len` does not overflow.
-pub fn check_request_shape(i: usize, r: &TransferRequest, limits: BatchLimits) -> Result<()> {
+fn check_request_shape(i: usize, r: &TransferRequest, limits: BatchLimits) -> Result<()> {
     if r.len == 0 {
         return Err(Error::new(ErrorKind::InvalidRequest, "zero-length request").with("request", i));
     }
@@ -54,7 +54,7 @@ pub fn check_request_shape(i: usize, r: &TransferRequest, limits: BatchLimits) -
 
 /// Checks that `offset .. offset + len` lies inside a local region of
 /// `region_len` bytes (no overflow).
-pub fn check_local_range(i: usize, r: &TransferRequest, region_len: u64) -> Result<()> {
+fn check_local_range(i: usize, r: &TransferRequest, region_len: u64) -> Result<()> {
     match r.local_offset.checked_add(r.len) {
         Some(end) if end <= region_len => Ok(()),
         _ => Err(Error::new(ErrorKind::OutOfBounds, "request lies outside its local region")
