@@ -116,6 +116,15 @@ impl Transport for RetriesPermanent {
     async fn cancel(&self, batch: BatchId) -> Result<BatchStatus> {
         self.inner.cancel(batch).await
     }
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        self.inner.notify(segment, msg).await
+    }
+    fn take_notifications(&self, max: usize) -> Result<Vec<transport_core::Notification>> {
+        self.inner.take_notifications(max)
+    }
+    async fn wait_notification(&self) -> Result<()> {
+        self.inner.wait_notification().await
+    }
     fn release(&self, batch: BatchId) -> Result<()> {
         self.inner.release(batch)?;
         self.batches.lock().remove(&batch);

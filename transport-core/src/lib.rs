@@ -24,8 +24,10 @@ mod clock;
 mod error;
 pub mod lifecycle;
 mod metadata;
+mod notify;
 mod policy;
 pub mod serde_ms;
+pub mod session;
 mod stats;
 mod transport;
 mod types;
@@ -33,6 +35,10 @@ mod types;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
 pub use metadata::{InProcessStore, MetadataStore};
+pub use notify::{
+    check_notification, check_received, inbox_full, Inbox, Notification, Refused, DEFAULT_INBOX, MAX_NOTIFY_FROM,
+    MAX_NOTIFY_LEN,
+};
 pub use policy::{
     backoff, Admit, BackpressureConfig, Breaker, BreakerConfig, BreakerState, Budget, Charge, DeadlineConfig, Engine,
     PolicyConfig, Reservation, RetryConfig, Transfer, TransferOutcome, Usage,

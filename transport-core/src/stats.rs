@@ -55,4 +55,6 @@ pub struct ResourceStats {
     pub inflight: usize,
     /// Background tasks owned by the transport (pollers, reapers, servers).
     pub tasks: usize,
+    /// Received notifications waiting in the inbox (rule 11: bounded).
+    pub notifications: usize,
 }

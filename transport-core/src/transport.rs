@@ -3,7 +3,8 @@
 use async_trait::async_trait;
 use transport_mem::MemoryRegion;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::notify::{check_notification, Notification};
 use crate::stats::{Capabilities, ResourceStats};
 use crate::types::{
     Access, BatchId, BatchStatus, RegionId, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest,
@@ -101,6 +102,62 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Live resource counts (rule 1).
     fn stats(&self) -> ResourceStats;
+
+    /// Sends `msg` to the peer of `segment` (rule 11). Returns once the
+    /// message is in the peer's inbox.
+    ///
+    /// # Behavior
+    /// - `msg` longer than [`crate::MAX_NOTIFY_LEN`]: `InvalidRequest`, nothing sent.
+    /// - The peer's inbox is full: a transient `Backpressure` (nothing queued;
+    ///   try again later).
+    /// - Unreachable peer or a connection lost before the peer answered: a
+    ///   transient error; the message may or may not have been delivered.
+    /// - Per pair of transports, notifications arrive in the order of the
+    ///   `notify` calls that returned: one whose call returned `Ok` before
+    ///   another call began is taken first from the peer's inbox.
+    /// - The notification carries this transport's
+    ///   [`Transport::local_segment_name`] as [`Notification::from`].
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()>;
+
+    /// Takes up to `max` received notifications, oldest first; an empty
+    /// vector when there are none. Never blocks.
+    ///
+    /// # Behavior
+    /// - After shutdown: `Shutdown`.
+    fn take_notifications(&self, max: usize) -> Result<Vec<Notification>>;
+
+    /// Waits until at least one received notification is queued (then
+    /// [`Transport::take_notifications`] returns it).
+    ///
+    /// # Behavior
+    /// - After (or during) shutdown: `Shutdown`.
+    async fn wait_notification(&self) -> Result<()>;
+
+    /// Waits for `batch` and, only if every request completed, sends `msg`
+    /// to the peer of `segment` (rule 11: a notification attached to a
+    /// batch). Returns the batch's final status and the outcome of the
+    /// notification: `None` when the batch did not complete (nothing was
+    /// sent: a failed batch never notifies success).
+    ///
+    /// Safe for every backend because a request is reported completed only
+    /// once its bytes are in the receiver's memory (rule 5; TCP: acked after
+    /// landing; RDMA: the RC completion of the write), and the message is
+    /// sent only after that. A backend with a faster path that keeps the
+    /// same order may override it.
+    async fn notify_after(
+        &self,
+        batch: BatchId,
+        segment: SegmentId,
+        msg: Vec<u8>,
+    ) -> Result<(BatchStatus, Option<Result<()>>)> {
+        check_notification(&msg)?;
+        let status = self.wait(batch).await?;
+        if status.state != crate::types::BatchState::Completed {
+            return Ok((status, None));
+        }
+        let sent = self.notify(segment, msg).await.map_err(|e: Error| e.with("batch", batch.0));
+        Ok((status, Some(sent)))
+    }
 
     /// Cancels all batches, closes all segments, unregisters all memory and
     /// stops background tasks; returns when all of it is quiet. Later calls

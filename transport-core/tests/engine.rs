@@ -133,6 +133,15 @@ impl Transport for Scripted {
     async fn shutdown(&self) -> Result<()> {
         Ok(())
     }
+    async fn notify(&self, _segment: SegmentId, _msg: Vec<u8>) -> Result<()> {
+        Err(Error::new(ErrorKind::Unsupported, "scripted: no notifications"))
+    }
+    fn take_notifications(&self, _max: usize) -> Result<Vec<transport_core::Notification>> {
+        Ok(Vec::new())
+    }
+    async fn wait_notification(&self) -> Result<()> {
+        std::future::pending().await
+    }
 }
 
 fn fast_policy() -> PolicyConfig {

@@ -25,4 +25,12 @@ pub struct MockBugs {
     /// `close_segment` returns `Ok` but keeps the handle and its endpoint.
     /// Breaks rule 3.
     pub noop_close_segment: bool,
+    /// `notify_after` sends the attached notification as soon as it is
+    /// called, while the batch's bytes are still being copied. Breaks
+    /// rule 11.
+    pub notify_before_landing: bool,
+    /// `notify` reports a session's failure notices (cancel, expiry,
+    /// failure: `transport_core::session::is_failure_notice`) delivered but
+    /// drops them, so the peer never learns. Breaks rule 13.
+    pub drop_failure_notices: bool,
 }

@@ -34,6 +34,9 @@ pub struct MockConfig {
     pub max_request_len: u64,
     /// Lanes (simulated QPs or sockets) per endpoint. Default 1.
     pub lanes_per_endpoint: usize,
+    /// Notifications the inbox holds before senders get `Backpressure`
+    /// (rule 11). Default 1024.
+    pub inbox_capacity: usize,
     /// Faults injected by this host (empty by default).
     pub fault_plan: FaultPlan,
 }
@@ -48,6 +51,7 @@ impl Default for MockConfig {
             max_batch_len: 1 << 16,
             max_request_len: 1 << 32,
             lanes_per_endpoint: 1,
+            inbox_capacity: transport_core::DEFAULT_INBOX,
             fault_plan: FaultPlan::default(),
         }
     }
@@ -76,6 +80,9 @@ impl MockConfig {
         }
         if self.lanes_per_endpoint == 0 {
             return bad("lanes_per_endpoint", "must be at least 1");
+        }
+        if self.inbox_capacity == 0 {
+            return bad("inbox_capacity", "must be at least 1");
         }
         if matches!(&self.name, Some(n) if n.is_empty()) {
             return bad("name", "must not be empty");

@@ -503,6 +503,21 @@ impl Transport for FaultyTransport {
         s
     }
 
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        self.check(true)?;
+        self.shared.inner.notify(segment, msg).await
+    }
+
+    fn take_notifications(&self, max: usize) -> Result<Vec<transport_core::Notification>> {
+        self.check(false)?;
+        self.shared.inner.take_notifications(max)
+    }
+
+    async fn wait_notification(&self) -> Result<()> {
+        self.check(false)?;
+        self.shared.inner.wait_notification().await
+    }
+
     async fn shutdown(&self) -> Result<()> {
         let mut tasks = std::mem::take(&mut *self.tasks.lock());
         tasks.abort_all();

@@ -13,7 +13,7 @@ use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{validate_batch, BatchLimits, BatchTable, EndReason, TaskSet};
 use transport_core::{
-    Error, ErrorKind, RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, TransferRequest,
+    Error, ErrorKind, Inbox, RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, TransferRequest,
 };
 
 use crate::batch::{Batch, Planned};
@@ -48,6 +48,8 @@ pub(crate) struct HostShared {
     pub endpoints: Arc<Mutex<Endpoints>>,
     pub batches: Mutex<BatchTable<Arc<Batch>>>,
     pub faults: Mutex<FaultState>,
+    /// Notifications received from peers (rule 11), bounded.
+    pub inbox: Inbox,
     tasks: TaskSet,
     /// Handles of the spawned tasks, to abort them; `None` once torn down.
     handles: Mutex<Option<Vec<JoinHandle<()>>>>,
@@ -66,6 +68,7 @@ impl HostShared {
     ) -> Self {
         let faults = Mutex::new(FaultState::new(config.fault_plan.clone()));
         let endpoints = Arc::new(Mutex::new(Endpoints::new(config.max_endpoints)));
+        let inbox = Inbox::new(config.inbox_capacity);
         Self {
             name,
             generation,
@@ -80,6 +83,7 @@ impl HostShared {
             endpoints,
             batches: Mutex::default(),
             faults,
+            inbox,
             tasks: TaskSet::new(),
             handles: Mutex::new(Some(Vec::new())),
             next_id: AtomicU64::new(1),
@@ -180,6 +184,7 @@ impl HostShared {
             batches: batches.len(),
             inflight,
             tasks: self.tasks.count(),
+            notifications: self.inbox.len(),
         }
     }
 
@@ -287,6 +292,7 @@ impl HostShared {
         }
         self.segments.lock().clear();
         self.endpoints.lock().clear();
+        self.inbox.close();
         self.stalled.store(false, Ordering::SeqCst);
         self.events.bump();
         tracing::debug!(host = %self.name, ?how, "mock host torn down");

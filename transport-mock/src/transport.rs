@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::runtime::Handle;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, ResourceStats, Result,
-    SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+    check_notification, Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, Notification,
+    RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
 use crate::batch::Batch;
@@ -277,6 +277,64 @@ impl Transport for MockTransport {
 
     fn stats(&self) -> ResourceStats {
         self.host.stats()
+    }
+
+    /// Rule 11: offered straight to the live peer's inbox (a killed peer is
+    /// `ConnectionRefused`); waits while either host is stalled, as copies
+    /// do. Order per pair follows from one synchronous offer per call.
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        self.host.check_live()?;
+        check_notification(&msg)?;
+        let name = self.segment(segment)?.name.clone();
+        let mut events = self.host.events.subscribe();
+        loop {
+            events.borrow_and_update();
+            self.host.check_live()?;
+            let peer = self.fabric.inner.live_host(&name).ok_or_else(|| {
+                Error::new(ErrorKind::ConnectionRefused, "no live mock host has this name").with("segment", &name)
+            })?;
+            if !peer.stalled() && !self.host.stalled() {
+                if self.host.bugs.drop_failure_notices && transport_core::session::is_failure_notice(&msg) {
+                    // The bug: reported delivered, never queued.
+                    return Ok(());
+                }
+                let n = Notification { from: self.host.name.clone(), msg };
+                return peer.inbox.offer(n).map_err(|r| r.into_error().with("segment", &name));
+            }
+            if events.changed().await.is_err() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+
+    fn take_notifications(&self, max: usize) -> Result<Vec<Notification>> {
+        self.host.check_live()?;
+        Ok(self.host.inbox.take(max))
+    }
+
+    async fn wait_notification(&self) -> Result<()> {
+        self.host.check_live()?;
+        self.host.inbox.wait().await
+    }
+
+    async fn notify_after(
+        &self,
+        batch: BatchId,
+        segment: SegmentId,
+        msg: Vec<u8>,
+    ) -> Result<(BatchStatus, Option<Result<()>>)> {
+        check_notification(&msg)?;
+        if self.host.bugs.notify_before_landing {
+            // The bug: the message goes out first, while the copies run.
+            let sent = self.notify(segment, msg).await;
+            let status = self.wait(batch).await?;
+            return Ok((status, Some(sent)));
+        }
+        let status = self.wait(batch).await?;
+        if status.state != transport_core::BatchState::Completed {
+            return Ok((status, None));
+        }
+        Ok((status, Some(self.notify(segment, msg).await)))
     }
 
     async fn shutdown(&self) -> Result<()> {

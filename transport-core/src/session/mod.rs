@@ -1,0 +1,9 @@
+//! Sessions (rules 12 and 13): the handoff of one request's KV between a
+//! sender (prefill) and a receiver (decode), with notifications as the
+//! control channel. This module is sans-IO: the message codec ([`wire`])
+//! and the state table; the driver that does the I/O is
+//! `transport_core::Sessions`, next to the policy layer.
+
+pub mod wire;
+
+pub use wire::{is_failure_notice, is_session_message, Grant, Outcome, Verdict, MAX_GRANT_RANGES};

@@ -1,0 +1,360 @@
+//! The session messages, carried as notifications (rule 11's channel).
+//!
+//! ```text
+//! offset size field
+//!   0     4   magic "\0KVS" (a plain notification starting with it is not
+//!             delivered to the user when sessions run)
+//!   4     1   version (1)
+//!   5     1   type (Kind)
+//!   6     8   epoch of the sender's session table (new on every start)
+//!  14     8   session id (0 in HEARTBEAT)
+//!  22     -   body:
+//!             GRANT:  deadline_ms u64, expected u64, n u16, n x (addr u64, len u64)
+//!             FINISH: bytes u64
+//!             END, CANCEL: outcome u8, error kind u8, reason_len u16,
+//!                     reason (UTF-8)
+//!             HEARTBEAT: reply wanted u8
+//!             QUIET: empty
+//! ```
+//! All integers little-endian. A decoder error means "ignore the message".
+
+use std::time::Duration;
+
+use crate::error::ErrorKind;
+use crate::notify::MAX_NOTIFY_LEN;
+
+/// Error kinds as they travel (index = code); an unknown code is `Internal`.
+const KINDS: [ErrorKind; 24] = {
+    use ErrorKind::*;
+    [
+        Internal,
+        ConnectionRefused,
+        ConnectionReset,
+        HandshakeFailed,
+        RetryExceeded,
+        PeerRestarted,
+        Backpressure,
+        PeerUnavailable,
+        ResourceExhausted,
+        Timeout,
+        Protocol,
+        Io,
+        OutOfBounds,
+        Unregistered,
+        AccessDenied,
+        InvalidHandle,
+        InvalidRequest,
+        AlreadyRegistered,
+        Cancelled,
+        Shutdown,
+        Unsupported,
+        Config,
+        AuthFailed,
+        NotFound,
+    ]
+};
+
+fn kind_code(k: ErrorKind) -> u8 {
+    KINDS.iter().position(|&x| x == k).and_then(|i| u8::try_from(i).ok()).unwrap_or(0)
+}
+
+fn kind_of(code: u8) -> ErrorKind {
+    KINDS.get(usize::from(code)).copied().unwrap_or(ErrorKind::Internal)
+}
+
+/// First bytes of every session message.
+pub const MAGIC: [u8; 4] = *b"\0KVS";
+const VERSION: u8 = 1;
+const HEADER: usize = 22;
+/// Largest number of ranges in one grant (keeps a GRANT within one
+/// notification).
+pub const MAX_GRANT_RANGES: usize = (MAX_NOTIFY_LEN - HEADER - 18) / 16;
+/// Longest reason text carried by END.
+pub const MAX_REASON: usize = 512;
+
+/// What the receiver allows: where the sender may write, how much, by when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// Remote ranges `(addr, len)` in the receiver's registered memory.
+    pub ranges: Vec<(u64, u64)>,
+    /// Bytes the sender must report written when it finishes.
+    pub expected: u64,
+    /// Time from the grant to the session's deadline.
+    pub deadline: Duration,
+}
+
+/// The final outcome the receiver decides and both sides adopt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Landed = 1,
+    Failed = 2,
+    Cancelled = 3,
+    Expired = 4,
+}
+
+/// An outcome with the error that explains it (`kind` and `reason` matter
+/// for `Failed`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub outcome: Outcome,
+    pub kind: ErrorKind,
+    pub reason: String,
+}
+
+/// One decoded session message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Body {
+    /// Receiver -> sender: the transfer is admitted.
+    Grant(Grant),
+    /// Sender -> receiver: every write completed; `bytes` written in all.
+    Finish { bytes: u64 },
+    /// Sender -> receiver: the sender stopped (it is quiet) and asks to
+    /// end the session as `outcome` (`Cancelled`, or `Failed` when its
+    /// policy gave up on a write).
+    Cancel(Verdict),
+    /// Receiver -> sender: the session's final outcome.
+    End(Verdict),
+    /// Sender -> receiver: after an END that is not `Landed`, the sender is
+    /// quiet (nothing of the session is on the wire any more).
+    Quiet,
+    /// Liveness, either way; `reply` asks the peer to answer at once.
+    Heartbeat { reply: bool },
+}
+
+/// A session message with its header fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub epoch: u64,
+    pub id: u64,
+    pub body: Body,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Grant = 1,
+    Finish = 2,
+    Cancel = 3,
+    End = 4,
+    Quiet = 5,
+    Heartbeat = 6,
+}
+
+/// Whether a notification is a session message (by its magic).
+pub fn is_session_message(msg: &[u8]) -> bool {
+    msg.len() >= HEADER && msg[..4] == MAGIC
+}
+
+/// Whether a notification is a session notice that ends a session other
+/// than by landing (CANCEL, or END that is not `Landed`). Used by the
+/// conformance suite's broken transport that drops them.
+pub fn is_failure_notice(msg: &[u8]) -> bool {
+    match decode(msg) {
+        Some(Message { body: Body::Cancel(_), .. }) => true,
+        Some(Message { body: Body::End(v), .. }) => v.outcome != Outcome::Landed,
+        _ => false,
+    }
+}
+
+impl Message {
+    /// Encodes the message; the result is at most `MAX_NOTIFY_LEN` bytes
+    /// (ranges beyond [`MAX_GRANT_RANGES`] and reason text beyond
+    /// [`MAX_REASON`] are refused earlier, by the table).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(64);
+        b.extend_from_slice(&MAGIC);
+        b.push(VERSION);
+        let kind = match &self.body {
+            Body::Grant(_) => Kind::Grant,
+            Body::Finish { .. } => Kind::Finish,
+            Body::Cancel(_) => Kind::Cancel,
+            Body::End(_) => Kind::End,
+            Body::Quiet => Kind::Quiet,
+            Body::Heartbeat { .. } => Kind::Heartbeat,
+        };
+        b.push(kind as u8);
+        b.extend_from_slice(&self.epoch.to_le_bytes());
+        b.extend_from_slice(&self.id.to_le_bytes());
+        match &self.body {
+            Body::Grant(g) => {
+                let ms = u64::try_from(g.deadline.as_millis()).unwrap_or(u64::MAX);
+                b.extend_from_slice(&ms.to_le_bytes());
+                b.extend_from_slice(&g.expected.to_le_bytes());
+                let n = g.ranges.len().min(MAX_GRANT_RANGES);
+                b.extend_from_slice(&(n as u16).to_le_bytes());
+                for (a, l) in g.ranges.iter().take(n) {
+                    b.extend_from_slice(&a.to_le_bytes());
+                    b.extend_from_slice(&l.to_le_bytes());
+                }
+            }
+            Body::Finish { bytes } => b.extend_from_slice(&bytes.to_le_bytes()),
+            Body::End(v) | Body::Cancel(v) => {
+                let reason = &v.reason;
+                b.push(v.outcome as u8);
+                b.push(kind_code(v.kind));
+                let mut r = reason.as_bytes();
+                if r.len() > MAX_REASON {
+                    let mut cut = MAX_REASON;
+                    while !reason.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    r = &r[..cut];
+                }
+                b.extend_from_slice(&(r.len() as u16).to_le_bytes());
+                b.extend_from_slice(r);
+            }
+            Body::Heartbeat { reply } => b.push(u8::from(*reply)),
+            Body::Quiet => {}
+        }
+        b
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).and_then(|b| b.try_into().ok()).map(u16::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
+    }
+}
+
+/// Decodes a session message; `None` for anything malformed (wrong magic,
+/// version or type, short, trailing bytes, bad values).
+pub fn decode(msg: &[u8]) -> Option<Message> {
+    if !is_session_message(msg) || msg.len() > MAX_NOTIFY_LEN {
+        return None;
+    }
+    let mut r = Reader(&msg[4..]);
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let ty = r.u8()?;
+    let epoch = r.u64()?;
+    let id = r.u64()?;
+    let body = match ty {
+        1 => {
+            let ms = r.u64()?;
+            let expected = r.u64()?;
+            let n = usize::from(r.u16()?);
+            if n > MAX_GRANT_RANGES {
+                return None;
+            }
+            let mut ranges = Vec::with_capacity(n);
+            for _ in 0..n {
+                let a = r.u64()?;
+                let l = r.u64()?;
+                a.checked_add(l)?;
+                ranges.push((a, l));
+            }
+            Body::Grant(Grant { ranges, expected, deadline: Duration::from_millis(ms) })
+        }
+        2 => Body::Finish { bytes: r.u64()? },
+        3 | 4 => {
+            let outcome = match r.u8()? {
+                1 => Outcome::Landed,
+                2 => Outcome::Failed,
+                3 => Outcome::Cancelled,
+                4 => Outcome::Expired,
+                _ => return None,
+            };
+            let kind = kind_of(r.u8()?);
+            let n = usize::from(r.u16()?);
+            if n > MAX_REASON {
+                return None;
+            }
+            let reason = std::str::from_utf8(r.take(n)?).ok()?.to_string();
+            let v = Verdict { outcome, kind, reason };
+            if ty == 3 {
+                Body::Cancel(v)
+            } else {
+                Body::End(v)
+            }
+        }
+        5 => Body::Quiet,
+        6 => Body::Heartbeat {
+            reply: match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+        },
+        _ => return None,
+    };
+    if !r.0.is_empty() {
+        return None;
+    }
+    Some(Message { epoch, id, body })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Message> {
+        let g = Grant { ranges: vec![(4096, 100), (1 << 40, 7)], expected: 107, deadline: Duration::from_millis(1500) };
+        [
+            Body::Grant(g),
+            Body::Finish { bytes: 107 },
+            Body::Cancel(Verdict { outcome: Outcome::Cancelled, kind: ErrorKind::Cancelled, reason: "user".into() }),
+            Body::End(Verdict { outcome: Outcome::Expired, kind: ErrorKind::Timeout, reason: "deadline".into() }),
+            Body::Quiet,
+            Body::Heartbeat { reply: true },
+        ]
+        .into_iter()
+        .map(|body| Message { epoch: 9, id: 42, body })
+        .collect()
+    }
+
+    #[test]
+    fn round_trip() {
+        for m in all() {
+            let b = m.encode();
+            assert!(b.len() <= MAX_NOTIFY_LEN);
+            assert_eq!(decode(&b), Some(m));
+        }
+    }
+
+    #[test]
+    fn malformed_is_none() {
+        for m in all() {
+            let b = m.encode();
+            for cut in 0..b.len() {
+                assert_eq!(decode(&b[..cut]), None, "{m:?} cut at {cut}");
+            }
+            let mut longer = b.clone();
+            longer.push(0);
+            assert_eq!(decode(&longer), None);
+        }
+        let mut b = all()[0].encode();
+        b[5] = 77;
+        assert_eq!(decode(&b), None);
+        assert_eq!(decode(b"hello, not a session message"), None);
+    }
+
+    #[test]
+    fn failure_notices() {
+        let v: Vec<bool> = all().iter().map(|m| is_failure_notice(&m.encode())).collect();
+        assert_eq!(v, vec![false, false, true, true, false, false]);
+    }
+
+    #[test]
+    fn max_grant_fits() {
+        let g = Grant { ranges: vec![(1, 1); MAX_GRANT_RANGES], expected: 1, deadline: Duration::ZERO };
+        let b = Message { epoch: 1, id: 1, body: Body::Grant(g) }.encode();
+        assert!(b.len() <= MAX_NOTIFY_LEN, "{}", b.len());
+        assert!(decode(&b).is_some());
+    }
+}
