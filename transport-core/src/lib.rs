@@ -41,7 +41,7 @@ pub use notify::{
 };
 pub use policy::{
     backoff, Admit, BackpressureConfig, Breaker, BreakerConfig, BreakerState, Budget, Charge, DeadlineConfig, Engine,
-    PolicyConfig, Reservation, RetryConfig, Transfer, TransferOutcome, Usage,
+    PolicyConfig, Reservation, RetryConfig, Sessions, Transfer, TransferOutcome, Usage,
 };
 pub use stats::{Capabilities, ResourceStats};
 pub use transport::Transport;

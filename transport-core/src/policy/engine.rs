@@ -137,6 +137,31 @@ impl Transfer {
         }
     }
 
+    /// Waits for the final outcome; if `stop` completes first, cancels
+    /// what has not completed and waits until the transfer is quiet.
+    pub async fn wait_or_cancel(mut self, stop: impl std::future::Future<Output = ()>) -> Result<TransferOutcome> {
+        tokio::pin!(stop);
+        let mut stopped = false;
+        loop {
+            if let Some(o) = self.outcome.borrow_and_update().clone() {
+                return Ok(o);
+            }
+            tokio::select! {
+                r = self.outcome.changed() => {
+                    if r.is_err() {
+                        return self.outcome.borrow().clone().ok_or_else(|| {
+                            Error::new(ErrorKind::Shutdown, "the runtime stopped before the transfer finished")
+                        });
+                    }
+                }
+                _ = &mut stop, if !stopped => {
+                    stopped = true;
+                    let _ = self.cancel.send(true);
+                }
+            }
+        }
+    }
+
     /// Cancels what has not completed and waits until the transfer is quiet.
     pub async fn cancel(self) -> Result<TransferOutcome> {
         let _ = self.cancel.send(true);
@@ -173,6 +198,11 @@ impl Engine {
                 rng: Mutex::new(SmallRng::from_entropy()),
             }),
         })
+    }
+
+    /// The clock the engine runs on.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.inner.clock.clone()
     }
 
     /// The backend underneath.

@@ -6,9 +6,11 @@ mod breaker;
 mod budget;
 mod config;
 mod engine;
+mod sessions;
 
 pub use backoff::backoff;
 pub use breaker::{Admit, Breaker, BreakerState};
 pub use budget::{Budget, Charge, Reservation, Usage};
 pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig};
 pub use engine::{Engine, Transfer, TransferOutcome};
+pub use sessions::Sessions;

@@ -7,3 +7,8 @@
 pub mod wire;
 
 pub use wire::{is_failure_notice, is_session_message, Grant, Outcome, Verdict, MAX_GRANT_RANGES};
+mod table;
+
+pub use table::{
+    check_grant, Action, Outgoing, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
+};

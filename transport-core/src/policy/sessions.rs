@@ -1,0 +1,588 @@
+//! The session driver: [`Sessions`] runs the sans-IO
+//! [`crate::session::SessionTable`] over an [`Engine`], with the backend's
+//! notifications as its control channel (rules 11 to 13).
+//!
+//! It owns the transport's inbox while it runs: session messages go to the
+//! table, other notifications to its own bounded inbox
+//! ([`Sessions::take_notifications`]). Three kinds of task do the I/O: one
+//! reads the transport's inbox, one runs the table's timer, and one per peer
+//! (while it has messages queued) delivers that peer's messages in order,
+//! retrying transient failures for up to the liveness timeout.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::engine::{Engine, TransferOutcome};
+use crate::clock::Clock;
+use crate::error::{Error, ErrorKind, Result};
+use crate::notify::{check_notification, Inbox, Notification, DEFAULT_INBOX};
+use crate::session::{
+    is_session_message, Action, Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
+};
+use crate::types::{Opcode, SegmentId, TransferRequest};
+
+/// Messages queued toward one peer before older heartbeats are dropped.
+const MAX_QUEUED: usize = 4096;
+/// Notifications taken from the transport per wake-up.
+const TAKE_BATCH: usize = 256;
+
+/// The session engine of one process: both roles (sender and receiver) of
+/// every session, over one [`Engine`]. Cheap to clone; clones share state.
+/// Dropping the last clone (or [`Sessions::shutdown`]) stops its tasks.
+///
+/// # Example
+///
+/// ```no_run
+/// # async fn demo(prefill: transport_core::Sessions, decode: transport_core::Sessions,
+/// #               region: transport_core::RegionId, dst_addr: u64) -> transport_core::Result<()> {
+/// use std::time::Duration;
+/// use transport_core::session::Grant;
+/// use transport_core::TransferRequest;
+///
+/// let room = 42; // the request's id, known to both sides
+/// // Decode, once it has memory for the request:
+/// let grant = Grant { ranges: vec![(dst_addr, 1 << 20)], expected: 1 << 20, deadline: Duration::from_secs(30) };
+/// decode.grant(&prefill.name(), room, grant).await?;
+///
+/// // Prefill: wait for the grant, write (checked against it), finish.
+/// let decode_name = decode.name();
+/// prefill.expect(&decode_name, room)?;
+/// let grant = prefill.wait_grant(&decode_name, room).await?;
+/// let seg = prefill.segment(&decode_name).await?;
+/// let (addr, len) = grant.ranges[0];
+/// prefill.write(&decode_name, room, vec![TransferRequest::write(region, 0, seg, addr, len)]).await?;
+/// prefill.finish(&decode_name, room)?;
+/// let key = transport_core::session::SessionKey::new(decode_name, room, transport_core::session::Role::Sender);
+/// assert!(matches!(prefill.wait(&key).await?, transport_core::session::SessionState::Landed));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Sessions {
+    inner: Arc<Inner>,
+    _owner: Arc<Owner>,
+}
+
+struct Inner {
+    engine: Engine,
+    clock: Arc<dyn Clock>,
+    table: Mutex<SessionTable>,
+    changed: watch::Sender<u64>,
+    plain: Inbox,
+    peers: Mutex<HashMap<String, PeerLink>>,
+    writes: Mutex<HashMap<SessionKey, watch::Sender<bool>>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    dropped_plain: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct PeerLink {
+    segment: Option<SegmentId>,
+    queue: VecDeque<Vec<u8>>,
+    sending: bool,
+}
+
+/// Stops the tasks when the last user handle goes.
+struct Owner(Arc<Inner>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.stop_tasks();
+    }
+}
+
+impl fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sessions").field("counts", &self.counts()).finish()
+    }
+}
+
+impl Sessions {
+    /// Starts the session engine over `engine` (inside a tokio runtime). It
+    /// takes over the transport's notification inbox.
+    pub fn start(engine: Engine, limits: SessionLimits) -> Result<Self> {
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::new(ErrorKind::Internal, "Sessions must start inside a tokio runtime"))?;
+        if limits.heartbeat_interval.is_zero() || limits.liveness_timeout <= limits.heartbeat_interval {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "sessions: heartbeat_interval must be positive and below liveness_timeout",
+            ));
+        }
+        if limits.max_sessions == 0 || limits.max_sessions_per_peer == 0 {
+            return Err(Error::new(ErrorKind::Config, "sessions: max_sessions* must be at least 1"));
+        }
+        let epoch = loop {
+            let e: u64 = rand::random();
+            if e != 0 {
+                break e;
+            }
+        };
+        let tick = (limits.heartbeat_interval / 2).clamp(Duration::from_millis(5), Duration::from_millis(100));
+        let inner = Arc::new(Inner {
+            clock: engine.clock(),
+            engine,
+            table: Mutex::new(SessionTable::new(limits, epoch)),
+            changed: watch::channel(0).0,
+            plain: Inbox::new(DEFAULT_INBOX),
+            peers: Mutex::default(),
+            writes: Mutex::default(),
+            tasks: Mutex::default(),
+            dropped_plain: std::sync::atomic::AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&inner);
+        let reader = rt.spawn(read_loop(weak.clone()));
+        let timer = rt.spawn(tick_loop(weak, tick));
+        inner.tasks.lock().extend([reader, timer]);
+        Ok(Self { inner: inner.clone(), _owner: Arc::new(Owner(inner)) })
+    }
+
+    /// This engine's segment name (what peers use as `peer`).
+    pub fn name(&self) -> String {
+        self.inner.engine.transport().local_segment_name()
+    }
+
+    /// The engine underneath.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    /// Session counts (open, lingering, tracked peers, ignored messages).
+    pub fn counts(&self) -> SessionCounts {
+        self.inner.table.lock().counts()
+    }
+
+    /// The segment handle this engine uses toward `peer` (opened on first
+    /// use, shared by control messages and writes; do not close it).
+    pub async fn segment(&self, peer: &str) -> Result<SegmentId> {
+        self.inner.segment(peer).await
+    }
+
+    // ---- sender ----
+
+    /// Sender: expect a grant from `peer` for `id`. The session waits in
+    /// `Waiting` with no deadline (nothing is sent, nothing can time out)
+    /// while the peer is alive; it fails only if the peer dies.
+    pub fn expect(&self, peer: &str, id: u64) -> Result<()> {
+        let now = self.inner.clock.now();
+        let r = self.inner.table.lock().expect(peer, id, now);
+        self.inner.pump();
+        r
+    }
+
+    /// Sender: waits until `peer` granted `id` and returns the grant; an
+    /// error with the final state if the session ended first.
+    pub async fn wait_grant(&self, peer: &str, id: u64) -> Result<Grant> {
+        let key = SessionKey::new(peer, id, Role::Sender);
+        let mut rx = self.inner.changed.subscribe();
+        loop {
+            rx.borrow_and_update();
+            {
+                let t = self.inner.table.lock();
+                match t.state(&key) {
+                    Some(st) if st.is_final() => return Err(ended(&key, &st)),
+                    Some(SessionState::Waiting) => {}
+                    Some(_) => {
+                        if let Some(g) = t.grant(&key) {
+                            return Ok(g);
+                        }
+                    }
+                    None => return Err(unknown(&key)),
+                }
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::shut_down());
+            }
+        }
+    }
+
+    /// Sender: grants received and not yet used, oldest first.
+    pub fn grants(&self) -> Vec<(SessionKey, Grant)> {
+        self.inner.table.lock().grants()
+    }
+
+    /// Sender: writes `requests` for the session (all `Write`s to
+    /// [`Sessions::segment`]`(peer)`), through the engine's policy (retry,
+    /// breaker, budgets). Refused before a byte moves if a range falls
+    /// outside the grant, there is no grant, or the session is not open.
+    /// Bounded by the session's deadline; stopped if the session ends. If
+    /// the policy gives up, the session fails on both sides.
+    pub async fn write(&self, peer: &str, id: u64, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
+        let key = SessionKey::new(peer, id, Role::Sender);
+        let seg = self.inner.segment(peer).await?;
+        let mut ranges = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            if r.op != Opcode::Write || r.segment != seg {
+                return Err(Error::new(
+                    ErrorKind::InvalidRequest,
+                    "session writes must be Write requests to Sessions::segment(peer)",
+                )
+                .with("request", i));
+            }
+            ranges.push((r.remote_addr, r.len));
+        }
+        if requests.is_empty() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "empty write"));
+        }
+        let now = self.inner.clock.now();
+        let left = self.inner.table.lock().begin_write(&key, &ranges, now)?;
+        // One stop signal per session, shared by its concurrent writes.
+        let mut stop_rx =
+            self.inner.writes.lock().entry(key.clone()).or_insert_with(|| watch::channel(false).0).subscribe();
+        let outcome = match self.inner.engine.submit(requests).await {
+            Ok(t) => {
+                let sleep = self.inner.clock.sleep(left);
+                let stop = async move {
+                    tokio::select! {
+                        _ = sleep => {}
+                        _ = stop_rx.wait_for(|s| *s) => {}
+                    }
+                };
+                t.wait_or_cancel(stop).await
+            }
+            Err(e) => Err(e),
+        };
+        let bytes: u64 = match &outcome {
+            Ok(o) => o.requests.iter().zip(ranges.iter()).filter(|(s, _)| s.is_completed()).map(|(_, r)| r.1).sum(),
+            Err(_) => 0,
+        };
+        let now = self.inner.clock.now();
+        {
+            let mut t = self.inner.table.lock();
+            t.end_write(&key, bytes, now);
+            let failed = match &outcome {
+                Ok(o) if o.is_success() => None,
+                Ok(o) => Some(o.clone().into_result().err().unwrap_or_else(|| Error::new(ErrorKind::Internal, "?"))),
+                Err(e) => Some(e.clone()),
+            };
+            if let Some(e) = failed {
+                // The policy gave up (or the session is ending): the
+                // session fails on both sides unless it already ends.
+                let _ = t.cancel(&key, Some(e), now);
+            }
+            if !matches!(t.state(&key), Some(SessionState::Transferring)) {
+                self.inner.writes.lock().remove(&key);
+            }
+        }
+        self.inner.pump();
+        outcome
+    }
+
+    /// Sender: every write of the session completed; tell the receiver,
+    /// which decides `Landed` (or `Failed` when the bytes do not match).
+    /// Await the outcome with [`Sessions::wait`].
+    pub fn finish(&self, peer: &str, id: u64) -> Result<()> {
+        let key = SessionKey::new(peer, id, Role::Sender);
+        let r = self.inner.table.lock().finish(&key);
+        self.inner.pump();
+        r
+    }
+
+    // ---- receiver ----
+
+    /// Receiver: admits `peer` to write `grant.ranges` for `id`; the
+    /// deadline starts now. The grant is delivered in the background
+    /// (retried while the peer is alive).
+    pub async fn grant(&self, peer: &str, id: u64, grant: Grant) -> Result<()> {
+        // Open the segment first, so a peer that cannot be reached is an
+        // error here rather than a grant that never arrives.
+        self.inner.segment(peer).await?;
+        let now = self.inner.clock.now();
+        let r = self.inner.table.lock().grant_to(peer, id, grant, now);
+        self.inner.pump();
+        r
+    }
+
+    // ---- both ----
+
+    /// The session's state now; `None` if unknown (never made, or released).
+    pub fn state(&self, key: &SessionKey) -> Option<SessionState> {
+        self.inner.table.lock().state(key)
+    }
+
+    /// Waits for the session's final state.
+    pub async fn wait(&self, key: &SessionKey) -> Result<SessionState> {
+        let mut rx = self.inner.changed.subscribe();
+        loop {
+            rx.borrow_and_update();
+            match self.inner.table.lock().state(key) {
+                Some(st) if st.is_final() => return Ok(st),
+                Some(_) => {}
+                None => return Err(unknown(key)),
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::shut_down());
+            }
+        }
+    }
+
+    /// Cancels the session (either side) and waits for its final state,
+    /// which both sides agree on: `Cancelled`, or the outcome the receiver
+    /// had already decided.
+    pub async fn cancel(&self, key: &SessionKey) -> Result<SessionState> {
+        let now = self.inner.clock.now();
+        self.inner.table.lock().cancel(key, None, now)?;
+        self.inner.pump();
+        self.wait(key).await
+    }
+
+    /// Forgets a final session (final sessions are also forgotten after
+    /// `linger`).
+    pub fn release(&self, key: &SessionKey) -> Result<()> {
+        let r = self.inner.table.lock().release(key);
+        self.inner.writes.lock().remove(key);
+        r
+    }
+
+    // ---- plain notifications ----
+
+    /// Sends a plain notification to `peer` (not a session message).
+    pub async fn notify(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
+        check_notification(&msg)?;
+        if is_session_message(&msg) {
+            return Err(Error::new(
+                ErrorKind::InvalidRequest,
+                "a plain notification may not start with the session magic",
+            ));
+        }
+        let seg = self.inner.segment(peer).await?;
+        self.inner.engine.transport().notify(seg, msg).await
+    }
+
+    /// Takes up to `max` plain notifications received (not session
+    /// messages), oldest first.
+    pub fn take_notifications(&self, max: usize) -> Vec<Notification> {
+        self.inner.plain.take(max)
+    }
+
+    /// Waits until a plain notification is queued.
+    pub async fn wait_notification(&self) -> Result<()> {
+        self.inner.plain.wait().await
+    }
+
+    /// Plain notifications dropped because [`Sessions::take_notifications`]
+    /// was not called and its inbox was full.
+    pub fn dropped_notifications(&self) -> u64 {
+        self.inner.dropped_plain.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops the session engine's tasks and closes its segments. Open
+    /// sessions are not ended here (peers see this side go silent and fail
+    /// them after their liveness timeout); cancel them first for a clean end.
+    pub async fn shutdown(&self) {
+        let handles: Vec<JoinHandle<()>> = std::mem::take(&mut *self.inner.tasks.lock());
+        for h in &handles {
+            h.abort();
+        }
+        for h in handles {
+            let _ = h.await;
+        }
+        self.inner.plain.close();
+        let segs: Vec<SegmentId> = self.inner.peers.lock().drain().filter_map(|(_, p)| p.segment).collect();
+        for s in segs {
+            let _ = self.inner.engine.transport().close_segment(s).await;
+        }
+        self.inner.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
+fn unknown(key: &SessionKey) -> Error {
+    Error::new(ErrorKind::InvalidHandle, "unknown session").with("peer", &key.peer).with("id", key.id)
+}
+
+fn ended(key: &SessionKey, st: &SessionState) -> Error {
+    let e = match st {
+        SessionState::Failed(e) => e.clone(),
+        SessionState::Expired => Error::new(ErrorKind::Timeout, "the session expired"),
+        _ => Error::new(ErrorKind::Cancelled, format!("the session ended {}", st.name())),
+    };
+    e.with("peer", &key.peer).with("id", key.id)
+}
+
+impl Inner {
+    fn stop_tasks(&self) {
+        for h in self.tasks.lock().drain(..) {
+            h.abort();
+        }
+        self.plain.close();
+    }
+
+    async fn segment(&self, peer: &str) -> Result<SegmentId> {
+        if let Some(s) = self.peers.lock().get(peer).and_then(|p| p.segment) {
+            return Ok(s);
+        }
+        let seg = self.engine.transport().open_segment(peer).await?;
+        let theirs = {
+            let mut peers = self.peers.lock();
+            let link = peers.entry(peer.to_string()).or_default();
+            match link.segment {
+                Some(s) => Some(s),
+                None => {
+                    link.segment = Some(seg);
+                    None
+                }
+            }
+        };
+        match theirs {
+            Some(s) => {
+                // Another task opened it meanwhile: keep theirs.
+                let _ = self.engine.transport().close_segment(seg).await;
+                Ok(s)
+            }
+            None => Ok(seg),
+        }
+    }
+
+    /// Moves the table's decisions out: messages to the per-peer queues,
+    /// actions to the writes, and wakes every waiter.
+    fn pump(self: &Arc<Self>) {
+        let (out, actions) = {
+            let mut t = self.table.lock();
+            (t.drain_outgoing(), t.drain_actions())
+        };
+        for a in actions {
+            match a {
+                Action::StopWrites(key) => {
+                    if let Some(tx) = self.writes.lock().get(&key) {
+                        let _ = tx.send(true);
+                    }
+                }
+            }
+        }
+        let mut start = Vec::new();
+        {
+            let mut peers = self.peers.lock();
+            for (peer, msg) in out {
+                let link = peers.entry(peer.clone()).or_default();
+                if link.queue.len() >= MAX_QUEUED {
+                    // Heartbeats (id 0) are the ones that may go.
+                    link.queue.retain(|m| crate::session::wire::decode(m).is_none_or(|d| d.id != 0));
+                    if link.queue.len() >= MAX_QUEUED {
+                        continue;
+                    }
+                }
+                link.queue.push_back(msg);
+                if !link.sending {
+                    link.sending = true;
+                    start.push(peer);
+                }
+            }
+        }
+        for peer in start {
+            let h = tokio::spawn(send_loop(self.clone(), peer));
+            let mut tasks = self.tasks.lock();
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(h);
+        }
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
+/// Delivers `peer`'s queued messages in order; a message that cannot be
+/// delivered for the liveness timeout is dropped (the table's liveness
+/// check ends the sessions). Aborted with the other tasks.
+async fn send_loop(inner: Arc<Inner>, peer: String) {
+    loop {
+        let msg = {
+            let mut peers = inner.peers.lock();
+            let Some(link) = peers.get_mut(&peer) else { return };
+            match link.queue.pop_front() {
+                Some(m) => m,
+                None => {
+                    link.sending = false;
+                    return;
+                }
+            }
+        };
+        let give_up = inner.table.lock().limits().liveness_timeout;
+        let started = inner.clock.now();
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let sent = match inner.segment(&peer).await {
+                Ok(seg) => inner.engine.transport().notify(seg, msg.clone()).await,
+                Err(e) => Err(e),
+            };
+            let e = match sent {
+                Ok(()) => break,
+                Err(e) if e.kind() == ErrorKind::Shutdown => return,
+                Err(e) => e,
+            };
+            if !e.is_transient() || inner.clock.now().saturating_sub(started) >= give_up {
+                tracing::debug!(peer = %peer, error = %e, "session message dropped");
+                break;
+            }
+            if e.kind().is_peer_failure() {
+                // The descriptor may be stale (a restart): open afresh.
+                let old = inner.peers.lock().get_mut(&peer).and_then(|p| p.segment.take());
+                if let Some(s) = old {
+                    let _ = inner.engine.transport().close_segment(s).await;
+                }
+            }
+            inner.clock.sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(200));
+        }
+    }
+}
+
+async fn read_loop(weak: std::sync::Weak<Inner>) {
+    loop {
+        let transport = match weak.upgrade() {
+            Some(i) => i.engine.transport().clone(),
+            None => return,
+        };
+        if transport.wait_notification().await.is_err() {
+            return;
+        }
+        let Ok(batch) = transport.take_notifications(TAKE_BATCH) else { return };
+        let Some(inner) = weak.upgrade() else { return };
+        let now = inner.clock.now();
+        {
+            let mut t = inner.table.lock();
+            for n in &batch {
+                if is_session_message(&n.msg) {
+                    t.on_message(&n.from, &n.msg, now);
+                }
+            }
+        }
+        for n in batch {
+            if !is_session_message(&n.msg) && inner.plain.offer(n).is_err() {
+                inner.dropped_plain.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        inner.pump();
+    }
+}
+
+async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
+    loop {
+        let sleep = match weak.upgrade() {
+            Some(i) => i.clock.sleep(every),
+            None => return,
+        };
+        sleep.await;
+        let Some(inner) = weak.upgrade() else { return };
+        let now = inner.clock.now();
+        inner.table.lock().tick(now);
+        inner.pump();
+        // Segments of peers with no session and nothing queued are closed.
+        let idle: Vec<(String, SegmentId)> = {
+            let t = inner.table.lock();
+            let known: std::collections::HashSet<String> = t.known_peers();
+            let mut peers = inner.peers.lock();
+            let gone: Vec<String> = peers
+                .iter()
+                .filter(|(p, l)| !known.contains(*p) && l.queue.is_empty() && !l.sending)
+                .map(|(p, _)| p.clone())
+                .collect();
+            gone.into_iter().filter_map(|p| peers.remove(&p).and_then(|l| l.segment.map(|s| (p, s)))).collect()
+        };
+        for (_, s) in idle {
+            let _ = inner.engine.transport().close_segment(s).await;
+        }
+    }
+}

@@ -1,0 +1,889 @@
+//! The session table: both roles of every session of one engine, as a
+//! sans-IO state machine. The driver feeds it calls, received messages and
+//! the time; it answers with decisions, messages to send
+//! ([`SessionTable::drain_outgoing`]) and actions
+//! ([`SessionTable::drain_actions`]).
+//!
+//! # The protocol (rules 12 and 13)
+//!
+//! The receiver is the arbiter: it alone decides the final outcome, and the
+//! sender adopts it.
+//!
+//! ```text
+//! sender (prefill)                         receiver (decode)
+//! expect(peer, id)  Waiting
+//!                            <- GRANT      grant(...)  Granted (deadline starts)
+//! Granted
+//! write ... (checked against the grant)
+//! Transferring
+//! finish()          -> FINISH(bytes)       bytes == expected: Landed
+//!                            <- END(Landed)
+//! Landed
+//! ```
+//!
+//! - Cancel by the sender: it stops its writes, and once they are quiet
+//!   sends CANCEL; the receiver ends the session (Cancelled, or whatever it
+//!   had decided first) and answers END.
+//! - Cancel, expiry or failure decided by the receiver: END(outcome) to the
+//!   sender, which stops its writes and, once quiet, answers QUIET; only
+//!   then is the receiver's state final, so a receiver that sees a final
+//!   state knows no write of the session can land any more ("terminal
+//!   means quiet", for sessions).
+//! - A sender's state is final only once none of its writes is in flight.
+//! - Liveness: while a peer has open sessions, heartbeats go to it every
+//!   `heartbeat_interval` (asking for a reply); every message from it
+//!   counts as heard. Silent for `liveness_timeout`: its open sessions
+//!   fail (`PeerUnavailable`); a new epoch from it (a restart): they fail
+//!   (`PeerRestarted`).
+//! - Late, duplicate, forged or malformed messages are ignored or answered
+//!   with the final outcome again; no message moves a state backwards.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::wire::{decode, Body, Grant, Message, Outcome, Verdict, MAX_GRANT_RANGES, MAX_REASON};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Which side of a session this engine is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Writes the KV (prefill).
+    Sender,
+    /// Owns the memory and grants (decode).
+    Receiver,
+}
+
+/// A session, as one side names it: the peer's segment name, the
+/// application's id (e.g. the request's bootstrap room) and this side's role.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SessionKey {
+    pub peer: String,
+    pub id: u64,
+    pub role: Role,
+}
+
+impl SessionKey {
+    pub fn new(peer: impl Into<String>, id: u64, role: Role) -> Self {
+        Self { peer: peer.into(), id, role }
+    }
+}
+
+/// One side's state of a session. Monotone: it only moves down this list,
+/// and a final state never changes.
+#[derive(Debug, Clone)]
+pub enum SessionState {
+    /// Sender: expecting a grant. Receiver: not used.
+    Waiting,
+    /// The grant exists; nothing written yet (the receiver stays here until
+    /// the end: it does not see one-sided writes).
+    Granted,
+    /// Sender: writes started.
+    Transferring,
+    /// Every byte of every write is in the receiver's memory. Final.
+    Landed,
+    /// The session failed; the error says why and whether retrying may
+    /// help. Final.
+    Failed(Error),
+    /// A side cancelled. Final.
+    Cancelled,
+    /// The deadline passed before the sender finished. Final.
+    Expired,
+}
+
+impl SessionState {
+    /// Whether the state is final.
+    pub fn is_final(&self) -> bool {
+        matches!(self, Self::Landed | Self::Failed(_) | Self::Cancelled | Self::Expired)
+    }
+
+    /// A short name: `waiting`, `granted`, `transferring`, `landed`,
+    /// `failed`, `cancelled`, `expired`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Granted => "granted",
+            Self::Transferring => "transferring",
+            Self::Landed => "landed",
+            Self::Failed(_) => "failed",
+            Self::Cancelled => "cancelled",
+            Self::Expired => "expired",
+        }
+    }
+
+    fn rank(&self) -> u8 {
+        match self {
+            Self::Waiting => 0,
+            Self::Granted => 1,
+            Self::Transferring => 2,
+            _ => 3,
+        }
+    }
+
+    fn from_verdict(v: &Verdict) -> Self {
+        match v.outcome {
+            Outcome::Landed => Self::Landed,
+            Outcome::Cancelled => Self::Cancelled,
+            Outcome::Expired => Self::Expired,
+            Outcome::Failed => Self::Failed(Error::new(v.kind, v.reason.clone())),
+        }
+    }
+}
+
+impl PartialEq for SessionState {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Failed(a), Self::Failed(b)) => a.kind() == b.kind(),
+            _ => self.name() == other.name(),
+        }
+    }
+}
+
+/// Bounds and timers of the session table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionLimits {
+    /// Open (not final) sessions, both roles together.
+    pub max_sessions: usize,
+    /// Open sessions with one peer.
+    pub max_sessions_per_peer: usize,
+    /// Heartbeat period toward peers with open sessions.
+    pub heartbeat_interval: Duration,
+    /// A peer silent this long fails its open sessions.
+    pub liveness_timeout: Duration,
+    /// Final sessions are kept this long for polling and for answering
+    /// duplicates, unless released earlier.
+    pub linger: Duration,
+    /// Final sessions kept at most (the oldest go first).
+    pub max_lingering: usize,
+}
+
+impl Default for SessionLimits {
+    fn default() -> Self {
+        Self {
+            max_sessions: 4096,
+            max_sessions_per_peer: 1024,
+            heartbeat_interval: Duration::from_millis(500),
+            liveness_timeout: Duration::from_secs(5),
+            linger: Duration::from_secs(60),
+            max_lingering: 16384,
+        }
+    }
+}
+
+/// What the driver must do besides sending messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Sender: cancel the session's writes in flight; report each with
+    /// [`SessionTable::end_write`].
+    StopWrites(SessionKey),
+}
+
+/// A message to send: `(peer, bytes)`, in order.
+pub type Outgoing = (String, Vec<u8>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    Open,
+    /// Sender: FINISH sent, waiting for END.
+    Finishing,
+    /// Sender: cancel asked; CANCEL goes once writes are quiet.
+    Cancelling(Verdict),
+    /// Sender: CANCEL sent, waiting for END.
+    CancelSent,
+    /// Sender: END adopted, waiting for writes to be quiet (then QUIET).
+    /// Receiver: END sent, waiting for QUIET (or CANCEL) from the sender.
+    Closing(Verdict),
+    Final,
+}
+
+#[derive(Debug)]
+struct Session {
+    state: SessionState,
+    phase: Phase,
+    grant: Option<Grant>,
+    deadline: Option<Duration>,
+    written: u64,
+    writes: u32,
+    final_at: Option<Duration>,
+    created: Duration,
+}
+
+#[derive(Debug)]
+struct Peer {
+    epoch: Option<u64>,
+    heard: Duration,
+    beat: Option<Duration>,
+}
+
+/// Counts for `stats`-like reporting and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SessionCounts {
+    /// Sessions not yet final.
+    pub open: usize,
+    /// Final sessions kept for polling.
+    pub lingering: usize,
+    /// Peers tracked for liveness.
+    pub peers: usize,
+    /// Messages ignored (malformed, unknown session, stale epoch, ...).
+    pub ignored: u64,
+}
+
+/// Both roles of every session of one engine. Not synchronised: the driver
+/// keeps it behind a lock.
+#[derive(Debug)]
+pub struct SessionTable {
+    limits: SessionLimits,
+    epoch: u64,
+    sessions: HashMap<SessionKey, Session>,
+    peers: HashMap<String, Peer>,
+    out: Vec<Outgoing>,
+    actions: Vec<Action>,
+    ignored: u64,
+}
+
+fn table_full(what: &str) -> Error {
+    Error::new(ErrorKind::ResourceExhausted, format!("session table full: {what}"))
+}
+
+fn verdict(outcome: Outcome, kind: ErrorKind, reason: impl Into<String>) -> Verdict {
+    let mut reason = reason.into();
+    if reason.len() > MAX_REASON {
+        let mut cut = MAX_REASON;
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        reason.truncate(cut);
+    }
+    Verdict { outcome, kind, reason }
+}
+
+/// Checks a grant before it is sent: 1 to [`MAX_GRANT_RANGES`] ranges,
+/// none empty or overflowing, `expected` not above their sum.
+pub fn check_grant(g: &Grant) -> Result<()> {
+    let bad = |why: &str| Err(Error::new(ErrorKind::InvalidRequest, format!("bad grant: {why}")));
+    if g.ranges.is_empty() || g.ranges.len() > MAX_GRANT_RANGES {
+        return bad("1 to MAX_GRANT_RANGES ranges");
+    }
+    let mut total: u64 = 0;
+    for &(a, l) in &g.ranges {
+        if l == 0 || a.checked_add(l).is_none() {
+            return bad("a range is empty or overflows");
+        }
+        total = total.saturating_add(l);
+    }
+    if g.expected == 0 || g.expected > total {
+        return bad("expected bytes must be 1 to the ranges' total");
+    }
+    if g.deadline.is_zero() {
+        return bad("deadline must be positive");
+    }
+    Ok(())
+}
+
+impl SessionTable {
+    /// An empty table; `epoch` must be new on every start of the engine
+    /// (peers tell a restart by it).
+    pub fn new(limits: SessionLimits, epoch: u64) -> Self {
+        Self {
+            limits,
+            epoch,
+            sessions: HashMap::new(),
+            peers: HashMap::new(),
+            out: Vec::new(),
+            actions: Vec::new(),
+            ignored: 0,
+        }
+    }
+
+    /// This table's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The limits it was made with.
+    pub fn limits(&self) -> &SessionLimits {
+        &self.limits
+    }
+
+    /// Messages to send, in order; the driver delivers each (retrying
+    /// transient failures) until the peer is declared gone.
+    pub fn drain_outgoing(&mut self) -> Vec<Outgoing> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// Actions for the driver.
+    pub fn drain_actions(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.actions)
+    }
+
+    /// Current counts.
+    pub fn counts(&self) -> SessionCounts {
+        let open = self.sessions.values().filter(|s| !s.state.is_final()).count();
+        SessionCounts { open, lingering: self.sessions.len() - open, peers: self.peers.len(), ignored: self.ignored }
+    }
+
+    /// The state of a session, if the table knows it.
+    pub fn state(&self, key: &SessionKey) -> Option<SessionState> {
+        self.sessions.get(key).map(|s| s.state.clone())
+    }
+
+    /// The grant of a session, if it has one.
+    pub fn grant(&self, key: &SessionKey) -> Option<Grant> {
+        self.sessions.get(key).and_then(|s| s.grant.clone())
+    }
+
+    /// Time left before a session's deadline (`None`: no deadline yet).
+    pub fn remaining(&self, key: &SessionKey, now: Duration) -> Option<Duration> {
+        self.sessions.get(key).and_then(|s| s.deadline).map(|d| d.saturating_sub(now))
+    }
+
+    /// Sender sessions holding a grant and not yet writing or finishing.
+    pub fn grants(&self) -> Vec<(SessionKey, Grant)> {
+        let mut v: Vec<(SessionKey, Grant, Duration)> = self
+            .sessions
+            .iter()
+            .filter(|(k, s)| k.role == Role::Sender && s.state == SessionState::Granted)
+            .filter_map(|(k, s)| s.grant.clone().map(|g| (k.clone(), g, s.created)))
+            .collect();
+        v.sort_by_key(|x| x.2);
+        v.into_iter().map(|(k, g, _)| (k, g)).collect()
+    }
+
+    /// Sessions (both roles) that are not final.
+    pub fn open_keys(&self) -> Vec<SessionKey> {
+        self.sessions.iter().filter(|(_, s)| !s.state.is_final()).map(|(k, _)| k.clone()).collect()
+    }
+
+    fn room_for(&self, peer: &str) -> Result<()> {
+        let open: Vec<&SessionKey> =
+            self.sessions.iter().filter(|(_, s)| !s.state.is_final()).map(|(k, _)| k).collect();
+        if open.len() >= self.limits.max_sessions {
+            return Err(table_full("max_sessions").with("max", self.limits.max_sessions));
+        }
+        if open.iter().filter(|k| k.peer == peer).count() >= self.limits.max_sessions_per_peer {
+            return Err(table_full("max_sessions_per_peer")
+                .with("peer", peer)
+                .with("max", self.limits.max_sessions_per_peer));
+        }
+        Ok(())
+    }
+
+    fn touch_peer(&mut self, peer: &str, now: Duration) {
+        self.peers.entry(peer.to_string()).or_insert(Peer { epoch: None, heard: now, beat: None });
+    }
+
+    fn insert(&mut self, key: SessionKey, state: SessionState, grant: Option<Grant>, now: Duration) {
+        let deadline = grant.as_ref().map(|g| now.saturating_add(g.deadline));
+        self.touch_peer(&key.peer, now);
+        self.sessions.insert(
+            key,
+            Session { state, phase: Phase::Open, grant, deadline, written: 0, writes: 0, final_at: None, created: now },
+        );
+    }
+
+    fn send(&mut self, peer: &str, id: u64, body: Body) {
+        let m = Message { epoch: self.epoch, id, body };
+        self.out.push((peer.to_string(), m.encode()));
+    }
+
+    fn exists_error(key: &SessionKey) -> Error {
+        Error::new(ErrorKind::InvalidRequest, "a session with this peer and id exists (release it first)")
+            .with("peer", &key.peer)
+            .with("id", key.id)
+    }
+
+    fn unknown(key: &SessionKey) -> Error {
+        Error::new(ErrorKind::InvalidHandle, "unknown session").with("peer", &key.peer).with("id", key.id)
+    }
+
+    // ---- sender calls ----
+
+    /// Sender: expect a grant from `peer` for `id` (the session starts
+    /// Waiting; its peer's liveness is watched). A grant that came first is
+    /// kept: then this is a no-op.
+    pub fn expect(&mut self, peer: &str, id: u64, now: Duration) -> Result<()> {
+        let key = SessionKey::new(peer, id, Role::Sender);
+        if let Some(s) = self.sessions.get(&key) {
+            if s.state.is_final() {
+                return Err(Self::exists_error(&key));
+            }
+            return Ok(());
+        }
+        self.room_for(peer)?;
+        self.insert(key, SessionState::Waiting, None, now);
+        Ok(())
+    }
+
+    /// Sender: a write of the remote ranges `(addr, len)` is about to
+    /// start. Refused (nothing may be sent) unless the session holds a
+    /// grant, is open, before its deadline, and every range lies inside one
+    /// granted range. Returns the time left before the deadline.
+    pub fn begin_write(&mut self, key: &SessionKey, ranges: &[(u64, u64)], now: Duration) -> Result<Duration> {
+        let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
+        if key.role != Role::Sender {
+            return Err(Error::new(ErrorKind::InvalidRequest, "only the sender writes"));
+        }
+        if s.phase != Phase::Open || s.state.is_final() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "the session is no longer open for writes")
+                .with("state", s.state.name()));
+        }
+        let Some(g) = &s.grant else {
+            return Err(Error::new(ErrorKind::InvalidRequest, "no grant yet: nothing may be sent"));
+        };
+        let left = s.deadline.map(|d| d.saturating_sub(now)).unwrap_or(Duration::ZERO);
+        if left.is_zero() {
+            return Err(Error::new(ErrorKind::Timeout, "the session's deadline passed"));
+        }
+        for (i, &(a, l)) in ranges.iter().enumerate() {
+            let inside = a
+                .checked_add(l)
+                .is_some_and(|end| l > 0 && g.ranges.iter().any(|&(ga, gl)| a >= ga && end <= ga.saturating_add(gl)));
+            if !inside {
+                return Err(Error::new(ErrorKind::OutOfBounds, "write outside the grant")
+                    .with("request", i)
+                    .with("addr", a)
+                    .with("len", l));
+            }
+        }
+        s.writes = s.writes.saturating_add(1);
+        if s.state == SessionState::Granted {
+            s.state = SessionState::Transferring;
+        }
+        Ok(left)
+    }
+
+    /// Sender: a write begun with [`SessionTable::begin_write`] ended
+    /// (quiet); `bytes` of it completed.
+    pub fn end_write(&mut self, key: &SessionKey, bytes: u64, now: Duration) {
+        let Some(s) = self.sessions.get_mut(key) else { return };
+        s.writes = s.writes.saturating_sub(1);
+        s.written = s.written.saturating_add(bytes);
+        if s.writes == 0 {
+            self.after_quiet(key, now);
+        }
+    }
+
+    /// Sender: every write completed; tell the receiver. Refused while
+    /// writes are in flight or when the session is not open.
+    pub fn finish(&mut self, key: &SessionKey) -> Result<()> {
+        let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
+        if key.role != Role::Sender || s.grant.is_none() || s.phase != Phase::Open || s.state.is_final() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "finish needs an open sender session with a grant")
+                .with("state", s.state.name()));
+        }
+        if s.writes > 0 {
+            return Err(Error::new(ErrorKind::InvalidRequest, "writes still in flight").with("writes", s.writes));
+        }
+        s.phase = Phase::Finishing;
+        let bytes = s.written;
+        self.send(&key.peer, key.id, Body::Finish { bytes });
+        Ok(())
+    }
+
+    /// Either side: cancel. The sender stops its writes and asks the
+    /// receiver; the receiver decides at once and tells the sender. Its
+    /// final state follows (see the module docs). `outcome` is `Cancelled`,
+    /// or `Failed` with the error when a side gives up.
+    pub fn cancel(&mut self, key: &SessionKey, error: Option<Error>, now: Duration) -> Result<()> {
+        let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
+        if s.state.is_final() || s.phase != Phase::Open {
+            return Ok(());
+        }
+        let v = match &error {
+            Some(e) => verdict(Outcome::Failed, e.kind(), e.to_string()),
+            None => verdict(Outcome::Cancelled, ErrorKind::Cancelled, "cancelled by the sender"),
+        };
+        match key.role {
+            Role::Sender if s.grant.is_none() => {
+                // Nothing was granted, so nothing was written: final now; a
+                // grant that comes later is answered with CANCEL.
+                s.phase = Phase::Cancelling(v.clone());
+                Self::finalize(s, SessionState::from_verdict(&v), now);
+            }
+            Role::Sender => {
+                s.phase = Phase::Cancelling(v);
+                if s.writes > 0 {
+                    self.actions.push(Action::StopWrites(key.clone()));
+                } else {
+                    self.after_quiet(key, now);
+                }
+            }
+            Role::Receiver => {
+                let v = match error {
+                    Some(_) => v,
+                    None => verdict(Outcome::Cancelled, ErrorKind::Cancelled, "cancelled by the receiver"),
+                };
+                self.close_receiver(key, v);
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets a final session. `InvalidRequest` while it is open.
+    pub fn release(&mut self, key: &SessionKey) -> Result<()> {
+        let s = self.sessions.get(key).ok_or_else(|| Self::unknown(key))?;
+        if !s.state.is_final() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "the session is still open (cancel it first)"));
+        }
+        self.sessions.remove(key);
+        self.forget_idle_peers();
+        Ok(())
+    }
+
+    // ---- receiver calls ----
+
+    /// Receiver: grant `peer` the right to write `grant.ranges` for `id`;
+    /// the deadline starts now. Queues the GRANT.
+    pub fn grant_to(&mut self, peer: &str, id: u64, grant: Grant, now: Duration) -> Result<()> {
+        check_grant(&grant)?;
+        let key = SessionKey::new(peer, id, Role::Receiver);
+        if self.sessions.contains_key(&key) {
+            return Err(Self::exists_error(&key));
+        }
+        self.room_for(peer)?;
+        self.send(peer, id, Body::Grant(grant.clone()));
+        self.insert(key, SessionState::Granted, Some(grant), now);
+        Ok(())
+    }
+
+    // ---- the common machinery ----
+
+    fn finalize(s: &mut Session, state: SessionState, now: Duration) {
+        if s.state.is_final() {
+            return;
+        }
+        debug_assert!(state.rank() >= s.state.rank());
+        s.state = state;
+        s.phase = Phase::Final;
+        s.final_at = Some(now);
+    }
+
+    /// Sender: its writes just became quiet; send what waited for that.
+    fn after_quiet(&mut self, key: &SessionKey, now: Duration) {
+        let Some(s) = self.sessions.get_mut(key) else { return };
+        if key.role != Role::Sender || s.writes > 0 {
+            return;
+        }
+        match s.phase.clone() {
+            Phase::Cancelling(v) if !s.state.is_final() => {
+                // Quiet now: ask the receiver; its END decides the outcome.
+                s.phase = Phase::CancelSent;
+                self.send(&key.peer, key.id, Body::Cancel(v));
+            }
+            Phase::Closing(v) => {
+                Self::finalize(s, SessionState::from_verdict(&v), now);
+                self.send(&key.peer, key.id, Body::Quiet);
+            }
+            _ => {}
+        }
+    }
+
+    /// Receiver: decide `v` (not Landed), tell the sender, wait for QUIET.
+    fn close_receiver(&mut self, key: &SessionKey, v: Verdict) {
+        let Some(s) = self.sessions.get_mut(key) else { return };
+        if s.state.is_final() || matches!(s.phase, Phase::Closing(_)) {
+            return;
+        }
+        s.phase = Phase::Closing(v.clone());
+        self.send(&key.peer, key.id, Body::End(v));
+    }
+
+    /// A session message (or anything else) received from `from`. Never
+    /// fails: what cannot be used is counted as ignored.
+    pub fn on_message(&mut self, from: &str, bytes: &[u8], now: Duration) {
+        let Some(m) = decode(bytes) else {
+            self.ignored += 1;
+            return;
+        };
+        // Liveness and restarts.
+        let known = self.peers.contains_key(from);
+        if known {
+            let restarted = self.peers.get(from).and_then(|p| p.epoch).is_some_and(|e| e != m.epoch);
+            if restarted {
+                let err = Error::new(ErrorKind::PeerRestarted, "the peer restarted (new epoch)").with("peer", from);
+                self.peer_gone(from, err, now);
+            }
+        }
+        if let Some(p) = self.peers.get_mut(from) {
+            p.epoch = Some(m.epoch);
+            p.heard = now;
+        }
+        match m.body {
+            Body::Heartbeat { reply } => {
+                if reply {
+                    self.send(from, 0, Body::Heartbeat { reply: false });
+                }
+            }
+            Body::Grant(g) => self.on_grant(from, m.id, g, m.epoch, now),
+            Body::End(v) => self.on_end(from, m.id, v, now),
+            Body::Finish { bytes } => self.on_finish(from, m.id, bytes, now),
+            Body::Cancel(v) => self.on_cancel(from, m.id, v, now),
+            Body::Quiet => self.on_quiet(from, m.id, now),
+        }
+    }
+
+    fn on_grant(&mut self, from: &str, id: u64, g: Grant, epoch: u64, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Sender);
+        if check_grant(&g).is_err() {
+            self.ignored += 1;
+            return;
+        }
+        match self.sessions.get_mut(&key) {
+            Some(s) if s.state == SessionState::Waiting && s.phase == Phase::Open => {
+                s.deadline = Some(now.saturating_add(g.deadline));
+                s.grant = Some(g);
+                s.state = SessionState::Granted;
+            }
+            Some(s) if s.state.is_final() && s.grant.is_none() => {
+                // Cancelled before the grant came: tell the receiver to free it.
+                let v = match &s.state {
+                    SessionState::Failed(e) => verdict(Outcome::Failed, e.kind(), e.to_string()),
+                    _ => verdict(Outcome::Cancelled, ErrorKind::Cancelled, "cancelled by the sender before the grant"),
+                };
+                self.send(from, id, Body::Cancel(v));
+            }
+            Some(_) => self.ignored += 1, // a duplicate
+            None => match self.room_for(from) {
+                Ok(()) => {
+                    self.insert(key, SessionState::Granted, Some(g), now);
+                    if let Some(p) = self.peers.get_mut(from) {
+                        p.epoch = Some(epoch);
+                    }
+                }
+                Err(e) => {
+                    // Refuse it so the receiver frees the memory at once.
+                    self.send(from, id, Body::Cancel(verdict(Outcome::Failed, e.kind(), e.to_string())));
+                }
+            },
+        }
+    }
+
+    fn on_end(&mut self, from: &str, id: u64, v: Verdict, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Sender);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        if s.state.is_final() {
+            if v.outcome != Outcome::Landed {
+                // A duplicate END: answer QUIET again (we are quiet).
+                self.send(from, id, Body::Quiet);
+            }
+            return;
+        }
+        if s.grant.is_none() {
+            self.ignored += 1; // END before any grant: forged or confused
+            return;
+        }
+        if v.outcome == Outcome::Landed {
+            if s.phase == Phase::Finishing && s.writes == 0 {
+                Self::finalize(s, SessionState::Landed, now);
+            } else {
+                self.ignored += 1; // Landed without our FINISH: not credible
+            }
+            return;
+        }
+        s.phase = Phase::Closing(v);
+        if s.writes > 0 {
+            self.actions.push(Action::StopWrites(key));
+        } else {
+            self.after_quiet(&key, now);
+        }
+    }
+
+    fn on_finish(&mut self, from: &str, id: u64, bytes: u64, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Receiver);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        match (&s.phase, &s.state) {
+            (Phase::Open, _) => {
+                let expected = s.grant.as_ref().map_or(0, |g| g.expected);
+                if bytes == expected {
+                    Self::finalize(s, SessionState::Landed, now);
+                    let v = verdict(Outcome::Landed, ErrorKind::Internal, "");
+                    self.send(from, id, Body::End(v));
+                } else {
+                    // The sender is quiet (it finished): final at once.
+                    let why = format!("the sender finished with {bytes} of {expected} granted bytes");
+                    let v = verdict(Outcome::Failed, ErrorKind::InvalidRequest, why);
+                    Self::finalize(s, SessionState::from_verdict(&v), now);
+                    self.send(from, id, Body::End(v));
+                }
+            }
+            // A FINISH after our END crossed it: the sender is quiet.
+            (Phase::Closing(v), _) => {
+                let v = v.clone();
+                Self::finalize(s, SessionState::from_verdict(&v), now);
+                self.send(from, id, Body::End(v));
+            }
+            (Phase::Final, st) => {
+                let v = Self::verdict_of(st);
+                self.send(from, id, Body::End(v));
+            }
+            _ => self.ignored += 1,
+        }
+    }
+
+    fn verdict_of(st: &SessionState) -> Verdict {
+        match st {
+            SessionState::Landed => verdict(Outcome::Landed, ErrorKind::Internal, ""),
+            SessionState::Cancelled => verdict(Outcome::Cancelled, ErrorKind::Cancelled, "cancelled"),
+            SessionState::Expired => verdict(Outcome::Expired, ErrorKind::Timeout, "deadline passed"),
+            SessionState::Failed(e) => verdict(Outcome::Failed, e.kind(), e.to_string()),
+            _ => verdict(Outcome::Failed, ErrorKind::Internal, "not final"),
+        }
+    }
+
+    fn on_cancel(&mut self, from: &str, id: u64, v: Verdict, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Receiver);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        // The sender is quiet when it sends CANCEL.
+        let decided = match &s.phase {
+            Phase::Open => match v.outcome {
+                Outcome::Failed => v,
+                _ => verdict(Outcome::Cancelled, ErrorKind::Cancelled, "cancelled by the sender"),
+            },
+            Phase::Closing(mine) => mine.clone(),
+            Phase::Final => Self::verdict_of(&s.state),
+            _ => {
+                self.ignored += 1;
+                return;
+            }
+        };
+        Self::finalize(s, SessionState::from_verdict(&decided), now);
+        self.send(from, id, Body::End(decided));
+    }
+
+    fn on_quiet(&mut self, from: &str, id: u64, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Receiver);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        if let Phase::Closing(v) = &s.phase {
+            let st = SessionState::from_verdict(v);
+            Self::finalize(s, st, now);
+        } else {
+            self.ignored += 1;
+        }
+    }
+
+    /// Every open session with `peer` fails with `err` (the peer died,
+    /// restarted, or cannot be reached any more). Receiver sessions that
+    /// were closing end with the outcome they had decided: a dead sender
+    /// writes nothing more.
+    pub fn peer_gone(&mut self, peer: &str, err: Error, now: Duration) {
+        let keys: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(k, s)| k.peer == peer && !s.state.is_final())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in keys {
+            let Some(s) = self.sessions.get_mut(&key) else { continue };
+            let v = match &s.phase {
+                Phase::Closing(v) => v.clone(),
+                _ => verdict(Outcome::Failed, err.kind(), err.to_string()),
+            };
+            match key.role {
+                Role::Receiver => Self::finalize(s, SessionState::from_verdict(&v), now),
+                Role::Sender => {
+                    s.phase = Phase::Closing(v);
+                    if s.writes > 0 {
+                        self.actions.push(Action::StopWrites(key));
+                    } else if let Some(s) = self.sessions.get_mut(&key) {
+                        if let Phase::Closing(v) = s.phase.clone() {
+                            Self::finalize(s, SessionState::from_verdict(&v), now);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(p) = self.peers.get_mut(peer) {
+            p.epoch = None;
+        }
+    }
+
+    /// The timer: deadlines, liveness, heartbeats, lingering sessions.
+    pub fn tick(&mut self, now: Duration) {
+        // Receiver deadlines.
+        let expired: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(k, s)| k.role == Role::Receiver && s.phase == Phase::Open && s.deadline.is_some_and(|d| now >= d))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in expired {
+            let v = verdict(Outcome::Expired, ErrorKind::Timeout, "the session's deadline passed");
+            self.close_receiver(&key, v);
+        }
+        // Sender deadlines: stop writing (the receiver's END decides).
+        let late: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(k, s)| {
+                k.role == Role::Sender && s.writes > 0 && !s.state.is_final() && s.deadline.is_some_and(|d| now >= d)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in late {
+            self.actions.push(Action::StopWrites(key));
+        }
+        // Liveness and heartbeats, for peers with open sessions.
+        let mut busy: HashMap<String, bool> = HashMap::new();
+        for (k, s) in &self.sessions {
+            if !s.state.is_final() {
+                busy.insert(k.peer.clone(), true);
+            }
+        }
+        let peers: Vec<String> = busy.keys().cloned().collect();
+        for peer in peers {
+            let Some(p) = self.peers.get(&peer) else { continue };
+            if now.saturating_sub(p.heard) >= self.limits.liveness_timeout {
+                let err = Error::new(ErrorKind::PeerUnavailable, "the peer went silent past the liveness timeout")
+                    .with("peer", &peer)
+                    .with("liveness_timeout_ms", self.limits.liveness_timeout.as_millis());
+                self.peer_gone(&peer, err, now);
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.heard = now; // sessions made later get a fresh window
+                }
+                continue;
+            }
+            let due = p.beat.is_none_or(|b| now.saturating_sub(b) >= self.limits.heartbeat_interval);
+            if due {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.beat = Some(now);
+                }
+                self.send(&peer, 0, Body::Heartbeat { reply: true });
+            }
+        }
+        // Lingering final sessions.
+        let linger = self.limits.linger;
+        self.sessions.retain(|_, s| s.final_at.is_none_or(|t| now.saturating_sub(t) < linger));
+        let lingering: usize = self.sessions.values().filter(|s| s.state.is_final()).count();
+        if lingering > self.limits.max_lingering {
+            let mut old: Vec<(SessionKey, Duration)> =
+                self.sessions.iter().filter_map(|(k, s)| s.final_at.map(|t| (k.clone(), t))).collect();
+            old.sort_by_key(|x| x.1);
+            for (k, _) in old.into_iter().take(lingering - self.limits.max_lingering) {
+                self.sessions.remove(&k);
+            }
+        }
+        self.forget_idle_peers();
+    }
+
+    /// Peers the table tracks (they have sessions, open or lingering).
+    pub fn known_peers(&self) -> std::collections::HashSet<String> {
+        self.peers.keys().cloned().collect()
+    }
+
+    /// Peers with no session at all are forgotten (their epoch too).
+    fn forget_idle_peers(&mut self) {
+        let sessions = &self.sessions;
+        self.peers.retain(|p, _| sessions.keys().any(|k| &k.peer == p));
+    }
+}

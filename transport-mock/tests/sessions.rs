@@ -1,0 +1,138 @@
+//! Sessions (rules 12, 13) over the mock: the driver and table end to end.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use transport_core::{Access, Engine, ErrorKind, PolicyConfig, Sessions, TransferRequest, Transport};
+use transport_mock::{MockConfig, MockFabric, MockTransport};
+
+const LEN: usize = 1 << 20;
+
+fn limits() -> SessionLimits {
+    SessionLimits {
+        heartbeat_interval: Duration::from_millis(50),
+        liveness_timeout: Duration::from_millis(400),
+        ..SessionLimits::default()
+    }
+}
+
+struct Side {
+    t: Arc<MockTransport>,
+    s: Sessions,
+    mem: Mem,
+    region: transport_core::RegionId,
+}
+
+fn side(fabric: &MockFabric, name: &str, cfg: MockConfig, seed: u8) -> Side {
+    let t = MockTransport::new(fabric, MockConfig { name: Some(name.into()), ..cfg }).unwrap();
+    let mem = Mem::new(LEN, seed);
+    let region = t.register(mem.region(), Access::REMOTE_RW).unwrap();
+    let engine = Engine::new(t.clone(), PolicyConfig::default()).unwrap();
+    let s = Sessions::start(engine, limits()).unwrap();
+    Side { t, s, mem, region }
+}
+
+fn grant(dst: &Side, len: u64, deadline: Duration) -> Grant {
+    Grant { ranges: vec![(dst.mem.addr(), len)], expected: len, deadline }
+}
+
+async fn write_all(p: &Side, d: &Side, id: u64, len: u64) -> transport_core::Result<transport_core::TransferOutcome> {
+    let seg = p.s.segment("d").await.unwrap();
+    let reqs = vec![TransferRequest::write(p.region, 0, seg, d.mem.addr(), len)];
+    p.s.write("d", id, reqs).await
+}
+
+#[test]
+fn landed_on_both_sides_bytes_exact() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = side(&fabric, "p", MockConfig::default(), 1);
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        p.s.expect("d", 7).unwrap();
+        d.s.grant("p", 7, grant(&d, LEN as u64, Duration::from_secs(5))).await.unwrap();
+        let g = p.s.wait_grant("d", 7).await.unwrap();
+        assert_eq!(g.expected, LEN as u64);
+        write_all(&p, &d, 7, LEN as u64).await.unwrap().into_result().unwrap();
+        p.s.finish("d", 7).unwrap();
+        let ks = SessionKey::new("d", 7, Role::Sender);
+        let kr = SessionKey::new("p", 7, Role::Receiver);
+        assert_eq!(d.s.wait(&kr).await.unwrap(), SessionState::Landed);
+        assert_eq!(d.mem.read(), p.mem.read());
+        assert_eq!(p.s.wait(&ks).await.unwrap(), SessionState::Landed);
+        // The driver drains the inboxes; the tables hold only lingering ones.
+        assert!(settle(|| p.t.stats().notifications == 0 && d.t.stats().notifications == 0).await);
+        assert_eq!(p.s.counts().open, 0);
+        assert_eq!(d.s.counts().open, 0);
+        p.s.release(&ks).unwrap();
+        d.s.release(&kr).unwrap();
+        assert_eq!(p.s.counts().lingering + d.s.counts().lingering, 0);
+    });
+}
+
+#[test]
+fn write_outside_grant_refused_before_a_byte_moves() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = side(&fabric, "p", MockConfig::default(), 1);
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        let before = d.mem.read();
+        // No grant yet: refused.
+        p.s.expect("d", 1).unwrap();
+        let e = write_all(&p, &d, 1, 10).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        d.s.grant("p", 1, grant(&d, 4096, Duration::from_secs(5))).await.unwrap();
+        p.s.wait_grant("d", 1).await.unwrap();
+        let e = write_all(&p, &d, 1, 4097).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds);
+        assert_eq!(d.mem.read(), before);
+    });
+}
+
+#[test]
+fn receiver_cancel_ends_both_cancelled() {
+    run(async {
+        let fabric = MockFabric::new();
+        let lat = MockConfig { latency: Duration::from_millis(200), ..MockConfig::default() };
+        let p = Arc::new(side(&fabric, "p", lat, 1));
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        d.s.grant("p", 3, grant(&d, LEN as u64, Duration::from_secs(5))).await.unwrap();
+        p.s.wait_grant("d", 3).await.unwrap();
+        let p2 = p.clone();
+        let dd = d.mem.addr();
+        let w = tokio::spawn(async move {
+            let seg = p2.s.segment("d").await.unwrap();
+            p2.s.write("d", 3, vec![TransferRequest::write(p2.region, 0, seg, dd, LEN as u64)]).await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let kr = SessionKey::new("p", 3, Role::Receiver);
+        assert_eq!(d.s.cancel(&kr).await.unwrap(), SessionState::Cancelled);
+        let ks = SessionKey::new("d", 3, Role::Sender);
+        assert_eq!(p.s.wait(&ks).await.unwrap(), SessionState::Cancelled);
+        let _ = w.await.unwrap();
+    });
+}
+
+#[test]
+fn receiver_killed_fails_sender_within_liveness() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = side(&fabric, "p", MockConfig::default(), 1);
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        p.s.expect("d", 9).unwrap();
+        // Busy but alive: no failure however long it waits.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let ks = SessionKey::new("d", 9, Role::Sender);
+        assert_eq!(p.s.state(&ks), Some(SessionState::Waiting));
+        let start = std::time::Instant::now();
+        fabric.kill("d").unwrap();
+        let st = p.s.wait(&ks).await.unwrap();
+        assert!(matches!(st, SessionState::Failed(ref e) if e.kind() == ErrorKind::PeerUnavailable), "{st:?}");
+        assert!(start.elapsed() < Duration::from_millis(1000), "{:?}", start.elapsed());
+        drop(d);
+    });
+}
