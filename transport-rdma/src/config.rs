@@ -38,7 +38,8 @@ pub struct RdmaConfig {
     pub max_request_len: u64,
     /// Largest batch.
     pub max_batch_len: usize,
-    /// Connection handshake (TCP connect + exchange) limit.
+    /// Side-channel limit: a connection handshake (TCP connect + exchange),
+    /// and the wait for the peer's answer to a notification.
     pub handshake_timeout_ms: u64,
     /// How long to wait for a broken QP's flushed completions before
     /// destroying it anyway (destroy also stops all DMA).
@@ -55,6 +56,10 @@ pub struct RdmaConfig {
     /// transfers then finish at polling latency; 0 turns it off (no CPU
     /// spent spinning).
     pub busy_poll_us: u64,
+    /// Received notifications the inbox holds (rule 11) before senders get
+    /// a transient `Backpressure`; at least 1. Default
+    /// [`transport_core::DEFAULT_INBOX`] (1024).
+    pub inbox_capacity: usize,
 }
 
 impl Default for RdmaConfig {
@@ -77,6 +82,7 @@ impl Default for RdmaConfig {
             retry_count: 7,
             max_passive: 256,
             busy_poll_us: 200,
+            inbox_capacity: transport_core::DEFAULT_INBOX,
         }
     }
 }
@@ -105,6 +111,9 @@ impl RdmaConfig {
         }
         if self.busy_poll_us > 1_000_000 {
             return bad("busy_poll_us", "must be at most 1000000 (one second)");
+        }
+        if self.inbox_capacity == 0 {
+            return bad("inbox_capacity", "must be at least 1");
         }
         if self.ack_timeout > 31 || self.retry_count > 7 {
             return bad("ack_timeout", "ack_timeout must be <= 31 and retry_count <= 7");
@@ -145,5 +154,7 @@ mod tests {
         let c = RdmaConfig { qps_per_endpoint: 0, ..Default::default() };
         assert!(c.validate().unwrap_err().to_string().contains("qps_per_endpoint"));
         assert!(serde_json::from_str::<RdmaConfig>(r#"{"devcie":"x"}"#).is_err());
+        let c: RdmaConfig = serde_json::from_str(r#"{"inbox_capacity":0}"#).unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("inbox_capacity"));
     }
 }

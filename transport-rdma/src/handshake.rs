@@ -96,14 +96,15 @@ impl QpGroup {
 /// The connecting side: sends `group`'s half to the segment `name` and
 /// brings the QPs up toward the reply. Returns the side channel (kept
 /// open for the endpoint's life: its close makes the peer destroy its
-/// half) and the peer's descriptor as of now.
+/// half; with whatever the peer sent after its reply still buffered) and
+/// the peer's descriptor as of now.
 pub(crate) async fn connect(
     v: &Verbs,
     group: &QpGroup,
     name: &str,
     timing: QpTiming,
     limit: Duration,
-) -> Result<(TcpStream, SegmentDescriptor)> {
+) -> Result<(BufReader<TcpStream>, SegmentDescriptor)> {
     let hello = group.hello(v, v.port.active_mtu);
     let request = Request::Connect { gid: hello.gid, lid: hello.lid, mtu: hello.mtu, qps: hello.qps };
     let work = async {
@@ -121,12 +122,10 @@ pub(crate) async fn connect(
     let (theirs, desc) = match reply {
         Reply::Connected { gid, lid, mtu, qps, descriptor } => (Half { gid, lid, mtu, qps }, descriptor),
         Reply::Error { message } => return Err(Error::new(ErrorKind::HandshakeFailed, message).with("segment", name)),
-        Reply::Descriptor { .. } => {
-            return Err(Error::new(ErrorKind::Protocol, "descriptor sent instead of a connect reply"))
-        }
+        _ => return Err(Error::new(ErrorKind::Protocol, "the peer answered the connect request with another reply")),
     };
     group.connect(v, &theirs, timing)?;
-    Ok((stream.into_inner(), desc))
+    Ok((stream, desc))
 }
 
 /// Asks the peer `name` for its descriptor over the side channel.

@@ -4,13 +4,19 @@
 //! A peer's QP group lives exactly as long as its side-channel socket:
 //! when the peer closes it (endpoint destroyed, process killed), the QPs
 //! are moved to ERROR and destroyed here.
+//!
+//! While it holds the group, the server reads notifications (rule 11) on
+//! that socket, offers each to the transport's inbox and answers it
+//! (`notify_ack`, or `busy` when the inbox is full). Anything else, or a
+//! malformed notification, is answered with an error and the channel is
+//! closed, which destroys the group, as for any other hostile input.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, BufReader};
+use tokio::io::BufReader;
 use tokio::net::{TcpListener, TcpStream};
-use transport_core::{Error, ErrorKind, Result};
+use transport_core::{Error, ErrorKind, Refused, Result};
 
 use crate::config::MAX_QPS_PER_GROUP;
 use crate::handshake::{Half, QpGroup};
@@ -19,9 +25,6 @@ use crate::wire::{self, Reply, Request};
 
 /// Pause after a failed `accept` (out of descriptors, ...).
 const ACCEPT_RETRY: Duration = Duration::from_millis(10);
-/// Bytes read at a time while holding a peer's QPs (the peer sends nothing
-/// more; anything it does send is ignored).
-const HOLD_BUF: usize = 256;
 
 pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
     loop {
@@ -84,6 +87,7 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
                 Ok(r) => r,
                 Err(e) => Reply::Error { message: e.to_string() },
             },
+            Request::Notify { .. } => Reply::Error { message: "a notification before connect".into() },
         },
         None => return,
     };
@@ -91,12 +95,44 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
     if wire::send(sock.get_mut(), &reply).await.is_err() || !connected {
         return;
     }
-    // Hold the QPs until the peer closes the channel (or dies).
-    let mut buf = [0u8; HOLD_BUF];
+    // Hold the QPs until the peer closes the channel (or dies), serving
+    // its notifications meanwhile.
     loop {
-        match sock.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
+        let req = match wire::recv_limited::<_, Request>(&mut sock, wire::MAX_HELD_LINE).await {
+            Ok(r) => r,
+            Err(e) if e.kind() == ErrorKind::Protocol => {
+                let _ = wire::send(sock.get_mut(), &Reply::held_error(&e)).await;
+                return;
+            }
+            Err(_) => return, // closed, or the socket failed
+        };
+        let reply = match req {
+            Request::Notify { from, msg } => match wire::decode_notify(from, &msg) {
+                Ok(n) => {
+                    let Some(inner) = weak.upgrade() else { return };
+                    match inner.inbox.offer(n) {
+                        Ok(()) => Reply::NotifyAck,
+                        Err(Refused::Full) => Reply::Busy,
+                        // Shutting down: the channel closes unanswered
+                        // (the sender sees a transient reset).
+                        Err(Refused::Closed) => return,
+                    }
+                }
+                Err(e) => {
+                    let _ = wire::send(sock.get_mut(), &Reply::held_error(&e)).await;
+                    return;
+                }
+            },
+            Request::Describe | Request::Connect { .. } => {
+                let e = Error::new(ErrorKind::Protocol, "only notifications are accepted on a connected channel");
+                let _ = wire::send(sock.get_mut(), &Reply::held_error(&e)).await;
+                return;
+            }
+        };
+        // A peer that does not read its answers loses the channel.
+        match tokio::time::timeout(timeout, wire::send(sock.get_mut(), &reply)).await {
+            Ok(Ok(())) => {}
+            _ => return,
         }
     }
 }

@@ -29,7 +29,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{BatchLedger, BatchTable, EndpointId, EndpointPool, TaskSet};
 use transport_core::{
-    Access, BatchId, Error, ErrorKind, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
+    Access, BatchId, Error, ErrorKind, Inbox, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId,
+    TransferRequest,
 };
 
 use crate::config::RdmaConfig;
@@ -106,9 +107,13 @@ pub(crate) struct Endpoint {
     /// Set when the endpoint broke (QPs moved to ERROR): it is never used
     /// again and is destroyed once its posted work has flushed.
     pub broken_at: Option<Instant>,
-    /// Watches the side channel: the peer closing it (crash, shutdown)
-    /// breaks the endpoint at once instead of after the QP retry timeout.
+    /// Owns the side channel: the peer closing it (crash, shutdown)
+    /// breaks the endpoint at once instead of after the QP retry timeout;
+    /// it also sends the notifications asked for on [`Endpoint::side`] and
+    /// hands each its answer (the one task that reads the socket).
     pub watcher: Option<Task>,
+    /// Notifications to send over the side channel, to the watcher.
+    pub side: tokio::sync::mpsc::Sender<crate::endpoint::Ask>,
 }
 
 impl Endpoint {
@@ -413,6 +418,10 @@ pub(crate) struct Inner {
     /// Stops the async-event thread.
     pub events_stop: Arc<AtomicBool>,
     pub events_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Notifications received from peers (rule 11): bounded by
+    /// `inbox_capacity`, filled by the side-channel servers, closed by
+    /// `shutdown`.
+    pub inbox: Inbox,
     pub me: Weak<Inner>,
 }
 

@@ -13,8 +13,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{EndReason, TaskSet};
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, MemoryRegion, RegionId, ResourceStats, Result,
-    SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, Inbox, MemoryRegion, Notification, RegionId,
+    ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
 use crate::background::{self, Drain};
@@ -108,6 +108,7 @@ impl RdmaTransport {
         };
         let verbs = Arc::new(Verbs { cq, chan, pd, ctx: ctx.clone(), port });
         let state = State::new(verbs.clone(), cfg.max_endpoints, Instant::now());
+        let inbox = Inbox::new(cfg.inbox_capacity);
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             cfg,
@@ -122,6 +123,7 @@ impl RdmaTransport {
             cq_lock: Mutex::new(()),
             events_stop: Arc::new(AtomicBool::new(false)),
             events_thread: Mutex::new(None),
+            inbox,
         });
         let weak = Arc::downgrade(&inner);
         // Async events are read (and acknowledged at once) on a thread of
@@ -340,7 +342,29 @@ impl Transport for RdmaTransport {
             batches: st.batches.len(),
             inflight: st.wrs.len(),
             tasks: self.inner.tasks.count(),
+            notifications: self.inner.inbox.len(),
         }
+    }
+
+    /// Rule 11: over the side channel of the segment's endpoint, once the
+    /// peer has queued it (see the crate docs; `notify_after` is the
+    /// trait's: the message leaves only after the batch completed).
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        self.inner.notify(segment, msg).await
+    }
+
+    fn take_notifications(&self, max: usize) -> Result<Vec<Notification>> {
+        if self.inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        Ok(self.inner.inbox.take(max))
+    }
+
+    async fn wait_notification(&self) -> Result<()> {
+        if self.inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        self.inner.inbox.wait().await
     }
 
     async fn shutdown(&self) -> Result<()> {
@@ -350,6 +374,9 @@ impl Transport for RdmaTransport {
                 return false;
             }
             st.shutdown = true;
+            // Wakes every `wait_notification` (then `Shutdown`) and refuses
+            // what peers still send.
+            inner.inbox.close();
             st.end_requests(|_, _| true, &EndReason::Cancelled, g);
             st.pool.retire_all();
             let ids: Vec<_> = st.endpoints.keys().copied().collect();

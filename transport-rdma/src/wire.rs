@@ -2,13 +2,29 @@
 //! bytes. A client either asks for the descriptor (`describe`) or connects
 //! a QP group (`connect`); in the second case it keeps the socket open for
 //! the endpoint's lifetime, and the server destroys its QPs when it closes.
+//!
+//! On a connected (held) channel the client may then send notifications
+//! (rule 11): `{"op":"notify","from":NAME,"msg":HEX}`, answered in order
+//! with `notify_ack` (queued in the inbox), `busy` (the inbox is full,
+//! nothing queued) or `error` (malformed: the server closes the channel,
+//! which destroys the QP group). Lines on a held channel are bounded by
+//! [`MAX_HELD_LINE`], enough for the largest notification and no more.
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
-use transport_core::{Error, ErrorKind, Result, SegmentDescriptor};
+use transport_core::{
+    check_received, Error, ErrorKind, Notification, Result, SegmentDescriptor, MAX_NOTIFY_FROM, MAX_NOTIFY_LEN,
+};
 
 /// Longest accepted line; longer input is a protocol error.
 pub(crate) const MAX_LINE: usize = 1 << 20;
+/// Longest line on a held channel (both directions): a notification with
+/// the largest message (two hex digits a byte) and the longest sender name
+/// (JSON may escape a byte as six), plus the object around them.
+pub(crate) const MAX_HELD_LINE: usize = 2 * MAX_NOTIFY_LEN + 6 * MAX_NOTIFY_FROM + 256;
+/// Longest error text the server puts in a reply on a held channel.
+const MAX_ERROR_TEXT: usize = 512;
 
 /// One side's QP.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -30,15 +46,93 @@ pub(crate) enum Request {
         mtu: u32,
         qps: Vec<QpInfo>,
     },
+    /// A notification, on a connected channel only.
+    Notify {
+        /// The sender's segment name, at most `MAX_NOTIFY_FROM` bytes.
+        from: String,
+        /// The message as lowercase hex, at most `2 * MAX_NOTIFY_LEN` digits.
+        msg: String,
+    },
 }
 
 /// The answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub(crate) enum Reply {
-    Descriptor { descriptor: SegmentDescriptor },
-    Connected { gid: String, lid: u16, mtu: u32, qps: Vec<QpInfo>, descriptor: SegmentDescriptor },
-    Error { message: String },
+    Descriptor {
+        descriptor: SegmentDescriptor,
+    },
+    Connected {
+        gid: String,
+        lid: u16,
+        mtu: u32,
+        qps: Vec<QpInfo>,
+        descriptor: SegmentDescriptor,
+    },
+    Error {
+        message: String,
+    },
+    /// The notification is in the peer's inbox.
+    NotifyAck,
+    /// The peer's inbox is full: nothing was queued.
+    Busy,
+}
+
+impl Reply {
+    /// An error reply for a held channel: its text cut to a bounded length
+    /// (the peer reads it with the [`MAX_HELD_LINE`] bound).
+    pub(crate) fn held_error(e: &Error) -> Self {
+        let mut message = e.to_string();
+        if message.len() > MAX_ERROR_TEXT {
+            let mut cut = MAX_ERROR_TEXT;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        Reply::Error { message }
+    }
+}
+
+/// The request carrying notification `msg` from `from`. Refuses what the
+/// peer would refuse (`check_received`).
+pub(crate) fn notify_request(from: &str, msg: &[u8]) -> Result<Request> {
+    check_received(from, msg)?;
+    Ok(Request::Notify { from: from.to_string(), msg: msg.iter().map(|b| format!("{b:02x}")).collect() })
+}
+
+/// Decodes a received notification, bounded: the sender name and the hex
+/// text are checked against their limits before anything is decoded. Any
+/// violation is `InvalidRequest` (the server answers it and closes).
+pub(crate) fn decode_notify(from: String, hex: &str) -> Result<Notification> {
+    let bad = |why: &str| Error::new(ErrorKind::InvalidRequest, format!("malformed notification: {why}"));
+    if from.len() > MAX_NOTIFY_FROM {
+        return Err(bad("sender name too long"));
+    }
+    let max_digits = MAX_NOTIFY_LEN.checked_mul(2).ok_or_else(|| bad("limit overflows"))?;
+    if hex.len() > max_digits {
+        return Err(bad("message too long"));
+    }
+    if !hex.len().is_multiple_of(2) {
+        return Err(bad("odd number of hex digits"));
+    }
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    };
+    let msg = hex
+        .as_bytes()
+        .chunks_exact(2)
+        .map(|p| match p {
+            [hi, lo] => Some(digit(*hi)? << 4 | digit(*lo)?),
+            _ => None,
+        })
+        .collect::<Option<Vec<u8>>>()
+        .ok_or_else(|| bad("not hex"))?;
+    check_received(&from, &msg)?;
+    Ok(Notification { from, msg })
 }
 
 pub(crate) fn gid_hex(gid: &[u8; 16]) -> String {
@@ -68,27 +162,75 @@ pub(crate) async fn send<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, msg: &T
 
 /// Reads one line-delimited message, bounded by [`MAX_LINE`]. EOF before a
 /// line is `ConnectionReset`; junk is `Protocol`.
-pub(crate) async fn recv<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(r: &mut BufReader<R>) -> Result<T> {
+pub(crate) async fn recv<R: AsyncRead + Unpin, T: DeserializeOwned>(r: &mut BufReader<R>) -> Result<T> {
+    recv_limited(r, MAX_LINE).await
+}
+
+/// Like [`recv`], bounded by `limit` bytes (newline included).
+pub(crate) async fn recv_limited<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    r: &mut BufReader<R>,
+    limit: usize,
+) -> Result<T> {
     let mut line = Vec::new();
     loop {
-        let buf = r.fill_buf().await?;
-        if buf.is_empty() {
-            return Err(Error::new(ErrorKind::ConnectionReset, "side channel closed before a complete message"));
-        }
-        let (take, done) = match buf.iter().position(|&b| b == b'\n') {
-            Some(i) => (i + 1, true),
-            None => (buf.len(), false),
-        };
-        line.extend_from_slice(&buf[..take]);
-        r.consume(take);
-        if line.len() > MAX_LINE {
-            return Err(Error::new(ErrorKind::Protocol, "side-channel message too long"));
-        }
-        if done {
-            break;
+        if read_some(r, &mut line, limit).await? {
+            return parse(&line);
         }
     }
-    serde_json::from_slice(&line).map_err(|e| Error::new(ErrorKind::Protocol, format!("bad side-channel message: {e}")))
+}
+
+/// Moves the bytes `r` has buffered (reading if it has none) into `line`,
+/// up to and including a newline. Returns whether the line is complete.
+/// Cancel-safe: nothing is consumed from `r` unless it is in `line`.
+async fn read_some<R: AsyncRead + Unpin>(r: &mut BufReader<R>, line: &mut Vec<u8>, limit: usize) -> Result<bool> {
+    let buf = r.fill_buf().await?;
+    if buf.is_empty() {
+        return Err(Error::new(ErrorKind::ConnectionReset, "side channel closed before a complete message"));
+    }
+    let (take, done) = match buf.iter().position(|&b| b == b'\n') {
+        Some(i) => (i + 1, true),
+        None => (buf.len(), false),
+    };
+    if line.len().checked_add(take).is_none_or(|n| n > limit) {
+        return Err(Error::new(ErrorKind::Protocol, "side-channel message too long"));
+    }
+    line.extend_from_slice(&buf[..take]);
+    r.consume(take);
+    Ok(done)
+}
+
+fn parse<T: DeserializeOwned>(line: &[u8]) -> Result<T> {
+    serde_json::from_slice(line).map_err(|e| Error::new(ErrorKind::Protocol, format!("bad side-channel message: {e}")))
+}
+
+/// A reader of line-delimited messages whose [`Lines::next`] is
+/// cancel-safe (a partial line is kept between calls), for a task that
+/// reads in a `select!`.
+#[derive(Debug)]
+pub(crate) struct Lines<R> {
+    r: BufReader<R>,
+    line: Vec<u8>,
+    limit: usize,
+}
+
+impl<R: AsyncRead + Unpin> Lines<R> {
+    /// Reads lines of at most `limit` bytes from `r`.
+    pub(crate) fn new(r: BufReader<R>, limit: usize) -> Self {
+        Self { r, line: Vec::new(), limit }
+    }
+
+    /// The next message. EOF is `ConnectionReset`; junk or an overlong
+    /// line is `Protocol` (the stream is then unusable).
+    pub(crate) async fn next<T: DeserializeOwned>(&mut self) -> Result<T> {
+        while !read_some(&mut self.r, &mut self.line, self.limit).await? {}
+        let line = std::mem::take(&mut self.line);
+        parse(&line)
+    }
+
+    /// The stream, to write to.
+    pub(crate) fn get_mut(&mut self) -> &mut R {
+        self.r.get_mut()
+    }
 }
 
 #[cfg(test)]
@@ -111,5 +253,82 @@ mod tests {
         assert_eq!(recv::<_, Request>(&mut r).await.unwrap_err().kind(), ErrorKind::ConnectionReset);
         let mut r = BufReader::new(&br#"{"op":"describe"}"#[..]);
         assert_eq!(recv::<_, Request>(&mut r).await.unwrap_err().kind(), ErrorKind::ConnectionReset);
+    }
+
+    fn line<T: Serialize>(msg: &T) -> Vec<u8> {
+        let mut l = serde_json::to_vec(msg).unwrap();
+        l.push(b'\n');
+        l
+    }
+
+    #[tokio::test]
+    async fn notify_round_trip_and_the_largest_fits_a_held_line() {
+        let msg: Vec<u8> = (0..=255u8).cycle().take(MAX_NOTIFY_LEN).collect();
+        // The worst sender name: every byte escaped by JSON as \u00XX.
+        let from = "\u{1}".repeat(MAX_NOTIFY_FROM);
+        let l = line(&notify_request(&from, &msg).unwrap());
+        assert!(l.len() <= MAX_HELD_LINE, "{} > {MAX_HELD_LINE}", l.len());
+        let mut r = BufReader::new(&l[..]);
+        let Request::Notify { from: f, msg: m } = recv_limited::<_, Request>(&mut r, MAX_HELD_LINE).await.unwrap()
+        else {
+            panic!("not a notify")
+        };
+        assert_eq!(decode_notify(f, &m).unwrap(), Notification { from, msg });
+        let l = line(&notify_request("10.0.0.1:7000", b"").unwrap());
+        let mut r = BufReader::new(&l[..]);
+        let Request::Notify { from, msg } = recv::<_, Request>(&mut r).await.unwrap() else { panic!("not a notify") };
+        assert_eq!(decode_notify(from, &msg).unwrap(), Notification { from: "10.0.0.1:7000".into(), msg: vec![] });
+        for r in [Reply::NotifyAck, Reply::Busy] {
+            let l = line(&r);
+            let back: Reply = recv(&mut BufReader::new(&l[..])).await.unwrap();
+            assert_eq!(format!("{back:?}"), format!("{r:?}"));
+        }
+    }
+
+    #[test]
+    fn malformed_notifications_are_refused_without_panics() {
+        let refused = |from: &str, hex: &str| decode_notify(from.into(), hex).unwrap_err().kind();
+        assert_eq!(refused(&"x".repeat(MAX_NOTIFY_FROM + 1), ""), ErrorKind::InvalidRequest);
+        assert_eq!(refused("p", &"00".repeat(MAX_NOTIFY_LEN + 1)), ErrorKind::InvalidRequest);
+        assert_eq!(refused("p", "abc"), ErrorKind::InvalidRequest);
+        assert_eq!(refused("p", "zz"), ErrorKind::InvalidRequest);
+        assert_eq!(refused("p", "é"), ErrorKind::InvalidRequest);
+        assert_eq!(refused("p", "+1"), ErrorKind::InvalidRequest);
+        assert_eq!(decode_notify("p".into(), "00fFA9").unwrap().msg, vec![0, 0xff, 0xa9]);
+        assert!(decode_notify("x".repeat(MAX_NOTIFY_FROM), &"00".repeat(MAX_NOTIFY_LEN)).is_ok());
+        // The sender refuses what the receiver would.
+        assert_eq!(notify_request("p", &[0; MAX_NOTIFY_LEN + 1]).unwrap_err().kind(), ErrorKind::InvalidRequest);
+    }
+
+    #[tokio::test]
+    async fn held_lines_are_bounded() {
+        let long = vec![b'x'; MAX_HELD_LINE + 1];
+        let mut r = BufReader::new(&long[..]);
+        assert_eq!(recv_limited::<_, Request>(&mut r, MAX_HELD_LINE).await.unwrap_err().kind(), ErrorKind::Protocol);
+        let mut lines = Lines::new(BufReader::new(&long[..]), MAX_HELD_LINE);
+        assert_eq!(lines.next::<Reply>().await.unwrap_err().kind(), ErrorKind::Protocol);
+        let e = Error::new(ErrorKind::Protocol, "é".repeat(MAX_LINE));
+        let Reply::Error { message } = Reply::held_error(&e) else { panic!("not an error") };
+        assert!(message.len() <= MAX_ERROR_TEXT && message.starts_with("é"));
+        assert!(line(&Reply::held_error(&e)).len() <= MAX_HELD_LINE);
+    }
+
+    /// A `Lines::next` dropped halfway through a line (a `select!` took
+    /// another branch) loses nothing: the next call returns the message.
+    #[tokio::test]
+    async fn lines_next_is_cancel_safe() {
+        let (mut w, r) = tokio::io::duplex(64);
+        let mut lines = Lines::new(BufReader::new(r), MAX_HELD_LINE);
+        let l = line(&Reply::Busy);
+        let (a, b) = l.split_at(5);
+        w.write_all(a).await.unwrap();
+        let cut = tokio::time::timeout(std::time::Duration::from_millis(20), lines.next::<Reply>()).await;
+        assert!(cut.is_err(), "half a line is not a message");
+        w.write_all(b).await.unwrap();
+        w.write_all(&line(&Reply::NotifyAck)).await.unwrap();
+        assert!(matches!(lines.next::<Reply>().await.unwrap(), Reply::Busy));
+        assert!(matches!(lines.next::<Reply>().await.unwrap(), Reply::NotifyAck));
+        drop(w);
+        assert_eq!(lines.next::<Reply>().await.unwrap_err().kind(), ErrorKind::ConnectionReset);
     }
 }
