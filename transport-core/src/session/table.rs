@@ -617,6 +617,7 @@ impl SessionTable {
             Body::End(v) => self.on_end(from, m.id, v, now),
             Body::Finish { bytes } => self.on_finish(from, m.id, bytes, now),
             Body::Cancel(v) => self.on_cancel(from, m.id, v, now),
+            Body::Refuse(v) => self.on_refuse(from, m.id, v, now),
             Body::Quiet => self.on_quiet(from, m.id, now),
         }
     }
@@ -639,7 +640,7 @@ impl SessionTable {
                     SessionState::Failed(e) => verdict(Outcome::Failed, e.kind(), e.to_string()),
                     _ => verdict(Outcome::Cancelled, ErrorKind::Cancelled, "cancelled by the sender before the grant"),
                 };
-                self.send(from, id, Body::Cancel(v));
+                self.send(from, id, Body::Refuse(v));
             }
             Some(_) => self.ignored += 1, // a duplicate
             None => match self.room_for(from) {
@@ -651,7 +652,7 @@ impl SessionTable {
                 }
                 Err(e) => {
                     // Refuse it so the receiver frees the memory at once.
-                    self.send(from, id, Body::Cancel(verdict(Outcome::Failed, e.kind(), e.to_string())));
+                    self.send(from, id, Body::Refuse(verdict(Outcome::Failed, e.kind(), e.to_string())));
                 }
             },
         }
@@ -756,6 +757,22 @@ impl SessionTable {
         };
         Self::finalize(s, SessionState::from_verdict(&decided), now);
         self.send(from, id, Body::End(decided));
+    }
+
+    fn on_refuse(&mut self, from: &str, id: u64, v: Verdict, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Receiver);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        if s.state.is_final() || v.outcome == Outcome::Landed || v.outcome == Outcome::Expired {
+            self.ignored += 1;
+            return;
+        }
+        // The sender never wrote and has already ended as `v`: adopt it,
+        // whatever this side was closing with (the sender will not adopt
+        // an END any more).
+        Self::finalize(s, SessionState::from_verdict(&v), now);
     }
 
     fn on_quiet(&mut self, from: &str, id: u64, now: Duration) {

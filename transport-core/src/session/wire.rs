@@ -11,7 +11,7 @@
 //!  22     -   body:
 //!             GRANT:  deadline_ms u64, expected u64, n u16, n x (addr u64, len u64)
 //!             FINISH: bytes u64
-//!             END, CANCEL: outcome u8, error kind u8, reason_len u16,
+//!             END, CANCEL, REFUSE: outcome u8, error kind u8, reason_len u16,
 //!                     reason (UTF-8)
 //!             HEARTBEAT: reply wanted u8
 //!             QUIET: empty
@@ -114,6 +114,11 @@ pub enum Body {
     Cancel(Verdict),
     /// Receiver -> sender: the session's final outcome.
     End(Verdict),
+    /// Sender -> receiver: a grant that came after the sender had already
+    /// ended the session (cancelled or failed before any grant), or that its
+    /// table had no room for; nothing was written, and the sender's outcome
+    /// stands on both sides.
+    Refuse(Verdict),
     /// Sender -> receiver: after an END that is not `Landed`, the sender is
     /// quiet (nothing of the session is on the wire any more).
     Quiet,
@@ -137,6 +142,7 @@ enum Kind {
     End = 4,
     Quiet = 5,
     Heartbeat = 6,
+    Refuse = 7,
 }
 
 /// Whether a notification is a session message (by its magic).
@@ -149,7 +155,7 @@ pub fn is_session_message(msg: &[u8]) -> bool {
 /// conformance suite's broken transport that drops them.
 pub fn is_failure_notice(msg: &[u8]) -> bool {
     match decode(msg) {
-        Some(Message { body: Body::Cancel(_), .. }) => true,
+        Some(Message { body: Body::Cancel(_) | Body::Refuse(_), .. }) => true,
         Some(Message { body: Body::End(v), .. }) => v.outcome != Outcome::Landed,
         _ => false,
     }
@@ -168,6 +174,7 @@ impl Message {
             Body::Finish { .. } => Kind::Finish,
             Body::Cancel(_) => Kind::Cancel,
             Body::End(_) => Kind::End,
+            Body::Refuse(_) => Kind::Refuse,
             Body::Quiet => Kind::Quiet,
             Body::Heartbeat { .. } => Kind::Heartbeat,
         };
@@ -187,7 +194,7 @@ impl Message {
                 }
             }
             Body::Finish { bytes } => b.extend_from_slice(&bytes.to_le_bytes()),
-            Body::End(v) | Body::Cancel(v) => {
+            Body::End(v) | Body::Cancel(v) | Body::Refuse(v) => {
                 let reason = &v.reason;
                 b.push(v.outcome as u8);
                 b.push(kind_code(v.kind));
@@ -262,7 +269,7 @@ pub fn decode(msg: &[u8]) -> Option<Message> {
             Body::Grant(Grant { ranges, expected, deadline: Duration::from_millis(ms) })
         }
         2 => Body::Finish { bytes: r.u64()? },
-        3 | 4 => {
+        3 | 4 | 7 => {
             let outcome = match r.u8()? {
                 1 => Outcome::Landed,
                 2 => Outcome::Failed,
@@ -277,10 +284,10 @@ pub fn decode(msg: &[u8]) -> Option<Message> {
             }
             let reason = std::str::from_utf8(r.take(n)?).ok()?.to_string();
             let v = Verdict { outcome, kind, reason };
-            if ty == 3 {
-                Body::Cancel(v)
-            } else {
-                Body::End(v)
+            match ty {
+                3 => Body::Cancel(v),
+                4 => Body::End(v),
+                _ => Body::Refuse(v),
             }
         }
         5 => Body::Quiet,
@@ -312,6 +319,11 @@ mod tests {
             Body::End(Verdict { outcome: Outcome::Expired, kind: ErrorKind::Timeout, reason: "deadline".into() }),
             Body::Quiet,
             Body::Heartbeat { reply: true },
+            Body::Refuse(Verdict {
+                outcome: Outcome::Failed,
+                kind: ErrorKind::ResourceExhausted,
+                reason: "full".into(),
+            }),
         ]
         .into_iter()
         .map(|body| Message { epoch: 9, id: 42, body })
@@ -347,7 +359,7 @@ mod tests {
     #[test]
     fn failure_notices() {
         let v: Vec<bool> = all().iter().map(|m| is_failure_notice(&m.encode())).collect();
-        assert_eq!(v, vec![false, false, true, true, false, false]);
+        assert_eq!(v, vec![false, false, true, true, false, false, true]);
     }
 
     #[test]

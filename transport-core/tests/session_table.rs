@@ -1,0 +1,383 @@
+//! The session table (rules 12, 13) under random schedules, with no
+//! network: two tables, a sender "s" and a receiver "r", exchange messages
+//! through FIFO links with bounded delay, duplicates and forged input; a
+//! side may die. Checked: states are monotone and final states stick; both
+//! live sides end in the same final state; a survivor ends within the
+//! liveness timeout; a sender is final only when quiet; writes outside the
+//! grant are refused.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use transport_core::session::wire::{Body, Message};
+use transport_core::session::{Action, Grant, Role, SessionKey, SessionLimits, SessionState, SessionTable};
+
+const ID: u64 = 5;
+const BASE: u64 = 1 << 20;
+const GRANTED: u64 = 1000;
+/// A message is delivered at most this long after it was queued.
+const MAX_DELAY: Duration = Duration::from_millis(200);
+
+fn limits() -> SessionLimits {
+    SessionLimits {
+        heartbeat_interval: Duration::from_millis(100),
+        liveness_timeout: Duration::from_millis(1000),
+        linger: Duration::from_secs(3600),
+        ..SessionLimits::default()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Deliver(bool),
+    Duplicate(bool),
+    Advance(u64),
+    Grant(u64),
+    Write { offset: u64, len: u64 },
+    EndWrite,
+    Finish,
+    CancelSender,
+    CancelReceiver,
+    Kill(bool),
+    Forge(bool, u8, u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => any::<bool>().prop_map(Op::Deliver),
+        1 => any::<bool>().prop_map(Op::Duplicate),
+        4 => (1u64..150).prop_map(Op::Advance),
+        1 => (20u64..800).prop_map(Op::Grant),
+        3 => (0u64..1100, 1u64..400).prop_map(|(offset, len)| Op::Write { offset, len }),
+        3 => Just(Op::EndWrite),
+        1 => Just(Op::Finish),
+        1 => Just(Op::CancelSender),
+        1 => Just(Op::CancelReceiver),
+        1 => any::<bool>().prop_map(Op::Kill),
+        1 => (any::<bool>(), 1u8..7, 0u64..8).prop_map(|(to_s, kind, id)| Op::Forge(to_s, kind, id)),
+    ]
+}
+
+struct World {
+    now: Duration,
+    s: SessionTable,
+    r: SessionTable,
+    /// Links: (queued at, bytes). `to_r`: s -> r.
+    to_r: VecDeque<(Duration, Vec<u8>)>,
+    to_s: VecDeque<(Duration, Vec<u8>)>,
+    s_alive: bool,
+    r_alive: bool,
+    /// Sender writes in flight: (bytes, stopped).
+    writes: Vec<(u64, bool)>,
+    granted: bool,
+    last_s: SessionState,
+    last_r: Option<SessionState>,
+    killed_at: Option<Duration>,
+    survivor_final_at: Option<Duration>,
+}
+
+fn ks() -> SessionKey {
+    SessionKey::new("r", ID, Role::Sender)
+}
+fn kr() -> SessionKey {
+    SessionKey::new("s", ID, Role::Receiver)
+}
+
+fn rank(s: &SessionState) -> u8 {
+    match s {
+        SessionState::Waiting => 0,
+        SessionState::Granted => 1,
+        SessionState::Transferring => 2,
+        _ => 3,
+    }
+}
+
+impl World {
+    fn new() -> Self {
+        let mut s = SessionTable::new(limits(), 1);
+        let r = SessionTable::new(limits(), 2);
+        s.expect("r", ID, Duration::ZERO).unwrap();
+        Self {
+            now: Duration::ZERO,
+            s,
+            r,
+            to_r: VecDeque::new(),
+            to_s: VecDeque::new(),
+            s_alive: true,
+            r_alive: true,
+            writes: Vec::new(),
+            granted: false,
+            last_s: SessionState::Waiting,
+            last_r: None,
+            killed_at: None,
+            survivor_final_at: None,
+        }
+    }
+
+    fn collect(&mut self) {
+        if self.s_alive {
+            for (peer, m) in self.s.drain_outgoing() {
+                assert_eq!(peer, "r");
+                self.to_r.push_back((self.now, m));
+            }
+            for a in self.s.drain_actions() {
+                let Action::StopWrites(k) = a;
+                assert_eq!(k, ks());
+                for w in &mut self.writes {
+                    w.1 = true;
+                }
+            }
+        }
+        if self.r_alive {
+            for (peer, m) in self.r.drain_outgoing() {
+                assert_eq!(peer, "s");
+                self.to_s.push_back((self.now, m));
+            }
+            assert!(self.r.drain_actions().is_empty(), "a receiver never writes");
+        }
+        self.check();
+    }
+
+    /// Monotone, sticky, quiet-before-final.
+    fn check(&mut self) {
+        if self.s_alive {
+            let st = self.s.state(&ks()).expect("sender session kept (linger is long)");
+            assert!(rank(&st) >= rank(&self.last_s), "sender went back: {:?} -> {st:?}", self.last_s);
+            if self.last_s.is_final() {
+                assert_eq!(st, self.last_s, "sender final state changed");
+            }
+            if st.is_final() {
+                assert!(self.writes.is_empty(), "sender final with writes in flight: {st:?}");
+            }
+            self.last_s = st;
+        }
+        if self.r_alive {
+            let st = self.r.state(&kr());
+            if let (Some(a), Some(b)) = (&self.last_r, &st) {
+                assert!(rank(b) >= rank(a), "receiver went back: {a:?} -> {b:?}");
+                if a.is_final() {
+                    assert_eq!(a, b, "receiver final state changed");
+                }
+            }
+            if self.last_r.is_some() {
+                assert!(st.is_some(), "receiver session vanished");
+            }
+            if matches!(st, Some(SessionState::Landed)) {
+                assert!(self.writes.is_empty() || !self.s_alive, "landed with writes in flight");
+            }
+            self.last_r = st;
+        }
+        let survivor_final = if !self.s_alive {
+            self.last_r.as_ref().is_none_or(|s| s.is_final())
+        } else if !self.r_alive {
+            self.last_s.is_final()
+        } else {
+            false
+        };
+        if survivor_final && self.survivor_final_at.is_none() {
+            self.survivor_final_at = Some(self.now);
+        }
+    }
+
+    fn deliver(&mut self, to_s: bool, dup: bool) {
+        let (q, alive) = if to_s { (&mut self.to_s, self.s_alive) } else { (&mut self.to_r, self.r_alive) };
+        let Some((_, m)) = (if dup { q.front().cloned() } else { q.pop_front() }) else { return };
+        if !alive {
+            return;
+        }
+        if to_s {
+            self.s.on_message("r", &m, self.now);
+        } else {
+            self.r.on_message("s", &m, self.now);
+        }
+        self.collect();
+    }
+
+    fn advance(&mut self, ms: u64) {
+        self.now += Duration::from_millis(ms);
+        // Bounded delay: anything older than MAX_DELAY arrives first.
+        loop {
+            let old_r = self.to_r.front().is_some_and(|(t, _)| self.now.saturating_sub(*t) >= MAX_DELAY);
+            let old_s = self.to_s.front().is_some_and(|(t, _)| self.now.saturating_sub(*t) >= MAX_DELAY);
+            if old_r {
+                self.deliver(false, false);
+            } else if old_s {
+                self.deliver(true, false);
+            } else {
+                break;
+            }
+        }
+        if self.s_alive {
+            self.s.tick(self.now);
+        }
+        if self.r_alive {
+            self.r.tick(self.now);
+        }
+        self.collect();
+    }
+
+    fn end_write(&mut self) {
+        if let Some((len, stopped)) = self.writes.pop() {
+            let bytes = if stopped { 0 } else { len };
+            self.s.end_write(&ks(), bytes, self.now);
+            self.collect();
+        }
+    }
+
+    fn apply(&mut self, op: Op) {
+        match op {
+            Op::Deliver(to_s) => self.deliver(to_s, false),
+            Op::Duplicate(to_s) => self.deliver(to_s, true),
+            Op::Advance(ms) => self.advance(ms),
+            Op::Grant(ms) => {
+                if self.r_alive && !self.granted {
+                    let g =
+                        Grant { ranges: vec![(BASE, GRANTED)], expected: GRANTED, deadline: Duration::from_millis(ms) };
+                    self.r.grant_to("s", ID, g, self.now).unwrap();
+                    self.granted = true;
+                    self.collect();
+                }
+            }
+            Op::Write { offset, len } => {
+                if self.s_alive {
+                    let r = self.s.begin_write(&ks(), &[(BASE + offset, len)], self.now);
+                    if offset + len > GRANTED {
+                        assert!(r.is_err(), "a write outside the grant was allowed");
+                    }
+                    if r.is_ok() {
+                        assert!(self.granted, "a write without a grant was allowed");
+                        self.writes.push((len, false));
+                    }
+                    self.collect();
+                }
+            }
+            Op::EndWrite => {
+                if self.s_alive {
+                    self.end_write();
+                }
+            }
+            Op::Finish => {
+                if self.s_alive {
+                    let _ = self.s.finish(&ks());
+                    self.collect();
+                }
+            }
+            Op::CancelSender => {
+                if self.s_alive {
+                    self.s.cancel(&ks(), None, self.now).unwrap();
+                    self.collect();
+                }
+            }
+            Op::CancelReceiver => {
+                if self.r_alive && self.granted {
+                    self.r.cancel(&kr(), None, self.now).unwrap();
+                    self.collect();
+                }
+            }
+            Op::Kill(sender) => {
+                if self.s_alive && self.r_alive {
+                    self.killed_at = Some(self.now);
+                    if sender {
+                        self.s_alive = false;
+                        self.to_r.clear();
+                        self.writes.clear(); // a dead process writes nothing
+                    } else {
+                        self.r_alive = false;
+                        self.to_s.clear();
+                    }
+                }
+            }
+            Op::Forge(to_s, kind, id) => {
+                let body = match kind {
+                    1 => Body::Grant(Grant { ranges: vec![(0, 8)], expected: 8, deadline: Duration::from_secs(1) }),
+                    2 => Body::Finish { bytes: GRANTED },
+                    3 => Body::Quiet,
+                    4 => Body::Heartbeat { reply: true },
+                    _ => Body::Finish { bytes: 1 },
+                };
+                // Forged ids other than ours, or garbage, from the real peer.
+                let m = Message { epoch: if to_s { 2 } else { 1 }, id: ID + 1 + id, body }.encode();
+                let garbage = vec![0u8, b'K', b'V', b'S', 1, kind];
+                // Sent by the other side, so only while it lives.
+                if to_s && self.s_alive && self.r_alive {
+                    self.s.on_message("r", &m, self.now);
+                    self.s.on_message("r", &garbage, self.now);
+                } else if !to_s && self.r_alive && self.s_alive {
+                    self.r.on_message("s", &m, self.now);
+                    self.r.on_message("s", &garbage, self.now);
+                }
+                self.collect();
+            }
+        }
+    }
+
+    /// Lets the world settle: writes end, messages flow, time passes.
+    fn settle(&mut self) {
+        let stop_at = self.now + Duration::from_secs(10);
+        while self.now < stop_at {
+            while !self.writes.is_empty() && self.s_alive {
+                self.end_write();
+            }
+            while !self.to_r.is_empty() || !self.to_s.is_empty() {
+                self.deliver(false, false);
+                self.deliver(true, false);
+            }
+            let waiting = !self.granted && matches!(self.last_s, SessionState::Waiting) && self.r_alive;
+            let s_done = !self.s_alive || self.last_s.is_final() || waiting;
+            let r_done = !self.r_alive || self.last_r.as_ref().is_none_or(|s| s.is_final());
+            if s_done && r_done && self.to_r.is_empty() && self.to_s.is_empty() {
+                break;
+            }
+            self.advance(50);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn both_sides_agree(ops in proptest::collection::vec(op(), 1..80), finish_at_end in any::<bool>()) {
+        let mut w = World::new();
+        for op in ops {
+            w.apply(op);
+        }
+        if finish_at_end && w.s_alive {
+            while !w.writes.is_empty() {
+                w.end_write();
+            }
+            let _ = w.s.finish(&ks());
+            w.collect();
+        }
+        let (s_alive, r_alive) = (w.s_alive, w.r_alive);
+        w.settle();
+        let waiting = !w.granted && matches!(w.last_s, SessionState::Waiting);
+        if s_alive && !(waiting && r_alive) {
+            prop_assert!(w.last_s.is_final(), "sender not final: {:?}", w.last_s);
+        }
+        if r_alive {
+            if let Some(st) = &w.last_r {
+                prop_assert!(st.is_final(), "receiver not final: {st:?}");
+            }
+        }
+        if s_alive && r_alive {
+            match &w.last_r {
+                Some(r) => prop_assert_eq!(&w.last_s, r, "the sides disagree"),
+                // Never granted: the sender waits (no deadline) while the
+                // receiver lives, unless it cancelled.
+                None => prop_assert!(
+                    matches!(w.last_s, SessionState::Waiting | SessionState::Cancelled),
+                    "{:?}", w.last_s
+                ),
+            }
+        } else if let Some(k) = w.killed_at {
+            // The survivor ends within the liveness timeout (plus the timer's
+            // step), as failed or with an outcome already decided.
+            let at = w.survivor_final_at.unwrap_or(w.now);
+            let bound = limits().liveness_timeout + Duration::from_millis(350);
+            prop_assert!(at <= k + bound, "survivor final {:?} after the kill", at.saturating_sub(k));
+        }
+    }
+}
