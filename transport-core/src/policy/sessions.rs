@@ -176,9 +176,13 @@ impl Sessions {
     }
 
     /// Sender: waits until `peer` granted `id` and returns the grant; an
-    /// error with the final state if the session ended first.
+    /// error with the final state if the session ended first. Expects the
+    /// grant first ([`Sessions::expect`]) if nothing did yet.
     pub async fn wait_grant(&self, peer: &str, id: u64) -> Result<Grant> {
         let key = SessionKey::new(peer, id, Role::Sender);
+        if self.state(&key).is_none() {
+            self.expect(peer, id)?;
+        }
         let mut rx = self.inner.changed.subscribe();
         loop {
             rx.borrow_and_update();
