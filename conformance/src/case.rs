@@ -25,6 +25,9 @@ pub enum Need {
     Stall,
     /// [`crate::Harness::os_probe`].
     OsProbe,
+    /// [`crate::Harness::node_with_inbox`] (a node with a small
+    /// notification inbox).
+    InboxCapacity,
 }
 
 /// One conformance case.
@@ -34,7 +37,7 @@ pub struct Case {
     pub group: &'static str,
     /// Case name, the last part of the test name.
     pub name: &'static str,
-    /// The rule of `docs/CONTRACT.md` (1..=10) it checks.
+    /// The rule of `docs/CONTRACT.md` (1..=11) it checks.
     pub rule: u8,
     /// Hooks and capabilities it needs (it skips without them).
     pub needs: &'static [Need],

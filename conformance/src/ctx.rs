@@ -91,6 +91,20 @@ impl Ctx {
         Ok(node)
     }
 
+    /// A new node whose notification inbox holds at most `capacity`
+    /// notifications (see [`Harness::node_with_inbox`]), wrapped and shut
+    /// down after the case like [`Ctx::node`]; skips the case if the
+    /// harness cannot make one.
+    pub async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Node, CaseError> {
+        let raw = bounded("creating a node with a small inbox", self.inner.harness.node_with_inbox(opts, capacity))
+            .await?
+            .map_err(|e| CaseError::Fail(format!("the harness could not create a node with a small inbox: {e}")))?
+            .ok_or_else(|| CaseError::Skip("the harness cannot make a node with a given inbox capacity".into()))?;
+        let node = Node { transport: self.inner.harness.wrap(raw.transport), ..raw };
+        self.inner.nodes.lock().push(node.clone());
+        Ok(node)
+    }
+
     /// Restarts a killed node under the same name (new generation).
     pub async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node, CaseError> {
         let raw = bounded("restarting a node", self.inner.harness.restart(node, opts))

@@ -78,6 +78,15 @@ pub trait Harness: Send + Sync + 'static {
     /// stays above its baseline once things are closed (rule 1).
     fn os_probe(&self) -> Option<Vec<(String, u64)>>;
 
+    /// Creates a fresh node whose notification inbox holds at most
+    /// `capacity` notifications (rule 11; the backend's `inbox_capacity`
+    /// option), or `Ok(None)` when the harness cannot configure it. The
+    /// default is `Ok(None)`: the cases that need it are skipped.
+    async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
+        let _ = (opts, capacity);
+        Ok(None)
+    }
+
     /// Wraps every transport the suite uses from this harness (after
     /// [`Harness::node`] and [`Harness::restart`]). The default is the
     /// identity. Wrappers let one harness run the suite through a layer: a

@@ -1,12 +1,14 @@
 //! The conformance suite every transport backend runs to prove it keeps
-//! the contract: rules 1 to 10 of `docs/CONTRACT.md`, shown on
+//! the contract: rules 1 to 11 of `docs/CONTRACT.md`, shown on
 //! [`transport_core::Transport`].
 //!
 //! # Running it against a backend: one line
 //!
 //! Implement [`Harness`] for the backend (make nodes; kill, restart, cut
 //! and stall them where the backend can; an OS resource probe if there is
-//! one), then add a test target with `harness = false`:
+//! one; a node with a small notification inbox,
+//! [`Harness::node_with_inbox`], if its capacity can be configured), then
+//! add a test target with `harness = false`:
 //!
 //! ```toml
 //! [[test]]
@@ -32,7 +34,7 @@
 //! case lists what it [`Need`]s; under nextest, which cannot see a skip
 //! decided at run time, the runner first [`probe`]s the harness (a
 //! throw-away node: `stall(false)`, `cut`, `kill`, `capabilities().read`,
-//! `os_probe`) and marks the cases whose needs are unmet as ignored up
+//! `os_probe`, `node_with_inbox`) and marks the cases whose needs are unmet as ignored up
 //! front, so they show as skipped there too.
 //!
 //! [`run_case`] runs one case programmatically (this is how the tests of
@@ -61,6 +63,7 @@
 //! | mock, `write_after_timeout` | `deadline::quiet_after_timeout` |
 //! | mock, `noop_close_segment` | `lifecycle::close_releases_endpoints` |
 //! | [`broken::RetriesPermanent`] around the mock | `policy::permanent_errors_not_retried` |
+//! | mock with 2 ms latency, `notify_before_landing` | `notify::never_overtakes_data` |
 //!
 //! # The cases
 //!
@@ -125,6 +128,12 @@
 //! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |
 //! | `backpressure::cancel_frees_budget` | 8 | Stall | cancelling the holder frees the budget at once |
 //! | `config::works_behind_dyn_transport` | 10 | - | works as `Arc<dyn Transport>` under an Engine configured from JSON |
+//! | `notify::never_overtakes_data` | 11 | - | 4 rounds of a 64 x 256 KiB + 192 small-write batch with `notify_after`, under background load: when the receiver sees the notification, every byte of the batch is in its memory |
+//! | `notify::per_pair_order` | 11 | - | 200 sequential notifications arrive in order, byte-exact, `from` the sender; with two senders at once each one's order holds |
+//! | `notify::failed_batch_never_notifies` | 11 | - | a failed (unregistered peer region), timed-out or cancelled (stalled) batch: `notify_after` gives its status and `None`, the receiver gets nothing; a completed one notifies |
+//! | `notify::inbox_bounded` | 11 | InboxCapacity | inbox of 8 not drained: 8 accepted, then transient Backpressure and nothing queued; taking one makes room for one; `stats().notifications` exact, back to 0 |
+//! | `notify::oversize_refused` | 11 | - | `MAX_NOTIFY_LEN + 1` bytes: InvalidRequest from `notify` and `notify_after`, nothing delivered; `MAX_NOTIFY_LEN` and 0 bytes arrive intact |
+//! | `notify::counts_return_after_shutdown` | 11 | - | inbox counts return to baseline; shutdown empties it, wakes a pending `wait_notification` with Shutdown; later calls Shutdown; notify to the shut-down peer transient |
 #![forbid(unsafe_code)]
 
 pub mod broken;

@@ -1,9 +1,11 @@
 //! The harness of the in-process mock backend (`transport-mock`): every
-//! fault hook is supported (kill, restart, cut, stall); there is no OS
-//! probe (the mock holds no OS resources).
+//! fault hook is supported (kill, restart, cut, stall), and nodes with a
+//! given inbox capacity; there is no OS probe (the mock holds no OS
+//! resources).
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use transport_core::{Result, Transport};
@@ -20,12 +22,17 @@ pub struct MockHarness {
     fabric: MockFabric,
     label: String,
     bugs: MockBugs,
+    latency: Duration,
     wrapper: Option<Wrapper>,
 }
 
 impl fmt::Debug for MockHarness {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MockHarness").field("label", &self.label).field("bugs", &self.bugs).finish()
+        f.debug_struct("MockHarness")
+            .field("label", &self.label)
+            .field("bugs", &self.bugs)
+            .field("latency", &self.latency)
+            .finish()
     }
 }
 
@@ -38,7 +45,13 @@ impl Default for MockHarness {
 impl MockHarness {
     /// The correct mock; cases are named `mock::...`.
     pub fn new() -> Self {
-        Self { fabric: MockFabric::new(), label: "mock".into(), bugs: MockBugs::default(), wrapper: None }
+        Self {
+            fabric: MockFabric::new(),
+            label: "mock".into(),
+            bugs: MockBugs::default(),
+            latency: Duration::ZERO,
+            wrapper: None,
+        }
     }
 
     /// The mock with deliberate bugs switched on (to prove the suite fails it).
@@ -55,13 +68,26 @@ impl MockHarness {
         Self { label: label.into(), wrapper: Some(Arc::new(wrap)), ..Self::new() }
     }
 
+    /// Every request of its nodes waits `latency` before its bytes move
+    /// (`MockConfig::latency`), so copies are still running for a while
+    /// after submit.
+    pub fn with_latency(self, latency: Duration) -> Self {
+        Self { latency, ..self }
+    }
+
     /// The fabric the nodes live on.
     pub fn fabric(&self) -> &MockFabric {
         &self.fabric
     }
 
     fn config(&self, name: Option<String>, opts: &NodeOptions) -> MockConfig {
-        MockConfig { name, max_endpoints: opts.max_endpoints, idle_timeout: opts.idle_timeout, ..MockConfig::default() }
+        MockConfig {
+            name,
+            max_endpoints: opts.max_endpoints,
+            idle_timeout: opts.idle_timeout,
+            latency: self.latency,
+            ..MockConfig::default()
+        }
     }
 
     fn start(&self, cfg: MockConfig) -> Result<Node> {
@@ -102,6 +128,11 @@ impl Harness for MockHarness {
 
     fn os_probe(&self) -> Option<Vec<(String, u64)>> {
         None
+    }
+
+    async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
+        let cfg = MockConfig { inbox_capacity: capacity, ..self.config(None, opts) };
+        self.start(cfg).map(Some)
     }
 
     fn wrap(&self, transport: Arc<dyn Transport>) -> Arc<dyn Transport> {

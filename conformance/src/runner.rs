@@ -32,6 +32,7 @@ pub struct Support {
     pub cut: bool,
     pub stall: bool,
     pub os_probe: bool,
+    pub inbox_capacity: bool,
 }
 
 impl Support {
@@ -43,12 +44,14 @@ impl Support {
             Need::Cut => self.cut,
             Need::Stall => self.stall,
             Need::OsProbe => self.os_probe,
+            Need::InboxCapacity => self.inbox_capacity,
         }
     }
 }
 
 /// Finds what `harness` supports by trying each hook on a throw-away node
-/// (`stall(false)`, `cut`, then `kill`). `None` if no node could be made.
+/// (`stall(false)`, `cut`, then `kill`) and asking for a second one with a
+/// small inbox (`node_with_inbox`). `None` if no node could be made.
 pub async fn probe(harness: &dyn Harness) -> Option<Support> {
     let opts = crate::harness::NodeOptions::default();
     let node = harness.node(&opts).await.ok()?;
@@ -57,7 +60,14 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
     let cut = matches!(harness.cut(&node).await, Ok(true));
     let kill = matches!(harness.kill(&node).await, Ok(true));
     let _ = node.transport.shutdown().await;
-    Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some() })
+    let inbox_capacity = match harness.node_with_inbox(&opts, 4).await {
+        Ok(Some(n)) => {
+            let _ = n.transport.shutdown().await;
+            true
+        }
+        _ => false,
+    };
+    Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some(), inbox_capacity })
 }
 
 /// The result of a case that did not fail.

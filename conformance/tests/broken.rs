@@ -2,6 +2,8 @@
 //! that checks the rule it breaks, and the correct mock passes that case.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::time::Duration;
+
 use conformance::broken::RetriesPermanent;
 use conformance::mock::MockHarness;
 use conformance::{cases, run_case, Outcome};
@@ -42,6 +44,18 @@ fn noop_close_fails_close_is_real() {
     caught(bugs(|b| b.noop_close_segment = true), "lifecycle::close_releases_endpoints");
 }
 
+/// Requests of the mock wait this long before their bytes move, so a
+/// notification sent at submit arrives while the copies still run.
+const LATENCY: Duration = Duration::from_millis(2);
+
+#[test]
+fn notify_before_landing_fails_never_overtakes_data() {
+    let case = "notify::never_overtakes_data";
+    let slow = MockHarness::new().with_latency(LATENCY);
+    assert_eq!(run_case(slow, case), Ok(Outcome::Passed), "the correct mock with latency must pass {case}");
+    caught(bugs(|b| b.notify_before_landing = true).with_latency(LATENCY), case);
+}
+
 #[test]
 fn retries_permanent_fails_permanent_not_retried() {
     caught(MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap), "policy::permanent_errors_not_retried");
@@ -59,6 +73,7 @@ fn survey() {
         ("write_after_timeout", || bugs(|b| b.write_after_timeout = true)),
         ("noop_close_segment", || bugs(|b| b.noop_close_segment = true)),
         ("retries_permanent", || MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap)),
+        ("notify_before_landing", || bugs(|b| b.notify_before_landing = true).with_latency(LATENCY)),
     ];
     for (name, make) in variants {
         let failed: Vec<String> =

@@ -11,6 +11,7 @@ mod errors;
 mod failure;
 mod lifecycle;
 mod memory;
+mod notify;
 mod policy;
 mod poll;
 
@@ -261,6 +262,42 @@ static CASES: &[Case] = &[
         [],
         "works as `Arc<dyn Transport>` under an Engine configured from JSON"
     ),
+    case!(
+        notify::never_overtakes_data,
+        11,
+        [],
+        "notify_after under load: the receiver sees every byte of the batch when it sees the notification"
+    ),
+    case!(
+        notify::per_pair_order,
+        11,
+        [],
+        "200 notifications per sender arrive in order, byte-exact, naming the sender; also with two senders"
+    ),
+    case!(
+        notify::failed_batch_never_notifies,
+        11,
+        [],
+        "failed, timed-out and cancelled batches: notify_after sends nothing, the inbox stays empty"
+    ),
+    case!(
+        notify::inbox_bounded,
+        11,
+        [InboxCapacity],
+        "a full inbox refuses with transient Backpressure, nothing queued; draining makes room; count exact"
+    ),
+    case!(
+        notify::oversize_refused,
+        11,
+        [],
+        "MAX_NOTIFY_LEN + 1 bytes: InvalidRequest, nothing delivered; MAX_NOTIFY_LEN and 0 bytes arrive intact"
+    ),
+    case!(
+        notify::counts_return_after_shutdown,
+        11,
+        [],
+        "inbox counts return to baseline; shutdown empties it and wait_notification ends Shutdown, never hangs"
+    ),
 ];
 
 /// Every case of the suite, in order.
@@ -279,13 +316,13 @@ mod tests {
         let mut ids = HashSet::new();
         for c in cases() {
             assert!(ids.insert(c.id()), "duplicate case {}", c.id());
-            assert!((1..=10).contains(&c.rule), "{} cites rule {}", c.id(), c.rule);
+            assert!((1..=11).contains(&c.rule), "{} cites rule {}", c.id(), c.rule);
         }
     }
 
     #[test]
     fn every_rule_has_a_case() {
-        for rule in 1..=10u8 {
+        for rule in 1..=11u8 {
             assert!(cases().iter().any(|c| c.rule == rule), "no case checks rule {rule}");
         }
     }
