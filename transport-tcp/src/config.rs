@@ -124,6 +124,13 @@ pub struct TcpConfig {
     /// use an initiator closes its idle lanes first.
     #[serde(with = "transport_core::serde_ms")]
     pub server_idle_timeout: Duration,
+    /// Received notifications (rule 11) held until taken: a full inbox
+    /// answers `Busy` and the sender's `notify` fails with a transient
+    /// `Backpressure`. Bounds the memory notifications take: at most this
+    /// many x (`MAX_NOTIFY_LEN` + `MAX_NOTIFY_FROM`) bytes (about 4.3 KiB
+    /// each). Must be at least 1. Default
+    /// [`transport_core::DEFAULT_INBOX`] (1024).
+    pub inbox_capacity: usize,
 }
 
 impl Default for TcpConfig {
@@ -149,6 +156,7 @@ impl Default for TcpConfig {
             max_handshaking_per_ip: 32,
             handshake_timeout: Duration::from_secs(2),
             server_idle_timeout: Duration::from_secs(300),
+            inbox_capacity: transport_core::DEFAULT_INBOX,
         }
     }
 }
@@ -221,6 +229,9 @@ impl TcpConfig {
                 }
             }
         }
+        if self.inbox_capacity == 0 {
+            return bad("inbox_capacity", "must be at least 1");
+        }
         if matches!(&self.secret, Some(s) if s.is_empty()) {
             return bad("secret", "must not be empty (leave it out to disable authentication)");
         }
@@ -252,6 +263,10 @@ mod tests {
         let e = c.validate().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.message().contains("max_frame"));
+        let e = TcpConfig { inbox_capacity: 0, ..TcpConfig::default() }.validate().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("inbox_capacity"), "{e}");
+        TcpConfig { inbox_capacity: 1, ..TcpConfig::default() }.validate().unwrap();
     }
 
     #[test]

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{BatchTable, EndReason, EndpointId};
 use transport_core::{
-    Access, BatchId, Error, ErrorKind, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
+    Access, BatchId, Error, ErrorKind, Inbox, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
 };
 
 use crate::batch::Batch;
@@ -42,6 +42,8 @@ pub(crate) struct Inner {
     pub env: Arc<Env>,
     pub regions: Arc<RegionTable>,
     pub server: Arc<Server>,
+    /// Received notifications (rule 11), also the server's.
+    pub inbox: Arc<Inbox>,
     pub slots: Arc<EndpointSlots>,
     pub segments: Mutex<HashMap<SegmentId, SegmentEntry>>,
     pub batches: Mutex<BatchTable<Arc<Batch>>>,
@@ -192,6 +194,27 @@ impl Inner {
                 }
                 Slot::Building | Slot::Wait | Slot::Full => self.slots.changed(Duration::from_millis(5)).await,
             }
+        }
+    }
+
+    /// Checks that `ep` (to the peer of `segment`) is the generation the
+    /// handle's descriptor has. A new generation means the peer restarted:
+    /// the handle's descriptor is refreshed (the stale one is never used
+    /// again) and this use fails with the transient `PeerRestarted`. A
+    /// handle closed meanwhile is `Cancelled`.
+    pub fn check_generation(&self, segment: SegmentId, name: &str, ep: &Endpoint) -> Result<()> {
+        let mut segs = self.segments.lock();
+        match segs.get_mut(&segment) {
+            None => Err(Error::new(ErrorKind::Cancelled, "segment closed during the call")),
+            Some(s) if s.desc.generation != ep.generation => {
+                let old = s.desc.generation;
+                s.desc = descriptor(name, ep.addr, ep.generation, &ep.regions);
+                Err(Error::new(ErrorKind::PeerRestarted, "the peer restarted; its descriptor was refreshed")
+                    .with("peer", name)
+                    .with("old_generation", old)
+                    .with("generation", ep.generation))
+            }
+            Some(_) => Ok(()),
         }
     }
 

@@ -1,6 +1,6 @@
 //! An endpoint: the pool of lanes (TCP connections) to one peer, the queue
-//! of work its lanes pull slices from, and its destruction. The lane tasks
-//! themselves are in `lane.rs`.
+//! of work its lanes pull slices from (and of notifications, rule 11), and
+//! its destruction. The lane tasks themselves are in `lane.rs`.
 //!
 //! Any lane error destroys the whole endpoint (rule 2): the pool retires it
 //! (never handed out again), its lane tasks are aborted and joined (closing
@@ -16,10 +16,10 @@ use std::sync::{Arc, Weak};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
 use parking_lot::Mutex;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{EndpointId, TaskSet};
-use transport_core::{Error, ErrorKind, Opcode};
+use transport_core::{Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
 use crate::config::TcpConfig;
@@ -102,10 +102,37 @@ pub(crate) struct Slice {
     pub _using: EndpointUse,
 }
 
+/// A notification (rule 11) waiting for a lane: the NOTIFY payload, the
+/// generation of the peer it is meant for, and where its answer goes.
+#[derive(Debug)]
+pub(crate) struct Note {
+    pub payload: Vec<u8>,
+    pub generation: u64,
+    pub reply: oneshot::Sender<Result<()>>,
+    /// Keeps the endpoint counted as in use until the note is answered.
+    pub using: EndpointUse,
+}
+
+/// A notification on the wire, waiting for its NOTIFY_ACK.
+#[derive(Debug)]
+pub(crate) struct SentNote {
+    pub reply: oneshot::Sender<Result<()>>,
+    pub _using: EndpointUse,
+}
+
+/// What a lane's writer takes off the endpoint's queues next.
+pub(crate) enum Item {
+    Slice(Next),
+    Note(Note),
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Pending {
     pub dead: bool,
     pub map: HashMap<u64, Slice>,
+    /// Notifications sent on this lane and not yet answered (each holds a
+    /// window permit, like a slice).
+    pub notes: HashMap<u64, SentNote>,
     /// The WRITE slice whose payload the writer is streaming out of local
     /// memory: an answer to it before it is wholly sent is a protocol
     /// error (its slice must not end while the writer still reads the
@@ -141,6 +168,9 @@ pub(crate) struct Endpoint {
     pub lanes: Vec<Lane>,
     tasks: Mutex<LaneTasks>,
     queue: Mutex<VecDeque<Work>>,
+    /// Notifications waiting for a lane; taken before slices (they are
+    /// small, and their callers wait for the answer).
+    notes: Mutex<VecDeque<Note>>,
     pub notify: Notify,
     dead: AtomicBool,
     /// The teardown task, once started; awaiting it means the endpoint is
@@ -173,6 +203,7 @@ impl Endpoint {
             slots,
             tasks: Mutex::new(LaneTasks::default()),
             queue: Mutex::new(VecDeque::new()),
+            notes: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
             dead: AtomicBool::new(false),
             teardown: Mutex::new(None),
@@ -233,6 +264,22 @@ impl Endpoint {
             }
         }
         work.fail(&Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &self.name));
+    }
+
+    /// Queues a notification for the lanes. Answers it at once with a
+    /// transient error if the endpoint died.
+    pub fn enqueue_note(&self, note: Note) {
+        {
+            let mut q = self.notes.lock();
+            if !self.is_dead() {
+                q.push_back(note);
+                drop(q);
+                self.notify.notify_waiters();
+                return;
+            }
+        }
+        let err = Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &self.name);
+        let _ = note.reply.send(Err(err));
     }
 
     /// Drops `batch`'s queued work (none of its requests is live: their
@@ -306,10 +353,20 @@ impl Endpoint {
             w.fail(&err);
         }
         drop(queued);
+        let notes: Vec<Note> = self.notes.lock().drain(..).collect();
+        for n in notes {
+            let _ = n.reply.send(Err(err.clone()));
+        }
         for l in &self.lanes {
-            let slices: Vec<Slice> = l.pending.lock().map.drain().map(|(_, s)| s).collect();
+            let (slices, sent): (Vec<Slice>, Vec<SentNote>) = {
+                let mut p = l.pending.lock();
+                (p.map.drain().map(|(_, s)| s).collect(), p.notes.drain().map(|(_, n)| n).collect())
+            };
             for s in slices {
                 s.batch.slice_done(s.req, Err(err.clone()));
+            }
+            for n in sent {
+                let _ = n.reply.send(Err(err.clone()));
             }
         }
         if let Some(s) = self.slots.upgrade() {
@@ -333,6 +390,14 @@ impl Endpoint {
             done
         };
         drop(removed);
+    }
+
+    /// Takes the next notification, or else the next slice, off the queues.
+    pub fn take_item(&self) -> Option<Item> {
+        if let Some(n) = self.notes.lock().pop_front() {
+            return Some(Item::Note(n));
+        }
+        self.take_slice().map(Item::Slice)
     }
 
     /// Takes the next slice off the queue.

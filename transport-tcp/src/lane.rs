@@ -7,7 +7,10 @@
 //! small frames into one `write`. The reader matches answers to
 //! outstanding slices by request id, copies READ payloads into local
 //! memory and ends the slice in the ledger. A lane has at most `window`
-//! slices outstanding. The hot path takes the batch's ledger lock once
+//! slices outstanding. Notifications (rule 11) ride the same lanes: the
+//! writer takes a queued one before any slice and sends it as one NOTIFY
+//! frame (it takes a window place like a slice), and the reader hands its
+//! NOTIFY_ACK to the waiting caller. The hot path takes the batch's ledger lock once
 //! when a slice starts and once when it ends (and once per 256 KiB chunk
 //! of a streamed WRITE), never per byte.
 
@@ -17,11 +20,11 @@ use std::sync::{Arc, Weak};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use transport_core::lifecycle::EndpointId;
-use transport_core::{Error, ErrorKind, Opcode, Result};
+use transport_core::{inbox_full, Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
 use crate::conn::{self, read_header, status_err};
-use crate::endpoint::{Endpoint, EndpointSlots, Env, Lane, Next, Slice};
+use crate::endpoint::{Endpoint, EndpointSlots, Env, Item, Lane, Next, Note, SentNote, Slice};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN};
 
 /// Bytes a writer gathers before one `write` when slices are small.
@@ -175,6 +178,45 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
     }
 }
 
+/// Puts one NOTIFY frame into `buf[*used..]` and records the note as
+/// outstanding on `lane`. A note whose caller stopped waiting is dropped
+/// unsent.
+fn stage_note(ep: &Endpoint, lane: usize, note: Note, buf: &mut Vec<u8>, used: &mut usize) -> Staged {
+    let Note { payload, generation, reply, using } = note;
+    if reply.is_closed() {
+        return Staged::Skipped;
+    }
+    // Built by `proto::encode_notify`: at most MAX_NOTIFY_PAYLOAD bytes.
+    let Ok(payload_len) = u32::try_from(payload.len()) else {
+        let _ = reply.send(Err(Error::new(ErrorKind::InvalidRequest, "notification too large")));
+        return Staged::Skipped;
+    };
+    let id = ep.env.next_id();
+    {
+        let mut p = ep.lanes[lane].pending.lock();
+        if p.dead {
+            drop(p);
+            let _ = reply
+                .send(Err(Error::new(ErrorKind::ConnectionReset, "the endpoint was destroyed").with("peer", &ep.name)));
+            return Staged::Skipped;
+        }
+        p.notes.insert(id, SentNote { reply, _using: using });
+    }
+    let mut h = Header::new(FrameType::Notify);
+    h.id = id;
+    h.generation = generation;
+    h.payload_len = payload_len;
+    let start = *used;
+    let end = start + HEADER_LEN + payload.len();
+    if buf.len() < end {
+        buf.resize(end, 0);
+    }
+    buf[start..start + HEADER_LEN].copy_from_slice(&h.encode());
+    buf[start + HEADER_LEN..end].copy_from_slice(&payload);
+    *used = end;
+    Staged::Inline
+}
+
 /// Writes the streamed slice's payload (see [`Staged::Stream`]) after the
 /// frames in `buf[..used]`, chunk by chunk. Stops early (`Err`, the
 /// connection cannot continue) if the request ended or a copy or write
@@ -225,7 +267,7 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
             let notified = ep.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(s) = ep.take_slice() {
+            if let Some(s) = ep.take_item() {
                 break s;
             }
             notified.await;
@@ -236,8 +278,12 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
         // Stage the first slice, then coalesce more while the window has
         // room, up to COALESCE bytes or a slice that must stream.
         let mut next = Some(first);
-        while let Some(n) = next.take() {
-            match stage(&ep, lane, n, &mut buf, &mut used) {
+        while let Some(item) = next.take() {
+            let staged_now = match item {
+                Item::Slice(n) => stage(&ep, lane, n, &mut buf, &mut used),
+                Item::Note(n) => stage_note(&ep, lane, n, &mut buf, &mut used),
+            };
+            match staged_now {
                 Staged::Skipped => window.add_permits(1),
                 Staged::NotLive(batch, req) => {
                     window.add_permits(1);
@@ -253,7 +299,7 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
                 break;
             }
             let Ok(p) = window.try_acquire() else { break };
-            next = ep.take_slice();
+            next = ep.take_item();
             if next.is_some() {
                 p.forget();
             }
@@ -290,6 +336,25 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
         };
         match h.ty {
             FrameType::WriteAck | FrameType::ReadResp => {}
+            FrameType::NotifyAck => {
+                // No payload (the decoder checked): the note ends here.
+                let note = ep.lanes[lane].pending.lock().notes.remove(&h.id);
+                let Some(note) = note else {
+                    if ep.is_dead() {
+                        return;
+                    }
+                    let err = Error::new(ErrorKind::Protocol, "notification answer to an unknown request id");
+                    return ep.broke(err.with("peer", &peer));
+                };
+                ep.lanes[lane].window.add_permits(1);
+                let result = match h.status {
+                    Status::Ok => Ok(()),
+                    Status::Busy => Err(inbox_full().with("peer", &peer)),
+                    other => Err(status_err(other, &peer)),
+                };
+                let _ = note.reply.send(result);
+                continue;
+            }
             other => {
                 return ep
                     .broke(Error::new(ErrorKind::Protocol, format!("unexpected {other:?} frame")).with("peer", &peer))

@@ -9,17 +9,34 @@
 //!   2     1   status (Status) in answers, 0 in requests (else refused)
 //!   3     1   flags (CHALLENGE: bit 0 = authentication required)
 //!   4     4   payload length (bytes after the header), <= max_frame
+//!             (NOTIFY: 2..=MAX_NOTIFY_PAYLOAD, whatever max_frame)
 //!   8     8   request id (unique per transport, never reused)
 //!  16     8   remote address (WRITE, READ)
 //!  24     8   length (WRITE: = payload length; READ: bytes asked)
-//!  32     8   generation (CHALLENGE, DESC_RESP: the server's; WRITE, READ:
-//!             the one the client's descriptor has; a mismatch is refused)
+//!  32     8   generation (CHALLENGE, DESC_RESP: the server's; WRITE, READ,
+//!             NOTIFY: the one the client's descriptor has; a mismatch is
+//!             refused)
 //!  40     4   header check (FNV-1a of bytes 0..40)
 //!  44     4   reserved, 0
 //! ```
 //! All integers little-endian.
+//!
+//! A NOTIFY payload (rule 11) is the sender's name and the message:
+//!
+//! ```text
+//! offset        size      field
+//!   0           2         from_len (u16), <= MAX_NOTIFY_FROM (256)
+//!   2           from_len  from: the sender's segment name, UTF-8
+//!   2+from_len  the rest  msg, <= MAX_NOTIFY_LEN (4096) bytes
+//! ```
+//! It is answered by a NOTIFY_ACK without payload: `Ok` once the message
+//! is in the receiver's inbox, `Busy` when the inbox is full, `TooLarge` or
+//! `Protocol` for a payload that breaks these rules, `StaleGeneration` for
+//! another generation of the receiver.
 
 use std::fmt;
+
+use transport_core::{MAX_NOTIFY_FROM, MAX_NOTIFY_LEN};
 
 /// Protocol version carried in HELLO; a server refuses any other.
 pub const VERSION: u16 = 1;
@@ -30,6 +47,10 @@ const MAGIC: u8 = 0x4B;
 pub const NONCE_LEN: usize = 32;
 /// Largest ERROR message payload.
 pub const MAX_ERROR_MSG: usize = 256;
+/// Largest NOTIFY payload: the name length (2 bytes), the longest sender
+/// name and the longest message. A NOTIFY is bounded by this, not by
+/// `max_frame`.
+pub const MAX_NOTIFY_PAYLOAD: usize = 2 + MAX_NOTIFY_FROM + MAX_NOTIFY_LEN;
 
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,13 +78,27 @@ pub enum FrameType {
     ReadResp = 10,
     /// Server refuses the connection (status says why) and closes it.
     Error = 11,
+    /// Client sends a notification (rule 11): payload = from_len (u16) +
+    /// from + msg, at most [`MAX_NOTIFY_PAYLOAD`] bytes.
+    Notify = 12,
+    /// Server answers a notification: `Ok` once it is in the inbox, `Busy`
+    /// when the inbox is full. No payload.
+    NotifyAck = 13,
 }
 
 impl FrameType {
     /// Whether a client sends this frame to a server (HELLO, AUTH, DESC_REQ,
-    /// WRITE, READ). Requests carry status 0 (`Status::Ok`).
+    /// WRITE, READ, NOTIFY). Requests carry status 0 (`Status::Ok`).
     pub fn is_request(self) -> bool {
-        matches!(self, FrameType::Hello | FrameType::Auth | FrameType::DescReq | FrameType::Write | FrameType::Read)
+        matches!(
+            self,
+            FrameType::Hello
+                | FrameType::Auth
+                | FrameType::DescReq
+                | FrameType::Write
+                | FrameType::Read
+                | FrameType::Notify
+        )
     }
 
     fn from_u8(b: u8) -> Option<Self> {
@@ -80,6 +115,8 @@ impl FrameType {
             9 => Read,
             10 => ReadResp,
             11 => Error,
+            12 => Notify,
+            13 => NotifyAck,
             _ => return None,
         })
     }
@@ -225,9 +262,10 @@ impl Header {
     }
 
     /// Parses and validates a header: magic, check, known type and status,
-    /// status 0 in requests, payload within `max_frame`, and the per-type
-    /// rules (a WRITE's length equals its payload; a READ asks for
-    /// 1..=`max_frame` bytes and carries none; ...). Never panics.
+    /// status 0 in requests, payload within `max_frame` (a NOTIFY's within
+    /// 2..=[`MAX_NOTIFY_PAYLOAD`] instead), and the per-type rules (a
+    /// WRITE's length equals its payload; a READ asks for 1..=`max_frame`
+    /// bytes and carries none; ...). Never panics.
     pub fn decode(b: &[u8; HEADER_LEN], max_frame: usize) -> Result<Header, ProtoError> {
         if b[0] != MAGIC {
             return Err(ProtoError::BadMagic(b[0]));
@@ -251,8 +289,11 @@ impl Header {
             generation: u64_at(b, 32),
         };
         let payload = h.payload_len as usize;
-        if payload > max_frame {
-            return Err(ProtoError::TooLarge { len: payload as u64, max: max_frame });
+        // A NOTIFY has its own fixed bound, so a receiver with a small
+        // `max_frame` still takes every valid notification.
+        let limit = if ty == FrameType::Notify { MAX_NOTIFY_PAYLOAD } else { max_frame };
+        if payload > limit {
+            return Err(ProtoError::TooLarge { len: payload as u64, max: limit });
         }
         let inconsistent = |why| Err(ProtoError::Inconsistent(why));
         if ty.is_request() && status != Status::Ok {
@@ -281,6 +322,8 @@ impl Header {
                 inconsistent("a failed READ_RESP carries no payload")
             }
             FrameType::Error if payload > MAX_ERROR_MSG => inconsistent("ERROR message too long"),
+            FrameType::Notify if payload < 2 => inconsistent("NOTIFY payload shorter than its name length"),
+            FrameType::NotifyAck if payload != 0 => inconsistent("NOTIFY_ACK carries no payload"),
             _ => Ok(h),
         }
     }
@@ -335,8 +378,44 @@ pub fn decode_regions(b: &[u8]) -> Result<Vec<WireRegion>, ProtoError> {
     Ok(out)
 }
 
+/// Encodes a NOTIFY payload (see the module docs); `None` if the name or
+/// the message is longer than allowed.
+pub fn encode_notify(from: &str, msg: &[u8]) -> Option<Vec<u8>> {
+    if from.len() > MAX_NOTIFY_FROM || msg.len() > MAX_NOTIFY_LEN {
+        return None;
+    }
+    let from_len = u16::try_from(from.len()).ok()?;
+    let mut out = Vec::with_capacity(2 + from.len() + msg.len());
+    out.extend_from_slice(&from_len.to_le_bytes());
+    out.extend_from_slice(from.as_bytes());
+    out.extend_from_slice(msg);
+    Some(out)
+}
+
+/// Decodes a NOTIFY payload into the sender's name and the message.
+/// Refuses a name length past the payload or a name that is not UTF-8
+/// (`Inconsistent`), and a name or message longer than allowed
+/// (`TooLarge`). Never panics.
+pub fn decode_notify(b: &[u8]) -> Result<(&str, &[u8]), ProtoError> {
+    let len_bytes: [u8; 2] =
+        b.get(..2).and_then(|s| s.try_into().ok()).ok_or(ProtoError::Inconsistent("NOTIFY payload too short"))?;
+    let from_len = usize::from(u16::from_le_bytes(len_bytes));
+    if from_len > MAX_NOTIFY_FROM {
+        return Err(ProtoError::TooLarge { len: from_len as u64, max: MAX_NOTIFY_FROM });
+    }
+    let end = from_len.checked_add(2).ok_or(ProtoError::Inconsistent("NOTIFY name length"))?;
+    let from = b.get(2..end).ok_or(ProtoError::Inconsistent("NOTIFY name longer than its payload"))?;
+    let msg = b.get(end..).ok_or(ProtoError::Inconsistent("NOTIFY name longer than its payload"))?;
+    if msg.len() > MAX_NOTIFY_LEN {
+        return Err(ProtoError::TooLarge { len: msg.len() as u64, max: MAX_NOTIFY_LEN });
+    }
+    let from = std::str::from_utf8(from).map_err(|_| ProtoError::Inconsistent("NOTIFY sender name is not UTF-8"))?;
+    Ok((from, msg))
+}
+
 /// A sans-io frame decoder: push bytes in, take whole frames out. Holds at
-/// most one header plus one payload of `max_frame` bytes; anything
+/// most one header plus one payload of `max(max_frame,
+/// MAX_NOTIFY_PAYLOAD)` bytes (a NOTIFY has its own bound); anything
 /// malformed is an error after which the decoder refuses further input
 /// (the connection is closed).
 #[derive(Debug)]
@@ -360,7 +439,7 @@ impl FrameDecoder {
 
     /// Feeds `input`; returns the frames completed by it. Consumes only
     /// what belongs to complete or partial frames; never buffers more than
-    /// `max(HEADER_LEN, max_frame)` bytes.
+    /// `max(HEADER_LEN, max_frame, MAX_NOTIFY_PAYLOAD)` bytes.
     pub fn push(&mut self, mut input: &[u8]) -> Result<Vec<(Header, Vec<u8>)>, ProtoError> {
         if self.failed {
             return Err(ProtoError::Inconsistent("decoder already failed"));
@@ -437,6 +516,48 @@ mod tests {
         let bad = encode_regions(&[WireRegion { addr: u64::MAX, len: 10, read: true, write: true }]);
         assert!(decode_regions(&bad).is_err());
         assert!(decode_regions(&[1, 0, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn notify_frames_are_bounded_whatever_max_frame() {
+        let mut h = Header::new(FrameType::Notify);
+        h.payload_len = MAX_NOTIFY_PAYLOAD as u32;
+        // Above a small max_frame, but within the NOTIFY bound.
+        assert_eq!(Header::decode(&h.encode(), 4096), Ok(h));
+        h.payload_len += 1;
+        assert!(matches!(Header::decode(&h.encode(), 64 << 20), Err(ProtoError::TooLarge { .. })));
+        h.payload_len = 1;
+        assert!(matches!(Header::decode(&h.encode(), 1 << 20), Err(ProtoError::Inconsistent(_))));
+        let mut s = Header::new(FrameType::Notify);
+        s.payload_len = 2;
+        s.status = Status::Busy;
+        assert!(matches!(Header::decode(&s.encode(), 1 << 20), Err(ProtoError::Inconsistent(_))));
+        let mut a = Header::new(FrameType::NotifyAck);
+        a.status = Status::Busy;
+        assert_eq!(Header::decode(&a.encode(), 1 << 20), Ok(a));
+        a.payload_len = 1;
+        assert!(Header::decode(&a.encode(), 1 << 20).is_err());
+    }
+
+    #[test]
+    fn notify_payload_round_trip_and_refusals() {
+        let p = encode_notify("127.0.0.1:9", b"hi").unwrap();
+        assert_eq!(decode_notify(&p), Ok(("127.0.0.1:9", &b"hi"[..])));
+        assert_eq!(decode_notify(&encode_notify("", b"").unwrap()), Ok(("", &b""[..])));
+        let longest = encode_notify(&"n".repeat(MAX_NOTIFY_FROM), &[7; MAX_NOTIFY_LEN]).unwrap();
+        assert_eq!(longest.len(), MAX_NOTIFY_PAYLOAD);
+        assert!(decode_notify(&longest).is_ok());
+        assert!(encode_notify(&"n".repeat(MAX_NOTIFY_FROM + 1), b"").is_none());
+        assert!(encode_notify("a", &[0; MAX_NOTIFY_LEN + 1]).is_none());
+        // A name length past the payload, a truncated length, a name that
+        // is not UTF-8, an oversized name or message.
+        assert!(matches!(decode_notify(&[9, 0, b'a']), Err(ProtoError::Inconsistent(_))));
+        assert!(matches!(decode_notify(&[0xFF, 0xFF]), Err(ProtoError::TooLarge { .. })));
+        assert!(decode_notify(&[1]).is_err());
+        assert!(matches!(decode_notify(&[1, 0, 0xFF]), Err(ProtoError::Inconsistent(_))));
+        let mut big = vec![0u8, 0];
+        big.extend_from_slice(&[1; MAX_NOTIFY_LEN + 1]);
+        assert!(matches!(decode_notify(&big), Err(ProtoError::TooLarge { .. })));
     }
 
     #[test]

@@ -16,11 +16,12 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::TaskSet;
+use transport_core::{check_received, Inbox, Notification, Refused};
 
 use crate::auth::{self, Role};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
-use crate::proto::{self, FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::regions::RegionTable;
 
 /// Output gathered before one `write` when answers are small.
@@ -135,6 +136,9 @@ pub(crate) struct Server {
     pub regions: Arc<RegionTable>,
     pub generation: u64,
     pub tasks: TaskSet,
+    /// Where received notifications go (rule 11; bounded, shared by every
+    /// connection).
+    pub inbox: Arc<Inbox>,
     conns: Mutex<HashMap<u64, JoinHandle<()>>>,
     /// Connections being answered `Busy` (at most `MAX_REFUSING`).
     refusing: Mutex<HashMap<u64, JoinHandle<()>>>,
@@ -156,12 +160,19 @@ impl From<std::io::Error> for Close {
 }
 
 impl Server {
-    pub fn new(cfg: Arc<TcpConfig>, regions: Arc<RegionTable>, generation: u64, tasks: TaskSet) -> Arc<Self> {
+    pub fn new(
+        cfg: Arc<TcpConfig>,
+        regions: Arc<RegionTable>,
+        generation: u64,
+        tasks: TaskSet,
+        inbox: Arc<Inbox>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             cfg,
             regions,
             generation,
             tasks,
+            inbox,
             conns: Mutex::new(HashMap::new()),
             refusing: Mutex::new(HashMap::new()),
             counts: Arc::default(),
@@ -371,6 +382,29 @@ impl Server {
         r
     }
 
+    /// Offers a received NOTIFY payload to the inbox; the status to answer.
+    /// A payload that breaks the NOTIFY rules is answered `TooLarge` or
+    /// `Protocol` and nothing is queued; a full inbox is answered `Busy`.
+    /// `Err` once the inbox is closed (shutting down): the connection is
+    /// closed unanswered.
+    fn deliver(&self, payload: &[u8]) -> Result<Status, Close> {
+        let (from, msg) = match proto::decode_notify(payload) {
+            Ok(x) => x,
+            Err(ProtoError::TooLarge { .. }) => return Ok(Status::TooLarge),
+            Err(_) => return Ok(Status::Protocol),
+        };
+        if check_received(from, msg).is_err() {
+            return Ok(Status::TooLarge);
+        }
+        match self.inbox.offer(Notification { from: from.to_owned(), msg: msg.to_vec() }) {
+            Ok(()) => Ok(Status::Ok),
+            Err(Refused::Full) => Ok(Status::Busy),
+            Err(Refused::Closed) => {
+                Err(Close::Io(std::io::Error::other("shutting down: the notification inbox is closed")))
+            }
+        }
+    }
+
     /// Serves requests until the connection ends (always with an error:
     /// a close by the peer is an `UnexpectedEof`). Answers are gathered in
     /// `out`; what is left there on return was never sent.
@@ -382,6 +416,7 @@ impl Server {
     ) -> Result<std::convert::Infallible, Close> {
         let mut staging: Vec<u8> = Vec::new();
         let mut chunk: Vec<u8> = Vec::new();
+        let mut note: Vec<u8> = Vec::new();
         loop {
             if r.buffer().is_empty() && !out.is_empty() {
                 self.idle(Self::flush(w, out)).await?;
@@ -510,6 +545,23 @@ impl Server {
                         out.truncate(start + HEADER_LEN);
                     }
                     out[start..start + HEADER_LEN].copy_from_slice(&a.encode());
+                }
+                FrameType::Notify => {
+                    // The decoder bounded the payload to 2..=MAX_NOTIFY_PAYLOAD.
+                    let n = h.payload_len as usize;
+                    if note.len() < n {
+                        note.resize(n, 0);
+                    }
+                    self.idle(r.read_exact(&mut note[..n])).await?;
+                    let status = if h.generation != self.generation {
+                        Status::StaleGeneration
+                    } else {
+                        self.deliver(&note[..n])?
+                    };
+                    let mut a = Header::new(FrameType::NotifyAck);
+                    a.id = h.id;
+                    a.status = status;
+                    a.encode_into(out);
                 }
                 other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
             }

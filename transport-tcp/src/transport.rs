@@ -9,18 +9,21 @@ use std::time::Duration;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{validate_batch, BatchLimits, BatchTable, EndReason, TaskSet};
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, RegionId, ResourceStats, Result, SegmentDescriptor,
-    SegmentId, SubmitOptions, TransferRequest, Transport,
+    check_notification, check_received, Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, Inbox,
+    Notification, RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest,
+    Transport,
 };
 use transport_mem::MemoryRegion;
 
 use crate::batch::Batch;
 use crate::config::TcpConfig;
 use crate::driver::{descriptor, reaper, resolve, AbandonedSubmit, Inner, SegmentEntry};
-use crate::endpoint::{EndpointSlots, Env, Work};
+use crate::endpoint::{EndpointSlots, Env, Note, Work};
+use crate::proto;
 use crate::regions::RegionTable;
 use crate::server::Server;
 
@@ -28,6 +31,12 @@ use crate::server::Server;
 const MAX_BATCH: usize = 1 << 20;
 /// Largest single request.
 const MAX_REQUEST: u64 = 1 << 40;
+/// How long `notify` waits for the peer's answer once it has an endpoint
+/// (building one is bounded by `connect_timeout`, as for transfers): the
+/// NOTIFY may wait behind up to `window` slices on its lane. Past this the
+/// call fails with a transient `Timeout` (the message may or may not have
+/// been delivered).
+pub const NOTIFY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The TCP backend. Cheap to share behind an `Arc<dyn Transport>`;
 /// dropping the last handle stops every task it started.
@@ -63,7 +72,8 @@ impl TcpTransport {
         let tasks = TaskSet::new();
         let regions = Arc::new(RegionTable::default());
         let generation = fresh_generation();
-        let server = Server::new(cfg.clone(), regions.clone(), generation, tasks.clone());
+        let inbox = Arc::new(Inbox::new(cfg.inbox_capacity));
+        let server = Server::new(cfg.clone(), regions.clone(), generation, tasks.clone(), inbox.clone());
         let inner = Arc::new(Inner {
             cfg: cfg.clone(),
             local_name: cfg.advertise.clone().unwrap_or_else(|| bound.to_string()),
@@ -71,6 +81,7 @@ impl TcpTransport {
             env: Env::new(cfg.clone(), tasks.clone()),
             regions,
             server: server.clone(),
+            inbox,
             slots: EndpointSlots::new(cfg.max_endpoints),
             segments: Mutex::new(Default::default()),
             batches: Mutex::new(BatchTable::new()),
@@ -105,6 +116,7 @@ impl Drop for TcpTransport {
     fn drop(&mut self) {
         let i = &self.inner;
         i.shut.store(true, Ordering::Release);
+        i.inbox.close();
         for h in i.background.lock().drain(..) {
             h.abort();
         }
@@ -257,24 +269,7 @@ impl Transport for TcpTransport {
             // A new generation means the peer restarted: requests naming
             // its old memory fail (transient) and the handle's descriptor is
             // refreshed; the stale one is never used again.
-            let stale = {
-                let mut segs = i.segments.lock();
-                match segs.get_mut(&seg) {
-                    None => Some(Error::new(ErrorKind::Cancelled, "segment closed during submit")),
-                    Some(s) if s.desc.generation != ep.generation => {
-                        let old = s.desc.generation;
-                        s.desc = descriptor(&name, ep.addr, ep.generation, &ep.regions);
-                        Some(
-                            Error::new(ErrorKind::PeerRestarted, "the peer restarted; its descriptor was refreshed")
-                                .with("peer", &name)
-                                .with("old_generation", old)
-                                .with("generation", ep.generation),
-                        )
-                    }
-                    Some(_) => None,
-                }
-            };
-            if let Some(e) = stale {
+            if let Err(e) = i.check_generation(seg, &name, &ep) {
                 for k in idx {
                     batch.fail(k as usize, e.clone());
                 }
@@ -324,7 +319,53 @@ impl Transport for TcpTransport {
             batches,
             inflight: usize::try_from(inflight).unwrap_or(usize::MAX),
             tasks: i.env.tasks.count(),
+            notifications: i.inbox.len(),
         }
+    }
+
+    /// Rule 11: a NOTIFY (this transport's segment name and `msg`) on one
+    /// lane of the peer's endpoint, acquired as a transfer does; returns
+    /// once the peer answered that the message is in its inbox, so calls
+    /// that returned arrive in order. `Busy` (a full inbox) is a transient
+    /// `Backpressure`; a lost connection a transient error as for writes;
+    /// no answer within [`NOTIFY_TIMEOUT`] a transient `Timeout`.
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        let i = &self.inner;
+        i.check_open()?;
+        check_notification(&msg)?;
+        check_received(&i.local_name, &msg).map_err(|e| e.with("from", &i.local_name))?;
+        let payload = proto::encode_notify(&i.local_name, &msg)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidRequest, "notification too large"))?;
+        let (name, addr) = {
+            let segs = i.segments.lock();
+            let s = segs.get(&segment).ok_or_else(|| Error::unknown_segment(segment))?;
+            (s.name.clone(), s.addr)
+        };
+        let (ep, using) = i.endpoint(&name, addr).await?;
+        i.check_generation(segment, &name, &ep)?;
+        let (reply, answer) = oneshot::channel();
+        ep.enqueue_note(Note { payload, generation: ep.generation, reply, using });
+        drop(ep);
+        match tokio::time::timeout(NOTIFY_TIMEOUT, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => {
+                Err(Error::new(ErrorKind::ConnectionReset, "the endpoint went away before the peer answered")
+                    .with("peer", &name))
+            }
+            Err(_) => Err(Error::new(ErrorKind::Timeout, "no answer to the notification in time")
+                .with("peer", &name)
+                .with("timeout_ms", NOTIFY_TIMEOUT.as_millis())),
+        }
+    }
+
+    fn take_notifications(&self, max: usize) -> Result<Vec<Notification>> {
+        self.inner.check_open()?;
+        Ok(self.inner.inbox.take(max))
+    }
+
+    async fn wait_notification(&self) -> Result<()> {
+        self.inner.check_open()?;
+        self.inner.inbox.wait().await
     }
 
     async fn shutdown(&self) -> Result<()> {
@@ -332,6 +373,9 @@ impl Transport for TcpTransport {
         if i.shut.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        // Waiters wake with `Shutdown`; notifications arriving from now on
+        // are refused (their connections closed unanswered).
+        i.inbox.close();
         for b in i.running() {
             i.end_requests(&b, EndReason::Cancelled, |_| true).await;
         }
