@@ -14,7 +14,9 @@ use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport_core::{Access, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
-use transport_tcp::wire::{FrameDecoder, FrameType, Header, HEADER_LEN, NONCE_LEN, VERSION};
+use transport_tcp::wire::{
+    decode_notify, encode_notify, FrameDecoder, FrameType, Header, HEADER_LEN, MAX_NOTIFY_PAYLOAD, NONCE_LEN, VERSION,
+};
 use transport_tcp::TcpConfig;
 
 proptest! {
@@ -25,22 +27,46 @@ proptest! {
         let mut d = FrameDecoder::new(4096);
         for c in chunks {
             match d.push(&c) {
-                Ok(frames) => for (h, p) in frames { prop_assert_eq!(h.payload_len as usize, p.len()); prop_assert!(p.len() <= 4096); },
+                // A NOTIFY has its own bound, whatever max_frame.
+                Ok(frames) => for (h, p) in frames { prop_assert_eq!(h.payload_len as usize, p.len()); prop_assert!(p.len() <= 4096.max(MAX_NOTIFY_PAYLOAD)); },
                 Err(_) => break,
             }
-            prop_assert!(d.buffered() <= 4096.max(HEADER_LEN));
+            prop_assert!(d.buffered() <= 4096.max(HEADER_LEN).max(MAX_NOTIFY_PAYLOAD));
         }
     }
 
     #[test]
-    fn valid_headers_with_one_flipped_byte_are_refused(id in any::<u64>(), addr in any::<u64>(), pos in 0usize..44, bit in 0u8..8) {
-        let mut h = Header::new(FrameType::Read);
+    fn valid_headers_with_one_flipped_byte_are_refused(id in any::<u64>(), addr in any::<u64>(), pos in 0usize..44, bit in 0u8..8, notify in any::<bool>()) {
+        let mut h = Header::new(if notify { FrameType::Notify } else { FrameType::Read });
         h.id = id;
         h.addr = addr;
-        h.len = 16;
+        if notify {
+            h.payload_len = 16;
+        } else {
+            h.len = 16;
+        }
+        prop_assert!(Header::decode(&h.encode(), 4096).is_ok());
         let mut b = h.encode();
         b[pos] ^= 1 << bit;
         prop_assert!(Header::decode(&b, 4096).is_err());
+    }
+
+    #[test]
+    fn notify_payloads_never_panic_and_stay_bounded(p in proptest::collection::vec(any::<u8>(), 0..(MAX_NOTIFY_PAYLOAD + 64))) {
+        if let Ok((from, msg)) = decode_notify(&p) {
+            prop_assert!(from.len() <= transport_core::MAX_NOTIFY_FROM);
+            prop_assert!(msg.len() <= transport_core::MAX_NOTIFY_LEN);
+            prop_assert_eq!(2 + from.len() + msg.len(), p.len());
+            prop_assert_eq!(encode_notify(from, msg), Some(p.clone()));
+        }
+    }
+
+    #[test]
+    fn notify_payloads_round_trip(from in "\\PC{0,64}", msg in proptest::collection::vec(any::<u8>(), 0..=transport_core::MAX_NOTIFY_LEN)) {
+        let p = encode_notify(&from, &msg).unwrap();
+        prop_assert!(p.len() <= MAX_NOTIFY_PAYLOAD);
+        let (f, m) = decode_notify(&p).unwrap();
+        prop_assert_eq!((f, m), (from.as_str(), msg.as_slice()));
     }
 }
 
