@@ -34,7 +34,7 @@ fn state(node: &Node) -> Result<&State> {
     node.state.downcast_ref::<State>().ok_or_else(|| Error::new(ErrorKind::Internal, "foreign node state"))
 }
 
-async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr) -> Result<Node> {
+async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr, inbox: Option<usize>) -> Result<Node> {
     // The proxy comes first so the node can advertise its address.
     let mut proxy = None;
     for _ in 0..200 {
@@ -52,6 +52,7 @@ async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr) -> Result<
         max_endpoints: opts.max_endpoints,
         idle_timeout: opts.idle_timeout,
         connect_timeout: Duration::from_secs(2),
+        inbox_capacity: inbox.unwrap_or(transport_core::DEFAULT_INBOX),
         ..TcpConfig::default()
     };
     let t = Arc::new(TcpTransport::new(cfg).await?);
@@ -69,7 +70,12 @@ impl Harness for TcpHarness {
     }
 
     async fn node(&self, opts: &NodeOptions) -> Result<Node> {
-        make(self, opts, "127.0.0.1:0".parse().map_err(|_| Error::new(ErrorKind::Internal, "addr"))?).await
+        make(self, opts, "127.0.0.1:0".parse().map_err(|_| Error::new(ErrorKind::Internal, "addr"))?, None).await
+    }
+
+    async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
+        let any = "127.0.0.1:0".parse().map_err(|_| Error::new(ErrorKind::Internal, "addr"))?;
+        make(self, opts, any, Some(capacity)).await.map(Some)
     }
 
     async fn kill(&self, node: &Node) -> Result<bool> {
@@ -84,7 +90,7 @@ impl Harness for TcpHarness {
     async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node> {
         let addr: SocketAddr =
             node.name.parse().map_err(|_| Error::new(ErrorKind::Internal, "node name is not an address"))?;
-        make(self, opts, addr).await
+        make(self, opts, addr, None).await
     }
 
     async fn cut(&self, to: &Node) -> Result<bool> {
