@@ -9,24 +9,45 @@ backpressure and memory checks built in):
 * ``kvmove.Engine`` is the Pythonic API: context managers that unregister
   memory and close sessions, batches with ``poll`` / ``wait`` / ``cancel``,
   layer-by-layer submission, and exceptions with ``.kind`` and
-  ``.is_transient``.
+  ``.is_transient``; notifications (``Engine.notify``) and handoff
+  sessions between a sender and a receiver (``Engine.send`` /
+  ``Engine.receive``).
 """
 
 from ._native import PermanentError, TransferError, TransientError
-from ._engine import Batch, Engine, LayerwiseTransfer, Outcome, Region, RequestResult, Session
-from .mooncake import TransferEngine, TransferOpcode
+from ._engine import (
+    Batch,
+    Engine,
+    Grant,
+    LayerwiseTransfer,
+    Notification,
+    Outcome,
+    ReceiveSession,
+    Region,
+    RequestResult,
+    SendSession,
+    Session,
+    SessionWrite,
+)
+from .mooncake import TransferEngine, TransferNotify, TransferOpcode
 
 __all__ = [
     "Batch",
     "Engine",
+    "Grant",
     "LayerwiseTransfer",
+    "Notification",
     "Outcome",
     "PermanentError",
+    "ReceiveSession",
     "Region",
     "RequestResult",
+    "SendSession",
     "Session",
+    "SessionWrite",
     "TransferEngine",
     "TransferError",
+    "TransferNotify",
     "TransferOpcode",
     "TransientError",
 ]

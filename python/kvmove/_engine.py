@@ -1,4 +1,6 @@
-"""The Pythonic API: Engine, Region, Session, Batch, LayerwiseTransfer."""
+"""The Pythonic API: Engine, Region, Session, Batch, LayerwiseTransfer;
+notifications (Notification) and handoff sessions (ReceiveSession,
+SendSession, SessionWrite, Grant)."""
 
 from __future__ import annotations
 
@@ -266,6 +268,196 @@ class Session:
         return False
 
 
+@dataclass(frozen=True)
+class Notification:
+    """A notification received from a peer."""
+
+    peer: str  #: the sender's session id (what :meth:`Engine.notify` answers to)
+    msg: bytes
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a receiver allows a sender: where it may write, how much, by when."""
+
+    ranges: List[Tuple[int, int]]  #: ``(remote_addr, length)`` in the receiver's memory
+    expected: int  #: bytes the sender must have written when it finishes
+    deadline: float  #: seconds from the grant to the end of the session
+
+    @classmethod
+    def _from_native(cls, t) -> "Grant":
+        ranges, expected, deadline = t
+        return cls([(int(a), int(n)) for a, n in ranges], int(expected), float(deadline))
+
+
+#: States of a handoff session. Final: landed, failed, cancelled, expired.
+SESSION_STATES = ("waiting", "granted", "transferring", "landed", "failed", "cancelled", "expired")
+FINAL_STATES = frozenset(("landed", "failed", "cancelled", "expired"))
+
+
+class SessionWrite:
+    """One write of a :class:`SendSession` (e.g. one layer), running in the
+    background."""
+
+    def __init__(self, native_write):
+        self._w = native_write
+        self._outcome: Optional[Outcome] = None
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None or self._w.done
+
+    def poll(self) -> Optional[Outcome]:
+        """The outcome if finished, else None. Never blocks."""
+        if self._outcome is None:
+            t = self._w.poll()
+            if t is not None:
+                self._outcome = Outcome._from_native(t)
+        return self._outcome
+
+    def wait(self, timeout: Optional[float] = None, check: bool = True) -> Optional[Outcome]:
+        """Waits (GIL released) for the outcome; None if ``timeout`` seconds
+        passed first. With ``check`` (default), a write that did not complete
+        raises its error."""
+        if self._outcome is None:
+            t = self._w.wait(timeout)
+            if t is None:
+                return None
+            self._outcome = Outcome._from_native(t)
+        return self._outcome.raise_for_status() if check else self._outcome
+
+
+class _Handoff:
+    """One side of a handoff session (rules 12, 13 of the contract): the
+    receiver (decode) grants memory, the sender (prefill) writes into it
+    and finishes, and the receiver alone decides the outcome, which both
+    sides then report."""
+
+    def __init__(self, native):
+        self._h = native
+        self._error: Optional[TransferError] = None
+
+    @property
+    def peer(self) -> str:
+        """The other side's session id."""
+        return self._h.peer
+
+    @property
+    def id(self) -> int:
+        """The session id both sides use (e.g. the request's bootstrap room)."""
+        return self._h.id
+
+    @property
+    def role(self) -> str:
+        """``"sender"`` or ``"receiver"``."""
+        return self._h.role
+
+    def _seen(self, t) -> str:
+        state, err = t
+        if err is not None:
+            self._error = err
+        return state
+
+    def poll(self) -> str:
+        """The state now (``"waiting"``, ``"granted"``, ``"transferring"``,
+        ``"landed"``, ``"failed"``, ``"cancelled"``, ``"expired"``, or
+        ``"released"`` once forgotten). Never blocks."""
+        return self._seen(self._h.state())
+
+    @property
+    def state(self) -> str:
+        """Same as :meth:`poll`."""
+        return self.poll()
+
+    @property
+    def done(self) -> bool:
+        """Whether the session reached a final state."""
+        return self.poll() in FINAL_STATES
+
+    @property
+    def error(self) -> Optional[TransferError]:
+        """Why the session did not land (failed, expired or cancelled)."""
+        self.poll()
+        return self._error
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[str]:
+        """Waits (GIL released) for the final state and returns it; None if
+        ``timeout`` seconds passed first."""
+        t = self._h.wait(timeout)
+        return None if t is None else self._seen(t)
+
+    def cancel(self) -> str:
+        """Cancels the session and waits for the final state both sides
+        agree on: ``"cancelled"``, or the outcome the receiver had already
+        decided. The sender's writes in flight are stopped first."""
+        return self._seen(self._h.cancel())
+
+    def release(self) -> None:
+        """Forgets a final session (otherwise forgotten after a minute)."""
+        self._h.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        # Leaving early (an exception) must not leave a session open.
+        if exc_type is not None and not self.done:
+            try:
+                self.cancel()
+            except TransferError:
+                pass
+        return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(peer={self.peer!r}, id={self.id}, state={self.poll()!r})"
+
+
+class ReceiveSession(_Handoff):
+    """The receiving side (decode): made by :meth:`Engine.receive`, which
+    granted the sender its ranges. Wait for ``"landed"``; the bytes are in
+    place once it is."""
+
+    @property
+    def grant(self) -> Grant:
+        return Grant._from_native(self._h.grant())
+
+
+class SendSession(_Handoff):
+    """The sending side (prefill): made by :meth:`Engine.send`. Wait for the
+    grant, write (each range checked against it), then :meth:`finish`."""
+
+    @property
+    def grant(self) -> Optional[Grant]:
+        """The grant if it came; never blocks."""
+        t = self._h.grant()
+        return None if t is None else Grant._from_native(t)
+
+    def wait_grant(self, timeout: Optional[float] = None) -> Optional[Grant]:
+        """Waits for the receiver's grant; None if ``timeout`` seconds passed
+        first. Raises the session's error if it ended before a grant."""
+        t = self._h.wait_grant(timeout)
+        return None if t is None else Grant._from_native(t)
+
+    def write_layer(self, ops: Iterable[Op]) -> SessionWrite:
+        """Starts writing ``(local_addr, remote_addr, length)`` requests (one
+        layer, say) and returns at once; several may be in flight. Raises
+        before a byte moves if there is no grant yet, a range falls outside
+        the grant (``kind == "out_of_bounds"``) or a local address is not
+        registered."""
+        return SessionWrite(self._h.write([(int(l), int(r), int(n)) for (l, r, n) in ops]))
+
+    def write(self, ops: Iterable[Op]) -> Outcome:
+        """Writes and waits; raises if the write did not complete (the
+        session then fails on both sides)."""
+        return self.write_layer(ops).wait()
+
+    def finish(self) -> None:
+        """Every write completed: the receiver decides the outcome
+        (``"landed"`` when the bytes match what it expects); :meth:`wait`
+        for it."""
+        self._h.finish()
+
+
 class Engine:
     """A transfer engine.
 
@@ -344,6 +536,55 @@ class Engine:
     def read_local(self, addr: int, length: int) -> bytes:
         """Copies bytes out of registered local memory (checked)."""
         return bytes(self._native.read_local(addr, length))
+
+    # ---- notifications (rule 11) ----
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        """Sends ``msg`` (at most 4096 bytes) to the engine ``peer``; returns
+        once it is in the peer's inbox. Per pair of engines, notifications
+        arrive in the order they were sent. A full inbox raises a transient
+        ``backpressure`` error (nothing was queued: retry later)."""
+        self._native.notify(peer, bytes(msg))
+
+    def notifications(self, max: int = 1024) -> List[Notification]:
+        """Takes up to ``max`` received notifications, oldest first. Never
+        blocks."""
+        return [Notification(p, bytes(m)) for p, m in self._native.notifications(int(max))]
+
+    def wait_notification(self, timeout: Optional[float] = None) -> bool:
+        """Waits (GIL released) until a notification is queued; False if
+        ``timeout`` seconds passed first."""
+        return self._native.wait_notification(timeout)
+
+    # ---- handoff sessions (rules 12, 13) ----
+
+    def receive(
+        self,
+        peer: str,
+        id: int,
+        ranges: Iterable[Tuple[int, int]],
+        expected: Optional[int] = None,
+        deadline: float = 30.0,
+    ) -> ReceiveSession:
+        """Receiver (decode): grants the engine ``peer`` (the sender's
+        session id) the right to write ``ranges`` (``(addr, length)`` in this
+        engine's registered memory) for session ``id``. ``expected`` bytes
+        (default: all of the ranges) must be written and finished within
+        ``deadline`` seconds from now, else the session expires."""
+        ranges = [(int(a), int(n)) for a, n in ranges]
+        if expected is None:
+            expected = sum(n for _, n in ranges)
+        return ReceiveSession(self._native.receive(peer, int(id), ranges, int(expected), float(deadline)))
+
+    def send(self, peer: str, id: int) -> SendSession:
+        """Sender (prefill): expects a grant from the engine ``peer`` (the
+        receiver's session id) for session ``id``."""
+        return SendSession(self._native.send(peer, int(id)))
+
+    def grants(self) -> List[Tuple[str, int, Grant]]:
+        """Sender: grants received and not yet written to, oldest first, as
+        ``(peer, id, grant)``."""
+        return [(p, i, Grant._from_native(g)) for p, i, g in self._native.grants()]
 
     def stats(self) -> dict:
         """Live resources: endpoints, segments, regions, batches, ..."""

@@ -9,6 +9,7 @@ few deliberate differences).
 import enum
 
 from ._native import TransferEngine as _NativeTransferEngine
+from ._native import TransferNotify
 
 
 class TransferOpcode(enum.IntEnum):
@@ -38,4 +39,4 @@ class TransferEngine(_NativeTransferEngine):
         return False
 
 
-__all__ = ["TransferEngine", "TransferOpcode"]
+__all__ = ["TransferEngine", "TransferNotify", "TransferOpcode"]

@@ -8,11 +8,16 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
-use transport_core::{Buffer, Error, ErrorKind, Opcode, PolicyConfig, Result, Transfer, TransferOutcome};
+use pyo3::types::{PyBytes, PyString};
+use transport_core::session::is_session_message;
+use transport_core::{
+    Buffer, Error, ErrorKind, Notification, Opcode, PolicyConfig, Result, Transfer, TransferOutcome, MAX_NOTIFY_LEN,
+};
 
 use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
@@ -22,6 +27,112 @@ use crate::outcome::{last_error, log, set_last_error};
 /// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
 const OPCODE_READ: i64 = 0;
 const OPCODE_WRITE: i64 = 1;
+
+/// First bytes of a Mooncake-style notification on the wire (a plain
+/// rule-11 notification whose message carries the name and the text):
+/// `"\0KVN"`, name length (u16 little-endian), name, message.
+const NOTIFY_MAGIC: [u8; 4] = *b"\0KVN";
+
+/// How long a notification waits for room in a full peer inbox before the
+/// transfer call gives up with -1 (the data itself has landed).
+const NOTIFY_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Mooncake's `TransferNotify`: a `name` and a `msg`, sent to the target of
+/// a transfer once every byte of it has landed, and returned by the
+/// target's `get_notifies()`.
+#[pyclass(module = "kvmove._native", name = "TransferNotify", eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct TransferNotify {
+    /// The name the sender chose (e.g. a request id).
+    #[pyo3(get, set)]
+    name: String,
+    /// The message text.
+    #[pyo3(get, set)]
+    msg: String,
+}
+
+#[pymethods]
+impl TransferNotify {
+    #[new]
+    #[pyo3(signature = (name = None, msg = None))]
+    fn py_new(name: Option<&Bound<'_, PyAny>>, msg: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        Ok(Self { name: text_arg("name", name)?, msg: text_arg("msg", msg)? })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TransferNotify(name={:?}, msg={:?})", self.name, self.msg)
+    }
+}
+
+/// A `str`, or `bytes` holding UTF-8 (as pybind11's `std::string`).
+fn text_arg(what: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+    let Some(v) = v else { return Ok(String::new()) };
+    if let Ok(s) = v.downcast::<PyString>() {
+        return Ok(s.to_str()?.to_owned());
+    }
+    if let Ok(b) = v.downcast::<PyBytes>() {
+        return String::from_utf8(b.as_bytes().to_vec())
+            .map_err(|_| PyTypeError::new_err(format!("TransferNotify.{what}: bytes are not UTF-8")));
+    }
+    Err(PyTypeError::new_err(format!("TransferNotify.{what} must be str or bytes")))
+}
+
+impl TransferNotify {
+    /// The notification's wire message; `InvalidRequest` when it does not fit.
+    fn encode(&self) -> Result<Vec<u8>> {
+        let name = self.name.as_bytes();
+        let len = u16::try_from(name.len()).map_err(|_| invalid("notify name too long"))?;
+        let mut v = Vec::with_capacity(6 + name.len() + self.msg.len());
+        v.extend_from_slice(&NOTIFY_MAGIC);
+        v.extend_from_slice(&len.to_le_bytes());
+        v.extend_from_slice(name);
+        v.extend_from_slice(self.msg.as_bytes());
+        if v.len() > MAX_NOTIFY_LEN {
+            return Err(invalid("notify name and msg together exceed the notification size limit")
+                .with("len", v.len())
+                .with("max", MAX_NOTIFY_LEN));
+        }
+        Ok(v)
+    }
+
+    /// A received notification as Mooncake shows it. One not sent by a
+    /// Mooncake-style `notify` (a plain `kvmove.Engine.notify`) shows the
+    /// sender's session id as its name. Session control messages are not
+    /// notifications: `None`.
+    fn decode(n: Notification) -> Option<Self> {
+        if is_session_message(&n.msg) {
+            return None;
+        }
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        if let Some(rest) = n.msg.strip_prefix(&NOTIFY_MAGIC) {
+            if let Some((len, rest)) = rest.split_first_chunk::<2>() {
+                let len = usize::from(u16::from_le_bytes(*len));
+                if let Some((name, msg)) = (rest.len() >= len).then(|| rest.split_at(len)) {
+                    return Some(Self { name: text(name), msg: text(msg) });
+                }
+            }
+        }
+        Some(Self { name: n.from, msg: text(&n.msg) })
+    }
+}
+
+/// The `notify` argument: a `TransferNotify`, or any object with `name` and
+/// `msg` attributes (Mooncake's own class), or None.
+fn notify_arg(notify: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TransferNotify>> {
+    let Some(n) = notify else { return Ok(None) };
+    if n.is_none() {
+        return Ok(None);
+    }
+    if let Ok(t) = n.extract::<TransferNotify>() {
+        return Ok(Some(t));
+    }
+    match (n.getattr("name"), n.getattr("msg")) {
+        (Ok(name), Ok(msg)) => {
+            Ok(Some(TransferNotify { name: text_arg("name", Some(&name))?, msg: text_arg("msg", Some(&msg))? }))
+        }
+        _ => Err(PyTypeError::new_err("notify must be a TransferNotify (with .name and .msg) or None")),
+    }
+}
 
 /// A drop-in for `mooncake.engine.TransferEngine`.
 #[pyclass(module = "kvmove._native", name = "TransferEngine", frozen, subclass)]
@@ -51,10 +162,20 @@ impl MooncakeEngine {
         }
     }
 
-    fn sync(&self, py: Python<'_>, what: &str, target: &str, ops: Result<Vec<RawOp>>) -> i64 {
+    fn sync(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        target: &str,
+        ops: Result<Vec<RawOp>>,
+        notify: Option<TransferNotify>,
+    ) -> i64 {
         let r = self.core().and_then(|core| {
             let ops = ops?;
-            py.allow_threads(|| run_sync(&core, target, &ops))
+            // Checked before anything moves: a notification that cannot be
+            // sent fails the call up front.
+            let msg = notify.as_ref().map(TransferNotify::encode).transpose()?;
+            py.allow_threads(|| run_sync(&core, target, &ops, msg))
         });
         Self::code(py, what, r)
     }
@@ -74,12 +195,22 @@ impl MooncakeEngine {
 }
 
 /// Submits, waits, and drops the cached segment if the peer went away.
-fn run_sync(core: &Core, target: &str, ops: &[RawOp]) -> Result<TransferOutcome> {
+/// With `notify`, the message goes to the target once every request
+/// completed (so after every byte landed: rule 5); a transfer that did not
+/// complete sends nothing.
+fn run_sync(core: &Core, target: &str, ops: &[RawOp], notify: Option<Vec<u8>>) -> Result<TransferOutcome> {
     let seg = core.cached_segment(target)?;
     let reqs = core.requests(seg, ops)?;
-    core.transfer(reqs)
+    let outcome = core
+        .transfer(reqs)
         .and_then(TransferOutcome::into_result)
-        .inspect_err(|e| core.forget_segment_after(target, seg, e))
+        .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
+    if let Some(msg) = notify {
+        core.notify_segment(seg, msg, NOTIFY_PATIENCE)
+            .map_err(|e| e.with("while", "sending the notification (the data landed)"))
+            .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
+    }
+    Ok(outcome)
 }
 
 fn ops_from(op: Opcode, buffers: &[u64], peers: &[u64], lengths: &[u64]) -> Result<Vec<RawOp>> {
@@ -264,7 +395,8 @@ impl MooncakeEngine {
 
     /// Writes `length` bytes from registered local memory at `buffer` to
     /// `peer_buffer_address` in the peer's registered memory. 0 or -1.
-    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = "", notify = None))]
+    #[allow(clippy::too_many_arguments)]
     fn transfer_sync_write(
         &self,
         py: Python<'_>,
@@ -273,15 +405,18 @@ impl MooncakeEngine {
         peer_buffer_address: u64,
         length: u64,
         transport_hint: &str,
-    ) -> i64 {
+        notify: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<i64> {
         let _ = transport_hint;
+        let notify = notify_arg(notify)?;
         let op = RawOp { op: Opcode::Write, local_addr: buffer, remote_addr: peer_buffer_address, len: length };
-        self.sync(py, "transfer_sync_write", target_hostname, Ok(vec![op]))
+        Ok(self.sync(py, "transfer_sync_write", target_hostname, Ok(vec![op]), notify))
     }
 
     /// Reads `length` bytes from the peer's `peer_buffer_address` into
     /// registered local memory at `buffer`. 0 or -1.
-    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = "", notify = None))]
+    #[allow(clippy::too_many_arguments)]
     fn transfer_sync_read(
         &self,
         py: Python<'_>,
@@ -290,14 +425,18 @@ impl MooncakeEngine {
         peer_buffer_address: u64,
         length: u64,
         transport_hint: &str,
-    ) -> i64 {
+        notify: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<i64> {
         let _ = transport_hint;
+        let notify = notify_arg(notify)?;
         let op = RawOp { op: Opcode::Read, local_addr: buffer, remote_addr: peer_buffer_address, len: length };
-        self.sync(py, "transfer_sync_read", target_hostname, Ok(vec![op]))
+        Ok(self.sync(py, "transfer_sync_read", target_hostname, Ok(vec![op]), notify))
     }
 
-    /// `transfer_sync_read` / `_write` chosen by `opcode`. `notify` is not
-    /// supported: passing one returns -1.
+    /// `transfer_sync_read` / `_write` chosen by `opcode`. With `notify` (a
+    /// `TransferNotify`), the target receives it in `get_notifies()` once
+    /// every byte of the transfer landed; nothing is sent if the transfer
+    /// fails. 0 or -1 (also when the notification could not be delivered).
     #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, opcode, notify = None, transport_hint = ""))]
     #[allow(clippy::too_many_arguments)]
     fn transfer_sync(
@@ -308,20 +447,21 @@ impl MooncakeEngine {
         peer_buffer_address: u64,
         length: u64,
         opcode: i64,
-        notify: Option<PyObject>,
+        notify: Option<&Bound<'_, PyAny>>,
         transport_hint: &str,
-    ) -> i64 {
+    ) -> PyResult<i64> {
         let _ = transport_hint;
-        let ops = no_notify(notify)
-            .and_then(|()| opcode_op(opcode))
+        let notify = notify_arg(notify)?;
+        let ops = opcode_op(opcode)
             .map(|op| vec![RawOp { op, local_addr: buffer, remote_addr: peer_buffer_address, len: length }]);
-        self.sync(py, "transfer_sync", target_hostname, ops)
+        Ok(self.sync(py, "transfer_sync", target_hostname, ops, notify))
     }
 
     /// Writes `lengths[i]` bytes from `buffers[i]` to
     /// `peer_buffer_addresses[i]`, all in one batch. 0 when every request
     /// completed, else -1.
-    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = "", notify = None))]
+    #[allow(clippy::too_many_arguments)]
     fn batch_transfer_sync_write(
         &self,
         py: Python<'_>,
@@ -330,14 +470,17 @@ impl MooncakeEngine {
         peer_buffer_addresses: Vec<u64>,
         lengths: Vec<u64>,
         transport_hint: &str,
-    ) -> i64 {
+        notify: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<i64> {
         let _ = transport_hint;
+        let notify = notify_arg(notify)?;
         let ops = ops_from(Opcode::Write, &buffers, &peer_buffer_addresses, &lengths);
-        self.sync(py, "batch_transfer_sync_write", target_hostname, ops)
+        Ok(self.sync(py, "batch_transfer_sync_write", target_hostname, ops, notify))
     }
 
     /// Reads a batch from the peer into local memory. 0 or -1.
-    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = "", notify = None))]
+    #[allow(clippy::too_many_arguments)]
     fn batch_transfer_sync_read(
         &self,
         py: Python<'_>,
@@ -346,13 +489,17 @@ impl MooncakeEngine {
         peer_buffer_addresses: Vec<u64>,
         lengths: Vec<u64>,
         transport_hint: &str,
-    ) -> i64 {
+        notify: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<i64> {
         let _ = transport_hint;
+        let notify = notify_arg(notify)?;
         let ops = ops_from(Opcode::Read, &buffers, &peer_buffer_addresses, &lengths);
-        self.sync(py, "batch_transfer_sync_read", target_hostname, ops)
+        Ok(self.sync(py, "batch_transfer_sync_read", target_hostname, ops, notify))
     }
 
-    /// A batch whose direction is chosen by `opcode`. 0 or -1.
+    /// A batch whose direction is chosen by `opcode`; `notify` as in
+    /// `transfer_sync` (sent once every request of the batch completed).
+    /// 0 or -1.
     #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify = None, transport_hint = ""))]
     #[allow(clippy::too_many_arguments)]
     fn batch_transfer_sync(
@@ -363,14 +510,13 @@ impl MooncakeEngine {
         peer_buffer_addresses: Vec<u64>,
         lengths: Vec<u64>,
         opcode: i64,
-        notify: Option<PyObject>,
+        notify: Option<&Bound<'_, PyAny>>,
         transport_hint: &str,
-    ) -> i64 {
+    ) -> PyResult<i64> {
         let _ = transport_hint;
-        let ops = no_notify(notify)
-            .and_then(|()| opcode_op(opcode))
-            .and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
-        self.sync(py, "batch_transfer_sync", target_hostname, ops)
+        let notify = notify_arg(notify)?;
+        let ops = opcode_op(opcode).and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
+        Ok(self.sync(py, "batch_transfer_sync", target_hostname, ops, notify))
     }
 
     /// Starts a batch of writes and returns its id (> 0), or 0 on failure
@@ -594,9 +740,20 @@ impl MooncakeEngine {
         }
     }
 
-    /// Notifications are not supported: always an empty list.
-    fn get_notifies(&self) -> Vec<(String, String)> {
-        Vec::new()
+    /// The notifications received since the last call, oldest first, as
+    /// `TransferNotify(name, msg)` objects (each is returned once). Empty
+    /// before `initialize` and after `close`. Every notification sent with a
+    /// transfer arrives after that transfer's bytes are in this engine's
+    /// memory.
+    fn get_notifies(&self, py: Python<'_>) -> Vec<TransferNotify> {
+        let r = self.core().and_then(|c| c.take_notifications());
+        match r {
+            Ok(v) => v.into_iter().filter_map(TransferNotify::decode).collect(),
+            Err(e) => {
+                log(py, "debug", &format!("get_notifies failed: {e}"));
+                Vec::new()
+            }
+        }
     }
 
     /// The error of the last call on this thread that returned a failure
@@ -655,13 +812,6 @@ impl MooncakeEngine {
 
 fn opcode_op(code: i64) -> Result<Opcode> {
     opcode(code)
-}
-
-fn no_notify(notify: Option<PyObject>) -> Result<()> {
-    match notify {
-        None => Ok(()),
-        Some(_) => Err(Error::new(ErrorKind::Unsupported, "transfer notifications are not supported")),
-    }
 }
 
 /// A policy override for Mooncake-style engines: the JSON in

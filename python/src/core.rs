@@ -6,14 +6,17 @@
 //! callers release the GIL around every method that blocks.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use tokio::runtime::Runtime;
+use transport_core::session::SessionLimits;
 use transport_core::{
-    Access, Engine, Error, ErrorKind, MemoryRegion, Opcode, Result, SegmentId, Transfer, TransferOutcome,
-    TransferRequest,
+    Access, Engine, Error, ErrorKind, MemoryRegion, Notification, Opcode, Result, SegmentId, Sessions, Transfer,
+    TransferOutcome, TransferRequest,
 };
 
 use crate::backend;
@@ -37,6 +40,9 @@ pub(crate) struct Core {
     regions: Mutex<Regions>,
     /// Segments opened by name for the Mooncake API (one per peer).
     by_name: Mutex<HashMap<String, SegmentId>>,
+    /// The session driver (Pythonic API), started on first use. While it
+    /// runs it owns the transport's notification inbox.
+    sessions: Mutex<Option<Sessions>>,
     closed: AtomicBool,
 }
 
@@ -63,8 +69,85 @@ impl Core {
             session_id,
             regions: Mutex::new(Regions::default()),
             by_name: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(None),
             closed: AtomicBool::new(false),
         })
+    }
+
+    /// Runs a future on the engine's runtime (the caller released the GIL).
+    pub(crate) fn block_on<F: Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// Runs `f` inside the engine's runtime context (for synchronous calls
+    /// of the session driver, which may spawn its sending tasks).
+    pub(crate) fn in_rt<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _in_rt = self.rt.enter();
+        f()
+    }
+
+    /// Spawns a task on the engine's runtime.
+    pub(crate) fn spawn<F>(&self, f: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.rt.spawn(f)
+    }
+
+    /// The session driver over this engine, started on first use (once).
+    pub(crate) fn sessions(&self) -> Result<Sessions> {
+        self.live()?;
+        let mut slot = self.sessions.lock();
+        if let Some(s) = &*slot {
+            return Ok(s.clone());
+        }
+        let _in_rt = self.rt.enter();
+        let s = Sessions::start(self.engine.clone(), SessionLimits::default())?;
+        *slot = Some(s.clone());
+        Ok(s)
+    }
+
+    /// Sends `msg` to the peer of `seg` (Mooncake API), retrying while the
+    /// peer's inbox is full (`Backpressure`: nothing was queued, so a retry
+    /// cannot duplicate it) for up to `limit`.
+    pub(crate) fn notify_segment(&self, seg: SegmentId, msg: Vec<u8>, limit: Duration) -> Result<()> {
+        self.live()?;
+        let transport = self.engine.transport().clone();
+        self.rt.block_on(async move {
+            let start = Instant::now();
+            let mut pause = Duration::from_millis(1);
+            loop {
+                match transport.notify(seg, msg.clone()).await {
+                    Err(e) if e.kind() == ErrorKind::Backpressure && start.elapsed() + pause < limit => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(50));
+                    }
+                    r => return r,
+                }
+            }
+        })
+    }
+
+    /// Takes every notification received so far (Mooncake API), oldest
+    /// first: from the session driver's inbox if it runs, else from the
+    /// transport's.
+    pub(crate) fn take_notifications(&self) -> Result<Vec<Notification>> {
+        self.live()?;
+        const CHUNK: usize = 1024;
+        let sessions = self.sessions.lock().clone();
+        let mut all = Vec::new();
+        loop {
+            let got = match &sessions {
+                Some(s) => s.take_notifications(CHUNK),
+                None => self.engine.transport().take_notifications(CHUNK)?,
+            };
+            let n = got.len();
+            all.extend(got);
+            if n < CHUNK {
+                return Ok(all);
+            }
+        }
     }
 
     fn live(&self) -> Result<()> {
@@ -252,6 +335,7 @@ impl Core {
     pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
         let s = self.engine.transport().stats();
         let inflight = self.engine.inflight();
+        let counts = self.sessions.lock().as_ref().map(Sessions::counts);
         vec![
             ("endpoints", s.endpoints as u64),
             ("endpoint_lanes", s.endpoint_lanes as u64),
@@ -264,6 +348,8 @@ impl Core {
             ("inflight_bytes", inflight.bytes),
             ("registered", self.region_count() as u64),
             ("cached_segments", self.by_name.lock().len() as u64),
+            ("sessions_open", counts.as_ref().map_or(0, |c| c.open as u64)),
+            ("sessions_lingering", counts.as_ref().map_or(0, |c| c.lingering as u64)),
         ]
     }
 
@@ -275,6 +361,10 @@ impl Core {
             return Vec::new();
         }
         self.by_name.lock().clear();
+        // The session driver first: its tasks use the transport.
+        if let Some(s) = self.sessions.lock().take() {
+            self.rt.block_on(s.shutdown());
+        }
         if let Err(e) = self.rt.block_on(self.engine.shutdown()) {
             // Shutdown stops everything it can even when it reports an error;
             // the memory below is only released after it returned.
@@ -291,7 +381,7 @@ impl Drop for Core {
 }
 
 /// A peer name must be `host:port`.
-fn check_peer_name(name: &str) -> Result<()> {
+pub(crate) fn check_peer_name(name: &str) -> Result<()> {
     let ok = match name.rsplit_once(':') {
         Some((h, p)) => !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0),
         None => false,

@@ -12,6 +12,10 @@
 //! * `NativeEngine` / `NativeBatch` ([`native`]) raise exceptions with a
 //!   kind and `is_transient`; the pure-Python package `kvmove` wraps them in
 //!   context managers (`Engine`, `Region`, `Session`, `Batch`).
+//! * `NativeHandoff` / `NativeSessionWrite` ([`handoff`]) are the two sides
+//!   of a handoff session (rules 12, 13) over `transport_core::Sessions`,
+//!   which also carries the Pythonic API's plain notifications (rule 11);
+//!   the Mooncake API's notifications go straight through the transport.
 //!
 //! Callers pass raw local addresses; a table of registered regions
 //! ([`regions`]) maps each to `(region, offset)` and refuses anything
@@ -22,6 +26,7 @@ mod backend;
 mod compat;
 mod core;
 mod errors;
+mod handoff;
 mod native;
 mod outcome;
 mod regions;
@@ -33,8 +38,11 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::add_to_module(m)?;
     m.add_class::<compat::MooncakeEngine>()?;
+    m.add_class::<compat::TransferNotify>()?;
     m.add_class::<native::NativeEngine>()?;
     m.add_class::<native::NativeBatch>()?;
+    m.add_class::<handoff::NativeHandoff>()?;
+    m.add_class::<handoff::NativeSessionWrite>()?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
     m.add("HAS_RDMA", backend::has_rdma())?;
     Ok(())

@@ -9,11 +9,13 @@ use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use transport_core::session::Grant;
 use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome};
 
 use crate::backend::{engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::errors::{invalid, to_pyerr};
+use crate::handoff::{bounded, grant_tuple, timeout_arg, GrantTuple, NativeHandoff};
 use crate::outcome::outcome_to_py;
 
 /// Parses a JSON policy (keys of the Rust `PolicyConfig`).
@@ -207,6 +209,81 @@ impl NativeEngine {
     /// Copies bytes out of registered local memory.
     fn read_local<'py>(&self, py: Python<'py>, addr: u64, length: u64) -> PyResult<Bound<'py, PyBytes>> {
         py_result(py, self.core.read_local(addr, length)).map(|v| PyBytes::new(py, &v))
+    }
+
+    /// Sends a plain notification (at most 4096 bytes) to `peer`; returns
+    /// once it is in the peer's inbox. A full inbox raises a transient
+    /// `backpressure` error (nothing was queued: retry later).
+    fn notify(&self, py: Python<'_>, peer: &str, msg: &[u8]) -> PyResult<()> {
+        let core = &self.core;
+        let msg = msg.to_vec();
+        let r = py.allow_threads(|| {
+            crate::core::check_peer_name(peer)?;
+            let s = core.sessions()?;
+            core.block_on(s.notify(peer, msg))
+        });
+        py_result(py, r)
+    }
+
+    /// Takes up to `max` received notifications, oldest first, as
+    /// `(peer, bytes)`; never blocks.
+    fn notifications<'py>(&self, py: Python<'py>, max: usize) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+        let s = py_result(py, self.core.sessions())?;
+        Ok(s.take_notifications(max).into_iter().map(|n| (n.from, PyBytes::new(py, &n.msg))).collect())
+    }
+
+    /// Waits up to `timeout` seconds (None = no limit) until a notification
+    /// is queued; whether one is.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_notification(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let core = &self.core;
+        let r = py.allow_threads(|| {
+            let limit = timeout_arg(timeout)?;
+            let s = core.sessions()?;
+            match bounded(core, limit, s.wait_notification()) {
+                None => Ok(false),
+                Some(r) => r.map(|()| true),
+            }
+        });
+        py_result(py, r)
+    }
+
+    /// Receiver: grants `peer` (the sender's session id) the right to write
+    /// `ranges` (`(addr, len)` in this engine's registered memory) for
+    /// session `id`; `expected` bytes must be written before `deadline`
+    /// seconds from now.
+    fn receive(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        id: u64,
+        ranges: Vec<(u64, u64)>,
+        expected: u64,
+        deadline: f64,
+    ) -> PyResult<NativeHandoff> {
+        let core = &self.core;
+        let r = py.allow_threads(|| {
+            if !(deadline > 0.0 && deadline.is_finite()) {
+                return Err(invalid("deadline must be a positive, finite number of seconds"));
+            }
+            let grant = Grant { ranges, expected, deadline: Duration::from_secs_f64(deadline) };
+            NativeHandoff::receive(core, peer, id, grant)
+        });
+        py_result(py, r)
+    }
+
+    /// Sender: expects a grant from `peer` (the receiver's session id) for
+    /// session `id`.
+    fn send(&self, py: Python<'_>, peer: &str, id: u64) -> PyResult<NativeHandoff> {
+        let core = &self.core;
+        py_result(py, py.allow_threads(|| NativeHandoff::send(core, peer, id)))
+    }
+
+    /// Sender: grants received and not yet written to, oldest first, as
+    /// `(peer, id, (ranges, expected, deadline_seconds))`.
+    fn grants(&self, py: Python<'_>) -> PyResult<Vec<(String, u64, GrantTuple)>> {
+        let s = py_result(py, self.core.sessions())?;
+        Ok(s.grants().into_iter().map(|(k, g)| (k.peer, k.id, grant_tuple(&g))).collect())
     }
 
     /// Live resource counts as a dict.
