@@ -32,6 +32,45 @@ pub enum Command {
     Initiator(InitiatorArgs),
     /// Print the effective configuration (file plus options) as TOML.
     Config,
+    /// The handoff scenario: several prefill senders, one decode whose
+    /// memory is saturated; run with sessions (receiver-granted, rules 12
+    /// and 13) and the way connectors work today (timeouts from arrival),
+    /// every byte verified; prints both side by side.
+    Handoff(HandoffArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct HandoffArgs {
+    /// Prefill senders (1 to 64)
+    #[arg(long, default_value_t = 4)]
+    pub senders: usize,
+    /// Requests per sender (1 to 100000)
+    #[arg(long, default_value_t = 16)]
+    pub requests: usize,
+    /// KV bytes per request, in KiB (1 to 1048576)
+    #[arg(long, default_value_t = 256)]
+    pub request_kib: u64,
+    /// Writes per request (layer by layer)
+    #[arg(long, default_value_t = 4)]
+    pub handoff_layers: u32,
+    /// Requests the decode has memory for at once (1 to 4096)
+    #[arg(long, default_value_t = 2)]
+    pub decode_pages: usize,
+    /// Milliseconds the decode keeps a page after its request landed
+    #[arg(long, default_value_t = 100)]
+    pub hold_ms: u64,
+    /// Today's way: timeout from the request's arrival, in milliseconds
+    #[arg(long, default_value_t = 1000)]
+    pub arrival_timeout_ms: u64,
+    /// Sessions: deadline from the grant, in milliseconds
+    #[arg(long, default_value_t = 10_000)]
+    pub grant_deadline_ms: u64,
+    /// Sessions: liveness timeout, in milliseconds (at least 50)
+    #[arg(long, default_value_t = 1000)]
+    pub liveness_ms: u64,
+    /// Sessions: kill the decode this many milliseconds after the start
+    #[arg(long)]
+    pub kill_decode_after_ms: Option<u64>,
 }
 
 #[derive(Debug, Args)]

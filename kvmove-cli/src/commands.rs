@@ -74,6 +74,65 @@ fn alloc(len: u64, what: &str) -> kvmove::Result<Buffer> {
     Buffer::new(n).map_err(|e| Error::from(e).with("buffer", what))
 }
 
+/// Milliseconds from the command line, bounded (a week) so no duration
+/// arithmetic can overflow.
+fn millis(name: &str, v: u64) -> kvmove::Result<Duration> {
+    const WEEK_MS: u64 = 7 * 24 * 3600 * 1000;
+    if v > WEEK_MS {
+        return Err(config_err(format!("--{name} must be at most {WEEK_MS} (a week)")));
+    }
+    Ok(Duration::from_millis(v))
+}
+
+/// `kvmove handoff`: the seed scenario with sessions and today's way.
+pub async fn handoff(s: &Settings, a: &crate::args::HandoffArgs, json: bool) -> kvmove::Result<Outcome> {
+    use kvmove::handoff::{run, Flow, HandoffConfig, HandoffReport};
+    let request_bytes = a
+        .request_kib
+        .checked_mul(1024)
+        .filter(|b| (1..=(1 << 30)).contains(b))
+        .ok_or_else(|| config_err("--request-kib must be 1 to 1048576"))?;
+    let c = HandoffConfig {
+        senders: a.senders,
+        requests: a.requests,
+        request_bytes,
+        layers: a.handoff_layers,
+        decode_pages: a.decode_pages,
+        hold: millis("hold-ms", a.hold_ms)?,
+        grant_deadline: millis("grant-deadline-ms", a.grant_deadline_ms)?,
+        arrival_timeout: millis("arrival-timeout-ms", a.arrival_timeout_ms)?,
+        liveness: millis("liveness-ms", a.liveness_ms)?,
+        kill_decode_after: a.kill_decode_after_ms.map(|v| millis("kill-decode-after-ms", v)).transpose()?,
+    };
+    c.validate()?;
+    let total = (c.senders as u64).saturating_mul(c.requests as u64).saturating_mul(request_bytes);
+    check_memory(total, 1, "lower --senders, --requests or --request-kib")?;
+    let cfg = s.engine();
+    let mut reports: Vec<HandoffReport> = Vec::new();
+    for flow in [Flow::Sessions, Flow::Today] {
+        if !json {
+            say_progress(&format!("running {} ...", flow.name()));
+        }
+        reports.push(run(&cfg, &c, flow).await?);
+    }
+    let bad = reports.iter().map(|r| r.disagreements).sum::<usize>();
+    if json {
+        out(&format!("{}\n", report::handoff_json(&c, &reports)));
+    } else {
+        out(&report::handoff_table(&c, &reports));
+    }
+    if reports.iter().any(|r| r.flow == "sessions" && r.disagreements > 0) || bad > 0 {
+        return Ok(Outcome::Mismatch(format!("{bad} requests ended differently on the two sides or with wrong bytes")));
+    }
+    Ok(Outcome::Ok)
+}
+
+fn say_progress(msg: &str) {
+    if std::io::stderr().is_terminal() {
+        eprintln!("kvmove: {msg}");
+    }
+}
+
 /// `kvmove config`: the effective configuration as TOML.
 pub fn config(s: &Settings) -> kvmove::Result<Outcome> {
     let text = toml::to_string(s).map_err(|e| Error::new(ErrorKind::Internal, format!("cannot print config: {e}")))?;

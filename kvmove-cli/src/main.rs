@@ -82,6 +82,7 @@ fn main() -> ExitCode {
             Some(Command::Target) => commands::target(&settings, json).await,
             Some(Command::Initiator(a)) => commands::initiator(&settings, &a.target, json).await,
             Some(Command::Config) => commands::config(&settings),
+            Some(Command::Handoff(a)) => commands::handoff(&settings, a, json).await,
         }
     });
     // Do not wait for background tasks of a failed backend.

@@ -296,3 +296,108 @@ mod tests {
         assert_eq!(thousands(1234567), "1,234,567");
     }
 }
+
+fn ms(us: f64) -> String {
+    if us >= 1000.0 {
+        format!("{:.1} ms", us / 1000.0)
+    } else {
+        format!("{us:.0} us")
+    }
+}
+
+fn failures(r: &kvmove::handoff::HandoffReport) -> String {
+    if r.failed.is_empty() {
+        return "0".into();
+    }
+    let mut v: Vec<(&String, &usize)> = r.failed.iter().collect();
+    v.sort();
+    let parts: Vec<String> = v.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    format!("{} ({})", r.failed.values().sum::<usize>(), parts.join(", "))
+}
+
+/// The `kvmove handoff` table: one column per flow.
+pub fn handoff_table(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::HandoffReport]) -> String {
+    let mut s = format!(
+        "handoff: {} senders x {} requests of {}, decode memory for {} at once, each held {} ms after landing\n\n",
+        c.senders,
+        c.requests,
+        bytes(c.request_bytes),
+        c.decode_pages,
+        c.hold.as_millis()
+    );
+    let rows: Vec<(&str, Box<dyn Fn(&kvmove::handoff::HandoffReport) -> String>)> = vec![
+        ("requests", Box::new(|r| r.requests.to_string())),
+        ("landed, bytes verified", Box::new(|r| r.landed.to_string())),
+        ("failed", Box::new(failures)),
+        ("sides disagree", Box::new(|r| r.disagreements.to_string())),
+        ("grant wait p50 / p99", Box::new(|r| format!("{} / {}", ms(r.grant_wait.p50_us), ms(r.grant_wait.p99_us)))),
+        (
+            "time to landed p50 / p99",
+            Box::new(|r| format!("{} / {}", ms(r.time_to_landed.p50_us), ms(r.time_to_landed.p99_us))),
+        ),
+        (
+            "notification delay p50 / p99",
+            Box::new(|r| format!("{} / {}", ms(r.notify_delay.p50_us), ms(r.notify_delay.p99_us))),
+        ),
+        ("sender in-flight bytes, max", Box::new(|r| bytes(r.max_inflight_bytes))),
+        ("sender endpoints, max", Box::new(|r| r.max_endpoints.to_string())),
+        ("elapsed", Box::new(|r| format!("{:.2} s", r.elapsed.as_secs_f64()))),
+    ];
+    s += &format!("{:<32}", "");
+    for r in rs {
+        s += &format!("{:<40}", r.flow);
+    }
+    s += "\n";
+    for (name, f) in &rows {
+        s += &format!("{name:<32}");
+        for r in rs {
+            s += &format!("{:<40}", f(r));
+        }
+        s += "\n";
+    }
+    for r in rs {
+        if let Some(t) = r.slowest_fail_after_kill {
+            s += &format!(
+                "\n{}: decode killed with {} sessions open; the last failed on its sender {} ms after the kill (liveness {} ms)\n",
+                r.flow,
+                r.open_at_kill,
+                t.as_millis(),
+                c.liveness.as_millis()
+            );
+        }
+    }
+    s
+}
+
+/// The same as one JSON object.
+pub fn handoff_json(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::HandoffReport]) -> String {
+    let lat = |l: &kvmove::handoff::Latency| serde_json::json!({"count": l.count, "p50_us": l.p50_us, "p99_us": l.p99_us, "max_us": l.max_us});
+    let flows: Vec<serde_json::Value> = rs
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "flow": r.flow,
+                "requests": r.requests,
+                "landed": r.landed,
+                "failed": r.failed,
+                "disagreements": r.disagreements,
+                "grant_wait": lat(&r.grant_wait),
+                "time_to_landed": lat(&r.time_to_landed),
+                "notify_delay": lat(&r.notify_delay),
+                "max_inflight_bytes": r.max_inflight_bytes,
+                "max_endpoints": r.max_endpoints,
+                "open_at_kill": r.open_at_kill,
+                "slowest_fail_after_kill_ms": r.slowest_fail_after_kill.map(|d| d.as_millis() as u64),
+                "elapsed_s": r.elapsed.as_secs_f64(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "handoff": {
+            "senders": c.senders, "requests": c.requests, "request_bytes": c.request_bytes,
+            "decode_pages": c.decode_pages, "hold_ms": c.hold.as_millis() as u64,
+        },
+        "flows": flows,
+    })
+    .to_string()
+}

@@ -447,3 +447,39 @@ fn a_target_logs_a_bad_connection_to_stderr() {
     assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{line}");
     drop(conn);
 }
+
+#[test]
+fn handoff_sessions_land_everything_where_today_times_out() {
+    let v = json(&run(&[
+        "handoff",
+        "--json",
+        "--senders",
+        "2",
+        "--requests",
+        "6",
+        "--request-kib",
+        "64",
+        "--decode-pages",
+        "1",
+        "--hold-ms",
+        "60",
+        "--arrival-timeout-ms",
+        "150",
+    ]));
+    let flows = v["flows"].as_array().unwrap();
+    let (with, today) = (&flows[0], &flows[1]);
+    assert_eq!(with["flow"], "sessions");
+    assert_eq!(with["landed"], 12, "{v}");
+    assert_eq!(with["disagreements"], 0);
+    assert!(with["notify_delay"]["count"].as_u64().unwrap() == 12, "{v}");
+    assert_eq!(today["flow"], "today");
+    assert!(today["landed"].as_u64().unwrap() < 12, "{v}");
+}
+
+#[test]
+fn handoff_bad_numbers_are_one_line() {
+    assert_one_line_error(&run(&["handoff", "--liveness-ms", "1"]), "liveness");
+    assert_one_line_error(&run(&["handoff", "--hold-ms", "18446744073709551615"]), "hold-ms");
+    assert_one_line_error(&run(&["handoff", "--request-kib", "18446744073709551615"]), "request-kib");
+    assert_one_line_error(&run(&["handoff", "--senders", "0"]), "senders");
+}
