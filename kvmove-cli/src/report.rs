@@ -276,27 +276,6 @@ fn kebab<T: Serialize>(v: &T) -> String {
     serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-
-    #[test]
-    fn percentiles_nearest_rank() {
-        let v: Vec<Duration> = (1..=1000).map(Duration::from_millis).collect();
-        let p = Percentiles::of(&v).unwrap();
-        assert_eq!((p.p50_ms, p.p99_ms, p.p999_ms, p.max_ms), (500.0, 990.0, 999.0, 1000.0));
-        assert!(Percentiles::of(&[]).is_none());
-    }
-
-    #[test]
-    fn formatting() {
-        assert_eq!(bytes(32 << 10), "32.0 KiB");
-        assert_eq!(bytes(512), "512 B");
-        assert_eq!(thousands(1234567), "1,234,567");
-    }
-}
-
 fn ms(us: f64) -> String {
     if us >= 1000.0 {
         format!("{:.1} ms", us / 1000.0)
@@ -325,7 +304,8 @@ pub fn handoff_table(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::
         c.decode_pages,
         c.hold.as_millis()
     );
-    let rows: Vec<(&str, Box<dyn Fn(&kvmove::handoff::HandoffReport) -> String>)> = vec![
+    type Cell = Box<dyn Fn(&kvmove::handoff::HandoffReport) -> String>;
+    let rows: Vec<(&str, Cell)> = vec![
         ("requests", Box::new(|r| r.requests.to_string())),
         ("landed, bytes verified", Box::new(|r| r.landed.to_string())),
         ("failed", Box::new(failures)),
@@ -400,4 +380,25 @@ pub fn handoff_json(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::H
         "flows": flows,
     })
     .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn percentiles_nearest_rank() {
+        let v: Vec<Duration> = (1..=1000).map(Duration::from_millis).collect();
+        let p = Percentiles::of(&v).unwrap();
+        assert_eq!((p.p50_ms, p.p99_ms, p.p999_ms, p.max_ms), (500.0, 990.0, 999.0, 1000.0));
+        assert!(Percentiles::of(&[]).is_none());
+    }
+
+    #[test]
+    fn formatting() {
+        assert_eq!(bytes(32 << 10), "32.0 KiB");
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(thousands(1234567), "1,234,567");
+    }
 }
