@@ -233,6 +233,15 @@ impl NativeHandoff {
             }
             let grant =
                 self.grant_now()?.ok_or_else(|| invalid("no grant yet: nothing may be sent (wait_grant first)"))?;
+            // The table checks again when the write starts (a session may
+            // end meanwhile); this makes a write to an ended one raise here.
+            match self.sessions.state(&self.key) {
+                Some(SessionState::Granted | SessionState::Transferring) => {}
+                st => {
+                    return Err(invalid("the session is no longer open for writes")
+                        .with("state", st.as_ref().map_or("released", SessionState::name)))
+                }
+            }
             let ranges: Vec<(u64, u64)> = ops.iter().map(|&(_, r, n)| (r, n)).collect();
             check_inside(&grant, &ranges)?;
             let raw: Vec<RawOp> = ops

@@ -12,11 +12,14 @@ HERE = Path(__file__).parent
 
 
 class Peer:
-    """A decode-like peer in its own Python process (see kvpeer.py)."""
+    """A decode-like peer in its own Python process: ``script`` (default
+    kvpeer.py; also notifypeer.py, sessionpeer.py) started as ``script HOST
+    NBYTES PROTOCOL DEVICE``, which prints one JSON line with its
+    ``session_id``, ``addr`` and ``len`` and then answers commands."""
 
-    def __init__(self, host: str, nbytes: int, protocol: str = "tcp", device: str = ""):
+    def __init__(self, host: str, nbytes: int, protocol: str = "tcp", device: str = "", script: str = "kvpeer.py"):
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "kvpeer.py"), host, str(nbytes), protocol, device],
+            [sys.executable, str(HERE / script), host, str(nbytes), protocol, device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -38,7 +41,14 @@ class Peer:
     def ask(self, cmd: str) -> str:
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
+        return self.read_line()
+
+    def read_line(self) -> str:
+        """The peer's next output line (bounded by the test's timeout)."""
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited with {self.proc.wait()}")
+        return line.strip()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -64,8 +74,10 @@ class Peer:
 def spawn_peer():
     peers = []
 
-    def spawn(host: str = "127.0.0.1", nbytes: int = 1 << 20, protocol: str = "tcp", device: str = "") -> Peer:
-        p = Peer(host, nbytes, protocol, device)
+    def spawn(
+        host: str = "127.0.0.1", nbytes: int = 1 << 20, protocol: str = "tcp", device: str = "", script: str = "kvpeer.py"
+    ) -> Peer:
+        p = Peer(host, nbytes, protocol, device, script)
         peers.append(p)
         return p
 

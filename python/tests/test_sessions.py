@@ -1,0 +1,141 @@
+"""Handoff sessions and plain notifications of the Pythonic API between two
+processes over TCP: this process is the sender (prefill), a
+``sessionpeer.py`` process the receiver (decode)."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+import kvmove
+
+from kvpeer import pattern
+
+LAYER = 1 << 20
+ZEROS = hashlib.sha256(bytes(LAYER)).hexdigest()
+
+
+def sha(a) -> str:
+    return hashlib.sha256(a.tobytes() if hasattr(a, "tobytes") else a).hexdigest()
+
+
+@pytest.fixture
+def decode(spawn_peer):
+    return spawn_peer(nbytes=4 * LAYER, script="sessionpeer.py")
+
+
+def test_two_layers_land_on_both_sides(decode):
+    kv = pattern(3, 2 * LAYER)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 1)
+        assert (s.role, s.peer, s.id, s.state) == ("sender", decode.session_id, 1, "waiting")
+        assert s.wait_grant(timeout=0.05) is None
+        # No grant yet: nothing may be sent.
+        with pytest.raises(kvmove.PermanentError) as info:
+            s.write_layer([(src.addr, decode.addr, 16)])
+        assert info.value.kind == "invalid_request"
+
+        assert decode.ask(f"grant {prefill.session_id} 1 0 {2 * LAYER}") == "ok"
+        g = s.wait_grant(timeout=20)
+        assert g == kvmove.Grant([(decode.addr, 2 * LAYER)], 2 * LAYER, 30.0)
+        assert s.grant == g
+        assert decode.ask("state 1") == "granted"
+
+        writes = [s.write_layer([(src.at(i * LAYER), decode.addr + i * LAYER, LAYER)]) for i in range(2)]
+        for w in writes:
+            assert w.wait(timeout=30).ok
+            assert w.done
+        assert s.state == "transferring"
+        s.finish()
+        assert s.wait(timeout=30) == "landed"
+        assert decode.ask("wait 1 30") == "landed"
+        assert s.error is None
+        assert decode.ask(f"digest 0 {2 * LAYER}") == sha(kv)
+        assert decode.ask(f"digest {2 * LAYER} {LAYER}") == ZEROS
+        s.release()
+        assert s.state == "released"
+        assert prefill.stats()["sessions_open"] == 0
+
+
+def test_receiver_cancel_midway_cancels_both(decode):
+    kv = pattern(4, 3 * LAYER)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        with prefill.send(decode.session_id, 2) as s:
+            assert decode.ask(f"grant {prefill.session_id} 2 0 {3 * LAYER}") == "ok"
+            assert s.wait_grant(timeout=20) is not None
+            s.write([(src.addr, decode.addr, LAYER)])
+            # A second layer may still be in flight when the receiver cancels.
+            w = s.write_layer([(src.at(LAYER), decode.addr + LAYER, LAYER)])
+            assert decode.ask("cancel 2") == "cancelled"
+            assert s.wait(timeout=30) == "cancelled"
+            assert isinstance(s.error, kvmove.TransferError) and s.error.kind == "cancelled"
+            assert w.wait(timeout=30, check=False) is not None  # quiet once the session is final
+            # The session is over: the third layer is refused before a byte
+            # moves, and so is finish.
+            with pytest.raises(kvmove.TransferError):
+                s.write_layer([(src.at(2 * LAYER), decode.addr + 2 * LAYER, LAYER)])
+            with pytest.raises(kvmove.TransferError):
+                s.finish()
+            assert decode.ask(f"digest {2 * LAYER} {LAYER}") == ZEROS
+            assert decode.ask("state 2") == "cancelled"
+
+
+def test_sender_cancel_cancels_both(decode):
+    kv = pattern(5, LAYER)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 3)
+        assert decode.ask(f"grant {prefill.session_id} 3 0 {LAYER}") == "ok"
+        s.wait_grant(timeout=20)
+        s.write([(src.addr, decode.addr, LAYER // 2)])
+        assert s.cancel() == "cancelled"
+        assert decode.ask("wait 3 30") == "cancelled"
+
+
+def test_write_outside_the_grant_raises_before_a_byte_moves(decode):
+    kv = pattern(6, 2 * LAYER)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 4)
+        assert decode.ask(f"grant {prefill.session_id} 4 0 {LAYER}") == "ok"
+        s.wait_grant(timeout=20)
+        outside = [
+            [(src.addr, decode.addr + LAYER, LAYER)],  # all of it past the grant
+            [(src.addr, decode.addr + LAYER // 2, LAYER)],  # straddling its end
+            [(src.addr, decode.addr, 4096), (src.addr, decode.addr + LAYER, 4096)],  # one good, one bad
+        ]
+        for ops in outside:
+            with pytest.raises(kvmove.PermanentError) as info:
+                s.write_layer(ops)
+            assert info.value.kind == "out_of_bounds"
+        assert decode.ask(f"digest 0 {2 * LAYER}") == sha(bytes(2 * LAYER))
+        assert s.state == "granted"
+        # A write inside the grant still works, and the session lands.
+        s.write([(src.addr, decode.addr, LAYER)])
+        s.finish()
+        assert s.wait(timeout=30) == "landed"
+        assert decode.ask("wait 4 30") == "landed"
+        assert decode.ask(f"digest 0 {LAYER}") == sha(kv[:LAYER])
+
+
+def test_deadline_expires_on_both_sides(decode):
+    with kvmove.Engine() as prefill:
+        s = prefill.send(decode.session_id, 5)
+        assert decode.ask(f"grant {prefill.session_id} 5 0 4096 0.5") == "ok"
+        assert s.wait(timeout=30) == "expired"
+        assert s.error.kind == "timeout" and s.error.is_transient
+        assert decode.ask("wait 5 30") == "expired"
+
+
+def test_plain_notifications_both_ways(decode):
+    with kvmove.Engine() as prefill:
+        prefill.notify(decode.session_id, b"hello decode")
+        assert json.loads(decode.ask("notes 20")) == [[prefill.session_id, "hello decode"]]
+        assert prefill.notifications() == []
+        assert prefill.wait_notification(timeout=0.01) is False
+        assert decode.ask(f"notify {prefill.session_id} hello prefill") == "ok"
+        assert prefill.wait_notification(timeout=20)
+        assert prefill.notifications() == [kvmove.Notification(decode.session_id, b"hello prefill")]
+        with pytest.raises(kvmove.PermanentError):
+            prefill.notify(decode.session_id, bytes(5000))
+        with pytest.raises(kvmove.PermanentError):
+            prefill.notify("no-port", b"x")
