@@ -1,7 +1,9 @@
 //! The TCP backend's benchmark (a benchmark, not a test): bandwidth of
 //! writes and reads with 1 MiB and 64 KiB slices, 4 KiB write latency next
 //! to a plain 4 KiB TCP ping-pong measured in the same run, time per
-//! request for batches of 1, 64, 4096 and 262144 requests of 2 KiB, and the
+//! request for batches of 1, 64, 4096 and 262144 requests of 2 KiB, the
+//! time until the receiver sees a notification attached to 4 KiB and 1 MiB
+//! batches next to submit-to-completed (rule 11), and the
 //! peak RSS of the 262144-request batch. Loopback only; every loop is
 //! bounded. Run with `cargo bench -p transport-tcp` (or `bench.sh`, which
 //! adds iperf3 and the ratios).
@@ -112,6 +114,54 @@ async fn latency() -> (f64, f64) {
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
 }
 
+/// Rule 11's cost: for batches of `size` bytes, submit-to-completed on the
+/// sender next to submit-to-the-receiver-seeing-the-attached-notification
+/// (`notify_after`), interleaved in one run. Returns (completed p50, p99,
+/// notified p50, p99) in microseconds.
+async fn notify_delay(size: usize, rounds: usize) -> (f64, f64, f64, f64) {
+    use std::sync::Arc;
+    let (a, b) = (
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+        Arc::new(TcpTransport::new(TcpConfig::default()).await.unwrap()),
+    );
+    let (src, dst) = (Buffer::new(size).unwrap(), Buffer::new(size).unwrap());
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    b.register(dst.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let b2 = b.clone();
+    let recv = tokio::spawn(async move {
+        while b2.wait_notification().await.is_ok() {
+            let Ok(ns) = b2.take_notifications(16) else { return };
+            for _ in ns {
+                let _ = tx.send(Instant::now());
+            }
+        }
+    });
+    let (mut done, mut seen) = (Vec::new(), Vec::new());
+    let req = || vec![TransferRequest::write(l, 0, seg, dst.addr(), size as u64)];
+    for i in 0..rounds {
+        let t0 = Instant::now();
+        batch(&a, req()).await;
+        let completed = t0.elapsed().as_secs_f64() * 1e6;
+        let t1 = Instant::now();
+        let id = a.submit(req(), SubmitOptions::default()).await.unwrap();
+        let (st, sent) = a.notify_after(id, seg, b"landed".to_vec()).await.unwrap();
+        assert_eq!(st.state, BatchState::Completed);
+        sent.expect("completed, so sent").unwrap();
+        a.release(id).unwrap();
+        let at = rx.recv().await.unwrap();
+        if i >= rounds / 10 {
+            done.push(completed);
+            seen.push(at.saturating_duration_since(t1).as_secs_f64() * 1e6);
+        }
+    }
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    let _ = recv.await;
+    (pct(&mut done, 0.5), pct(&mut done, 0.99), pct(&mut seen, 0.5), pct(&mut seen, 0.99))
+}
+
 /// Plain TCP: 4 KiB out, an 8-byte answer back, on one connection.
 async fn ping_pong() -> (f64, f64) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -182,9 +232,12 @@ fn main() {
             "# transport-tcp benchmark (loopback, {} CPUs)",
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
         );
+        // TCP_BENCH_ONLY=notify runs the notification part alone.
+        let only_notify = std::env::var("TCP_BENCH_ONLY").is_ok_and(|v| v == "notify");
         // Each measurement right after an iperf3 run of the same length;
         // three rounds, medians reported (the machine may be shared).
-        for (slice, name) in [(1 << 20, "1MiB"), (64 << 10, "64KiB")] {
+        let bw_cases: &[(usize, &str)] = if only_notify { &[] } else { &[(1 << 20, "1MiB"), (64 << 10, "64KiB")] };
+        for &(slice, name) in bw_cases {
             for read in [false, true] {
                 let dir = if read { "read" } else { "write" };
                 let (mut ours, mut refs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
@@ -204,11 +257,22 @@ fn main() {
                 }
             }
         }
-        let (p50, p99) = latency().await;
         let (q50, q99) = ping_pong().await;
-        println!("lat_write_4KiB_p50_us {p50:.1}\nlat_write_4KiB_p99_us {p99:.1}");
         println!("pingpong_4KiB_p50_us {q50:.1}\npingpong_4KiB_p99_us {q99:.1}");
-        println!("lat_ratio_p50 {:.2}", p50 / q50);
+        if !only_notify {
+            let (p50, p99) = latency().await;
+            println!("lat_write_4KiB_p50_us {p50:.1}\nlat_write_4KiB_p99_us {p99:.1}");
+            println!("lat_ratio_p50 {:.2}", p50 / q50);
+        }
+        for (name, size, rounds) in [("4KiB", 4096, 2000), ("1MiB", 1 << 20, 300)] {
+            let (c50, c99, n50, n99) = notify_delay(size, rounds).await;
+            println!("notify_{name}_completed_p50_us {c50:.1}\nnotify_{name}_completed_p99_us {c99:.1}");
+            println!("notify_{name}_seen_by_receiver_p50_us {n50:.1}\nnotify_{name}_seen_by_receiver_p99_us {n99:.1}");
+            println!("notify_{name}_ratio_p50 {:.2}", n50 / c50);
+        }
+        if only_notify {
+            return;
+        }
         let base = rss_kib("VmRSS:");
         println!("rss_before_batches_kib {base}");
         for n in [1usize, 64, 4096, 262_144] {
