@@ -822,3 +822,45 @@ fn policy_from_env() -> Result<Option<PolicyConfig>> {
         _ => Ok(None),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn received(msg: Vec<u8>) -> Notification {
+        Notification { from: "10.0.0.1:7000".into(), msg }
+    }
+
+    #[test]
+    fn notify_round_trip() {
+        let n = TransferNotify { name: "req-7".into(), msg: "kv ready".into() };
+        let wire = n.encode().unwrap();
+        assert!(wire.starts_with(&NOTIFY_MAGIC));
+        assert_eq!(TransferNotify::decode(received(wire)), Some(n));
+        let empty = TransferNotify::default();
+        assert_eq!(TransferNotify::decode(received(empty.encode().unwrap())), Some(empty));
+    }
+
+    #[test]
+    fn notify_size_is_checked_before_sending() {
+        let n = TransferNotify { name: "n".into(), msg: "x".repeat(MAX_NOTIFY_LEN) };
+        assert_eq!(n.encode().unwrap_err().kind(), ErrorKind::InvalidRequest);
+        let n = TransferNotify { name: "n".into(), msg: "x".repeat(MAX_NOTIFY_LEN - 7) };
+        assert_eq!(n.encode().unwrap().len(), MAX_NOTIFY_LEN);
+    }
+
+    #[test]
+    fn plain_and_truncated_messages_show_the_sender() {
+        let plain = TransferNotify::decode(received(b"hello".to_vec())).unwrap();
+        assert_eq!((plain.name.as_str(), plain.msg.as_str()), ("10.0.0.1:7000", "hello"));
+        // A name length past the end: not a Mooncake notify, shown as is.
+        let mut bad = NOTIFY_MAGIC.to_vec();
+        bad.extend_from_slice(&100u16.to_le_bytes());
+        bad.extend_from_slice(b"short");
+        assert_eq!(TransferNotify::decode(received(bad)).unwrap().name, "10.0.0.1:7000");
+        // Session control messages are not notifications.
+        let mut session = transport_core::session::wire::MAGIC.to_vec();
+        session.resize(22, 0); // a whole session header
+        assert_eq!(TransferNotify::decode(received(session)), None);
+    }
+}

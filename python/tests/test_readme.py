@@ -15,11 +15,14 @@ def examples():
     return dict(re.findall(r"<!-- example: (\w+) -->\n```python\n(.*?)```", text, re.S))
 
 
+NAMES = ["mooncake", "pythonic", "notify", "sessions"]
+
+
 def test_readme_has_examples():
-    assert set(examples()) == {"mooncake", "pythonic"}
+    assert set(examples()) == set(NAMES)
 
 
-@pytest.mark.parametrize("name", ["mooncake", "pythonic"])
+@pytest.mark.parametrize("name", NAMES)
 def test_readme_example_runs(name, tmp_path):
     script = tmp_path / f"{name}.py"
     script.write_text(examples()[name])
