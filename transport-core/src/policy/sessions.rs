@@ -512,7 +512,11 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
                 Err(e) => Err(e),
             };
             let e = match sent {
-                Ok(()) => break,
+                Ok(()) => {
+                    let now = inner.clock.now();
+                    inner.table.lock().delivered(&peer, now);
+                    break;
+                }
                 Err(e) if e.kind() == ErrorKind::Shutdown => return,
                 Err(e) => e,
             };
@@ -573,6 +577,11 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
         let now = inner.clock.now();
         inner.table.lock().tick(now);
         inner.pump();
+        // Stop signals of sessions that ended or were forgotten.
+        {
+            let t = inner.table.lock();
+            inner.writes.lock().retain(|k, _| t.state(k).is_some_and(|s| !s.is_final()));
+        }
         // Segments of peers with no session and nothing queued are closed.
         let idle: Vec<(String, SegmentId)> = {
             let t = inner.table.lock();

@@ -609,7 +609,11 @@ impl SessionTable {
         }
         match m.body {
             Body::Heartbeat { reply } => {
-                if reply {
+                // Only peers with sessions here get an answer: a claimed
+                // `from` must not make this side send to arbitrary names.
+                // (A sender waiting for a grant learns that the receiver is
+                // alive from its heartbeats being delivered: `delivered`.)
+                if reply && known {
                     self.send(from, 0, Body::Heartbeat { reply: false });
                 }
             }
@@ -786,6 +790,15 @@ impl SessionTable {
             Self::finalize(s, st, now);
         } else {
             self.ignored += 1;
+        }
+    }
+
+    /// A message to `peer` was delivered into its inbox: the peer's engine
+    /// is alive, which counts as hearing from it (a receiver that has no
+    /// session with this side yet does not answer heartbeats).
+    pub fn delivered(&mut self, peer: &str, now: Duration) {
+        if let Some(p) = self.peers.get_mut(peer) {
+            p.heard = p.heard.max(now);
         }
     }
 
