@@ -200,6 +200,14 @@ impl Engine {
         })
     }
 
+    /// Starts the session engine (rules 12 and 13: receiver-granted
+    /// handoffs with one final state on both sides) over this engine; see
+    /// [`crate::Sessions`]. It takes over the transport's notification
+    /// inbox. Start one per engine.
+    pub fn sessions(&self, limits: crate::session::SessionLimits) -> Result<crate::Sessions> {
+        crate::Sessions::start(self.clone(), limits)
+    }
+
     /// The clock the engine runs on.
     pub fn clock(&self) -> Arc<dyn Clock> {
         self.inner.clock.clone()
