@@ -44,6 +44,8 @@ pub(crate) struct Core {
     /// runs it owns the transport's notification inbox.
     sessions: Mutex<Option<Sessions>>,
     closed: AtomicBool,
+    /// Turns true when [`Core::close`] begins: wakes every blocking wait.
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 /// Worker threads of each engine's runtime: the data path is I/O-bound
@@ -71,6 +73,7 @@ impl Core {
             by_name: Mutex::new(HashMap::new()),
             sessions: Mutex::new(None),
             closed: AtomicBool::new(false),
+            closing: tokio::sync::watch::channel(false).0,
         })
     }
 
@@ -150,7 +153,15 @@ impl Core {
         }
     }
 
-    fn live(&self) -> Result<()> {
+    /// Completes once the engine begins to close.
+    pub(crate) fn until_closed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.closing.subscribe();
+        async move {
+            let _ = rx.wait_for(|c| *c).await;
+        }
+    }
+
+    pub(crate) fn live(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Shutdown, "the engine was closed"));
         }
@@ -360,6 +371,7 @@ impl Core {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Vec::new();
         }
+        self.closing.send_replace(true);
         self.by_name.lock().clear();
         // The session driver first: its tasks use the transport.
         if let Some(s) = self.sessions.lock().take() {

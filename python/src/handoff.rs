@@ -41,12 +41,21 @@ pub(crate) fn timeout_arg(timeout: Option<f64>) -> Result<Option<Duration>> {
 }
 
 /// Runs `f` on the engine's runtime, for at most `limit`: `None` when the
-/// time ran out first.
-pub(crate) fn bounded<F: std::future::Future>(core: &Core, limit: Option<Duration>, f: F) -> Option<F::Output> {
+/// time ran out first; `Shutdown` if the engine is (or gets) closed.
+pub(crate) fn bounded<F: std::future::Future>(core: &Core, limit: Option<Duration>, f: F) -> Result<Option<F::Output>> {
+    core.live()?;
+    let closed = core.until_closed();
     core.block_on(async move {
-        match limit {
-            Some(d) => tokio::time::timeout(d, f).await.ok(),
-            None => Some(f.await),
+        let run = async move {
+            match limit {
+                Some(d) => tokio::time::timeout(d, f).await.ok(),
+                None => Some(f.await),
+            }
+        };
+        tokio::select! {
+            biased;
+            r = run => Ok(r),
+            () = closed => Err(Error::new(ErrorKind::Shutdown, "the engine was closed")),
         }
     })
 }
@@ -121,7 +130,7 @@ impl NativeHandoff {
         }
         // `wait_grant` answers at once when the table holds the grant (or
         // the session ended); a zero timeout only stops it from waiting.
-        match bounded(&self.core, Some(Duration::ZERO), self.sessions.wait_grant(&self.key.peer, self.key.id)) {
+        match bounded(&self.core, Some(Duration::ZERO), self.sessions.wait_grant(&self.key.peer, self.key.id))? {
             Some(Ok(g)) => {
                 *self.grant.lock() = Some(g.clone());
                 Ok(Some(g))
@@ -190,11 +199,15 @@ impl NativeHandoff {
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<StateTuple>> {
         let limit = timeout_arg(timeout).map_err(|e| to_pyerr(py, &e))?;
+        if let Some(st) = self.sessions.state(&self.key).filter(SessionState::is_final) {
+            // Also after the engine closed.
+            return Ok(Some(state_tuple(py, Some(&st))));
+        }
         let r = py.allow_threads(|| bounded(&self.core, limit, self.sessions.wait(&self.key)));
-        match r {
-            None => Ok(None),
-            Some(Ok(st)) => Ok(Some(state_tuple(py, Some(&st)))),
-            Some(Err(e)) => Err(to_pyerr(py, &e)),
+        match r.and_then(Option::transpose) {
+            Ok(None) => Ok(None),
+            Ok(Some(st)) => Ok(Some(state_tuple(py, Some(&st)))),
+            Err(e) => Err(to_pyerr(py, &e)),
         }
     }
 
@@ -208,10 +221,9 @@ impl NativeHandoff {
             let limit = timeout_arg(timeout)?;
             let got =
                 py.allow_threads(|| bounded(&self.core, limit, self.sessions.wait_grant(&self.key.peer, self.key.id)));
-            match got {
+            match got?.transpose()? {
                 None => Ok(None),
-                Some(r) => {
-                    let g = r?;
+                Some(g) => {
                     *self.grant.lock() = Some(g.clone());
                     Ok(Some(grant_tuple(&g)))
                 }
@@ -285,7 +297,10 @@ impl NativeHandoff {
     /// both sides agree on: `cancelled`, or the outcome the receiver had
     /// already decided. Returns `(state, error)`.
     fn cancel(&self, py: Python<'_>) -> PyResult<StateTuple> {
-        let r = py.allow_threads(|| self.core.block_on(self.sessions.cancel(&self.key)));
+        let r = py.allow_threads(|| {
+            bounded(&self.core, None, self.sessions.cancel(&self.key))
+                .and_then(|r| r.unwrap_or_else(|| Err(Error::shut_down())))
+        });
         match r {
             Ok(st) => Ok(state_tuple(py, Some(&st))),
             Err(e) => Err(to_pyerr(py, &e)),
@@ -335,14 +350,19 @@ impl NativeSessionWrite {
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<PyObject>> {
         let limit = timeout_arg(timeout).map_err(|e| to_pyerr(py, &e))?;
+        if let Some(r) = self.result.borrow().clone() {
+            // Also after the engine closed.
+            return Self::to_py(py, &r).map(Some);
+        }
         let mut rx = self.result.clone();
         let got = py.allow_threads(|| {
             bounded(&self.core, limit, async move { rx.wait_for(|v| v.is_some()).await.map(|v| v.clone()) })
         });
         match got {
-            None => Ok(None),
-            Some(Ok(Some(r))) => Self::to_py(py, &r).map(Some),
-            Some(_) => Err(to_pyerr(py, &Error::shut_down())),
+            Ok(None) => Ok(None),
+            Ok(Some(Ok(Some(r)))) => Self::to_py(py, &r).map(Some),
+            Ok(Some(_)) => Err(to_pyerr(py, &Error::shut_down())),
+            Err(e) => Err(to_pyerr(py, &e)),
         }
     }
 }

@@ -240,7 +240,7 @@ impl NativeEngine {
         let r = py.allow_threads(|| {
             let limit = timeout_arg(timeout)?;
             let s = core.sessions()?;
-            match bounded(core, limit, s.wait_notification()) {
+            match bounded(core, limit, s.wait_notification())? {
                 None => Ok(false),
                 Some(r) => r.map(|()| true),
             }

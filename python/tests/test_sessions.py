@@ -4,6 +4,8 @@ processes over TCP: this process is the sender (prefill), a
 
 import hashlib
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,3 +141,33 @@ def test_plain_notifications_both_ways(decode):
             prefill.notify(decode.session_id, bytes(5000))
         with pytest.raises(kvmove.PermanentError):
             prefill.notify("no-port", b"x")
+
+
+def test_close_wakes_blocked_waits():
+    with kvmove.Engine() as decode:
+        prefill = kvmove.Engine()
+        s = prefill.send(decode.session_id, 9)
+        ended = []
+
+        def blocked(fn):
+            try:
+                fn()
+                ended.append("returned")
+            except kvmove.TransferError as e:
+                ended.append(e.kind)
+
+        waits = [s.wait, s.wait_grant, prefill.wait_notification]
+        threads = [threading.Thread(target=blocked, args=(f,)) for f in waits]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        assert ended == []
+        prefill.close()
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads)
+        assert ended == ["shutdown"] * 3
+        with pytest.raises(kvmove.TransferError):
+            prefill.notify(decode.session_id, b"x")
+        with pytest.raises(kvmove.TransferError):
+            prefill.send(decode.session_id, 10)
