@@ -171,3 +171,16 @@ def test_close_wakes_blocked_waits():
             prefill.notify(decode.session_id, b"x")
         with pytest.raises(kvmove.TransferError):
             prefill.send(decode.session_id, 10)
+
+
+def test_killed_receiver_fails_the_sender(decode):
+    with kvmove.Engine() as prefill:
+        s = prefill.send(decode.session_id, 6)
+        assert decode.ask(f"grant {prefill.session_id} 6 0 4096") == "ok"
+        assert s.wait_grant(timeout=20) is not None
+        decode.kill()
+        t0 = time.monotonic()
+        # The peer's liveness timeout (5 s by default) ends the session.
+        assert s.wait(timeout=30) == "failed"
+        assert time.monotonic() - t0 < 20
+        assert s.error.is_transient and s.error.kind == "peer_unavailable", s.error
