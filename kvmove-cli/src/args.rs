@@ -151,6 +151,10 @@ pub struct Options {
     /// Seed of page placement and data  [default: 42]
     #[arg(long, global = true)]
     pub seed: Option<u64>,
+    /// Run each transfer unit as a session granted by the target (writes
+    /// only): true | false  [default: false]
+    #[arg(long, global = true, value_name = "BOOL")]
+    pub sessions: Option<bool>,
 }
 
 impl Options {
@@ -200,7 +204,7 @@ impl Options {
             )*};
         }
         set!(model, tokens, page_size, op, concurrency, mode, compute_delay_ms, fragmentation, iterations, warmup);
-        set!(per_request, seed);
+        set!(per_request, seed, sessions);
         if let Some(v) = self.layers {
             w.layers = Some(v);
         }

@@ -73,6 +73,13 @@ impl Settings {
         if let Some(m) = self.target.mem_mib {
             check("mem_mib", m)?;
         }
+        if w.sessions && w.op == Op::Read {
+            return Err(kvmove::Error::new(
+                kvmove::ErrorKind::Config,
+                "workload.sessions: --sessions true needs --op write; sessions hand off writes only (a read is pulled \
+                 by the initiator, nothing for the target to grant)",
+            ));
+        }
         Ok(())
     }
 
@@ -194,6 +201,10 @@ pub struct WorkloadConfig {
     pub per_request: bool,
     /// Seed of the page placement and the data pattern. Default 42.
     pub seed: u64,
+    /// Run every transfer unit as a session (rules 12 and 13): the target
+    /// grants it, the initiator writes within the grant, finishes and waits
+    /// for Landed. Writes only. Default false.
+    pub sessions: bool,
 }
 
 impl Default for WorkloadConfig {
@@ -213,6 +224,7 @@ impl Default for WorkloadConfig {
             warmup: 1,
             per_request: true,
             seed: 42,
+            sessions: false,
         }
     }
 }
