@@ -11,6 +11,7 @@ use crate::data::Verdict;
 use crate::plan::Plan;
 use crate::report::{self, Report};
 use crate::run::{PassKind, PassResult, Session};
+use crate::sessions::{self as flow, Receiver, Sender};
 use crate::settings::{Mode, Op, Settings};
 
 /// How the command ended, for the exit code.
@@ -180,12 +181,42 @@ async fn bench_with(
     let (segment, desc) = connect(initiator, store.as_deref(), &name).await?;
     let mut session = session(s, plan, initiator, segment, &desc, false)?;
     session.target_buf = Some(target_buf);
+    if s.workload.sessions {
+        // The target side grants from its copy of the plan, in the memory
+        // the initiator writes to; asks come through a channel.
+        let rx =
+            Receiver::start(target, plan, session.remote_base, grant_deadline(s, plan), session.concurrency, false)?;
+        match Sender::local(initiator, rx.name(), rx.asks(), session.concurrency) {
+            Ok(tx) => session.flow = Some(Arc::new(tx)),
+            Err(e) => {
+                rx.shutdown().await;
+                return Err(e);
+            }
+        }
+        session.receiver = Some(rx);
+    }
     let shown = format!("{name} (in this process)");
     let outcome = workload(s, plan, &session, "bench", shown, json).await;
+    stop_sessions(&mut session).await;
     if let Some(store) = &store {
         let _ = store.remove(&s.target.name).await;
     }
     outcome
+}
+
+/// The deadline of a session's grant: every layer's compute and then some.
+fn grant_deadline(s: &Settings, plan: &Plan) -> Duration {
+    let compute = Duration::from_millis(s.workload.compute_delay_ms).saturating_mul(plan.layers);
+    flow::deadline(compute)
+}
+
+async fn stop_sessions(session: &mut Session) {
+    if let Some(tx) = session.flow.take() {
+        tx.shutdown().await;
+    }
+    if let Some(rx) = session.receiver.take() {
+        rx.shutdown().await;
+    }
 }
 
 /// Opens the target: by its `host:port` when it is one, else through the
@@ -260,6 +291,8 @@ fn session(
         op: w.op,
         concurrency: w.concurrency,
         compute_delay: Duration::from_millis(w.compute_delay_ms),
+        flow: None,
+        receiver: None,
     })
 }
 
@@ -359,13 +392,20 @@ pub async fn target(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
         None => plan.buffer_len,
     };
     check_memory(len, 1, "lower --mem-mib")?;
+    if s.workload.sessions && len < plan.buffer_len {
+        return Err(config_err(format!(
+            "--sessions true grants the workload's memory ({}) but --mem-mib serves {}; drop --mem-mib or raise it",
+            report::bytes(plan.buffer_len),
+            report::bytes(len)
+        )));
+    }
     let engine = kvmove::build(&s.engine()).await?;
-    let served = serve(s, &engine, len, json).await;
+    let served = serve(s, &plan, &engine, len, json).await;
     let _ = engine.shutdown().await;
     served
 }
 
-async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::Result<Outcome> {
+async fn serve(s: &Settings, plan: &Plan, engine: &Engine, len: u64, json: bool) -> kvmove::Result<Outcome> {
     let buf = alloc(len, "target memory")?;
     engine.register(buf.region(), Access::REMOTE_RW)?;
     let segment = engine.transport().local_segment_name();
@@ -375,6 +415,15 @@ async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::R
         None => kvmove::own_descriptor(engine.transport()).await?,
     };
     let published = store.as_ref().map(|_| s.target.name.clone());
+    // With sessions, grants go to initiators that ask, for the units of
+    // this side's plan, in the memory it serves (as initiators see it).
+    let receiver = if s.workload.sessions {
+        // The region an initiator picks: the largest served (the only one).
+        let base = desc.regions.iter().max_by_key(|r| r.len).map_or_else(|| buf.addr(), |r| r.addr);
+        Some(Receiver::start(engine, plan, base, grant_deadline(s, plan), s.workload.concurrency, true)?)
+    } else {
+        None
+    };
     if json {
         let line = serde_json::json!({
             "event": "ready",
@@ -384,6 +433,7 @@ async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::R
             "name": published,
             "generation": desc.generation,
             "bytes": len,
+            "sessions": s.workload.sessions,
         });
         out(&format!("{line}\n"));
     } else {
@@ -404,10 +454,37 @@ async fn serve(s: &Settings, engine: &Engine, len: u64, json: bool) -> kvmove::R
     if let (Some(store), Some(name)) = (&store, &published) {
         let _ = tokio::time::timeout(Duration::from_secs(3), store.remove(name)).await;
     }
+    let sessions = match receiver {
+        Some(rx) => {
+            let (counts, times) = rx.counts();
+            rx.shutdown().await;
+            Some((counts, report::Percentiles::of(&times)))
+        }
+        None => None,
+    };
     if json {
-        out(&format!("{}\n", serde_json::json!({ "event": "stopped", "signal": signal })));
+        let sessions = sessions.as_ref().map(|(c, t)| {
+            serde_json::json!({
+                "granted": c.granted, "landed": c.landed, "not_landed": c.not_landed,
+                "ignored_asks": c.ignored_asks, "grant_to_landed": t,
+            })
+        });
+        out(&format!("{}\n", serde_json::json!({ "event": "stopped", "signal": signal, "sessions": sessions })));
     } else {
         crate::say!("kvmove target: {signal}, stopping");
+        if let Some((c, t)) = &sessions {
+            let p = |f: fn(&report::Percentiles) -> f64| t.as_ref().map_or("-".into(), |t| format!("{:.3}", f(t)));
+            crate::say!(
+                "kvmove target: sessions: {} granted, {} landed, {} did not land, {} asks ignored; grant to landed \
+                 p50 {} ms, p99 {} ms",
+                c.granted,
+                c.landed,
+                c.not_landed,
+                c.ignored_asks,
+                p(|t| t.p50_ms),
+                p(|t| t.p99_ms)
+            );
+        }
     }
     Ok(Outcome::Ok)
 }
@@ -452,9 +529,15 @@ async fn initiate(s: &Settings, plan: &Plan, engine: &Engine, target: &str, json
         _ => kvmove::build_metadata(&s.metadata).await?,
     };
     let (segment, desc) = connect(engine, store.as_deref(), target).await?;
-    let session = session(s, plan, engine, segment, &desc, s.workload.op == Op::Write)?;
+    let mut session = session(s, plan, engine, segment, &desc, s.workload.op == Op::Write)?;
+    if s.workload.sessions {
+        // Sessions name the target by the segment name it serves under.
+        session.flow = Some(Arc::new(Sender::remote(engine, desc.name.clone(), plan, s.workload.concurrency).await?));
+    }
     let shown = if desc.name == target { target.to_owned() } else { format!("{target} ({})", desc.name) };
-    workload(s, plan, &session, "initiator", shown, json).await
+    let outcome = workload(s, plan, &session, "initiator", shown, json).await;
+    stop_sessions(&mut session).await;
+    outcome
 }
 
 #[cfg(all(test, feature = "mock"))]

@@ -23,6 +23,7 @@ mod log;
 mod plan;
 mod report;
 mod run;
+mod sessions;
 mod settings;
 
 use std::process::ExitCode;

@@ -20,7 +20,7 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
-    fn of(samples: &[Duration]) -> Option<Percentiles> {
+    pub fn of(samples: &[Duration]) -> Option<Percentiles> {
         if samples.is_empty() {
             return None;
         }
@@ -54,6 +54,25 @@ pub struct ModeReport {
     pub tail_ms: Option<f64>,
     /// Median over passes of first-layer-compute to last byte.
     pub end_to_end_ms: Option<f64>,
+    /// With `--sessions true`: what the sessions measured.
+    pub sessions: Option<SessionReport>,
+}
+
+/// The sessions of one mode's measured passes (one per pass in the layer
+/// modes, one per request in `per-request`).
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionReport {
+    /// Sessions that landed (every one of them, or the run fails).
+    pub landed: usize,
+    /// The unit's start (expect and ask) to the grant on the initiator.
+    pub grant_wait: Option<Percentiles>,
+    /// The unit's start to Landed, as the initiator learnt it.
+    pub time_to_landed: Option<Percentiles>,
+    /// The initiator's finish to the target seeing Landed (bench: both
+    /// sides in one process, one clock; absent for `initiator`).
+    pub notify_delay: Option<Percentiles>,
+    /// The initiator's finish to its Landed (FINISH there, END back).
+    pub finish_to_landed: Option<Percentiles>,
 }
 
 /// The whole report.
@@ -96,6 +115,17 @@ pub fn mode_report(kind: PassKind, passes: &[PassResult]) -> ModeReport {
     let latencies: Vec<Duration> = passes.iter().flat_map(|p| p.latencies.iter().copied()).collect();
     let lat = Percentiles::of(&latencies);
     let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+    let units: Vec<&crate::sessions::UnitTimes> = passes.iter().flat_map(|p| p.units.iter()).collect();
+    let series = |f: fn(&crate::sessions::UnitTimes) -> Duration| {
+        Percentiles::of(&units.iter().map(|u| f(u)).collect::<Vec<_>>())
+    };
+    let sessions = (!units.is_empty()).then(|| SessionReport {
+        landed: units.len(),
+        grant_wait: series(|u| u.grant_wait),
+        time_to_landed: series(|u| u.time_to_landed),
+        notify_delay: Percentiles::of(&passes.iter().flat_map(|p| p.notify_delays.iter().copied()).collect::<Vec<_>>()),
+        finish_to_landed: series(|u| u.finish_to_landed),
+    });
     ModeReport {
         mode: kind.name(),
         passes: passes.len(),
@@ -108,6 +138,7 @@ pub fn mode_report(kind: PassKind, passes: &[PassResult]) -> ModeReport {
         request_latency: if kind == PassKind::PerRequest { lat } else { None },
         tail_ms: median(passes.iter().filter_map(|p| ms(p.tail)).collect()),
         end_to_end_ms: median(passes.iter().filter_map(|p| ms(p.end_to_end)).collect()),
+        sessions,
     }
 }
 
@@ -209,6 +240,13 @@ impl Report {
             w.concurrency,
             w.compute_delay_ms
         );
+        if w.sessions {
+            let _ = writeln!(
+                s,
+                "sessions: one per pass in the layer modes, one per request in per-request; granted by the target, \
+                 every write checked against its grant, done when Landed"
+            );
+        }
         let _ = writeln!(s);
         let mut header = format!("{:<28}", "");
         for m in &self.modes {
@@ -216,9 +254,7 @@ impl Report {
         }
         let _ = writeln!(s, "{}", header.trim_end());
         type Cell = fn(&ModeReport) -> Option<String>;
-        let f2 = |v: f64| format!("{v:.2}");
-        let _ = f2;
-        let rows: [(&str, Cell); 11] = [
+        let rows: [(&str, Cell); 20] = [
             ("bandwidth (GiB/s)", |m| m.bandwidth_gib_s.map(|v| format!("{v:.2}"))),
             ("bandwidth (Gbit/s)", |m| m.bandwidth_gbit_s.map(|v| format!("{v:.2}"))),
             ("requests/s", |m| m.requests_per_s.map(|v| thousands(v as u64))),
@@ -230,6 +266,15 @@ impl Report {
             ("request latency p999 (ms)", |m| m.request_latency.map(|p| format!("{:.3}", p.p999_ms))),
             ("tail after last layer (ms)", |m| m.tail_ms.map(|v| format!("{v:.2}"))),
             ("compute + transfer (ms)", |m| m.end_to_end_ms.map(|v| format!("{v:.2}"))),
+            ("sessions landed", |m| m.sessions.as_ref().map(|x| thousands(x.landed as u64))),
+            ("grant wait p50 (ms)", |m| session_ms(m, |x| x.grant_wait, |p| p.p50_ms)),
+            ("grant wait p99 (ms)", |m| session_ms(m, |x| x.grant_wait, |p| p.p99_ms)),
+            ("time to landed p50 (ms)", |m| session_ms(m, |x| x.time_to_landed, |p| p.p50_ms)),
+            ("time to landed p99 (ms)", |m| session_ms(m, |x| x.time_to_landed, |p| p.p99_ms)),
+            ("notification delay p50 (ms)", |m| session_ms(m, |x| x.notify_delay, |p| p.p50_ms)),
+            ("notification delay p99 (ms)", |m| session_ms(m, |x| x.notify_delay, |p| p.p99_ms)),
+            ("finish to landed p50 (ms)", |m| session_ms(m, |x| x.finish_to_landed, |p| p.p50_ms)),
+            ("finish to landed p99 (ms)", |m| session_ms(m, |x| x.finish_to_landed, |p| p.p99_ms)),
         ];
         for (name, cell) in rows {
             if self.modes.iter().all(|m| cell(m).is_none()) {
@@ -270,6 +315,15 @@ impl Report {
         }
         s
     }
+}
+
+/// A session percentile of a mode, in ms with 3 decimals.
+fn session_ms(
+    m: &ModeReport,
+    series: fn(&SessionReport) -> Option<Percentiles>,
+    at: fn(&Percentiles) -> f64,
+) -> Option<String> {
+    m.sessions.as_ref().and_then(series).map(|p| format!("{:.3}", at(&p)))
 }
 
 fn kebab<T: Serialize>(v: &T) -> String {

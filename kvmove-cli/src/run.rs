@@ -13,6 +13,13 @@
 //! For both layer modes the pass records when the last layer was ready and
 //! when the last byte landed; the difference (the tail) is what layer-by-
 //! layer sending shortens. Every pass is verified (see [`Session::verify`]).
+//!
+//! With sessions (`--sessions true`, see [`crate::sessions`]) each unit of a
+//! pass is one session: the layer passes' whole plan (one session, written
+//! layer by layer; asked for when the pass starts, so the grant comes while
+//! the layers compute) or each request of the per-request pass. A unit is
+//! done when the initiator learns it Landed, and that is when its bytes
+//! count as landed in the latencies, the tail and the bandwidth.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +31,7 @@ use tokio::task::JoinSet;
 
 use crate::data::{self, Side, Verdict};
 use crate::plan::{Plan, Req};
+use crate::sessions::{self as flow, Receiver, Sender, Unit, UnitTimes};
 use crate::settings::Op;
 
 /// The three ways a pass can run.
@@ -59,6 +67,11 @@ pub struct PassResult {
     /// Start of the first layer's compute to the last byte (layer modes).
     pub end_to_end: Option<Duration>,
     pub verdict: Verdict,
+    /// With sessions: what each unit's session measured.
+    pub units: Vec<UnitTimes>,
+    /// With sessions in one process (bench): the initiator's finish to the
+    /// target seeing Landed, per unit (one clock).
+    pub notify_delays: Vec<Duration>,
 }
 
 /// An initiator connected to a target's memory.
@@ -77,19 +90,24 @@ pub struct Session {
     pub op: Op,
     pub concurrency: usize,
     pub compute_delay: Duration,
+    /// With sessions: the initiator's session side.
+    pub flow: Option<Arc<Sender>>,
+    /// With sessions in one process (bench): the target's side, which
+    /// records when each session landed.
+    pub receiver: Option<Receiver>,
 }
 
 impl Session {
-    fn request(&self, r: &Req, op: Op, local: RegionId) -> TransferRequest {
+    fn request(&self, r: &Req, op: Op, local: RegionId, segment: SegmentId) -> TransferRequest {
         let remote = self.remote_base + r.remote_off;
         match op {
-            Op::Write => TransferRequest::write(local, r.local_off, self.segment, remote, r.len),
-            Op::Read => TransferRequest::read(local, r.local_off, self.segment, remote, r.len),
+            Op::Write => TransferRequest::write(local, r.local_off, segment, remote, r.len),
+            Op::Read => TransferRequest::read(local, r.local_off, segment, remote, r.len),
         }
     }
 
-    fn batch(&self, reqs: &[Req], op: Op, local: RegionId) -> Vec<TransferRequest> {
-        reqs.iter().map(|r| self.request(r, op, local)).collect()
+    fn batch(&self, reqs: &[Req], op: Op, local: RegionId, segment: SegmentId) -> Vec<TransferRequest> {
+        reqs.iter().map(|r| self.request(r, op, local, segment)).collect()
     }
 
     /// Moves every layer's batch with `op` between `local` and the target,
@@ -98,7 +116,7 @@ impl Session {
         let sem = Arc::new(Semaphore::new(self.concurrency));
         let mut set = JoinSet::new();
         for reqs in &plan.by_layer {
-            set.spawn(send(self.engine.clone(), sem.clone(), self.batch(reqs, op, local)));
+            set.spawn(send(self.engine.clone(), sem.clone(), self.batch(reqs, op, local, self.segment)));
         }
         while let Some(r) = set.join_next().await {
             joined(r)?;
@@ -158,6 +176,16 @@ impl Session {
             PassKind::AllAtEnd | PassKind::Layerwise => self.layers(plan, kind, bar).await?,
             PassKind::PerRequest => self.per_request(plan, bar).await?,
         };
+        if let Some(rx) = &self.receiver {
+            let ids: Vec<u64> = result.units.iter().map(|u| u.id).collect();
+            let seen = rx.landed_at(&ids, Duration::from_secs(1)).await;
+            result.notify_delays = result
+                .units
+                .iter()
+                .zip(seen)
+                .filter_map(|(u, at)| at.map(|at| at.saturating_duration_since(u.finished_at)))
+                .collect();
+        }
         result.verdict = self.verify(plan, &expected).await?;
         Ok(result)
     }
@@ -180,19 +208,41 @@ impl Session {
         };
         let last_ready = at(plan.layers)?;
         let ready_at = |l: u32| at(l).map(tokio::time::Instant::from_std);
+        // With sessions, the pass's one session is asked for now: the
+        // grant comes while the layers compute.
+        let mut unit = match &self.flow {
+            Some(f) => Some(f.open(flow::unit_id(f.next_pass(), Unit::Plan)).await?),
+            None => None,
+        };
         if kind == PassKind::AllAtEnd {
             tokio::time::sleep_until(ready_at(plan.layers)?).await;
         }
         let mut first_submit = None;
+        let mut segment = self.segment;
         for (l, reqs) in (1u32..).zip(&plan.by_layer) {
             if kind == PassKind::Layerwise {
                 tokio::time::sleep_until(ready_at(l)?).await;
             }
+            // Waiting for a late grant counts in the transfer time.
             first_submit.get_or_insert_with(Instant::now);
+            if let (Some(f), Some(u)) = (&self.flow, unit.as_mut()) {
+                if !Sender::is_granted(u) {
+                    segment = f.granted(u).await?;
+                }
+            }
             let bytes: u64 = reqs.iter().map(|r| r.len).sum();
-            let batch = self.batch(reqs, self.op, self.local);
-            let (engine, sem) = (self.engine.clone(), sem.clone());
-            set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, bytes)) });
+            let batch = self.batch(reqs, self.op, self.local, segment);
+            let sem = sem.clone();
+            match (&self.flow, &unit) {
+                (Some(f), Some(u)) => {
+                    let (f, id) = (f.clone(), u.id);
+                    set.spawn(async move { send_in(f, id, sem, batch).await.map(|t| (t, bytes)) });
+                }
+                _ => {
+                    let engine = self.engine.clone();
+                    set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, bytes)) });
+                }
+            }
         }
         let first_submit = first_submit.unwrap_or(last_ready);
         let mut latencies = Vec::with_capacity(plan.by_layer.len());
@@ -203,6 +253,12 @@ impl Session {
             last_done = last_done.max(done);
             bar.inc(bytes);
         }
+        let mut units = Vec::new();
+        if let (Some(f), Some(u)) = (&self.flow, unit) {
+            let t = f.land(u).await?;
+            last_done = last_done.max(t.landed_at);
+            units.push(t);
+        }
         Ok(PassResult {
             bytes: plan.total_bytes,
             requests: plan.total_requests as u64,
@@ -211,6 +267,8 @@ impl Session {
             tail: Some(last_done.saturating_duration_since(last_ready)),
             end_to_end: Some(last_done.saturating_duration_since(start)),
             verdict: Verdict::default(),
+            units,
+            notify_delays: Vec::new(),
         })
     }
 
@@ -218,18 +276,43 @@ impl Session {
         let sem = Arc::new(Semaphore::new(self.concurrency));
         let mut set = JoinSet::new();
         let start = Instant::now();
-        for r in plan.requests() {
-            let batch = vec![self.request(r, self.op, self.local)];
-            let (engine, sem, len) = (self.engine.clone(), sem.clone(), r.len);
-            set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, len)) });
+        let serial = self.flow.as_ref().map(|f| f.next_pass()).unwrap_or(0);
+        for (i, r) in plan.requests().enumerate() {
+            let (sem, len) = (sem.clone(), r.len);
+            match &self.flow {
+                Some(f) => {
+                    let (f, id, r, local, base) =
+                        (f.clone(), flow::unit_id(serial, Unit::Request(i)), *r, self.local, self.remote_base);
+                    set.spawn(async move {
+                        let _permit = sem
+                            .acquire_owned()
+                            .await
+                            .map_err(|_| Error::new(ErrorKind::Internal, "the in-flight limit was closed"))?;
+                        let began = Instant::now();
+                        let mut u = f.open(id).await?;
+                        let seg = f.granted(&mut u).await?;
+                        let req = TransferRequest::write(local, r.local_off, seg, base + r.remote_off, r.len);
+                        f.write(id, vec![req]).await?;
+                        let t = f.land(u).await?;
+                        Ok(((began, t.landed_at), len, Some(t)))
+                    });
+                }
+                None => {
+                    let batch = vec![self.request(r, self.op, self.local, self.segment)];
+                    let engine = self.engine.clone();
+                    set.spawn(async move { send(engine, sem, batch).await.map(|t| (t, len, None)) });
+                }
+            }
         }
         let mut latencies = Vec::with_capacity(plan.total_requests);
+        let mut units = Vec::new();
         let mut last_done = start;
         while let Some(r) = set.join_next().await {
-            let ((began, done), bytes) = joined(r)?;
+            let ((began, done), bytes, unit) = joined(r)?;
             latencies.push(done.saturating_duration_since(began));
             last_done = last_done.max(done);
             bar.inc(bytes);
+            units.extend(unit);
         }
         Ok(PassResult {
             bytes: plan.total_bytes,
@@ -239,6 +322,8 @@ impl Session {
             tail: None,
             end_to_end: None,
             verdict: Verdict::default(),
+            units,
+            notify_delays: Vec::new(),
         })
     }
 }
@@ -251,6 +336,20 @@ async fn send(engine: Engine, sem: Arc<Semaphore>, batch: Vec<TransferRequest>) 
         sem.acquire_owned().await.map_err(|_| Error::new(ErrorKind::Internal, "the in-flight limit was closed"))?;
     let began = Instant::now();
     engine.submit(batch).await?.wait().await?.into_result()?;
+    Ok((began, Instant::now()))
+}
+
+/// [`send`] as a write of the session `id` (checked against its grant).
+async fn send_in(
+    flow: Arc<Sender>,
+    id: u64,
+    sem: Arc<Semaphore>,
+    batch: Vec<TransferRequest>,
+) -> kvmove::Result<(Instant, Instant)> {
+    let _permit =
+        sem.acquire_owned().await.map_err(|_| Error::new(ErrorKind::Internal, "the in-flight limit was closed"))?;
+    let began = Instant::now();
+    flow.write(id, batch).await?;
     Ok((began, Instant::now()))
 }
 
