@@ -157,10 +157,13 @@ fn table_output_has_the_numbers() {
 /// Starts `kvmove target` on an ephemeral loopback port and returns it
 /// with the segment name it printed.
 fn start_target(extra: &[&str]) -> (Guard, String) {
-    start_target_with(extra, Stdio::null())
+    let (guard, segment, _) = start_target_with(extra, Stdio::null());
+    (guard, segment)
 }
 
-fn start_target_with(extra: &[&str], stderr: Stdio) -> (Guard, String) {
+/// [`start_target`], with the target's stderr going to `stderr`; also
+/// returns the target's later stdout lines (its events).
+fn start_target_with(extra: &[&str], stderr: Stdio) -> (Guard, String, std::sync::mpsc::Receiver<String>) {
     let mut a = vec!["target", "--json", "--listen", "127.0.0.1:0"];
     a.extend_from_slice(extra);
     a.extend_from_slice(TINY);
@@ -171,14 +174,33 @@ fn start_target_with(extra: &[&str], stderr: Stdio) -> (Guard, String) {
     let guard = Guard(child);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
     });
     let line = rx.recv_timeout(Duration::from_secs(30)).expect("target printed its address");
     let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(v["event"], "ready");
-    (guard, v["segment"].as_str().unwrap().to_owned())
+    (guard, v["segment"].as_str().unwrap().to_owned(), rx)
+}
+
+/// Sends SIGTERM and waits (bounded) for a clean exit.
+fn stop(target: &mut Guard) {
+    assert!(target.0.try_wait().unwrap().is_none(), "target still running");
+    let pid = target.0.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = target.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "target did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
 }
 
 #[test]
@@ -191,19 +213,100 @@ fn initiator_against_a_target_process_writes_and_reads() {
         assert_verified(&v, 3);
     }
     // SIGTERM stops the target cleanly (exit 0), within the time limit.
-    assert!(target.0.try_wait().unwrap().is_none(), "target still running");
-    let pid = target.0.id().to_string();
-    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(killed.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = target.0.try_wait().unwrap() {
-            break s;
+    stop(&mut target);
+}
+
+/// Percentiles of a session series, present with at least one sample.
+fn assert_series(m: &serde_json::Value, series: &str, samples: u64) {
+    let p = &m["sessions"][series];
+    assert_eq!(p["samples"].as_u64(), Some(samples), "{series}: {m}");
+    assert!(p["p50_ms"].as_f64().unwrap() >= 0.0 && p["p99_ms"].as_f64().unwrap() >= p["p50_ms"].as_f64().unwrap());
+}
+
+/// Sessions in one process: one session per layer pass and one per
+/// request, all landed, every byte verified, and the session numbers
+/// (grant wait, time to landed, notification delay) in the JSON and the
+/// table; over TCP and the mock.
+#[test]
+fn bench_with_sessions_verifies_every_byte_and_reports_them() {
+    for backend in ["tcp", "mock"] {
+        let v = json(&run(&args(&["--json", "--sessions", "true", "--backend", backend])));
+        assert_eq!(v["workload"]["sessions"], true);
+        assert_verified(&v, 3);
+        let modes = v["modes"].as_array().unwrap();
+        assert_eq!(modes.len(), 3);
+        for m in modes {
+            let units = if m["mode"] == "per-request" { 32 } else { 1 };
+            assert_eq!(m["sessions"]["landed"], units, "{m}");
+            for series in ["grant_wait", "time_to_landed", "notify_delay", "finish_to_landed"] {
+                assert_series(m, series, units);
+            }
         }
-        assert!(Instant::now() < deadline, "target did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(status.success(), "{status}");
+    }
+    let r = run(&args(&["--sessions", "true"]));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    for needle in ["sessions landed", "grant wait p99 (ms)", "time to landed p50 (ms)", "notification delay p99 (ms)"] {
+        assert!(r.stdout.contains(needle), "missing {needle}:\n{}", r.stdout);
+    }
+    // Off by default: no session rows.
+    let r = run(TINY);
+    assert!(!r.stdout.contains("grant wait"), "{}", r.stdout);
+}
+
+/// `kvmove target --sessions true` grants what `kvmove initiator
+/// --sessions true` asks for, after checking both run the same plan; the
+/// target reports its sessions when it stops. An initiator with another
+/// plan, or against a target without sessions, is one line.
+#[test]
+fn initiator_with_sessions_against_a_target_process() {
+    let (mut target, segment, events) = start_target_with(&["--sessions", "true"], Stdio::null());
+    let v = json(&run(&args(&["initiator", "--target", &segment, "--json", "--sessions", "true"])));
+    assert_eq!(v["command"], "initiator");
+    assert_verified(&v, 3);
+    for m in v["modes"].as_array().unwrap() {
+        let units = if m["mode"] == "per-request" { 32 } else { 1 };
+        assert_eq!(m["sessions"]["landed"], units, "{m}");
+        for series in ["grant_wait", "time_to_landed", "finish_to_landed"] {
+            assert_series(m, series, units);
+        }
+        // Two clocks: the initiator cannot see when the target saw Landed.
+        assert!(m["sessions"]["notify_delay"].is_null(), "{m}");
+    }
+    let r = run(&args(&["initiator", "--target", &segment, "--sessions", "true", "--seed", "7"]));
+    assert_one_line_error(&r, "another workload");
+    assert!(r.stderr.contains("--seed"), "{}", r.stderr);
+    assert_eq!(r.code, Some(2));
+    stop(&mut target);
+    let stopped = events.recv_timeout(Duration::from_secs(10)).expect("the target's stopped event");
+    let e: serde_json::Value = serde_json::from_str(&stopped).unwrap_or_else(|e| panic!("{e}: {stopped}"));
+    assert_eq!(e["event"], "stopped");
+    assert_eq!(e["sessions"]["landed"], 34, "1 + 1 + 32 sessions: {e}");
+    assert_eq!(e["sessions"]["not_landed"], 0, "{e}");
+
+    let (_plain, segment) = start_target(&[]);
+    let began = Instant::now();
+    let r = run(&args(&["initiator", "--target", &segment, "--sessions", "true"]));
+    assert_one_line_error(&r, "--sessions true");
+    assert!(began.elapsed() < Duration::from_secs(30), "{:?}", began.elapsed());
+}
+
+/// Sessions carry writes only: `--sessions true --op read` is refused up
+/// front, from the options or the file (with its line).
+#[test]
+fn sessions_with_reads_is_a_one_line_config_error() {
+    let r = run(&args(&["--sessions", "true", "--op", "read"]));
+    assert_one_line_error(&r, "workload.sessions: --sessions true needs --op write");
+    assert_eq!(r.code, Some(2));
+    let dir = std::env::temp_dir().join(format!("kvmove-cli-sessions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("read.toml");
+    std::fs::write(&path, "[workload]\nop = \"read\"\nsessions = true\n").unwrap();
+    let r = run(&["--config", path.to_str().unwrap()]);
+    assert_one_line_error(&r, &format!("{}:3: workload.sessions", path.display()));
+    assert_eq!(r.code, Some(2));
+    let r = run(&["config", "--sessions", "true"]);
+    assert!(r.stdout.contains("sessions = true"), "{}", r.stdout);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -418,7 +521,7 @@ fn a_config_path_that_is_not_a_regular_file_is_refused_quickly() {
 #[test]
 fn a_target_logs_a_bad_connection_to_stderr() {
     use std::io::Write as _;
-    let (mut target, segment) = start_target_with(&[], Stdio::piped());
+    let (mut target, segment, _) = start_target_with(&[], Stdio::piped());
     let stderr = target.0.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
