@@ -37,7 +37,7 @@ pub struct Case {
     pub group: &'static str,
     /// Case name, the last part of the test name.
     pub name: &'static str,
-    /// The rule of `docs/CONTRACT.md` (1..=11) it checks.
+    /// The rule of `docs/CONTRACT.md` (1..=13) it checks.
     pub rule: u8,
     /// Hooks and capabilities it needs (it skips without them).
     pub needs: &'static [Need],

@@ -1,6 +1,8 @@
 //! The conformance suite every transport backend runs to prove it keeps
-//! the contract: rules 1 to 11 of `docs/CONTRACT.md`, shown on
-//! [`transport_core::Transport`].
+//! the contract: rules 1 to 13 of `docs/CONTRACT.md`, shown on
+//! [`transport_core::Transport`]. Rules 12 and 13 (sessions: admission is
+//! the receiver's; both ends agree) are checked through
+//! `transport_core::Sessions` running over an `Engine` on the backend.
 //!
 //! # Running it against a backend: one line
 //!
@@ -64,6 +66,7 @@
 //! | mock, `noop_close_segment` | `lifecycle::close_releases_endpoints` |
 //! | [`broken::RetriesPermanent`] around the mock | `policy::permanent_errors_not_retried` |
 //! | mock with 2 ms latency, `notify_before_landing` | `notify::never_overtakes_data` |
+//! | mock, `drop_failure_notices` | `session::receiver_cancels_mid_transfer`, `session::sender_cancels` |
 //!
 //! # The cases
 //!
@@ -134,6 +137,16 @@
 //! | `notify::inbox_bounded` | 11 | InboxCapacity | inbox of 8 not drained: 8 accepted, then transient Backpressure and nothing queued; taking one makes room for one; `stats().notifications` exact, back to 0 |
 //! | `notify::oversize_refused` | 11 | - | `MAX_NOTIFY_LEN + 1` bytes: InvalidRequest from `notify` and `notify_after`, nothing delivered; `MAX_NOTIFY_LEN` and 0 bytes arrive intact |
 //! | `notify::counts_return_after_shutdown` | 11 | - | inbox counts return to baseline; shutdown empties it, wakes a pending `wait_notification` with Shutdown; later calls Shutdown; notify to the shut-down peer transient |
+//! | `session::landed_on_both_sides` | 13 | - | a grant of two ranges, eight layers of 256 KiB (one `write` each, distinct bytes), finish: both sides Landed; the moment the receiver's state turns Landed every byte is in its memory (gaps, canaries unchanged); states only move forward; session counts and inboxes back to baseline after release |
+//! | `session::no_grant_no_send` | 12 | - | without a grant (no session, or one Waiting) `write` is refused with a permanent error and no byte of the receiver changes; a sender Waiting for a live receiver stays Waiting for three liveness timeouts, then gets the grant and lands |
+//! | `session::write_outside_grant_refused` | 12 | - | writes starting before, ending past, bridging the gap of, wholly outside the grant, past the receiver's memory, with `addr + len` overflowing, and a batch with one bad request: permanent OutOfBounds (naming the request) before a byte moves; the session stays open and lands |
+//! | `session::deadline_starts_at_grant` | 12 | Stall | a sender that waited twice the deadline before the grant still lands after it; traffic to the receiver stalled right after a 200 ms grant for 450 ms (under the liveness timeout): both sides Expired, memory quiet after |
+//! | `session::receiver_cancels_mid_transfer` | 13 | - | the receiver cancels while the sender rewrites a 2 MiB grant: both sides Cancelled (bounded); from the moment the receiver's state is final no byte of its memory changes |
+//! | `session::sender_cancels` | 13 | - | the sender cancels mid-transfer: both Cancelled, receiver memory quiet after; a sender cancelled before any grant: a later grant ends Cancelled on the receiver too, the sender's state unchanged |
+//! | `session::peer_killed` | 13 | Kill | receiver killed before the grant or mid-transfer, sender killed mid-transfer: the survivor ends Failed (transient) within the liveness timeout + 1 s; sender killed right after finish: the receiver ends Landed with every byte or Failed, never Landed on one side only |
+//! | `session::connection_cut` | 13 | Cut | connections toward the receiver (five times) and the sender cut as layer writes start (sixteen of them): every write completes through the policy's retry, both sides Landed, every byte |
+//! | `session::duplicate_and_forged_messages_ignored` | 13 | - | a third node sends forged (invalid grants, END/FINISH/CANCEL/REFUSE/QUIET for the victims' ids, any epoch) and malformed session messages before the grant, mid-transfer and after landing; the peers replay duplicates and late messages with their true epochs: nothing crashes, no state moves back, `counts().ignored` grows, plain notifications still arrive, the session and a later one land |
+//! | `session::counts_return_after_teardown` | 13 | - | 50 concurrent sessions landed and 15 cancelled (sender before the grant, receiver after it, sender mid-way), all released: no open or lingering session or tracked peer, transport batches, in-flight and notifications at baseline; after `Sessions::shutdown` segments too |
 #![forbid(unsafe_code)]
 
 pub mod broken;

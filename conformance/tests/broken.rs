@@ -57,6 +57,16 @@ fn notify_before_landing_fails_never_overtakes_data() {
 }
 
 #[test]
+fn dropped_failure_notices_fail_receiver_cancels() {
+    caught(bugs(|b| b.drop_failure_notices = true), "session::receiver_cancels_mid_transfer");
+}
+
+#[test]
+fn dropped_failure_notices_fail_sender_cancels() {
+    caught(bugs(|b| b.drop_failure_notices = true), "session::sender_cancels");
+}
+
+#[test]
 fn retries_permanent_fails_permanent_not_retried() {
     caught(MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap), "policy::permanent_errors_not_retried");
 }
@@ -74,6 +84,7 @@ fn survey() {
         ("noop_close_segment", || bugs(|b| b.noop_close_segment = true)),
         ("retries_permanent", || MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap)),
         ("notify_before_landing", || bugs(|b| b.notify_before_landing = true).with_latency(LATENCY)),
+        ("drop_failure_notices", || bugs(|b| b.drop_failure_notices = true)),
     ];
     for (name, make) in variants {
         let failed: Vec<String> =

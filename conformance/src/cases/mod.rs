@@ -14,6 +14,7 @@ mod memory;
 mod notify;
 mod policy;
 mod poll;
+mod session;
 
 use crate::case::{Case, CaseFuture, Need};
 
@@ -298,6 +299,66 @@ static CASES: &[Case] = &[
         [],
         "inbox counts return to baseline; shutdown empties it and wait_notification ends Shutdown, never hangs"
     ),
+    case!(
+        session::landed_on_both_sides,
+        13,
+        [],
+        "grant of two ranges, eight layers written, finish: both Landed, every byte there when the receiver turns Landed"
+    ),
+    case!(
+        session::no_grant_no_send,
+        12,
+        [],
+        "no grant: write refused, no byte moves; a sender Waiting for 3 liveness timeouts does not fail, then lands"
+    ),
+    case!(
+        session::write_outside_grant_refused,
+        12,
+        [],
+        "writes partly or wholly outside the grant, overflowing: OutOfBounds before a byte moves; the session lands"
+    ),
+    case!(
+        session::deadline_starts_at_grant,
+        12,
+        [Stall],
+        "a wait longer than the deadline before the grant still lands; a stall past it after the grant: both Expired"
+    ),
+    case!(
+        session::receiver_cancels_mid_transfer,
+        13,
+        [],
+        "the receiver cancels mid-transfer: both Cancelled; its memory quiet once its state is final"
+    ),
+    case!(
+        session::sender_cancels,
+        13,
+        [],
+        "the sender cancels mid-transfer, or before a grant that comes later: both Cancelled"
+    ),
+    case!(
+        session::peer_killed,
+        13,
+        [Kill],
+        "receiver or sender killed before the grant, mid-transfer, after finish: the survivor ends within liveness"
+    ),
+    case!(
+        session::connection_cut,
+        13,
+        [Cut],
+        "connections cut mid-transfer: the policy's retry carries the writes, the session lands on both sides"
+    ),
+    case!(
+        session::duplicate_and_forged_messages_ignored,
+        13,
+        [],
+        "forged, malformed, duplicate and late session messages: ignored and counted, no state back, the session lands"
+    ),
+    case!(
+        session::counts_return_after_teardown,
+        13,
+        [],
+        "50 landed and 15 cancelled sessions released: session, inbox, batch and segment counts back to baseline"
+    ),
 ];
 
 /// Every case of the suite, in order.
@@ -316,13 +377,13 @@ mod tests {
         let mut ids = HashSet::new();
         for c in cases() {
             assert!(ids.insert(c.id()), "duplicate case {}", c.id());
-            assert!((1..=11).contains(&c.rule), "{} cites rule {}", c.id(), c.rule);
+            assert!((1..=13).contains(&c.rule), "{} cites rule {}", c.id(), c.rule);
         }
     }
 
     #[test]
     fn every_rule_has_a_case() {
-        for rule in 1..=11u8 {
+        for rule in 1..=13u8 {
             assert!(cases().iter().any(|c| c.rule == rule), "no case checks rule {rule}");
         }
     }
