@@ -187,17 +187,10 @@ impl World {
         if !alive {
             return;
         }
-        // The driver reports each delivery to the side that sent it.
         if to_s {
             self.s.on_message("r", &m, self.now);
-            if self.r_alive {
-                self.r.delivered("s", self.now);
-            }
         } else {
             self.r.on_message("s", &m, self.now);
-            if self.s_alive {
-                self.s.delivered("r", self.now);
-            }
         }
         self.collect();
     }

@@ -136,3 +136,42 @@ fn receiver_killed_fails_sender_within_liveness() {
         drop(d);
     });
 }
+
+#[test]
+fn a_write_in_flight_at_the_deadline_ends_both_expired() {
+    run(async {
+        let fabric = MockFabric::new();
+        let slow = MockConfig { latency: Duration::from_secs(1), ..MockConfig::default() };
+        let p = side(&fabric, "p", slow, 1);
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        d.s.grant("p", 4, grant(&d, LEN as u64, Duration::from_millis(200))).await.unwrap();
+        p.s.wait_grant("d", 4).await.unwrap();
+        // The write outlives the deadline: it is stopped, and the receiver's
+        // expiry (not the stopped write) decides the outcome on both sides.
+        let _ = write_all(&p, &d, 4, LEN as u64).await;
+        let ks = SessionKey::new("d", 4, Role::Sender);
+        let kr = SessionKey::new("p", 4, Role::Receiver);
+        assert_eq!(d.s.wait(&kr).await.unwrap(), SessionState::Expired);
+        assert_eq!(p.s.wait(&ks).await.unwrap(), SessionState::Expired);
+    });
+}
+
+#[test]
+fn a_receiver_whose_session_engine_stopped_fails_its_senders() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = side(&fabric, "p", MockConfig::default(), 1);
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        d.s.grant("p", 1, grant(&d, 4096, Duration::from_secs(30))).await.unwrap();
+        p.s.wait_grant("d", 1).await.unwrap();
+        p.s.expect("d", 2).unwrap();
+        // The transport stays up (its inbox still accepts), but nothing
+        // answers for the sessions any more.
+        d.s.shutdown().await;
+        for id in [1, 2] {
+            let st = p.s.wait(&SessionKey::new("d", id, Role::Sender)).await.unwrap();
+            assert!(matches!(st, SessionState::Failed(ref e) if e.kind() == ErrorKind::PeerUnavailable), "{st:?}");
+        }
+        drop(d);
+    });
+}

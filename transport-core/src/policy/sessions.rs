@@ -238,19 +238,23 @@ impl Sessions {
         // One stop signal per session, shared by its concurrent writes.
         let mut stop_rx =
             self.inner.writes.lock().entry(key.clone()).or_insert_with(|| watch::channel(false).0).subscribe();
+        let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let outcome = match self.inner.engine.submit(requests).await {
             Ok(t) => {
                 let sleep = self.inner.clock.sleep(left);
+                let flag = stopped.clone();
                 let stop = async move {
                     tokio::select! {
                         _ = sleep => {}
                         _ = stop_rx.wait_for(|s| *s) => {}
                     }
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
                 };
                 t.wait_or_cancel(stop).await
             }
             Err(e) => Err(e),
         };
+        let stopped = stopped.load(std::sync::atomic::Ordering::SeqCst);
         let bytes: u64 = match &outcome {
             Ok(o) => o.requests.iter().zip(ranges.iter()).filter(|(s, _)| s.is_completed()).map(|(_, r)| r.1).sum(),
             Err(_) => 0,
@@ -264,10 +268,16 @@ impl Sessions {
                 Ok(o) => Some(o.clone().into_result().err().unwrap_or_else(|| Error::new(ErrorKind::Internal, "?"))),
                 Err(e) => Some(e.clone()),
             };
-            if let Some(e) = failed {
-                // The policy gave up (or the session is ending): the
-                // session fails on both sides unless it already ends.
-                let _ = t.cancel(&key, Some(e), now);
+            match failed {
+                // Stopped by the session's deadline or its end: the
+                // receiver decides the outcome (END), not this write.
+                Some(_) if stopped => {}
+                // The policy gave up: the session fails on both sides
+                // (unless it already ends).
+                Some(e) => {
+                    let _ = t.cancel(&key, Some(e), now);
+                }
+                None => {}
             }
             if !matches!(t.state(&key), Some(SessionState::Transferring)) {
                 self.inner.writes.lock().remove(&key);
@@ -512,11 +522,7 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
                 Err(e) => Err(e),
             };
             let e = match sent {
-                Ok(()) => {
-                    let now = inner.clock.now();
-                    inner.table.lock().delivered(&peer, now);
-                    break;
-                }
+                Ok(()) => break,
                 Err(e) if e.kind() == ErrorKind::Shutdown => return,
                 Err(e) => e,
             };
@@ -524,13 +530,9 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
                 tracing::debug!(peer = %peer, error = %e, "session message dropped");
                 break;
             }
-            if e.kind().is_peer_failure() {
-                // The descriptor may be stale (a restart): open afresh.
-                let old = inner.peers.lock().get_mut(&peer).and_then(|p| p.segment.take());
-                if let Some(s) = old {
-                    let _ = inner.engine.transport().close_segment(s).await;
-                }
-            }
+            // The segment stays open: writes share it, and closing it would
+            // cancel them (rule 3). Backends rebuild broken endpoints and
+            // refresh a restarted peer's descriptor on their own.
             inner.clock.sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(200));
         }

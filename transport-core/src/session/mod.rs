@@ -11,4 +11,5 @@ mod table;
 
 pub use table::{
     check_grant, Action, Outgoing, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
+    MAX_STRANGERS,
 };

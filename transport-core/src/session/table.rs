@@ -238,7 +238,16 @@ pub struct SessionTable {
     out: Vec<Outgoing>,
     actions: Vec<Action>,
     ignored: u64,
+    /// Peers without sessions here whose heartbeats were answered, and when
+    /// (a sender waiting for a grant learns from the answers that this
+    /// side's session engine is alive). Bounded: [`MAX_STRANGERS`].
+    strangers: HashMap<String, Duration>,
 }
+
+/// Peers without sessions whose heartbeats are answered, at most; an answer
+/// goes at most once per heartbeat interval to each, so a claimed name can
+/// make this side send one small message per interval, to a bounded set.
+pub const MAX_STRANGERS: usize = 256;
 
 fn table_full(what: &str) -> Error {
     Error::new(ErrorKind::ResourceExhausted, format!("session table full: {what}"))
@@ -291,6 +300,7 @@ impl SessionTable {
             out: Vec::new(),
             actions: Vec::new(),
             ignored: 0,
+            strangers: HashMap::new(),
         }
     }
 
@@ -609,11 +619,7 @@ impl SessionTable {
         }
         match m.body {
             Body::Heartbeat { reply } => {
-                // Only peers with sessions here get an answer: a claimed
-                // `from` must not make this side send to arbitrary names.
-                // (A sender waiting for a grant learns that the receiver is
-                // alive from its heartbeats being delivered: `delivered`.)
-                if reply && known {
+                if reply && (known || self.answer_stranger(from, now)) {
                     self.send(from, 0, Body::Heartbeat { reply: false });
                 }
             }
@@ -793,13 +799,23 @@ impl SessionTable {
         }
     }
 
-    /// A message to `peer` was delivered into its inbox: the peer's engine
-    /// is alive, which counts as hearing from it (a receiver that has no
-    /// session with this side yet does not answer heartbeats).
-    pub fn delivered(&mut self, peer: &str, now: Duration) {
-        if let Some(p) = self.peers.get_mut(peer) {
-            p.heard = p.heard.max(now);
+    /// Whether to answer a heartbeat from a peer with no session here: at
+    /// most once per heartbeat interval each, and to at most
+    /// [`MAX_STRANGERS`] peers at a time (the least recently answered goes).
+    fn answer_stranger(&mut self, from: &str, now: Duration) -> bool {
+        let every = self.limits.heartbeat_interval;
+        if let Some(&at) = self.strangers.get(from) {
+            if now.saturating_sub(at) < every / 2 {
+                return false;
+            }
+        } else if self.strangers.len() >= MAX_STRANGERS {
+            let oldest = self.strangers.iter().min_by_key(|(_, t)| **t).map(|(p, _)| p.clone());
+            if let Some(p) = oldest {
+                self.strangers.remove(&p);
+            }
         }
+        self.strangers.insert(from.to_string(), now);
+        true
     }
 
     /// Every open session with `peer` fails with `err` (the peer died,
@@ -863,6 +879,38 @@ impl SessionTable {
         for key in late {
             self.actions.push(Action::StopWrites(key));
         }
+        // A sender whose receiver neither ended the session by its deadline
+        // nor went silent (an honest receiver sends END(Expired) then): it
+        // ends the session itself, as the receiver should have, one liveness
+        // timeout after the deadline.
+        let grace = self.limits.liveness_timeout;
+        let overdue: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(k, s)| {
+                k.role == Role::Sender
+                    && !s.state.is_final()
+                    && !matches!(s.phase, Phase::Closing(_))
+                    && s.deadline.is_some_and(|d| now >= d.saturating_add(grace))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in overdue {
+            let Some(s) = self.sessions.get_mut(&key) else { continue };
+            s.phase = Phase::Closing(verdict(
+                Outcome::Expired,
+                ErrorKind::Timeout,
+                "the receiver did not end the session by its deadline",
+            ));
+            if s.writes > 0 {
+                self.actions.push(Action::StopWrites(key));
+            } else {
+                self.after_quiet(&key, now);
+            }
+        }
+        // Strangers answered long ago are forgotten.
+        let keep = self.limits.liveness_timeout;
+        self.strangers.retain(|_, t| now.saturating_sub(*t) < keep);
         // Liveness and heartbeats, for peers with open sessions.
         let mut busy: HashMap<String, bool> = HashMap::new();
         for (k, s) in &self.sessions {
