@@ -211,7 +211,7 @@ impl Session {
         // With sessions, the pass's one session is asked for now: the
         // grant comes while the layers compute.
         let mut unit = match &self.flow {
-            Some(f) => Some(f.open(flow::unit_id(f.next_pass(), Unit::Plan)).await?),
+            Some(f) => Some(f.open(flow::unit_id(f.next_pass(), Unit::Plan), true).await?),
             None => None,
         };
         if kind == PassKind::AllAtEnd {
@@ -289,7 +289,7 @@ impl Session {
                             .await
                             .map_err(|_| Error::new(ErrorKind::Internal, "the in-flight limit was closed"))?;
                         let began = Instant::now();
-                        let mut u = f.open(id).await?;
+                        let mut u = f.open(id, false).await?;
                         let seg = f.granted(&mut u).await?;
                         let req = TransferRequest::write(local, r.local_off, seg, base + r.remote_off, r.len);
                         f.write(id, vec![req]).await?;

@@ -541,13 +541,16 @@ impl Sender {
         self.serial.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Opens the session `id` and asks the target to grant it.
-    pub async fn open(&self, id: u64) -> kvmove::Result<Open> {
+    /// Opens the session `id` and asks the target to grant it. `early`:
+    /// the writes start later (a layer pass), so a task waits for the
+    /// grant meanwhile and its wait is measured when it comes; otherwise
+    /// [`Sender::granted`] waits itself, at once.
+    pub async fn open(&self, id: u64, early: bool) -> kvmove::Result<Open> {
         let started = Instant::now();
         self.sess.expect(&self.peer, id).map_err(|e| e.with("session", id))?;
         self.asker.ask(id).await.map_err(|e| e.with("session", id))?;
-        let waiter = tokio::spawn(self.asker.clone().grant(id));
-        Ok(Open { id, started, waiter: Some(waiter), granted: None })
+        let waiter = early.then(|| tokio::spawn(self.asker.clone().grant(id)));
+        Ok(Open { id, started, waiter, granted: None })
     }
 
     /// Whether the unit's grant was taken already ([`Sender::granted`]).
@@ -557,13 +560,14 @@ impl Sender {
 
     /// Waits for the grant and returns the segment session writes go to.
     pub async fn granted(&self, o: &mut Open) -> kvmove::Result<SegmentId> {
-        if let Some(w) = o.waiter.take() {
-            let at = match w.await {
-                Ok(r) => r.map_err(|e| e.with("session", o.id))?,
+        let at = match o.waiter.take() {
+            Some(w) => match w.await {
+                Ok(r) => r,
                 Err(e) => return Err(Error::new(ErrorKind::Internal, format!("the grant waiter stopped: {e}"))),
-            };
-            o.granted = Some(at);
-        }
+            },
+            None => self.asker.clone().grant(o.id).await,
+        };
+        o.granted = Some(at.map_err(|e| e.with("session", o.id))?);
         self.sess.segment(&self.peer).await
     }
 
