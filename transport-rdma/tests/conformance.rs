@@ -38,7 +38,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::Link;
 use conformance::{Harness, Node, NodeOptions};
-use transport_core::{Error, ErrorKind, Result, Transport};
+use transport_core::{Error, ErrorKind, Result, Transport, DEFAULT_INBOX};
 use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 
 #[derive(Debug, Default)]
@@ -50,13 +50,16 @@ struct RdmaHarness {
 struct State {
     transport: Weak<RdmaTransport>,
     link: Option<Link>,
+    /// The node's `inbox_capacity` (a restart keeps it).
+    inbox: usize,
 }
 
-fn cfg(opts: &NodeOptions, listen: String, device: Option<String>) -> RdmaConfig {
+fn cfg(opts: &NodeOptions, listen: String, device: Option<String>, inbox: usize) -> RdmaConfig {
     let base = common::config();
     RdmaConfig {
         listen,
         device: device.or(base.device),
+        inbox_capacity: inbox,
         max_endpoints: opts.max_endpoints,
         idle_timeout_ms: opts.idle_timeout.as_millis().max(1) as u64,
         // ~0.5 s ACK timeout x 7 retries: a stalled QP retransmits for ~4 s
@@ -95,16 +98,16 @@ async fn port_state(device: &str, state: &str) -> Result<()> {
     Err(Error::new(ErrorKind::Timeout, format!("{device} port 1 did not become {state} within 5 s")))
 }
 
-async fn make(opts: &NodeOptions, listen: String, link: Option<Link>) -> Result<Node> {
+async fn make(opts: &NodeOptions, listen: String, link: Option<Link>, inbox: usize) -> Result<Node> {
     let mut last = None;
     // A restarted node rebinds the old address; give the old socket a moment.
     for _ in 0..100 {
         let device = link.as_ref().map(|l| l.device.clone());
-        match RdmaTransport::new(cfg(opts, listen.clone(), device)).await {
+        match RdmaTransport::new(cfg(opts, listen.clone(), device, inbox)).await {
             Ok(t) => {
                 let t = Arc::new(t);
                 let st: Arc<dyn Any + Send + Sync> =
-                    Arc::new(State { transport: Arc::downgrade(&t), link: link.clone() });
+                    Arc::new(State { transport: Arc::downgrade(&t), link: link.clone(), inbox });
                 return Ok(Node { name: t.local_segment_name(), transport: t, state: st });
             }
             Err(e) if e.kind() == ErrorKind::Io || e.kind() == ErrorKind::ResourceExhausted => {
@@ -124,12 +127,11 @@ impl Harness for RdmaHarness {
     }
 
     async fn node(&self, opts: &NodeOptions) -> Result<Node> {
-        // One device per node (round robin), so nodes talk across the bridge.
-        let link = match self.links.len() {
-            0 => None,
-            n => Some(self.links[self.next.fetch_add(1, Ordering::Relaxed) % n].clone()),
-        };
-        make(opts, "127.0.0.1:0".into(), link).await
+        make(opts, "127.0.0.1:0".into(), self.next_link(), DEFAULT_INBOX).await
+    }
+
+    async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
+        make(opts, "127.0.0.1:0".into(), self.next_link(), capacity).await.map(Some)
     }
 
     async fn kill(&self, node: &Node) -> Result<bool> {
@@ -140,7 +142,8 @@ impl Harness for RdmaHarness {
     }
 
     async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node> {
-        make(opts, node.name.clone(), state(node)?.link.clone()).await
+        let st = state(node)?;
+        make(opts, node.name.clone(), st.link.clone(), st.inbox).await
     }
 
     async fn cut(&self, to: &Node) -> Result<bool> {
@@ -171,6 +174,16 @@ impl Harness for RdmaHarness {
 
     fn os_probe(&self) -> Option<Vec<(String, u64)>> {
         Some(common::my_counts().into_iter().collect())
+    }
+}
+
+impl RdmaHarness {
+    /// One device per node (round robin), so nodes talk across the bridge.
+    fn next_link(&self) -> Option<Link> {
+        match self.links.len() {
+            0 => None,
+            n => Some(self.links[self.next.fetch_add(1, Ordering::Relaxed) % n].clone()),
+        }
     }
 }
 
