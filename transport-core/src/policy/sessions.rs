@@ -72,12 +72,17 @@ struct Inner {
     engine: Engine,
     clock: Arc<dyn Clock>,
     table: Mutex<SessionTable>,
+    /// Wakes everything (shutdown).
     changed: watch::Sender<u64>,
+    /// Wakes the waiters of one session.
+    waiters: Mutex<HashMap<SessionKey, watch::Sender<u64>>>,
     plain: Inbox,
     peers: Mutex<HashMap<String, PeerLink>>,
     writes: Mutex<HashMap<SessionKey, watch::Sender<bool>>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     dropped_plain: std::sync::atomic::AtomicU64,
+    /// Set by shutdown: waits answer `Shutdown`.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -129,11 +134,13 @@ impl Sessions {
             engine,
             table: Mutex::new(SessionTable::new(limits, epoch)),
             changed: watch::channel(0).0,
+            waiters: Mutex::default(),
             plain: Inbox::new(DEFAULT_INBOX),
             peers: Mutex::default(),
             writes: Mutex::default(),
             tasks: Mutex::default(),
             dropped_plain: std::sync::atomic::AtomicU64::new(0),
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
         let reader = rt.spawn(read_loop(weak.clone()));
@@ -183,9 +190,11 @@ impl Sessions {
         if self.state(&key).is_none() {
             self.expect(peer, id)?;
         }
-        let mut rx = self.inner.changed.subscribe();
+        let mut rx = self.inner.watch(&key);
+        let mut all = self.inner.changed.subscribe();
         loop {
             rx.borrow_and_update();
+            self.inner.check_open()?;
             {
                 let t = self.inner.table.lock();
                 match t.state(&key) {
@@ -199,8 +208,9 @@ impl Sessions {
                     None => return Err(unknown(&key)),
                 }
             }
-            if rx.changed().await.is_err() {
-                return Err(Error::shut_down());
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return Err(Error::shut_down()) },
+                r = all.changed() => if r.is_err() { return Err(Error::shut_down()) },
             }
         }
     }
@@ -321,16 +331,19 @@ impl Sessions {
 
     /// Waits for the session's final state.
     pub async fn wait(&self, key: &SessionKey) -> Result<SessionState> {
-        let mut rx = self.inner.changed.subscribe();
+        let mut rx = self.inner.watch(key);
+        let mut all = self.inner.changed.subscribe();
         loop {
             rx.borrow_and_update();
+            self.inner.check_open()?;
             match self.inner.table.lock().state(key) {
                 Some(st) if st.is_final() => return Ok(st),
                 Some(_) => {}
                 None => return Err(unknown(key)),
             }
-            if rx.changed().await.is_err() {
-                return Err(Error::shut_down());
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return Err(Error::shut_down()) },
+                r = all.changed() => if r.is_err() { return Err(Error::shut_down()) },
             }
         }
     }
@@ -350,6 +363,9 @@ impl Sessions {
     pub fn release(&self, key: &SessionKey) -> Result<()> {
         let r = self.inner.table.lock().release(key);
         self.inner.writes.lock().remove(key);
+        if let Some(tx) = self.inner.waiters.lock().remove(key) {
+            tx.send_modify(|v| *v = v.wrapping_add(1));
+        }
         r
     }
 
@@ -389,6 +405,7 @@ impl Sessions {
     /// sessions are not ended here (peers see this side go silent and fail
     /// them after their liveness timeout); cancel them first for a clean end.
     pub async fn shutdown(&self) {
+        self.inner.closed.store(true, std::sync::atomic::Ordering::SeqCst);
         let handles: Vec<JoinHandle<()>> = std::mem::take(&mut *self.inner.tasks.lock());
         for h in &handles {
             h.abort();
@@ -419,11 +436,25 @@ fn ended(key: &SessionKey, st: &SessionState) -> Error {
 }
 
 impl Inner {
+    /// A receiver woken when `key` changes.
+    fn watch(&self, key: &SessionKey) -> watch::Receiver<u64> {
+        self.waiters.lock().entry(key.clone()).or_insert_with(|| watch::channel(0).0).subscribe()
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::shut_down());
+        }
+        Ok(())
+    }
+
     fn stop_tasks(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
         for h in self.tasks.lock().drain(..) {
             h.abort();
         }
         self.plain.close();
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
 
     async fn segment(&self, peer: &str) -> Result<SegmentId> {
@@ -455,10 +486,18 @@ impl Inner {
     /// Moves the table's decisions out: messages to the per-peer queues,
     /// actions to the writes, and wakes every waiter.
     fn pump(self: &Arc<Self>) {
-        let (out, actions) = {
+        let (out, actions, changed) = {
             let mut t = self.table.lock();
-            (t.drain_outgoing(), t.drain_actions())
+            (t.drain_outgoing(), t.drain_actions(), t.drain_changed())
         };
+        if !changed.is_empty() {
+            let waiters = self.waiters.lock();
+            for k in &changed {
+                if let Some(tx) = waiters.get(k) {
+                    tx.send_modify(|v| *v = v.wrapping_add(1));
+                }
+            }
+        }
         for a in actions {
             match a {
                 Action::StopWrites(key) => {
@@ -493,7 +532,6 @@ impl Inner {
             tasks.retain(|t| !t.is_finished());
             tasks.push(h);
         }
-        self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
 }
 
@@ -501,18 +539,22 @@ impl Inner {
 /// delivered for the liveness timeout is dropped (the table's liveness
 /// check ends the sessions). Aborted with the other tasks.
 async fn send_loop(inner: Arc<Inner>, peer: String) {
+    let mut ready: VecDeque<Vec<u8>> = VecDeque::new();
     loop {
-        let msg = {
-            let mut peers = inner.peers.lock();
-            let Some(link) = peers.get_mut(&peer) else { return };
-            match link.queue.pop_front() {
-                Some(m) => m,
-                None => {
+        if ready.is_empty() {
+            // Everything queued meanwhile goes together (bundled, in order).
+            let queued: Vec<Vec<u8>> = {
+                let mut peers = inner.peers.lock();
+                let Some(link) = peers.get_mut(&peer) else { return };
+                if link.queue.is_empty() {
                     link.sending = false;
                     return;
                 }
-            }
-        };
+                link.queue.drain(..).collect()
+            };
+            ready.extend(crate::session::wire::bundle(queued));
+        }
+        let Some(msg) = ready.pop_front() else { continue };
         let give_up = inner.table.lock().limits().liveness_timeout;
         let started = inner.clock.now();
         let mut backoff = Duration::from_millis(5);
@@ -579,10 +621,18 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
         let now = inner.clock.now();
         inner.table.lock().tick(now);
         inner.pump();
-        // Stop signals of sessions that ended or were forgotten.
+        // Stop signals of sessions that ended or were forgotten; waiters of
+        // forgotten sessions are woken (they answer "unknown"), and channels
+        // nobody waits on are dropped.
         {
             let t = inner.table.lock();
             inner.writes.lock().retain(|k, _| t.state(k).is_some_and(|s| !s.is_final()));
+            inner.waiters.lock().retain(|k, tx| {
+                if t.state(k).is_none() {
+                    tx.send_modify(|v| *v = v.wrapping_add(1));
+                }
+                tx.receiver_count() > 0
+            });
         }
         // Segments of peers with no session and nothing queued are closed.
         let idle: Vec<(String, SegmentId)> = {

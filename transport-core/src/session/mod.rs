@@ -6,7 +6,7 @@
 
 pub mod wire;
 
-pub use wire::{is_failure_notice, is_session_message, Grant, Outcome, Verdict, MAX_GRANT_RANGES};
+pub use wire::{bundle, is_failure_notice, is_session_message, unbundle, Grant, Outcome, Verdict, MAX_GRANT_RANGES};
 mod table;
 
 pub use table::{

@@ -205,6 +205,8 @@ struct Session {
     writes: u32,
     final_at: Option<Duration>,
     created: Duration,
+    /// The state or grant changed since the driver last asked.
+    dirty: bool,
 }
 
 #[derive(Debug)]
@@ -325,6 +327,19 @@ impl SessionTable {
         std::mem::take(&mut self.actions)
     }
 
+    /// Sessions whose state or grant changed since the last call (for the
+    /// driver to wake only their waiters).
+    pub fn drain_changed(&mut self) -> Vec<SessionKey> {
+        self.sessions
+            .iter_mut()
+            .filter(|(_, s)| s.dirty)
+            .map(|(k, s)| {
+                s.dirty = false;
+                k.clone()
+            })
+            .collect()
+    }
+
     /// Current counts.
     pub fn counts(&self) -> SessionCounts {
         let open = self.sessions.values().filter(|s| !s.state.is_final()).count();
@@ -386,7 +401,17 @@ impl SessionTable {
         self.touch_peer(&key.peer, now);
         self.sessions.insert(
             key,
-            Session { state, phase: Phase::Open, grant, deadline, written: 0, writes: 0, final_at: None, created: now },
+            Session {
+                state,
+                phase: Phase::Open,
+                grant,
+                deadline,
+                written: 0,
+                writes: 0,
+                final_at: None,
+                created: now,
+                dirty: true,
+            },
         );
     }
 
@@ -457,6 +482,7 @@ impl SessionTable {
         s.writes = s.writes.saturating_add(1);
         if s.state == SessionState::Granted {
             s.state = SessionState::Transferring;
+            s.dirty = true;
         }
         Ok(left)
     }
@@ -565,6 +591,7 @@ impl SessionTable {
         s.state = state;
         s.phase = Phase::Final;
         s.final_at = Some(now);
+        s.dirty = true;
     }
 
     /// Sender: its writes just became quiet; send what waited for that.
@@ -600,6 +627,18 @@ impl SessionTable {
     /// A session message (or anything else) received from `from`. Never
     /// fails: what cannot be used is counted as ignored.
     pub fn on_message(&mut self, from: &str, bytes: &[u8], now: Duration) {
+        match super::wire::unbundle(bytes) {
+            Some(parts) if parts.len() == 1 && parts[0].len() == bytes.len() => self.on_one(from, bytes, now),
+            Some(parts) => {
+                for p in parts {
+                    self.on_one(from, p, now);
+                }
+            }
+            None => self.ignored += 1,
+        }
+    }
+
+    fn on_one(&mut self, from: &str, bytes: &[u8], now: Duration) {
         let Some(m) = decode(bytes) else {
             self.ignored += 1;
             return;
@@ -643,6 +682,7 @@ impl SessionTable {
                 s.deadline = Some(now.saturating_add(g.deadline));
                 s.grant = Some(g);
                 s.state = SessionState::Granted;
+                s.dirty = true;
             }
             Some(s) if s.state.is_final() && s.grant.is_none() => {
                 // Cancelled before the grant came: tell the receiver to free it.

@@ -17,6 +17,12 @@
 //!             QUIET: empty
 //! ```
 //! All integers little-endian. A decoder error means "ignore the message".
+//!
+//! Several messages to one peer may travel as one notification, a BUNDLE:
+//! magic, version, type 8, count u16, then count x (len u16, message); a
+//! bundle never holds a bundle. The driver bundles what queued up while the
+//! previous notification was in flight, so a busy pair pays one round trip
+//! for many messages.
 
 use std::time::Duration;
 
@@ -145,15 +151,83 @@ enum Kind {
     Refuse = 7,
 }
 
-/// Whether a notification is a session message (by its magic).
+const BUNDLE: u8 = 8;
+const BUNDLE_HEADER: usize = 8;
+
+/// Whether a notification is a session message or bundle (by its magic).
 pub fn is_session_message(msg: &[u8]) -> bool {
-    msg.len() >= HEADER && msg[..4] == MAGIC
+    msg.len() >= BUNDLE_HEADER && msg[..4] == MAGIC
+}
+
+/// Packs encoded messages into as few notifications as possible, in
+/// order; a lone message stays as it is. Messages that cannot fit a bundle
+/// with others travel alone.
+pub fn bundle(msgs: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut out: Vec<Vec<u8>> = Vec::new();
+    let mut cur: Vec<Vec<u8>> = Vec::new();
+    let mut size = BUNDLE_HEADER;
+    let flush = |cur: &mut Vec<Vec<u8>>, out: &mut Vec<Vec<u8>>| match cur.len() {
+        0 => {}
+        1 => out.extend(cur.drain(..)),
+        n => {
+            let mut b = Vec::with_capacity(MAX_NOTIFY_LEN);
+            b.extend_from_slice(&MAGIC);
+            b.push(VERSION);
+            b.push(BUNDLE);
+            b.extend_from_slice(&(n as u16).to_le_bytes());
+            for m in cur.drain(..) {
+                b.extend_from_slice(&(m.len() as u16).to_le_bytes());
+                b.extend_from_slice(&m);
+            }
+            out.push(b);
+        }
+    };
+    for m in msgs {
+        let need = 2 + m.len();
+        if size + need > MAX_NOTIFY_LEN || cur.len() >= usize::from(u16::MAX) {
+            flush(&mut cur, &mut out);
+            size = BUNDLE_HEADER;
+        }
+        size += need;
+        cur.push(m);
+    }
+    flush(&mut cur, &mut out);
+    out
+}
+
+/// The messages of a notification: the parts of a bundle, or the
+/// notification itself. `None` for a malformed bundle (ignored whole).
+pub fn unbundle(msg: &[u8]) -> Option<Vec<&[u8]>> {
+    if !(is_session_message(msg) && msg[4] == VERSION && msg[5] == BUNDLE) {
+        return Some(vec![msg]);
+    }
+    let mut r = Reader(&msg[6..]);
+    let n = usize::from(r.u16()?);
+    let mut parts = Vec::with_capacity(n.min(MAX_NOTIFY_LEN / 2));
+    for _ in 0..n {
+        let len = usize::from(r.u16()?);
+        let part = r.take(len)?;
+        if is_session_message(part) && part[5] == BUNDLE {
+            return None;
+        }
+        parts.push(part);
+    }
+    if !r.0.is_empty() {
+        return None;
+    }
+    Some(parts)
 }
 
 /// Whether a notification is a session notice that ends a session other
 /// than by landing (CANCEL, or END that is not `Landed`). Used by the
 /// conformance suite's broken transport that drops them.
 pub fn is_failure_notice(msg: &[u8]) -> bool {
+    match unbundle(msg) {
+        Some(parts) if parts.len() > 1 || parts.first().is_some_and(|p| p.len() != msg.len()) => {
+            return parts.iter().any(|p| is_failure_notice(p));
+        }
+        _ => {}
+    }
     match decode(msg) {
         Some(Message { body: Body::Cancel(_) | Body::Refuse(_), .. }) => true,
         Some(Message { body: Body::End(v), .. }) => v.outcome != Outcome::Landed,
@@ -360,6 +434,28 @@ mod tests {
     fn failure_notices() {
         let v: Vec<bool> = all().iter().map(|m| is_failure_notice(&m.encode())).collect();
         assert_eq!(v, vec![false, false, true, true, false, false, true]);
+    }
+
+    #[test]
+    fn bundles_round_trip_and_refuse_garbage() {
+        let msgs: Vec<Vec<u8>> = (0..300).map(|i| all()[i % 7].encode()).collect();
+        let packed = bundle(msgs.clone());
+        assert!(packed.len() > 1 && packed.len() < 30, "{}", packed.len());
+        let mut back = Vec::new();
+        for b in &packed {
+            assert!(b.len() <= MAX_NOTIFY_LEN);
+            back.extend(unbundle(b).unwrap().into_iter().map(<[u8]>::to_vec));
+        }
+        assert_eq!(back, msgs);
+        assert_eq!(bundle(vec![msgs[0].clone()]), vec![msgs[0].clone()]);
+        assert!(is_failure_notice(&bundle(vec![msgs[0].clone(), msgs[2].clone()])[0]));
+        let mut bad = packed[0].clone();
+        bad.truncate(bad.len() - 1);
+        assert_eq!(unbundle(&bad), None);
+        let inner = bundle(vec![msgs[0].clone(), msgs[1].clone()]).remove(0);
+        let nested = bundle(vec![inner, msgs[2].clone()]);
+        assert_eq!(nested.len(), 1);
+        assert!(unbundle(&nested[0]).is_none(), "a bundle inside a bundle is refused");
     }
 
     #[test]
