@@ -168,7 +168,7 @@ pub fn bundle(msgs: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
     let mut size = BUNDLE_HEADER;
     let flush = |cur: &mut Vec<Vec<u8>>, out: &mut Vec<Vec<u8>>| match cur.len() {
         0 => {}
-        1 => out.extend(cur.drain(..)),
+        1 => out.append(cur),
         n => {
             let mut b = Vec::with_capacity(MAX_NOTIFY_LEN);
             b.extend_from_slice(&MAGIC);
