@@ -70,6 +70,8 @@ pub struct Sessions {
 
 struct Inner {
     engine: Engine,
+    /// Where the per-peer send tasks run (calls may come from outside it).
+    rt: tokio::runtime::Handle,
     clock: Arc<dyn Clock>,
     table: Mutex<SessionTable>,
     /// Wakes everything (shutdown).
@@ -132,6 +134,7 @@ impl Sessions {
         let inner = Arc::new(Inner {
             clock: engine.clock(),
             engine,
+            rt: rt.clone(),
             table: Mutex::new(SessionTable::new(limits, epoch)),
             changed: watch::channel(0).0,
             waiters: Mutex::default(),
@@ -527,7 +530,7 @@ impl Inner {
             }
         }
         for peer in start {
-            let h = tokio::spawn(send_loop(self.clone(), peer));
+            let h = self.rt.spawn(send_loop(self.clone(), peer));
             let mut tasks = self.tasks.lock();
             tasks.retain(|t| !t.is_finished());
             tasks.push(h);
