@@ -246,11 +246,13 @@ impl Sessions {
         if requests.is_empty() {
             return Err(Error::new(ErrorKind::InvalidRequest, "empty write"));
         }
-        let now = self.inner.clock.now();
-        let left = self.inner.table.lock().begin_write(&key, &ranges, now)?;
-        // One stop signal per session, shared by its concurrent writes.
+        // One stop signal per session, shared by its concurrent writes; taken
+        // before the write is counted, so a stop sent once it is counted
+        // reaches it.
         let mut stop_rx =
             self.inner.writes.lock().entry(key.clone()).or_insert_with(|| watch::channel(false).0).subscribe();
+        let now = self.inner.clock.now();
+        let left = self.inner.table.lock().begin_write(&key, &ranges, now)?;
         let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let outcome = match self.inner.engine.submit(requests).await {
             Ok(t) => {
