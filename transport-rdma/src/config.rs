@@ -38,8 +38,9 @@ pub struct RdmaConfig {
     pub max_request_len: u64,
     /// Largest batch.
     pub max_batch_len: usize,
-    /// Side-channel limit: a connection handshake (TCP connect + exchange),
-    /// and the wait for the peer's answer to a notification.
+    /// Side-channel limit: a connection handshake (TCP connect + exchange);
+    /// opening a notification channel, and the wait for the peer's answer
+    /// to a notification.
     pub handshake_timeout_ms: u64,
     /// How long to wait for a broken QP's flushed completions before
     /// destroying it anyway (destroy also stops all DMA).
@@ -48,7 +49,8 @@ pub struct RdmaConfig {
     pub ack_timeout: u8,
     /// Transport retries before a completion fails with RetryExceeded.
     pub retry_count: u8,
-    /// Bound on QP groups peers may hold into this transport.
+    /// Bound on QP groups peers may hold into this transport, and
+    /// (separately) on the notification channels they may hold.
     pub max_passive: usize,
     /// `wait` polls the completion queue itself, without sleeping, for up
     /// to this many microseconds before it falls back to waiting for the

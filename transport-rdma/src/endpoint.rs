@@ -5,61 +5,23 @@
 //!
 //! [`EndpointPool`]: transport_core::lifecycle::EndpointPool
 
-use std::collections::VecDeque;
-use std::sync::Weak;
 use std::time::{Duration, Instant};
 
-use tokio::io::BufReader;
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
 use transport_core::lifecycle::{Acquire, EndpointId};
-use transport_core::{check_notification, inbox_full, Error, ErrorKind, Result, SegmentId};
+use transport_core::{Error, ErrorKind, Result, SegmentId};
 
 use crate::handshake::{self, QpGroup};
 use crate::state::{Endpoint, Inner, QpSlot, Task};
 use crate::verbs::QpTiming;
-use crate::wire::{self, Reply, Request};
 
 /// How long a caller waits before asking the pool again when every place
 /// is busy or waits for its QPs to be destroyed.
 const FULL_RETRY: Duration = Duration::from_millis(1);
-/// Notifications a watcher has sent and not yet seen answered; more wait
-/// in its queue.
-const MAX_PIPELINE: usize = 16;
-/// Notifications queued for one endpoint's watcher before `notify` waits
-/// (within its time limit) for room.
-const ASK_QUEUE: usize = 64;
-
-/// A notification for an endpoint's watcher to send, and where its
-/// answer goes (`Ok` once it is in the peer's inbox).
-#[derive(Debug)]
-pub(crate) struct Ask {
-    request: Request,
-    answer: oneshot::Sender<Result<()>>,
-}
-
-/// One use of an endpoint held by `notify` (keeps it from idle reclaim and
-/// eviction while the message is on its way), given back on drop.
-struct Use<'a> {
-    inner: &'a Inner,
-    ep: EndpointId,
-}
-
-impl Drop for Use<'_> {
-    fn drop(&mut self) {
-        let mut st = self.inner.state.lock();
-        let now = st.now();
-        st.pool.release(self.ep, now);
-    }
-}
-
-fn side_channel_gone() -> Error {
-    Error::new(ErrorKind::ConnectionReset, "the endpoint's side channel closed before the peer answered")
-}
-
-fn peer_closed() -> Error {
-    Error::new(ErrorKind::ConnectionReset, "the peer closed the side channel (crashed or shut down)")
-}
+/// Bytes the side-channel watcher reads at a time (the peer sends nothing;
+/// anything it does send is ignored).
+const WATCH_BUF: usize = 64;
 
 /// A place the pool reserved for a build: given back on drop unless the
 /// build settled it (`id` taken).
@@ -153,7 +115,6 @@ impl Inner {
         let (group, stream, peer) = self.build(&name).await?;
         reserved.id = None;
         let created = group.created;
-        let (side, asks) = mpsc::channel(ASK_QUEUE);
         let mut ep = Endpoint {
             segment: seg,
             qps: group.into_qps().into_iter().map(|qp| QpSlot { qp, outstanding: 0 }).collect(),
@@ -163,7 +124,6 @@ impl Inner {
             created,
             broken_at: None,
             watcher: None,
-            side,
         };
         self.with_state(|st, g| {
             let now = st.now();
@@ -179,146 +139,29 @@ impl Inner {
             };
             let restarted = peer.generation != s.desc.generation;
             s.desc = peer;
-            let limit = self.cfg.handshake_timeout();
-            ep.watcher = Some(Task::spawn(&self.tasks, watch(self.weak(), id, stream, asks, limit)));
+            ep.watcher = Some(Task::spawn(&self.tasks, watch(self.weak(), id, stream)));
             st.endpoints.insert(id, ep);
             Ok((id, restarted))
         })
     }
 
     /// Creates the QPs and connects them to the segment `name`.
-    async fn build(&self, name: &str) -> Result<(QpGroup, BufReader<TcpStream>, transport_core::SegmentDescriptor)> {
+    async fn build(&self, name: &str) -> Result<(QpGroup, TcpStream, transport_core::SegmentDescriptor)> {
         let v = self.verbs()?;
         let group = QpGroup::new(&v, self.cfg.qps_per_endpoint, self.lim.max_outstanding_per_qp)?;
         let (stream, desc) = handshake::connect(&v, &group, name, self.timing(), self.cfg.handshake_timeout()).await?;
         Ok((group, stream, desc))
     }
-
-    /// Sends notification `msg` to the peer of `seg` (rule 11) over the
-    /// side channel of the segment's endpoint (built as a transfer would
-    /// build it), and waits (at most `handshake_timeout_ms`) for the peer's
-    /// answer: `Ok` once the message is in its inbox, `Backpressure` when
-    /// the inbox is full. The endpoint's watcher does the I/O.
-    pub(crate) async fn notify(&self, seg: SegmentId, msg: Vec<u8>) -> Result<()> {
-        if self.state.lock().shutdown {
-            return Err(Error::shut_down());
-        }
-        check_notification(&msg)?;
-        let request = wire::notify_request(&self.name, &msg)?;
-        let limit = self.cfg.handshake_timeout();
-        let (ep, restarted) = self.endpoint(seg).await?;
-        let _use = Use { inner: self, ep };
-        let (side, name) = {
-            let st = self.state.lock();
-            let name = st.segments.get(&seg).map(|s| s.desc.name.clone()).unwrap_or_default();
-            if restarted {
-                // As for a transfer: the handle's peer is gone; a message
-                // meant for it is not handed to its successor.
-                return Err(crate::submit::peer_restarted(seg));
-            }
-            (st.endpoints.get(&ep).filter(|e| e.broken_at.is_none()).map(|e| e.side.clone()), name)
-        };
-        let side = side.ok_or_else(|| {
-            Error::new(ErrorKind::ConnectionReset, "the endpoint broke before the notification was sent")
-                .with("segment", seg)
-        })?;
-        let (answer, answered) = oneshot::channel();
-        let exchange = async {
-            side.send(Ask { request, answer }).await.map_err(|_| side_channel_gone())?;
-            answered.await.map_err(|_| side_channel_gone())?
-        };
-        match tokio::time::timeout(limit, exchange).await {
-            Ok(r) => r.map_err(|e| e.with("segment", &name)),
-            Err(_) => Err(Error::new(
-                ErrorKind::Timeout,
-                "the peer did not answer the notification within handshake_timeout_ms (it may or may not be delivered)",
-            )
-            .with("segment", &name)),
-        }
-    }
 }
 
-/// Whether endpoint `ep` still exists and is not broken.
-fn usable(weak: &Weak<Inner>, ep: EndpointId) -> bool {
-    weak.upgrade().is_some_and(|i| i.state.lock().endpoints.get(&ep).is_some_and(|e| e.broken_at.is_none()))
-}
-
-/// The one task that reads endpoint `ep`'s side channel. It sends the
-/// notifications asked for on `asks` (at most [`MAX_PIPELINE`] unanswered;
-/// the peer answers in order) and hands each answer to its asker; it breaks
-/// the endpoint (rule 2) when the channel fails: the peer closed it (crash,
-/// shutdown), sent junk, an error or an answer nobody asked for, or a write
-/// failed or stalled past `limit`. Askers still waiting then get the error.
-async fn watch(
-    weak: Weak<Inner>,
-    ep: EndpointId,
-    stream: BufReader<TcpStream>,
-    mut asks: mpsc::Receiver<Ask>,
-    limit: Duration,
-) {
-    let mut lines = wire::Lines::new(stream, wire::MAX_HELD_LINE);
-    let mut waiting: VecDeque<oneshot::Sender<Result<()>>> = VecDeque::new();
-    let mut open = true;
-    let why = loop {
-        tokio::select! {
-            got = lines.next::<Reply>() => {
-                let reply = match got {
-                    Ok(r) => r,
-                    Err(e) if e.kind() == ErrorKind::Protocol => break e,
-                    Err(_) => break peer_closed(),
-                };
-                let Some(answer) = waiting.pop_front() else {
-                    break Error::new(ErrorKind::Protocol, "the peer sent an unasked-for message on the side channel");
-                };
-                let e = match reply {
-                    Reply::NotifyAck => {
-                        let _ = answer.send(Ok(()));
-                        continue;
-                    }
-                    Reply::Busy => {
-                        let _ = answer.send(Err(inbox_full()));
-                        continue;
-                    }
-                    Reply::Error { message } => {
-                        Error::new(ErrorKind::Protocol, format!("the peer refused the notification: {message}"))
-                    }
-                    _ => Error::new(ErrorKind::Protocol, "the peer answered a notification with another reply"),
-                };
-                let _ = answer.send(Err(e.clone()));
-                break e;
-            }
-            ask = asks.recv(), if open && waiting.len() < MAX_PIPELINE => {
-                let Some(ask) = ask else {
-                    open = false;
-                    continue;
-                };
-                if ask.answer.is_closed() {
-                    continue; // its caller gave up: not sent
-                }
-                if !usable(&weak, ep) {
-                    let e = Error::new(ErrorKind::ConnectionReset, "the endpoint broke before the notification was sent");
-                    let _ = ask.answer.send(Err(e));
-                    continue;
-                }
-                let e = match tokio::time::timeout(limit, wire::send(lines.get_mut(), &ask.request)).await {
-                    Ok(Ok(())) => {
-                        waiting.push_back(ask.answer);
-                        continue;
-                    }
-                    Ok(Err(e)) => Error::new(ErrorKind::ConnectionReset, format!("side channel write failed: {e}")),
-                    Err(_) => Error::new(ErrorKind::ConnectionReset, "side channel write stalled past handshake_timeout_ms"),
-                };
-                let _ = ask.answer.send(Err(e.clone()));
-                break e;
-            }
+/// Breaks endpoint `ep` when the peer closes its side channel.
+async fn watch(weak: std::sync::Weak<Inner>, ep: EndpointId, mut stream: TcpStream) {
+    let mut buf = [0u8; WATCH_BUF];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
         }
-    };
-    for answer in waiting {
-        let _ = answer.send(Err(why.clone()));
-    }
-    asks.close();
-    while let Ok(ask) = asks.try_recv() {
-        let _ = ask.answer.send(Err(why.clone()));
     }
     let Some(inner) = weak.upgrade() else { return };
     inner.with_state(|st, g| {
@@ -326,6 +169,7 @@ async fn watch(
             if let Some(me) = e.watcher.take() {
                 me.ending();
             }
+            let why = Error::new(ErrorKind::ConnectionReset, "the peer closed the side channel (crashed or shut down)");
             st.break_endpoint(ep, why, g);
         }
     });

@@ -96,15 +96,14 @@ impl QpGroup {
 /// The connecting side: sends `group`'s half to the segment `name` and
 /// brings the QPs up toward the reply. Returns the side channel (kept
 /// open for the endpoint's life: its close makes the peer destroy its
-/// half; with whatever the peer sent after its reply still buffered) and
-/// the peer's descriptor as of now.
+/// half) and the peer's descriptor as of now.
 pub(crate) async fn connect(
     v: &Verbs,
     group: &QpGroup,
     name: &str,
     timing: QpTiming,
     limit: Duration,
-) -> Result<(BufReader<TcpStream>, SegmentDescriptor)> {
+) -> Result<(TcpStream, SegmentDescriptor)> {
     let hello = group.hello(v, v.port.active_mtu);
     let request = Request::Connect { gid: hello.gid, lid: hello.lid, mtu: hello.mtu, qps: hello.qps };
     let work = async {
@@ -125,7 +124,7 @@ pub(crate) async fn connect(
         _ => return Err(Error::new(ErrorKind::Protocol, "the peer answered the connect request with another reply")),
     };
     group.connect(v, &theirs, timing)?;
-    Ok((stream, desc))
+    Ok((stream.into_inner(), desc))
 }
 
 /// Asks the peer `name` for its descriptor over the side channel.

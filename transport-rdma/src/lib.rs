@@ -35,19 +35,22 @@
 //!   nothing to touch. Cancel, timeout, `close_segment` and `unregister`
 //!   flush the QPs carrying affected work and report terminal only when it
 //!   is quiet.
-//! * **Notifications** (rule 11): `notify` gets (or builds) the segment's
-//!   endpoint as a transfer would and sends the message over its TCP side
-//!   channel (`wire::Request::Notify`, the sender's segment name and the
-//!   message as hex, lines bounded by `MAX_HELD_LINE`). The endpoint's
-//!   watcher task is the one reader and writer of that socket: it writes
-//!   what `notify` hands it and hands back the peer's answers in order.
-//!   The peer's side-channel server, which holds our QP group for as long
-//!   as the socket is open, checks the message (`check_received`), offers
-//!   it to its bounded inbox (`inbox_capacity`) and answers `notify_ack`
-//!   or `busy` (the sender's transient `Backpressure`); anything malformed
-//!   is answered with an error and the channel is closed, which destroys
-//!   that QP group. The sender waits for the answer at most
-//!   `handshake_timeout_ms`; a failed side channel breaks the endpoint.
+//! * **Notifications** (rule 11): a segment handle's first `notify` opens
+//!   a *notification channel* to the peer's side-channel listener: a TCP
+//!   connection that holds no QPs, so notifications need neither an
+//!   endpoint place nor an active RDMA link (a session's messages keep
+//!   flowing while a link is cut and QPs are rebuilt). Each message is
+//!   `wire::Request::Notify` (the sender's segment name, the message as
+//!   hex; lines bounded by `MAX_NOTE_LINE`); the channel's carrier task is
+//!   its one reader and writer and hands back the peer's answers in order.
+//!   The peer checks the message (`check_received`), offers it to its
+//!   bounded inbox (`inbox_capacity`) and answers `notify_ack`, or `busy`
+//!   (the sender's transient `Backpressure`); anything malformed is answered
+//!   with an error and the channel is closed. The sender waits for the
+//!   answer at most `handshake_timeout_ms`. A failed channel is dropped at
+//!   once and the next notification opens a new one; `close_segment`,
+//!   `shutdown` and the idle reaper close it; peers may hold at most
+//!   `max_passive` of them.
 //! * **Latency**: `wait` polls the CQ itself for up to `busy_poll_us`
 //!   before it sleeps on the completion event, so a small transfer is seen
 //!   at polling latency instead of after two thread wakeups.
@@ -71,21 +74,22 @@
 //!
 //! | rule | kept by |
 //! |---|---|
-//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks, the event thread, deadline / watcher / peer tasks as `lifecycle::OwnedTask`, uncounted as their owner lets go) |
+//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks, the event thread, deadline / watcher / notification-carrier / peer tasks as `lifecycle::OwnedTask`, uncounted as their owner lets go) |
 //! | 2 failure frees | `State::break_endpoint` (QPs to ERROR, `EndpointPool::broken`: never handed out again), `State::after_work` / `State::reap` (destroyed once flushed or after `flush_timeout_ms`), `Inner::on_async_event` (QP, port, CQ, device events) |
-//! | 3 close is real | `close_segment` (`State::end_requests`, `EndpointPool::retire_key`, `State::break_endpoint`, then `Inner::settle` until its endpoints are destroyed) |
+//! | 3 close is real | `close_segment` (`State::end_requests`, `EndpointPool::retire_key`, `State::break_endpoint`, then `Inner::settle` until its endpoints are destroyed; the handle's notification channel goes with it) |
 //! | 4 bounded endpoints | `Inner::endpoint` (`EndpointPool::acquire`: LRU eviction of idle endpoints, bounded wait, `endpoints_exhausted`), `State::reap` (`EndpointPool::reap`), `Inner::with_state` (a place is freed only after its QPs are destroyed) |
 //! | 5 terminal means quiet | `BatchLedger` via `State::pump` (`start` before each post), `State::on_completion` (`unit_done`, in CQ order under `Inner::cq_lock`), `State::end_requests` (`end_where`, then reset the endpoints carrying decided work), `State::destroy_endpoint_now` (records lost units in the `Graveyard`), `Inner::with_state` (`State::after_destroy`: `units_lost` only after `ibv_destroy_qp`), `Inner::stop_batch` |
 //! | 9 memory is guarded | `Inner::check` (`validate_batch`; remote range, access and rkey against the descriptor), `Qp::post` (local range against its `Registration`), `register` (overlap), `unregister` (`end_requests`, the region parked in `State::retiring`, idle endpoints pinning it destroyed, `settle` until nothing of the region is on the wire, then `ibv_dereg_mr` once no QP pins it) |
-//! | 11 notifications | `Inner::notify` (size checked before anything is sent, the endpoint's side channel, answered only once the peer queued it), `server::serve` (bounded decoding, `Inbox::offer`: full is `busy`, never queued past `inbox_capacity`), `watch` (the socket's one reader: answers in order; a failed channel breaks the endpoint), `notify_after` (the trait's: sent only after the batch completed). Why that is safe: a batch is `Completed` only when every work request of it has a successful completion, and the completion of an RDMA WRITE on an RC QP is generated only once the responder has acknowledged the data, i.e. placed it in its memory; the notification is written to the side channel only after that, so when the receiver takes it every byte of the batch is already there. Per pair of transports the order of `notify` calls that returned is kept: `Ok` comes back only after the peer queued the message |
+//! | 11 notifications | `Inner::notify` (`notes.rs`: size checked before anything is sent; `Ok` only once the peer answered that it queued the message), `server::notes` (bounded decoding, `Inbox::offer`: full is `busy`, nothing queued past `inbox_capacity`; malformed closes the channel), `carry` (the channel's one reader: answers in order; a failed channel is dropped, never reused), `notify_after` (the trait's: sent only after the batch completed). Why that is safe: a batch is `Completed` only when every work request of it has a successful completion, and the completion of an RDMA WRITE on an RC QP is generated only once the responder has acknowledged the data, which it does once the data is placed in its memory; the notification is written to the channel only after that, so when the receiver takes it every byte of the batch is already there. Per pair of transports the order of `notify` calls that returned is kept, as `Ok` comes back only after the peer queued the message |
 //!
 //! # Modules
 //!
 //! `transport` (the trait, thin) -> `submit` (validation, batches,
-//! deadlines) -> `endpoint` (pool, builds, side-channel watchers, notify) ->
-//! `handshake` (the one QP bring-up, also used by `server`) ; `background`
-//! (CQ poller and draining, reaper, async events) ; `work` (the data path
-//! over the ledger) -> `state` (shared state, `Inner::with_state`) ->
+//! deadlines) -> `endpoint` (pool, builds, side-channel watchers) ->
+//! `handshake` (the one QP bring-up, also used by `server`) ; `notes`
+//! (notification channels) ; `background` (CQ poller and draining, reaper,
+//! async events) ; `work` (the data path over the ledger) -> `state`
+//! (shared state, `Inner::with_state`) ->
 //! `verbs` (all unsafe), `wire`, `config`, `error`.
 //!
 //! Transfers from and to this process (two transports, or loopback through
@@ -97,6 +101,7 @@ mod config;
 mod endpoint;
 mod error;
 mod handshake;
+mod notes;
 mod server;
 mod state;
 mod submit;

@@ -5,16 +5,17 @@
 //! when the peer closes it (endpoint destroyed, process killed), the QPs
 //! are moved to ERROR and destroyed here.
 //!
-//! While it holds the group, the server reads notifications (rule 11) on
-//! that socket, offers each to the transport's inbox and answers it
-//! (`notify_ack`, or `busy` when the inbox is full). Anything else, or a
-//! malformed notification, is answered with an error and the channel is
-//! closed, which destroys the group, as for any other hostile input.
+//! A connection whose first request is a notification is a notification
+//! channel (rule 11; it holds no QPs): the server offers each notification
+//! to the transport's inbox and answers it (`notify_ack`, or `busy` when
+//! the inbox is full). A malformed one, or any other request, is answered
+//! with an error and the channel is closed. Notification channels are
+//! bounded by `max_passive` (separately from QP groups).
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::io::BufReader;
+use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use transport_core::{Error, ErrorKind, Refused, Result};
 
@@ -25,6 +26,9 @@ use crate::wire::{self, Reply, Request};
 
 /// Pause after a failed `accept` (out of descriptors, ...).
 const ACCEPT_RETRY: Duration = Duration::from_millis(10);
+/// Bytes read at a time while holding a peer's QPs (the peer sends nothing
+/// more; anything it does send is ignored).
+const HOLD_BUF: usize = 256;
 
 pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
     loop {
@@ -87,7 +91,10 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
                 Ok(r) => r,
                 Err(e) => Reply::Error { message: e.to_string() },
             },
-            Request::Notify { .. } => Reply::Error { message: "a notification before connect".into() },
+            Request::Notify { from, msg } => {
+                drop(inner);
+                return notes(weak, sock, timeout, from, msg).await;
+            }
         },
         None => return,
     };
@@ -95,37 +102,46 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
     if wire::send(sock.get_mut(), &reply).await.is_err() || !connected {
         return;
     }
-    // Hold the QPs until the peer closes the channel (or dies), serving
-    // its notifications meanwhile.
+    // Hold the QPs until the peer closes the channel (or dies).
+    let mut buf = [0u8; HOLD_BUF];
     loop {
-        let req = match wire::recv_limited::<_, Request>(&mut sock, wire::MAX_HELD_LINE).await {
-            Ok(r) => r,
-            Err(e) if e.kind() == ErrorKind::Protocol => {
-                let _ = wire::send(sock.get_mut(), &Reply::held_error(&e)).await;
+        match sock.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// A notification channel (rule 11), opened by its first notification
+/// (`from`, `msg`): each one is decoded (bounded), offered to the inbox and
+/// answered, in order, until the peer closes the channel. A malformed one
+/// or any other request is answered with an error and closes it.
+async fn notes(weak: &Weak<Inner>, mut sock: BufReader<TcpStream>, timeout: Duration, from: String, msg: String) {
+    let _place = {
+        let Some(inner) = weak.upgrade() else { return };
+        match NotesPlace::take(&inner) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
                 return;
             }
-            Err(_) => return, // closed, or the socket failed
-        };
-        let reply = match req {
-            Request::Notify { from, msg } => match wire::decode_notify(from, &msg) {
-                Ok(n) => {
-                    let Some(inner) = weak.upgrade() else { return };
-                    match inner.inbox.offer(n) {
-                        Ok(()) => Reply::NotifyAck,
-                        Err(Refused::Full) => Reply::Busy,
-                        // Shutting down: the channel closes unanswered
-                        // (the sender sees a transient reset).
-                        Err(Refused::Closed) => return,
-                    }
+        }
+    };
+    let (mut from, mut msg) = (from, msg);
+    loop {
+        let reply = match wire::decode_notify(from, &msg) {
+            Ok(n) => {
+                let Some(inner) = weak.upgrade() else { return };
+                match inner.inbox.offer(n) {
+                    Ok(()) => Reply::NotifyAck,
+                    Err(Refused::Full) => Reply::Busy,
+                    // Shutting down: the channel closes unanswered (the
+                    // sender sees a transient reset).
+                    Err(Refused::Closed) => return,
                 }
-                Err(e) => {
-                    let _ = wire::send(sock.get_mut(), &Reply::held_error(&e)).await;
-                    return;
-                }
-            },
-            Request::Describe | Request::Connect { .. } => {
-                let e = Error::new(ErrorKind::Protocol, "only notifications are accepted on a connected channel");
-                let _ = wire::send(sock.get_mut(), &Reply::held_error(&e)).await;
+            }
+            Err(e) => {
+                let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
                 return;
             }
         };
@@ -133,6 +149,48 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
         match tokio::time::timeout(timeout, wire::send(sock.get_mut(), &reply)).await {
             Ok(Ok(())) => {}
             _ => return,
+        }
+        (from, msg) = match wire::recv_limited::<_, Request>(&mut sock, wire::MAX_NOTE_LINE).await {
+            Ok(Request::Notify { from, msg }) => (from, msg),
+            Ok(_) => {
+                let e = Error::new(ErrorKind::Protocol, "only notifications are accepted on a notification channel");
+                let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
+                return;
+            }
+            Err(e) if e.kind() == ErrorKind::Protocol => {
+                let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
+                return;
+            }
+            Err(_) => return, // closed, or the socket failed
+        };
+    }
+}
+
+/// A place under `max_passive` taken by a peer's notification channel,
+/// given back when its serving task ends (or is aborted).
+struct NotesPlace {
+    inner: Weak<Inner>,
+}
+
+impl NotesPlace {
+    fn take(inner: &Arc<Inner>) -> Result<Self> {
+        let mut st = inner.state.lock();
+        if st.passive_notes >= inner.cfg.max_passive {
+            return Err(Error::new(
+                ErrorKind::ResourceExhausted,
+                format!("notification channels at their limit ({})", inner.cfg.max_passive),
+            ));
+        }
+        st.passive_notes += 1;
+        Ok(Self { inner: inner.weak() })
+    }
+}
+
+impl Drop for NotesPlace {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            let mut st = inner.state.lock();
+            st.passive_notes = st.passive_notes.saturating_sub(1);
         }
     }
 }

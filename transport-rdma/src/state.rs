@@ -77,6 +77,40 @@ pub(crate) struct Segment {
     pub desc: SegmentDescriptor,
     /// Serialises endpoint builds for this handle.
     pub connect_lock: Arc<tokio::sync::Mutex<()>>,
+    /// The notification channel to the peer, once a notification was sent
+    /// (dropping it closes the channel).
+    pub notes: Option<NoteChannel>,
+    /// Serialises opening the notification channel.
+    pub notes_lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Segment {
+    pub(crate) fn new(desc: SegmentDescriptor) -> Self {
+        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default() }
+    }
+}
+
+/// A segment handle's notification channel (rule 11): a side-channel
+/// connection that holds no QPs, owned by its carrier task.
+#[derive(Debug)]
+pub(crate) struct NoteChannel {
+    /// Tells this channel from its successors.
+    pub id: u64,
+    /// Notifications for the carrier to send.
+    pub side: tokio::sync::mpsc::Sender<crate::notes::Ask>,
+    /// The carrier: dropping it (close, shutdown, idle) closes the channel.
+    pub carrier: Option<Task>,
+    /// Last time a notification was handed to it (idle reclaim).
+    pub last_used: Instant,
+    /// Notifications handed to it and not yet answered: not idle while any.
+    pub inflight: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl NoteChannel {
+    /// Unused for `idle` with nothing in flight at `now`.
+    pub(crate) fn idle(&self, now: Instant, idle: Duration) -> bool {
+        self.inflight.load(std::sync::atomic::Ordering::SeqCst) == 0 && now.duration_since(self.last_used) >= idle
+    }
 }
 
 /// Deadline, watcher and peer tasks: counted while their owner holds them.
@@ -107,13 +141,9 @@ pub(crate) struct Endpoint {
     /// Set when the endpoint broke (QPs moved to ERROR): it is never used
     /// again and is destroyed once its posted work has flushed.
     pub broken_at: Option<Instant>,
-    /// Owns the side channel: the peer closing it (crash, shutdown)
-    /// breaks the endpoint at once instead of after the QP retry timeout;
-    /// it also sends the notifications asked for on [`Endpoint::side`] and
-    /// hands each its answer (the one task that reads the socket).
+    /// Watches the side channel: the peer closing it (crash, shutdown)
+    /// breaks the endpoint at once instead of after the QP retry timeout.
     pub watcher: Option<Task>,
-    /// Notifications to send over the side channel, to the watcher.
-    pub side: tokio::sync::mpsc::Sender<crate::endpoint::Ask>,
 }
 
 impl Endpoint {
@@ -264,6 +294,8 @@ pub(crate) struct State {
     pub passive_tasks: HashMap<PeerGroupId, Task>,
     /// Peer groups being built: places under `max_passive` already taken.
     pub passive_building: usize,
+    /// Notification channels peers hold into us (at most `max_passive`).
+    pub passive_notes: usize,
     /// Unregistered regions whose MR a QP still pins (work was posted on it
     /// through a QP not yet destroyed): dropped here, never by a caller's
     /// future, once no QP holds them ([`State::prune_retiring`]).
@@ -273,6 +305,7 @@ pub(crate) struct State {
     next_region: u64,
     next_segment: u64,
     next_peer: u64,
+    next_note: u64,
 }
 
 impl State {
@@ -295,11 +328,13 @@ impl State {
             passive: HashMap::new(),
             passive_tasks: HashMap::new(),
             passive_building: 0,
+            passive_notes: 0,
             retiring: Vec::new(),
             epoch,
             next_region: 0,
             next_segment: 0,
             next_peer: 0,
+            next_note: 0,
         }
     }
 
@@ -356,6 +391,11 @@ impl State {
     pub(crate) fn new_segment_id(&mut self) -> SegmentId {
         self.next_segment += 1;
         SegmentId(self.next_segment)
+    }
+
+    pub(crate) fn new_note_id(&mut self) -> u64 {
+        self.next_note += 1;
+        self.next_note
     }
 
     pub(crate) fn new_peer_id(&mut self) -> PeerGroupId {

@@ -23,7 +23,7 @@ fn batch_quiet(st: &State, batch: BatchId) -> bool {
     st.batches.get(batch).map_or(true, |b| b.ledger.on_wire() == 0)
 }
 
-pub(crate) fn peer_restarted(seg: SegmentId) -> Error {
+fn peer_restarted(seg: SegmentId) -> Error {
     Error::new(ErrorKind::PeerRestarted, "the peer restarted; re-read its descriptor").with("segment", seg)
 }
 

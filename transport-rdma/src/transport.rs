@@ -257,7 +257,7 @@ impl Transport for RdmaTransport {
             return Err(Error::shut_down());
         }
         let id = st.new_segment_id();
-        st.segments.insert(id, Segment { desc, connect_lock: Arc::new(tokio::sync::Mutex::new(())) });
+        st.segments.insert(id, Segment::new(desc));
         Ok(id)
     }
 
@@ -346,7 +346,7 @@ impl Transport for RdmaTransport {
         }
     }
 
-    /// Rule 11: over the side channel of the segment's endpoint, once the
+    /// Rule 11: over the handle's notification channel, answered once the
     /// peer has queued it (see the crate docs; `notify_after` is the
     /// trait's: the message leaves only after the batch completed).
     async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
@@ -375,8 +375,11 @@ impl Transport for RdmaTransport {
             }
             st.shutdown = true;
             // Wakes every `wait_notification` (then `Shutdown`) and refuses
-            // what peers still send.
+            // what peers still send; our notification channels close.
             inner.inbox.close();
+            for s in st.segments.values_mut() {
+                s.notes = None;
+            }
             st.end_requests(|_, _| true, &EndReason::Cancelled, g);
             st.pool.retire_all();
             let ids: Vec<_> = st.endpoints.keys().copied().collect();

@@ -3,12 +3,13 @@
 //! a QP group (`connect`); in the second case it keeps the socket open for
 //! the endpoint's lifetime, and the server destroys its QPs when it closes.
 //!
-//! On a connected (held) channel the client may then send notifications
-//! (rule 11): `{"op":"notify","from":NAME,"msg":HEX}`, answered in order
-//! with `notify_ack` (queued in the inbox), `busy` (the inbox is full,
-//! nothing queued) or `error` (malformed: the server closes the channel,
-//! which destroys the QP group). Lines on a held channel are bounded by
-//! [`MAX_HELD_LINE`], enough for the largest notification and no more.
+//! A connection whose first request is a notification (rule 11) is a
+//! notification channel (it holds no QPs): `{"op":"notify","from":NAME,
+//! "msg":HEX}`, as many as the client sends, each answered in order with
+//! `notify_ack` (queued in the inbox), `busy` (the inbox is full, nothing
+//! queued) or `error` (malformed: the server then closes the channel).
+//! Lines after the first are bounded by [`MAX_NOTE_LINE`], enough for the
+//! largest notification and no more.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -19,11 +20,11 @@ use transport_core::{
 
 /// Longest accepted line; longer input is a protocol error.
 pub(crate) const MAX_LINE: usize = 1 << 20;
-/// Longest line on a held channel (both directions): a notification with
+/// Longest line on a notification channel (both directions): a notification with
 /// the largest message (two hex digits a byte) and the longest sender name
 /// (JSON may escape a byte as six), plus the object around them.
-pub(crate) const MAX_HELD_LINE: usize = 2 * MAX_NOTIFY_LEN + 6 * MAX_NOTIFY_FROM + 256;
-/// Longest error text the server puts in a reply on a held channel.
+pub(crate) const MAX_NOTE_LINE: usize = 2 * MAX_NOTIFY_LEN + 6 * MAX_NOTIFY_FROM + 256;
+/// Longest error text the server puts in a reply on a notification channel.
 const MAX_ERROR_TEXT: usize = 512;
 
 /// One side's QP.
@@ -46,7 +47,7 @@ pub(crate) enum Request {
         mtu: u32,
         qps: Vec<QpInfo>,
     },
-    /// A notification, on a connected channel only.
+    /// A notification; as a first request it opens a notification channel.
     Notify {
         /// The sender's segment name, at most `MAX_NOTIFY_FROM` bytes.
         from: String,
@@ -79,9 +80,9 @@ pub(crate) enum Reply {
 }
 
 impl Reply {
-    /// An error reply for a held channel: its text cut to a bounded length
-    /// (the peer reads it with the [`MAX_HELD_LINE`] bound).
-    pub(crate) fn held_error(e: &Error) -> Self {
+    /// An error reply for a notification channel: its text cut to a bounded length
+    /// (the peer reads it with the [`MAX_NOTE_LINE`] bound).
+    pub(crate) fn bounded_error(e: &Error) -> Self {
         let mut message = e.to_string();
         if message.len() > MAX_ERROR_TEXT {
             let mut cut = MAX_ERROR_TEXT;
@@ -262,14 +263,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn notify_round_trip_and_the_largest_fits_a_held_line() {
+    async fn notify_round_trip_and_the_largest_fits_a_note_line() {
         let msg: Vec<u8> = (0..=255u8).cycle().take(MAX_NOTIFY_LEN).collect();
         // The worst sender name: every byte escaped by JSON as \u00XX.
         let from = "\u{1}".repeat(MAX_NOTIFY_FROM);
         let l = line(&notify_request(&from, &msg).unwrap());
-        assert!(l.len() <= MAX_HELD_LINE, "{} > {MAX_HELD_LINE}", l.len());
+        assert!(l.len() <= MAX_NOTE_LINE, "{} > {MAX_NOTE_LINE}", l.len());
         let mut r = BufReader::new(&l[..]);
-        let Request::Notify { from: f, msg: m } = recv_limited::<_, Request>(&mut r, MAX_HELD_LINE).await.unwrap()
+        let Request::Notify { from: f, msg: m } = recv_limited::<_, Request>(&mut r, MAX_NOTE_LINE).await.unwrap()
         else {
             panic!("not a notify")
         };
@@ -301,16 +302,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn held_lines_are_bounded() {
-        let long = vec![b'x'; MAX_HELD_LINE + 1];
+    async fn note_lines_are_bounded() {
+        let long = vec![b'x'; MAX_NOTE_LINE + 1];
         let mut r = BufReader::new(&long[..]);
-        assert_eq!(recv_limited::<_, Request>(&mut r, MAX_HELD_LINE).await.unwrap_err().kind(), ErrorKind::Protocol);
-        let mut lines = Lines::new(BufReader::new(&long[..]), MAX_HELD_LINE);
+        assert_eq!(recv_limited::<_, Request>(&mut r, MAX_NOTE_LINE).await.unwrap_err().kind(), ErrorKind::Protocol);
+        let mut lines = Lines::new(BufReader::new(&long[..]), MAX_NOTE_LINE);
         assert_eq!(lines.next::<Reply>().await.unwrap_err().kind(), ErrorKind::Protocol);
         let e = Error::new(ErrorKind::Protocol, "é".repeat(MAX_LINE));
-        let Reply::Error { message } = Reply::held_error(&e) else { panic!("not an error") };
+        let Reply::Error { message } = Reply::bounded_error(&e) else { panic!("not an error") };
         assert!(message.len() <= MAX_ERROR_TEXT && message.starts_with("é"));
-        assert!(line(&Reply::held_error(&e)).len() <= MAX_HELD_LINE);
+        assert!(line(&Reply::bounded_error(&e)).len() <= MAX_NOTE_LINE);
     }
 
     /// A `Lines::next` dropped halfway through a line (a `select!` took
@@ -318,7 +319,7 @@ mod tests {
     #[tokio::test]
     async fn lines_next_is_cancel_safe() {
         let (mut w, r) = tokio::io::duplex(64);
-        let mut lines = Lines::new(BufReader::new(r), MAX_HELD_LINE);
+        let mut lines = Lines::new(BufReader::new(r), MAX_NOTE_LINE);
         let l = line(&Reply::Busy);
         let (a, b) = l.split_at(5);
         w.write_all(a).await.unwrap();

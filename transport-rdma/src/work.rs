@@ -254,7 +254,7 @@ impl State {
     /// those whose flush took longer than the limit (destroying the QP is
     /// what guarantees the NIC is done with the buffers), and reclaims idle
     /// endpoints ([`EndpointPool::reap`], rule 4). `force` destroys every
-    /// broken endpoint now.
+    /// broken endpoint now. Idle notification channels are closed as well.
     ///
     /// [`EndpointPool::reap`]: transport_core::lifecycle::EndpointPool::reap
     pub(crate) fn reap(&mut self, lim: &Limits, force: bool, grave: &mut Graveyard) {
@@ -270,6 +270,13 @@ impl State {
             .collect();
         let clock = self.now();
         doomed.extend(self.pool.reap(clock, lim.idle_timeout));
+        // Idle notification channels are closed too (their carrier is
+        // aborted with them); the next notification opens a new one.
+        for s in self.segments.values_mut() {
+            if s.notes.as_ref().is_some_and(|n| n.idle(now, lim.idle_timeout)) {
+                s.notes = None;
+            }
+        }
         for id in doomed {
             self.destroy_endpoint_now(id, grave);
         }

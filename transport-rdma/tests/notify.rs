@@ -1,7 +1,8 @@
 //! Notifications (rule 11) over a real device (soft-RoCE in the VM of
 //! scripts/rdma-tests.sh): delivery with the sender's name, order,
 //! the bounded inbox, `notify_after` only once every byte has landed,
-//! bad input, shutdown, and hostile bytes on a held side channel.
+//! bad input, shutdown, idle channels, a link down, and hostile bytes on
+//! notification channels.
 //!
 //! A `harness = false` target like `rdma.rs`: without an RDMA device every
 //! test is reported *ignored*, unless RDMA_REQUIRED=1 or RXE_VM=1, where
@@ -18,8 +19,8 @@ use common::*;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use transport_core::{
-    Access, BatchState, Buffer, ErrorKind, Notification, SegmentId, SubmitOptions, TransferRequest, Transport,
-    MAX_NOTIFY_LEN,
+    Access, BatchState, Buffer, ErrorKind, Notification, ResourceStats, SegmentId, SubmitOptions, TransferRequest,
+    Transport, MAX_NOTIFY_LEN,
 };
 use transport_rdma::{RdmaConfig, RdmaTransport};
 
@@ -64,6 +65,7 @@ fn notify_round_trip_carries_the_senders_name() {
         let base_qp = my_qps();
         let (server, client, seg) = pair(config(), config()).await;
         let server = Arc::new(server);
+        let (base_c, base_s) = (client.stats(), server.stats());
         assert_eq!(server.take_notifications(10).unwrap(), vec![]);
         // A waiter started before the message is woken by it.
         let waiter = {
@@ -78,14 +80,18 @@ fn notify_round_trip_carries_the_senders_name() {
         let got = server.take_notifications(10).unwrap();
         assert_eq!(got, vec![Notification { from: from.clone(), msg: b"kv for request 7 is in place".to_vec() }]);
         assert_eq!(server.stats().notifications, 0, "taken: the inbox is empty again");
+        // The channel holds no QPs: no endpoint, one carrier task each side.
+        let s = client.stats();
+        assert_eq!((s.endpoints, s.tasks), (0, base_c.tasks + 1), "{s:?}");
+        assert_eq!(server.stats().tasks, base_s.tasks + 1);
+        assert_eq!(my_qps(), base_qp);
         // The empty message and the largest one.
         client.notify(seg, vec![]).await.unwrap();
         let big: Vec<u8> = (0..MAX_NOTIFY_LEN).map(|i| (i * 7) as u8).collect();
         client.notify(seg, big.clone()).await.unwrap();
         let got = take_n(&*server, 2).await;
         assert_eq!(got, vec![Notification { from: from.clone(), msg: vec![] }, Notification { from, msg: big }]);
-        // Notifying built the segment's endpoint, which transfers then use.
-        assert_eq!(client.stats().endpoints, 1);
+        // Transfers on the same handle are unaffected.
         let remote = Buffer::new(1 << 16).unwrap();
         server.register(remote.region(), Access::REMOTE_RW).unwrap();
         let local = buffer_with(1 << 16, 4);
@@ -98,22 +104,126 @@ fn notify_round_trip_carries_the_senders_name() {
         assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
         client.release(b).unwrap();
         assert!(remote.to_vec() == local.to_vec());
-        assert_eq!(client.stats().endpoints, 1, "the same endpoint");
         client.notify(seg, b"after".to_vec()).await.unwrap();
         assert_eq!(take_n(&*server, 1).await[0].msg, b"after");
-        // Close is real: both halves of the endpoint go.
+        // Close is real: the endpoint (both halves) and the channel go.
         client.close_segment(seg).await.unwrap();
         assert_eq!(client.notify(seg, vec![1]).await.unwrap_err().kind(), ErrorKind::InvalidHandle);
+        client.unregister(lid).await.unwrap();
+        assert_eq!(ResourceStats { segments: 1, ..client.stats() }, base_c);
         assert!(eventually(Duration::from_secs(5), || my_qps() == base_qp).await, "kernel QPs {}", my_qps());
+        assert!(
+            eventually(Duration::from_secs(5), || server.stats().tasks == base_s.tasks).await,
+            "the server's side of the channel did not end: {:?}",
+            server.stats()
+        );
         client.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
     });
+}
+
+/// An idle notification channel is closed by the reaper (both sides'
+/// tasks end); the next notification opens a new one.
+fn idle_channels_are_closed_and_reopened() {
+    run("idle_channels_are_closed_and_reopened", 120, async {
+        let (server, client, seg) = pair(config(), RdmaConfig { idle_timeout_ms: 300, ..config() }).await;
+        let (base_c, base_s) = (client.stats(), server.stats());
+        client.notify(seg, vec![1]).await.unwrap();
+        assert_eq!(client.stats().tasks, base_c.tasks + 1);
+        assert!(
+            eventually(Duration::from_secs(10), || client.stats() == base_c && server.stats().tasks == base_s.tasks)
+                .await,
+            "idle channel not closed: {:?} / {:?}",
+            client.stats(),
+            server.stats()
+        );
+        client.notify(seg, vec![2]).await.unwrap();
+        let got = take_n(&server, 2).await;
+        assert_eq!(got.iter().map(|n| n.msg[0]).collect::<Vec<_>>(), vec![1, 2]);
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// The link of the sender's device goes down (the soft-RoCE VM's faultable
+/// links): transfers cannot run, but notifications, which need no QPs,
+/// still arrive; once the link is back, transfers work again.
+fn notifications_flow_while_the_link_is_down() {
+    run("notifications_flow_while_the_link_is_down", 120, async {
+        let links = fault_links();
+        let (dev_c, netdev) = (links[0].device.clone(), links[0].netdev.clone());
+        let dev_s = links[1 % links.len()].device.clone();
+        let server = transport(RdmaConfig { device: Some(dev_s), ..config() }).await;
+        let client = transport(RdmaConfig { device: Some(dev_c.clone()), ..config() }).await;
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let remote = Buffer::new(4096).unwrap();
+        server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let local = buffer_with(4096, 8);
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        let write = vec![TransferRequest::write(lid, 0, seg, remote.addr(), 4096)];
+        let _up = LinkUp(netdev.clone());
+        ip_link(&netdev, "down");
+        assert!(eventually(Duration::from_secs(10), || !port_is(&dev_c, "ACTIVE")).await, "{dev_c} still active");
+        let e = match client.submit(write.clone(), SubmitOptions::default()).await {
+            Err(e) => e,
+            Ok(b) => {
+                let st = wait(&client, b).await;
+                client.release(b).unwrap();
+                st.first_error().cloned().expect("a transfer over a down link fails")
+            }
+        };
+        assert!(e.is_transient(), "{e}");
+        for i in 0u8..5 {
+            client.notify(seg, vec![i]).await.unwrap();
+        }
+        let got = take_n(&server, 5).await;
+        assert_eq!(got.iter().map(|n| n.msg[0]).collect::<Vec<_>>(), (0..5).collect::<Vec<_>>());
+        ip_link(&netdev, "up");
+        assert!(eventually(Duration::from_secs(10), || port_is(&dev_c, "ACTIVE")).await, "{dev_c} did not come back");
+        let mut done = false;
+        for _ in 0..50 {
+            // The first attempts may still find the route missing.
+            let b = client.submit(write.clone(), SubmitOptions::default()).await;
+            if let Ok(b) = b {
+                let st = wait(&client, b).await;
+                client.release(b).unwrap();
+                if st.state == BatchState::Completed {
+                    done = true;
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(done, "no transfer completed after the link returned");
+        assert!(remote.to_vec() == local.to_vec());
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Brings a link back up however the test ends.
+struct LinkUp(String);
+
+impl Drop for LinkUp {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "set", &self.0, "up"]).status();
+    }
+}
+
+fn ip_link(netdev: &str, state: &str) {
+    let st = std::process::Command::new("ip").args(["link", "set", netdev, state]).status().expect("run `ip`");
+    assert!(st.success(), "ip link set {netdev} {state} failed");
+}
+
+fn port_is(device: &str, state: &str) -> bool {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
 }
 
 fn hundred_sequential_notifies_arrive_in_order() {
     run("hundred_sequential_notifies_arrive_in_order", 180, async {
         let (server, client, seg) = pair(config(), config()).await;
         let client = Arc::new(client);
+        let base_tasks = client.stats().tasks;
         for i in 0u32..100 {
             client.notify(seg, i.to_le_bytes().to_vec()).await.unwrap();
         }
@@ -129,7 +239,7 @@ fn hundred_sequential_notifies_arrive_in_order() {
         let got = take_n(&server, 20).await;
         let order: Vec<u32> = got.iter().map(|n| u32::from_le_bytes(n.msg[..].try_into().unwrap())).collect();
         assert_eq!(order, (0..20).collect::<Vec<_>>());
-        assert_eq!(client.stats().endpoints, 2);
+        assert_eq!(client.stats().tasks, base_tasks + 2, "one channel per handle");
         // Concurrent notifies on one endpoint (pipelined on its channel):
         // all arrive, each task's in its own order.
         let tasks: Vec<_> = (0u8..4)
@@ -150,7 +260,7 @@ fn hundred_sequential_notifies_arrive_in_order() {
             let mine: Vec<u8> = got.iter().filter(|n| n.msg[0] == k).map(|n| n.msg[1]).collect();
             assert_eq!(mine, (0..25).collect::<Vec<_>>(), "task {k}");
         }
-        assert_eq!(client.stats().endpoints, 2, "no endpoint broke");
+        assert_eq!(client.stats().tasks, base_tasks + 2, "no channel broke");
         client.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
     });
@@ -163,14 +273,13 @@ fn full_inbox_pushes_back_until_drained() {
             client.notify(seg, vec![i]).await.unwrap();
         }
         assert_eq!(server.stats().notifications, 4);
-        let qps = my_qps();
+        let tasks = client.stats().tasks;
         let e = client.notify(seg, vec![4]).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Backpressure, "{e}");
         assert!(e.is_transient());
         assert_eq!(server.stats().notifications, 4, "nothing queued past the bound");
-        // A full inbox is not a failure of the endpoint.
-        assert_eq!(client.stats().endpoints, 1);
-        assert_eq!(my_qps(), qps, "no endpoint was rebuilt");
+        // A full inbox is not a failure of the channel: it stays open.
+        assert_eq!(client.stats().tasks, tasks, "the channel was not dropped");
         let got = server.take_notifications(2).unwrap();
         assert_eq!(got.iter().map(|n| n.msg[0]).collect::<Vec<_>>(), vec![0, 1]);
         client.notify(seg, vec![4]).await.unwrap();
@@ -181,7 +290,7 @@ fn full_inbox_pushes_back_until_drained() {
         client.notify(seg, vec![6]).await.unwrap();
         assert_eq!(take_n(&server, 1).await[0].msg, vec![6]);
         assert_eq!(server.stats().notifications, 0);
-        assert_eq!(my_qps(), qps);
+        assert_eq!(client.stats().tasks, tasks);
         client.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
     });
@@ -327,78 +436,90 @@ fn shutdown_ends_waits_and_refuses() {
     });
 }
 
-/// Reads one reply line (bounded wait); `None` at EOF.
+/// Reads one reply line (bounded wait); `None` at EOF or reset.
 async fn reply(r: &mut BufReader<TcpStream>) -> Option<serde_json::Value> {
     let mut line = String::new();
     let n = tokio::time::timeout(Duration::from_secs(10), r.read_line(&mut line)).await.expect("reply in 10 s").ok()?;
     (n > 0).then(|| serde_json::from_str(&line).expect("a JSON reply"))
 }
 
-/// A raw side channel holding a (fake) QP group: connects with a made-up
-/// QP number toward the server's own GID.
-async fn raw_connected(server: &RdmaTransport) -> BufReader<TcpStream> {
-    let desc = server.local_descriptor().unwrap();
-    let gid = desc.address.split("gid=").nth(1).unwrap().to_string();
-    let s = TcpStream::connect(server.local_segment_name()).await.unwrap();
-    let mut s = BufReader::new(s);
-    let hello = format!(r#"{{"op":"connect","gid":"{gid}","lid":0,"mtu":3,"qps":[{{"qpn":17,"psn":1}}]}}"#);
-    s.get_mut().write_all(format!("{hello}\n").as_bytes()).await.unwrap();
-    let r = reply(&mut s).await.expect("a connect reply");
-    assert_eq!(r["result"], "connected", "{r}");
-    s
-}
-
 async fn send_line(s: &mut BufReader<TcpStream>, line: &str) {
     s.get_mut().write_all(format!("{line}\n").as_bytes()).await.unwrap();
 }
 
-/// Hostile input on a held side channel: a well-formed notification is
-/// queued (its `from` is what the channel said); an oversize, non-hex or
-/// unexpected request is answered with an error and closes the channel,
-/// which destroys the peer's QP group (the serving task and its QP go).
-fn hostile_side_channel_input_closes_the_held_group() {
-    run("hostile_side_channel_input_closes_the_held_group", 120, async {
-        let server = transport(RdmaConfig { inbox_capacity: 1, ..config() }).await;
+/// A raw notification channel, opened by a well-formed first notification.
+async fn raw_channel(server: &RdmaTransport) -> BufReader<TcpStream> {
+    let mut s = BufReader::new(TcpStream::connect(server.local_segment_name()).await.unwrap());
+    send_line(&mut s, r#"{"op":"notify","from":"raw","msg":""}"#).await;
+    let r = reply(&mut s).await.expect("an answer");
+    assert!(r["result"] == "notify_ack" || r["result"] == "busy", "{r}");
+    s
+}
+
+/// Hostile input on notification channels: well-formed notifications are
+/// queued (with the `from` the channel said) or refused as `busy`; an
+/// oversize, non-hex or unexpected request is answered with an error and
+/// closes the channel (its serving task ends); nothing malformed is queued.
+fn hostile_notification_channels_are_closed() {
+    run("hostile_notification_channels_are_closed", 120, async {
+        let server = transport(RdmaConfig { inbox_capacity: 2, ..config() }).await;
         let base = server.stats();
         let base_qp = my_qps();
-        let mut s = raw_connected(&server).await;
-        assert_eq!(server.stats().tasks, base.tasks + 1, "one task serves the held group");
+        let mut s = raw_channel(&server).await;
+        assert_eq!(server.stats().tasks, base.tasks + 1, "one task serves the channel");
         send_line(&mut s, r#"{"op":"notify","from":"raw","msg":"6869"}"#).await;
         assert_eq!(reply(&mut s).await.unwrap()["result"], "notify_ack");
         send_line(&mut s, r#"{"op":"notify","from":"raw","msg":"00"}"#).await;
         assert_eq!(reply(&mut s).await.unwrap()["result"], "busy");
+        let got = server.take_notifications(9).unwrap();
         assert_eq!(
-            server.take_notifications(9).unwrap(),
-            vec![Notification { from: "raw".into(), msg: b"hi".to_vec() }]
+            got,
+            vec![
+                Notification { from: "raw".into(), msg: vec![] },
+                Notification { from: "raw".into(), msg: b"hi".to_vec() }
+            ]
         );
+        assert_eq!(my_qps(), base_qp, "a notification channel holds no QPs");
         let bad = [
             format!(r#"{{"op":"notify","from":"raw","msg":"{}"}}"#, "00".repeat(MAX_NOTIFY_LEN + 1)),
             format!(r#"{{"op":"notify","from":"{}","msg":""}}"#, "x".repeat(300)),
             r#"{"op":"notify","from":"raw","msg":"zz"}"#.to_string(),
             r#"{"op":"notify","from":"raw","msg":"abc"}"#.to_string(),
+            r#"{"op":"notify","from":"raw"}"#.to_string(),
             r#"{"op":"describe"}"#.to_string(),
             "not json".to_string(),
             "x".repeat(64 << 10),
         ];
         for (i, line) in bad.iter().enumerate() {
-            let mut s = raw_connected(&server).await;
-            send_line(&mut s, line).await;
-            let r = reply(&mut s).await;
-            // The overlong line is refused before it was read to its end, so
-            // the close may reset the connection before the error is read.
-            let reset_ok = i == bad.len() - 1 && r.is_none();
-            assert!(reset_ok || r.as_ref().is_some_and(|r| r["result"] == "error"), "case {i}: {r:?}");
-            assert!(reply(&mut s).await.is_none(), "case {i}: the channel is closed after the error");
-            assert!(
-                eventually(Duration::from_secs(5), || server.stats().tasks == base.tasks + 1).await,
-                "case {i}: the hostile group was not dropped: {:?}",
-                server.stats()
-            );
+            // On an open channel, and as the first request of a new one.
+            for first in [false, true] {
+                let mut s = if first {
+                    BufReader::new(TcpStream::connect(server.local_segment_name()).await.unwrap())
+                } else {
+                    raw_channel(&server).await
+                };
+                let _ = server.take_notifications(9).unwrap();
+                send_line(&mut s, line).await;
+                let r = reply(&mut s).await;
+                // The overlong line is refused before it was read to its end,
+                // so the close may reset the connection before the error is read.
+                let reset_ok = i == bad.len() - 1 && r.is_none();
+                let describe_ok = first && i == 5 && r.as_ref().is_some_and(|r| r["result"] == "descriptor");
+                assert!(
+                    reset_ok || describe_ok || r.as_ref().is_some_and(|r| r["result"] == "error"),
+                    "case {i} (first {first}): {r:?}"
+                );
+                assert!(reply(&mut s).await.is_none(), "case {i} (first {first}): the channel is closed");
+                assert!(
+                    eventually(Duration::from_secs(5), || server.stats().tasks == base.tasks + 1).await,
+                    "case {i} (first {first}): the channel's task did not end: {:?}",
+                    server.stats()
+                );
+            }
         }
         assert_eq!(server.stats().notifications, 0, "nothing malformed was queued");
         drop(s);
         assert!(eventually(Duration::from_secs(5), || server.stats() == base).await, "{:?}", server.stats());
-        assert!(eventually(Duration::from_secs(5), || my_qps() == base_qp).await, "kernel QPs {}", my_qps());
         server.shutdown().await.unwrap();
     });
 }
@@ -406,19 +527,26 @@ fn hostile_side_channel_input_closes_the_held_group() {
 fn main() {
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 7] = [
+    let tests: [(&str, fn()); 9] = [
         ("notify_round_trip_carries_the_senders_name", notify_round_trip_carries_the_senders_name),
+        ("idle_channels_are_closed_and_reopened", idle_channels_are_closed_and_reopened),
+        ("notifications_flow_while_the_link_is_down", notifications_flow_while_the_link_is_down),
         ("hundred_sequential_notifies_arrive_in_order", hundred_sequential_notifies_arrive_in_order),
         ("full_inbox_pushes_back_until_drained", full_inbox_pushes_back_until_drained),
         ("notify_after_finds_every_byte_landed", notify_after_finds_every_byte_landed),
         ("oversize_and_bad_handles_are_refused", oversize_and_bad_handles_are_refused),
         ("shutdown_ends_waits_and_refuses", shutdown_ends_waits_and_refuses),
-        ("hostile_side_channel_input_closes_the_held_group", hostile_side_channel_input_closes_the_held_group),
+        ("hostile_notification_channels_are_closed", hostile_notification_channels_are_closed),
     ];
     let have = device_or_skip("rdma notify tests");
+    let faults = !fault_links().is_empty();
+    if have && !faults {
+        eprintln!("SKIPPED notifications_flow_while_the_link_is_down: no RDMA_TEST_FAULT_LINKS (the VM's links)");
+    }
     let trials = tests
         .into_iter()
         .map(|(name, f)| {
+            let runnable = have && (faults || name != "notifications_flow_while_the_link_is_down");
             libtest_mimic::Trial::test(name, move || {
                 std::panic::catch_unwind(f).map_err(|e| {
                     let msg =
@@ -426,7 +554,7 @@ fn main() {
                     libtest_mimic::Failed::from(msg.unwrap_or_else(|| "panicked".into()))
                 })
             })
-            .with_ignored_flag(!have)
+            .with_ignored_flag(!runnable)
         })
         .collect();
     libtest_mimic::run(&args, trials).exit()
