@@ -280,7 +280,9 @@ impl Sessions {
             t.end_write(&key, bytes, now);
             let failed = match &outcome {
                 Ok(o) if o.is_success() => None,
-                Ok(o) => Some(o.clone().into_result().err().unwrap_or_else(|| Error::new(ErrorKind::Internal, "?"))),
+                Ok(o) => Some(o.clone().into_result().err().unwrap_or_else(|| {
+                    Error::new(ErrorKind::Internal, "a write that did not succeed reported no error")
+                })),
                 Err(e) => Some(e.clone()),
             };
             match failed {
