@@ -61,14 +61,15 @@ fn limits() -> SessionLimits {
     SessionLimits { heartbeat_interval: HEARTBEAT, liveness_timeout: LIVENESS, ..SessionLimits::default() }
 }
 
-/// Fast retries and a breaker that does not open within a case: the
-/// policy carries writes through transient failures.
+/// Fast retries for about 4 s in all (an RDMA link cut in the soft-RoCE
+/// VM takes about a second to come back) and a breaker that does not open
+/// within a case: the policy carries writes through transient failures.
 fn policy() -> PolicyConfig {
     let mut cfg = PolicyConfig {
         retry: RetryConfig {
-            max_attempts: 8,
+            max_attempts: 40,
             initial_backoff: Duration::from_millis(2),
-            max_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(100),
             ..RetryConfig::default()
         },
         ..PolicyConfig::default()
