@@ -15,21 +15,28 @@
 #     directly (target: p50 <= 1.5x);
 #   * one write from submit to completed (RC completes on the ACK, so a
 #     full round trip): shown beside 2 x ib_write_lat's typical latency.
+# Notifications (rule 11), 4 KiB and 1 MiB batches, as transport-tcp's
+# bench does: per round a plain batch from submit to completed on the
+# sender, then the same batch with notify_after from submit to the
+# receiver seeing the notification (interleaved); p50/p99 and the p50
+# ratio seen/completed. NOTIFY_ROUNDS_4K / NOTIFY_ROUNDS_1M set the rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${BENCH_SECONDS:-4}
 # Bytes per ib_write_bw run (iteration count = this / message size).
 BENCH_BYTES=${BENCH_BYTES:-100663296}
+NOTIFY_ROUNDS_4K=${NOTIFY_ROUNDS_4K:-1000}
+NOTIFY_ROUNDS_1M=${NOTIFY_ROUNDS_1M:-200}
 
 if [ "${RXE_VM:-0}" != 1 ] && [ -z "${RDMA_BENCH_INNER:-}" ]; then
   cargo build --release -p transport-rdma --example rdma_bench >&2
   bin=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/examples/rdma_bench
   [ -x "$bin" ] || { echo "rdma-bench: $bin was not built" >&2; exit 1; }
-  export RDMA_BENCH_BIN=$bin RDMA_BENCH_INNER=1 BENCH_SECONDS=$SECS
+  export RDMA_BENCH_BIN=$bin RDMA_BENCH_INNER=1 BENCH_SECONDS=$SECS NOTIFY_ROUNDS_4K NOTIFY_ROUNDS_1M
   if compgen -G "/sys/class/infiniband/*" >/dev/null; then
     exec "$0"
   fi
-  RXE_VM_PASS_ENV="RDMA_BENCH_BIN RDMA_BENCH_INNER BENCH_SECONDS" exec scripts/rxe-vm --timeout 900 -- bash scripts/rdma-bench.sh
+  RXE_VM_PASS_ENV="RDMA_BENCH_BIN RDMA_BENCH_INNER BENCH_SECONDS NOTIFY_ROUNDS_4K NOTIFY_ROUNDS_1M" exec scripts/rxe-vm --timeout 900 -- bash scripts/rdma-bench.sh
 fi
 
 DEV=${RDMA_TEST_DEVICE:-$(ibv_devices | awk 'NR>2{print $1; exit}')}
@@ -77,6 +84,12 @@ o50=$(printf '%s' "$line" | sed -n 's/.*p50_us=\([0-9.]*\).*/\1/p')
 o99=$(printf '%s' "$line" | sed -n 's/.*p99_us=\([0-9.]*\).*/\1/p')
 rtt=$(awk -v t="$p" 'BEGIN { printf "%.2f", 2*t }')
 results+=("write_lat    4096 B: ours p50 ${o50} us p99 ${o99} us (submit->completed), ib_write_lat typical ${p} us one-way (x2 = ${rtt} us), ratio p50/(2 x typical) $(ratio "$o50" "$rtt")")
+field() { printf '%s' "$2" | sed -n "s/.*$1=\([0-9.]*\).*/\1/p"; }
+for pair in "4096 $NOTIFY_ROUNDS_4K" "1048576 $NOTIFY_ROUNDS_1M"; do
+  set -- $pair
+  line=$("$BIN" notify "$1" "$2")
+  results+=("notify    $(printf '%7d' "$1") B: completed p50 $(field completed_p50_us "$line") us p99 $(field completed_p99_us "$line") us, seen by receiver p50 $(field seen_p50_us "$line") us p99 $(field seen_p99_us "$line") us, ratio p50 seen/completed $(field ratio_p50 "$line") ($2 rounds, first tenth left out)")
+done
 
 echo
 echo "==== RDMA benchmark ($DEV, same VM run) ===="

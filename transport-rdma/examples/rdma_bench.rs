@@ -5,19 +5,21 @@
 //!   rdma_bench bw  <page-bytes> <seconds>   # prints MiB/s
 //!   rdma_bench lat <page-bytes> <iterations> # prints p50/p99 of one write, submit to completed
 //!   rdma_bench pingpong <bytes> <iterations> # ib_write_lat's method: half a write ping-pong
+//!   rdma_bench notify <bytes> <rounds>      # rule 11: a batch's completion on the sender
+//!                                           # vs the receiver seeing its attached notification
 //!
 //! scripts/rdma-bench.sh runs it beside ib_write_bw / ib_write_lat and
 //! prints the ratios. Device: RDMA_TEST_DEVICE, else the first one.
 
 use std::time::{Duration, Instant};
 
-use transport_core::{Access, BatchId, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_core::{Access, BatchId, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
 use transport_rdma::{RdmaConfig, RdmaTransport};
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
 fn usage() -> ! {
-    eprintln!("usage: rdma_bench bw|lat|pingpong <page-bytes> <seconds|iterations>");
+    eprintln!("usage: rdma_bench bw|lat|pingpong|notify <page-bytes> <seconds|iterations|rounds>");
     std::process::exit(2)
 }
 
@@ -120,6 +122,67 @@ fn pingpong_side(
     })
 }
 
+/// Rule 11's cost, as transport-tcp's bench measures it: per round, one
+/// plain `size`-byte write batch timed from submit to completed on the
+/// sender, then the same batch with a notification attached
+/// (`notify_after`) timed from submit to the receiver seeing it
+/// (`wait_notification` + `take_notifications` on a task of its own);
+/// interleaved, so both see the same moment. The first tenth of the
+/// rounds (endpoint and notification channel set-up) is left out.
+/// Returns (completed p50, p99, seen p50, p99) in microseconds.
+async fn notify_delay(
+    client: &RdmaTransport,
+    server: &std::sync::Arc<RdmaTransport>,
+    lid: transport_core::RegionId,
+    seg: transport_core::SegmentId,
+    remote: u64,
+    size: u64,
+    rounds: u64,
+) -> Result<(f64, f64, f64, f64), BoxErr> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let receiver = server.clone();
+    let recv = tokio::spawn(async move {
+        while receiver.wait_notification().await.is_ok() {
+            let Ok(ns) = receiver.take_notifications(16) else { return };
+            for _ in ns {
+                let _ = tx.send(Instant::now());
+            }
+        }
+    });
+    let one = vec![TransferRequest::write(lid, 0, seg, remote, size)];
+    let rounds = rounds.max(2);
+    let (mut done, mut seen) = (Vec::new(), Vec::new());
+    for i in 0..rounds {
+        let t0 = Instant::now();
+        let b = client.submit(one.clone(), SubmitOptions::default()).await?;
+        let st = client.wait(b).await?;
+        let completed = t0.elapsed().as_secs_f64() * 1e6;
+        client.release(b)?;
+        if let Some(e) = st.first_error() {
+            return Err(e.clone().into());
+        }
+        let t1 = Instant::now();
+        let b = client.submit(one.clone(), SubmitOptions::default()).await?;
+        let (st, sent) = client.notify_after(b, seg, b"landed".to_vec()).await?;
+        client.release(b)?;
+        if st.state != BatchState::Completed {
+            return Err(format!("notify: batch ended {:?}", st.state).into());
+        }
+        sent.ok_or("notify: completed, yet nothing sent")??;
+        let at = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .map_err(|_| "notify: not seen by the receiver in 30 s")?
+            .ok_or("notify: receiver task ended")?;
+        if i >= rounds / 10 {
+            done.push(completed);
+            seen.push(at.saturating_duration_since(t1).as_secs_f64() * 1e6);
+        }
+    }
+    recv.abort();
+    let _ = recv.await;
+    Ok((pct(&mut done, 0.5), pct(&mut done, 0.99), pct(&mut seen, 0.5), pct(&mut seen, 0.99)))
+}
+
 fn pct(lat: &mut [f64], p: f64) -> f64 {
     lat.sort_by(f64::total_cmp);
     lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)]
@@ -142,7 +205,7 @@ fn main() -> Result<(), BoxErr> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let cfg = RdmaConfig { device: std::env::var("RDMA_TEST_DEVICE").ok(), ..RdmaConfig::default() };
-        let server = RdmaTransport::new(cfg.clone()).await?;
+        let server = std::sync::Arc::new(RdmaTransport::new(cfg.clone()).await?);
         let client = RdmaTransport::new(cfg).await?;
         let total = (32u64 << 20).max(size * 16);
         let remote = Buffer::new(total as usize)?;
@@ -202,6 +265,14 @@ fn main() -> Result<(), BoxErr> {
                 }
                 let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
                 println!("ours write_lat size={size} p50_us={p50:.1} p99_us={p99:.1}");
+            }
+            "notify" => {
+                let (c50, c99, n50, n99) = notify_delay(&client, &server, lid, seg, remote.addr(), size, n).await?;
+                println!(
+                    "ours notify size={size} completed_p50_us={c50:.1} completed_p99_us={c99:.1} \
+                     seen_p50_us={n50:.1} seen_p99_us={n99:.1} ratio_p50={:.2}",
+                    n50 / c50
+                );
             }
             _ => usage(),
         }
