@@ -7,16 +7,22 @@
 //! Serving engines register large memory regions once and then push batches
 //! of `(local region + offset, remote segment + address, length)` requests,
 //! polling them to completion. The [`Transport`] trait is that small
-//! primitive surface. The contract every backend keeps (ten numbered rules)
-//! lives in `docs/CONTRACT.md` and is shown on [`Transport`]; the
+//! primitive surface. The contract every backend keeps (thirteen numbered
+//! rules) lives in `docs/CONTRACT.md` and is shown on [`Transport`]; the
 //! `conformance` crate checks it against every backend, and [`lifecycle`]
 //! holds the sans-IO state machines backends share to keep it.
+//!
+//! The handoff between both ends (rules 11 to 13): notifications with a
+//! bounded [`Inbox`] on every backend, and sessions written once above the
+//! backends: the sans-IO [`session::SessionTable`] and its driver
+//! [`Sessions`] (receiver-granted admission, one final state on both sides).
 //!
 //! Backends report; they do not decide. Retrying, deadlines, the per-peer
 //! circuit breaker and backpressure live once in [`Engine`], configured by
 //! one serde [`PolicyConfig`] and driven by a [`Clock`] that tests can fake.
 //!
-//! This crate performs no I/O and contains no `unsafe`. Memory enters the
+//! The state machines perform no I/O (the drivers, [`Engine`] and
+//! [`Sessions`], only call the [`Transport`]); the crate contains no `unsafe`. Memory enters the
 //! engine through `transport-mem` ([`Buffer`], [`MemoryRegion`]).
 #![forbid(unsafe_code)]
 
