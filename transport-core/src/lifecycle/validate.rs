@@ -74,7 +74,7 @@ fn check_local_range(i: usize, r: &TransferRequest, region_len: u64) -> Result<(
 /// segment handle is open. Consecutive requests naming the same region are
 /// resolved once.
 ///
-/// Order of checks per request: shape ([`check_request_shape`]), local
+/// Order of checks per request: shape (`check_request_shape`), local
 /// region known, local range, segment known.
 pub fn validate_batch<L: Clone>(
     requests: &[TransferRequest],
