@@ -607,7 +607,8 @@ impl MooncakeEngine {
         Self::code(py, "get_batch_transfer_status", r)
     }
 
-    /// Starts one write; returns a batch id (> 0) or -1.
+    /// Starts one write; returns a batch id (> 0), or 0 (Mooncake's invalid
+    /// batch id) when it could not be submitted (see `last_error()`).
     #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
     fn transfer_submit_write(
         &self,
@@ -617,13 +618,10 @@ impl MooncakeEngine {
         peer_buffer_address: u64,
         length: u64,
         transport_hint: &str,
-    ) -> i64 {
+    ) -> u64 {
         let _ = transport_hint;
         let op = RawOp { op: Opcode::Write, local_addr: buffer, remote_addr: peer_buffer_address, len: length };
-        match self.submit_async(py, target_hostname, Ok(vec![op])) {
-            Ok(id) => i64::try_from(id).unwrap_or(i64::MAX),
-            Err(e) => Self::code(py, "transfer_submit_write", Err::<(), _>(e)),
-        }
+        self.async_id(py, "transfer_submit_write", target_hostname, Ok(vec![op]))
     }
 
     /// Never blocks: 1 completed, 0 in progress, -1 failed (or unknown id),
