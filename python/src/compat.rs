@@ -349,8 +349,10 @@ impl MooncakeEngine {
         Self::code(py, "unregister_memory", r)
     }
 
-    /// Registers several regions; stops at the first failure and returns -1
-    /// (the ones registered before it stay registered).
+    /// Registers several regions, all or none: the whole batch is checked
+    /// (zero lengths, overlaps inside the batch and with registered memory)
+    /// before anything is registered, so a call returning -1 leaves nothing
+    /// registered.
     #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
     fn batch_register_memory(
         &self,
@@ -364,32 +366,17 @@ impl MooncakeEngine {
             if buffer_addresses.len() != capacities.len() {
                 return Err(invalid("buffer_addresses and capacities have different lengths"));
             }
-            py.allow_threads(|| {
-                for (&a, &n) in buffer_addresses.iter().zip(&capacities) {
-                    // SAFETY: as in `register_memory`.
-                    unsafe { c.register(a, n, None) }?;
-                }
-                Ok(())
-            })
+            let ranges: Vec<(u64, u64)> = buffer_addresses.into_iter().zip(capacities).collect();
+            // SAFETY: as in `register_memory`, for every range.
+            py.allow_threads(|| unsafe { c.register_all(&ranges) })
         });
         Self::code(py, "batch_register_memory", r)
     }
 
-    /// Unregisters several regions; tries all and returns -1 if any failed.
+    /// Unregisters several regions, all or none: every address must be
+    /// registered (and listed once) before any is unregistered.
     fn batch_unregister_memory(&self, py: Python<'_>, buffer_addresses: Vec<u64>) -> i64 {
-        let r = self.core().and_then(|c| {
-            py.allow_threads(|| {
-                let mut first: Result<()> = Ok(());
-                for &a in &buffer_addresses {
-                    if let Err(e) = c.unregister(a) {
-                        if first.is_ok() {
-                            first = Err(e);
-                        }
-                    }
-                }
-                first
-            })
-        });
+        let r = self.core().and_then(|c| py.allow_threads(|| c.unregister_all(&buffer_addresses)));
         Self::code(py, "batch_unregister_memory", r)
     }
 

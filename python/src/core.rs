@@ -214,6 +214,85 @@ impl Core {
         Ok(self.regions.lock().remove(addr).and_then(|e| e.keepalive))
     }
 
+    /// Registers every `(addr, len)` of `ranges` or none of them: the whole
+    /// batch is checked first (zero lengths, null or overflowing ranges,
+    /// overlaps inside the batch and with registered regions), and a
+    /// registration that still fails undoes the ones made before it.
+    ///
+    /// # Safety
+    ///
+    /// As [`Core::register`], for every range.
+    pub(crate) unsafe fn register_all(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        self.live()?;
+        let mut sorted = ranges.to_vec();
+        sorted.sort_unstable();
+        let mut prev_end = 0u64;
+        for (i, &(addr, len)) in sorted.iter().enumerate() {
+            let range = |e: Error| e.with("addr", format_args!("{addr:#x}")).with("len", len);
+            if len == 0 {
+                return Err(range(Error::new(ErrorKind::InvalidRequest, "zero-length region in the batch")));
+            }
+            if addr == 0 {
+                return Err(range(Error::new(ErrorKind::InvalidRequest, "null address in the batch")));
+            }
+            let end = addr
+                .checked_add(len)
+                .ok_or_else(|| range(Error::new(ErrorKind::OutOfBounds, "region wraps around the address space")))?;
+            if i > 0 && addr < prev_end {
+                return Err(range(Error::new(ErrorKind::AlreadyRegistered, "regions of the batch overlap each other")));
+            }
+            prev_end = end;
+        }
+        let mut done = Vec::with_capacity(ranges.len());
+        let r = (|| {
+            let mut regions = self.regions.lock();
+            for &(addr, len) in &sorted {
+                regions.check_free(addr, len)?;
+            }
+            for &(addr, len) in ranges {
+                let size = usize::try_from(len).map_err(|_| Error::new(ErrorKind::OutOfBounds, "length too large"))?;
+                // SAFETY: forwarded from this function's contract.
+                let mem = unsafe { MemoryRegion::from_raw(addr, size) }?;
+                let id = self.engine.register(mem.clone(), Access::REMOTE_RW)?;
+                regions.insert(addr, Entry { id, len, mem, keepalive: None });
+                done.push(addr);
+            }
+            Ok(())
+        })();
+        if r.is_err() {
+            for addr in done {
+                drop(self.unregister(addr));
+            }
+        }
+        r
+    }
+
+    /// Unregisters every region starting at an address of `addrs`, or none:
+    /// each must be registered (and listed once) before any is unregistered.
+    pub(crate) fn unregister_all(&self, addrs: &[u64]) -> Result<()> {
+        self.live()?;
+        {
+            let regions = self.regions.lock();
+            let mut seen = std::collections::HashSet::with_capacity(addrs.len());
+            for &a in addrs {
+                regions.at(a)?;
+                if !seen.insert(a) {
+                    return Err(Error::new(ErrorKind::InvalidRequest, "address listed twice in the batch")
+                        .with("addr", format_args!("{a:#x}")));
+                }
+            }
+        }
+        let mut first = Ok(());
+        for &a in addrs {
+            if let Err(e) = self.unregister(a) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
     /// Copies `src` into registered local memory at `addr`.
     pub(crate) fn write_local(&self, addr: u64, src: &[u8]) -> Result<()> {
         self.live()?;

@@ -38,3 +38,50 @@ def test_transfer_submit_write_failure_is_batch_id_zero(pair):
     while (st := a.transfer_check_status(bid)) == 0:
         pass
     assert st == 1 and np.array_equal(dst[:16], src[:16])
+
+
+def registered_count(e):
+    return dict(e.stats())["regions"]
+
+
+def test_batch_register_memory_is_all_or_nothing(pair):
+    a, _ = pair
+    buf = np.zeros(3 * 65536, dtype=np.uint8)
+    A, B = buf.ctypes.data, buf.ctypes.data + 65536
+    before = registered_count(a)
+    # An overlap inside the batch: nothing is registered, and the retry of
+    # the corrected call works.
+    assert a.batch_register_memory([A, B, A + 100], [4096, 4096, 16]) == -1
+    assert a.last_error().kind == "already_registered"
+    assert registered_count(a) == before
+    # A zero-length entry: the same.
+    assert a.batch_register_memory([A, B], [4096, 0]) == -1
+    assert registered_count(a) == before
+    # Different lengths of the two lists.
+    assert a.batch_register_memory([A, B], [4096]) == -1
+    assert registered_count(a) == before
+    assert a.batch_register_memory([A, B], [4096, 4096]) == 0
+    assert registered_count(a) == before + 2
+    # Overlap with an existing registration: nothing new is registered.
+    C = buf.ctypes.data + 2 * 65536
+    assert a.batch_register_memory([C, B + 8], [4096, 8]) == -1
+    assert a.last_error().kind == "already_registered"
+    assert registered_count(a) == before + 2
+    assert a.batch_register_memory([C], [4096]) == 0
+    assert a.batch_unregister_memory([A, B, C]) == 0
+    assert registered_count(a) == before
+
+
+def test_batch_unregister_memory_is_all_or_nothing(pair):
+    a, _ = pair
+    buf = np.zeros(2 * 65536, dtype=np.uint8)
+    A, B = buf.ctypes.data, buf.ctypes.data + 65536
+    assert a.batch_register_memory([A, B], [4096, 4096]) == 0
+    n = registered_count(a)
+    assert a.batch_unregister_memory([A, B + 1]) == -1, "B + 1 is no region's start"
+    assert a.last_error().kind == "unregistered"
+    assert registered_count(a) == n, "A is still registered"
+    assert a.batch_unregister_memory([A, A]) == -1
+    assert registered_count(a) == n
+    assert a.batch_unregister_memory([A, B]) == 0
+    assert registered_count(a) == n - 2
