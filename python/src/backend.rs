@@ -9,6 +9,16 @@ use transport_core::{Error, ErrorKind, Result, Transport};
 /// (SGLang does) run over TCP on a machine without RDMA.
 pub(crate) const PROTOCOL_ENV: &str = "KVMOVE_PROTOCOL";
 
+/// Mooncake's own switch to use TCP whatever `initialize` asks for
+/// (`MC_FORCE_TCP=1`); honoured when `KVMOVE_PROTOCOL` is not set.
+pub(crate) const FORCE_TCP_ENV: &str = "MC_FORCE_TCP";
+
+/// Whether a value of `MC_FORCE_TCP` forces TCP: any value but empty,
+/// `0`, `false`, `no`, `off` (Mooncake forces TCP whenever it is set).
+pub(crate) fn force_tcp(value: Option<&str>) -> bool {
+    value.is_some_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false" | "no" | "off"))
+}
+
 /// What the caller asked for, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct BackendOptions {
@@ -42,8 +52,11 @@ impl BackendOptions {
             )
             .with("metadata_server", metadata_server));
         }
-        let protocol =
-            std::env::var(PROTOCOL_ENV).ok().filter(|p| !p.is_empty()).unwrap_or_else(|| protocol.to_owned());
+        let protocol = std::env::var(PROTOCOL_ENV)
+            .ok()
+            .filter(|p| !p.is_empty())
+            .or_else(|| force_tcp(std::env::var(FORCE_TCP_ENV).ok().as_deref()).then(|| "tcp".to_owned()))
+            .unwrap_or_else(|| protocol.to_owned());
         let protocol = protocol.trim().to_ascii_lowercase();
         if !matches!(protocol.as_str(), "tcp" | "rdma") {
             return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
@@ -156,7 +169,7 @@ pub(crate) async fn build(cfg: &kvmove::EngineConfig) -> Result<Arc<dyn Transpor
             ErrorKind::Unsupported,
             format!(
                 "this build of kvmove has no RDMA backend (rebuild with the `rdma` feature); \
-                 set {PROTOCOL_ENV}=tcp to run over TCP"
+                 set {PROTOCOL_ENV}=tcp (or {FORCE_TCP_ENV}=1) to run over TCP"
             ),
         ));
     }
@@ -184,6 +197,16 @@ mod tests {
         assert!(split_host_port("h:99999").is_err());
         assert!(split_host_port("h:x").is_err());
         assert!(split_host_port(":80").is_err());
+    }
+
+    #[test]
+    fn force_tcp_values() {
+        for v in ["1", "true", "TRUE", "yes", "on"] {
+            assert!(force_tcp(Some(v)), "{v}");
+        }
+        for v in [None, Some(""), Some("0"), Some("false"), Some("No"), Some("off")] {
+            assert!(!force_tcp(v), "{v:?}");
+        }
     }
 
     #[test]

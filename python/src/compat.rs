@@ -251,7 +251,8 @@ impl MooncakeEngine {
     /// Starts the engine. `local_hostname` is `host` (a free port is picked,
     /// see `get_rpc_port`) or `host:port`; `metadata_server` must be
     /// `"P2PHANDSHAKE"`; `protocol` is `"tcp"` or `"rdma"` (the environment
-    /// variable `KVMOVE_PROTOCOL` overrides it); `device_name` names the RDMA
+    /// variable `KVMOVE_PROTOCOL` overrides it, and Mooncake's `MC_FORCE_TCP=1`
+    /// forces `"tcp"` when that is unset); `device_name` names the RDMA
     /// device (first of a comma-separated list; empty = first device).
     /// `KVMOVE_CONFIG` may name a kvmove TOML config (backend options,
     /// policy) these arguments are applied to; `KVMOVE_POLICY` (JSON)

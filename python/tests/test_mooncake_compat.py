@@ -85,3 +85,32 @@ def test_batch_unregister_memory_is_all_or_nothing(pair):
     assert registered_count(a) == n
     assert a.batch_unregister_memory([A, B]) == 0
     assert registered_count(a) == n - 2
+
+
+def test_mc_force_tcp_runs_rdma_callers_over_tcp(monkeypatch):
+    monkeypatch.delenv("KVMOVE_PROTOCOL", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    if not kvmove._native.HAS_RDMA:
+        e = TransferEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == -1
+        assert e.last_error().kind == "unsupported"
+        assert "MC_FORCE_TCP" in e.last_error().message
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    a, b = TransferEngine(), TransferEngine()
+    try:
+        # What SGLang calls on an RDMA-less machine with Mooncake's switch set.
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0
+        assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0
+        src = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros(4096, dtype=np.uint8)
+        assert a.register_memory(src.ctypes.data, src.nbytes) == 0
+        assert b.register_memory(dst.ctypes.data, dst.nbytes) == 0
+        assert a.transfer_sync_write(b.get_session_id(), src.ctypes.data, dst.ctypes.data, 4096) == 0
+        assert np.array_equal(src, dst)
+    finally:
+        a.close()
+        b.close()
+    if not kvmove._native.HAS_RDMA:
+        monkeypatch.setenv("MC_FORCE_TCP", "0")
+        e = TransferEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1, "MC_FORCE_TCP=0 does not force"
