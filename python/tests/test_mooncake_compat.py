@@ -114,3 +114,43 @@ def test_mc_force_tcp_runs_rdma_callers_over_tcp(monkeypatch):
         monkeypatch.setenv("MC_FORCE_TCP", "0")
         e = TransferEngine()
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == -1, "MC_FORCE_TCP=0 does not force"
+
+
+# Every method of Mooncake's pybind class mooncake.engine.TransferEngine
+# (mooncake-integration/transfer_engine/transfer_engine_py.cpp).
+MOONCAKE_METHODS = [
+    "initialize", "initialize_ext", "get_rpc_port", "allocate_managed_buffer", "free_managed_buffer",
+    "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write", "batch_transfer_sync_read",
+    "batch_transfer_async_write", "batch_transfer_async_read", "transfer_sync", "batch_transfer_sync",
+    "batch_transfer_async", "transfer_write_on_cuda", "transfer_read_on_cuda", "batch_transfer_write_on_cuda",
+    "batch_transfer_read_on_cuda", "get_batch_transfer_status", "transfer_submit_write", "transfer_check_status",
+    "write_bytes_to_buffer", "read_bytes_from_buffer", "register_memory", "unregister_memory",
+    "batch_register_memory", "batch_unregister_memory", "get_local_topology", "get_first_buffer_address",
+    "warmup_efa_segment", "get_notifies", "send_probe", "get_engine", "get_engine_ptr",
+]  # fmt: skip
+
+
+def compat_table():
+    """{method: status} from the README's compatibility table."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## Mooncake compatibility", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[1] not in ("supported", "differs", "not supported"):
+            continue
+        for name in re.findall(r"`(?:TransferEngine\.)?(\w+)", cells[0]):
+            rows.setdefault(name, cells[1])
+    return rows
+
+
+def test_readme_compat_table_lists_every_mooncake_method():
+    table = compat_table()
+    for name in MOONCAKE_METHODS:
+        assert name in table, f"{name} is missing from python/README.md's compatibility table"
+        provided = hasattr(TransferEngine, name)
+        assert provided == (table[name] != "not supported"), f"{name}: table says {table[name]!r}"
+    assert table["TransferOpcode"] == "supported" and TransferEngine.TransferOpcode.Write == 1
