@@ -154,3 +154,43 @@ def test_readme_compat_table_lists_every_mooncake_method():
         provided = hasattr(TransferEngine, name)
         assert provided == (table[name] != "not supported"), f"{name}: table says {table[name]!r}"
     assert table["TransferOpcode"] == "supported" and TransferEngine.TransferOpcode.Write == 1
+
+
+UNMODIFIED_CLIENT = """
+import numpy as np
+from mooncake.engine import TransferEngine
+
+import kvmove.mooncake
+
+assert TransferEngine is kvmove.mooncake.TransferEngine
+decode, prefill = TransferEngine(), TransferEngine()
+assert decode.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+assert prefill.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+dst = np.zeros(8192, dtype=np.uint8)
+src = np.arange(8192, dtype=np.uint8)
+assert decode.register_memory(dst.ctypes.data, dst.nbytes) == 0
+assert prefill.register_memory(src.ctypes.data, src.nbytes) == 0
+session = f"127.0.0.1:{decode.get_rpc_port()}"
+assert prefill.batch_transfer_sync_write(session, [src.ctypes.data], [dst.ctypes.data], [8192]) == 0
+assert np.array_equal(src, dst)
+prefill.close(); decode.close()
+print("ok")
+"""
+
+
+def test_unmodified_mooncake_import_gets_kvmove(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shim = Path(__file__).resolve().parent.parent / "mooncake-shim"
+    env = dict(os.environ, MC_FORCE_TCP="1")
+    env.pop("KVMOVE_PROTOCOL", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(shim), env.get("PYTHONPATH", "")] if p)
+    # From an empty directory, so `kvmove` is the installed package.
+    out = subprocess.run(
+        [sys.executable, "-c", UNMODIFIED_CLIENT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

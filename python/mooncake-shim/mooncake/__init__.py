@@ -1,0 +1,7 @@
+"""kvmove's stand-in for Mooncake's ``mooncake`` package (opt-in).
+
+Put the directory holding this package (``python/mooncake-shim``) first on
+``PYTHONPATH`` and an unmodified ``from mooncake.engine import
+TransferEngine`` gets :class:`kvmove.mooncake.TransferEngine`. Only
+``mooncake.engine`` is provided (not Mooncake's store).
+"""
