@@ -38,9 +38,11 @@ use crate::harness::{Node, NodeOptions};
 use crate::outcome::{CaseError, CaseResult};
 
 /// Heartbeat period of the session engines under test.
-const HEARTBEAT: Duration = Duration::from_millis(50);
-/// A peer silent this long fails its sessions.
-const LIVENESS: Duration = Duration::from_millis(800);
+const HEARTBEAT: Duration = Duration::from_millis(100);
+/// A peer silent this long fails its sessions. Two seconds: in the
+/// soft-RoCE VM a QP bring-up can hold a runtime worker for about a second,
+/// and a live peer's answers must not look like silence.
+const LIVENESS: Duration = Duration::from_millis(2000);
 /// What a timed end may take beyond its timer (scheduling, delivery).
 const SLACK: Duration = Duration::from_secs(1);
 /// How long a session with no fault in its way may take to end once its
