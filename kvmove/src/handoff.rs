@@ -212,6 +212,38 @@ struct Book {
     fail_times: Vec<Instant>,
 }
 
+impl Book {
+    /// The counts and latencies both flows report; `agree` says whether a
+    /// request's final states on the sender and the decode match.
+    fn report(&self, flow: Flow, agree: impl Fn(&str, Option<&str>) -> bool) -> HandoffReport {
+        let mut failed: HashMap<String, usize> = HashMap::new();
+        let mut disagreements = self.bad_bytes;
+        for (k, st) in &self.sender_final {
+            if st != "landed" {
+                *failed.entry(st.clone()).or_default() += 1;
+            }
+            if !agree(st, self.decode_final.get(k).map(String::as_str)) {
+                disagreements += 1;
+            }
+        }
+        let notify_delay: Vec<Duration> = self
+            .finish_at
+            .iter()
+            .filter_map(|(k, f)| self.landed_at_decode.get(k).map(|l| l.saturating_duration_since(*f)))
+            .collect();
+        HandoffReport {
+            flow: flow.name(),
+            landed: self.sender_final.values().filter(|s| *s == "landed").count(),
+            failed,
+            disagreements,
+            grant_wait: Latency::of(self.grant_wait.clone()),
+            time_to_landed: Latency::of(self.landed_at_sender.clone()),
+            notify_delay: Latency::of(notify_delay),
+            ..HandoffReport::default()
+        }
+    }
+}
+
 /// Runs the scenario once with `flow` over the backend of `cfg`.
 pub async fn run(cfg: &EngineConfig, c: &HandoffConfig, flow: Flow) -> Result<HandoffReport> {
     c.validate()?;
@@ -405,46 +437,23 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
     }
     let _ = decode.engine.shutdown().await;
 
-    let b = book.lock();
-    let mut failed: HashMap<String, usize> = HashMap::new();
-    let mut disagreements = b.bad_bytes;
-    for (k, st) in &b.sender_final {
-        if st != "landed" {
-            *failed.entry(st.clone()).or_default() += 1;
-        }
-        if kill_at.is_none() {
-            let d = b.decode_final.get(k).map(String::as_str).unwrap_or("unknown");
-            let same = match (st.as_str(), d) {
+    // After a kill the decode's side is gone: nothing to agree with.
+    let agree = |sender: &str, decode: Option<&str>| {
+        kill_at.is_some()
+            || match (sender, decode.unwrap_or("unknown")) {
                 (a, b) if a == b => true,
                 (a, b) => a.starts_with("failed") && b.starts_with("failed"),
-            };
-            if !same {
-                disagreements += 1;
             }
-        }
-    }
-    let notify_delay: Vec<Duration> = b
-        .finish_at
-        .iter()
-        .filter_map(|(k, f)| b.landed_at_decode.get(k).map(|l| l.saturating_duration_since(*f)))
-        .collect();
-    let slowest_fail_after_kill =
-        kill_at.map(|k| b.fail_times.iter().map(|t| t.saturating_duration_since(k)).max().unwrap_or_default());
-    Ok(HandoffReport {
-        flow: Flow::Sessions.name(),
-        requests: c.requests * c.senders,
-        landed: b.sender_final.values().filter(|s| *s == "landed").count(),
-        failed,
-        disagreements,
-        grant_wait: Latency::of(b.grant_wait.clone()),
-        time_to_landed: Latency::of(b.landed_at_sender.clone()),
-        notify_delay: Latency::of(notify_delay),
-        max_inflight_bytes,
-        max_endpoints,
-        open_at_kill,
-        slowest_fail_after_kill,
-        elapsed,
-    })
+    };
+    let mut r = book.lock().report(Flow::Sessions, agree);
+    r.requests = c.requests * c.senders;
+    r.max_inflight_bytes = max_inflight_bytes;
+    r.max_endpoints = max_endpoints;
+    r.open_at_kill = open_at_kill;
+    r.slowest_fail_after_kill = kill_at
+        .map(|k| book.lock().fail_times.iter().map(|t| t.saturating_duration_since(k)).max().unwrap_or_default());
+    r.elapsed = elapsed;
+    Ok(r)
 }
 
 /// The decode's DONE waiters, by (sender, request id).
@@ -641,36 +650,12 @@ async fn run_today(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<Nod
     }
     let _ = decode.engine.shutdown().await;
 
-    let b = book.lock();
-    let mut failed: HashMap<String, usize> = HashMap::new();
-    let mut disagreements = b.bad_bytes;
-    for (k, st) in &b.sender_final {
-        if st != "landed" {
-            *failed.entry(st.clone()).or_default() += 1;
-        }
-        let d = b.decode_final.get(k).map(String::as_str).unwrap_or("never allocated");
-        if (st == "landed") != (d == "landed") {
-            disagreements += 1;
-        }
-    }
-    let notify_delay: Vec<Duration> = b
-        .finish_at
-        .iter()
-        .filter_map(|(k, f)| b.landed_at_decode.get(k).map(|l| l.saturating_duration_since(*f)))
-        .collect();
-    Ok(HandoffReport {
-        flow: Flow::Today.name(),
-        requests: want,
-        landed: b.sender_final.values().filter(|s| *s == "landed").count(),
-        failed,
-        disagreements,
-        grant_wait: Latency::of(b.grant_wait.clone()),
-        time_to_landed: Latency::of(b.landed_at_sender.clone()),
-        notify_delay: Latency::of(notify_delay),
-        max_inflight_bytes,
-        max_endpoints,
-        open_at_kill: 0,
-        slowest_fail_after_kill: None,
-        elapsed,
-    })
+    // Today the two sides agree only on whether the request landed.
+    let agree = |sender: &str, decode: Option<&str>| (sender == "landed") == (decode == Some("landed"));
+    let mut r = book.lock().report(Flow::Today, agree);
+    r.requests = want;
+    r.max_inflight_bytes = max_inflight_bytes;
+    r.max_endpoints = max_endpoints;
+    r.elapsed = elapsed;
+    Ok(r)
 }
