@@ -50,7 +50,7 @@ pub use policy::{
     PolicyConfig, Reservation, RetryConfig, Sessions, Transfer, TransferOutcome, Usage,
 };
 pub use stats::{Capabilities, ResourceStats};
-pub use transport::Transport;
+pub use transport::{notify_when_completed, Transport};
 pub use transport_mem::{Buffer, MemError, MemoryRegion};
 pub use types::{
     Access, BatchId, BatchState, BatchStatus, Opcode, RegionId, RegionInfo, RequestStatus, SegmentDescriptor,

@@ -150,17 +150,29 @@ pub trait Transport: Send + Sync + 'static {
         segment: SegmentId,
         msg: Vec<u8>,
     ) -> Result<(BatchStatus, Option<Result<()>>)> {
-        check_notification(&msg)?;
-        let status = self.wait(batch).await?;
-        if status.state != crate::types::BatchState::Completed {
-            return Ok((status, None));
-        }
-        let sent = self.notify(segment, msg).await.map_err(|e: Error| e.with("batch", batch.0));
-        Ok((status, Some(sent)))
+        notify_when_completed(self, batch, segment, msg).await
     }
 
     /// Cancels all batches, closes all segments, unregisters all memory and
     /// stops background tasks; returns when all of it is quiet. Later calls
     /// fail with `Shutdown`; a second `shutdown` is `Ok`.
     async fn shutdown(&self) -> Result<()>;
+}
+
+/// The default [`Transport::notify_after`], callable by a backend that
+/// overrides it for some cases only: waits for `batch` and sends `msg` only
+/// if every request completed.
+pub async fn notify_when_completed<T: Transport + ?Sized>(
+    t: &T,
+    batch: BatchId,
+    segment: SegmentId,
+    msg: Vec<u8>,
+) -> Result<(BatchStatus, Option<Result<()>>)> {
+    check_notification(&msg)?;
+    let status = t.wait(batch).await?;
+    if status.state != crate::types::BatchState::Completed {
+        return Ok((status, None));
+    }
+    let sent = t.notify(segment, msg).await.map_err(|e: Error| e.with("batch", batch.0));
+    Ok((status, Some(sent)))
 }

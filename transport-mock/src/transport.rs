@@ -323,18 +323,14 @@ impl Transport for MockTransport {
         segment: SegmentId,
         msg: Vec<u8>,
     ) -> Result<(BatchStatus, Option<Result<()>>)> {
-        check_notification(&msg)?;
         if self.host.bugs.notify_before_landing {
             // The bug: the message goes out first, while the copies run.
+            check_notification(&msg)?;
             let sent = self.notify(segment, msg).await;
             let status = self.wait(batch).await?;
             return Ok((status, Some(sent)));
         }
-        let status = self.wait(batch).await?;
-        if status.state != transport_core::BatchState::Completed {
-            return Ok((status, None));
-        }
-        Ok((status, Some(self.notify(segment, msg).await)))
+        transport_core::notify_when_completed(self, batch, segment, msg).await
     }
 
     async fn shutdown(&self) -> Result<()> {
