@@ -16,6 +16,9 @@
 //!   of a handoff session (rules 12, 13) over `transport_core::Sessions`,
 //!   which also carries the Pythonic API's plain notifications (rule 11);
 //!   the Mooncake API's notifications go straight through the transport.
+//! * `NixlXfer` ([`nixl`]) is a transfer of the NIXL-style agent
+//!   (`kvmove.nixl`): the runtime sends its notification once every request
+//!   completed, so the message never arrives before the data.
 //!
 //! Callers pass raw local addresses; a table of registered regions
 //! ([`regions`]) maps each to `(region, offset)` and refuses anything
@@ -28,6 +31,7 @@ mod core;
 mod errors;
 mod handoff;
 mod native;
+mod nixl;
 mod outcome;
 mod regions;
 
@@ -43,6 +47,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<native::NativeBatch>()?;
     m.add_class::<handoff::NativeHandoff>()?;
     m.add_class::<handoff::NativeSessionWrite>()?;
+    m.add_class::<nixl::NixlXfer>()?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
     m.add("HAS_RDMA", backend::has_rdma())?;
     Ok(())

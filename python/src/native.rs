@@ -16,6 +16,7 @@ use crate::backend::{engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, grant_tuple, timeout_arg, GrantTuple, NativeHandoff};
+use crate::nixl::NixlXfer;
 use crate::outcome::outcome_to_py;
 
 /// Parses a JSON policy (keys of the Rust `PolicyConfig`).
@@ -185,6 +186,35 @@ impl NativeEngine {
             }),
         )?;
         Ok(NativeBatch { core: self.core.clone(), slot: Mutex::new(Slot::Running(t)) })
+    }
+
+    /// NIXL agent: submits `ops` on a segment like `submit`; with
+    /// `notify_peer` and `notify_msg`, the runtime sends the message to that
+    /// peer once every request completed (never after a failure). Returns a
+    /// `NixlXfer`.
+    #[pyo3(signature = (segment, ops, notify_peer = None, notify_msg = None))]
+    fn submit_nixl(
+        &self,
+        py: Python<'_>,
+        segment: u64,
+        ops: Vec<OpTuple>,
+        notify_peer: Option<String>,
+        notify_msg: Option<Vec<u8>>,
+    ) -> PyResult<NixlXfer> {
+        let notify = match (notify_peer, notify_msg) {
+            (Some(p), Some(m)) => Some((p, m)),
+            (None, None) => None,
+            _ => return Err(to_pyerr(py, &invalid("notify_peer and notify_msg go together"))),
+        };
+        let core = &self.core;
+        let raw = raw_ops(&ops);
+        py_result(
+            py,
+            py.allow_threads(|| {
+                let reqs = core.requests(SegmentId(segment), &raw)?;
+                NixlXfer::start(core, reqs, notify)
+            }),
+        )
     }
 
     /// Submits and waits; returns the outcome tuple.

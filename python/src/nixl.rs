@@ -1,0 +1,219 @@
+//! The transfers of the NIXL-style agent (`kvmove.nixl.nixl_agent`).
+//!
+//! A NIXL transfer may carry a notification for the remote agent. Here the
+//! engine's runtime, not Python, sends it: a task waits for the batch and,
+//! only if every request completed (rule 5: the bytes are then in the
+//! destination memory, for writes and reads alike), sends the message to
+//! the peer through the session driver's plain notifications. The handle's
+//! state turns `DONE` only after that send returned (the message is in the
+//! peer's inbox), so a notification is never seen before its data, never
+//! sent for a failed or cancelled batch, and never depends on Python
+//! polling the handle.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pyo3::prelude::*;
+use tokio::sync::watch;
+use transport_core::{check_notification, Error, ErrorKind, Result, Sessions, TransferRequest};
+
+use crate::core::{check_peer_name, Core};
+use crate::errors::to_pyerr;
+use crate::handoff::{bounded, timeout_arg};
+
+/// How long the runtime keeps retrying a notification the peer's full
+/// inbox refused (nothing was queued, so a retry cannot duplicate it).
+const NOTIFY_PATIENCE: Duration = Duration::from_secs(5);
+
+/// How a transfer ended.
+#[derive(Debug, Clone)]
+struct Finished {
+    /// Why it did not complete (or its notification could not be sent).
+    error: Option<Error>,
+    /// From submission to the end (notification included), microseconds.
+    xfer_us: u64,
+}
+
+#[derive(Debug)]
+struct Shared {
+    done: watch::Sender<Option<Finished>>,
+    started: Instant,
+}
+
+impl Shared {
+    fn finish(&self, error: Option<Error>) {
+        let xfer_us = micros(self.started.elapsed());
+        self.done.send_if_modified(|d| {
+            if d.is_some() {
+                return false;
+            }
+            *d = Some(Finished { error, xfer_us });
+            true
+        });
+    }
+}
+
+/// Ends the transfer as shut down if its task is dropped before it
+/// reported (a runtime that stops aborts its tasks), so no handle stays
+/// "in progress" forever.
+struct Reporter(Arc<Shared>);
+
+impl Drop for Reporter {
+    fn drop(&mut self) {
+        self.0.finish(Some(Error::new(ErrorKind::Shutdown, "the engine stopped before the transfer finished")));
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Sends `msg` to `peer`, retrying while its inbox is full.
+async fn notify_patiently(sessions: &Sessions, peer: &str, msg: Vec<u8>) -> Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match sessions.notify(peer, msg.clone()).await {
+            Err(e) if e.kind() == ErrorKind::Backpressure && start.elapsed() + pause < NOTIFY_PATIENCE => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            r => return r.map_err(|e| e.with("while", "sending the transfer's notification")),
+        }
+    }
+}
+
+/// One NIXL transfer: running, or finished with an optional error.
+#[pyclass(module = "kvmove._native", name = "NixlXfer", frozen)]
+#[derive(Debug)]
+pub(crate) struct NixlXfer {
+    core: Arc<Core>,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    start_unix_us: u64,
+    post_us: u64,
+    bytes: u64,
+    descs: u64,
+}
+
+impl NixlXfer {
+    /// Submits `requests` and, with `notify` = `(peer, msg)`, has the
+    /// runtime send `msg` to `peer` once every request completed. Fails
+    /// before anything moves when the message or peer name is invalid or
+    /// the batch is refused (local or remote range outside registered
+    /// memory, closed engine).
+    pub(crate) fn start(
+        core: &Arc<Core>,
+        requests: Vec<TransferRequest>,
+        notify: Option<(String, Vec<u8>)>,
+    ) -> Result<Self> {
+        let sessions = match &notify {
+            Some((peer, msg)) => {
+                check_peer_name(peer)?;
+                check_notification(msg)?;
+                Some(core.sessions()?)
+            }
+            None => None,
+        };
+        let bytes = requests.iter().map(|r| r.len).sum();
+        let descs = requests.len() as u64;
+        let start_unix_us = SystemTime::now().duration_since(UNIX_EPOCH).map(micros).unwrap_or(0);
+        let started = Instant::now();
+        let transfer = core.submit(requests)?;
+        let post_us = micros(started.elapsed());
+        let shared = Arc::new(Shared { done: watch::channel(None).0, started });
+        let (stop, mut stop_rx) = watch::channel(false);
+        let reporter = Reporter(shared.clone());
+        core.spawn(async move {
+            let stopped = async move {
+                if stop_rx.wait_for(|s| *s).await.is_err() {
+                    // The handle is gone without a cancel: let it run.
+                    std::future::pending::<()>().await;
+                }
+            };
+            let mut r = match transfer.wait_or_cancel(stopped).await {
+                Ok(o) => o.into_result().map(drop),
+                Err(e) => Err(e),
+            };
+            if let (Ok(()), Some((peer, msg)), Some(s)) = (&r, notify, sessions) {
+                r = notify_patiently(&s, &peer, msg).await;
+            }
+            reporter.0.finish(r.err());
+        });
+        Ok(Self { core: core.clone(), shared, stop, start_unix_us, post_us, bytes, descs })
+    }
+
+    fn finished(&self) -> Option<Finished> {
+        self.shared.done.borrow().clone()
+    }
+}
+
+fn state_of(f: &Option<Finished>) -> &'static str {
+    match f {
+        None => "PROC",
+        Some(Finished { error: None, .. }) => "DONE",
+        Some(Finished { error: Some(_), .. }) => "ERR",
+    }
+}
+
+#[pymethods]
+impl NixlXfer {
+    /// `"PROC"` while running, `"DONE"` once every request completed and
+    /// the notification (if any) is in the peer's inbox, else `"ERR"`.
+    fn state(&self) -> &'static str {
+        state_of(&self.finished())
+    }
+
+    /// The error of an `"ERR"` transfer (a `kvmove.TransferError`
+    /// instance), else None.
+    fn error(&self, py: Python<'_>) -> Option<PyObject> {
+        let f = self.finished()?;
+        f.error.map(|e| to_pyerr(py, &e).into_value(py).into_any())
+    }
+
+    /// Waits (GIL released) up to `timeout` seconds (None = no limit) for
+    /// the end; returns the state then.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<&'static str> {
+        let r = py.allow_threads(|| {
+            let limit = timeout_arg(timeout)?;
+            let mut rx = self.shared.done.subscribe();
+            bounded(&self.core, limit, async move {
+                let _ = rx.wait_for(Option::is_some).await;
+            })
+            .map(drop)
+        });
+        match r {
+            Ok(()) => Ok(self.state()),
+            // A closed engine ended its transfers: report what they became.
+            Err(e) if e.kind() == ErrorKind::Shutdown => Ok(self.state()),
+            Err(e) => Err(to_pyerr(py, &e)),
+        }
+    }
+
+    /// Cancels what has not completed and waits (GIL released) until the
+    /// transfer is quiet; returns the final state (`"DONE"` if it had
+    /// completed already).
+    fn cancel(&self, py: Python<'_>) -> &'static str {
+        let _ = self.stop.send(true);
+        let mut rx = self.shared.done.subscribe();
+        let core = &self.core;
+        py.allow_threads(|| {
+            // A closed engine has ended (or aborted) the task: it reported.
+            let _ = bounded(core, None, async move {
+                let _ = rx.wait_for(Option::is_some).await;
+            });
+        });
+        self.state()
+    }
+
+    /// `(start_time_us_since_epoch, post_duration_us, xfer_duration_us,
+    /// total_bytes, descriptor_count)`; the duration so far while running.
+    fn telemetry(&self) -> (u64, u64, u64, u64, u64) {
+        let xfer_us = match self.finished() {
+            Some(f) => f.xfer_us,
+            None => micros(self.shared.started.elapsed()),
+        };
+        (self.start_unix_us, self.post_us, xfer_us, self.bytes, self.descs)
+    }
+}
