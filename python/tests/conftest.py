@@ -13,7 +13,7 @@ HERE = Path(__file__).parent
 
 class Peer:
     """A decode-like peer in its own Python process: ``script`` (default
-    kvpeer.py; also notifypeer.py, sessionpeer.py) started as ``script HOST
+    kvpeer.py; also notifypeer.py, sessionpeer.py, nixlpeer.py) started as ``script HOST
     NBYTES PROTOCOL DEVICE``, which prints one JSON line with its
     ``session_id``, ``addr`` and ``len`` and then answers commands."""
 
@@ -30,6 +30,7 @@ class Peer:
         info = json.loads(line)
         if "error" in info:
             raise RuntimeError(f"peer failed to start: {info['error']}")
+        self.info = info  # everything the script printed (nixlpeer.py adds its metadata)
         self.session_id = info["session_id"]
         self.addr = info["addr"]
         self.len = info["len"]

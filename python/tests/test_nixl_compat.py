@@ -1,0 +1,283 @@
+"""kvmove's ``nixl_agent`` (issue 16): NIXL's call shapes and errors,
+notifications never seen before their data, the opt-in ``nixl`` stand-in
+for unmodified programs, and the README's compatibility table."""
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvmove.nixl
+from kvmove.nixl import (
+    nixl_agent,
+    nixl_agent_config,
+    nixlError,
+    nixlInvalidParamError,
+    nixlNotAllowedError,
+    nixlNotFoundError,
+    nixlNotPostedError,
+    nixlNotSupportedError,
+    nixlRegDList,
+    nixlXferDList,
+)
+
+from nixlflows import wait_state
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def pair():
+    a, b = nixl_agent("A"), nixl_agent("B")
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_notification_never_before_data(pair, op):
+    """The remote agent's watcher checks the destination bytes the moment
+    each notification is seen (one process, so it can look at both sides):
+    they must already be the transfer's. Big transfers, so a notification
+    sent early would be seen before the bytes land."""
+    a, b = pair
+    n = 8 << 20
+    mine, theirs = np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+    a.register_memory([(mine.ctypes.data, n, 0, "")], "DRAM")
+    b.register_memory([(theirs.ctypes.data, n, 0, "")], "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())
+    src, dst = (mine, theirs) if op == "WRITE" else (theirs, mine)
+    rounds, seen, stop = 8, [], threading.Event()
+
+    def watch():
+        while not stop.is_set() and len(seen) < rounds:
+            for who, msgs in b.get_new_notifs().items():
+                for m in msgs:
+                    k = int(m.decode())
+                    seen.append((who, k, bool(dst[0] == k % 251 + 1 and dst[-1] == k % 251 + 1 and np.all(dst == k % 251 + 1))))
+            time.sleep(0.0002)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        local = a.get_xfer_descs([(mine.ctypes.data, n, 0)], "DRAM")
+        remote = a.get_xfer_descs([(theirs.ctypes.data, n, 0)], "DRAM")
+        for k in range(rounds):
+            src[:] = k % 251 + 1
+            h = a.initialize_xfer(op, local, remote, "B", str(k).encode())
+            assert a.transfer(h) in ("PROC", "DONE")
+            assert wait_state(a, h) == "DONE"
+            a.release_xfer_handle(h)
+            deadline = time.monotonic() + 10
+            while len(seen) <= k and time.monotonic() < deadline:
+                time.sleep(0.001)
+    finally:
+        stop.set()
+        t.join(10)
+    assert [(w, k) for w, k, _ in seen] == [("A", k) for k in range(rounds)]
+    assert all(ok for _, _, ok in seen), f"a notification was seen before its data: {seen}"
+
+
+def test_config_backends_and_metadata():
+    conf = nixl_agent_config()
+    assert conf.backends == ["UCX"] and conf.num_threads == 0 and not conf.capture_telemetry
+    with pytest.raises(TypeError):
+        nixl_agent_config(backends="UCX")
+    # vLLM's and SGLang's agent creation.
+    a = nixl_agent("vllm", nixl_agent_config(num_threads=4, capture_telemetry=True))
+    b = nixl_agent("sglang")
+    bare = nixl_agent("bare", nixl_agent_config(backends=[]))
+    try:
+        assert list(a.backends) == ["UCX"] and a.get_backend_mem_types("UCX") == ["DRAM"]
+        assert "UCX" in a.get_plugin_list() and "TCP" in a.get_plugin_list()
+        assert a.name == "vllm"
+        with pytest.raises(nixlNotSupportedError, match="not served by kvmove"):
+            a.create_backend("GDS")
+        if "RDMA" in a.get_plugin_list():
+            with pytest.raises(nixlNotAllowedError, match="one protocol per agent"):
+                a.create_backend("RDMA")
+        a.create_backend("TCP", {"num_threads": "4"})  # same protocol: shares the engine
+        assert list(a.backends) == ["UCX", "TCP"]
+        with pytest.raises(nixlInvalidParamError, match="already created"):
+            a.create_backend("TCP")
+        with pytest.raises(nixlNotAllowedError, match="no backend"):
+            bare.get_agent_metadata()
+        bare.create_backend("TCP")
+        assert bare.get_agent_metadata().startswith(b"KVMOVE-NIXL/1\n")
+        assert a.add_remote_agent(b.get_agent_metadata()) == "sglang"
+        assert a.add_remote_agent(b.get_agent_metadata()) == "sglang", "loading again replaces"
+        assert a.check_remote_metadata("sglang") and not a.check_remote_metadata("nobody")
+        for junk in (b"", b"{}", b"KVMOVE-NIXL/1\n{", b"KVMOVE-NIXL/1\n{}"):
+            with pytest.raises(nixlInvalidParamError):
+                a.add_remote_agent(junk)
+        a.remove_remote_agent("sglang")
+        a.remove_remote_agent("sglang")  # unknown: ignored, as NIXL does
+        with pytest.raises(nixlNotFoundError):
+            a.send_notif("sglang", b"x")
+    finally:
+        for x in (a, b, bare):
+            x.close()
+
+
+def test_descriptor_inputs_and_registration(pair):
+    a, _ = pair
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    p = buf.ctypes.data
+    arr = np.array([[p, 4096, 0], [p + 8192, 4096, 0]], dtype=np.uint64)
+    x = a.get_xfer_descs(arr, "DRAM")
+    assert isinstance(x, nixlXferDList) and len(x) == 2 and x[1] == (p + 8192, 4096, 0)
+    assert a.get_xfer_descs(x) is x
+    assert pickle.loads(a.get_serialized_descs(x)) == x
+    assert a.deserialize_descs(a.get_serialized_descs(x)) == x
+    r = a.get_reg_descs([(p, buf.nbytes, 0, "")], "cpu")
+    assert isinstance(r, nixlRegDList) and r.getType() == "DRAM"
+    with pytest.raises(nixlInvalidParamError, match="memory type"):
+        a.get_xfer_descs([(p, 16, 0)])
+    with pytest.raises(nixlInvalidParamError, match="N x 3"):
+        a.get_xfer_descs(np.zeros((2, 2), dtype=np.uint64), "DRAM")
+    with pytest.raises(nixlInvalidParamError, match="descriptor 1"):
+        a.get_xfer_descs([(p, 16, 0), (p,)], "DRAM")
+    with pytest.raises(nixlInvalidParamError, match="registration list"):
+        a.get_xfer_descs(r)
+    with pytest.raises(nixlNotSupportedError, match="host memory only"):
+        a.get_reg_descs([(p, 16, 0, "")], "VRAM")
+
+    before = a._engine.stats()["registered"]
+    a.register_memory(r, backends=["UCX"])
+    assert a._engine.stats()["registered"] == before + 1
+    with pytest.raises(nixlError):
+        a.register_memory([(p + 100, 16, 0, "")], "DRAM")  # overlaps
+    with pytest.raises(nixlNotFoundError):
+        a.register_memory(r, backends=["LIBFABRIC"])
+    a.deregister_memory(r)
+    assert a._engine.stats()["registered"] == before
+    with pytest.raises(nixlNotFoundError):
+        a.deregister_memory(r)
+
+
+def test_handles_notifications_and_loopback(pair):
+    a, b = pair
+    src, dst = np.arange(1 << 16, dtype=np.uint32).view(np.uint8), np.zeros(1 << 18, dtype=np.uint8)
+    a.register_memory([(src.ctypes.data, src.nbytes, 0, ""), (dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    # Loopback: the agent's own name as the remote side.
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", [(src.ctypes.data, src.nbytes, 0)], "DRAM")
+    remote = a.prep_xfer_dlist("A", [(dst.ctypes.data, dst.nbytes, 0)], "DRAM")
+    h = a.make_prepped_xfer("WRITE", local, [0], remote, [0], "to myself")
+    with pytest.raises(nixlNotPostedError):
+        a.check_xfer_state(h)
+    assert a.transfer(h) in ("PROC", "DONE")
+    assert wait_state(a, h) == "DONE" and np.array_equal(src, dst)
+    assert a.query_xfer_backend(h) == "UCX"
+    # A finished handle can be posted again, with a new message.
+    dst[:] = 0
+    assert a.transfer(h, b"again") in ("PROC", "DONE")
+    assert wait_state(a, h) == "DONE" and np.array_equal(src, dst)
+    assert a.check_remote_xfer_done("A", b"to my")
+    assert a.check_remote_xfer_done("A", b"gai", tag_is_prefix=False)
+    assert not a.check_remote_xfer_done("A", b"to my")
+    a.release_xfer_handle(h)
+    with pytest.raises(nixlInvalidParamError, match="released"):
+        a.transfer(h)
+
+    a.add_remote_agent(b.get_agent_metadata())
+    with pytest.raises(nixlInvalidParamError, match="too long"):
+        a.send_notif("B", b"x" * 4096)
+    a.send_notif("B", "text is sent as UTF-8")
+    a.send_notif("B", b"\x00binary")
+    got = {}
+    deadline = time.monotonic() + 10
+    while sum(map(len, got.values())) < 2 and time.monotonic() < deadline:
+        got = dict(b.update_notifs())
+        time.sleep(0.001)
+    assert got == {"A": [b"text is sent as UTF-8", b"\x00binary"]}
+
+
+UNMODIFIED_CLIENT = """
+import time
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
+from nixl._bindings import nixlXferTelemetry
+
+import kvmove.nixl
+
+assert nixl_agent is kvmove.nixl.nixl_agent and nixlXferTelemetry is kvmove.nixl.nixlXferTelemetry
+decode = nixl_agent("decode", nixl_agent_config(num_threads=4, capture_telemetry=True))
+prefill = nixl_agent("prefill")
+src, dst = np.arange(8192, dtype=np.uint8), np.zeros(8192, dtype=np.uint8)
+prefill.register_memory(prefill.get_reg_descs([(src.ctypes.data, 8192, 0, "")], "DRAM"))
+decode.register_memory(decode.get_reg_descs([(dst.ctypes.data, 8192, 0, "")], "DRAM"))
+peer = prefill.add_remote_agent(decode.get_agent_metadata())
+h = prefill.initialize_xfer("WRITE", prefill.get_xfer_descs([(src.ctypes.data, 8192, 0)], "DRAM"),
+                            prefill.get_xfer_descs([(dst.ctypes.data, 8192, 0)], "DRAM"), peer, b"room_kv_0_1")
+assert prefill.transfer(h) != "ERR"
+while prefill.check_xfer_state(h) == "PROC":
+    time.sleep(0.001)
+assert isinstance(prefill.get_xfer_telemetry(h), nixlXferTelemetry)
+got = {}
+for _ in range(5000):
+    got = decode.get_new_notifs()
+    if got:
+        break
+    time.sleep(0.001)
+assert got == {"prefill": [b"room_kv_0_1"]}, got
+assert np.array_equal(src, dst)
+prefill.close(); decode.close()
+print("ok")
+"""
+
+
+def test_unmodified_nixl_import_gets_kvmove(tmp_path):
+    shim = HERE.parent / "nixl-shim"
+    env = dict(os.environ)
+    env.pop("KVMOVE_PROTOCOL", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(shim), env.get("PYTHONPATH", "")] if p)
+    # From an empty directory, so `kvmove` is the installed package.
+    out = subprocess.run(
+        [sys.executable, "-c", UNMODIFIED_CLIENT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+# Every method of NIXL's nixl_agent (src/api/python/_api.py), in its order.
+NIXL_METHODS = [
+    "get_plugin_list", "get_plugin_mem_types", "get_plugin_params", "get_backend_mem_types",
+    "get_backend_params", "create_backend", "register_memory", "deregister_memory", "query_memory",
+    "make_connection", "prep_xfer_dlist", "estimate_xfer_cost", "make_prepped_xfer", "initialize_xfer",
+    "transfer", "check_xfer_state", "get_xfer_telemetry", "query_xfer_backend", "release_xfer_handle",
+    "release_dlist_handle", "prep_mem_view", "release_mem_view", "get_new_notifs", "update_notifs",
+    "check_remote_xfer_done", "send_notif", "get_agent_metadata", "get_partial_agent_metadata",
+    "add_remote_agent", "remove_remote_agent", "send_local_metadata", "send_partial_agent_metadata",
+    "fetch_remote_metadata", "invalidate_local_metadata", "check_remote_metadata", "get_xfer_descs",
+    "get_remote_descs", "get_reg_descs", "get_serialized_descs", "deserialize_descs",
+]  # fmt: skip
+
+
+def nixl_table():
+    """{method: status} from the README's NIXL compatibility table."""
+    import re
+
+    text = (HERE.parent / "README.md").read_text()
+    section = text.split("## NIXL compatibility", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[1] not in ("supported", "differs", "not supported"):
+            continue
+        for name in re.findall(r"`(\w+)", cells[0]):
+            rows.setdefault(name, cells[1])
+    return rows
+
+
+def test_readme_compat_table_lists_every_nixl_method():
+    table = nixl_table()
+    for name in NIXL_METHODS:
+        assert name in table, f"{name} is missing from python/README.md's NIXL compatibility table"
+        provided = hasattr(kvmove.nixl.nixl_agent, name)
+        assert provided == (table[name] != "not supported"), f"{name}: table says {table[name]!r}"

@@ -1,0 +1,212 @@
+"""Two-process tests of kvmove's ``nixl_agent`` (issue 16) in the call
+orders of vLLM's and SGLang's NIXL connectors, over TCP on loopback: every
+byte checked, notifications checked against the data when they arrive, a
+peer killed and restarted, bad descriptors."""
+
+import json
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvmove.nixl import (
+    nixl_agent,
+    nixl_agent_config,
+    nixlInvalidParamError,
+    nixlMismatchError,
+    nixlNotFoundError,
+    nixlNotSupportedError,
+    nixlRemoteDisconnectError,
+    nixlError,
+)
+
+from nixlflows import (
+    BLOCK,
+    BLOCKS,
+    LAYERS,
+    NBYTES,
+    REGION,
+    expect_read,
+    pairs_arg,
+    register_kv,
+    sglang_write,
+    vllm_handshake,
+    vllm_read,
+    wait_state,
+)
+from nixlpeer import pattern
+
+
+@pytest.fixture
+def agents():
+    made = []
+
+    def make(*args, **kw):
+        a = nixl_agent(*args, **kw)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def nixl_peer(spawn_peer):
+    return spawn_peer(nbytes=NBYTES, script="nixlpeer.py")
+
+
+def test_vllm_decode_reads_from_prefill(spawn_peer, agents):
+    """vLLM: decode registers, loads prefill's metadata, prepares both block
+    lists, READs a request's blocks of every layer with the notification
+    "req:tp", polls to DONE; prefill sees the notification keyed by decode's
+    agent name. Then a full prefix hit: send_notif only."""
+    prefill = nixl_peer(spawn_peer)
+    assert prefill.ask("fill 11") == "ok"
+    decode = agents(str(uuid.uuid4()), nixl_agent_config(num_threads=4, capture_telemetry=True))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    assert name == prefill.info["name"] and decode.check_remote_metadata(name)
+
+    local_blocks, remote_blocks = [0, 1, 2, 3, 7], [3, 5, 6, 9, 15]
+    want = expect_read(kv, 11, local_blocks, remote_blocks)
+    st, tel = vllm_read(decode, local, remote, local_blocks, remote_blocks, b"req-1:1")
+    assert st == "DONE"
+    assert np.array_equal(kv, want), "every byte of the READ landed, nothing else changed"
+    assert tel.totalBytes == len(local_blocks) * 2 * LAYERS * BLOCK
+    assert tel.descCount == len(local_blocks) * 2 * LAYERS
+    assert tel.xferDuration >= tel.postDuration >= 0 and tel.startTime > 0
+    assert json.loads(prefill.ask("notifs 1 10")) == [[decode.name, "req-1:1"]]
+
+    # Full prefix-cache hit: nothing to read, just tell prefill.
+    decode.send_notif(name, notif_msg=b"req-2:1")
+    # A second request reads other blocks; prefill frees on its notification.
+    want = expect_read(kv, 11, [8, 9], [0, 1])
+    st, _ = vllm_read(decode, local, remote, [8, 9], [0, 1], b"req-3:1")
+    assert st == "DONE" and np.array_equal(kv, want)
+    assert json.loads(prefill.ask("notifs 2 10")) == [[decode.name, "req-2:1"], [decode.name, "req-3:1"]]
+
+    # vLLM's shutdown order.
+    decode.release_dlist_handle(local)
+    decode.release_dlist_handle(remote)
+    decode.remove_remote_agent(name)
+    assert not decode.check_remote_metadata(name)
+
+
+def test_sglang_prefill_writes_layer_by_layer(spawn_peer, agents):
+    """SGLang: prefill loads decode's metadata and, chunk by chunk (one per
+    layer here), initialize_xfer("WRITE", ..., notif) + transfer without
+    waiting; decode checks each layer's pages the moment its notification
+    is seen; prefill polls check_xfer_state until every handle is DONE."""
+    decode = nixl_peer(spawn_peer)
+    prefill = agents(str(uuid.uuid4()))  # SGLang passes no config: backend "UCX"
+    kv = pattern(21, NBYTES)
+    register_kv(prefill, kv)
+    name = prefill.add_remote_agent(bytes.fromhex(decode.info["metadata"]))
+    pairs = [(0, 5), (1, 6), (2, 7), (9, 0), (15, 15)]
+    for room in (1001, 1002):
+        decode.proc.stdin.write(f"watch {LAYERS} 20 21 {pairs_arg(pairs)}\n")
+        decode.proc.stdin.flush()
+        states = sglang_write(prefill, kv, name, decode, room, pairs)
+        assert states == ["DONE"] * LAYERS
+        seen = json.loads(decode.read_line())
+        # Transfers posted together may finish (and notify) in any order:
+        # SGLang keeps the chunks it received in a set.
+        assert sorted(m for _, m, _ in seen) == [f"{room}_kv_{l}_{int(l == LAYERS - 1)}" for l in range(LAYERS)]
+        assert all(who == prefill.name for who, _, _ in seen)
+        assert all(ok for _, _, ok in seen), f"a notification arrived before its layer's bytes: {seen}"
+
+
+def test_peer_killed_and_restarted(spawn_peer, agents, monkeypatch):
+    """Prefill is killed: decode's READ fails with an error (no hang, no
+    DONE); after remove_remote_agent and add_remote_agent of the restarted
+    prefill's metadata, reads work again and notifications reach it."""
+    monkeypatch.setenv("KVMOVE_POLICY", json.dumps({"retry": {"max_attempts": 2}}))
+    prefill = nixl_peer(spawn_peer)
+    assert prefill.ask("fill 3") == "ok"
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    st, _ = vllm_read(decode, local, remote, [0], [1], b"a:1")
+    assert st == "DONE"
+    assert json.loads(prefill.ask("notifs 1 10")) == [[decode.name, "a:1"]]
+
+    prefill.kill()
+    start = time.monotonic()
+    with pytest.raises(nixlError) as info:
+        vllm_read(decode, local, remote, [1], [2], b"b:1")
+    assert time.monotonic() - start < 60
+    assert isinstance(info.value, nixlRemoteDisconnectError), repr(info.value)
+    decode.release_dlist_handle(remote)
+    decode.remove_remote_agent(name)
+
+    again = nixl_peer(spawn_peer)
+    assert again.ask("fill 4") == "ok"
+    name2, remote2 = vllm_handshake(decode, again)
+    assert name2 != name
+    want = expect_read(kv, 4, [2, 3], [10, 11])
+    st, _ = vllm_read(decode, local, remote2, [2, 3], [10, 11], b"c:1")
+    assert st == "DONE" and np.array_equal(kv, want)
+    assert json.loads(again.ask("notifs 1 10")) == [[decode.name, "c:1"]]
+
+
+def test_bad_descriptors(spawn_peer, agents):
+    """Descriptors outside registered memory, bad indices and lengths are
+    refused with clear errors before anything moves; a transfer against
+    stale metadata fails and sends no notification; VRAM is refused."""
+    prefill = nixl_peer(spawn_peer)
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    end = prefill.info["regions"][-1] + REGION
+
+    with pytest.raises(nixlNotFoundError, match="not inside memory agent"):
+        decode.prep_xfer_dlist(name, decode.get_xfer_descs([(end - 8, 16, 0)], "DRAM"))
+    with pytest.raises(nixlNotFoundError, match="not inside registered memory"):
+        decode.prep_xfer_dlist("NIXL_INIT_AGENT", [(kv.ctypes.data + NBYTES - 8, 16, 0)], "DRAM")
+    with pytest.raises(nixlNotFoundError):
+        decode.initialize_xfer(
+            "WRITE",
+            decode.get_xfer_descs([(kv.ctypes.data, 16, 0)], "DRAM"),
+            decode.get_xfer_descs([(4096, 16, 0)], "DRAM"),
+            name,
+            b"never",
+        )
+    with pytest.raises(nixlNotFoundError, match="unknown remote agent"):
+        decode.prep_xfer_dlist("nobody", [(end - 16, 16, 0)], "DRAM")
+    with pytest.raises(nixlInvalidParamError, match="outside the prepared list"):
+        decode.make_prepped_xfer("READ", local, [0], remote, [REGIONS_TOTAL], b"never")
+    with pytest.raises(nixlInvalidParamError, match="READ"):
+        decode.make_prepped_xfer("COPY", local, [0], remote, [0])
+    short = decode.prep_xfer_dlist(name, [(prefill.info["addr"], BLOCK // 2, 0)], "DRAM")
+    with pytest.raises(nixlMismatchError):
+        decode.make_prepped_xfer("READ", local, [0], short, [0])
+    with pytest.raises(nixlNotSupportedError, match="host memory only"):
+        decode.register_memory([(kv.ctypes.data, 16, 0, "")], "VRAM")
+    with pytest.raises(nixlNotSupportedError, match="host memory only"):
+        decode.get_xfer_descs([(kv.ctypes.data, 16, 0)], "VRAM")
+
+    # Stale metadata: prefill deregistered region 0 after sending it. The
+    # READ is refused by prefill's engine; no notification is sent.
+    assert prefill.ask("dereg 0") == "ok"
+    h = decode.make_prepped_xfer("READ", local, [0], remote, [0], b"stale:1")
+    with pytest.raises(nixlError) as info:
+        decode.transfer(h)
+        while decode.check_xfer_state(h) == "PROC":
+            time.sleep(0.001)
+    assert info.value.kind in ("out_of_bounds", "unregistered", "not_found"), repr(info.value)
+    decode.release_xfer_handle(h)
+    # A good transfer still works, and its notification is the only one.
+    assert prefill.ask("fill 8") == "ok"
+    h = decode.make_prepped_xfer("READ", local, [BLOCKS + 1], remote, [BLOCKS + 2], b"good:1")
+    assert decode.transfer(h) in ("PROC", "DONE")
+    assert wait_state(decode, h) == "DONE"
+    decode.release_xfer_handle(h)
+    assert np.array_equal(kv[REGION + BLOCK : REGION + 2 * BLOCK], pattern(8, NBYTES)[REGION + 2 * BLOCK : REGION + 3 * BLOCK])
+    assert json.loads(prefill.ask("notifs 2 1.5")) == [[decode.name, "good:1"]]
+
+
+REGIONS_TOTAL = 2 * LAYERS * BLOCKS
