@@ -12,6 +12,8 @@
 //! * [`MemoryRegion::from_raw`]: memory owned by someone else (an inference
 //!   engine's tensors, a Python buffer). It is `unsafe`, and its `# Safety`
 //!   section is the contract the caller keeps.
+//! * [`PageBuf`]: scratch memory mapped from the kernel and unmapped on
+//!   drop, for buffers whose pages must go back to the OS after a burst.
 //!
 //! Every access goes through [`MemoryRegion::read_at`] / [`MemoryRegion::write_at`]
 //! which check offset, length and overflow before touching a byte, so a
@@ -24,7 +26,9 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+mod pages;
 mod region;
 
 pub use buffer::Buffer;
+pub use pages::PageBuf;
 pub use region::{MemError, MemoryRegion};
