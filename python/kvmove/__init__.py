@@ -1,11 +1,13 @@
 """kvmove: a KV-cache transfer engine for LLM inference (TCP or RDMA).
 
-Two APIs over one Rust engine (retry, deadlines, circuit breaker,
+Three APIs over one Rust engine (retry, deadlines, circuit breaker,
 backpressure and memory checks built in):
 
 * ``kvmove.TransferEngine`` (also ``kvmove.mooncake.TransferEngine``) answers
   the calls SGLang and vLLM make on Mooncake's
   ``mooncake.engine.TransferEngine``, with its integer return codes.
+* ``kvmove.nixl.nixl_agent`` answers the calls vLLM's and SGLang's NIXL
+  connectors make on NIXL's ``nixl._api.nixl_agent`` (host memory).
 * ``kvmove.Engine`` is the Pythonic API: context managers that unregister
   memory and close sessions, batches with ``poll`` / ``wait`` / ``cancel``,
   layer-by-layer submission, and exceptions with ``.kind`` and
