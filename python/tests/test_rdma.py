@@ -93,3 +93,51 @@ def test_rdma_pythonic_engine():
                     lt.submit_layer([(rs.at(layer * step), rd.at(layer * step), step)])
                 lt.wait()
         assert np.array_equal(src, dst)
+
+
+def test_rdma_nixl_agents():
+    """kvmove's nixl_agent over the RDMA backend, two processes: vLLM's
+    order (decode READs prefill's blocks with a notification) and SGLang's
+    (prefill WRITEs layer by layer with notifications that decode checks
+    against the bytes when each arrives)."""
+    import json
+    import uuid
+
+    from conftest import Peer
+    from kvmove.nixl import nixl_agent, nixl_agent_config
+
+    from nixlflows import LAYERS, NBYTES, expect_read, pairs_arg, register_kv, sglang_write, vllm_handshake, vllm_read
+
+    peers = []
+    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+    try:
+        agent.create_backend("RDMA", {"device": DEVICE})
+        kv = pattern(21, NBYTES)
+        _, local = register_kv(agent, kv)
+
+        # vLLM: this agent is decode, the peer prefill.
+        prefill = Peer("127.0.0.1", NBYTES, "rdma", DEVICE, "nixlpeer.py")
+        peers.append(prefill)
+        assert prefill.ask("fill 11") == "ok"
+        name, remote = vllm_handshake(agent, prefill)
+        want = expect_read(kv, 11, [0, 1, 2, 3], [3, 5, 6, 9])
+        st, tel = vllm_read(agent, local, remote, [0, 1, 2, 3], [3, 5, 6, 9], b"req-1:1")
+        assert st == "DONE" and np.array_equal(kv, want) and tel.totalBytes > 0
+        assert json.loads(prefill.ask("notifs 1 20")) == [[agent.name, "req-1:1"]]
+
+        # SGLang: this agent is prefill, the peer decode.
+        kv[:] = pattern(21, NBYTES)
+        decode = Peer("127.0.0.1", NBYTES, "rdma", DEVICE, "nixlpeer.py")
+        peers.append(decode)
+        dname = agent.add_remote_agent(bytes.fromhex(decode.info["metadata"]))
+        pairs = [(0, 5), (1, 6), (9, 0), (15, 15)]
+        decode.proc.stdin.write(f"watch {LAYERS} 30 21 {pairs_arg(pairs)}\n")
+        decode.proc.stdin.flush()
+        assert sglang_write(agent, kv, dname, decode, 7, pairs) == ["DONE"] * LAYERS
+        seen = json.loads(decode.read_line())
+        assert sorted(m for _, m, _ in seen) == [f"7_kv_{l}_{int(l == LAYERS - 1)}" for l in range(LAYERS)]
+        assert all(ok for _, _, ok in seen), f"a notification arrived before its layer's bytes: {seen}"
+    finally:
+        for p in peers:
+            p.stop()
+        agent.close()
