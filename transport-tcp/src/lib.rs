@@ -103,6 +103,7 @@
 
 mod auth;
 mod batch;
+mod bufs;
 mod config;
 mod conn;
 mod driver;
@@ -115,6 +116,7 @@ mod server;
 mod transport;
 
 pub use config::TcpConfig;
+pub use server::{IDLE_CONNECTION_BOUND, SERVED_CONNECTION_BOUND};
 pub use transport::{TcpTransport, NOTIFY_TIMEOUT};
 
 /// The frame codec, exposed for fuzzing and tests: arbitrary bytes fed to

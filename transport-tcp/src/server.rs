@@ -19,15 +19,36 @@ use transport_core::lifecycle::TaskSet;
 use transport_core::{check_received, Inbox, Notification, Refused};
 
 use crate::auth::{self, Role};
+use crate::bufs::{BufPool, OutBuf};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::regions::RegionTable;
 
-/// Output gathered before one `write` when answers are small.
-const OUT_FLUSH: usize = 256 << 10;
-/// READ answers larger than this are copied and sent in chunks of it.
+/// A connection's output buffer: answers gathered before one `write`. A
+/// READ answer up to `STREAM` fits in it whole.
+const OUT_BUF: usize = 256 << 10;
+/// READ answers larger than this are copied and sent in chunks of it; a
+/// WRITE payload is received in chunks of it (the staging buffer).
 const STREAM: usize = 128 << 10;
+/// A connection's read buffer (frame headers and small payloads; larger
+/// payloads are read straight into the staging buffer).
+const READ_BUF: usize = 16 << 10;
+/// Output and staging buffers kept for reuse while unused, each; beyond
+/// them a returned buffer is unmapped.
+const POOLED: usize = 32;
+/// Memory one handshaken connection may hold at most while it works: its
+/// output buffer, a staging buffer, its read buffer, one NOTIFY payload,
+/// and the task, socket and bookkeeping around them. An idle connection
+/// holds only its read buffer and that bookkeeping (`IDLE_CONNECTION_BOUND`).
+/// `tests/memory.rs` measures both against a server process.
+pub const SERVED_CONNECTION_BOUND: usize = OUT_BUF + STREAM + IDLE_CONNECTION_BOUND + proto::MAX_NOTIFY_PAYLOAD;
+
+/// Memory one handshaken connection holds at most while it waits for a
+/// request with nothing to send: its read buffer, and about 48 KiB for its
+/// task, socket registration and bookkeeping (measured: 33 KiB).
+pub const IDLE_CONNECTION_BOUND: usize = READ_BUF + (48 << 10);
+
 /// Connections refused at `max_connections` that may be answered `Busy` at
 /// once (each for at most `REFUSE_WAIT`); beyond this, a refused connection
 /// gets the answer only if its socket takes it at once, then is closed.
@@ -144,6 +165,10 @@ pub(crate) struct Server {
     refusing: Mutex<HashMap<u64, JoinHandle<()>>>,
     counts: Arc<Mutex<Counts>>,
     next_conn: AtomicU64,
+    /// Output buffers (`OUT_BUF` each), lent to connections with answers due.
+    out_bufs: Arc<BufPool>,
+    /// Staging buffers (`STREAM` each), lent for the time of one WRITE.
+    stage_bufs: Arc<BufPool>,
 }
 
 /// Why a connection is closed (logged; never crashes the server).
@@ -177,6 +202,8 @@ impl Server {
             refusing: Mutex::new(HashMap::new()),
             counts: Arc::default(),
             next_conn: AtomicU64::new(0),
+            out_bufs: BufPool::new(OUT_BUF, POOLED),
+            stage_bufs: BufPool::new(STREAM, POOLED),
         })
     }
 
@@ -340,8 +367,8 @@ impl Server {
             tracing::info!(%peer, authenticated = self.cfg.secret.is_some(), "peer connected");
         }
         let (r, mut w) = s.into_split();
-        let mut r = BufReader::with_capacity(OUT_FLUSH, r);
-        let mut out: Vec<u8> = Vec::with_capacity(OUT_FLUSH);
+        let mut r = BufReader::with_capacity(READ_BUF, r);
+        let mut out = OutBuf::new(self.out_bufs.clone());
         let e = match self.requests(&mut r, &mut w, &mut out).await {
             Ok(never) => match never {},
             Err(e) => e,
@@ -355,7 +382,7 @@ impl Server {
             Close::Io(io) => io.kind() == std::io::ErrorKind::UnexpectedEof,
         };
         if read_side && !out.is_empty() {
-            let _ = tokio::time::timeout(self.cfg.connect_timeout, w.write_all(&out)).await;
+            let _ = tokio::time::timeout(self.cfg.connect_timeout, w.write_all(out.as_slice())).await;
         }
         Err(e)
     }
@@ -376,10 +403,19 @@ impl Server {
 
     /// Writes `out` and empties it, whether or not the write succeeded (so
     /// no byte is ever sent twice).
-    async fn flush(w: &mut OwnedWriteHalf, out: &mut Vec<u8>) -> std::io::Result<()> {
-        let r = w.write_all(out).await;
+    async fn flush(w: &mut OwnedWriteHalf, out: &mut OutBuf) -> std::io::Result<()> {
+        let r = w.write_all(out.as_slice()).await;
         out.clear();
         r
+    }
+
+    /// Makes room for `need` more bytes in `out` (at most its capacity),
+    /// sending what it holds if they would not fit.
+    async fn room(&self, w: &mut OwnedWriteHalf, out: &mut OutBuf, need: usize) -> Result<(), Close> {
+        if out.room() < need {
+            self.idle(Self::flush(w, out)).await?;
+        }
+        Ok(())
     }
 
     /// Offers a received NOTIFY payload to the inbox; the status to answer.
@@ -407,19 +443,23 @@ impl Server {
 
     /// Serves requests until the connection ends (always with an error:
     /// a close by the peer is an `UnexpectedEof`). Answers are gathered in
-    /// `out`; what is left there on return was never sent.
+    /// `out`; what is left there on return was never sent. Scratch buffers
+    /// are borrowed from the server's pools only while a frame is in hand,
+    /// and `out`'s is given back whenever the connection waits with nothing
+    /// to send.
     async fn requests(
         &self,
         r: &mut BufReader<OwnedReadHalf>,
         w: &mut OwnedWriteHalf,
-        out: &mut Vec<u8>,
+        out: &mut OutBuf,
     ) -> Result<std::convert::Infallible, Close> {
-        let mut staging: Vec<u8> = Vec::new();
-        let mut chunk: Vec<u8> = Vec::new();
         let mut note: Vec<u8> = Vec::new();
         loop {
-            if r.buffer().is_empty() && !out.is_empty() {
-                self.idle(Self::flush(w, out)).await?;
+            if r.buffer().is_empty() {
+                if !out.is_empty() {
+                    self.idle(Self::flush(w, out)).await?;
+                }
+                out.release();
             }
             let mut b = [0u8; HEADER_LEN];
             self.idle(r.read_exact(&mut b)).await?;
@@ -434,29 +474,36 @@ impl Server {
                     a.id = h.id;
                     a.generation = self.generation;
                     a.payload_len = regions.len() as u32;
-                    a.encode_into(out);
-                    out.extend_from_slice(&regions);
+                    let need = HEADER_LEN + regions.len();
+                    self.room(w, out, need).await?;
+                    if need <= out.room() {
+                        out.push(&a.encode())?;
+                        out.push(&regions)?;
+                    } else {
+                        // Larger than the whole output buffer: it goes out
+                        // on its own (`out` is empty here).
+                        self.idle(w.write_all(&a.encode())).await?;
+                        self.idle(w.write_all(&regions)).await?;
+                    }
                 }
                 FrameType::Write => {
-                    // The payload is received in cache-sized chunks, each
-                    // applied as soon as it is in hand (a check failure
-                    // drains the rest and answers the error). Before every
-                    // chunk the connection is checked for a reset: a client
-                    // that gave up on this write resets the connection, and
-                    // bytes that arrive with the reset behind them are
-                    // dropped, never applied.
+                    // The payload is received in chunks of a pooled staging
+                    // buffer, each applied as soon as it is in hand (a check
+                    // failure drains the rest and answers the error). Before
+                    // every chunk the connection is checked for a reset: a
+                    // client that gave up on this write resets the
+                    // connection, and bytes that arrive with the reset
+                    // behind them are dropped, never applied.
                     let n = h.payload_len as usize;
                     let mut status = if h.generation != self.generation {
                         Err(Status::StaleGeneration)
                     } else {
                         self.regions.remote(h.addr, h.len, true)
                     };
+                    let mut staging = self.stage_bufs.take()?;
                     let mut done = 0usize;
                     while done < n {
-                        let k = (n - done).min(STREAM);
-                        if staging.len() < k {
-                            staging.resize(k, 0);
-                        }
+                        let k = (n - done).min(staging.len());
                         self.idle(r.read_exact(&mut staging[..k])).await?;
                         if let Some(e) = r.get_ref().as_ref().take_error()? {
                             return Err(Close::Io(e));
@@ -468,83 +515,77 @@ impl Server {
                         }
                         done += k;
                     }
+                    drop(staging);
                     let mut a = Header::new(FrameType::WriteAck);
                     a.id = h.id;
                     a.status = status.err().unwrap_or(Status::Ok);
-                    a.encode_into(out);
+                    self.room(w, out, HEADER_LEN).await?;
+                    out.push(&a.encode())?;
                 }
-                FrameType::Read if h.len as usize > STREAM && h.generation == self.generation => {
-                    // Large answers stream in chunks, each copied (under the
-                    // region's gate) just before it is sent.
-                    let region = match self.regions.remote(h.addr, h.len, false) {
-                        Ok(r) => r,
+                FrameType::Read => {
+                    let mut a = Header::new(FrameType::ReadResp);
+                    a.id = h.id;
+                    let region = if h.generation != self.generation {
+                        Err(Status::StaleGeneration)
+                    } else {
+                        self.regions.remote(h.addr, h.len, false)
+                    };
+                    let region = match region {
+                        Ok(region) => region,
                         Err(status) => {
-                            let mut a = Header::new(FrameType::ReadResp);
-                            a.id = h.id;
                             a.status = status;
-                            a.encode_into(out);
+                            self.room(w, out, HEADER_LEN).await?;
+                            out.push(&a.encode())?;
                             continue;
                         }
                     };
-                    let start = out.len();
-                    let mut a = Header::new(FrameType::ReadResp);
-                    a.id = h.id;
+                    // The decoder bounded `len` by `max_frame`.
+                    let n = h.len as usize;
                     a.len = h.len;
-                    a.payload_len = h.len as u32;
-                    a.encode_into(out);
-                    // The answers gathered so far and this header go out
-                    // with the first chunk (one `write`).
+                    a.payload_len = n as u32;
+                    if n <= STREAM {
+                        self.room(w, out, HEADER_LEN + n).await?;
+                        let start = out.len();
+                        let slot = out.tail(HEADER_LEN + n)?;
+                        let (head, data) = slot.split_at_mut(HEADER_LEN);
+                        let ok = region.read_abs(h.addr, data);
+                        if let Err(status) = ok {
+                            a.status = status;
+                            a.len = 0;
+                            a.payload_len = 0;
+                        }
+                        head.copy_from_slice(&a.encode());
+                        if ok.is_err() {
+                            out.truncate(start + HEADER_LEN);
+                        }
+                        continue;
+                    }
+                    // Large answers stream in chunks, each copied (under the
+                    // region's gate) just before it is sent; the answers
+                    // gathered so far, this header and the first chunk go
+                    // out together when they fit.
+                    self.room(w, out, HEADER_LEN).await?;
+                    let mut head_at = Some(out.len());
+                    out.push(&a.encode())?;
                     let mut done = 0u64;
                     while done < h.len {
                         let k = (h.len - done).min(STREAM as u64) as usize;
-                        let first = done == 0;
-                        let olen = out.len();
-                        let (dst, prefix) = if first { (&mut *out, olen) } else { (&mut chunk, 0) };
-                        if dst.len() < prefix + k {
-                            dst.resize(prefix + k, 0);
+                        if out.room() < k {
+                            self.idle(Self::flush(w, out)).await?;
+                            head_at = None;
                         }
-                        if region.read_abs(h.addr + done, &mut dst[prefix..prefix + k]).is_err() {
+                        let start = out.len();
+                        if region.read_abs(h.addr + done, out.tail(k)?).is_err() {
                             // Half an answer may be on the wire; only
                             // closing the connection ends it cleanly. The
                             // answers before it are still sent.
-                            if first {
-                                out.truncate(start);
-                            }
+                            out.truncate(if done == 0 { head_at.unwrap_or(start) } else { start });
                             return Err(Close::Proto("region unregistered while a read was answered".into()));
                         }
-                        let sent = self.idle(w.write_all(&dst[..prefix + k])).await;
-                        if first {
-                            out.clear();
-                        }
-                        sent?;
+                        self.idle(Self::flush(w, out)).await?;
+                        head_at = None;
                         done += k as u64;
                     }
-                }
-                FrameType::Read => {
-                    let n = h.len as usize;
-                    let start = out.len();
-                    let mut a = Header::new(FrameType::ReadResp);
-                    a.id = h.id;
-                    out.resize(start + HEADER_LEN + n, 0);
-                    let status = if h.generation != self.generation {
-                        Status::StaleGeneration
-                    } else {
-                        match self.regions.remote(h.addr, h.len, false) {
-                            Ok(region) => match region.read_abs(h.addr, &mut out[start + HEADER_LEN..]) {
-                                Ok(()) => Status::Ok,
-                                Err(s) => s,
-                            },
-                            Err(s) => s,
-                        }
-                    };
-                    a.status = status;
-                    if status == Status::Ok {
-                        a.len = h.len;
-                        a.payload_len = n as u32;
-                    } else {
-                        out.truncate(start + HEADER_LEN);
-                    }
-                    out[start..start + HEADER_LEN].copy_from_slice(&a.encode());
                 }
                 FrameType::Notify => {
                     // The decoder bounded the payload to 2..=MAX_NOTIFY_PAYLOAD.
@@ -561,15 +602,10 @@ impl Server {
                     let mut a = Header::new(FrameType::NotifyAck);
                     a.id = h.id;
                     a.status = status;
-                    a.encode_into(out);
+                    self.room(w, out, HEADER_LEN).await?;
+                    out.push(&a.encode())?;
                 }
                 other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
-            }
-            if out.len() >= OUT_FLUSH {
-                self.idle(Self::flush(w, out)).await?;
-                if out.capacity() > 4 * OUT_FLUSH.max(self.cfg.max_frame) {
-                    *out = Vec::with_capacity(OUT_FLUSH);
-                }
             }
         }
     }

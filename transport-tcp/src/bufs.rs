@@ -1,0 +1,202 @@
+//! The server's scratch buffers: fixed-size pages from the kernel
+//! (`transport_mem::PageBuf`), lent to a connection only while it has work
+//! in hand and kept in a small pool between uses. An idle connection holds
+//! none, so memory follows the connections that are busy, not those that
+//! are open; buffers beyond the pool's cap are unmapped when returned, so a
+//! burst's memory goes back to the OS when it ends.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use transport_mem::PageBuf;
+
+/// Buffers of one size, at most `cap` of them kept while unused.
+#[derive(Debug)]
+pub(crate) struct BufPool {
+    size: usize,
+    cap: usize,
+    free: Mutex<Vec<PageBuf>>,
+}
+
+impl BufPool {
+    pub fn new(size: usize, cap: usize) -> Arc<Self> {
+        Arc::new(Self { size, cap, free: Mutex::new(Vec::new()) })
+    }
+
+    /// A buffer of the pool's size (its bytes are whatever the last user
+    /// left). An error only when the kernel refuses the memory.
+    pub fn take(self: &Arc<Self>) -> std::io::Result<Pooled> {
+        let buf = match self.free.lock().pop() {
+            Some(b) => b,
+            None => PageBuf::new(self.size)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string()))?,
+        };
+        Ok(Pooled { buf: Some(buf), pool: self.clone() })
+    }
+
+    /// Buffers kept for reuse now.
+    #[cfg(test)]
+    pub fn idle(&self) -> usize {
+        self.free.lock().len()
+    }
+}
+
+/// A buffer on loan from a [`BufPool`]; returned (or unmapped, when the
+/// pool is full) on drop.
+#[derive(Debug)]
+pub(crate) struct Pooled {
+    buf: Option<PageBuf>,
+    pool: Arc<BufPool>,
+}
+
+impl std::ops::Deref for Pooled {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.buf.as_deref().unwrap_or(&[])
+    }
+}
+
+impl std::ops::DerefMut for Pooled {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.buf.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            let mut free = self.pool.free.lock();
+            if free.len() < self.pool.cap {
+                free.push(b);
+            }
+        }
+    }
+}
+
+/// A connection's pending answers: at most one pooled buffer's worth,
+/// borrowed when the first answer is due and given back once everything
+/// is on the wire ([`OutBuf::release`]).
+#[derive(Debug)]
+pub(crate) struct OutBuf {
+    pool: Arc<BufPool>,
+    buf: Option<Pooled>,
+    len: usize,
+}
+
+impl OutBuf {
+    pub fn new(pool: Arc<BufPool>) -> Self {
+        Self { pool, buf: None, len: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes that still fit.
+    pub fn room(&self) -> usize {
+        self.pool.size - self.len
+    }
+
+    /// The pending bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.buf {
+            Some(b) => &b[..self.len],
+            None => &[],
+        }
+    }
+
+    /// Appends `n` bytes and returns them to be filled. The caller checks
+    /// [`OutBuf::room`] first; `n` above it is an invalid-input error.
+    pub fn tail(&mut self, n: usize) -> std::io::Result<&mut [u8]> {
+        if n > self.room() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{n} bytes do not fit the {} left of the output buffer", self.room()),
+            ));
+        }
+        if self.buf.is_none() {
+            self.buf = Some(self.pool.take()?);
+        }
+        let start = self.len;
+        self.len += n;
+        match &mut self.buf {
+            Some(b) => Ok(&mut b[start..start + n]),
+            None => Ok(&mut []),
+        }
+    }
+
+    /// Appends `bytes` (at most [`OutBuf::room`]).
+    pub fn push(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.tail(bytes.len())?.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Forgets everything after the first `len` bytes.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Forgets every pending byte; the buffer stays on loan.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Gives the buffer back to the pool if nothing is pending.
+    pub fn release(&mut self) {
+        if self.len == 0 {
+            self.buf = None;
+        }
+    }
+
+    /// Whether a buffer is on loan (tests).
+    #[cfg(test)]
+    pub fn holds(&self) -> bool {
+        self.buf.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_keeps_at_most_cap_and_reuses() {
+        let p = BufPool::new(8192, 2);
+        let bufs: Vec<_> = (0..4).map(|_| p.take().unwrap()).collect();
+        assert!(bufs.iter().all(|b| b.len() == 8192));
+        drop(bufs);
+        assert_eq!(p.idle(), 2, "two kept, two unmapped");
+        let mut a = p.take().unwrap();
+        a[0] = 9;
+        assert_eq!(p.idle(), 1);
+        drop(a);
+        assert_eq!(p.idle(), 2);
+    }
+
+    #[test]
+    fn out_buf_borrows_only_while_it_holds_bytes() {
+        let p = BufPool::new(4096, 4);
+        let mut o = OutBuf::new(p.clone());
+        assert!(!o.holds());
+        o.push(b"hello").unwrap();
+        assert!(o.holds());
+        assert_eq!(o.as_slice(), b"hello");
+        o.tail(3).unwrap().copy_from_slice(b"abc");
+        assert_eq!(o.as_slice(), b"helloabc");
+        o.truncate(5);
+        assert_eq!(o.as_slice(), b"hello");
+        o.release();
+        assert!(o.holds(), "pending bytes keep the buffer");
+        assert_eq!(o.room(), 4096 - 5);
+        assert!(o.tail(4092).is_err(), "never past the buffer");
+        assert_eq!(o.len(), 5, "a refused tail changes nothing");
+        o.clear();
+        o.release();
+        assert!(!o.holds());
+        assert_eq!(p.idle(), 1);
+    }
+}
