@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of the project: formatting, lints, the Rust test suites
 # (unit, conformance over mock and real loopback TCP, etcd against a real
-# server), the RDMA suite (directly on an RDMA device, else in a soft-RoCE
-# VM), and the Python package's tests.
+# server), coverage-guided fuzzing of the TCP server for a bounded time,
+# the RDMA suite (directly on an RDMA device, else in a soft-RoCE VM), and
+# the Python package's tests.
 #
 #   scripts/test.sh            # everything
 #   SKIP_RDMA=1 scripts/test.sh  # everything but the RDMA VM (local iteration only)
@@ -22,6 +23,9 @@ step "cargo test --workspace"
 # backend cannot run as "ignored" at run time, which only libtest's output
 # shows (nextest would list it as passed).
 cargo test --workspace --no-fail-fast
+
+step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)"
+scripts/fuzz.sh
 
 if [ -x scripts/rdma-tests.sh ]; then
   if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
