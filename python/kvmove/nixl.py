@@ -708,12 +708,25 @@ class nixl_agent:
 
     def _session(self, r: _Remote):
         with self._lock:
+            if r.session is not None:
+                return r.session
+            eng = self._need_engine()
+        # Connect without the lock: an unreachable peer must not stall the
+        # agent's other threads.
+        try:
+            s = eng.connect(r.session_id)
+        except TransferError as e:
+            raise _from_kvmove(e, f"connecting to agent {r.name!r} at {r.session_id}") from e
+        with self._lock:
             if r.session is None:
-                try:
-                    r.session = self._need_engine().connect(r.session_id)
-                except TransferError as e:
-                    raise _from_kvmove(e, f"connecting to agent {r.name!r} at {r.session_id}") from e
-            return r.session
+                r.session, s = s, None
+            session = r.session
+        if s is not None:  # another thread connected meanwhile: keep theirs
+            try:
+                s.close()
+            except TransferError:
+                pass
+        return session
 
     def _close_session(self, r: _Remote) -> None:
         with self._lock:
