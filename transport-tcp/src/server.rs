@@ -4,7 +4,7 @@
 //! against the regions registered as remotely accessible, and anything
 //! malformed closes that connection only.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -60,34 +60,81 @@ const REFUSE_WAIT: Duration = Duration::from_secs(1);
 /// in their handshake (limited by `max_handshaking` and
 /// `max_handshaking_per_ip`) and those handshaken (`max_connections`), so
 /// peers that never finish a handshake cannot take the slots of peers that
-/// do.
+/// do. When the handshake quota is full, a newcomer from an address with
+/// fewer handshakes under way than the busiest address takes the slot of
+/// that address's oldest handshake ([`Admit::Evict`]): a flood spread over
+/// many addresses keeps at most its fair share, and a peer that opens one
+/// connection at a time always finds room.
 #[derive(Debug, Default)]
 struct Counts {
     handshaking: usize,
     served: usize,
-    /// (handshaking, served) per peer IP; an entry at (0, 0) is removed.
-    per_ip: HashMap<IpAddr, (usize, usize)>,
+    per_ip: HashMap<IpAddr, PerIp>,
+}
+
+/// One peer address's connections; removed when it has none.
+#[derive(Debug, Default)]
+struct PerIp {
+    /// Ids of its connections in their handshake, oldest first.
+    handshaking: VecDeque<u64>,
+    served: usize,
+}
+
+/// What to do with a new connection.
+#[derive(Debug, PartialEq, Eq)]
+enum Admit {
+    /// Room: count it in its handshake.
+    Yes,
+    /// Room once the handshake of connection `0` (from the busiest
+    /// address) is closed: [`Counts::evict`] has already uncounted it.
+    Evict(u64),
+    /// Over a limit (why): answer `Busy` and close.
+    No(&'static str),
 }
 
 impl Counts {
     /// Whether a new connection from `ip` may start its handshake: room in
-    /// the pre-authentication quota, in its IP's share of it, and among
-    /// the handshaken connections it would join.
-    fn admits(&self, cfg: &TcpConfig, ip: IpAddr) -> Result<(), &'static str> {
-        let (h, s) = self.per_ip.get(&ip).copied().unwrap_or((0, 0));
+    /// the pre-authentication quota (or a busier address to take it from),
+    /// in its IP's share of it, and among the handshaken connections it
+    /// would join.
+    fn admits(&mut self, cfg: &TcpConfig, ip: IpAddr) -> Admit {
+        let (h, s) = self.per_ip.get(&ip).map_or((0, 0), |e| (e.handshaking.len(), e.served));
         if self.served >= cfg.max_connections {
-            return Err("connection limit (max_connections) reached");
+            return Admit::No("connection limit (max_connections) reached");
         }
         if s >= cfg.max_connections_per_ip {
-            return Err("per-address connection cap (max_connections_per_ip) reached");
-        }
-        if self.handshaking >= cfg.max_handshaking {
-            return Err("handshake quota (max_handshaking) reached");
+            return Admit::No("per-address connection cap (max_connections_per_ip) reached");
         }
         if h >= cfg.max_handshaking_per_ip {
-            return Err("per-address handshake cap (max_handshaking_per_ip) reached");
+            return Admit::No("per-address handshake cap (max_handshaking_per_ip) reached");
         }
-        Ok(())
+        if self.handshaking >= cfg.max_handshaking {
+            return match self.evict(h) {
+                Some(id) => Admit::Evict(id),
+                None => Admit::No("handshake quota (max_handshaking) reached"),
+            };
+        }
+        Admit::Yes
+    }
+
+    /// Uncounts the oldest handshake of the address with the most under
+    /// way, if it has more than `than` + 1 (so the newcomer, counted next,
+    /// never ends up with more than it); its id, for the caller to close.
+    fn evict(&mut self, than: usize) -> Option<u64> {
+        let (ip, e) = self.per_ip.iter_mut().max_by_key(|(_, e)| e.handshaking.len())?;
+        if e.handshaking.len() <= than + 1 {
+            return None;
+        }
+        let (ip, id) = (*ip, e.handshaking.pop_front()?);
+        self.handshaking = self.handshaking.saturating_sub(1);
+        self.forget_if_empty(ip);
+        Some(id)
+    }
+
+    fn forget_if_empty(&mut self, ip: IpAddr) {
+        if self.per_ip.get(&ip).is_some_and(|e| e.handshaking.is_empty() && e.served == 0) {
+            self.per_ip.remove(&ip);
+        }
     }
 }
 
@@ -96,34 +143,41 @@ impl Counts {
 struct Slot {
     counts: Arc<Mutex<Counts>>,
     ip: IpAddr,
+    id: u64,
     served: bool,
 }
 
 impl Slot {
-    /// Counts a new connection in its handshake (the caller checked
+    /// Counts connection `id` in its handshake (the caller checked
     /// [`Counts::admits`] under the same lock).
-    fn handshaking(counts: &Arc<Mutex<Counts>>, c: &mut Counts, ip: IpAddr) -> Self {
+    fn handshaking(counts: &Arc<Mutex<Counts>>, c: &mut Counts, ip: IpAddr, id: u64) -> Self {
         c.handshaking += 1;
-        c.per_ip.entry(ip).or_default().0 += 1;
-        Self { counts: counts.clone(), ip, served: false }
+        c.per_ip.entry(ip).or_default().handshaking.push_back(id);
+        Self { counts: counts.clone(), ip, id, served: false }
     }
 
     /// Moves the connection from its handshake to the handshaken ones, if
     /// there is room; otherwise it stays counted in its handshake (and is
-    /// to be answered `Busy` and closed).
+    /// to be answered `Busy` and closed). A connection whose handshake slot
+    /// was taken by a newcomer is refused too (its task is being aborted).
     fn promote(&mut self, cfg: &TcpConfig) -> Result<(), &'static str> {
         let mut c = self.counts.lock();
         if c.served >= cfg.max_connections {
             return Err("connection limit (max_connections) reached");
         }
-        if c.per_ip.get(&self.ip).is_some_and(|e| e.1 >= cfg.max_connections_per_ip) {
+        let Some(e) = c.per_ip.get_mut(&self.ip) else {
+            return Err("handshake slot taken by a newcomer (max_handshaking reached)");
+        };
+        if e.served >= cfg.max_connections_per_ip {
             return Err("per-address connection cap (max_connections_per_ip) reached");
         }
+        let Some(at) = e.handshaking.iter().position(|&i| i == self.id) else {
+            return Err("handshake slot taken by a newcomer (max_handshaking reached)");
+        };
+        e.handshaking.remove(at);
+        e.served += 1;
         c.handshaking = c.handshaking.saturating_sub(1);
         c.served += 1;
-        let e = c.per_ip.entry(self.ip).or_default();
-        e.0 = e.0.saturating_sub(1);
-        e.1 += 1;
         self.served = true;
         Ok(())
     }
@@ -132,21 +186,16 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut c = self.counts.lock();
+        let Some(e) = c.per_ip.get_mut(&self.ip) else { return };
         if self.served {
+            e.served = e.served.saturating_sub(1);
             c.served = c.served.saturating_sub(1);
-        } else {
+        } else if let Some(at) = e.handshaking.iter().position(|&i| i == self.id) {
+            // (Not found: evicted, and uncounted then.)
+            e.handshaking.remove(at);
             c.handshaking = c.handshaking.saturating_sub(1);
         }
-        if let Some(e) = c.per_ip.get_mut(&self.ip) {
-            if self.served {
-                e.1 = e.1.saturating_sub(1);
-            } else {
-                e.0 = e.0.saturating_sub(1);
-            }
-            if *e == (0, 0) {
-                c.per_ip.remove(&self.ip);
-            }
-        }
+        c.forget_if_empty(self.ip);
     }
 }
 
@@ -220,11 +269,12 @@ impl Server {
             };
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let ip = peer.ip().to_canonical();
-            let slot = {
+            let (slot, evicted) = {
                 let mut c = self.counts.lock();
                 match c.admits(&self.cfg, ip) {
-                    Ok(()) => Slot::handshaking(&self.counts, &mut c, ip),
-                    Err(why) => {
+                    Admit::Yes => (Slot::handshaking(&self.counts, &mut c, ip, id), None),
+                    Admit::Evict(old) => (Slot::handshaking(&self.counts, &mut c, ip, id), Some(old)),
+                    Admit::No(why) => {
                         drop(c);
                         tracing::warn!(%peer, reason = why, "refusing connection (answered Busy)");
                         self.refuse(id, s);
@@ -232,6 +282,13 @@ impl Server {
                     }
                 }
             };
+            if let Some(old) = evicted {
+                // Its count is already gone; closing it frees the socket.
+                if let Some(h) = self.conns.lock().remove(&old) {
+                    h.abort();
+                }
+                tracing::warn!(%peer, "handshake quota full: closed the oldest handshake of the busiest address");
+            }
             let mut conns = self.conns.lock();
             let me = self.clone();
             let h = self.tasks.spawn(async move {
@@ -608,5 +665,83 @@ impl Server {
                 other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(n: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, n])
+    }
+
+    fn cfg(quota: usize, per_ip: usize) -> TcpConfig {
+        TcpConfig { max_handshaking: quota, max_handshaking_per_ip: per_ip, ..TcpConfig::default() }
+    }
+
+    /// Admits a connection as the accept loop does; its slot and the id
+    /// it evicted.
+    fn admit(
+        counts: &Arc<Mutex<Counts>>,
+        cfg: &TcpConfig,
+        from: IpAddr,
+        id: u64,
+    ) -> Result<(Slot, Option<u64>), &'static str> {
+        let mut c = counts.lock();
+        match c.admits(cfg, from) {
+            Admit::Yes => Ok((Slot::handshaking(counts, &mut c, from, id), None)),
+            Admit::Evict(old) => Ok((Slot::handshaking(counts, &mut c, from, id), Some(old))),
+            Admit::No(why) => Err(why),
+        }
+    }
+
+    #[test]
+    fn a_full_quota_takes_from_the_busiest_address_only() {
+        let counts = Arc::new(Mutex::new(Counts::default()));
+        let cfg = cfg(4, 4);
+        // Address 1 holds the whole quota.
+        let mut flood: Vec<Slot> = (0..4).map(|i| admit(&counts, &cfg, ip(1), i).unwrap().0).collect();
+        // A newcomer from address 2 takes the oldest of them.
+        let (mut legit, evicted) = admit(&counts, &cfg, ip(2), 10).unwrap();
+        assert_eq!(evicted, Some(0));
+        assert_eq!(counts.lock().handshaking, 4, "never over the quota");
+        // The evicted one cannot be promoted, and uncounts nothing more.
+        assert!(flood[0].promote(&cfg).is_err());
+        drop(flood.remove(0));
+        assert_eq!(counts.lock().handshaking, 4);
+        // Address 1 (3 under way) cannot take address 2's slot back (1).
+        assert_eq!(admit(&counts, &cfg, ip(1), 11).err(), Some("handshake quota (max_handshaking) reached"));
+        // Address 3 takes from address 1 again (3 > 0 + 1), then address
+        // 4 finds address 1 at 2 and everyone else at 1: still 2 > 0 + 1.
+        let (_c, evicted) = admit(&counts, &cfg, ip(3), 12).unwrap();
+        assert_eq!(evicted, Some(1));
+        let (_d, evicted) = admit(&counts, &cfg, ip(4), 13).unwrap();
+        assert_eq!(evicted, Some(2));
+        // Now every address holds one: a fifth is refused.
+        assert!(admit(&counts, &cfg, ip(5), 14).is_err());
+        // The newcomer from address 2 finishes its handshake.
+        assert!(legit.promote(&cfg).is_ok());
+        let c = counts.lock();
+        assert_eq!((c.handshaking, c.served), (3, 1));
+    }
+
+    #[test]
+    fn slots_uncount_exactly_once() {
+        let counts = Arc::new(Mutex::new(Counts::default()));
+        let cfg = cfg(8, 8);
+        let (mut a, _) = admit(&counts, &cfg, ip(1), 1).unwrap();
+        let (b, _) = admit(&counts, &cfg, ip(1), 2).unwrap();
+        a.promote(&cfg).unwrap();
+        drop(b);
+        let (h, s) = {
+            let c = counts.lock();
+            (c.handshaking, c.served)
+        };
+        assert_eq!((h, s), (0, 1));
+        drop(a);
+        let c = counts.lock();
+        assert_eq!((c.handshaking, c.served), (0, 0));
+        assert!(c.per_ip.is_empty(), "an address with no connection is forgotten");
     }
 }
