@@ -97,9 +97,12 @@ pub struct TcpConfig {
     /// one host. Default 256.
     pub max_connections_per_ip: usize,
     /// Connections in their handshake (accepted, READY not yet sent) at
-    /// once, from all peers; one more is answered `Busy` and closed at
-    /// once. A small pre-authentication quota, so peers without the secret
-    /// cannot take the slots of peers with it. Must be within
+    /// once, from all peers. A small pre-authentication quota, so peers
+    /// without the secret cannot take the slots of peers with it. When it
+    /// is full, a newcomer from an address with fewer handshakes under way
+    /// than the busiest address takes that address's oldest handshake slot
+    /// (closing it); otherwise it is answered `Busy` and closed at once.
+    /// Must be within
     /// [`MAX_HANDSHAKING_RANGE`]. Default 256.
     pub max_handshaking: usize,
     /// Connections in their handshake at once from one peer IP address;
