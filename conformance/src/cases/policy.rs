@@ -343,3 +343,79 @@ pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
     ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
     Ok(())
 }
+
+/// With real faults: the peer is killed and the breaker opens (cool-down
+/// 60 s, so only a probe can close it in time); the peer restarts. With no
+/// call from the user, the engine's background prober asks the peer and
+/// closes the breaker within seconds, and the next open and transfer go
+/// through. [`Engine::probe`] of the live peer is `Ok`.
+pub async fn prober_closes_breaker_when_peer_returns(cx: Ctx) -> CaseResult {
+    let opts = NodeOptions::default();
+    let p = cx.pair_with(LEN, &opts).await?;
+    let mut cfg = fast_retry(1);
+    cfg.breaker.failure_threshold = 2;
+    cfg.breaker.cooldown = Duration::from_secs(60);
+    cfg.deadline.base = Duration::from_secs(2);
+    let engine = Engine::new(p.t().clone(), cfg)?;
+    let peer = p.b.name.clone();
+    cx.kill(&p.b).await?;
+    let x = p.write(0, 0, 4096);
+    let mut tries = 0;
+    while engine.breaker_state(&peer) == BreakerState::Closed {
+        ensure!(tries < 5, "the breaker did not open after {tries} failed transfers, threshold 2");
+        let r = bounded("engine transfer", engine.transfer(vec![x])).await?;
+        ensure!(!matches!(&r, Ok(o) if o.is_success()), "a transfer to a killed peer completed");
+        tries += 1;
+    }
+    ensure!(engine.active_probers() == 1, "{} background probers after the breaker opened", engine.active_probers());
+    let b2 = cx.restart(&p.b, &opts).await?;
+    let mem = cx.guarded(LEN, 37)?;
+    b2.transport.register(mem.region(), Access::REMOTE_RW)?;
+    let start = Instant::now();
+    while engine.breaker_state(&peer) != BreakerState::Closed {
+        ensure!(
+            start.elapsed() < Duration::from_secs(15),
+            "the breaker is still {:?} {:?} after the peer came back (cool-down 60 s): nothing probed it",
+            engine.breaker_state(&peer),
+            start.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seg = bounded("engine open", engine.open_segment(&peer)).await??;
+    let out =
+        bounded("engine transfer", engine.transfer(vec![TransferRequest::write(p.local_id, 0, seg, mem.addr(), 4096)]))
+            .await??;
+    ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
+    bounded("engine probe", engine.probe(&peer)).await??;
+    let settle = Instant::now();
+    while engine.active_probers() != 0 {
+        ensure!(settle.elapsed() < Duration::from_secs(5), "the prober did not end once its breaker closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// A probe asks the peer itself: with traffic to the peer stalled (the
+/// peer is there but does not answer, as a stopped process), an existing
+/// endpoint does not make [`Engine::probe`] answer `Ok`; it fails with a
+/// transient peer failure within its bound. Resumed, the probe is `Ok`.
+pub async fn probe_asks_the_peer(cx: Ctx) -> CaseResult {
+    let p = cx.pair_with(LEN, &NodeOptions::default()).await?;
+    let engine = Engine::new(p.t().clone(), fast_retry(1))?;
+    let peer = p.b.name.clone();
+    // An endpoint exists and the peer answers.
+    let out = bounded("engine transfer", engine.transfer(vec![p.write(0, 0, 4096)])).await??;
+    ensure!(out.is_success(), "first transfer ended {:?}", out.state);
+    bounded("engine probe", engine.probe(&peer)).await??;
+    cx.stall(&p.b, true).await?;
+    let start = Instant::now();
+    let r = bounded("engine probe", engine.probe(&peer)).await?;
+    cx.stall(&p.b, false).await?;
+    match r {
+        Ok(()) => return Err(CaseError::Fail("a probe of a stalled peer answered Ok".into())),
+        Err(e) => ensure!(e.is_transient(), "a probe of a stalled peer failed permanently: {e}"),
+    }
+    ensure!(start.elapsed() < Duration::from_secs(20), "the failed probe took {:?}", start.elapsed());
+    bounded("engine probe", engine.probe(&peer)).await??;
+    Ok(())
+}

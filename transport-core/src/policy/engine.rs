@@ -1,16 +1,17 @@
 //! The policy layer users call: retry, deadlines, circuit breaker and
 //! backpressure over any [`Transport`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use tokio::sync::watch;
-use transport_mem::MemoryRegion;
+use transport_mem::{Buffer, MemoryRegion};
 
 use super::backoff::backoff;
 use super::breaker::{Admit, Breaker, BreakerState};
@@ -33,7 +34,12 @@ use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, Segment
 ///   `breaker.failure_threshold` consecutive failed attempts, work to the
 ///   peer fails fast with `PeerUnavailable`; after `breaker.cooldown` one
 ///   probe (the next open or transfer) goes through and closes the breaker
-///   if it succeeds.
+///   if it succeeds. Meanwhile a background prober asks the peer
+///   ([`Engine::probe`]) 20 ms after the breaker opened, then at doubling
+///   intervals up to the cool-down (at most `PROBER_TRIES` times), and
+///   closes the breaker as soon as the peer answers: work to a peer that
+///   came back flows again within about one probe interval, not one
+///   cool-down.
 /// - **Backpressure**: bytes and requests in flight are bounded per peer and
 ///   in total. [`Engine::try_submit`] fails with a transient `Backpressure`
 ///   error when full; [`Engine::submit`] waits for room.
@@ -52,7 +58,17 @@ struct Inner {
     budget: Arc<Budget>,
     active: AtomicUsize,
     rng: Mutex<SmallRng>,
+    /// Peers with a background prober running (one each; counted).
+    probers: Mutex<HashSet<String>>,
 }
+
+/// The background prober's first wait after a breaker opens.
+const PROBER_FIRST: Duration = Duration::from_millis(20);
+/// Probes a background prober makes before it leaves the breaker to its
+/// cool-down (about a minute at the default 2 s cool-down).
+const PROBER_TRIES: u32 = 40;
+/// Longest a probe's read may take.
+const PROBE_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl fmt::Debug for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -196,6 +212,7 @@ impl Engine {
                 budget,
                 active: AtomicUsize::new(0),
                 rng: Mutex::new(SmallRng::from_entropy()),
+                probers: Mutex::new(HashSet::new()),
             }),
         })
     }
@@ -251,6 +268,25 @@ impl Engine {
     /// Closes a segment (see [`Transport::close_segment`]).
     pub async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.inner.transport.close_segment(segment).await
+    }
+
+    /// Asks the peer `name` whether it is there: opens its segment and
+    /// reads one byte of the first region it exposes (a real round trip
+    /// on every backend; an answer that refuses the read also proves the
+    /// peer alive), then closes the handle. Not held back by an open
+    /// breaker: this is how a breaker learns that its peer came back.
+    /// `Ok` closes the peer's breaker. A failure that says the peer is
+    /// unreachable counts toward the breaker only while it is closed (a
+    /// failed probe of an open breaker does not extend its cool-down).
+    pub async fn probe(&self, name: &str) -> Result<()> {
+        self.inner.probe(name).await
+    }
+
+    /// Background probers running (one per peer whose breaker opened
+    /// recently; rule 1: counted). Each ends when its peer's breaker
+    /// closes, after `PROBER_TRIES` probes, or at shutdown.
+    pub fn active_probers(&self) -> usize {
+        self.inner.probers.lock().len()
     }
 
     /// The breaker state of a peer (closed for peers never seen).
@@ -402,18 +438,133 @@ impl Inner {
         }
     }
 
-    fn record(&self, peer: &str, verdict: Verdict) {
+    fn record(self: &Arc<Self>, peer: &str, verdict: Verdict) {
         let now = self.clock.now();
-        let mut breakers = self.breakers.lock();
-        let b = breakers.entry(peer.to_owned()).or_default();
-        match verdict {
-            Verdict::Healthy => b.on_success(),
-            Verdict::Failed => b.on_failure(now, &self.cfg.breaker),
-            Verdict::Unknown => b.on_abandoned_probe(),
+        let opened = {
+            let mut breakers = self.breakers.lock();
+            let b = breakers.entry(peer.to_owned()).or_default();
+            match verdict {
+                Verdict::Healthy => b.on_success(),
+                Verdict::Failed => b.on_failure(now, &self.cfg.breaker),
+                Verdict::Unknown => b.on_abandoned_probe(),
+            }
+            b.state(now) == BreakerState::Open
+        };
+        if opened {
+            self.start_prober(peer);
         }
     }
 
-    fn abandon_probes(&self, peers: &[String]) {
+    /// Whether `peer`'s breaker is closed now (peers never seen: yes).
+    fn breaker_closed(&self, peer: &str) -> bool {
+        let now = self.clock.now();
+        self.breakers.lock().get(peer).is_none_or(|b| b.state(now) == BreakerState::Closed)
+    }
+
+    /// Starts the background prober of `peer` unless one runs (or there
+    /// is no runtime to run it on).
+    fn start_prober(self: &Arc<Self>, peer: &str) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        if !self.probers.lock().insert(peer.to_owned()) {
+            return;
+        }
+        // Holds the engine weakly: a dropped engine's prober ends at its
+        // next wake-up instead of keeping the transport alive.
+        let (weak, peer) = (Arc::downgrade(self), peer.to_owned());
+        handle.spawn(async move {
+            let mut wait = PROBER_FIRST;
+            for _ in 0..PROBER_TRIES {
+                tokio::time::sleep(wait).await;
+                let Some(me) = weak.upgrade() else { return };
+                if me.breaker_closed(&peer) {
+                    break;
+                }
+                match me.probe(&peer).await {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == ErrorKind::Shutdown => break,
+                    Err(_) => {}
+                }
+                wait = (wait * 2).min(me.cfg.breaker.cooldown.max(PROBER_FIRST));
+            }
+            if let Some(me) = weak.upgrade() {
+                me.probers.lock().remove(&peer);
+            }
+        });
+    }
+
+    /// See [`Engine::probe`].
+    async fn probe(self: &Arc<Self>, name: &str) -> Result<()> {
+        let t = &self.transport;
+        let seg = t.open_segment(name).await;
+        let result = match seg {
+            Ok(seg) => {
+                let r = self.read_one(seg).await;
+                let _ = t.close_segment(seg).await;
+                r
+            }
+            Err(e) => Err(e),
+        };
+        // An answer from the peer, even a refusal, proves it alive.
+        let result = match result {
+            Err(e)
+                if !e.kind().is_peer_failure()
+                    && e.kind() != ErrorKind::Shutdown
+                    && e.kind() != ErrorKind::Cancelled =>
+            {
+                Ok(())
+            }
+            r => r,
+        };
+        match &result {
+            Ok(()) => self.record(name, Verdict::Healthy),
+            Err(e) if e.kind().is_peer_failure() => {
+                if self.breaker_closed(name) {
+                    self.record(name, Verdict::Failed);
+                }
+            }
+            Err(_) => {}
+        }
+        result.map_err(|e| e.with("peer", name).with("probe", true))
+    }
+
+    /// Reads one byte of the first readable region of `seg` (or the first
+    /// region) into a scratch buffer registered for the time of the read;
+    /// `Ok` without a read when the peer exposes nothing (the open was the
+    /// round trip).
+    async fn read_one(&self, seg: SegmentId) -> Result<()> {
+        let t = &self.transport;
+        let desc = t.segment_descriptor(seg)?;
+        let Some(r) = desc.regions.iter().find(|r| r.access.remote_read).or(desc.regions.first()) else {
+            return Ok(());
+        };
+        let buf = Buffer::new(64).map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
+        let local = t.register(buf.region(), Access::LOCAL)?;
+        let read = async {
+            let b = t
+                .submit(
+                    vec![TransferRequest::read(local, 0, seg, r.addr, 1)],
+                    SubmitOptions::with_timeout(PROBE_READ_TIMEOUT),
+                )
+                .await?;
+            let st = t.wait(b).await;
+            let _ = t.release(b);
+            let st = st?;
+            match (st.state, st.first_error()) {
+                (BatchState::Completed, _) => Ok(()),
+                (_, Some(e)) => Err(e.clone()),
+                (BatchState::TimedOut, None) => Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("the peer did not answer a probe within {} ms", PROBE_READ_TIMEOUT.as_millis()),
+                )),
+                (state, None) => Err(Error::new(ErrorKind::Cancelled, format!("the probe's read ended {state:?}"))),
+            }
+        }
+        .await;
+        let _ = t.unregister(local).await;
+        read
+    }
+
+    fn abandon_probes(self: &Arc<Self>, peers: &[String]) {
         for p in peers {
             self.record(p, Verdict::Unknown);
         }
