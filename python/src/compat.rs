@@ -637,16 +637,13 @@ impl MooncakeEngine {
         }
     }
 
-    /// 0 when the peer `host:port` answers (its segment can be opened), else
-    /// -1. Goes through the peer's circuit breaker: while it is open (after
-    /// repeated failures) this fails fast until the cool-down ends.
+    /// 0 when the peer `host:port` answers a round trip (its segment is
+    /// opened and one byte of its memory read), else -1: a peer that is
+    /// gone, or stopped and silent for the probe's timeout (2 s). Asks the
+    /// peer every time, also while its circuit breaker is open; a success
+    /// closes the breaker.
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i64 {
-        let r = self.core().and_then(|c| {
-            py.allow_threads(|| {
-                let seg = c.open_segment(peer_server_name)?;
-                c.close_segment(seg)
-            })
-        });
+        let r = self.core().and_then(|c| py.allow_threads(|| c.probe(peer_server_name)));
         Self::code(py, "send_probe", r)
     }
 

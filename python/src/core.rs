@@ -332,6 +332,15 @@ impl Core {
         self.rt.block_on(self.engine.open_segment(name))
     }
 
+    /// Asks the peer `name` whether it is there (a real round trip, see
+    /// [`Engine::probe`]): not held back by the peer's open breaker, and a
+    /// success closes it.
+    pub(crate) fn probe(&self, name: &str) -> Result<()> {
+        self.live()?;
+        check_peer_name(name)?;
+        self.rt.block_on(self.engine.probe(name))
+    }
+
     /// Closes a handle from [`Core::open_segment`].
     pub(crate) fn close_segment(&self, seg: SegmentId) -> Result<()> {
         self.live()?;
