@@ -508,8 +508,11 @@ class Engine:
         return r
 
     def register_address(self, addr: int, length: int) -> Region:
-        """Registers raw memory, e.g. ``tensor.data_ptr()`` and
-        ``tensor.numel() * tensor.element_size()``.
+        """Registers raw host memory, e.g. ``tensor.data_ptr()`` and
+        ``tensor.numel() * tensor.element_size()`` of a CPU tensor. A range
+        whose first or last byte this process cannot read (a CUDA tensor's
+        memory, an unmapped page) raises ``kvmove.PermanentError`` with
+        ``kind == "unsupported"``: kvmove moves host memory only.
 
         Safety contract (the engine cannot check it): ``addr .. addr +
         length`` must stay allocated, writable memory of this process until

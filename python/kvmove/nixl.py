@@ -588,8 +588,10 @@ class nixl_agent:
 
     def register_memory(self, reg_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixlRegDList:
         """Registers host memory for local use and remote read/write. All or
-        nothing: a failure unregisters what this call registered. The caller
-        keeps the memory allocated until ``deregister_memory``."""
+        nothing: a failure unregisters what this call registered. Memory
+        this process cannot read (a GPU address given as "DRAM") raises
+        ``nixlNotSupportedError``. The caller keeps the memory allocated
+        until ``deregister_memory``."""
         descs = self.get_reg_descs(reg_list, mem_type)
         self._check_backends(backends)
         with self._lock:

@@ -325,6 +325,8 @@ impl MooncakeEngine {
 
     /// Registers `capacity` bytes at `buffer_addr` for transfers and for
     /// remote read/write by peers. `location` is accepted and ignored.
+    /// Host memory only: a range whose first or last byte this process
+    /// cannot read (GPU memory) is -1 (`unsupported`), nothing registered.
     ///
     /// Safety contract: the memory must stay allocated and writable until
     /// `unregister_memory(buffer_addr)` returns (or the engine is closed).
@@ -351,9 +353,9 @@ impl MooncakeEngine {
     }
 
     /// Registers several regions, all or none: the whole batch is checked
-    /// (zero lengths, overlaps inside the batch and with registered memory)
-    /// before anything is registered, so a call returning -1 leaves nothing
-    /// registered.
+    /// (zero lengths, overlaps inside the batch and with registered memory,
+    /// memory this process cannot read such as GPU memory) before anything
+    /// is registered, so a call returning -1 leaves nothing registered.
     #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
     fn batch_register_memory(
         &self,

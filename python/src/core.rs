@@ -20,6 +20,7 @@ use transport_core::{
 };
 
 use crate::backend;
+use crate::hostmem;
 use crate::regions::{Entry, Regions};
 
 /// One transfer as Python describes it: raw local address, remote address.
@@ -186,6 +187,8 @@ impl Core {
     }
 
     /// Registers `addr .. addr + len` for local use and remote read/write.
+    /// A range whose first or last byte this process cannot read (GPU
+    /// memory, an unmapped address) is refused with `Unsupported`.
     ///
     /// # Safety
     ///
@@ -197,6 +200,9 @@ impl Core {
         let size = usize::try_from(len).map_err(|_| Error::new(ErrorKind::OutOfBounds, "length too large"))?;
         let mut regions = self.regions.lock();
         regions.check_free(addr, len)?;
+        // GPU memory (or any address this process cannot read) is refused
+        // here, before a backend could copy from it and crash.
+        hostmem::check_readable(addr, len)?;
         // SAFETY: forwarded from this function's contract.
         let mem = unsafe { MemoryRegion::from_raw(addr, size) }?;
         let id = self.engine.register(mem.clone(), Access::REMOTE_RW)?;
@@ -242,6 +248,10 @@ impl Core {
                 return Err(range(Error::new(ErrorKind::AlreadyRegistered, "regions of the batch overlap each other")));
             }
             prev_end = end;
+        }
+        // Every range readable before any is registered (all or nothing).
+        for &(addr, len) in &sorted {
+            hostmem::check_readable(addr, len)?;
         }
         let mut done = Vec::with_capacity(ranges.len());
         let r = (|| {

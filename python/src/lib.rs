@@ -30,6 +30,7 @@ mod compat;
 mod core;
 mod errors;
 mod handoff;
+mod hostmem;
 mod native;
 mod nixl;
 mod outcome;

@@ -113,8 +113,9 @@ impl NativeEngine {
         self.core.backend()
     }
 
-    /// Registers raw memory. See `kvmove.Engine.register_address` for the
-    /// safety contract the caller keeps.
+    /// Registers raw host memory (memory this process cannot read, such as
+    /// GPU memory, is refused). See `kvmove.Engine.register_address` for
+    /// the safety contract the caller keeps.
     fn register_address(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
         let core = &self.core;
         let r = py.allow_threads(|| {
