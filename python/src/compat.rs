@@ -150,6 +150,18 @@ impl MooncakeEngine {
         })
     }
 
+    /// A registration refused because the memory is not host memory this
+    /// process can read (GPU memory) is a deployment mistake a caller may
+    /// ignore the return code of (SGLang does): logged at warning level.
+    fn registration_code(py: Python<'_>, what: &str, r: Result<()>) -> i64 {
+        if let Err(e) = &r {
+            if e.kind() == ErrorKind::Unsupported {
+                log(py, "warning", &format!("kvmove TransferEngine.{what} refused: {e}"));
+            }
+        }
+        Self::code(py, what, r)
+    }
+
     /// Turns a result into Mooncake's return code, remembering the error.
     fn code<T>(py: Python<'_>, what: &str, r: Result<T>) -> i64 {
         match r {
@@ -342,7 +354,7 @@ impl MooncakeEngine {
                 unsafe { c.register(buffer_addr, capacity, None) }
             })
         });
-        Self::code(py, "register_memory", r)
+        Self::registration_code(py, "register_memory", r)
     }
 
     /// Unregisters the region registered at exactly `buffer_addr`; returns
@@ -373,7 +385,7 @@ impl MooncakeEngine {
             // SAFETY: as in `register_memory`, for every range.
             py.allow_threads(|| unsafe { c.register_all(&ranges) })
         });
-        Self::code(py, "batch_register_memory", r)
+        Self::registration_code(py, "batch_register_memory", r)
     }
 
     /// Unregisters several regions, all or none: every address must be
