@@ -1,6 +1,6 @@
-//! The server's scratch buffers: fixed-size pages from the kernel
-//! (`transport_mem::PageBuf`), lent to a connection only while it has work
-//! in hand and kept in a small pool between uses. An idle connection holds
+//! The server's scratch buffers (read, staging and output): fixed-size
+//! pages from the kernel (`transport_mem::PageBuf`), lent to a connection
+//! only while it has work in hand and kept in a small pool between uses. An idle connection holds
 //! none, so memory follows the connections that are busy, not those that
 //! are open; buffers beyond the pool's cap are unmapped when returned, so a
 //! burst's memory goes back to the OS when it ends.
@@ -8,6 +8,8 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::OwnedReadHalf;
 use transport_mem::PageBuf;
 
 /// Buffers of one size, at most `cap` of them kept while unused.
@@ -198,5 +200,122 @@ mod tests {
         o.release();
         assert!(!o.holds());
         assert_eq!(p.idle(), 1);
+    }
+
+    #[tokio::test]
+    async fn pooled_reader_borrows_only_while_bytes_are_buffered() {
+        use tokio::io::AsyncWriteExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let (rd, _wr) = s.into_split();
+        let pool = BufPool::new(4096, 4);
+        let mut r = PooledReader::new(rd, pool.clone());
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+        c.write_all(&data[..100]).await.unwrap();
+        let mut a = [0u8; 10];
+        r.read_exact(&mut a).await.unwrap();
+        assert_eq!(&a[..], &data[..10]);
+        assert_eq!(r.buffered(), 90, "the rest of what arrived is buffered");
+        r.release();
+        assert_eq!(r.buffered(), 90, "release keeps unread bytes");
+        let mut b = [0u8; 90];
+        r.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b[..], &data[10..100]);
+        r.release();
+        assert_eq!(pool.idle(), 1, "emptied and released: the buffer is back");
+        // A read of at least a buffer goes straight into the caller's memory.
+        c.write_all(&data[100..]).await.unwrap();
+        let mut big = vec![0u8; 19_900];
+        r.read_exact(&mut big).await.unwrap();
+        assert_eq!(&big[..], &data[100..]);
+        drop(c);
+        let e = r.read_exact(&mut a).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}
+
+/// A connection's buffered reader whose buffer is borrowed from a pool
+/// only while it holds bytes: it waits for the socket to be readable with
+/// no buffer, borrows one to read what arrived, and gives it back once
+/// emptied ([`PooledReader::release`]). Reads at least a buffer long go
+/// straight into the caller's memory.
+#[derive(Debug)]
+pub(crate) struct PooledReader {
+    sock: OwnedReadHalf,
+    pool: Arc<BufPool>,
+    buf: Option<Pooled>,
+    pos: usize,
+    end: usize,
+}
+
+impl PooledReader {
+    pub fn new(sock: OwnedReadHalf, pool: Arc<BufPool>) -> Self {
+        Self { sock, pool, buf: None, pos: 0, end: 0 }
+    }
+
+    /// Bytes read from the socket and not yet taken.
+    pub fn buffered(&self) -> usize {
+        self.end - self.pos
+    }
+
+    pub fn get_ref(&self) -> &OwnedReadHalf {
+        &self.sock
+    }
+
+    /// Gives the buffer back to the pool if it holds nothing.
+    pub fn release(&mut self) {
+        if self.pos == self.end {
+            self.buf = None;
+            self.pos = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Fills `dst` (an `UnexpectedEof` error if the peer closes first).
+    pub async fn read_exact(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < dst.len() {
+            if let (Some(b), true) = (&self.buf, self.pos < self.end) {
+                let n = (self.end - self.pos).min(dst.len() - done);
+                dst[done..done + n].copy_from_slice(&b[self.pos..self.pos + n]);
+                self.pos += n;
+                done += n;
+                continue;
+            }
+            self.release();
+            let want = &mut dst[done..];
+            let n = if want.len() >= self.pool.size { self.sock.read(want).await? } else { self.fill().await? };
+            if n == 0 {
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the peer closed the connection"));
+            }
+            if want.len() >= self.pool.size {
+                done += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the socket is readable (holding no buffer), then reads
+    /// what arrived into a borrowed buffer; the bytes read (0: closed).
+    async fn fill(&mut self) -> std::io::Result<usize> {
+        loop {
+            self.sock.readable().await?;
+            let mut b = match self.buf.take() {
+                Some(b) => b,
+                None => self.pool.take()?,
+            };
+            match self.sock.try_read(&mut b) {
+                Ok(n) => {
+                    self.buf = Some(b);
+                    self.pos = 0;
+                    self.end = n;
+                    return Ok(n);
+                }
+                // A spurious wake-up: wait again without the buffer.
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
     }
 }

@@ -116,7 +116,7 @@ mod server;
 mod transport;
 
 pub use config::TcpConfig;
-pub use server::{IDLE_CONNECTION_BOUND, SERVED_CONNECTION_BOUND};
+pub use server::{IDLE_CONNECTION_BOUND, SERVED_CONNECTION_BOUND, SERVER_POOL_BOUND};
 pub use transport::{TcpTransport, NOTIFY_TIMEOUT};
 
 /// The frame codec, exposed for fuzzing and tests: arbitrary bytes fed to

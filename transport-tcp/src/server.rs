@@ -11,15 +11,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::TaskSet;
 use transport_core::{check_received, Inbox, Notification, Refused};
 
 use crate::auth::{self, Role};
-use crate::bufs::{BufPool, OutBuf};
+use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
@@ -31,23 +31,25 @@ const OUT_BUF: usize = 256 << 10;
 /// READ answers larger than this are copied and sent in chunks of it; a
 /// WRITE payload is received in chunks of it (the staging buffer).
 const STREAM: usize = 128 << 10;
-/// A connection's read buffer (frame headers and small payloads; larger
-/// payloads are read straight into the staging buffer).
-const READ_BUF: usize = 16 << 10;
-/// Output and staging buffers kept for reuse while unused, each; beyond
-/// them a returned buffer is unmapped.
+/// Output buffers kept for reuse while unused (twice as many read and
+/// staging buffers); beyond them a returned buffer is unmapped.
 const POOLED: usize = 32;
 /// Memory one handshaken connection may hold at most while it works: its
-/// output buffer, a staging buffer, its read buffer, one NOTIFY payload,
-/// and the task, socket and bookkeeping around them. An idle connection
-/// holds only its read buffer and that bookkeeping (`IDLE_CONNECTION_BOUND`).
-/// `tests/memory.rs` measures both against a server process.
-pub const SERVED_CONNECTION_BOUND: usize = OUT_BUF + STREAM + IDLE_CONNECTION_BOUND + proto::MAX_NOTIFY_PAYLOAD;
+/// output buffer, its read buffer, a staging buffer, one NOTIFY payload,
+/// and the task, socket and bookkeeping around them. A connection waiting
+/// for a request with nothing to send holds no buffer, only that
+/// bookkeeping (`IDLE_CONNECTION_BOUND`). `tests/memory.rs` measures both
+/// against a server process.
+pub const SERVED_CONNECTION_BOUND: usize = OUT_BUF + 2 * STREAM + proto::MAX_NOTIFY_PAYLOAD + IDLE_CONNECTION_BOUND;
+
+/// Memory the server's buffer pools keep at most between uses (output
+/// buffers, and twice as many read and staging buffers).
+pub const SERVER_POOL_BOUND: usize = POOLED * OUT_BUF + 2 * POOLED * STREAM;
 
 /// Memory one handshaken connection holds at most while it waits for a
-/// request with nothing to send: its read buffer, and about 48 KiB for its
-/// task, socket registration and bookkeeping (measured: 33 KiB).
-pub const IDLE_CONNECTION_BOUND: usize = READ_BUF + (48 << 10);
+/// request with nothing to send: its task, socket registration and
+/// bookkeeping, no buffer.
+pub const IDLE_CONNECTION_BOUND: usize = 48 << 10;
 
 /// Connections refused at `max_connections` that may be answered `Busy` at
 /// once (each for at most `REFUSE_WAIT`); beyond this, a refused connection
@@ -216,8 +218,9 @@ pub(crate) struct Server {
     next_conn: AtomicU64,
     /// Output buffers (`OUT_BUF` each), lent to connections with answers due.
     out_bufs: Arc<BufPool>,
-    /// Staging buffers (`STREAM` each), lent for the time of one WRITE.
-    stage_bufs: Arc<BufPool>,
+    /// Read and staging buffers (`STREAM` each): lent to a connection's
+    /// reader while it holds unread bytes, and for the time of one WRITE.
+    chunk_bufs: Arc<BufPool>,
 }
 
 /// Why a connection is closed (logged; never crashes the server).
@@ -252,7 +255,7 @@ impl Server {
             counts: Arc::default(),
             next_conn: AtomicU64::new(0),
             out_bufs: BufPool::new(OUT_BUF, POOLED),
-            stage_bufs: BufPool::new(STREAM, POOLED),
+            chunk_bufs: BufPool::new(STREAM, 2 * POOLED),
         })
     }
 
@@ -424,7 +427,7 @@ impl Server {
             tracing::info!(%peer, authenticated = self.cfg.secret.is_some(), "peer connected");
         }
         let (r, mut w) = s.into_split();
-        let mut r = BufReader::with_capacity(READ_BUF, r);
+        let mut r = PooledReader::new(r, self.chunk_bufs.clone());
         let mut out = OutBuf::new(self.out_bufs.clone());
         let e = match self.requests(&mut r, &mut w, &mut out).await {
             Ok(never) => match never {},
@@ -506,17 +509,20 @@ impl Server {
     /// to send.
     async fn requests(
         &self,
-        r: &mut BufReader<OwnedReadHalf>,
+        r: &mut PooledReader,
         w: &mut OwnedWriteHalf,
         out: &mut OutBuf,
     ) -> Result<std::convert::Infallible, Close> {
         let mut note: Vec<u8> = Vec::new();
         loop {
-            if r.buffer().is_empty() {
+            if r.buffered() == 0 {
                 if !out.is_empty() {
                     self.idle(Self::flush(w, out)).await?;
                 }
+                // Nothing in hand: the connection holds no buffer while it
+                // waits for its next request.
                 out.release();
+                r.release();
             }
             let mut b = [0u8; HEADER_LEN];
             self.idle(r.read_exact(&mut b)).await?;
@@ -557,7 +563,7 @@ impl Server {
                     } else {
                         self.regions.remote(h.addr, h.len, true)
                     };
-                    let mut staging = self.stage_bufs.take()?;
+                    let mut staging = self.chunk_bufs.take()?;
                     let mut done = 0usize;
                     while done < n {
                         let k = (n - done).min(staging.len());
