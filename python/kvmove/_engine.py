@@ -299,8 +299,9 @@ class SessionWrite:
     """One write of a :class:`SendSession` (e.g. one layer), running in the
     background."""
 
-    def __init__(self, native_write):
+    def __init__(self, native_write, requests: int):
         self._w = native_write
+        self._requests = requests
         self._outcome: Optional[Outcome] = None
 
     @property
@@ -318,9 +319,20 @@ class SessionWrite:
     def wait(self, timeout: Optional[float] = None, check: bool = True) -> Optional[Outcome]:
         """Waits (GIL released) for the outcome; None if ``timeout`` seconds
         passed first. With ``check`` (default), a write that did not complete
-        raises its error."""
+        raises its error; without, it is an outcome (a write refused as it
+        was to start, because the session had ended, is one whose requests
+        are all ``"cancelled"`` or ``"failed"`` and that made no attempt)."""
         if self._outcome is None:
-            t = self._w.wait(timeout)
+            try:
+                t = self._w.wait(timeout)
+            except TransferError as e:
+                # Refused when it was to start (the session ended first):
+                # nothing moved. Without ``check`` that is an outcome too.
+                if check:
+                    raise
+                state = "cancelled" if getattr(e, "kind", None) == "cancelled" else "failed"
+                self._outcome = Outcome(state, 0, [RequestResult(state, e)] * self._requests)
+                return self._outcome
             if t is None:
                 return None
             self._outcome = Outcome._from_native(t)
@@ -444,7 +456,8 @@ class SendSession(_Handoff):
         before a byte moves if there is no grant yet, a range falls outside
         the grant (``kind == "out_of_bounds"``) or a local address is not
         registered."""
-        return SessionWrite(self._h.write([(int(l), int(r), int(n)) for (l, r, n) in ops]))
+        ops = [(int(l), int(r), int(n)) for (l, r, n) in ops]
+        return SessionWrite(self._h.write(ops), len(ops))
 
     def write(self, ops: Iterable[Op]) -> Outcome:
         """Writes and waits; raises if the write did not complete (the

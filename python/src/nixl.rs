@@ -115,7 +115,7 @@ impl NixlXfer {
             }
             None => None,
         };
-        let bytes = requests.iter().map(|r| r.len).sum();
+        let bytes = requests.iter().map(|r| r.len).fold(0u64, u64::saturating_add);
         let descs = requests.len() as u64;
         let start_unix_us = SystemTime::now().duration_since(UNIX_EPOCH).map(micros).unwrap_or(0);
         let started = Instant::now();
