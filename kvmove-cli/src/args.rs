@@ -100,6 +100,11 @@ pub struct Options {
     /// etcd client URLs, comma separated (sets metadata.etcd.endpoints).
     #[arg(long, global = true, value_name = "URLS", value_delimiter = ',')]
     pub etcd_endpoints: Option<Vec<String>>,
+    /// Serve the engine's metrics as Prometheus text on http://HOST:PORT/metrics
+    /// (counters, gauges and histograms of transfers, peers, breakers and
+    /// connections) while the command runs  [default: off]
+    #[arg(long, global = true, value_name = "HOST:PORT")]
+    pub metrics: Option<std::net::SocketAddr>,
     /// Address the backend listens on (backend.<kind>.listen)  [default: 127.0.0.1:0]
     #[arg(long, global = true, value_name = "HOST:PORT")]
     pub listen: Option<String>,

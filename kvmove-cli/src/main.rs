@@ -77,6 +77,16 @@ fn main() -> ExitCode {
         }
     };
     let json = cli.opts.json;
+    if let Some(addr) = cli.opts.metrics {
+        let installed = runtime.block_on(async {
+            metrics_exporter_prometheus::PrometheusBuilder::new().with_http_listener(addr).install()
+        });
+        if let Err(e) = installed {
+            crate::say!("kvmove: error: --metrics {addr}: cannot serve metrics there: {}", one_line(&e.to_string()));
+            return ExitCode::from(2);
+        }
+        tracing::info!(%addr, "serving metrics on /metrics");
+    }
     let result = runtime.block_on(async {
         match &cli.command {
             None | Some(Command::Bench) => commands::bench(&settings, json).await,

@@ -586,3 +586,54 @@ fn handoff_bad_numbers_are_one_line() {
     assert_one_line_error(&run(&["handoff", "--request-kib", "18446744073709551615"]), "request-kib");
     assert_one_line_error(&run(&["handoff", "--senders", "0"]), "senders");
 }
+
+/// A loopback port that was free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The body of `GET /metrics` from `addr` (plain HTTP/1.0 over a socket).
+fn scrape(addr: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    std::io::Write::write_all(&mut s, b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.") && text.contains(" 200 "), "{text}");
+    text.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default()
+}
+
+/// The value of one series (`name{labels}` exactly as exported).
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Issue 15: `kvmove target --metrics` serves Prometheus text whose
+/// counters match the workload an initiator ran against it: the bytes it
+/// wrote and the bytes it read back to verify, and the connections it made.
+#[test]
+fn target_serves_metrics_that_count_the_workload() {
+    let maddr = format!("127.0.0.1:{}", free_port());
+    let (mut target, segment) = start_target(&["--metrics", &maddr]);
+    let before = scrape(&maddr);
+    assert_eq!(metric(&before, r#"kvmove_tcp_served_bytes_total{op="write"}"#), None, "nothing served yet: {before}");
+    let v = json(&run(&args(&["initiator", "--target", &segment, "--json"])));
+    assert_verified(&v, 3);
+    let bytes = v["verified_bytes"].as_u64().unwrap() as f64;
+    let text = scrape(&maddr);
+    assert_eq!(metric(&text, r#"kvmove_tcp_served_bytes_total{op="write"}"#), Some(bytes), "{text}");
+    // The initiator reads every byte back to verify it.
+    assert_eq!(metric(&text, r#"kvmove_tcp_served_bytes_total{op="read"}"#), Some(bytes), "{text}");
+    assert!(metric(&text, "kvmove_tcp_connections_total").is_some_and(|n| n >= 1.0), "{text}");
+    stop(&mut target);
+}
+
+/// `--metrics` on an address that cannot be served is one line, exit 2.
+#[test]
+fn metrics_on_a_busy_address_is_one_line() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let r = run(&args(&["bench", "--metrics", &addr]));
+    assert_eq!(r.code, Some(2));
+    assert_one_line_error(&r, "--metrics");
+}

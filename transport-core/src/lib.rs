@@ -45,6 +45,7 @@ pub use notify::{
     check_notification, check_received, inbox_full, Inbox, Notification, Refused, DEFAULT_INBOX, MAX_NOTIFY_FROM,
     MAX_NOTIFY_LEN,
 };
+pub use policy::metrics::{MAX_PEER_LABELS, OTHER_PEER};
 pub use policy::{
     backoff, Admit, BackpressureConfig, Breaker, BreakerConfig, BreakerState, Budget, Charge, DeadlineConfig, Engine,
     PolicyConfig, Reservation, RetryConfig, Sessions, Transfer, TransferOutcome, Usage,

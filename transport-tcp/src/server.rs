@@ -201,6 +201,21 @@ impl Drop for Slot {
     }
 }
 
+/// The metric label for a refusal reason (a fixed set).
+fn refusal_label(why: &str) -> &'static str {
+    if why.contains("max_connections_per_ip") {
+        "max_connections_per_ip"
+    } else if why.contains("max_connections") {
+        "max_connections"
+    } else if why.contains("max_handshaking_per_ip") {
+        "max_handshaking_per_ip"
+    } else if why.contains("max_handshaking") {
+        "max_handshaking"
+    } else {
+        "other"
+    }
+}
+
 /// What the server needs, shared with its connection tasks.
 #[derive(Debug)]
 pub(crate) struct Server {
@@ -280,6 +295,8 @@ impl Server {
                     Admit::No(why) => {
                         drop(c);
                         tracing::warn!(%peer, reason = why, "refusing connection (answered Busy)");
+                        metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => refusal_label(why))
+                            .increment(1);
                         self.refuse(id, s);
                         continue;
                     }
@@ -291,6 +308,7 @@ impl Server {
                     h.abort();
                 }
                 tracing::warn!(%peer, "handshake quota full: closed the oldest handshake of the busiest address");
+                metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => "evicted_handshake").increment(1);
             }
             let mut conns = self.conns.lock();
             let me = self.clone();
@@ -425,6 +443,7 @@ impl Server {
             .map_err(|_| Close::Proto("handshake timed out".into()))??;
         if let Ok(peer) = s.peer_addr() {
             tracing::info!(%peer, authenticated = self.cfg.secret.is_some(), "peer connected");
+            metrics::counter!("kvmove_tcp_connections_total").increment(1);
         }
         let (r, mut w) = s.into_split();
         let mut r = PooledReader::new(r, self.chunk_bufs.clone());
@@ -579,6 +598,9 @@ impl Server {
                         done += k;
                     }
                     drop(staging);
+                    if status.is_ok() {
+                        metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "write").increment(h.len);
+                    }
                     let mut a = Header::new(FrameType::WriteAck);
                     a.id = h.id;
                     a.status = status.err().unwrap_or(Status::Ok);
@@ -604,6 +626,9 @@ impl Server {
                     };
                     // The decoder bounded `len` by `max_frame`.
                     let n = h.len as usize;
+                    // Counted when answered (a read that fails half way
+                    // closes the connection; rare enough to count anyway).
+                    metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "read").increment(h.len);
                     a.len = h.len;
                     a.payload_len = n as u32;
                     if n <= STREAM {

@@ -17,6 +17,7 @@ use super::backoff::backoff;
 use super::breaker::{Admit, Breaker, BreakerState};
 use super::budget::{Budget, Charge, Reservation, Usage};
 use super::config::PolicyConfig;
+use super::metrics::{self, PeerLabels};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::Transport;
@@ -43,6 +44,17 @@ use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, Segment
 /// - **Backpressure**: bytes and requests in flight are bounded per peer and
 ///   in total. [`Engine::try_submit`] fails with a transient `Backpressure`
 ///   error when full; [`Engine::submit`] waits for room.
+/// - **Metrics** (through the `metrics` facade; a no-op until the program
+///   installs a recorder, e.g. `kvmove target --metrics ADDR`):
+///   `kvmove_bytes_total{op,peer}` (bytes of completed requests),
+///   `kvmove_requests_total{op,peer,state}`, `kvmove_transfers_total{state}`,
+///   `kvmove_retries_total`, `kvmove_errors_total{kind}`,
+///   `kvmove_breaker_transitions_total{peer,to}`, `kvmove_breaker_open{peer}`,
+///   `kvmove_inflight_bytes`, `kvmove_inflight_requests`, and the histograms
+///   `kvmove_transfer_seconds{state}` (start to outcome) and
+///   `kvmove_budget_wait_seconds` (queued for the in-flight budget). Peer
+///   labels are bounded ([`crate::MAX_PEER_LABELS`]; the
+///   rest are `peer="other"`).
 ///
 /// Cheap to clone; clones share state.
 #[derive(Clone)]
@@ -60,6 +72,8 @@ struct Inner {
     rng: Mutex<SmallRng>,
     /// Peers with a background prober running (one each; counted).
     probers: Mutex<HashSet<String>>,
+    /// Peers with a metrics label of their own (bounded).
+    labels: PeerLabels,
 }
 
 /// The background prober's first wait after a breaker opens.
@@ -213,6 +227,7 @@ impl Engine {
                 active: AtomicUsize::new(0),
                 rng: Mutex::new(SmallRng::from_entropy()),
                 probers: Mutex::new(HashSet::new()),
+                labels: PeerLabels::default(),
             }),
         })
     }
@@ -316,7 +331,9 @@ impl Engine {
     /// Starts a transfer, waiting for room in the in-flight budget first.
     pub async fn submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
         let plan = self.inner.plan(&requests)?;
+        let queued = std::time::Instant::now();
         let reservation = self.inner.budget.reserve(plan.charge.clone()).await;
+        metrics::budget_wait(queued.elapsed());
         self.start(requests, plan, reservation).await
     }
 
@@ -353,15 +370,26 @@ impl Engine {
         let (out_tx, out_rx) = watch::channel(None);
         let (cancel_tx, cancel_rx) = watch::channel(false);
         inner.active.fetch_add(1, Ordering::AcqRel);
-        let driver =
-            Driver { inner: inner.clone(), requests, peer_of: plan.peer_of, peers: plan.peers, cancel: cancel_rx };
+        let driver = Driver {
+            inner: inner.clone(),
+            requests,
+            peer_of: plan.peer_of,
+            peers: plan.peers,
+            cancel: cancel_rx,
+            started: std::time::Instant::now(),
+        };
+        let used = inner.budget.used();
+        metrics::inflight(used.bytes, used.requests);
         handle.spawn(async move {
             let active = ActiveGuard(driver.inner.clone());
+            let inner = driver.inner.clone();
             let outcome = driver.run(first).await;
             // Budget and the task count are given back before the outcome
             // is published, so a caller who saw the outcome sees them freed.
             drop(reservation);
             drop(active);
+            let used = inner.budget.used();
+            metrics::inflight(used.bytes, used.requests);
             let _ = out_tx.send(Some(outcome));
         });
         Ok(Transfer { outcome: out_rx, cancel: cancel_tx })
@@ -440,16 +468,19 @@ impl Inner {
 
     fn record(self: &Arc<Self>, peer: &str, verdict: Verdict) {
         let now = self.clock.now();
-        let opened = {
+        let (before, after) = {
             let mut breakers = self.breakers.lock();
             let b = breakers.entry(peer.to_owned()).or_default();
+            let before = b.state(now);
             match verdict {
                 Verdict::Healthy => b.on_success(),
                 Verdict::Failed => b.on_failure(now, &self.cfg.breaker),
                 Verdict::Unknown => b.on_abandoned_probe(),
             }
-            b.state(now) == BreakerState::Open
+            (before, b.state(now))
         };
+        metrics::breaker(&self.labels, peer, before, after);
+        let opened = after == BreakerState::Open;
         if opened {
             self.start_prober(peer);
         }
@@ -578,6 +609,8 @@ struct Driver {
     peer_of: Vec<usize>,
     peers: Vec<String>,
     cancel: watch::Receiver<bool>,
+    /// When the transfer was started (its latency in the metrics).
+    started: std::time::Instant,
 }
 
 impl Driver {
@@ -658,7 +691,18 @@ impl Driver {
                 }
             }
         }
-        TransferOutcome { state: BatchState::summarize(&status), requests: status, attempts }
+        let state = BatchState::summarize(&status);
+        metrics::transfer_done(
+            &self.inner.labels,
+            &self.requests,
+            &self.peer_of,
+            &self.peers,
+            &status,
+            state,
+            attempts,
+            self.started.elapsed(),
+        );
+        TransferOutcome { state, requests: status, attempts }
     }
 
     /// Runs one backend batch to a terminal state and returns one status per

@@ -6,6 +6,7 @@ mod breaker;
 mod budget;
 mod config;
 mod engine;
+pub(crate) mod metrics;
 mod sessions;
 
 pub use backoff::backoff;
