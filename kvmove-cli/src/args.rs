@@ -37,6 +37,23 @@ pub enum Command {
     /// and 13) and the way connectors work today (timeouts from arrival),
     /// every byte verified; prints both side by side.
     Handoff(HandoffArgs),
+    /// A live view of a running kvmove started with `--metrics HOST:PORT`:
+    /// rates, latency percentiles, in-flight work, peers and breakers,
+    /// refreshed every interval.
+    Top(TopArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// The `--metrics` address of the kvmove to watch
+    #[arg(long, value_name = "HOST:PORT")]
+    pub url: std::net::SocketAddr,
+    /// Refresh interval in milliseconds (100 to 3600000)
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    pub interval_ms: u64,
+    /// Frames to print before exiting (0: until Ctrl-C)
+    #[arg(long, default_value_t = 0)]
+    pub count: u64,
 }
 
 #[derive(Debug, Args)]

@@ -25,6 +25,7 @@ mod report;
 mod run;
 mod sessions;
 mod settings;
+mod top;
 
 use std::process::ExitCode;
 
@@ -94,6 +95,13 @@ fn main() -> ExitCode {
             Some(Command::Initiator(a)) => commands::initiator(&settings, &a.target, json).await,
             Some(Command::Config) => commands::config(&settings),
             Some(Command::Handoff(a)) => commands::handoff(&settings, a, json).await,
+            Some(Command::Top(a)) => {
+                let (addr, every, count) = (a.url, std::time::Duration::from_millis(a.interval_ms), a.count);
+                tokio::task::spawn_blocking(move || top::run(addr, every, count))
+                    .await
+                    .unwrap_or_else(|e| Err(kvmove::Error::new(kvmove::ErrorKind::Internal, e.to_string())))
+                    .map(|()| Outcome::Ok)
+            }
         }
     });
     // Do not wait for background tasks of a failed backend.

@@ -624,8 +624,19 @@ fn target_serves_metrics_that_count_the_workload() {
     assert_eq!(metric(&text, r#"kvmove_tcp_served_bytes_total{op="write"}"#), Some(bytes), "{text}");
     // The initiator reads every byte back to verify it.
     assert_eq!(metric(&text, r#"kvmove_tcp_served_bytes_total{op="read"}"#), Some(bytes), "{text}");
-    assert!(metric(&text, "kvmove_tcp_connections_total").is_some_and(|n| n >= 1.0), "{text}");
+    let conns = metric(&text, "kvmove_tcp_connections_total").unwrap_or(0.0);
+    assert!(conns >= 1.0, "{text}");
+    // The live view renders a frame from the same endpoint.
+    let top = run(&["top", "--url", &maddr, "--interval-ms", "200", "--count", "2"]);
+    assert_eq!(top.code, Some(0), "{}", top.stderr);
+    let frames: Vec<&str> = top.stdout.split("kvmove top  ").filter(|f| !f.trim().is_empty()).collect();
+    assert_eq!(frames.len(), 2, "{}", top.stdout);
+    let served = frames[1].lines().find(|l| l.starts_with("served")).unwrap_or("");
+    assert!(served.contains(&format!("connections {conns} ")), "{}", top.stdout);
     stop(&mut target);
+    // Nothing to watch any more: one line, not a hang.
+    let gone = run(&["top", "--url", &maddr, "--count", "1"]);
+    assert_one_line_error(&gone, "/metrics");
 }
 
 /// `--metrics` on an address that cannot be served is one line, exit 2.

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,7 +52,11 @@ use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, Segment
 ///   `kvmove_breaker_transitions_total{peer,to}`, `kvmove_breaker_open{peer}`,
 ///   `kvmove_inflight_bytes`, `kvmove_inflight_requests`, and the histograms
 ///   `kvmove_transfer_seconds{state}` (start to outcome) and
-///   `kvmove_budget_wait_seconds` (queued for the in-flight budget). Peer
+///   `kvmove_stage_seconds{stage}`: `budget` (queued for the in-flight
+///   budget), `submit` (handing a batch to the backend), `complete` (on the
+///   wire until every request is terminal). Each transfer runs in a
+///   tracing span `transfer{id, peers, requests}`; its end is logged there
+///   (debug when it completed, warn with the first error otherwise). Peer
 ///   labels are bounded ([`crate::MAX_PEER_LABELS`]; the
 ///   rest are `peer="other"`).
 ///
@@ -74,6 +78,8 @@ struct Inner {
     probers: Mutex<HashSet<String>>,
     /// Peers with a metrics label of their own (bounded).
     labels: PeerLabels,
+    /// The next transfer's id (its tracing span's `id`).
+    next_transfer: AtomicU64,
 }
 
 /// The background prober's first wait after a breaker opens.
@@ -228,6 +234,7 @@ impl Engine {
                 rng: Mutex::new(SmallRng::from_entropy()),
                 probers: Mutex::new(HashSet::new()),
                 labels: PeerLabels::default(),
+                next_transfer: AtomicU64::new(1),
             }),
         })
     }
@@ -360,7 +367,9 @@ impl Engine {
                 return Err(e);
             }
         }
+        let submitting = std::time::Instant::now();
         let first = inner.transport.submit(requests.clone(), inner.options(&requests)).await;
+        metrics::stage("submit", submitting.elapsed());
         if let Err(e) = &first {
             if !e.is_transient() {
                 inner.abandon_probes(&plan.peers);
@@ -380,18 +389,34 @@ impl Engine {
         };
         let used = inner.budget.used();
         metrics::inflight(used.bytes, used.requests);
-        handle.spawn(async move {
-            let active = ActiveGuard(driver.inner.clone());
-            let inner = driver.inner.clone();
-            let outcome = driver.run(first).await;
-            // Budget and the task count are given back before the outcome
-            // is published, so a caller who saw the outcome sees them freed.
-            drop(reservation);
-            drop(active);
-            let used = inner.budget.used();
-            metrics::inflight(used.bytes, used.requests);
-            let _ = out_tx.send(Some(outcome));
-        });
+        let id = inner.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::info_span!("transfer", id, peers = ?driver.peers, requests = driver.requests.len());
+        handle.spawn(tracing::Instrument::instrument(
+            async move {
+                let active = ActiveGuard(driver.inner.clone());
+                let inner = driver.inner.clone();
+                let outcome = driver.run(first).await;
+                match outcome.first_error() {
+                    None if outcome.is_success() => {
+                        tracing::debug!(state = ?outcome.state, attempts = outcome.attempts, "transfer ended")
+                    }
+                    e => tracing::warn!(
+                        state = ?outcome.state,
+                        attempts = outcome.attempts,
+                        error = e.map(ToString::to_string),
+                        "transfer ended"
+                    ),
+                }
+                // Budget and the task count are given back before the outcome
+                // is published, so a caller who saw the outcome sees them freed.
+                drop(reservation);
+                drop(active);
+                let used = inner.budget.used();
+                metrics::inflight(used.bytes, used.requests);
+                let _ = out_tx.send(Some(outcome));
+            },
+            span,
+        ));
         Ok(Transfer { outcome: out_rx, cancel: cancel_tx })
     }
 }
@@ -681,7 +706,10 @@ impl Driver {
             attempts += 1;
             let reqs: Vec<TransferRequest> = todo.iter().map(|&i| self.requests[i]).collect();
             let opts = self.inner.options(&reqs);
+            tracing::debug!(attempt = attempts, requests = todo.len(), "retrying");
+            let submitting = std::time::Instant::now();
             current = self.inner.transport.submit(reqs, opts).await;
+            metrics::stage("submit", submitting.elapsed());
         }
         if self.cancelled() {
             // Work that was waiting for a retry when the caller cancelled.
@@ -713,10 +741,12 @@ impl Driver {
             Err(e) => return vec![RequestStatus::Failed(e); n],
         };
         let t = self.inner.transport.clone();
+        let waiting = std::time::Instant::now();
         let result = tokio::select! {
             r = t.wait(batch) => r,
             _ = Self::cancel_signal(&mut self.cancel) => t.cancel(batch).await,
         };
+        metrics::stage("complete", waiting.elapsed());
         if let Err(e) = t.release(batch) {
             tracing::debug!(%batch, error = %e, "release after terminal status failed");
         }

@@ -118,9 +118,17 @@ pub(crate) fn transfer_done(
     histogram!("kvmove_transfer_seconds", "state" => state_name(state)).record(took.as_secs_f64());
 }
 
+/// Time spent in one stage of a transfer: `submit` (handing a batch to
+/// the backend) or `complete` (from then until its requests are terminal;
+/// on the wire and waiting for the answers); `budget`, the wait for room in
+/// the in-flight budget, is [`budget_wait`].
+pub(crate) fn stage(stage: &'static str, took: Duration) {
+    histogram!("kvmove_stage_seconds", "stage" => stage).record(took.as_secs_f64());
+}
+
 /// Time a transfer waited for room in the in-flight budget.
 pub(crate) fn budget_wait(took: Duration) {
-    histogram!("kvmove_budget_wait_seconds").record(took.as_secs_f64());
+    stage("budget", took);
 }
 
 /// The in-flight budget's use now.
