@@ -135,3 +135,66 @@ fn peer_labels_stay_bounded() {
     assert!(matches!(other[0].1, DebugValue::Counter(n) if n == 6 * 4096), "{:?}", other[0].1);
     assert_eq!(counter_sum(&snap, "kvmove_bytes_total", &[]), peers as u64 * 4096, "every byte counted");
 }
+
+/// Sessions (rules 12, 13) feed the metrics: each side's session once, by
+/// role and final state, its time to landed, the sender's grant wait; and
+/// plain notifications sent and received.
+#[test]
+fn sessions_and_notifications_are_counted() {
+    use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+    use transport_core::Sessions;
+
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    recorded(&recorder, async {
+        let fabric = MockFabric::new();
+        let start = |name: &str| {
+            let t = host(&fabric, name);
+            let mem = Mem::new(1 << 16, 3);
+            let region = t.register(mem.region(), Access::REMOTE_RW).unwrap();
+            let engine = Engine::new(t.clone() as Arc<dyn Transport>, PolicyConfig::default()).unwrap();
+            (Sessions::start(engine, SessionLimits::default()).unwrap(), mem, region)
+        };
+        let (p, pmem, pregion) = start("p");
+        let (d, dmem, _) = start("d");
+        let _ = pmem;
+        p.expect("d", 1).unwrap();
+        let grant = Grant { ranges: vec![(dmem.addr(), 4096)], expected: 4096, deadline: Duration::from_secs(10) };
+        d.grant("p", 1, grant).await.unwrap();
+        p.wait_grant("d", 1).await.unwrap();
+        let seg = p.segment("d").await.unwrap();
+        let w = TransferRequest::write(pregion, 0, seg, dmem.addr(), 4096);
+        p.write("d", 1, vec![w]).await.unwrap().into_result().unwrap();
+        p.finish("d", 1).unwrap();
+        assert_eq!(d.wait(&SessionKey::new("p", 1, Role::Receiver)).await.unwrap(), SessionState::Landed);
+        assert_eq!(p.wait(&SessionKey::new("d", 1, Role::Sender)).await.unwrap(), SessionState::Landed);
+        p.notify("d", b"hello".to_vec()).await.unwrap();
+        let mut got = Vec::new();
+        while got.is_empty() {
+            d.wait_notification().await.unwrap();
+            got = d.take_notifications(16);
+        }
+        assert_eq!(got.len(), 1);
+        p.shutdown().await;
+        d.shutdown().await;
+    });
+    // One snapshot for the histograms (a snapshot drains them).
+    let samples =
+        |all: &[(String, usize)], name: &str| -> usize { all.iter().filter(|(n, _)| n == name).map(|(_, c)| c).sum() };
+    let hists: Vec<(String, usize)> = snap
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(k, _, _, v)| match v {
+            DebugValue::Histogram(h) => Some((k.key().name().to_owned(), h.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(samples(&hists, "kvmove_session_grant_wait_seconds"), 1, "one grant wait, the sender's");
+    assert_eq!(samples(&hists, "kvmove_session_landed_seconds"), 2, "one time to landed per side");
+    assert_eq!(counter_sum(&snap, "kvmove_sessions_total", &[("role", "sender"), ("state", "landed")]), 1);
+    assert_eq!(counter_sum(&snap, "kvmove_sessions_total", &[("role", "receiver"), ("state", "landed")]), 1);
+    assert_eq!(counter_sum(&snap, "kvmove_sessions_total", &[]), 2, "each side once");
+    assert_eq!(counter_sum(&snap, "kvmove_notifications_total", &[("dir", "sent")]), 1);
+    assert_eq!(counter_sum(&snap, "kvmove_notifications_total", &[("dir", "received")]), 1);
+}

@@ -54,7 +54,10 @@ use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, Segment
 ///   `kvmove_transfer_seconds{state}` (start to outcome) and
 ///   `kvmove_stage_seconds{stage}`: `budget` (queued for the in-flight
 ///   budget), `submit` (handing a batch to the backend), `complete` (on the
-///   wire until every request is terminal). Each transfer runs in a
+///   wire until every request is terminal). [`crate::Sessions`] adds
+///   `kvmove_sessions_total{role,state}` (each session once, when final),
+///   `kvmove_session_landed_seconds{role}`, `kvmove_session_grant_wait_seconds`
+///   and `kvmove_notifications_total{dir}`. Each transfer runs in a
 ///   tracing span `transfer{id, peers, requests}`; its end is logged there
 ///   (debug when it completed, warn with the first error otherwise). Peer
 ///   labels are bounded ([`crate::MAX_PEER_LABELS`]; the

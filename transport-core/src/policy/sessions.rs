@@ -12,7 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -85,6 +85,9 @@ struct Inner {
     dropped_plain: std::sync::atomic::AtomicU64,
     /// Set by shutdown: waits answer `Shutdown`.
     closed: std::sync::atomic::AtomicBool,
+    /// Sessions not yet final, for the metrics: when this side first saw
+    /// each, and when a sender's grant came (counted once when final).
+    seen: Mutex<HashMap<SessionKey, (Instant, Option<Instant>)>>,
 }
 
 #[derive(Default)]
@@ -144,6 +147,7 @@ impl Sessions {
             tasks: Mutex::default(),
             dropped_plain: std::sync::atomic::AtomicU64::new(0),
             closed: std::sync::atomic::AtomicBool::new(false),
+            seen: Mutex::default(),
         });
         let weak = Arc::downgrade(&inner);
         let reader = rt.spawn(read_loop(weak.clone()));
@@ -388,13 +392,19 @@ impl Sessions {
             ));
         }
         let seg = self.inner.segment(peer).await?;
-        self.inner.engine.transport().notify(seg, msg).await
+        self.inner.engine.transport().notify(seg, msg).await?;
+        metrics::counter!("kvmove_notifications_total", "dir" => "sent").increment(1);
+        Ok(())
     }
 
     /// Takes up to `max` plain notifications received (not session
     /// messages), oldest first.
     pub fn take_notifications(&self, max: usize) -> Vec<Notification> {
-        self.inner.plain.take(max)
+        let got = self.inner.plain.take(max);
+        if !got.is_empty() {
+            metrics::counter!("kvmove_notifications_total", "dir" => "received").increment(got.len() as u64);
+        }
+        got
     }
 
     /// Waits until a plain notification is queued.
@@ -490,13 +500,60 @@ impl Inner {
         }
     }
 
+    /// Feeds the metrics with sessions whose state changed: a sender's
+    /// grant wait when its grant comes, and each session once when final,
+    /// by role and state, with its time to landed.
+    fn observe(&self, changed: &[SessionKey], states: Vec<Option<SessionState>>) {
+        let now = Instant::now();
+        let mut seen = self.seen.lock();
+        for (k, st) in changed.iter().zip(states) {
+            let role = match k.role {
+                Role::Sender => "sender",
+                Role::Receiver => "receiver",
+            };
+            match st {
+                None => {
+                    seen.remove(k);
+                }
+                Some(st) if st.is_final() => {
+                    let Some((first, _)) = seen.remove(k) else { continue };
+                    let name = match st {
+                        SessionState::Landed => "landed",
+                        SessionState::Failed(_) => "failed",
+                        SessionState::Cancelled => "cancelled",
+                        SessionState::Expired => "expired",
+                        _ => "other",
+                    };
+                    metrics::counter!("kvmove_sessions_total", "role" => role, "state" => name).increment(1);
+                    if name == "landed" {
+                        metrics::histogram!("kvmove_session_landed_seconds", "role" => role)
+                            .record(now.duration_since(first).as_secs_f64());
+                    }
+                }
+                Some(st) => {
+                    let entry = seen.entry(k.clone()).or_insert((now, None));
+                    if k.role == Role::Sender && entry.1.is_none() && !matches!(st, SessionState::Waiting) {
+                        entry.1 = Some(now);
+                        metrics::histogram!("kvmove_session_grant_wait_seconds")
+                            .record(now.duration_since(entry.0).as_secs_f64());
+                    }
+                }
+            }
+        }
+    }
+
     /// Moves the table's decisions out: messages to the per-peer queues,
     /// actions to the writes, and wakes every waiter.
     fn pump(self: &Arc<Self>) {
-        let (out, actions, changed) = {
+        let (out, actions, changed, states) = {
             let mut t = self.table.lock();
-            (t.drain_outgoing(), t.drain_actions(), t.drain_changed())
+            let (out, actions, changed) = (t.drain_outgoing(), t.drain_actions(), t.drain_changed());
+            let states: Vec<Option<SessionState>> = changed.iter().map(|k| t.state(k)).collect();
+            (out, actions, changed, states)
         };
+        if !changed.is_empty() {
+            self.observe(&changed, states);
+        }
         if !changed.is_empty() {
             let waiters = self.waiters.lock();
             for k in &changed {
