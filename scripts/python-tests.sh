@@ -43,7 +43,7 @@ if [ ! -x "$venv/bin/python" ]; then
   fi
 fi
 vpy=$venv/bin/python
-"$vpy" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy
+"$vpy" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy prometheus_client
 
 step "pip install ./python"
 PATH="$venv/bin:$PATH" "$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
@@ -72,7 +72,7 @@ else
   rvenv=$CARGO_TARGET_DIR/python-venv-rdma
   wheels=$CARGO_TARGET_DIR/python-wheels-rdma
   [ -x "$rvenv/bin/python" ] || "$py" -m venv "$rvenv" || "$py" -m virtualenv -q "$rvenv"
-  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy
+  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy prometheus_client
   rm -rf "$wheels"
   (cd python && "$rvenv/bin/maturin" build --release --features rdma --compatibility linux --skip-auditwheel \
     -i "$rvenv/bin/python" -o "$wheels")

@@ -14,6 +14,11 @@ backpressure and memory checks built in):
   ``.is_transient``; notifications (``Engine.notify``) and handoff
   sessions between a sender and a receiver (``Engine.send`` /
   ``Engine.receive``).
+
+``kvmove.metrics()`` returns the engine's metrics (bytes, requests,
+transfers, latency histograms; process-wide) as a dict, and
+``kvmove.register_prometheus()`` shows them on a ``prometheus_client``
+registry's ``/metrics``.
 """
 
 from ._native import PermanentError, TransferError, TransientError
@@ -31,6 +36,7 @@ from ._engine import (
     Session,
     SessionWrite,
 )
+from ._metrics import metrics, register_prometheus
 from .mooncake import TransferEngine, TransferNotify, TransferOpcode
 
 __all__ = [
@@ -52,4 +58,6 @@ __all__ = [
     "TransferNotify",
     "TransferOpcode",
     "TransientError",
+    "metrics",
+    "register_prometheus",
 ]

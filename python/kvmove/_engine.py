@@ -606,6 +606,13 @@ class Engine:
         """Live resources: endpoints, segments, regions, batches, ..."""
         return self._native.stats()
 
+    def metrics(self) -> dict:
+        """The engine's metrics as a dict: :func:`kvmove.metrics` (the
+        values are process-wide, all engines together)."""
+        from ._metrics import metrics
+
+        return metrics()
+
     def close(self) -> None:
         """Ends all transfers, closes sessions, unregisters all memory and
         stops the backend (idempotent)."""

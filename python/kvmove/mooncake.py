@@ -31,6 +31,13 @@ class TransferEngine(_NativeTransferEngine):
 
     TransferOpcode = TransferOpcode
 
+    def metrics(self) -> dict:
+        """kvmove's metrics as a dict (not in Mooncake's API):
+        :func:`kvmove.metrics`, process-wide."""
+        from ._metrics import metrics
+
+        return metrics()
+
     def __enter__(self):
         return self
 

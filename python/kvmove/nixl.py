@@ -1021,6 +1021,13 @@ class nixl_agent:
 
     # ---- lifetime ----
 
+    def metrics(self) -> dict:
+        """kvmove's metrics as a dict (not in NIXL's API):
+        :func:`kvmove.metrics`, process-wide."""
+        from ._metrics import metrics
+
+        return metrics()
+
     def close(self) -> None:
         """Closes the agent's engine (ends transfers, unregisters memory).
         kvmove addition; also done when the agent is garbage collected."""

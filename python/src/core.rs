@@ -56,7 +56,10 @@ const WORKER_THREADS: usize = 2;
 impl Core {
     /// Starts the runtime and the backend the config names, under the
     /// config's policy.
+    /// The first engine of the process installs the in-memory metrics
+    /// recorder (`kvmove.metrics()` reports it if that failed).
     pub(crate) fn start(cfg: &kvmove::EngineConfig) -> Result<Self> {
+        let _ = crate::metrics::install();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(WORKER_THREADS)
             .thread_name("kvmove-rt")

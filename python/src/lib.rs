@@ -20,6 +20,10 @@
 //!   (`kvmove.nixl`): the runtime sends its notification once every request
 //!   completed, so the message never arrives before the data.
 //!
+//! * [`metrics`] keeps the engine's metrics (emitted through the `metrics`
+//!   facade) in memory for `kvmove.metrics()` and the `prometheus_client`
+//!   collector; the first engine of any API installs it.
+//!
 //! Callers pass raw local addresses; a table of registered regions
 //! ([`regions`]) maps each to `(region, offset)` and refuses anything
 //! outside registered memory before the engine sees it. Every blocking call
@@ -31,6 +35,7 @@ mod core;
 mod errors;
 mod handoff;
 mod hostmem;
+mod metrics;
 mod native;
 mod nixl;
 mod outcome;
@@ -49,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handoff::NativeHandoff>()?;
     m.add_class::<handoff::NativeSessionWrite>()?;
     m.add_class::<nixl::NixlXfer>()?;
+    m.add_function(wrap_pyfunction!(metrics::metrics_snapshot, m)?)?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
     m.add("HAS_RDMA", backend::has_rdma())?;
     Ok(())
