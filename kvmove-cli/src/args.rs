@@ -122,6 +122,10 @@ pub struct Options {
     /// connections) while the command runs  [default: off]
     #[arg(long, global = true, value_name = "HOST:PORT")]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Record no metrics at all (they are recorded in memory by default,
+    /// for the stage breakdown under the table)
+    #[arg(long, global = true)]
+    pub no_metrics: bool,
     /// Address the backend listens on (backend.<kind>.listen)  [default: 127.0.0.1:0]
     #[arg(long, global = true, value_name = "HOST:PORT")]
     pub listen: Option<String>,

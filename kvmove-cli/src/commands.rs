@@ -365,6 +365,9 @@ async fn workload(
         out(&format!("{text}\n"));
     } else {
         out(&report.table());
+        if let Some(line) = crate::metrics::stage_line() {
+            out(&line);
+        }
     }
     if report.ok {
         Ok(Outcome::Ok)

@@ -20,6 +20,7 @@ mod args;
 mod commands;
 mod data;
 mod log;
+mod metrics;
 mod plan;
 mod report;
 mod run;
@@ -78,15 +79,14 @@ fn main() -> ExitCode {
         }
     };
     let json = cli.opts.json;
-    if let Some(addr) = cli.opts.metrics {
-        let installed = runtime.block_on(async {
-            metrics_exporter_prometheus::PrometheusBuilder::new().with_http_listener(addr).install()
-        });
-        if let Err(e) = installed {
-            crate::say!("kvmove: error: --metrics {addr}: cannot serve metrics there: {}", one_line(&e.to_string()));
+    if !cli.opts.no_metrics {
+        if let Err(e) = runtime.block_on(async { metrics::install(cli.opts.metrics) }) {
+            crate::say!("kvmove: error: {}", one_line(&e));
             return ExitCode::from(2);
         }
-        tracing::info!(%addr, "serving metrics on /metrics");
+    } else if cli.opts.metrics.is_some() {
+        crate::say!("kvmove: error: --metrics and --no-metrics exclude each other");
+        return ExitCode::from(2);
     }
     let result = runtime.block_on(async {
         match &cli.command {

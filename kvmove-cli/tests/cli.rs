@@ -648,3 +648,25 @@ fn metrics_on_a_busy_address_is_one_line() {
     assert_eq!(r.code, Some(2));
     assert_one_line_error(&r, "--metrics");
 }
+
+/// Issue 15: the bench prints the time per stage under its table (metrics
+/// are recorded by default): every stage, and as many transfers as the
+/// workload made; `--no-metrics` records nothing and prints no such line.
+#[test]
+fn bench_prints_a_stage_breakdown_unless_metrics_are_off() {
+    let r = run(TINY);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let line = r.stdout.lines().find(|l| l.starts_with("stages per engine transfer")).unwrap_or_else(|| {
+        panic!("no stage line:\n{}", r.stdout);
+    });
+    for stage in ["budget", "submit", "complete"] {
+        assert!(line.contains(&format!("  {stage} ")), "{line}");
+    }
+    let transfers: u64 = line.split('(').nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).unwrap();
+    assert!(transfers > 0, "{line}");
+    let off = run(&args(&["--no-metrics"]));
+    assert_eq!(off.code, Some(0), "{}", off.stderr);
+    assert!(!off.stdout.contains("stages per engine transfer"), "{}", off.stdout);
+    let both = run(&args(&["--no-metrics", "--metrics", "127.0.0.1:1"]));
+    assert_one_line_error(&both, "exclude each other");
+}
