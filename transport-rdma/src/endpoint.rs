@@ -90,6 +90,7 @@ impl Inner {
                     Acquire::Use(id) => Step::Ready(id),
                     Acquire::Build(id) => Step::Build(id, name),
                     Acquire::Evict(id) => {
+                        endpoint_event("evicted", 1);
                         st.destroy_endpoint_now(id, g);
                         Step::Again
                     }
@@ -132,6 +133,7 @@ impl Inner {
                 g.endpoints.push((id, ep));
                 return Err(if st.shutdown { Error::shut_down() } else { Error::unknown_segment(seg) });
             }
+            endpoint_event("built", 1);
             let Some(s) = st.segments.get_mut(&seg) else {
                 st.pool.broken(id);
                 g.endpoints.push((id, ep));
@@ -173,4 +175,10 @@ async fn watch(weak: std::sync::Weak<Inner>, ep: EndpointId, mut stream: TcpStre
             st.break_endpoint(ep, why, g);
         }
     });
+}
+
+/// Counts endpoint events (`built`, `evicted`, `reclaimed`, `destroyed`)
+/// in the metrics.
+pub(crate) fn endpoint_event(event: &'static str, n: u64) {
+    metrics::counter!("kvmove_endpoints_total", "backend" => "rdma", "event" => event).increment(n);
 }

@@ -365,6 +365,7 @@ impl State {
         for &id in dead {
             self.pool.destroyed(id);
         }
+        crate::endpoint::endpoint_event("destroyed", dead.len() as u64);
         if lost.is_empty() {
             return;
         }

@@ -269,7 +269,11 @@ impl State {
             .map(|(id, _)| *id)
             .collect();
         let clock = self.now();
-        doomed.extend(self.pool.reap(clock, lim.idle_timeout));
+        let reaped = self.pool.reap(clock, lim.idle_timeout);
+        if !reaped.is_empty() {
+            crate::endpoint::endpoint_event("reclaimed", reaped.len() as u64);
+        }
+        doomed.extend(reaped);
         // Idle notification channels are closed too (their carrier is
         // aborted with them); the next notification opens a new one.
         for s in self.segments.values_mut() {

@@ -82,7 +82,10 @@ impl<E> Slots<E> {
             Acquire::Build(id) => Slot::Build(id),
             Acquire::Building(_) => Slot::Building,
             Acquire::Evict(id) => match s.built.get(&id).cloned() {
-                Some(e) => Slot::Evict(e),
+                Some(e) => {
+                    endpoint_event("evicted");
+                    Slot::Evict(e)
+                }
                 None => {
                     s.pool.destroyed(id);
                     Slot::Wait
@@ -104,6 +107,7 @@ impl<E> Slots<E> {
             let live = s.pool.built(id, now);
             if live {
                 s.built.insert(id, e.clone());
+                endpoint_event("built");
             }
             live
         };
@@ -136,7 +140,9 @@ impl<E> Slots<E> {
         {
             let mut s = self.state.lock();
             s.pool.destroyed(id);
-            s.built.remove(&id);
+            if s.built.remove(&id).is_some() {
+                endpoint_event("destroyed");
+            }
         }
         self.changed.notify_waiters();
     }
@@ -171,7 +177,12 @@ impl<E> Slots<E> {
         let now = self.now();
         let mut s = self.state.lock();
         let ids = s.pool.reap(now, idle);
-        ids.iter().filter_map(|id| s.built.get(id).cloned()).collect()
+        let reaped: Vec<Arc<E>> = ids.iter().filter_map(|id| s.built.get(id).cloned()).collect();
+        if !reaped.is_empty() {
+            metrics::counter!("kvmove_endpoints_total", "backend" => "tcp", "event" => "reclaimed")
+                .increment(reaped.len() as u64);
+        }
+        reaped
     }
 
     /// Built endpoints (live or dying) whose key `pick` selects.
@@ -211,6 +222,12 @@ impl<E> Drop for Use<E> {
             s.release(self.id);
         }
     }
+}
+
+/// Counts an endpoint event (`built`, `evicted`, `reclaimed`, `destroyed`)
+/// in the metrics.
+fn endpoint_event(event: &'static str) {
+    metrics::counter!("kvmove_endpoints_total", "backend" => "tcp", "event" => event).increment(1);
 }
 
 #[cfg(test)]

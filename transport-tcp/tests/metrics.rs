@@ -1,0 +1,54 @@
+//! Issue 15: the TCP backend's metrics, read back from an in-memory
+//! recorder: endpoints built and destroyed, connections served, bytes
+//! served by operation.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
+
+mod support;
+
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use transport_core::{Access, Buffer, TransferRequest, Transport};
+
+#[test]
+fn endpoints_connections_and_served_bytes_are_counted() {
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(30), async {
+                let a = support::node(support::test_config()).await;
+                let b = support::node(support::test_config()).await;
+                let src = Buffer::from_slice(&[7u8; 65536]).unwrap();
+                let dst = Buffer::new(65536).unwrap();
+                let l = a.register(src.region(), Access::LOCAL).unwrap();
+                b.register(dst.region(), Access::REMOTE_RW).unwrap();
+                let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+                let st = support::run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 65536)]).await;
+                assert!(st.first_error().is_none(), "{:?}", st.first_error());
+                let st = support::run(&a, vec![TransferRequest::read(l, 0, seg, dst.addr(), 4096)]).await;
+                assert!(st.first_error().is_none(), "{:?}", st.first_error());
+                a.close_segment(seg).await.unwrap();
+                a.shutdown().await.unwrap();
+                b.shutdown().await.unwrap();
+            })
+            .await
+            .expect("test timed out");
+        });
+    });
+    let mut got = std::collections::HashMap::new();
+    for (k, _, _, v) in snap.snapshot().into_vec() {
+        if let DebugValue::Counter(n) = v {
+            let labels: Vec<String> = k.key().labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+            *got.entry(format!("{}{{{}}}", k.key().name(), labels.join(","))).or_insert(0) += n;
+        }
+    }
+    let get = |k: &str| got.get(k).copied().unwrap_or(0);
+    assert_eq!(get("kvmove_endpoints_total{backend=tcp,event=built}"), 1, "{got:?}");
+    assert_eq!(get("kvmove_endpoints_total{backend=tcp,event=destroyed}"), 1, "{got:?}");
+    assert_eq!(get("kvmove_tcp_served_bytes_total{op=write}"), 65536, "{got:?}");
+    assert_eq!(get("kvmove_tcp_served_bytes_total{op=read}"), 4096, "{got:?}");
+    // One endpoint's lanes (4 by default) were served.
+    assert_eq!(get("kvmove_tcp_connections_total{}"), 4, "{got:?}");
+}
