@@ -15,7 +15,7 @@ def examples():
     return dict(re.findall(r"<!-- example: (\w+) -->\n```python\n(.*?)```", text, re.S))
 
 
-NAMES = ["mooncake", "nixl", "pythonic", "notify", "sessions"]
+NAMES = ["mooncake", "nixl", "pythonic", "notify", "sessions", "metrics"]
 
 
 def test_readme_has_examples():
