@@ -181,4 +181,10 @@ async fn watch(weak: std::sync::Weak<Inner>, ep: EndpointId, mut stream: TcpStre
 /// in the metrics.
 pub(crate) fn endpoint_event(event: &'static str, n: u64) {
     metrics::counter!("kvmove_endpoints_total", "backend" => "rdma", "event" => event).increment(n);
+    // Live endpoints of every RDMA transport in the process.
+    match event {
+        "built" => metrics::gauge!("kvmove_endpoints_live", "backend" => "rdma").increment(n as f64),
+        "destroyed" => metrics::gauge!("kvmove_endpoints_live", "backend" => "rdma").decrement(n as f64),
+        _ => {}
+    }
 }

@@ -228,6 +228,12 @@ impl<E> Drop for Use<E> {
 /// in the metrics.
 fn endpoint_event(event: &'static str) {
     metrics::counter!("kvmove_endpoints_total", "backend" => "tcp", "event" => event).increment(1);
+    // Live endpoints of every TCP transport in the process.
+    match event {
+        "built" => metrics::gauge!("kvmove_endpoints_live", "backend" => "tcp").increment(1.0),
+        "destroyed" => metrics::gauge!("kvmove_endpoints_live", "backend" => "tcp").decrement(1.0),
+        _ => {}
+    }
 }
 
 #[cfg(test)]

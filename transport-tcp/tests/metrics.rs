@@ -44,6 +44,14 @@ fn endpoints_connections_and_served_bytes_are_counted() {
             *got.entry(format!("{}{{{}}}", k.key().name(), labels.join(","))).or_insert(0) += n;
         }
     }
+    let live: Vec<f64> = snap
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| k.key().name() == "kvmove_endpoints_live")
+        .filter_map(|(.., v)| if let DebugValue::Gauge(g) = v { Some(g.into_inner()) } else { None })
+        .collect();
+    assert_eq!(live, vec![0.0], "built then destroyed: none live");
     let get = |k: &str| got.get(k).copied().unwrap_or(0);
     assert_eq!(get("kvmove_endpoints_total{backend=tcp,event=built}"), 1, "{got:?}");
     assert_eq!(get("kvmove_endpoints_total{backend=tcp,event=destroyed}"), 1, "{got:?}");
