@@ -120,13 +120,16 @@ def test_metrics_shape(pair):
         assert keys == sorted(keys) and len(set(keys)) == len(keys), name
         for s in samples:
             assert all(isinstance(k, str) and isinstance(v, str) for k, v in s["labels"].items())
-            if name.endswith("_total"):
-                assert set(s) == {"labels", "value"} and isinstance(s["value"], int), name
-            elif name.endswith("_seconds"):
+            if "buckets" in s:  # a histogram
                 assert set(s) == {"labels", "count", "sum", "buckets"}, name
                 assert isinstance(s["count"], int) and isinstance(s["sum"], float)
-            else:
-                assert set(s) == {"labels", "value"} and isinstance(s["value"], float), name
+                assert not name.endswith("_total"), name
+            else:  # a counter (int) or a gauge (float)
+                assert set(s) == {"labels", "value"}, name
+                assert isinstance(s["value"], int if name.endswith("_total") else float), name
+    assert isinstance(m["kvmove_bytes_total"][0]["value"], int)
+    assert isinstance(m["kvmove_inflight_bytes"][0]["value"], float)
+    assert "buckets" in m["kvmove_transfer_seconds"][0]
     # The same dict from every API.
     assert set(m) <= set(prefill.metrics())
 
