@@ -36,6 +36,7 @@ HELP = {
     "kvmove_session_grant_wait_seconds": "Time a sender waited for the receiver's grant.",
     "kvmove_notifications_total": "Plain notifications, by direction (sent or received).",
     "kvmove_endpoints_total": "Endpoint (connection) events of a backend, by backend and event.",
+    "kvmove_endpoints_live": "Endpoints (connections) a backend holds now.",
     "kvmove_tcp_served_bytes_total": "Bytes this engine's TCP server served to peers, by operation.",
     "kvmove_tcp_connections_total": "Connections the TCP server accepted.",
     "kvmove_tcp_connections_refused_total": "Connections the TCP server refused or evicted, by reason.",
