@@ -201,6 +201,34 @@ impl Drop for Slot {
     }
 }
 
+/// Bytes a connection served and has not yet added to the metrics: summed
+/// per burst of frames and reported when the connection has nothing in
+/// hand (and when it ends), so the per-frame cost is an addition.
+#[derive(Debug, Default)]
+struct Served {
+    write: u64,
+    read: u64,
+}
+
+impl Served {
+    fn report(&mut self) {
+        if self.write > 0 {
+            metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "write").increment(self.write);
+            self.write = 0;
+        }
+        if self.read > 0 {
+            metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "read").increment(self.read);
+            self.read = 0;
+        }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.report();
+    }
+}
+
 /// The metric label for a refusal reason (a fixed set).
 fn refusal_label(why: &str) -> &'static str {
     if why.contains("max_connections_per_ip") {
@@ -533,8 +561,10 @@ impl Server {
         out: &mut OutBuf,
     ) -> Result<std::convert::Infallible, Close> {
         let mut note: Vec<u8> = Vec::new();
+        let mut served = Served::default();
         loop {
             if r.buffered() == 0 {
+                served.report();
                 if !out.is_empty() {
                     self.idle(Self::flush(w, out)).await?;
                 }
@@ -599,7 +629,7 @@ impl Server {
                     }
                     drop(staging);
                     if status.is_ok() {
-                        metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "write").increment(h.len);
+                        served.write = served.write.saturating_add(h.len);
                     }
                     let mut a = Header::new(FrameType::WriteAck);
                     a.id = h.id;
@@ -628,7 +658,7 @@ impl Server {
                     let n = h.len as usize;
                     // Counted when answered (a read that fails half way
                     // closes the connection; rare enough to count anyway).
-                    metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "read").increment(h.len);
+                    served.read = served.read.saturating_add(h.len);
                     a.len = h.len;
                     a.payload_len = n as u32;
                     if n <= STREAM {
