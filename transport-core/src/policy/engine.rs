@@ -57,7 +57,9 @@ use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, Segment
 ///   wire until every request is terminal). [`crate::Sessions`] adds
 ///   `kvmove_sessions_total{role,state}` (each session once, when final),
 ///   `kvmove_session_landed_seconds{role}`, `kvmove_session_grant_wait_seconds`
-///   and `kvmove_notifications_total{dir}`. Each transfer runs in a
+///   and `kvmove_notifications_total{dir}`, runs each sender's write in a
+///   span `session{peer, id, role}` (the transfer spans nest in it) and
+///   logs each session's end. Each transfer runs in a
 ///   tracing span `transfer{id, peers, requests}`; its end is logged there
 ///   (debug when it completed, warn with the first error otherwise). Peer
 ///   labels are bounded ([`crate::MAX_PEER_LABELS`]; the

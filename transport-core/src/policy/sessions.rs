@@ -234,6 +234,13 @@ impl Sessions {
     /// Bounded by the session's deadline; stopped if the session ends. If
     /// the policy gives up, the session fails on both sides.
     pub async fn write(&self, peer: &str, id: u64, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
+        // The engine's transfer spans nest in this one: a session's story is
+        // one search for its peer and id.
+        let span = tracing::info_span!("session", peer, id, role = "sender");
+        tracing::Instrument::instrument(self.write_in_span(peer, id, requests), span).await
+    }
+
+    async fn write_in_span(&self, peer: &str, id: u64, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
         let key = SessionKey::new(peer, id, Role::Sender);
         let seg = self.inner.segment(peer).await?;
         let mut ranges = Vec::with_capacity(requests.len());
@@ -525,6 +532,11 @@ impl Inner {
                         _ => "other",
                     };
                     metrics::counter!("kvmove_sessions_total", "role" => role, "state" => name).increment(1);
+                    if name == "landed" {
+                        tracing::debug!(peer = %k.peer, id = k.id, role, state = name, "session ended");
+                    } else {
+                        tracing::warn!(peer = %k.peer, id = k.id, role, state = ?st, "session ended");
+                    }
                     if name == "landed" {
                         metrics::histogram!("kvmove_session_landed_seconds", "role" => role)
                             .record(now.duration_since(first).as_secs_f64());
