@@ -31,6 +31,15 @@ pub fn install(serve: Option<SocketAddr>) -> Result<(), String> {
     };
     let handle = recorder.handle();
     ::metrics::set_global_recorder(recorder).map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    // Histogram samples wait in a queue until an upkeep folds them into
+    // their summaries: keep that queue short in a long-running command.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
     let _ = HANDLE.set(handle);
     Ok(())
 }

@@ -169,6 +169,8 @@ pub fn render(addr: SocketAddr, n: u64, now: &Sample, before: &Sample, secs: f64
             peers.push(p);
         }
     }
+    // The shared label of peers past the cap, only when it moved bytes.
+    peers.retain(|p| p != transport_core::OTHER_PEER || now.sum("kvmove_bytes_total", &[("peer", p)]) > 0.0);
     if !peers.is_empty() {
         o.push_str(&format!("{:<28} {:>14} {:>14} {:>9}\n", "peer", "write", "read", "breaker"));
         for p in peers {

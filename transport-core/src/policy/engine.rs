@@ -17,7 +17,7 @@ use super::backoff::backoff;
 use super::breaker::{Admit, Breaker, BreakerState};
 use super::budget::{Budget, Charge, Reservation, Usage};
 use super::config::PolicyConfig;
-use super::metrics::{self, PeerLabels};
+use super::metrics::{EngineMetrics, Stage};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::Transport;
@@ -81,8 +81,8 @@ struct Inner {
     rng: Mutex<SmallRng>,
     /// Peers with a background prober running (one each; counted).
     probers: Mutex<HashSet<String>>,
-    /// Peers with a metrics label of their own (bounded).
-    labels: PeerLabels,
+    /// Metric handles (peer labels bounded).
+    metrics: EngineMetrics,
     /// The next transfer's id (its tracing span's `id`).
     next_transfer: AtomicU64,
 }
@@ -238,7 +238,7 @@ impl Engine {
                 active: AtomicUsize::new(0),
                 rng: Mutex::new(SmallRng::from_entropy()),
                 probers: Mutex::new(HashSet::new()),
-                labels: PeerLabels::default(),
+                metrics: EngineMetrics::default(),
                 next_transfer: AtomicU64::new(1),
             }),
         })
@@ -345,7 +345,7 @@ impl Engine {
         let plan = self.inner.plan(&requests)?;
         let queued = std::time::Instant::now();
         let reservation = self.inner.budget.reserve(plan.charge.clone()).await;
-        metrics::budget_wait(queued.elapsed());
+        self.inner.metrics.stage(Stage::Budget, queued.elapsed());
         self.start(requests, plan, reservation).await
     }
 
@@ -374,7 +374,7 @@ impl Engine {
         }
         let submitting = std::time::Instant::now();
         let first = inner.transport.submit(requests.clone(), inner.options(&requests)).await;
-        metrics::stage("submit", submitting.elapsed());
+        inner.metrics.stage(Stage::Submit, submitting.elapsed());
         if let Err(e) = &first {
             if !e.is_transient() {
                 inner.abandon_probes(&plan.peers);
@@ -393,7 +393,7 @@ impl Engine {
             started: std::time::Instant::now(),
         };
         let used = inner.budget.used();
-        metrics::inflight(used.bytes, used.requests);
+        inner.metrics.inflight(used.bytes, used.requests);
         let id = inner.next_transfer.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("transfer", id, peers = ?driver.peers, requests = driver.requests.len());
         handle.spawn(tracing::Instrument::instrument(
@@ -417,7 +417,7 @@ impl Engine {
                 drop(reservation);
                 drop(active);
                 let used = inner.budget.used();
-                metrics::inflight(used.bytes, used.requests);
+                inner.metrics.inflight(used.bytes, used.requests);
                 let _ = out_tx.send(Some(outcome));
             },
             span,
@@ -509,7 +509,7 @@ impl Inner {
             }
             (before, b.state(now))
         };
-        metrics::breaker(&self.labels, peer, before, after);
+        self.metrics.breaker(peer, before, after);
         let opened = after == BreakerState::Open;
         if opened {
             self.start_prober(peer);
@@ -714,7 +714,7 @@ impl Driver {
             tracing::debug!(attempt = attempts, requests = todo.len(), "retrying");
             let submitting = std::time::Instant::now();
             current = self.inner.transport.submit(reqs, opts).await;
-            metrics::stage("submit", submitting.elapsed());
+            self.inner.metrics.stage(Stage::Submit, submitting.elapsed());
         }
         if self.cancelled() {
             // Work that was waiting for a retry when the caller cancelled.
@@ -725,8 +725,7 @@ impl Driver {
             }
         }
         let state = BatchState::summarize(&status);
-        metrics::transfer_done(
-            &self.inner.labels,
+        self.inner.metrics.transfer_done(
             &self.requests,
             &self.peer_of,
             &self.peers,
@@ -751,7 +750,7 @@ impl Driver {
             r = t.wait(batch) => r,
             _ = Self::cancel_signal(&mut self.cancel) => t.cancel(batch).await,
         };
-        metrics::stage("complete", waiting.elapsed());
+        self.inner.metrics.stage(Stage::Complete, waiting.elapsed());
         if let Err(e) = t.release(batch) {
             tracing::debug!(%batch, error = %e, "release after terminal status failed");
         }

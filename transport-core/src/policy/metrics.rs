@@ -1,14 +1,21 @@
 //! The engine's metrics, through the `metrics` facade: the embedding
 //! program installs a recorder (a Prometheus exporter, say) and sees them;
 //! without one every call is a no-op. Names and labels are listed in
-//! [`crate::Engine`]'s docs. Peer labels are bounded: the first
-//! [`MAX_PEER_LABELS`] peers get their own label, the rest share
+//! [`crate::Engine`]'s docs.
+//!
+//! Cheap on the hot path: an engine registers its handles once, when it is
+//! made (so install the recorder before making engines, as with any
+//! `metrics` recorder), and a peer's handles the first time it is seen; a
+//! transfer's requests are summed before they are counted, so a transfer
+//! costs a few atomic additions whatever its size. Peer labels are bounded:
+//! the first [`MAX_PEER_LABELS`] peers get their own label, the rest share
 //! `peer="other"`, so a churn of peers cannot grow a scrape without bound.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 use parking_lot::Mutex;
 
 use super::breaker::BreakerState;
@@ -21,135 +28,216 @@ pub const MAX_PEER_LABELS: usize = 64;
 /// The label value standing for every peer past [`MAX_PEER_LABELS`].
 pub const OTHER_PEER: &str = "other";
 
-/// The peers that have a label of their own.
-#[derive(Debug, Default)]
-pub(crate) struct PeerLabels {
-    named: Mutex<HashSet<String>>,
-}
+const OPS: [&str; 2] = ["read", "write"];
+const REQUEST_STATES: [&str; 4] = ["completed", "failed", "timed_out", "cancelled"];
+const BATCH_STATES: [&str; 5] = ["in_progress", "completed", "failed", "timed_out", "cancelled"];
 
-impl PeerLabels {
-    /// The label value for `peer`.
-    pub fn of(&self, peer: &str) -> String {
-        let mut named = self.named.lock();
-        if named.contains(peer) {
-            return peer.to_owned();
-        }
-        if named.len() < MAX_PEER_LABELS {
-            named.insert(peer.to_owned());
-            return peer.to_owned();
-        }
-        OTHER_PEER.to_owned()
-    }
-}
-
-fn op_name(op: Opcode) -> &'static str {
+fn op_index(op: Opcode) -> usize {
     match op {
-        Opcode::Read => "read",
-        Opcode::Write => "write",
+        Opcode::Read => 0,
+        Opcode::Write => 1,
     }
 }
 
-fn state_name(s: BatchState) -> &'static str {
+fn batch_index(s: BatchState) -> usize {
     match s {
-        BatchState::InProgress => "in_progress",
-        BatchState::Completed => "completed",
-        BatchState::Failed => "failed",
-        BatchState::TimedOut => "timed_out",
-        BatchState::Cancelled => "cancelled",
+        BatchState::InProgress => 0,
+        BatchState::Completed => 1,
+        BatchState::Failed => 2,
+        BatchState::TimedOut => 3,
+        BatchState::Cancelled => 4,
     }
 }
 
-/// Requests of one transfer counted together: (operation, peer index,
-/// request state).
-type GroupKey = (&'static str, usize, &'static str);
+/// One peer label's handles.
+#[derive(Debug)]
+struct PeerMetrics {
+    label: String,
+    /// By operation.
+    bytes: [Counter; 2],
+    /// By operation, then request state.
+    requests: [[Counter; 4]; 2],
+}
 
-/// A transfer the engine finished: bytes and requests by operation, peer
-/// and final state, the transfer by final state, its latency, retries, and
-/// failed requests by error kind. Counts are summed per transfer first, so
-/// a large batch costs a few metric updates, not a few per request.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn transfer_done(
-    labels: &PeerLabels,
-    requests: &[TransferRequest],
-    peer_of: &[usize],
-    peers: &[String],
-    status: &[RequestStatus],
-    state: BatchState,
-    attempts: u32,
-    took: Duration,
-) {
-    // (op, peer index, request state) -> (requests, bytes); kind -> count.
-    let mut groups: Vec<(GroupKey, (u64, u64))> = Vec::new();
-    let mut kinds: Vec<(&'static str, u64)> = Vec::new();
-    for ((r, st), &p) in requests.iter().zip(status).zip(peer_of) {
-        let (st_name, kind) = match st {
-            RequestStatus::Completed => ("completed", None),
-            RequestStatus::Failed(e) => ("failed", Some(e.kind().as_str())),
-            RequestStatus::TimedOut => ("timed_out", Some(ErrorKind::Timeout.as_str())),
-            RequestStatus::Cancelled | RequestStatus::Pending => ("cancelled", None),
+impl PeerMetrics {
+    fn new(label: &str) -> Self {
+        let l = label.to_owned();
+        Self {
+            label: l.clone(),
+            bytes: OPS.map(|op| counter!("kvmove_bytes_total", "op" => op, "peer" => l.clone())),
+            requests: OPS.map(|op| {
+                REQUEST_STATES
+                    .map(|st| counter!("kvmove_requests_total", "op" => op, "peer" => l.clone(), "state" => st))
+            }),
+        }
+    }
+}
+
+/// An engine's metric handles.
+#[derive(Debug)]
+pub(crate) struct EngineMetrics {
+    transfers: [Counter; 5],
+    transfer_seconds: [Histogram; 5],
+    retries: Counter,
+    budget: Histogram,
+    submit: Histogram,
+    complete: Histogram,
+    inflight_bytes: Gauge,
+    inflight_requests: Gauge,
+    /// Peers with a label of their own (at most [`MAX_PEER_LABELS`]), and
+    /// the shared `other` label.
+    peers: Mutex<HashMap<String, Arc<PeerMetrics>>>,
+    other: Arc<PeerMetrics>,
+    errors: Mutex<HashMap<&'static str, Counter>>,
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        let stage = |s: &'static str| histogram!("kvmove_stage_seconds", "stage" => s);
+        Self {
+            transfers: BATCH_STATES.map(|s| counter!("kvmove_transfers_total", "state" => s)),
+            transfer_seconds: BATCH_STATES.map(|s| histogram!("kvmove_transfer_seconds", "state" => s)),
+            retries: counter!("kvmove_retries_total"),
+            budget: stage("budget"),
+            submit: stage("submit"),
+            complete: stage("complete"),
+            inflight_bytes: gauge!("kvmove_inflight_bytes"),
+            inflight_requests: gauge!("kvmove_inflight_requests"),
+            peers: Mutex::new(HashMap::new()),
+            other: Arc::new(PeerMetrics::new(OTHER_PEER)),
+            errors: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl EngineMetrics {
+    /// The handles of `peer` (its own label, or `other` past the cap).
+    fn peer(&self, peer: &str) -> Arc<PeerMetrics> {
+        let mut peers = self.peers.lock();
+        if let Some(p) = peers.get(peer) {
+            return p.clone();
+        }
+        if peers.len() >= MAX_PEER_LABELS {
+            return self.other.clone();
+        }
+        let p = Arc::new(PeerMetrics::new(peer));
+        peers.insert(peer.to_owned(), p.clone());
+        p
+    }
+
+    /// The label value `peer` is counted under.
+    pub fn peer_label(&self, peer: &str) -> String {
+        self.peer(peer).label.clone()
+    }
+
+    /// A transfer the engine finished: bytes and requests by operation,
+    /// peer and final state, the transfer by final state, its latency,
+    /// retries, and failed requests by error kind. Counts are summed per
+    /// transfer first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn transfer_done(
+        &self,
+        requests: &[TransferRequest],
+        peer_of: &[usize],
+        peers: &[String],
+        status: &[RequestStatus],
+        state: BatchState,
+        attempts: u32,
+        took: Duration,
+    ) {
+        // Per peer index: [op][request state] -> requests, [op] -> bytes.
+        let mut counts: Vec<([[u64; 4]; 2], [u64; 2])> = vec![([[0; 4]; 2], [0; 2]); peers.len().max(1)];
+        let mut kinds: Vec<(&'static str, u64)> = Vec::new();
+        for ((r, st), &p) in requests.iter().zip(status).zip(peer_of) {
+            let (si, kind) = match st {
+                RequestStatus::Completed => (0, None),
+                RequestStatus::Failed(e) => (1, Some(e.kind().as_str())),
+                RequestStatus::TimedOut => (2, Some(ErrorKind::Timeout.as_str())),
+                RequestStatus::Cancelled | RequestStatus::Pending => (3, None),
+            };
+            let o = op_index(r.op);
+            if let Some(c) = counts.get_mut(p) {
+                c.0[o][si] += 1;
+                if si == 0 {
+                    c.1[o] = c.1[o].saturating_add(r.len);
+                }
+            }
+            if let Some(kind) = kind {
+                match kinds.iter_mut().find(|(k, _)| *k == kind) {
+                    Some((_, n)) => *n += 1,
+                    None => kinds.push((kind, 1)),
+                }
+            }
+        }
+        for (p, (reqs, bytes)) in counts.iter().enumerate() {
+            let Some(name) = peers.get(p) else { continue };
+            let m = self.peer(name);
+            for o in 0..2 {
+                if bytes[o] > 0 {
+                    m.bytes[o].increment(bytes[o]);
+                }
+                for (si, &n) in reqs[o].iter().enumerate() {
+                    if n > 0 {
+                        m.requests[o][si].increment(n);
+                    }
+                }
+            }
+        }
+        if !kinds.is_empty() {
+            let mut errors = self.errors.lock();
+            for (kind, n) in kinds {
+                errors.entry(kind).or_insert_with(|| counter!("kvmove_errors_total", "kind" => kind)).increment(n);
+            }
+        }
+        let b = batch_index(state);
+        self.transfers[b].increment(1);
+        if attempts > 1 {
+            self.retries.increment(u64::from(attempts - 1));
+        }
+        self.transfer_seconds[b].record(took.as_secs_f64());
+    }
+
+    /// Time spent in one stage of a transfer: `budget` (waiting for room
+    /// in the in-flight budget), `submit` (handing a batch to the backend)
+    /// or `complete` (from then until its requests are terminal: on the
+    /// wire and waiting for the answers).
+    pub fn stage(&self, stage: Stage, took: Duration) {
+        let h = match stage {
+            Stage::Budget => &self.budget,
+            Stage::Submit => &self.submit,
+            Stage::Complete => &self.complete,
         };
-        let key = (op_name(r.op), p, st_name);
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, (n, bytes))) => {
-                *n += 1;
-                *bytes = bytes.saturating_add(r.len);
-            }
-            None => groups.push((key, (1, r.len))),
+        h.record(took.as_secs_f64());
+    }
+
+    /// The in-flight budget's use now.
+    pub fn inflight(&self, bytes: u64, requests: u64) {
+        self.inflight_bytes.set(bytes as f64);
+        self.inflight_requests.set(requests as f64);
+    }
+
+    /// A breaker moved from `from` to `to` (rare: handles made per call).
+    pub fn breaker(&self, peer: &str, from: BreakerState, to: BreakerState) {
+        if from == to {
+            return;
         }
-        if let Some(kind) = kind {
-            match kinds.iter_mut().find(|(k, _)| *k == kind) {
-                Some((_, n)) => *n += 1,
-                None => kinds.push((kind, 1)),
-            }
-        }
+        let peer = self.peer_label(peer);
+        let name = |s: BreakerState| match s {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        };
+        counter!("kvmove_breaker_transitions_total", "peer" => peer.clone(), "to" => name(to)).increment(1);
+        gauge!("kvmove_breaker_open", "peer" => peer).set(if to == BreakerState::Closed { 0.0 } else { 1.0 });
     }
-    for ((op, p, st), (n, bytes)) in groups {
-        let peer = peers.get(p).map_or_else(|| OTHER_PEER.to_owned(), |name| labels.of(name));
-        if st == "completed" {
-            counter!("kvmove_bytes_total", "op" => op, "peer" => peer.clone()).increment(bytes);
-        }
-        counter!("kvmove_requests_total", "op" => op, "peer" => peer, "state" => st).increment(n);
-    }
-    for (kind, n) in kinds {
-        counter!("kvmove_errors_total", "kind" => kind).increment(n);
-    }
-    counter!("kvmove_transfers_total", "state" => state_name(state)).increment(1);
-    counter!("kvmove_retries_total").increment(u64::from(attempts.saturating_sub(1)));
-    histogram!("kvmove_transfer_seconds", "state" => state_name(state)).record(took.as_secs_f64());
 }
 
-/// Time spent in one stage of a transfer: `submit` (handing a batch to
-/// the backend) or `complete` (from then until its requests are terminal;
-/// on the wire and waiting for the answers); `budget`, the wait for room in
-/// the in-flight budget, is [`budget_wait`].
-pub(crate) fn stage(stage: &'static str, took: Duration) {
-    histogram!("kvmove_stage_seconds", "stage" => stage).record(took.as_secs_f64());
-}
-
-/// Time a transfer waited for room in the in-flight budget.
-pub(crate) fn budget_wait(took: Duration) {
-    stage("budget", took);
-}
-
-/// The in-flight budget's use now.
-pub(crate) fn inflight(bytes: u64, requests: u64) {
-    gauge!("kvmove_inflight_bytes").set(bytes as f64);
-    gauge!("kvmove_inflight_requests").set(requests as f64);
-}
-
-/// A breaker moved from `from` to `to`.
-pub(crate) fn breaker(labels: &PeerLabels, peer: &str, from: BreakerState, to: BreakerState) {
-    if from == to {
-        return;
-    }
-    let peer = labels.of(peer);
-    let name = |s: BreakerState| match s {
-        BreakerState::Closed => "closed",
-        BreakerState::Open => "open",
-        BreakerState::HalfOpen => "half_open",
-    };
-    counter!("kvmove_breaker_transitions_total", "peer" => peer.clone(), "to" => name(to)).increment(1);
-    gauge!("kvmove_breaker_open", "peer" => peer).set(if to == BreakerState::Closed { 0.0 } else { 1.0 });
+/// The stages of a transfer timed in `kvmove_stage_seconds`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Stage {
+    Budget,
+    Submit,
+    Complete,
 }
 
 #[cfg(test)]
@@ -158,11 +246,11 @@ mod tests {
 
     #[test]
     fn peer_labels_are_bounded() {
-        let l = PeerLabels::default();
+        let m = EngineMetrics::default();
         for i in 0..MAX_PEER_LABELS {
-            assert_eq!(l.of(&format!("p{i}")), format!("p{i}"));
+            assert_eq!(m.peer_label(&format!("p{i}")), format!("p{i}"));
         }
-        assert_eq!(l.of("one-too-many"), OTHER_PEER);
-        assert_eq!(l.of("p0"), "p0", "a named peer keeps its label");
+        assert_eq!(m.peer_label("one-too-many"), OTHER_PEER);
+        assert_eq!(m.peer_label("p0"), "p0", "a named peer keeps its label");
     }
 }
