@@ -177,7 +177,9 @@ def test_engines_install_the_recorder_without_asking(tmp_path):
             m = kvmove.metrics()
             got = [x["value"] for x in m["kvmove_bytes_total"] if x["labels"] == {"op": "write", "peer": b.session_id}]
             assert got == [4096], m
-            assert m["kvmove_transfers_total"] == [{"labels": {"state": "completed"}, "value": 1}], m
+            # (An engine registers its series at zero when it is made.)
+            moved = [x for x in m["kvmove_transfers_total"] if x["value"]]
+            assert moved == [{"labels": {"state": "completed"}, "value": 1}], m
             print("ok")
         """
     )
