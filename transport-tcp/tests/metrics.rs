@@ -60,3 +60,21 @@ fn endpoints_connections_and_served_bytes_are_counted() {
     // One endpoint's lanes (4 by default) were served.
     assert_eq!(get("kvmove_tcp_connections_total{}"), 4, "{got:?}");
 }
+
+/// `Engine::probe` (issue 16): a segment name that cannot even be
+/// resolved is not a live peer (only the peer's own refusal of the read
+/// counts as an answer).
+#[test]
+fn a_probe_of_a_name_that_cannot_be_opened_fails() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let a = support::node(support::test_config()).await;
+        let a: std::sync::Arc<dyn Transport> = std::sync::Arc::new(a);
+        let engine = transport_core::Engine::new(a, transport_core::PolicyConfig::default()).unwrap();
+        for name in ["not-an-address", "127.0.0.1:notaport"] {
+            let e = engine.probe(name).await.expect_err("nothing answered");
+            assert!(!e.kind().is_peer_failure(), "{name}: {e}");
+        }
+        engine.shutdown().await.unwrap();
+    });
+}

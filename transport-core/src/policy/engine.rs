@@ -299,8 +299,9 @@ impl Engine {
 
     /// Asks the peer `name` whether it is there: opens its segment and
     /// reads one byte of the first region it exposes (a real round trip
-    /// on every backend; an answer that refuses the read also proves the
-    /// peer alive), then closes the handle. Not held back by an open
+    /// on every backend; the peer refusing the read as out of bounds,
+    /// denied or unregistered also proves it alive), then closes the
+    /// handle. Not held back by an open
     /// breaker: this is how a breaker learns that its peer came back.
     /// `Ok` closes the peer's breaker. A failure that says the peer is
     /// unreachable counts toward the breaker only while it is closed (a
@@ -556,25 +557,27 @@ impl Inner {
     /// See [`Engine::probe`].
     async fn probe(self: &Arc<Self>, name: &str) -> Result<()> {
         let t = &self.transport;
-        let seg = t.open_segment(name).await;
-        let result = match seg {
+        let result = match t.open_segment(name).await {
             Ok(seg) => {
                 let r = self.read_one(seg).await;
                 let _ = t.close_segment(seg).await;
-                r
+                // The peer's refusal of the read (a range or access it does
+                // not allow, memory it just unregistered) is an answer from
+                // it, so it is alive. Only the read's errors count so: an
+                // open that failed says nothing of the kind.
+                match r {
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            ErrorKind::OutOfBounds | ErrorKind::AccessDenied | ErrorKind::Unregistered
+                        ) =>
+                    {
+                        Ok(())
+                    }
+                    r => r,
+                }
             }
             Err(e) => Err(e),
-        };
-        // An answer from the peer, even a refusal, proves it alive.
-        let result = match result {
-            Err(e)
-                if !e.kind().is_peer_failure()
-                    && e.kind() != ErrorKind::Shutdown
-                    && e.kind() != ErrorKind::Cancelled =>
-            {
-                Ok(())
-            }
-            r => r,
         };
         match &result {
             Ok(()) => self.record(name, Verdict::Healthy),

@@ -1,0 +1,30 @@
+//! `Engine::probe` (issue 16): a peer's refusal of the probe's read proves
+//! it alive; a peer that cannot be opened does not.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{host, run, Mem};
+use transport_core::{Access, Engine, PolicyConfig, Transport};
+use transport_mock::MockFabric;
+
+#[test]
+fn a_refused_read_is_an_answer_an_unknown_peer_is_not() {
+    run(async {
+        let fabric = MockFabric::new();
+        let a = host(&fabric, "a");
+        let b = host(&fabric, "b");
+        // b exposes only memory peers may write, not read.
+        let mem = Mem::new(4096, 1);
+        b.register(mem.region(), Access::REMOTE_WRITE).unwrap();
+        let engine = Engine::new(a.clone() as Arc<dyn Transport>, PolicyConfig::default()).unwrap();
+        engine.probe(&b.local_segment_name()).await.expect("a denied read is an answer: b is alive");
+        for name in ["no-such-peer", ""] {
+            let e = engine.probe(name).await.expect_err("a peer that cannot be opened is not alive");
+            assert!(e.is_transient(), "{name:?}: {e}");
+        }
+        engine.shutdown().await.unwrap();
+    });
+}
