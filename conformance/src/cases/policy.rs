@@ -294,17 +294,18 @@ pub async fn breaker_is_per_peer(cx: Ctx) -> CaseResult {
     Ok(())
 }
 
-/// With real faults: the peer is killed, transfers through the engine
-/// fail until its breaker opens; the peer restarts; after the (short,
-/// real) cool-down the next open is the probe, it succeeds, the breaker
-/// closes and transfers to the restarted peer complete. Never a permanent
-/// blacklist.
-pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
-    let opts = NodeOptions::default();
-    let p = cx.pair_with(LEN, &opts).await?;
+/// A pair whose peer `b` is killed, and an engine (threshold 2, the
+/// given cool-down) whose breaker for it opened after failed transfers;
+/// with the peer's name.
+async fn killed_peer_with_open_breaker(
+    cx: &Ctx,
+    opts: &NodeOptions,
+    cooldown: Duration,
+) -> Result<(Pair, Engine, String), CaseError> {
+    let p = cx.pair_with(LEN, opts).await?;
     let mut cfg = fast_retry(1);
     cfg.breaker.failure_threshold = 2;
-    cfg.breaker.cooldown = Duration::from_millis(300);
+    cfg.breaker.cooldown = cooldown;
     cfg.deadline.base = Duration::from_secs(2);
     let engine = Engine::new(p.t().clone(), cfg)?;
     let peer = p.b.name.clone();
@@ -317,6 +318,17 @@ pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
         ensure!(!matches!(&r, Ok(o) if o.is_success()), "a transfer to a killed peer completed");
         tries += 1;
     }
+    Ok((p, engine, peer))
+}
+
+/// With real faults: the peer is killed, transfers through the engine
+/// fail until its breaker opens; the peer restarts; after the (short,
+/// real) cool-down the next open is the probe, it succeeds, the breaker
+/// closes and transfers to the restarted peer complete. Never a permanent
+/// blacklist.
+pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
+    let opts = NodeOptions::default();
+    let (p, engine, peer) = killed_peer_with_open_breaker(&cx, &opts, Duration::from_millis(300)).await?;
     let b2 = cx.restart(&p.b, &opts).await?;
     let mem = cx.guarded(LEN, 31)?;
     b2.transport.register(mem.region(), Access::REMOTE_RW)?;
@@ -351,22 +363,7 @@ pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
 /// through. [`Engine::probe`] of the live peer is `Ok`.
 pub async fn prober_closes_breaker_when_peer_returns(cx: Ctx) -> CaseResult {
     let opts = NodeOptions::default();
-    let p = cx.pair_with(LEN, &opts).await?;
-    let mut cfg = fast_retry(1);
-    cfg.breaker.failure_threshold = 2;
-    cfg.breaker.cooldown = Duration::from_secs(60);
-    cfg.deadline.base = Duration::from_secs(2);
-    let engine = Engine::new(p.t().clone(), cfg)?;
-    let peer = p.b.name.clone();
-    cx.kill(&p.b).await?;
-    let x = p.write(0, 0, 4096);
-    let mut tries = 0;
-    while engine.breaker_state(&peer) == BreakerState::Closed {
-        ensure!(tries < 5, "the breaker did not open after {tries} failed transfers, threshold 2");
-        let r = bounded("engine transfer", engine.transfer(vec![x])).await?;
-        ensure!(!matches!(&r, Ok(o) if o.is_success()), "a transfer to a killed peer completed");
-        tries += 1;
-    }
+    let (p, engine, peer) = killed_peer_with_open_breaker(&cx, &opts, Duration::from_secs(60)).await?;
     ensure!(engine.active_probers() == 1, "{} background probers after the breaker opened", engine.active_probers());
     let b2 = cx.restart(&p.b, &opts).await?;
     let mem = cx.guarded(LEN, 37)?;

@@ -8,22 +8,5 @@ serving engines import from it (``nixlXferTelemetry``, the descriptor list
 types and the exception classes).
 """
 
-from ._api import (
-    DEFAULT_COMM_PORT,
-    nixl_agent,
-    nixl_agent_config,
-    nixl_backend_handle,
-    nixl_prepped_dlist_handle,
-    nixl_thread_sync_t,
-    nixl_xfer_handle,
-)
-
-__all__ = [
-    "DEFAULT_COMM_PORT",
-    "nixl_agent",
-    "nixl_agent_config",
-    "nixl_backend_handle",
-    "nixl_prepped_dlist_handle",
-    "nixl_thread_sync_t",
-    "nixl_xfer_handle",
-]
+from ._api import *  # noqa: F401,F403 (the names of nixl._api)
+from ._api import __all__  # noqa: F401
