@@ -128,7 +128,6 @@
 //! | `policy::breaker_is_per_peer` | 8 | - | an open breaker for one peer does not block another |
 //! | `policy::breaker_recovers_after_peer_restart` | 8 | Kill | real peer kill opens the breaker; after restart and cool-down a probe closes it |
 //! | `policy::prober_closes_breaker_when_peer_returns` | 8 | Kill | peer killed, breaker open (60 s cool-down), peer back: the background prober closes the breaker within seconds |
-//! | `policy::probe_asks_the_peer` | 8 | Stall | a probe asks the peer: a stalled peer with an endpoint fails the probe (transient); resumed, Ok |
 //! | `policy::deadline_from_config` | 8 | Stall | DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after |
 //! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |
 //! | `backpressure::cancel_frees_budget` | 8 | Stall | cancelling the holder frees the budget at once |

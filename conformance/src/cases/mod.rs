@@ -251,12 +251,6 @@ static CASES: &[Case] = &[
         "peer killed, breaker open (60 s cool-down), peer back: the background prober closes the breaker within seconds"
     ),
     case!(
-        policy::probe_asks_the_peer,
-        8,
-        [Stall],
-        "a probe asks the peer: a stalled peer with an endpoint fails the probe (transient); resumed, Ok"
-    ),
-    case!(
         policy::deadline_from_config,
         8,
         [Stall],

@@ -391,28 +391,3 @@ pub async fn prober_closes_breaker_when_peer_returns(cx: Ctx) -> CaseResult {
     }
     Ok(())
 }
-
-/// A probe asks the peer itself: with traffic to the peer stalled (the
-/// peer is there but does not answer, as a stopped process), an existing
-/// endpoint does not make [`Engine::probe`] answer `Ok`; it fails with a
-/// transient peer failure within its bound. Resumed, the probe is `Ok`.
-pub async fn probe_asks_the_peer(cx: Ctx) -> CaseResult {
-    let p = cx.pair_with(LEN, &NodeOptions::default()).await?;
-    let engine = Engine::new(p.t().clone(), fast_retry(1))?;
-    let peer = p.b.name.clone();
-    // An endpoint exists and the peer answers.
-    let out = bounded("engine transfer", engine.transfer(vec![p.write(0, 0, 4096)])).await??;
-    ensure!(out.is_success(), "first transfer ended {:?}", out.state);
-    bounded("engine probe", engine.probe(&peer)).await??;
-    cx.stall(&p.b, true).await?;
-    let start = Instant::now();
-    let r = bounded("engine probe", engine.probe(&peer)).await?;
-    cx.stall(&p.b, false).await?;
-    match r {
-        Ok(()) => return Err(CaseError::Fail("a probe of a stalled peer answered Ok".into())),
-        Err(e) => ensure!(e.is_transient(), "a probe of a stalled peer failed permanently: {e}"),
-    }
-    ensure!(start.elapsed() < Duration::from_secs(20), "the failed probe took {:?}", start.elapsed());
-    bounded("engine probe", engine.probe(&peer)).await??;
-    Ok(())
-}
