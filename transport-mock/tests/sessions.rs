@@ -175,3 +175,33 @@ fn a_receiver_whose_session_engine_stopped_fails_its_senders() {
         drop(d);
     });
 }
+
+/// Rule 11 through the session engine: a plain notification to a peer with
+/// no session keeps its segment open while it is in flight (the engine's
+/// idle reclaim once closed it under a slow send, which then failed with
+/// "channel closed" on RDMA), and the segment outlives it for reuse.
+#[test]
+fn a_plain_notification_in_flight_keeps_its_segment() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = side(&fabric, "p", MockConfig::default(), 1);
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        fabric.stall("d", true).unwrap();
+        let sender = p.s.clone();
+        let sent = tokio::spawn(async move { sender.notify("d", b"after the data".to_vec()).await });
+        assert!(settle(|| p.t.stats().segments == 1).await);
+        // Many reclaim ticks (every 25 ms with these limits) pass mid-send.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(p.t.stats().segments, 1, "the segment was closed under a notification in flight");
+        fabric.stall("d", false).unwrap();
+        sent.await.unwrap().unwrap();
+        // The receiver's session engine moves it from the transport's inbox.
+        d.s.wait_notification().await.unwrap();
+        let got = d.s.take_notifications(8);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].msg, b"after the data");
+        // Kept for the next one: no reopen per notification.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(p.t.stats().segments, 1);
+    });
+}

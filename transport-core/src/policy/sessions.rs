@@ -95,6 +95,36 @@ struct PeerLink {
     segment: Option<SegmentId>,
     queue: VecDeque<Vec<u8>>,
     sending: bool,
+    /// Callers between taking the segment and finishing with it (a
+    /// notification or a write in progress): the segment is not closed
+    /// under them.
+    users: usize,
+    /// When the segment was last given back (clock time): it is closed
+    /// only once unused for [`SEGMENT_IDLE`].
+    last_used: Duration,
+}
+
+/// A peer's segment with no session, no queued message and no user is
+/// closed once unused this long (not at once: plain notifications to a
+/// peer would otherwise reopen it, and its connections, every time).
+const SEGMENT_IDLE: Duration = Duration::from_secs(10);
+
+/// The segment toward `peer`, held open while this lives (see
+/// [`PeerLink::users`]).
+struct SegmentUse<'a> {
+    inner: &'a Inner,
+    peer: &'a str,
+    id: SegmentId,
+}
+
+impl Drop for SegmentUse<'_> {
+    fn drop(&mut self) {
+        let now = self.inner.clock.now();
+        if let Some(link) = self.inner.peers.lock().get_mut(self.peer) {
+            link.users = link.users.saturating_sub(1);
+            link.last_used = now;
+        }
+    }
 }
 
 /// Stops the tasks when the last user handle goes.
@@ -172,7 +202,9 @@ impl Sessions {
     }
 
     /// The segment handle this engine uses toward `peer` (opened on first
-    /// use, shared by control messages and writes; do not close it).
+    /// use, shared by control messages and writes; do not close it). The
+    /// engine closes it once `peer` has no session, no message queued and
+    /// no notification or write in progress, and it has been unused for 10 s.
     pub async fn segment(&self, peer: &str) -> Result<SegmentId> {
         self.inner.segment(peer).await
     }
@@ -242,7 +274,8 @@ impl Sessions {
 
     async fn write_in_span(&self, peer: &str, id: u64, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
         let key = SessionKey::new(peer, id, Role::Sender);
-        let seg = self.inner.segment(peer).await?;
+        let used = self.inner.use_segment(peer).await?;
+        let seg = used.id;
         let mut ranges = Vec::with_capacity(requests.len());
         for (i, r) in requests.iter().enumerate() {
             if r.op != Opcode::Write || r.segment != seg {
@@ -398,8 +431,8 @@ impl Sessions {
                 "a plain notification may not start with the session magic",
             ));
         }
-        let seg = self.inner.segment(peer).await?;
-        self.inner.engine.transport().notify(seg, msg).await?;
+        let seg = self.inner.use_segment(peer).await?;
+        self.inner.engine.transport().notify(seg.id, msg).await?;
         metrics::counter!("kvmove_notifications_total", "dir" => "sent").increment(1);
         Ok(())
     }
@@ -482,29 +515,34 @@ impl Inner {
     }
 
     async fn segment(&self, peer: &str) -> Result<SegmentId> {
-        if let Some(s) = self.peers.lock().get(peer).and_then(|p| p.segment) {
-            return Ok(s);
+        Ok(self.use_segment(peer).await?.id)
+    }
+
+    /// The segment toward `peer` (opened on first use), held open until
+    /// the returned use is dropped.
+    async fn use_segment<'a>(&'a self, peer: &'a str) -> Result<SegmentUse<'a>> {
+        let held = |link: &mut PeerLink, id| {
+            link.users += 1;
+            SegmentUse { inner: self, peer, id }
+        };
+        if let Some(link) = self.peers.lock().get_mut(peer) {
+            if let Some(s) = link.segment {
+                return Ok(held(link, s));
+            }
         }
         let seg = self.engine.transport().open_segment(peer).await?;
-        let theirs = {
+        let (theirs, used) = {
             let mut peers = self.peers.lock();
             let link = peers.entry(peer.to_string()).or_default();
-            match link.segment {
-                Some(s) => Some(s),
-                None => {
-                    link.segment = Some(seg);
-                    None
-                }
-            }
+            let theirs = link.segment.is_some();
+            let id = *link.segment.get_or_insert(seg);
+            (theirs, held(link, id))
         };
-        match theirs {
-            Some(s) => {
-                // Another task opened it meanwhile: keep theirs.
-                let _ = self.engine.transport().close_segment(seg).await;
-                Ok(s)
-            }
-            None => Ok(seg),
+        if theirs {
+            // Another task opened it meanwhile: keep theirs.
+            let _ = self.engine.transport().close_segment(seg).await;
         }
+        Ok(used)
     }
 
     /// Feeds the metrics with sessions whose state changed: a sender's
@@ -635,8 +673,8 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
         let started = inner.clock.now();
         let mut backoff = Duration::from_millis(5);
         loop {
-            let sent = match inner.segment(&peer).await {
-                Ok(seg) => inner.engine.transport().notify(seg, msg.clone()).await,
+            let sent = match inner.use_segment(&peer).await {
+                Ok(seg) => inner.engine.transport().notify(seg.id, msg.clone()).await,
                 Err(e) => Err(e),
             };
             let e = match sent {
@@ -710,14 +748,21 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
                 tx.receiver_count() > 0
             });
         }
-        // Segments of peers with no session and nothing queued are closed.
+        // Segments of peers with no session, nothing queued and no user,
+        // unused for SEGMENT_IDLE, are closed.
         let idle: Vec<(String, SegmentId)> = {
             let t = inner.table.lock();
             let known: std::collections::HashSet<String> = t.known_peers();
             let mut peers = inner.peers.lock();
             let gone: Vec<String> = peers
                 .iter()
-                .filter(|(p, l)| !known.contains(*p) && l.queue.is_empty() && !l.sending)
+                .filter(|(p, l)| {
+                    !known.contains(*p)
+                        && l.queue.is_empty()
+                        && !l.sending
+                        && l.users == 0
+                        && now.saturating_sub(l.last_used) >= SEGMENT_IDLE
+                })
                 .map(|(p, _)| p.clone())
                 .collect();
             gone.into_iter().filter_map(|p| peers.remove(&p).and_then(|l| l.segment.map(|s| (p, s)))).collect()
