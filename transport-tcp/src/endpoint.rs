@@ -259,7 +259,10 @@ impl Endpoint {
             if !self.is_dead() {
                 q.push_back(work);
                 drop(q);
-                self.notify.notify_waiters();
+                // One writer; it wakes the next if more is left (waking
+                // every lane for one small slice cost each request a
+                // herd of wake-ups).
+                self.notify.notify_one();
                 return;
             }
         }
@@ -274,7 +277,7 @@ impl Endpoint {
             if !self.is_dead() {
                 q.push_back(note);
                 drop(q);
-                self.notify.notify_waiters();
+                self.notify.notify_one();
                 return;
             }
         }
@@ -393,6 +396,11 @@ impl Endpoint {
     }
 
     /// Takes the next notification, or else the next slice, off the queues.
+    /// Whether slices or notifications are queued.
+    pub fn has_queued(&self) -> bool {
+        !self.notes.lock().is_empty() || !self.queue.lock().is_empty()
+    }
+
     pub fn take_item(&self) -> Option<Item> {
         if let Some(n) = self.notes.lock().pop_front() {
             return Some(Item::Note(n));

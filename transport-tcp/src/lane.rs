@@ -268,6 +268,10 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some(s) = ep.take_item() {
+                // Writers are woken one at a time: pass the rest on.
+                if ep.has_queued() {
+                    ep.notify.notify_one();
+                }
                 break s;
             }
             notified.await;
