@@ -247,20 +247,33 @@ pub(crate) struct PooledReader {
     buf: Option<Pooled>,
     pos: usize,
     end: usize,
+    /// Bytes were read from the socket since the last [`Self::check_reset`].
+    unchecked: bool,
 }
 
 impl PooledReader {
     pub fn new(sock: OwnedReadHalf, pool: Arc<BufPool>) -> Self {
-        Self { sock, pool, buf: None, pos: 0, end: 0 }
+        Self { sock, pool, buf: None, pos: 0, end: 0, unchecked: false }
+    }
+
+    /// An error if the connection was reset (or failed) and bytes were
+    /// read from the socket since the last check: bytes read with the
+    /// reset already behind them are not to be applied. One `SO_ERROR`
+    /// look-up per read from the socket, not per frame: frames taken from
+    /// bytes already read reached the process before any later reset.
+    pub fn check_reset(&mut self) -> std::io::Result<()> {
+        if !std::mem::take(&mut self.unchecked) {
+            return Ok(());
+        }
+        match self.sock.as_ref().take_error()? {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Bytes read from the socket and not yet taken.
     pub fn buffered(&self) -> usize {
         self.end - self.pos
-    }
-
-    pub fn get_ref(&self) -> &OwnedReadHalf {
-        &self.sock
     }
 
     /// Gives the buffer back to the pool if it holds nothing.
@@ -286,6 +299,7 @@ impl PooledReader {
             self.release();
             let want = &mut dst[done..];
             let n = if want.len() >= self.pool.size { self.sock.read(want).await? } else { self.fill().await? };
+            self.unchecked = true;
             if n == 0 {
                 return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the peer closed the connection"));
             }

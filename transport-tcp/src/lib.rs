@@ -69,8 +69,9 @@
 //! - for **WRITEs that did not complete**, the peer applies no byte that
 //!   reaches its process after its connection was reset: ending a batch
 //!   with slices on the wire resets (RST, `SO_LINGER 0`) every lane of the
-//!   endpoints carrying them, and the server checks the connection for a
-//!   reset before applying each received chunk (128 KiB) of a WRITE, so
+//!   endpoints carrying them, and before applying a WRITE's bytes the
+//!   server checks the connection for a reset whenever it read from the
+//!   socket since its last check (at least once per 128 KiB chunk), so
 //!   bytes queued behind a stalled or dead path are dropped with the
 //!   connection. Bytes the peer process had already read before the reset
 //!   reached it may have been applied (for TCP, delivered bytes cannot be

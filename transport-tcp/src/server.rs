@@ -602,8 +602,9 @@ impl Server {
                     // The payload is received in chunks of a pooled staging
                     // buffer, each applied as soon as it is in hand (a check
                     // failure drains the rest and answers the error). Before
-                    // every chunk the connection is checked for a reset: a
-                    // client that gave up on this write resets the
+                    // a chunk is applied the connection is checked for a
+                    // reset if bytes were read from the socket since the last
+                    // check: a client that gave up on this write resets the
                     // connection, and bytes that arrive with the reset
                     // behind them are dropped, never applied.
                     let n = h.payload_len as usize;
@@ -617,9 +618,7 @@ impl Server {
                     while done < n {
                         let k = (n - done).min(staging.len());
                         self.idle(r.read_exact(&mut staging[..k])).await?;
-                        if let Some(e) = r.get_ref().as_ref().take_error()? {
-                            return Err(Close::Io(e));
-                        }
+                        r.check_reset()?;
                         if let Ok(region) = &status {
                             if let Err(s) = region.write_abs(h.addr + done as u64, &staging[..k]) {
                                 status = Err(s);
