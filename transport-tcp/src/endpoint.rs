@@ -71,6 +71,11 @@ impl Work {
         Self { batch, idx, generation, pos: 0, off: 0, using }
     }
 
+    /// Another counted use for one of its slices.
+    pub fn using(&self) -> EndpointUse {
+        self.using.clone()
+    }
+
     /// Fails every request of `w` not yet wholly cut into slices (slices
     /// already started end on their own).
     fn fail(&self, err: &Error) {
@@ -144,6 +149,20 @@ pub(crate) struct Pending {
 pub(crate) struct Lane {
     pub pending: Mutex<Pending>,
     pub window: Semaphore,
+    /// The lane's sending side. Whoever holds it is the only one putting
+    /// bytes on the socket: the writer task (across its writes), or a
+    /// submit sending small work at once (`lane::send_now`, without
+    /// waiting). The teardown takes the socket out once the lane tasks are
+    /// joined.
+    pub out: Arc<tokio::sync::Mutex<LaneOut>>,
+}
+
+/// A lane's socket (write half) and its staging buffer.
+#[derive(Debug, Default)]
+pub(crate) struct LaneOut {
+    /// `None` until the lane is connected, and again once torn down.
+    pub w: Option<tokio::net::tcp::OwnedWriteHalf>,
+    pub buf: Vec<u8>,
 }
 
 /// The lane tasks of an endpoint, and whether its teardown took them.
@@ -197,7 +216,11 @@ impl Endpoint {
             generation: peer.0,
             regions: peer.1,
             lanes: (0..lanes)
-                .map(|_| Lane { pending: Mutex::new(Pending::default()), window: Semaphore::new(window) })
+                .map(|_| Lane {
+                    pending: Mutex::new(Pending::default()),
+                    window: Semaphore::new(window),
+                    out: Arc::default(),
+                })
                 .collect(),
             env,
             slots,
@@ -220,6 +243,19 @@ impl Endpoint {
         if !t.taken {
             t.handles = spawn();
         }
+    }
+
+    /// Adds a lane task started later (a flush of what `lane::send_now`
+    /// could not write at once), so the teardown aborts and joins it too.
+    /// `false` (and `spawn` dropped unrun) once the teardown has begun.
+    pub fn add_task(&self, spawn: impl FnOnce() -> JoinHandle<()>) -> bool {
+        let mut t = self.tasks.lock();
+        if t.taken {
+            return false;
+        }
+        t.handles.retain(|h| !h.is_finished());
+        t.handles.push(spawn());
+        true
     }
 
     pub fn is_dead(&self) -> bool {
@@ -350,6 +386,13 @@ impl Endpoint {
         for t in tasks {
             let _ = t.await;
         }
+        // The write halves go last: with the readers gone, each socket is
+        // closed (with RST) here, before any slice is failed below. A
+        // submit sending at once holds a lane's side only briefly and never
+        // across a wait.
+        for l in &self.lanes {
+            l.out.lock().await.w = None;
+        }
         self.env.lanes.fetch_sub(self.lanes.len(), Ordering::Relaxed);
         let queued: Vec<Work> = self.queue.lock().drain(..).collect();
         for w in &queued {
@@ -395,12 +438,12 @@ impl Endpoint {
         drop(removed);
     }
 
-    /// Takes the next notification, or else the next slice, off the queues.
     /// Whether slices or notifications are queued.
     pub fn has_queued(&self) -> bool {
         !self.notes.lock().is_empty() || !self.queue.lock().is_empty()
     }
 
+    /// Takes the next notification, or else the next slice, off the queues.
     pub fn take_item(&self) -> Option<Item> {
         if let Some(n) = self.notes.lock().pop_front() {
             return Some(Item::Note(n));

@@ -24,7 +24,7 @@ use transport_core::{inbox_full, Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
 use crate::conn::{self, read_header, status_err};
-use crate::endpoint::{Endpoint, EndpointSlots, Env, Item, Lane, Next, Note, SentNote, Slice};
+use crate::endpoint::{Endpoint, EndpointSlots, Env, Item, Lane, LaneOut, Next, Note, SentNote, Slice, Work};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN};
 
 /// Bytes a writer gathers before one `write` when slices are small.
@@ -66,12 +66,21 @@ pub(crate) async fn connect(
     }
     let ep = Endpoint::new(id, name, addr, (generation, regions), env.clone(), slots);
     env.lanes.fetch_add(streams.len(), std::sync::atomic::Ordering::Relaxed);
+    let mut readers = Vec::with_capacity(streams.len());
+    for (lane, s) in ep.lanes.iter().zip(streams) {
+        let (r, w) = s.into_split();
+        // Not yet shared: the lane tasks start below.
+        match lane.out.try_lock() {
+            Ok(mut out) => out.w = Some(w),
+            Err(_) => return Err(Error::new(ErrorKind::Internal, "a new lane's sending side is in use")),
+        }
+        readers.push(r);
+    }
     ep.start_tasks(|| {
-        let mut tasks = Vec::with_capacity(2 * streams.len());
-        for (i, s) in streams.into_iter().enumerate() {
-            let (r, w) = s.into_split();
+        let mut tasks = Vec::with_capacity(2 * readers.len());
+        for (i, r) in readers.into_iter().enumerate() {
             tasks.push(env.tasks.spawn(reader(ep.clone(), i, r)));
-            tasks.push(env.tasks.spawn(writer(ep.clone(), i, w)));
+            tasks.push(env.tasks.spawn(writer(ep.clone(), i)));
         }
         tasks
     });
@@ -256,8 +265,97 @@ async fn stream_payload(
     Ok(())
 }
 
-async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
-    let mut buf: Vec<u8> = Vec::new();
+/// Sends the slices of `work` at once from the submitting task, when they
+/// are few and small (each one slice, inline) and a lane's sending side
+/// is free with window room: no hand-off to the writer task, so no
+/// wake-up between submit and the wire. Never waits: the frames are
+/// written with non-blocking writes, and bytes the socket does not take
+/// at once are flushed by a task of the lane (the sending side stays held
+/// until then, so frames never interleave). Gives the work back when it
+/// cannot be sent this way (the caller queues it).
+pub(crate) fn send_now(ep: &Arc<Endpoint>, work: Work) -> Option<Work> {
+    /// At most this many requests go out this way per call.
+    const MAX_NOW: usize = 64;
+    let n = work.idx.len();
+    if n == 0 || n > MAX_NOW || ep.is_dead() || ep.has_queued() {
+        return Some(work);
+    }
+    let slice = ep.env.cfg.slice_size as u64;
+    let mut inline = 0u64;
+    for &i in &work.idx {
+        let Some(r) = work.batch.reqs.get(i as usize) else { return Some(work) };
+        if r.len == 0 || r.len > slice || r.len > STREAM as u64 {
+            return Some(work);
+        }
+        if r.op == Opcode::Write {
+            inline += r.len;
+        }
+    }
+    if inline + (n * HEADER_LEN) as u64 > COALESCE as u64 {
+        return Some(work);
+    }
+    let Ok(places) = u32::try_from(n) else { return Some(work) };
+    // A lane with its sending side free and room for every slice.
+    let found = ep.lanes.iter().enumerate().find_map(|(k, lane)| {
+        let out = lane.out.clone().try_lock_owned().ok()?;
+        let permits = lane.window.try_acquire_many(places).ok()?;
+        permits.forget();
+        Some((k, out))
+    });
+    let Some((k, mut out)) = found else { return Some(work) };
+    let lane = &ep.lanes[k];
+    let LaneOut { w, buf } = &mut *out;
+    let Some(w) = w.as_ref() else {
+        lane.window.add_permits(n);
+        return Some(work);
+    };
+    let mut used = 0;
+    for &i in &work.idx {
+        let i = i as usize;
+        let len = work.batch.reqs.get(i).map_or(0, |r| r.len);
+        let next =
+            Next { batch: work.batch.clone(), req: i, off: 0, len, generation: work.generation, using: work.using() };
+        match stage(ep, k, next, buf, &mut used) {
+            Staged::Inline => {}
+            // Never streamed (filtered above); not sent either way.
+            Staged::Skipped | Staged::NotLive(..) | Staged::Stream { .. } => lane.window.add_permits(1),
+        }
+    }
+    let mut sent = 0;
+    while sent < used {
+        match w.try_write(&buf[sent..used]) {
+            Ok(0) => {
+                ep.broke(Error::new(ErrorKind::ConnectionReset, "the connection took no bytes").with("peer", &ep.name));
+                return None;
+            }
+            Ok(m) => sent += m,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => {
+                ep.broke(Error::from(e).with("peer", &ep.name));
+                return None;
+            }
+        }
+    }
+    if sent < used {
+        // The rest goes out from a lane task; the sending side stays held
+        // (moved into it) until then.
+        let ep2 = ep.clone();
+        let flush = async move {
+            let LaneOut { w, buf } = &mut *out;
+            let Some(w) = w.as_mut() else { return };
+            if let Err(e) = w.write_all(&buf[sent..used]).await {
+                ep2.broke(Error::from(e).with("peer", &ep2.name));
+            }
+        };
+        if !ep.add_task(|| ep.env.tasks.spawn(flush)) {
+            // Being torn down: the staged slices fail with the endpoint.
+            return None;
+        }
+    }
+    None
+}
+
+async fn writer(ep: Arc<Endpoint>, lane: usize) {
     let mut chunk: Vec<u8> = Vec::new();
     let window = &ep.lanes[lane].window;
     loop {
@@ -276,6 +374,11 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
             }
             notified.await;
         };
+        // The sending side, held across the writes below (a submit sending
+        // at once, or its flush, may hold it briefly).
+        let mut out = ep.lanes[lane].out.lock().await;
+        let LaneOut { w, buf } = &mut *out;
+        let Some(w) = w.as_mut() else { return };
         let mut used = 0;
         let mut staged = 0usize;
         let mut streamed = None;
@@ -284,8 +387,8 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
         let mut next = Some(first);
         while let Some(item) = next.take() {
             let staged_now = match item {
-                Item::Slice(n) => stage(&ep, lane, n, &mut buf, &mut used),
-                Item::Note(n) => stage_note(&ep, lane, n, &mut buf, &mut used),
+                Item::Slice(n) => stage(&ep, lane, n, buf, &mut used),
+                Item::Note(n) => stage_note(&ep, lane, n, buf, &mut used),
             };
             match staged_now {
                 Staged::Skipped => window.add_permits(1),
@@ -317,14 +420,14 @@ async fn writer(ep: Arc<Endpoint>, lane: usize, mut w: OwnedWriteHalf) {
             }
             continue;
         };
-        if let Err(e) = stream_payload(&ep.lanes[lane], &mut w, &mut buf, used, &mut chunk, streamed).await {
+        if let Err(e) = stream_payload(&ep.lanes[lane], w, buf, used, &mut chunk, streamed).await {
             // Half a frame may be on the wire: the connection cannot
             // continue (and the peer never applies bytes after the reset).
             // The slice ends when the endpoint is destroyed.
             return ep.broke(e.with("peer", &ep.name));
         }
         if buf.len() > 2 * COALESCE.max(ep.env.cfg.slice_size + HEADER_LEN) {
-            buf = Vec::new();
+            *buf = Vec::new();
         }
     }
 }

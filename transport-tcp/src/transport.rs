@@ -276,7 +276,11 @@ impl Transport for TcpTransport {
                 continue;
             }
             let generation = ep.generation;
-            ep.enqueue(Work::new(batch.clone(), idx, generation, using));
+            // Few small slices go out from here at once; the rest is queued
+            // for the lanes' writers.
+            if let Some(work) = crate::lane::send_now(&ep, Work::new(batch.clone(), idx, generation, using)) {
+                ep.enqueue(work);
+            }
         }
         abandoned.disarm();
         Ok(id)

@@ -92,6 +92,55 @@ async fn concurrent_batches_land_exact() {
     .expect("test timed out");
 }
 
+/// Small batches go onto a lane's socket from the submitting task (no
+/// hand-off to the lane's writer); with a send buffer far smaller than a
+/// batch the socket takes only part at once and a lane task sends the
+/// rest, while other batches queue behind it for the writers. Every byte
+/// lands where it should, writes and reads, from concurrent submitters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_batches_sent_at_once_through_a_tiny_send_buffer() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let cfg = TcpConfig { send_buffer: Some(4096), ..test_config() };
+        let (a, b) = (Arc::new(node(cfg).await), node(test_config()).await);
+        const TASKS: u64 = 8;
+        const REQS: u64 = 60; // 60 x 4 KiB: sent at once (under 256 KiB)
+        const LEN: u64 = 4096;
+        let len = (TASKS * REQS * LEN) as usize;
+        let (src, dst) = (Buffer::from_slice(&pattern(5, len)).unwrap(), Buffer::new(len).unwrap());
+        let back = Buffer::new(len).unwrap();
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        let lb = a.register(back.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        for round in 0..20u64 {
+            let mut tasks = Vec::new();
+            for k in 0..TASKS {
+                let (a, base) = (a.clone(), dst.addr());
+                tasks.push(tokio::spawn(async move {
+                    // Scattered: request j of task k goes to a slot that
+                    // moves with the round.
+                    let slot = |j: u64| ((j * 7 + round) % REQS + k * REQS) * LEN;
+                    let writes: Vec<_> =
+                        (0..REQS).map(|j| TransferRequest::write(l, slot(j), seg, base + slot(j), LEN)).collect();
+                    let w = run(&a, writes).await.state;
+                    let reads: Vec<_> =
+                        (0..REQS).map(|j| TransferRequest::read(lb, slot(j), seg, base + slot(j), LEN)).collect();
+                    (w, run(&a, reads).await.state)
+                }));
+            }
+            for t in tasks {
+                assert_eq!(t.await.unwrap(), (BatchState::Completed, BatchState::Completed));
+            }
+            assert_eq!(dst.to_vec(), src.to_vec(), "round {round}: written bytes");
+            assert_eq!(back.to_vec(), src.to_vec(), "round {round}: read bytes");
+        }
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_secret_is_required_and_checked() {
     tokio::time::timeout(Duration::from_secs(30), async {
