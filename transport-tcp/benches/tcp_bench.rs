@@ -114,6 +114,82 @@ async fn latency() -> (f64, f64) {
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
 }
 
+/// As [`latency`], through the `Engine` policy layer (budget, breaker,
+/// deadline, retry driver): submit to the outcome.
+async fn latency_engine() -> (f64, f64) {
+    use std::sync::Arc;
+    use transport_core::{Engine, PolicyConfig};
+    let (a, b) = (
+        Arc::new(TcpTransport::new(TcpConfig::default()).await.unwrap()),
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+    );
+    let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    b.register(dst.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let engine = Engine::new(a.clone(), PolicyConfig::default()).unwrap();
+    let mut v = Vec::new();
+    for i in 0..3000 {
+        let t0 = Instant::now();
+        let o = engine.transfer(vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await.unwrap();
+        assert!(o.is_success(), "{:?}", o.first_error());
+        if i >= 200 {
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    (pct(&mut v, 0.5), pct(&mut v, 0.99))
+}
+
+/// The guest's idle setting, printed with the results: with the haltpoll
+/// cpuidle driver and `guest_halt_poll_ns` 0, every idle vCPU halts and
+/// waking it costs tens of microseconds, so a ping-pong on a quiet machine
+/// is several times slower than on a busy one (where no vCPU halts).
+fn idle_state() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).ok();
+    let driver = read("/sys/devices/system/cpu/cpuidle/current_driver").unwrap_or_else(|| "unknown".into());
+    match read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
+        Some(ns) => format!("cpuidle {driver}, guest_halt_poll_ns {ns}"),
+        None => format!("cpuidle {driver}"),
+    }
+}
+
+/// Records this run's ping-pong p50 (with the idle setting) under the
+/// target directory and warns when it is more than 2x away from the
+/// median of the earlier runs with the same setting: a reference that
+/// moves that much makes every ratio to it meaningless.
+fn check_reference(p50: f64) {
+    let dir = std::env::var("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let file = dir.join("bench-history-tcp-pingpong.txt");
+    let idle = idle_state();
+    let old: Vec<f64> = std::fs::read_to_string(&file)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .filter(|(_, setting)| *setting == idle)
+        .filter_map(|(v, _)| v.parse().ok())
+        .collect();
+    let n = old.len();
+    if n > 0 {
+        let usual = median(old);
+        if p50 > 2.0 * usual || p50 < usual / 2.0 {
+            println!(
+                "# WARNING: the ping-pong reference ({p50:.1} us) is more than 2x from its usual {usual:.1} us \
+                 on this machine ({n} earlier runs, {idle}): ratios of this run are not comparable"
+            );
+        } else {
+            println!("# reference: ping-pong p50 {p50:.1} us, usual {usual:.1} us ({n} earlier runs)");
+        }
+    }
+    use std::io::Write;
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&file) {
+        let _ = writeln!(f, "{p50:.2}\t{idle}");
+    }
+}
+
 /// Rule 11's cost: for batches of `size` bytes, submit-to-completed on the
 /// sender next to submit-to-the-receiver-seeing-the-attached-notification
 /// (`notify_after`), interleaved in one run. Returns (completed p50, p99,
@@ -232,8 +308,43 @@ fn main() {
             "# transport-tcp benchmark (loopback, {} CPUs)",
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
         );
-        // TCP_BENCH_ONLY=notify runs the notification part alone.
-        let only_notify = std::env::var("TCP_BENCH_ONLY").is_ok_and(|v| v == "notify");
+        // TCP_BENCH_ONLY=notify runs the notification part alone,
+        // TCP_BENCH_ONLY=latency the ping-pong and the 4 KiB write latency.
+        let only = std::env::var("TCP_BENCH_ONLY").unwrap_or_default();
+        let only_notify = only == "notify";
+        // TCP_BENCH_ONLY=pingpong or =write: one of them alone, 3000
+        // round trips (for `perf stat`: context switches per request).
+        println!(
+            "# {} (load average {})",
+            idle_state(),
+            std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+        );
+        if only == "pingpong" || only == "write" || only == "engine" {
+            let (p50, p99) = match only.as_str() {
+                "pingpong" => ping_pong().await,
+                "write" => latency().await,
+                _ => latency_engine().await,
+            };
+            println!("{only} p50 {p50:.1} p99 {p99:.1}");
+            return;
+        }
+        if only == "latency" {
+            for _ in 0..3 {
+                let (q50, q99) = ping_pong().await;
+                check_reference(q50);
+                let (p50, p99) = latency().await;
+                let (e50, e99) = latency_engine().await;
+                println!(
+                    "pingpong p50 {q50:.1} p99 {q99:.1} | write p50 {p50:.1} p99 {p99:.1} ({:.2}x, {:.2}x) \
+                     | engine p50 {e50:.1} p99 {e99:.1} ({:.2}x, {:.2}x)",
+                    p50 / q50,
+                    p99 / q99,
+                    e50 / q50,
+                    e99 / q99
+                );
+            }
+            return;
+        }
         // Each measurement right after an iperf3 run of the same length;
         // three rounds, medians reported (the machine may be shared).
         let bw_cases: &[(usize, &str)] = if only_notify { &[] } else { &[(1 << 20, "1MiB"), (64 << 10, "64KiB")] };
@@ -258,11 +369,15 @@ fn main() {
             }
         }
         let (q50, q99) = ping_pong().await;
+        check_reference(q50);
         println!("pingpong_4KiB_p50_us {q50:.1}\npingpong_4KiB_p99_us {q99:.1}");
         if !only_notify {
             let (p50, p99) = latency().await;
             println!("lat_write_4KiB_p50_us {p50:.1}\nlat_write_4KiB_p99_us {p99:.1}");
-            println!("lat_ratio_p50 {:.2}", p50 / q50);
+            println!("lat_ratio_p50 {:.2}\nlat_ratio_p99 {:.2}", p50 / q50, p99 / q99);
+            let (e50, e99) = latency_engine().await;
+            println!("lat_engine_write_4KiB_p50_us {e50:.1}\nlat_engine_write_4KiB_p99_us {e99:.1}");
+            println!("lat_engine_ratio_p50 {:.2}\nlat_engine_ratio_p99 {:.2}", e50 / q50, e99 / q99);
         }
         for (name, size, rounds) in [("4KiB", 4096, 2000), ("1MiB", 1 << 20, 300)] {
             let (c50, c99, n50, n99) = notify_delay(size, rounds).await;
