@@ -10,15 +10,15 @@
 //! slices have ended. So once a request is reported terminal no task still
 //! copies into or out of its buffer.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use transport_core::lifecycle::{BatchLedger, EndReason, Progress};
 use transport_core::{BatchStatus, Error, Result, TransferRequest};
 
+use crate::deadlines::{Deadlines, Key};
 use crate::regions::Region;
 
 /// One batch.
@@ -30,7 +30,8 @@ pub(crate) struct Batch {
     pub locals: Vec<Arc<Region>>,
     ledger: Mutex<BatchLedger>,
     terminal: watch::Sender<bool>,
-    pub deadline: Mutex<Option<JoinHandle<()>>>,
+    /// Its entry in the transport's deadline table while it is live.
+    deadline: Mutex<Option<(Weak<Deadlines>, Key)>>,
     /// Names of the endpoints that carry its slices.
     pub peers: Vec<String>,
 }
@@ -60,12 +61,39 @@ impl Batch {
     fn apply(&self, f: impl FnOnce(&mut BatchLedger) -> Progress) -> Progress {
         let p = f(&mut self.ledger.lock());
         if p.batch_terminal {
-            if let Some(h) = self.deadline.lock().take() {
-                h.abort();
-            }
+            // Terminal first: a `set_deadline` racing this sees it after
+            // entering the batch and takes it out itself.
             self.terminal.send_replace(true);
+            self.forget_deadline();
         }
         p
+    }
+
+    /// Enters the batch in `deadlines`, due `at` (once, at submit). A batch
+    /// already terminal is not entered.
+    pub fn set_deadline(self: &Arc<Self>, deadlines: &Arc<Deadlines>, at: Duration) {
+        let mut d = self.deadline.lock();
+        if self.is_terminal() {
+            return;
+        }
+        *d = Some((Arc::downgrade(deadlines), deadlines.add(at, self)));
+        drop(d);
+        // Terminal meanwhile (it took the lock after us and found nothing
+        // to take out): take it out here.
+        if self.is_terminal() {
+            self.forget_deadline();
+        }
+    }
+
+    /// Takes the batch out of the deadline table (terminal, or the
+    /// transport is going away).
+    pub fn forget_deadline(&self) {
+        let entry = self.deadline.lock().take();
+        if let Some((table, key)) = entry {
+            if let Some(t) = table.upgrade() {
+                t.remove(key);
+            }
+        }
     }
 
     /// A lane is about to put one slice of request `i` on the wire: `false`
@@ -140,8 +168,6 @@ impl Batch {
 
 impl Drop for Batch {
     fn drop(&mut self) {
-        if let Some(h) = self.deadline.lock().take() {
-            h.abort();
-        }
+        self.forget_deadline();
     }
 }

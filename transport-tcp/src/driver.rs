@@ -47,6 +47,8 @@ pub(crate) struct Inner {
     pub slots: Arc<EndpointSlots>,
     pub segments: Mutex<HashMap<SegmentId, SegmentEntry>>,
     pub batches: Mutex<BatchTable<Arc<Batch>>>,
+    /// Deadlines of live batches, kept by one timer task.
+    pub deadlines: Arc<crate::deadlines::Deadlines>,
     pub background: Mutex<Vec<JoinHandle<()>>>,
     pub next_handle: AtomicU64,
     pub shut: AtomicBool,
@@ -94,17 +96,6 @@ pub(crate) async fn reaper(inner: Weak<Inner>) {
             tracing::debug!(peer = %ep.name, "reclaiming idle endpoint");
             ep.destroy(Error::new(ErrorKind::ConnectionReset, "idle endpoint reclaimed")).await;
         }
-    }
-}
-
-/// Times the batch out at its deadline (rule 5: the ledger decides, the
-/// endpoints carrying its slices are reset).
-pub(crate) async fn deadline(inner: Weak<Inner>, batch: Arc<Batch>, at: Duration) {
-    let Some(when) = inner.upgrade().and_then(|i| i.slots.instant(at)) else { return };
-    tokio::time::sleep_until(tokio::time::Instant::from_std(when)).await;
-    if let Some(i) = inner.upgrade() {
-        batch.expire(i.slots.now().max(at));
-        i.quiet(&batch).await;
     }
 }
 

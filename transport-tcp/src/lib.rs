@@ -94,7 +94,7 @@
 //! | 2 failure frees | `Endpoint::broke` → `Endpoint::begin_destroy` (the pool retires it: never handed out again) → `Endpoint::teardown` (lane tasks aborted and joined, sockets reset, slices failed, then `Slots::destroyed` frees the slot) |
 //! | 3 close is real | `TcpTransport::close_segment` → `Inner::end_requests` (cancel, quiet) → `Inner::retire_peer` (every endpoint to the peer destroyed, also one being built or already dying); the handle is gone from `segments` first |
 //! | 4 bounded endpoints | `Inner::endpoint` acts on `Slots::acquire` (use, build in a reserved slot, evict the LRU idle one and wait for its destruction, or wait up to `connect_timeout`, then `Error::endpoints_exhausted`); `driver::reaper` (`Slots::reap`); uses counted by `pool::Use` held by queued work and every slice on the wire |
-//! | 5 terminal means quiet | `Batch` (the ledger: sticky, terminal only when no slice is on the wire); `lane::stage` (`Batch::start` before a slice touches memory, under the lane's lock); `lane::reader` (a slice stays in its lane's pending map until its answer's last copy, and an answer to a WRITE still streaming is refused, so a slice ends only after its last copy, or after its tasks were joined); `Inner::quiet` (resets endpoints carrying started slices of ended requests); `driver::deadline` (`Batch::expire`) |
+//! | 5 terminal means quiet | `Batch` (the ledger: sticky, terminal only when no slice is on the wire); `lane::stage` (`Batch::start` before a slice touches memory, under the lane's lock); `lane::reader` (a slice stays in its lane's pending map until its answer's last copy, and an answer to a WRITE still streaming is refused, so a slice ends only after its last copy, or after its tasks were joined); `Inner::quiet` (resets endpoints carrying started slices of ended requests); `deadlines::timer` (`Batch::expire`, then `Inner::quiet`) |
 //! | 6 poll never panics | `TcpTransport::poll` reads the ledger; every frame maps to a status or an error (`conn::status_err`, `lane::reader`); no unchecked arithmetic on peer values |
 //! | 9 memory is guarded | `TcpTransport::submit` (`validate_batch`); the server side `RegionTable::remote` and `Region::with_live`; `TcpTransport::unregister` (`Region::kill`, then `Error::region_unregistered` and quiet) |
 //! | 11 notifications | `TcpTransport::notify` (`check_notification`, `proto::encode_notify`, `Inner::endpoint`, `Inner::check_generation`, `Endpoint::enqueue_note`; the answer awaited at most `NOTIFY_TIMEOUT`); `lane::stage_note` and `lane::reader` (NOTIFY out, NOTIFY_ACK to the caller; a destroyed endpoint answers its notes with its error, `Endpoint::teardown`); the server side `Server::deliver` (`proto::decode_notify`, `check_received`, `Inbox::offer`: `Ok`, `Busy` when full); `take_notifications` / `wait_notification` read the inbox, which `shutdown` closes; `notify_after` is the trait's (a write completes only once acknowledged after landing) |
@@ -107,6 +107,7 @@ mod batch;
 mod bufs;
 mod config;
 mod conn;
+mod deadlines;
 mod driver;
 mod endpoint;
 mod lane;

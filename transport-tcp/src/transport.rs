@@ -85,13 +85,15 @@ impl TcpTransport {
             slots: EndpointSlots::new(cfg.max_endpoints),
             segments: Mutex::new(Default::default()),
             batches: Mutex::new(BatchTable::new()),
+            deadlines: Arc::default(),
             background: Mutex::new(Vec::new()),
             next_handle: AtomicU64::new(1),
             shut: AtomicBool::new(false),
         });
         let accept = tasks.spawn(server.accept_loop(listener));
         let reaper = tasks.spawn(reaper(Arc::downgrade(&inner)));
-        inner.background.lock().extend([accept, reaper]);
+        let timer = tasks.spawn(crate::deadlines::timer(Arc::downgrade(&inner)));
+        inner.background.lock().extend([accept, reaper, timer]);
         tracing::info!(listen = %bound, generation, "tcp transport serving");
         Ok(Self { inner, bound })
     }
@@ -127,9 +129,7 @@ impl Drop for TcpTransport {
             }
         }
         for (_, b) in i.batches.lock().drain() {
-            if let Some(h) = b.deadline.lock().take() {
-                h.abort();
-            }
+            b.forget_deadline();
         }
     }
 }
@@ -246,15 +246,7 @@ impl Transport for TcpTransport {
         let id = i.batches.lock().insert(batch.clone());
         let abandoned = AbandonedSubmit::new(Arc::downgrade(&self.inner), id, batch.clone());
         if let Some(at) = deadline {
-            let h = i.env.tasks.spawn(crate::driver::deadline(Arc::downgrade(&self.inner), batch.clone(), at));
-            *batch.deadline.lock() = Some(h);
-            // Terminal before the handle was stored (the deadline already
-            // passed): nobody else will abort it.
-            if batch.is_terminal() {
-                if let Some(h) = batch.deadline.lock().take() {
-                    h.abort();
-                }
-            }
+            batch.set_deadline(&i.deadlines, at);
         }
         for (seg, name, addr, idx) in targets {
             let (ep, using) = match i.endpoint(&name, addr).await {
@@ -401,9 +393,7 @@ impl Transport for TcpTransport {
         }
         i.segments.lock().clear();
         for (_, b) in i.batches.lock().drain() {
-            if let Some(h) = b.deadline.lock().take() {
-                h.abort();
-            }
+            b.forget_deadline();
         }
         // Endpoint destroyers and builds that raced the shutdown finish on
         // their own; wait (bounded) until every task and slot is gone.
