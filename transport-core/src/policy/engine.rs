@@ -85,6 +85,10 @@ struct Inner {
     metrics: EngineMetrics,
     /// The next transfer's id (its tracing span's `id`).
     next_transfer: AtomicU64,
+    /// Transfers whose driver task is not started (see [`Transfer`]):
+    /// started when the budget is short, since what they hold is given
+    /// back only once someone finishes them.
+    unstarted: Mutex<Vec<std::sync::Weak<parking_lot::Mutex<Mode>>>>,
 }
 
 /// The background prober's first wait after a breaker opens.
@@ -144,60 +148,231 @@ impl TransferOutcome {
     }
 }
 
-/// A transfer in flight. Its requests are driven (waited for, retried) by a
-/// background task; this handle observes and controls it.
+/// A transfer in flight. Its requests are driven (waited for, retried)
+/// by a background task; this handle observes and controls it. Until that
+/// task is needed, [`Transfer::wait`] waits for the first attempt itself:
+/// a transfer whose first attempt completes is finished by its waiter
+/// with no task and no hand-off (the common case, and most of a small
+/// transfer's cost otherwise). Anything else (a failed request to retry,
+/// a cancel, [`Transfer::poll`], a dropped handle or wait) starts the task,
+/// which takes over where the waiter stopped.
 ///
 /// Dropping the handle cancels the transfer: memory a dropped transfer used
 /// is quiet once [`Engine::active_transfers`] no longer counts it.
 #[derive(Debug)]
 pub struct Transfer {
-    outcome: watch::Receiver<Option<TransferOutcome>>,
+    mode: Arc<parking_lot::Mutex<Mode>>,
+}
+
+#[derive(Debug)]
+enum Mode {
+    /// The first attempt is in flight and no task drives it yet.
+    Unstarted(Box<Lazy>),
+    /// The driver task runs (or ran); its outcome comes here.
+    Driven { outcome: watch::Receiver<Option<TransferOutcome>>, cancel: watch::Sender<bool> },
+    /// Finished by its waiter.
+    Done,
+}
+
+/// Everything the driver task needs, before it is started.
+struct Lazy {
+    driver: Driver,
+    first: Result<BatchId>,
+    reservation: Reservation,
+    active: ActiveGuard,
     cancel: watch::Sender<bool>,
+    span: tracing::Span,
+    handle: tokio::runtime::Handle,
+}
+
+impl fmt::Debug for Lazy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lazy").field("first", &self.first).finish_non_exhaustive()
+    }
+}
+
+impl Lazy {
+    /// Starts the driver task (cancelled at once if `cancel`).
+    fn start(self, cancel: bool) -> Mode {
+        let Lazy { driver, first, reservation, active, cancel: cancel_tx, span, handle } = self;
+        if cancel {
+            let _ = cancel_tx.send(true);
+        }
+        let (out_tx, out_rx) = watch::channel(None);
+        handle.spawn(tracing::Instrument::instrument(
+            async move {
+                let inner = driver.inner.clone();
+                let outcome = driver.run(first).await;
+                log_outcome(&outcome);
+                // Budget and the task count are given back before the outcome
+                // is published, so a caller who saw the outcome sees them freed.
+                drop(reservation);
+                drop(active);
+                let used = inner.budget.used();
+                inner.metrics.inflight(used.bytes, used.requests);
+                let _ = out_tx.send(Some(outcome));
+            },
+            span,
+        ));
+        Mode::Driven { outcome: out_rx, cancel: cancel_tx }
+    }
+
+    /// Waits for the first attempt's batch (cancel-safe: nothing changes
+    /// until it returns). `true` if every request completed: the transfer
+    /// is then finished by [`Lazy::finish`].
+    async fn first_completed(&self) -> bool {
+        let Ok(batch) = &self.first else { return false };
+        let waiting = std::time::Instant::now();
+        let done = match self.driver.inner.transport.wait(*batch).await {
+            Ok(s) => s.state == BatchState::Completed && s.requests.len() == self.driver.requests.len(),
+            Err(_) => false,
+        };
+        // Otherwise the driver takes over and records it.
+        if done {
+            self.driver.inner.metrics.stage(Stage::Complete, waiting.elapsed());
+        }
+        done
+    }
+
+    /// Finishes a transfer whose first attempt completed every request:
+    /// what the driver would do, without it.
+    fn finish(self) -> TransferOutcome {
+        let Lazy { driver, first, reservation, active, span, .. } = self;
+        let inner = &driver.inner;
+        if let Ok(batch) = first {
+            if let Err(e) = inner.transport.release(batch) {
+                tracing::debug!(%batch, error = %e, "release after terminal status failed");
+            }
+        }
+        let n = driver.requests.len();
+        let status = vec![RequestStatus::Completed; n];
+        let all: Vec<usize> = (0..n).collect();
+        driver.judge_peers(&all, &status);
+        inner.metrics.transfer_done(
+            &driver.requests,
+            &driver.peer_of,
+            &driver.peers,
+            &status,
+            BatchState::Completed,
+            1,
+            driver.started.elapsed(),
+        );
+        let outcome = TransferOutcome { state: BatchState::Completed, requests: status, attempts: 1 };
+        span.in_scope(|| log_outcome(&outcome));
+        drop(reservation);
+        drop(active);
+        let used = inner.budget.used();
+        inner.metrics.inflight(used.bytes, used.requests);
+        outcome
+    }
+}
+
+fn log_outcome(outcome: &TransferOutcome) {
+    match outcome.first_error() {
+        None if outcome.is_success() => {
+            tracing::debug!(state = ?outcome.state, attempts = outcome.attempts, "transfer ended")
+        }
+        e => tracing::warn!(
+            state = ?outcome.state,
+            attempts = outcome.attempts,
+            error = e.map(ToString::to_string),
+            "transfer ended"
+        ),
+    }
 }
 
 impl Transfer {
-    /// The outcome if the transfer has finished; never blocks.
+    /// The driver task's outcome channel and cancel switch, the task
+    /// started first if it was not (cancelled at once if `cancel`). `None`
+    /// once finished by a waiter (the handle was consumed then).
+    fn driven(&self, cancel: bool) -> Option<(watch::Receiver<Option<TransferOutcome>>, watch::Sender<bool>)> {
+        let mut mode = self.mode.lock();
+        if let Mode::Unstarted(_) = &*mode {
+            if let Mode::Unstarted(lazy) = std::mem::replace(&mut *mode, Mode::Done) {
+                *mode = lazy.start(cancel);
+            }
+        }
+        match &*mode {
+            Mode::Driven { outcome, cancel: c } => {
+                if cancel {
+                    let _ = c.send(true);
+                }
+                Some((outcome.clone(), c.clone()))
+            }
+            _ => None,
+        }
+    }
+
+    /// The outcome if the transfer has finished; never blocks. (Polling
+    /// hands the transfer to its driver task.)
     pub fn poll(&self) -> Option<TransferOutcome> {
-        self.outcome.borrow().clone()
+        let (outcome, _) = self.driven(false)?;
+        let o = outcome.borrow().clone();
+        o
     }
 
     /// Waits for the final outcome. Every request is terminal and quiet
     /// when this returns.
-    pub async fn wait(mut self) -> Result<TransferOutcome> {
-        loop {
-            if let Some(o) = self.outcome.borrow_and_update().clone() {
-                return Ok(o);
-            }
-            if self.outcome.changed().await.is_err() {
-                // The driver ended without reporting: only if its task was
-                // aborted by a runtime shutdown.
-                return self.outcome.borrow().clone().ok_or_else(|| {
-                    Error::new(ErrorKind::Shutdown, "the runtime stopped before the transfer finished")
-                });
-            }
-        }
+    pub async fn wait(self) -> Result<TransferOutcome> {
+        self.wait_or_cancel(std::future::pending()).await
     }
 
     /// Waits for the final outcome; if `stop` completes first, cancels
     /// what has not completed and waits until the transfer is quiet.
-    pub async fn wait_or_cancel(mut self, stop: impl std::future::Future<Output = ()>) -> Result<TransferOutcome> {
+    pub async fn wait_or_cancel(self, stop: impl std::future::Future<Output = ()>) -> Result<TransferOutcome> {
         tokio::pin!(stop);
         let mut stopped = false;
+        // The first attempt, waited for here while nothing else drives it.
+        let lazy = {
+            let mut mode = self.mode.lock();
+            match std::mem::replace(&mut *mode, Mode::Done) {
+                Mode::Unstarted(lazy) => Some(lazy),
+                other => {
+                    *mode = other;
+                    None
+                }
+            }
+        };
+        if let Some(lazy) = lazy {
+            // Put back at once if this future is dropped while waiting (the
+            // handle's drop then starts the driver, cancelled).
+            let mut guard = Unstarted { transfer: &self, lazy: Some(lazy) };
+            let completed = match guard.lazy.as_deref() {
+                Some(l) => tokio::select! {
+                    c = l.first_completed() => c,
+                    _ = &mut stop => { stopped = true; false }
+                },
+                None => false,
+            };
+            let lazy = guard.lazy.take();
+            drop(guard);
+            if let Some(lazy) = lazy {
+                if completed {
+                    return Ok(lazy.finish());
+                }
+                *self.mode.lock() = lazy.start(stopped);
+            }
+        }
+        let Some((mut outcome, cancel)) = self.driven(false) else {
+            return Err(Error::new(ErrorKind::Internal, "the transfer was already waited for"));
+        };
         loop {
-            if let Some(o) = self.outcome.borrow_and_update().clone() {
+            if let Some(o) = outcome.borrow_and_update().clone() {
                 return Ok(o);
             }
             tokio::select! {
-                r = self.outcome.changed() => {
+                r = outcome.changed() => {
                     if r.is_err() {
-                        return self.outcome.borrow().clone().ok_or_else(|| {
+                        // The driver ended without reporting: only if its
+                        // task was aborted by a runtime shutdown.
+                        return outcome.borrow().clone().ok_or_else(|| {
                             Error::new(ErrorKind::Shutdown, "the runtime stopped before the transfer finished")
                         });
                     }
                 }
                 _ = &mut stop, if !stopped => {
                     stopped = true;
-                    let _ = self.cancel.send(true);
+                    let _ = cancel.send(true);
                 }
             }
         }
@@ -205,15 +380,38 @@ impl Transfer {
 
     /// Cancels what has not completed and waits until the transfer is quiet.
     pub async fn cancel(self) -> Result<TransferOutcome> {
-        let _ = self.cancel.send(true);
+        let _ = self.driven(true);
         self.wait().await
+    }
+}
+
+/// A first attempt taken out of its handle while a waiter waits for it:
+/// put back into the handle if the waiter is dropped first.
+struct Unstarted<'a> {
+    transfer: &'a Transfer,
+    lazy: Option<Box<Lazy>>,
+}
+
+impl Drop for Unstarted<'_> {
+    fn drop(&mut self) {
+        if let Some(lazy) = self.lazy.take() {
+            *self.transfer.mode.lock() = Mode::Unstarted(lazy);
+        }
     }
 }
 
 impl Drop for Transfer {
     fn drop(&mut self) {
-        if self.outcome.borrow().is_none() {
-            let _ = self.cancel.send(true);
+        let mode = std::mem::replace(&mut *self.mode.lock(), Mode::Done);
+        match mode {
+            // Nobody waits: the driver cancels it and gives everything back.
+            Mode::Unstarted(lazy) => drop(lazy.start(true)),
+            Mode::Driven { outcome, cancel } => {
+                if outcome.borrow().is_none() {
+                    let _ = cancel.send(true);
+                }
+            }
+            Mode::Done => {}
         }
     }
 }
@@ -240,6 +438,7 @@ impl Engine {
                 probers: Mutex::new(HashSet::new()),
                 metrics: EngineMetrics::default(),
                 next_transfer: AtomicU64::new(1),
+                unstarted: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -337,7 +536,14 @@ impl Engine {
     /// transient `Backpressure` error and nothing is started.
     pub async fn try_submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
         let plan = self.inner.plan(&requests)?;
-        let reservation = self.inner.budget.try_reserve(plan.charge.clone())?;
+        let reservation = match self.inner.budget.try_reserve(plan.charge.clone()) {
+            Ok(r) => r,
+            Err(e) => {
+                // What unstarted transfers hold comes back once they run.
+                self.inner.start_unstarted();
+                return Err(e);
+            }
+        };
         self.start(requests, plan, reservation).await
     }
 
@@ -345,7 +551,14 @@ impl Engine {
     pub async fn submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
         let plan = self.inner.plan(&requests)?;
         let queued = std::time::Instant::now();
-        let reservation = self.inner.budget.reserve(plan.charge.clone()).await;
+        let reservation = match self.inner.budget.try_reserve(plan.charge.clone()) {
+            Ok(r) => r,
+            Err(_) => {
+                // What unstarted transfers hold comes back once they run.
+                self.inner.start_unstarted();
+                self.inner.budget.reserve(plan.charge.clone()).await
+            }
+        };
         self.inner.metrics.stage(Stage::Budget, queued.elapsed());
         self.start(requests, plan, reservation).await
     }
@@ -382,9 +595,9 @@ impl Engine {
                 return Err(e.clone());
             }
         }
-        let (out_tx, out_rx) = watch::channel(None);
         let (cancel_tx, cancel_rx) = watch::channel(false);
         inner.active.fetch_add(1, Ordering::AcqRel);
+        let active = ActiveGuard(inner.clone());
         let driver = Driver {
             inner: inner.clone(),
             requests,
@@ -397,33 +610,10 @@ impl Engine {
         inner.metrics.inflight(used.bytes, used.requests);
         let id = inner.next_transfer.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!("transfer", id, peers = ?driver.peers, requests = driver.requests.len());
-        handle.spawn(tracing::Instrument::instrument(
-            async move {
-                let active = ActiveGuard(driver.inner.clone());
-                let inner = driver.inner.clone();
-                let outcome = driver.run(first).await;
-                match outcome.first_error() {
-                    None if outcome.is_success() => {
-                        tracing::debug!(state = ?outcome.state, attempts = outcome.attempts, "transfer ended")
-                    }
-                    e => tracing::warn!(
-                        state = ?outcome.state,
-                        attempts = outcome.attempts,
-                        error = e.map(ToString::to_string),
-                        "transfer ended"
-                    ),
-                }
-                // Budget and the task count are given back before the outcome
-                // is published, so a caller who saw the outcome sees them freed.
-                drop(reservation);
-                drop(active);
-                let used = inner.budget.used();
-                inner.metrics.inflight(used.bytes, used.requests);
-                let _ = out_tx.send(Some(outcome));
-            },
-            span,
-        ));
-        Ok(Transfer { outcome: out_rx, cancel: cancel_tx })
+        let lazy = Lazy { driver, first, reservation, active, cancel: cancel_tx, span, handle };
+        let mode = Arc::new(parking_lot::Mutex::new(Mode::Unstarted(Box::new(lazy))));
+        inner.remember_unstarted(&mode);
+        Ok(Transfer { mode })
     }
 }
 
@@ -451,6 +641,33 @@ struct Plan {
 }
 
 impl Inner {
+    /// Registers a transfer whose driver is not started yet.
+    fn remember_unstarted(&self, mode: &Arc<parking_lot::Mutex<Mode>>) {
+        let mut list = self.unstarted.lock();
+        // Finished and dropped handles leave dead entries: pruned whenever
+        // the list doubled since the last pruning, so it stays within twice
+        // the handles alive.
+        if list.len() >= 64 && list.len().is_power_of_two() {
+            list.retain(|w| w.strong_count() > 0);
+        }
+        list.push(Arc::downgrade(mode));
+    }
+
+    /// Starts the driver task of every transfer that has none (its waiter,
+    /// if any, keeps waiting for the outcome).
+    fn start_unstarted(&self) {
+        let list = std::mem::take(&mut *self.unstarted.lock());
+        for w in list {
+            let Some(mode) = w.upgrade() else { continue };
+            let mut m = mode.lock();
+            if let Mode::Unstarted(_) = &*m {
+                if let Mode::Unstarted(lazy) = std::mem::replace(&mut *m, Mode::Done) {
+                    *m = lazy.start(false);
+                }
+            }
+        }
+    }
+
     fn plan(&self, requests: &[TransferRequest]) -> Result<Plan> {
         let mut by_segment: HashMap<SegmentId, usize> = HashMap::new();
         let mut peers: Vec<String> = Vec::new();
