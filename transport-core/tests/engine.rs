@@ -301,3 +301,64 @@ async fn cancel_ends_cancelled_and_frees_budget() {
     assert_eq!(e.active_transfers(), 0, "counted until the outcome is published, not after");
     assert_eq!(t.stats().batches, 0);
 }
+
+/// A waiter that finishes the transfer itself (its first attempt
+/// completed) gives everything back as the driver would: budget, the
+/// active count, the backend's batch.
+#[tokio::test]
+async fn a_waiter_finishes_a_completed_first_attempt_and_frees_everything() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    for _ in 0..3 {
+        let out = with_timeout(e.transfer(reqs(1, 4))).await.unwrap();
+        assert!(out.is_success());
+        assert_eq!(out.attempts, 1);
+        assert_eq!(e.inflight(), Usage::default());
+        assert_eq!(e.active_transfers(), 0);
+        assert_eq!(t.stats().batches, 0, "the batch was released");
+    }
+}
+
+/// A wait dropped while the first attempt is in flight (no driver task
+/// yet) cancels the transfer like a dropped handle: the driver starts,
+/// cancels, and gives budget, count and batch back.
+#[tokio::test]
+async fn a_wait_dropped_mid_attempt_cancels_and_frees_everything() {
+    let gate = Arc::new(Notify::new());
+    let t = Scripted::gated(gate);
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 4))).await.unwrap();
+    assert_eq!(e.active_transfers(), 1);
+    assert!(tokio::time::timeout(Duration::from_millis(30), tr.wait()).await.is_err(), "gated: still running");
+    let freed = with_timeout(async {
+        while e.active_transfers() > 0 || t.stats().batches > 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    });
+    freed.await;
+    assert_eq!(e.inflight(), Usage::default());
+}
+
+/// Transfers submitted and never waited for still end on their own when
+/// the budget is short: a submit that must wait for room starts them, so
+/// the room comes back (no waiter needed, no deadlock).
+#[tokio::test]
+async fn unwaited_transfers_give_their_budget_back_to_a_waiting_submit() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let mut p = fast_policy();
+    p.backpressure.per_peer_inflight_requests = 2;
+    let e = Engine::new(t.clone(), p).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(with_timeout(e.submit(reqs(1, 1))).await.unwrap());
+    }
+    // The peer's budget is full of completed, unwaited transfers.
+    let third = with_timeout(e.submit(reqs(1, 1))).await.unwrap();
+    assert!(with_timeout(third.wait()).await.unwrap().is_success());
+    for h in held {
+        let o = with_timeout(h.wait()).await.unwrap();
+        assert!(o.is_success(), "finished by its driver, seen by a later wait");
+    }
+    assert_eq!(e.inflight(), Usage::default());
+    assert_eq!(e.active_transfers(), 0);
+}
