@@ -1,5 +1,10 @@
 //! The lanes of an endpoint: connecting them, and the two tasks per lane.
 //!
+//! A few small slices (see [`send_now`]) go onto a free lane's socket from
+//! the submitting task itself, so a small transfer costs no hand-off to a
+//! task; everything else is queued for the writers. Whoever puts bytes on
+//! a lane's socket holds its sending side (`Lane::out`) meanwhile.
+//!
 //! The writer pulls slices off the endpoint's queue, asks the batch's
 //! ledger to start each one ([`Batch::start`]: a slice of a request that is
 //! no longer live is dropped before it touches memory), copies WRITE
