@@ -36,6 +36,11 @@ impl BufPool {
         Ok(Pooled { buf: Some(buf), pool: self.clone() })
     }
 
+    /// The size of its buffers.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
     /// Buffers kept for reuse now.
     #[cfg(test)]
     pub fn idle(&self) -> usize {
@@ -219,9 +224,12 @@ mod tests {
         assert_eq!(r.buffered(), 90, "the rest of what arrived is buffered");
         r.release();
         assert_eq!(r.buffered(), 90, "release keeps unread bytes");
-        let mut b = [0u8; 90];
+        assert_eq!(r.take_buffered(30), &data[10..40], "taken in place, at most what was asked");
+        assert_eq!(r.buffered(), 60);
+        let mut b = [0u8; 60];
         r.read_exact(&mut b).await.unwrap();
-        assert_eq!(&b[..], &data[10..100]);
+        assert_eq!(&b[..], &data[40..100]);
+        assert!(r.take_buffered(8).is_empty(), "nothing buffered: nothing taken");
         r.release();
         assert_eq!(pool.idle(), 1, "emptied and released: the buffer is back");
         // A read of at least a buffer goes straight into the caller's memory.
@@ -282,6 +290,18 @@ impl PooledReader {
             self.buf = None;
             self.pos = 0;
             self.end = 0;
+        }
+    }
+
+    /// Takes up to `max` of the bytes already buffered (none is read from
+    /// the socket): at least one byte if [`Self::buffered`] is not 0.
+    pub fn take_buffered(&mut self, max: usize) -> &[u8] {
+        let n = self.buffered().min(max);
+        let start = self.pos;
+        self.pos += n;
+        match &self.buf {
+            Some(b) => &b[start..start + n],
+            None => &[],
         }
     }
 

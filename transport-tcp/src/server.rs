@@ -613,14 +613,36 @@ impl Server {
                     } else {
                         self.regions.remote(h.addr, h.len, true)
                     };
-                    let mut staging = self.chunk_bufs.take()?;
+                    // A chunk is applied only once it is wholly in hand (a
+                    // frame cut short never touches memory). A chunk the
+                    // reader already holds is applied from its buffer; the
+                    // staging buffer is borrowed only otherwise (never for
+                    // a small frame that came in one read).
+                    let mut staging = None;
                     let mut done = 0usize;
                     while done < n {
-                        let k = (n - done).min(staging.len());
-                        self.idle(r.read_exact(&mut staging[..k])).await?;
+                        let at = h.addr + done as u64;
+                        let whole = (n - done).min(self.chunk_bufs.size());
+                        if r.buffered() >= whole {
+                            r.check_reset()?;
+                            let chunk = r.take_buffered(whole);
+                            if let Ok(region) = &status {
+                                if let Err(s) = region.write_abs(at, chunk) {
+                                    status = Err(s);
+                                }
+                            }
+                            done += chunk.len();
+                            continue;
+                        }
+                        let buf = match &mut staging {
+                            Some(b) => b,
+                            None => staging.insert(self.chunk_bufs.take()?),
+                        };
+                        let k = (n - done).min(buf.len());
+                        self.idle(r.read_exact(&mut buf[..k])).await?;
                         r.check_reset()?;
                         if let Ok(region) = &status {
-                            if let Err(s) = region.write_abs(h.addr + done as u64, &staging[..k]) {
+                            if let Err(s) = region.write_abs(at, &buf[..k]) {
                                 status = Err(s);
                             }
                         }
