@@ -28,3 +28,32 @@ fn a_refused_read_is_an_answer_an_unknown_peer_is_not() {
         engine.shutdown().await.unwrap();
     });
 }
+
+/// Rule 3 for the probe's own resources: every probe opens a segment and
+/// registers a scratch buffer, and closes and unregisters both, whether the
+/// peer answered or could not be opened; many probes leave the transport's
+/// counts where they were.
+#[test]
+fn probes_give_back_what_they_open() {
+    run(async {
+        let fabric = MockFabric::new();
+        let a = host(&fabric, "a");
+        let b = host(&fabric, "b");
+        let mem = Mem::new(4096, 1);
+        b.register(mem.region(), Access::REMOTE_RW).unwrap();
+        let engine = Engine::new(a.clone() as Arc<dyn Transport>, PolicyConfig::default()).unwrap();
+        let before = a.stats();
+        for _ in 0..100 {
+            engine.probe(&b.local_segment_name()).await.expect("b is alive");
+            engine.probe("no-such-peer").await.expect_err("not alive");
+        }
+        let after = a.stats();
+        assert_eq!(
+            (after.segments, after.regions, after.batches, after.inflight),
+            (before.segments, before.regions, before.batches, before.inflight),
+            "segments, regions, batches and bytes in flight back at their counts before the probes"
+        );
+        assert!(after.endpoints <= 1, "at most the one endpoint to b is kept for reuse: {}", after.endpoints);
+        engine.shutdown().await.unwrap();
+    });
+}

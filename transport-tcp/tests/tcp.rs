@@ -314,3 +314,35 @@ async fn local_descriptor_is_what_a_peer_sees() {
     .await
     .expect("test timed out");
 }
+
+/// Rule 3 for `Engine::probe` over real sockets: each probe opens a
+/// segment and registers a scratch buffer and gives both back, whether the
+/// peer answered or nothing listened; many probes leave the counts (and
+/// the sockets: at most the one endpoint kept for reuse) where they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_give_back_what_they_open() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let (a, b) = (Arc::new(node(test_config()).await), node(test_config()).await);
+        let mem = Buffer::new(4096).unwrap();
+        b.register(mem.region(), Access::REMOTE_RW).unwrap();
+        // A port nothing listens on (bound, then closed).
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        let engine = transport_core::Engine::new(a.clone(), transport_core::PolicyConfig::default()).unwrap();
+        let before = a.stats();
+        for _ in 0..50 {
+            engine.probe(&b.local_segment_name()).await.expect("b is alive");
+            engine.probe(&dead).await.expect_err("nothing listens");
+        }
+        let after = a.stats();
+        assert_eq!(
+            (after.segments, after.regions, after.batches, after.inflight),
+            (before.segments, before.regions, before.batches, before.inflight),
+            "segments, regions, batches and bytes in flight back at their counts before the probes"
+        );
+        assert!(after.endpoints <= 1, "at most the endpoint to b is kept: {}", after.endpoints);
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
