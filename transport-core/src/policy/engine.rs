@@ -174,6 +174,21 @@ enum Mode {
     Done,
 }
 
+impl Mode {
+    /// Takes the unstarted first attempt out (leaving `Done` in its place
+    /// until the caller puts what it makes of it back); `None`, and nothing
+    /// changed, in any other mode.
+    fn take_unstarted(&mut self) -> Option<Box<Lazy>> {
+        if !matches!(self, Mode::Unstarted(_)) {
+            return None;
+        }
+        match std::mem::replace(self, Mode::Done) {
+            Mode::Unstarted(lazy) => Some(lazy),
+            _ => None,
+        }
+    }
+}
+
 /// Everything the driver task needs, before it is started.
 struct Lazy {
     driver: Driver,
@@ -206,10 +221,7 @@ impl Lazy {
                 log_outcome(&outcome);
                 // Budget and the task count are given back before the outcome
                 // is published, so a caller who saw the outcome sees them freed.
-                drop(reservation);
-                drop(active);
-                let used = inner.budget.used();
-                inner.metrics.inflight(used.bytes, used.requests);
+                give_back(&inner, reservation, active);
                 let _ = out_tx.send(Some(outcome));
             },
             span,
@@ -259,12 +271,18 @@ impl Lazy {
         );
         let outcome = TransferOutcome { state: BatchState::Completed, requests: status, attempts: 1 };
         span.in_scope(|| log_outcome(&outcome));
-        drop(reservation);
-        drop(active);
-        let used = inner.budget.used();
-        inner.metrics.inflight(used.bytes, used.requests);
+        give_back(inner, reservation, active);
         outcome
     }
+}
+
+/// Gives a finished transfer's budget and its place in the active count
+/// back, and updates the in-flight gauges.
+fn give_back(inner: &Inner, reservation: Reservation, active: ActiveGuard) {
+    drop(reservation);
+    drop(active);
+    let used = inner.budget.used();
+    inner.metrics.inflight(used.bytes, used.requests);
 }
 
 fn log_outcome(outcome: &TransferOutcome) {
@@ -287,10 +305,8 @@ impl Transfer {
     /// once finished by a waiter (the handle was consumed then).
     fn driven(&self, cancel: bool) -> Option<(watch::Receiver<Option<TransferOutcome>>, watch::Sender<bool>)> {
         let mut mode = self.mode.lock();
-        if let Mode::Unstarted(_) = &*mode {
-            if let Mode::Unstarted(lazy) = std::mem::replace(&mut *mode, Mode::Done) {
-                *mode = lazy.start(cancel);
-            }
+        if let Some(lazy) = mode.take_unstarted() {
+            *mode = lazy.start(cancel);
         }
         match &*mode {
             Mode::Driven { outcome, cancel: c } => {
@@ -323,16 +339,7 @@ impl Transfer {
         tokio::pin!(stop);
         let mut stopped = false;
         // The first attempt, waited for here while nothing else drives it.
-        let lazy = {
-            let mut mode = self.mode.lock();
-            match std::mem::replace(&mut *mode, Mode::Done) {
-                Mode::Unstarted(lazy) => Some(lazy),
-                other => {
-                    *mode = other;
-                    None
-                }
-            }
-        };
+        let lazy = self.mode.lock().take_unstarted();
         if let Some(lazy) = lazy {
             // Put back at once if this future is dropped while waiting (the
             // handle's drop then starts the driver, cancelled).
@@ -660,10 +667,8 @@ impl Inner {
         for w in list {
             let Some(mode) = w.upgrade() else { continue };
             let mut m = mode.lock();
-            if let Mode::Unstarted(_) = &*m {
-                if let Mode::Unstarted(lazy) = std::mem::replace(&mut *m, Mode::Done) {
-                    *m = lazy.start(false);
-                }
+            if let Some(lazy) = m.take_unstarted() {
+                *m = lazy.start(false);
             }
         }
     }
