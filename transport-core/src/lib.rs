@@ -48,7 +48,7 @@ pub use notify::{
 pub use policy::metrics::{MAX_PEER_LABELS, OTHER_PEER};
 pub use policy::{
     backoff, Admit, BackpressureConfig, Breaker, BreakerConfig, BreakerState, Budget, Charge, DeadlineConfig, Engine,
-    PolicyConfig, Reservation, RetryConfig, Sessions, Transfer, TransferOutcome, Usage,
+    PathStatus, PolicyConfig, Rails, Reservation, RetryConfig, Sessions, Transfer, TransferOutcome, Usage,
 };
 pub use stats::{Capabilities, ResourceStats};
 pub use transport::{notify_when_completed, Transport};

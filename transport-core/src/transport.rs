@@ -38,6 +38,18 @@ pub trait Transport: Send + Sync + 'static {
     /// - After shutdown: `Shutdown`.
     fn local_descriptor(&self) -> Result<SegmentDescriptor>;
 
+    /// Appends `extra` to the `address` of this transport's descriptor as
+    /// peers receive it from then on ([`crate::Rails`] lists its rails
+    /// there, so a peer that opens the first rail finds the others). Calling
+    /// it again replaces the earlier text. The default is `Unsupported`.
+    fn advertise(&self, extra: &str) -> Result<()> {
+        let _ = extra;
+        Err(Error::new(
+            crate::error::ErrorKind::Unsupported,
+            format!("backend {} cannot advertise in its descriptor", self.backend()),
+        ))
+    }
+
     /// Registers local memory for transfers and, if `access` allows, for
     /// remote access by peers.
     ///

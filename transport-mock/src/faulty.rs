@@ -313,6 +313,11 @@ impl Transport for FaultyTransport {
         self.shared.inner.local_descriptor()
     }
 
+    fn advertise(&self, extra: &str) -> Result<()> {
+        self.check(false)?;
+        self.shared.inner.advertise(extra)
+    }
+
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
         self.check(true)?;
         self.shared.inner.register(mem, access)

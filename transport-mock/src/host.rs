@@ -50,6 +50,8 @@ pub(crate) struct HostShared {
     pub faults: Mutex<FaultState>,
     /// Notifications received from peers (rule 11), bounded.
     pub inbox: Inbox,
+    /// Text appended to the descriptor's address (`Transport::advertise`).
+    pub advertised: Mutex<String>,
     tasks: TaskSet,
     /// Handles of the spawned tasks, to abort them; `None` once torn down.
     handles: Mutex<Option<Vec<JoinHandle<()>>>>,
@@ -84,6 +86,7 @@ impl HostShared {
             batches: Mutex::default(),
             faults,
             inbox,
+            advertised: Mutex::default(),
             tasks: TaskSet::new(),
             handles: Mutex::new(Some(Vec::new())),
             next_id: AtomicU64::new(1),
@@ -134,7 +137,10 @@ impl HostShared {
             name: self.name.clone(),
             backend: "mock".into(),
             generation: self.generation,
-            address: format!("mock://{}", self.name),
+            address: match self.advertised.lock().as_str() {
+                "" => format!("mock://{}", self.name),
+                extra => format!("mock://{} {extra}", self.name),
+            },
             regions: self.regions.lock().infos(),
         }
     }

@@ -157,6 +157,12 @@ impl Transport for MockTransport {
         Ok(self.host.descriptor())
     }
 
+    fn advertise(&self, extra: &str) -> Result<()> {
+        self.host.check_live()?;
+        *self.host.advertised.lock() = extra.to_string();
+        Ok(())
+    }
+
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
         self.host.check_live()?;
         let id = RegionId(self.host.next_id());

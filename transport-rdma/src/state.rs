@@ -447,7 +447,9 @@ pub(crate) struct Inner {
     pub lim: Limits,
     pub name: String,
     pub generation: u64,
-    pub address: String,
+    /// The device, port and GID, then what `advertise` added.
+    pub address: Mutex<String>,
+    pub base_address: String,
     pub device: String,
     pub state: Mutex<State>,
     /// Every background task and thread, counted (`stats().tasks`).
@@ -492,7 +494,8 @@ impl Inner {
     }
 
     pub(crate) fn descriptor(&self) -> SegmentDescriptor {
-        self.state.lock().descriptor(&self.name, self.generation, &self.address)
+        let address = self.address.lock().clone();
+        self.state.lock().descriptor(&self.name, self.generation, &address)
     }
 
     pub(crate) fn verbs(&self) -> Result<Arc<Verbs>> {

@@ -115,7 +115,8 @@ impl RdmaTransport {
             lim,
             name,
             generation,
-            address,
+            address: Mutex::new(address.clone()),
+            base_address: address,
             device,
             state: Mutex::new(state),
             tasks: TaskSet::new(),
@@ -205,7 +206,18 @@ impl Transport for RdmaTransport {
         if st.shutdown {
             return Err(Error::shut_down());
         }
-        Ok(st.descriptor(&self.inner.name, self.inner.generation, &self.inner.address))
+        let address = self.inner.address.lock().clone();
+        Ok(st.descriptor(&self.inner.name, self.inner.generation, &address))
+    }
+
+    /// Peers that open this transport see `extra` after the device, port
+    /// and GID in the descriptor's address (`Rails` lists its rails there).
+    fn advertise(&self, extra: &str) -> Result<()> {
+        if self.inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        *self.inner.address.lock() = format!("{} {extra}", self.inner.base_address);
+        Ok(())
     }
 
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {

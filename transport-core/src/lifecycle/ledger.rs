@@ -181,6 +181,21 @@ impl BatchLedger {
         self.settle(i)
     }
 
+    /// A started unit of request `i` came back without an outcome of its
+    /// own and may be started again (a multi-rail driver reposts a slice
+    /// whose rail failed: the rail reported it terminal, so it is quiet).
+    /// Counts nothing against the request; if the request was decided
+    /// meanwhile it may become terminal now.
+    pub fn unit_back(&mut self, i: usize) -> Progress {
+        let Some(e) = self.entries.get_mut(i) else { return Progress::default() };
+        if e.on_wire == 0 {
+            return Progress::default();
+        }
+        e.on_wire -= 1;
+        self.on_wire -= 1;
+        self.settle(i)
+    }
+
     /// Ends request `i` early with `reason` unless it is already decided or
     /// complete (the first decision wins). It becomes visible once its units
     /// on the wire have ended. Returns what became terminal.
@@ -351,5 +366,26 @@ mod tests {
         let p = l.units_lost(0, 2, &reset());
         assert!(p.batch_terminal);
         assert_eq!(l.status().first_error().map(Error::kind), Some(ErrorKind::ConnectionReset));
+    }
+
+    #[test]
+    fn a_unit_given_back_can_start_again_and_counts_nothing() {
+        let mut l = BatchLedger::new([2], None);
+        assert!(l.start(0));
+        assert!(l.start(0));
+        assert!(!l.start(0), "no more units than the request has");
+        assert_eq!(l.unit_back(0), Progress::default());
+        assert_eq!(l.on_wire(), 1);
+        assert!(l.start(0), "given back: may start again");
+        assert_eq!(l.unit_done(0, Ok(())), Progress::default());
+        assert_eq!(l.unit_done(0, Ok(())), Progress { finished: 1, batch_terminal: true });
+        assert_eq!(l.status().state, BatchState::Completed);
+        // Decided while a unit was out: terminal once it is given back.
+        let mut l = BatchLedger::new([1], None);
+        assert!(l.start(0));
+        assert_eq!(l.end(0, EndReason::Cancelled), Progress::default());
+        assert_eq!(l.unit_back(0), Progress { finished: 1, batch_terminal: true });
+        assert_eq!(l.status().state, BatchState::Cancelled);
+        assert_eq!(l.unit_back(0), Progress::default(), "nothing out: ignored");
     }
 }

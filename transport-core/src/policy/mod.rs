@@ -7,6 +7,7 @@ mod budget;
 mod config;
 mod engine;
 pub(crate) mod metrics;
+mod rails;
 mod sessions;
 
 pub use backoff::backoff;
@@ -14,4 +15,5 @@ pub use breaker::{Admit, Breaker, BreakerState};
 pub use budget::{Budget, Charge, Reservation, Usage};
 pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig};
 pub use engine::{Engine, Transfer, TransferOutcome};
+pub use rails::{PathStatus, Rails};
 pub use sessions::Sessions;

@@ -1,0 +1,106 @@
+//! The whole conformance suite against `transport_core::Rails`: every node
+//! is two mock hosts (two rails) driven as one transport, paired by index
+//! with its peers' rails. Kill, cut and stall hit both rails of a node (a
+//! rail failure that leaves the other up is what `transport-mock/tests/
+//! rails.rs` and the RDMA VM tests do).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use conformance::{Harness, Node, NodeOptions};
+use transport_core::lifecycle::RailsConfig;
+use transport_core::{Rails, Result, Transport};
+use transport_mock::{MockConfig, MockFabric, MockTransport};
+
+const RAILS: usize = 2;
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+#[derive(Debug, Default)]
+struct RailsHarness {
+    fabric: MockFabric,
+}
+
+/// The names of a node's rails (rail 0's is the node's).
+struct Names(Vec<String>);
+
+impl RailsHarness {
+    fn start(&self, names: Vec<String>, opts: &NodeOptions, inbox: Option<usize>) -> Result<Node> {
+        let mut rails: Vec<Arc<dyn Transport>> = Vec::new();
+        for n in &names {
+            let mut cfg = MockConfig {
+                name: Some(n.clone()),
+                // The node's bound split over its rails: `Rails` reports
+                // the sum as its own bound (and counts every rail's).
+                max_endpoints: (opts.max_endpoints / RAILS).max(1),
+                idle_timeout: opts.idle_timeout,
+                ..MockConfig::default()
+            };
+            if let Some(c) = inbox {
+                cfg.inbox_capacity = c;
+            }
+            rails.push(MockTransport::new(&self.fabric, cfg)?);
+        }
+        // Small slices and chunks, so even the suite's small batches are
+        // spread over both rails.
+        let cfg = RailsConfig { slice_size: 64 << 10, chunk_bytes: 128 << 10, ..RailsConfig::default() };
+        let t = Rails::new(rails, None, cfg)?;
+        Ok(Node { name: t.local_segment_name(), transport: t, state: Arc::new(Names(names)) })
+    }
+
+    fn names(node: &Node) -> Vec<String> {
+        node.state.downcast_ref::<Names>().map(|n| n.0.clone()).unwrap_or_else(|| vec![node.name.clone()])
+    }
+
+    fn fresh() -> Vec<String> {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        (0..RAILS).map(|r| format!("rails-{n}.r{r}")).collect()
+    }
+}
+
+#[async_trait]
+impl Harness for RailsHarness {
+    fn backend(&self) -> &str {
+        "rails_mock"
+    }
+
+    async fn node(&self, opts: &NodeOptions) -> Result<Node> {
+        self.start(Self::fresh(), opts, None)
+    }
+
+    async fn kill(&self, node: &Node) -> Result<bool> {
+        for n in Self::names(node) {
+            self.fabric.kill(&n)?;
+        }
+        Ok(true)
+    }
+
+    async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node> {
+        self.start(Self::names(node), opts, None)
+    }
+
+    async fn cut(&self, to: &Node) -> Result<bool> {
+        for n in Self::names(to) {
+            self.fabric.cut(&n)?;
+        }
+        Ok(true)
+    }
+
+    async fn stall(&self, to: &Node, on: bool) -> Result<bool> {
+        for n in Self::names(to) {
+            self.fabric.stall(&n, on)?;
+        }
+        Ok(true)
+    }
+
+    fn os_probe(&self) -> Option<Vec<(String, u64)>> {
+        None
+    }
+
+    async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
+        self.start(Self::fresh(), opts, Some(capacity)).map(Some)
+    }
+}
+
+conformance::conformance_main!(RailsHarness::default);

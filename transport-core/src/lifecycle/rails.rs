@@ -1,0 +1,414 @@
+//! Many rails as one, sans-IO: the health of one *path* (a local rail to
+//! one of the peer's rails) with pause and backoff, the pairing of local
+//! rails with a peer's, and the list of rails a transport advertises in
+//! its descriptor. The driver is [`crate::Rails`].
+//!
+//! A path that fails `pause_after_errors` times within `error_window` is
+//! *paused*: nothing is sent on it for `pause`, which doubles on every
+//! pause that follows a failed probe, up to `max_pause`. When the pause
+//! ends the path is on *probation*: one sub-batch at a time is let through;
+//! its success takes the path back (and resets the pause), its failure
+//! pauses it again for twice as long. A paused path sends nothing, so it
+//! rebuilds nothing: that is the rate limit on reconnects after NIC errors.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// How local rails pair with a peer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Pairing {
+    /// Local rail `i` with the peer's rail `i` (modulo the shorter list):
+    /// `max(local, peer)` paths. The usual choice for rail-optimised
+    /// fabrics, where NIC `i` of every server sits on switch `i`.
+    #[default]
+    Index,
+    /// Every local rail with every peer rail: `local x peer` paths.
+    All,
+    /// Local and peer rails whose GIDs share the 64-bit subnet prefix
+    /// (RoCE v2 / IB); an error if no pair does.
+    Subnet,
+}
+
+/// Options of [`crate::Rails`] (serde; every field has a default).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RailsConfig {
+    /// How local rails pair with the peer's.
+    pub pairing: Pairing,
+    /// Requests are cut into slices of at most this many bytes; slices are
+    /// what is spread over the paths and reposted after a failure.
+    pub slice_size: u64,
+    /// Bytes per sub-batch handed to one path at a time.
+    pub chunk_bytes: u64,
+    /// Sub-batches in flight per path. A path that moves faster finishes
+    /// its sub-batches sooner and is handed more: the spread follows what
+    /// each path actually moves.
+    pub subs_per_path: usize,
+    /// Failures within `error_window_ms` that pause a path.
+    pub pause_after_errors: u32,
+    pub error_window_ms: u64,
+    /// First pause; doubled after each failed probe, up to `max_pause_ms`.
+    pub pause_ms: u64,
+    pub max_pause_ms: u64,
+}
+
+impl Default for RailsConfig {
+    fn default() -> Self {
+        Self {
+            pairing: Pairing::Index,
+            slice_size: 1 << 20,
+            chunk_bytes: 4 << 20,
+            subs_per_path: 2,
+            pause_after_errors: 3,
+            error_window_ms: 10_000,
+            pause_ms: 30_000,
+            max_pause_ms: 300_000,
+        }
+    }
+}
+
+impl RailsConfig {
+    /// Checks ranges; names the field that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("rails.{field}: {why}")));
+        if self.slice_size == 0 || self.slice_size > (1 << 30) {
+            return bad("slice_size", "must be 1..=1 GiB");
+        }
+        if self.chunk_bytes < self.slice_size {
+            return bad("chunk_bytes", "must be at least slice_size");
+        }
+        if self.subs_per_path == 0 || self.subs_per_path > 64 {
+            return bad("subs_per_path", "must be 1..=64");
+        }
+        if self.pause_after_errors == 0 {
+            return bad("pause_after_errors", "must be at least 1");
+        }
+        if self.pause_ms == 0 || self.max_pause_ms < self.pause_ms {
+            return bad("pause_ms", "must be at least 1 and at most max_pause_ms");
+        }
+        Ok(())
+    }
+
+    fn window(&self) -> Duration {
+        Duration::from_millis(self.error_window_ms)
+    }
+}
+
+/// What a path does with new work, as seen at some instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathState {
+    /// Healthy: sub-batches flow, up to `subs_per_path`.
+    Up,
+    /// Failing: nothing is sent until the pause ends.
+    Paused,
+    /// The pause ended: one sub-batch at a time; its result decides.
+    Probation,
+}
+
+/// The health of one path, over the driver's clock.
+#[derive(Debug, Clone)]
+pub struct PathHealth {
+    /// Failures within the window (their times).
+    errors: VecDeque<Duration>,
+    /// While paused: until when.
+    paused_until: Option<Duration>,
+    /// Set once a pause ended and no success was seen since.
+    probation: bool,
+    /// The next pause's length.
+    next_pause: Duration,
+    /// Times this path was paused.
+    pauses: u64,
+}
+
+/// What a reported failure did to the path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Still usable.
+    Kept,
+    /// Paused for this long.
+    Paused(Duration),
+}
+
+impl PathHealth {
+    pub fn new(cfg: &RailsConfig) -> Self {
+        Self {
+            errors: VecDeque::new(),
+            paused_until: None,
+            probation: false,
+            next_pause: Duration::from_millis(cfg.pause_ms),
+            pauses: 0,
+        }
+    }
+
+    /// The state at `now`.
+    pub fn state(&self, now: Duration) -> PathState {
+        match self.paused_until {
+            Some(until) if now < until => PathState::Paused,
+            _ if self.probation || self.paused_until.is_some() => PathState::Probation,
+            _ => PathState::Up,
+        }
+    }
+
+    /// How many sub-batches the path may carry at `now`.
+    pub fn room(&self, now: Duration, cfg: &RailsConfig) -> usize {
+        match self.state(now) {
+            PathState::Up => cfg.subs_per_path,
+            PathState::Probation => 1,
+            PathState::Paused => 0,
+        }
+    }
+
+    /// When a paused path ends its pause (`None` if not paused at `now`).
+    pub fn paused_until(&self, now: Duration) -> Option<Duration> {
+        self.paused_until.filter(|&u| now < u)
+    }
+
+    /// Times the path was paused so far.
+    pub fn pauses(&self) -> u64 {
+        self.pauses
+    }
+
+    /// A sub-batch on the path completed: a path on probation is back.
+    /// Returns whether it came back just now.
+    pub fn success(&mut self, now: Duration, cfg: &RailsConfig) -> bool {
+        if self.state(now) == PathState::Probation {
+            self.paused_until = None;
+            self.probation = false;
+            self.errors.clear();
+            self.next_pause = Duration::from_millis(cfg.pause_ms);
+            return true;
+        }
+        false
+    }
+
+    /// A failure of the path (a failed sub-batch, a refused submit).
+    pub fn failure(&mut self, now: Duration, cfg: &RailsConfig) -> Verdict {
+        match self.state(now) {
+            // Failures of work sent before the pause add nothing.
+            PathState::Paused => Verdict::Kept,
+            PathState::Probation => self.pause(now, cfg),
+            PathState::Up => {
+                let window = cfg.window();
+                while self.errors.front().is_some_and(|&t| now.saturating_sub(t) >= window) {
+                    self.errors.pop_front();
+                }
+                self.errors.push_back(now);
+                if self.errors.len() >= cfg.pause_after_errors as usize {
+                    self.pause(now, cfg)
+                } else {
+                    Verdict::Kept
+                }
+            }
+        }
+    }
+
+    fn pause(&mut self, now: Duration, cfg: &RailsConfig) -> Verdict {
+        let pause = self.next_pause;
+        self.paused_until = Some(now.saturating_add(pause));
+        self.probation = true;
+        self.errors.clear();
+        self.pauses += 1;
+        self.next_pause = pause.saturating_mul(2).min(Duration::from_millis(cfg.max_pause_ms));
+        Verdict::Paused(pause)
+    }
+}
+
+/// The rails a transport advertises in its descriptor's `address`, so a
+/// peer that opens its first rail learns the others:
+/// `rails(<name0>,<name1>,...;tcp=<name>)`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RailList {
+    /// Segment names of the rails, rail 0 first (the transport's own name).
+    pub rails: Vec<String>,
+    /// The TCP fallback's segment name, if the transport has one.
+    pub tcp: Option<String>,
+}
+
+const OPEN: &str = "rails(";
+
+impl RailList {
+    /// The text appended to the first rail's descriptor address.
+    pub fn format(&self) -> String {
+        let mut s = format!("{OPEN}{}", self.rails.join(","));
+        if let Some(t) = &self.tcp {
+            s.push_str(";tcp=");
+            s.push_str(t);
+        }
+        s.push(')');
+        s
+    }
+
+    /// The list advertised in `address`, `None` if there is none (a peer
+    /// with one rail). Malformed lists are a `Protocol` error: the peer
+    /// controls this text.
+    pub fn parse(address: &str) -> Result<Option<Self>> {
+        let Some(start) = address.find(OPEN) else { return Ok(None) };
+        let rest = &address[start + OPEN.len()..];
+        let bad =
+            |why: &str| Error::new(ErrorKind::Protocol, format!("bad rails list in the peer's descriptor: {why}"));
+        let end = rest.find(')').ok_or_else(|| bad("no closing parenthesis"))?;
+        let body = &rest[..end];
+        let (names, tcp) = match body.split_once(';') {
+            Some((n, t)) => (n, Some(t.strip_prefix("tcp=").ok_or_else(|| bad("expected tcp=<name>"))?)),
+            None => (body, None),
+        };
+        let rails: Vec<String> = names.split(',').map(str::to_string).collect();
+        if rails.iter().any(|n| n.is_empty() || n.len() > 256) || rails.len() > MAX_RAILS {
+            return Err(bad("empty or oversized entry"));
+        }
+        if tcp.is_some_and(|t| t.is_empty() || t.len() > 256) {
+            return Err(bad("empty or oversized tcp entry"));
+        }
+        Ok(Some(Self { rails, tcp: tcp.map(str::to_string) }))
+    }
+}
+
+/// Most rails per transport (and per advertised list).
+pub const MAX_RAILS: usize = 16;
+
+/// The 64-bit subnet prefix of a GID written as `gid=<32 hex digits>` in a
+/// descriptor address (RDMA), if there is one.
+pub fn gid_prefix(address: &str) -> Option<&str> {
+    let at = address.find("gid=")? + 4;
+    let hex = address.get(at..at + 32)?;
+    hex.bytes().all(|b| b.is_ascii_hexdigit()).then(|| &hex[..16])
+}
+
+/// The paths `(local rail, peer rail)` for `local` and `peer` rails.
+/// `local_addr(i)` / `peer_addr(j)` give the descriptor addresses used by
+/// [`Pairing::Subnet`].
+pub fn pair(
+    pairing: Pairing,
+    local: usize,
+    peer: usize,
+    local_addr: impl Fn(usize) -> Option<String>,
+    peer_addr: impl Fn(usize) -> Option<String>,
+) -> Result<Vec<(usize, usize)>> {
+    if local == 0 || peer == 0 {
+        return Err(Error::new(ErrorKind::Config, "no rails to pair"));
+    }
+    let out: Vec<(usize, usize)> = match pairing {
+        Pairing::Index => (0..local.max(peer)).map(|i| (i % local, i % peer)).collect(),
+        Pairing::All => (0..local).flat_map(|i| (0..peer).map(move |j| (i, j))).collect(),
+        Pairing::Subnet => {
+            let mut v = Vec::new();
+            for i in 0..local {
+                let Some(a) = local_addr(i) else { continue };
+                for j in 0..peer {
+                    let Some(b) = peer_addr(j) else { continue };
+                    if gid_prefix(&a).is_some() && gid_prefix(&a) == gid_prefix(&b) {
+                        v.push((i, j));
+                    }
+                }
+            }
+            v
+        }
+    };
+    if out.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            "rails.pairing = subnet: no local rail shares a GID subnet with the peer's",
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn cfg() -> RailsConfig {
+        RailsConfig { pause_ms: 100, max_pause_ms: 350, error_window_ms: 1000, ..Default::default() }
+    }
+
+    #[test]
+    fn three_failures_in_the_window_pause() {
+        let c = cfg();
+        let mut h = PathHealth::new(&c);
+        assert_eq!(h.failure(ms(0), &c), Verdict::Kept);
+        assert_eq!(h.failure(ms(500), &c), Verdict::Kept);
+        // The first one left the window: still two.
+        assert_eq!(h.failure(ms(1200), &c), Verdict::Kept);
+        assert_eq!(h.state(ms(1200)), PathState::Up);
+        assert_eq!(h.failure(ms(1300), &c), Verdict::Paused(ms(100)));
+        assert_eq!(h.state(ms(1350)), PathState::Paused);
+        assert_eq!(h.room(ms(1350), &c), 0);
+        // Late failures of work sent before the pause add nothing.
+        assert_eq!(h.failure(ms(1360), &c), Verdict::Kept);
+        assert_eq!(h.state(ms(1400)), PathState::Probation);
+        assert_eq!(h.room(ms(1400), &c), 1);
+        assert_eq!(h.pauses(), 1);
+    }
+
+    #[test]
+    fn failed_probes_double_the_pause_up_to_the_cap_and_success_resets_it() {
+        let c = cfg();
+        let mut h = PathHealth::new(&c);
+        for t in 0..3 {
+            let _ = h.failure(ms(t), &c);
+        }
+        assert_eq!(h.failure(ms(200), &c), Verdict::Paused(ms(200)));
+        assert_eq!(h.failure(ms(400), &c), Verdict::Paused(ms(350)), "capped at max_pause_ms");
+        assert_eq!(h.failure(ms(750), &c), Verdict::Paused(ms(350)));
+        assert!(!h.success(ms(800), &c), "still paused: a late success of old work takes nothing back");
+        assert!(h.success(ms(1100), &c));
+        assert_eq!(h.state(ms(1100)), PathState::Up);
+        for t in 0..3 {
+            let _ = h.failure(ms(2000 + t), &c);
+        }
+        assert_eq!(h.paused_until(ms(2002)), Some(ms(2102)), "back to the first pause");
+        assert_eq!(h.pauses(), 5);
+    }
+
+    #[test]
+    fn rail_lists_round_trip_and_hostile_ones_are_refused() {
+        let l =
+            RailList { rails: vec!["10.0.0.1:5000".into(), "[::1]:5001".into()], tcp: Some("10.0.0.1:6000".into()) };
+        let addr = format!("rxe0/1/gid=fe80 {}", l.format());
+        assert_eq!(RailList::parse(&addr).unwrap(), Some(l));
+        let one = RailList { rails: vec!["a:1".into()], tcp: None };
+        assert_eq!(RailList::parse(&one.format()).unwrap(), Some(one));
+        assert_eq!(RailList::parse("rxe0/1/gid=00").unwrap(), None);
+        for bad in ["rails(a:1", "rails(a:1,,b:2)", "rails(a:1;udp=x)", "rails(a:1;tcp=)", "rails()"] {
+            let e = RailList::parse(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Protocol, "{bad}");
+        }
+        let many = format!("rails({})", vec!["h:1"; MAX_RAILS + 1].join(","));
+        assert!(RailList::parse(&many).is_err());
+    }
+
+    #[test]
+    fn pairings() {
+        let none = |_| None;
+        assert_eq!(pair(Pairing::Index, 2, 2, none, none).unwrap(), vec![(0, 0), (1, 1)]);
+        assert_eq!(pair(Pairing::Index, 2, 3, none, none).unwrap(), vec![(0, 0), (1, 1), (0, 2)]);
+        assert_eq!(pair(Pairing::Index, 1, 2, none, none).unwrap(), vec![(0, 0), (0, 1)]);
+        assert_eq!(pair(Pairing::All, 2, 2, none, none).unwrap(), vec![(0, 0), (0, 1), (1, 0), (1, 1)]);
+        let gid = |p: &str| format!("mlx5_{p}/1/gid={p}{}", "0".repeat(32 - p.len()));
+        let local = |i: usize| Some(gid(["aa", "bb"][i]));
+        let peer = |j: usize| Some(gid(["bb", "cc", "aa"][j]));
+        assert_eq!(pair(Pairing::Subnet, 2, 3, local, peer).unwrap(), vec![(0, 2), (1, 0)]);
+        let e = pair(Pairing::Subnet, 1, 1, |_| Some(gid("aa")), |_| Some(gid("cc"))).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(pair(Pairing::Index, 0, 1, none, none).is_err());
+    }
+
+    #[test]
+    fn config_checks_name_the_field() {
+        RailsConfig::default().validate().unwrap();
+        let c = RailsConfig { chunk_bytes: 1, ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("chunk_bytes"));
+        let c = RailsConfig { pause_ms: 10, max_pause_ms: 5, ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("pause_ms"));
+    }
+}

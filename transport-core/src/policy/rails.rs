@@ -1,0 +1,1231 @@
+//! [`Rails`]: several transports of one kind, one per NIC ("rails"), as
+//! one [`Transport`], with an optional TCP fallback. The sans-IO parts
+//! (path health, pairing, the advertised rail list) are in
+//! [`crate::lifecycle`]; this is their driver.
+//!
+//! * **Names**: the transport's name is its first rail's. The first rail
+//!   advertises every rail (and the fallback) in its descriptor's address
+//!   ([`RailList`], through [`Transport::advertise`]), so a peer that opens
+//!   the name finds the others, and a single-rail peer interoperates.
+//! * **Segments**: opening a name opens a *control* handle on rail 0 (the
+//!   descriptor, notifications) and one handle per *path*: a local rail
+//!   paired with one of the peer's rails ([`crate::lifecycle::Pairing`]);
+//!   with a fallback on both sides, one more path over it.
+//! * **Memory**: `register` registers the memory on every rail (each has
+//!   its own keys); all or nothing.
+//! * **Batches**: requests are cut into slices ([`RailsConfig::slice_size`])
+//!   and a driver task per batch hands them out as sub-batches of
+//!   [`RailsConfig::chunk_bytes`], at most `subs_per_path` per path at a
+//!   time, each to the path with the fewest bytes in flight: a path that
+//!   moves faster finishes sooner and is handed more.
+//! * **Failover**: a sub-batch that fails with a transient peer failure
+//!   (link down, QP error, reset) gives its unfinished slices back. The
+//!   rail reported that sub-batch terminal, which means quiet (rule 5:
+//!   its QPs are flushed or destroyed), so nothing is reposted while an
+//!   old work request can still touch the memory. They are reposted on
+//!   the other paths, and the batch completes without an error while one
+//!   path lives and the deadline allows. Failures count toward the path's
+//!   [`PathHealth`]: paused with backoff, taken back after a successful
+//!   probe. A paused path sends nothing, so it rebuilds nothing.
+//! * **Fallback**: while no RDMA path is up, slices go over the fallback
+//!   (reported in [`Rails::paths`], the `kvmove_rail_events_total` metric
+//!   and the log); as soon as a path is back from its pause, it carries a
+//!   probe, and on success everything moves back to it. Without a
+//!   fallback, a batch whose every path is paused fails with a transient
+//!   error.
+//! * **Endpoints**: each rail keeps its own bound, so the kernel's QP count
+//!   stays within `rails x max_endpoints x qps_per_endpoint` through every
+//!   failover ([`Transport::capabilities`] reports the sum).
+//! * **Notifications** go over rail 0's control handle only, so the
+//!   per-pair order holds and `from` is this transport's name; received
+//!   ones are taken from every rail.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use futures::stream::{FuturesUnordered, StreamExt};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use transport_mem::MemoryRegion;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::lifecycle::{
+    pair, validate_batch, BatchLedger, BatchLimits, BatchTable, EndReason, Pairing, PathHealth, PathState, Progress,
+    RailList, RailsConfig, TaskSet, Verdict, MAX_RAILS,
+};
+use crate::notify::Notification;
+use crate::stats::{Capabilities, ResourceStats};
+use crate::transport::Transport;
+use crate::types::{
+    Access, BatchId, BatchStatus, RegionId, RequestStatus, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest,
+};
+
+/// How long `close_segment`, `unregister` and `shutdown` wait for the
+/// batch drivers to account for work the rails already made quiet.
+const SETTLE_LIMIT: Duration = Duration::from_secs(30);
+/// A waiter looks again at least this often.
+const NAP: Duration = Duration::from_millis(20);
+
+/// Several transports (one per NIC) as one, with failover and an optional
+/// fallback. See the module docs.
+pub struct Rails {
+    inner: Arc<Inner>,
+}
+
+/// One path of an open segment, as [`Rails::paths`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PathStatus {
+    /// The local rail (index into the rails given to [`Rails::new`]);
+    /// `None` for the fallback.
+    pub rail: Option<usize>,
+    /// The peer's rail; `None` for the fallback.
+    pub peer_rail: Option<usize>,
+    /// Whether this is the TCP fallback path.
+    pub fallback: bool,
+    pub state: PathState,
+    /// Bytes completed over this path.
+    pub bytes: u64,
+    /// Sub-batches that failed on it.
+    pub failures: u64,
+    /// Times it was paused.
+    pub pauses: u64,
+}
+
+struct Inner {
+    /// The rails, then the fallback (index `rails.len()`), if any.
+    all: Vec<Arc<dyn Transport>>,
+    rails: usize,
+    cfg: RailsConfig,
+    name: String,
+    epoch: Instant,
+    /// Per transport: the most requests one of its batches may hold.
+    max_batch: Vec<usize>,
+    state: Mutex<State>,
+    tasks: TaskSet,
+    /// Woken whenever a driver accounted for finished work.
+    settled: Notify,
+}
+
+struct State {
+    shutdown: bool,
+    regions: BTreeMap<RegionId, Region>,
+    segments: HashMap<SegmentId, Seg>,
+    batches: BatchTable<Batch>,
+    next_region: u64,
+    next_segment: u64,
+}
+
+struct Region {
+    /// Its id on every transport (rails, then the fallback).
+    ids: Vec<RegionId>,
+    len: u64,
+}
+
+struct Seg {
+    /// The peer's name (as opened).
+    name: String,
+    /// Rail 0's handle used for the descriptor and notifications.
+    control: SegmentId,
+    paths: Vec<Path>,
+    closing: bool,
+}
+
+struct Path {
+    /// Transport index (`rails` for the fallback).
+    k: usize,
+    peer: Option<usize>,
+    seg: SegmentId,
+    fallback: bool,
+    health: PathHealth,
+    /// Sub-batches of every batch in flight on it, and their bytes.
+    subs: usize,
+    inflight: u64,
+    bytes: u64,
+    failures: u64,
+}
+
+struct Batch {
+    ledger: BatchLedger,
+    /// Per request: its segment and local region.
+    targets: Vec<(SegmentId, RegionId)>,
+    wake: Arc<Notify>,
+    done: Arc<Notify>,
+    /// Set by cancel / shutdown: the driver cancels what is on the rails.
+    stop: bool,
+    driver: Option<JoinHandle<()>>,
+}
+
+/// A piece of a request, handed to one path at a time.
+#[derive(Debug, Clone)]
+struct Slice {
+    req: usize,
+    off: u64,
+    len: u64,
+    tries: u32,
+}
+
+/// A sub-batch planned for one path.
+struct Sub {
+    seg: SegmentId,
+    path: usize,
+    k: usize,
+    slices: Vec<Slice>,
+    bytes: u64,
+}
+
+struct Plan {
+    sub: Sub,
+    requests: Vec<TransferRequest>,
+    timeout: Option<Duration>,
+}
+
+/// What a step of a driver decided under the lock.
+struct Step {
+    plans: Vec<Plan>,
+    terminal: bool,
+    /// Cancel what is on the rails (stop or deadline).
+    cancel: bool,
+    deadline: Option<Duration>,
+}
+
+fn transient_path_failure(e: &Error) -> bool {
+    e.kind().is_peer_failure() && e.kind() != ErrorKind::PeerRestarted
+}
+
+fn rail_event(event: &'static str) {
+    metrics::counter!("kvmove_rail_events_total", "event" => event).increment(1);
+}
+
+impl Rails {
+    /// Rails over `rails` (one transport per NIC, rail 0 first; its name
+    /// becomes this transport's) and an optional `fallback` used while
+    /// every rail to a peer is down. Rail 0 must support
+    /// [`Transport::advertise`] when there is more than one rail or a
+    /// fallback. Must be called inside a tokio runtime.
+    pub fn new(
+        rails: Vec<Arc<dyn Transport>>,
+        fallback: Option<Arc<dyn Transport>>,
+        cfg: RailsConfig,
+    ) -> Result<Arc<Self>> {
+        cfg.validate()?;
+        if rails.is_empty() || rails.len() > MAX_RAILS {
+            return Err(Error::new(ErrorKind::Config, format!("rails: 1 to {MAX_RAILS} rails, not {}", rails.len())));
+        }
+        let list = RailList {
+            rails: rails.iter().map(|t| t.local_segment_name()).collect(),
+            tcp: fallback.as_ref().map(|t| t.local_segment_name()),
+        };
+        if rails.len() > 1 || fallback.is_some() {
+            rails[0].advertise(&list.format()).map_err(|e| e.with("rails", "rail 0 must advertise the others"))?;
+        }
+        let n = rails.len();
+        let mut all = rails;
+        all.extend(fallback);
+        let max_batch = all.iter().map(|t| t.capabilities().max_batch_len.max(1)).collect();
+        let name = list.rails[0].clone();
+        Ok(Arc::new(Self {
+            inner: Arc::new(Inner {
+                all,
+                rails: n,
+                cfg,
+                name,
+                epoch: Instant::now(),
+                max_batch,
+                state: Mutex::new(State {
+                    shutdown: false,
+                    regions: BTreeMap::new(),
+                    segments: HashMap::new(),
+                    batches: BatchTable::new(),
+                    next_region: 0,
+                    next_segment: 0,
+                }),
+                tasks: TaskSet::new(),
+                settled: Notify::new(),
+            }),
+        }))
+    }
+
+    /// The paths of an open segment: their state and what they moved.
+    pub fn paths(&self, segment: SegmentId) -> Result<Vec<PathStatus>> {
+        let now = self.inner.now();
+        let st = self.inner.state.lock();
+        let s = st.segments.get(&segment).ok_or_else(|| Error::unknown_segment(segment))?;
+        Ok(s.paths
+            .iter()
+            .map(|p| PathStatus {
+                rail: (!p.fallback).then_some(p.k),
+                peer_rail: p.peer,
+                fallback: p.fallback,
+                state: p.health.state(now),
+                bytes: p.bytes,
+                failures: p.failures,
+                pauses: p.health.pauses(),
+            })
+            .collect())
+    }
+
+    /// The rails (then the fallback) this transport drives.
+    pub fn transports(&self) -> &[Arc<dyn Transport>] {
+        &self.inner.all
+    }
+}
+
+impl std::fmt::Debug for Rails {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rails").field("name", &self.inner.name).field("rails", &self.inner.rails).finish()
+    }
+}
+
+impl Drop for Rails {
+    fn drop(&mut self) {
+        // Drivers hold the inner state; stopping them lets the rails drop
+        // (and free their work) with it.
+        let mut st = self.inner.state.lock();
+        for (_, b) in st.batches.iter_mut() {
+            if let Some(d) = b.driver.take() {
+                d.abort();
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn limits(&self) -> BatchLimits {
+        let caps = self.caps();
+        BatchLimits { max_batch_len: caps.max_batch_len, max_request_len: caps.max_request_len }
+    }
+
+    fn caps(&self) -> Capabilities {
+        let mut c = self.all[0].capabilities();
+        for t in &self.all[1..] {
+            let o = t.capabilities();
+            c.max_endpoints = c.max_endpoints.saturating_add(o.max_endpoints);
+            c.max_request_len = c.max_request_len.min(o.max_request_len);
+            c.read &= o.read;
+            c.write &= o.write;
+        }
+        c
+    }
+
+    fn label(&self, p: &Path) -> String {
+        match p.peer {
+            _ if p.fallback => "tcp fallback".to_string(),
+            Some(j) => format!("rail {} -> peer rail {j}", p.k),
+            None => format!("rail {}", p.k),
+        }
+    }
+
+    /// Decides under the lock what a batch's driver does next: deadline
+    /// and stop, then the sub-batches to hand out.
+    fn step(
+        &self,
+        id: BatchId,
+        reqs: &[TransferRequest],
+        queue: &mut VecDeque<Slice>,
+        mine: &mut HashMap<(SegmentId, usize), usize>,
+    ) -> Option<Step> {
+        let now = self.now();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let b = st.batches.get_mut(id).ok()?;
+        let mut p = b.ledger.expire(now);
+        let expired = b.ledger.deadline().is_some_and(|d| now >= d);
+        let cancel = b.stop || expired;
+        if cancel {
+            p = merge(p, b.ledger.end_where(&EndReason::Cancelled, |_| true).1);
+        }
+        let mut plans = Vec::new();
+        let mut keep = VecDeque::new();
+        let timeout = b.ledger.deadline().map(|d| d.saturating_sub(now));
+        while let Some(slice) = queue.pop_front() {
+            if !b.ledger.is_live(slice.req) {
+                continue; // decided (cancelled, closed, unregistered, failed): dropped
+            }
+            let seg_id = reqs[slice.req].segment;
+            let Some(seg) = st.segments.get_mut(&seg_id) else {
+                keep.push_back(slice);
+                continue;
+            };
+            match choose(seg, seg_id, mine, now, &self.cfg) {
+                Choice::Path(pi) => {
+                    let path = &mut seg.paths[pi];
+                    let k = path.k;
+                    let max = self.max_batch[k];
+                    let mut sub = Sub { seg: seg_id, path: pi, k, slices: Vec::new(), bytes: 0 };
+                    let mut requests = Vec::new();
+                    let mut next = Some(slice);
+                    while let Some(s) = next.take() {
+                        let r = &reqs[s.req];
+                        let Some(region) = st.regions.get(&r.local) else {
+                            // Unregistered since: the request was decided.
+                            next = pop_for(queue, seg_id, reqs);
+                            continue;
+                        };
+                        if !b.ledger.start(s.req) {
+                            next = pop_for(queue, seg_id, reqs);
+                            continue;
+                        }
+                        requests.push(TransferRequest {
+                            op: r.op,
+                            local: region.ids[k],
+                            local_offset: r.local_offset + s.off,
+                            segment: path.seg,
+                            remote_addr: r.remote_addr + s.off,
+                            len: s.len,
+                        });
+                        sub.bytes += s.len;
+                        sub.slices.push(s);
+                        if sub.bytes >= self.cfg.chunk_bytes || requests.len() >= max {
+                            break;
+                        }
+                        next = pop_for(queue, seg_id, reqs);
+                    }
+                    if sub.slices.is_empty() {
+                        continue;
+                    }
+                    path.subs += 1;
+                    path.inflight += sub.bytes;
+                    *mine.entry((seg_id, pi)).or_default() += 1;
+                    plans.push(Plan { sub, requests, timeout });
+                }
+                Choice::Wait => keep.push_back(slice),
+                Choice::None(why) => {
+                    p = merge(p, b.ledger.end(slice.req, EndReason::Failed(why)));
+                }
+            }
+        }
+        *queue = keep;
+        let terminal = b.ledger.is_terminal();
+        if p.batch_terminal {
+            b.done.notify_waiters();
+        }
+        if p.finished > 0 {
+            self.settled.notify_waiters();
+        }
+        Some(Step { plans, terminal, cancel, deadline: b.ledger.deadline().filter(|_| !expired) })
+    }
+
+    /// Accounts for a finished (or refused) sub-batch.
+    fn finish(
+        &self,
+        id: BatchId,
+        sub: Sub,
+        outcome: Result<BatchStatus>,
+        queue: &mut VecDeque<Slice>,
+        mine: &mut HashMap<(SegmentId, usize), usize>,
+    ) {
+        let now = self.now();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        if let Some(n) = mine.get_mut(&(sub.seg, sub.path)) {
+            *n = n.saturating_sub(1);
+        }
+        let mut path = st.segments.get_mut(&sub.seg).and_then(|s| s.paths.get_mut(sub.path));
+        if let Some(p) = path.as_deref_mut() {
+            p.subs = p.subs.saturating_sub(1);
+            p.inflight = p.inflight.saturating_sub(sub.bytes);
+        }
+        let label = path.as_deref().map(|p| self.label(p)).unwrap_or_default();
+        let Ok(b) = st.batches.get_mut(id) else { return };
+        let max_tries = 2 * st.segments.get(&sub.seg).map_or(1, |s| s.paths.len()) as u32 + 2;
+        let mut progress = Progress::default();
+        let mut failed: Option<Error> = None;
+        let mut moved = 0;
+        let statuses: Vec<std::result::Result<RequestStatus, Error>> = match outcome {
+            Ok(status) if status.requests.len() == sub.slices.len() => status.requests.into_iter().map(Ok).collect(),
+            Ok(_) => {
+                vec![Err(Error::new(ErrorKind::Internal, "a rail answered for a different batch")); sub.slices.len()]
+            }
+            Err(e) => vec![Err(e); sub.slices.len()],
+        };
+        for (mut s, rs) in sub.slices.into_iter().zip(statuses) {
+            let e = match rs {
+                Ok(RequestStatus::Completed) => {
+                    moved += s.len;
+                    progress = merge(progress, b.ledger.unit_done(s.req, Ok(())));
+                    continue;
+                }
+                Ok(RequestStatus::Cancelled) => {
+                    progress = merge(progress, b.ledger.end(s.req, EndReason::Cancelled));
+                    progress = merge(progress, b.ledger.unit_back(s.req));
+                    continue;
+                }
+                Ok(RequestStatus::TimedOut) => {
+                    progress = merge(progress, b.ledger.end(s.req, EndReason::TimedOut));
+                    progress = merge(progress, b.ledger.unit_back(s.req));
+                    continue;
+                }
+                Ok(RequestStatus::Failed(e)) | Err(e) => e,
+                Ok(RequestStatus::Pending) => {
+                    Error::new(ErrorKind::Internal, "a rail reported a pending request as final")
+                }
+            };
+            let e = e.with("path", &label);
+            if transient_path_failure(&e) {
+                failed = Some(e.clone());
+                if b.ledger.is_live(s.req) && s.tries < max_tries {
+                    s.tries += 1;
+                    progress = merge(progress, b.ledger.unit_back(s.req));
+                    queue.push_front(s);
+                    continue;
+                }
+            }
+            progress = merge(progress, b.ledger.unit_done(s.req, Err(e)));
+        }
+        // Pausing the last path that is up (with no fallback) helps no one:
+        // every path failing at once is the peer or the whole network,
+        // which the policy layer's breaker handles, not a rail.
+        let last = st.segments.get(&sub.seg).is_some_and(|s| {
+            !s.paths.iter().any(|p| p.fallback)
+                && !s.paths.iter().enumerate().any(|(i, p)| i != sub.path && p.health.state(now) == PathState::Up)
+        });
+        if let Some(p) = st.segments.get_mut(&sub.seg).and_then(|s| s.paths.get_mut(sub.path)) {
+            p.bytes += moved;
+            match failed {
+                Some(_) if last && p.health.state(now) == PathState::Up => p.failures += 1,
+                Some(e) => {
+                    p.failures += 1;
+                    if let Verdict::Paused(d) = p.health.failure(now, &self.cfg) {
+                        rail_event("paused");
+                        tracing::warn!(path = %label, pause_ms = d.as_millis() as u64, error = %e, "rail path paused");
+                    }
+                }
+                None if moved > 0 && p.health.success(now, &self.cfg) => {
+                    rail_event("resumed");
+                    tracing::info!(path = %label, "rail path back after its pause");
+                }
+                _ => {}
+            }
+        }
+        if progress.batch_terminal {
+            b.done.notify_waiters();
+        }
+        if progress.finished > 0 {
+            self.settled.notify_waiters();
+        }
+    }
+
+    /// Waits (bounded) until `quiet` holds of the state.
+    async fn settle(&self, quiet: impl Fn(&State) -> bool) {
+        let start = Instant::now();
+        while start.elapsed() < SETTLE_LIMIT {
+            let n = self.settled.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if quiet(&self.state.lock()) {
+                return;
+            }
+            let _ = tokio::time::timeout(NAP, n).await;
+        }
+        tracing::warn!("rails: work still unaccounted for after {SETTLE_LIMIT:?}");
+    }
+}
+
+fn merge(mut a: Progress, b: Progress) -> Progress {
+    a.finished += b.finished;
+    a.batch_terminal |= b.batch_terminal;
+    a
+}
+
+/// The next queued slice for the same segment, if it is at the front.
+fn pop_for(queue: &mut VecDeque<Slice>, seg: SegmentId, reqs: &[TransferRequest]) -> Option<Slice> {
+    match queue.front() {
+        Some(s) if reqs[s.req].segment == seg => queue.pop_front(),
+        _ => None,
+    }
+}
+
+enum Choice {
+    Path(usize),
+    Wait,
+    None(Error),
+}
+
+/// The path for the next sub-batch of a batch to `seg`: the RDMA path
+/// with room and the fewest bytes in flight while any is up; while none
+/// is up, a path on probation (one probe) and the fallback.
+fn choose(
+    seg: &Seg,
+    id: SegmentId,
+    mine: &HashMap<(SegmentId, usize), usize>,
+    now: Duration,
+    cfg: &RailsConfig,
+) -> Choice {
+    let room = |i: usize, p: &Path| {
+        let mine = mine.get(&(id, i)).copied().unwrap_or(0);
+        match p.health.state(now) {
+            PathState::Up => mine < cfg.subs_per_path,
+            PathState::Probation => p.subs == 0,
+            PathState::Paused => false,
+        }
+    };
+    let best = |pick: &dyn Fn(&Path) -> bool| {
+        seg.paths
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| pick(p) && room(*i, p))
+            .min_by_key(|(_, p)| p.inflight)
+            .map(|(i, _)| i)
+    };
+    let up = |p: &Path| !p.fallback && p.health.state(now) == PathState::Up;
+    if seg.paths.iter().any(up) {
+        return best(&up).map_or(Choice::Wait, Choice::Path);
+    }
+    let probation = |p: &Path| !p.fallback && p.health.state(now) == PathState::Probation;
+    if let Some(i) = best(&probation) {
+        return Choice::Path(i);
+    }
+    let fallback = |p: &Path| p.fallback && p.health.state(now) != PathState::Paused;
+    if seg.paths.iter().any(fallback) {
+        if let Some(i) = best(&fallback) {
+            if seg.paths[i].subs == 0 && seg.paths[i].bytes == 0 {
+                rail_event("fallback");
+                tracing::warn!(peer = %seg.name, "every RDMA path to the peer is down: moving over the TCP fallback");
+            }
+            return Choice::Path(i);
+        }
+        return Choice::Wait;
+    }
+    if seg.paths.iter().any(|p| p.health.state(now) != PathState::Paused) {
+        return Choice::Wait; // a probe is out
+    }
+    let next = seg.paths.iter().filter_map(|p| p.health.paused_until(now)).min().unwrap_or(now);
+    Choice::None(
+        Error::new(
+            ErrorKind::ConnectionReset,
+            format!(
+                "every path to {} is paused after failures (the next is tried again in {} ms)",
+                seg.name,
+                next.saturating_sub(now).as_millis()
+            ),
+        )
+        .with("segment", id),
+    )
+}
+
+/// The driver of one batch: hands out sub-batches, collects their
+/// outcomes, reposts what a failed path gave back, cancels on stop.
+async fn drive(
+    inner: Arc<Inner>,
+    id: BatchId,
+    reqs: Vec<TransferRequest>,
+    mut queue: VecDeque<Slice>,
+    wake: Arc<Notify>,
+) {
+    type Done = (Sub, usize, BatchId, Result<BatchStatus>);
+    let mut running: FuturesUnordered<futures::future::BoxFuture<'static, Done>> = FuturesUnordered::new();
+    let mut live: HashMap<(usize, BatchId), ()> = HashMap::new();
+    let mut mine = HashMap::new();
+    let mut cancelled = false;
+    while let Some(step) = inner.step(id, &reqs, &mut queue, &mut mine) {
+        if step.terminal && running.is_empty() {
+            break;
+        }
+        if step.cancel && !cancelled {
+            cancelled = true;
+            let cancels = live.keys().map(|&(k, bid)| {
+                let t = inner.all[k].clone();
+                async move {
+                    let _ = t.cancel(bid).await;
+                }
+            });
+            futures::future::join_all(cancels).await;
+        }
+        let mut refused = false;
+        for plan in step.plans {
+            let t = inner.all[plan.sub.k].clone();
+            let opts = SubmitOptions { timeout: plan.timeout };
+            match t.submit(plan.requests, opts).await {
+                Ok(bid) => {
+                    live.insert((plan.sub.k, bid), ());
+                    let k = plan.sub.k;
+                    let sub = plan.sub;
+                    running.push(Box::pin(async move {
+                        let r = t.wait(bid).await;
+                        (sub, k, bid, r)
+                    }));
+                }
+                Err(e) => {
+                    refused = true;
+                    inner.finish(id, plan.sub, Err(e), &mut queue, &mut mine);
+                }
+            }
+        }
+        if refused {
+            continue;
+        }
+        let sleep = async {
+            match step.deadline {
+                Some(d) => tokio::time::sleep(d.saturating_sub(inner.now())).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            Some((sub, k, bid, r)) = running.next(), if !running.is_empty() => {
+                live.remove(&(k, bid));
+                let _ = inner.all[k].release(bid);
+                inner.finish(id, sub, r, &mut queue, &mut mine);
+            }
+            _ = wake.notified() => {}
+            _ = sleep => {}
+            // Slices waiting for room on a path shared with other batches.
+            _ = tokio::time::sleep(NAP), if running.is_empty() && !queue.is_empty() => {}
+        }
+    }
+}
+
+#[async_trait]
+impl Transport for Rails {
+    fn backend(&self) -> &str {
+        self.inner.all[0].backend()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.caps()
+    }
+
+    fn local_segment_name(&self) -> String {
+        self.inner.name.clone()
+    }
+
+    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        if self.inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        self.inner.all[0].local_descriptor()
+    }
+
+    fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
+        let inner = &self.inner;
+        {
+            let st = inner.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+        }
+        let mut ids = Vec::with_capacity(inner.all.len());
+        for (k, t) in inner.all.iter().enumerate() {
+            match t.register(mem.clone(), access) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    // All or nothing: give back what was registered (no
+                    // transfer can use it yet, so this ends at once).
+                    undo_registrations(inner, ids);
+                    return Err(e.with("rail", k));
+                }
+            }
+        }
+        let mut st = inner.state.lock();
+        if st.shutdown {
+            drop(st);
+            undo_registrations(inner, ids);
+            return Err(Error::shut_down());
+        }
+        st.next_region += 1;
+        let id = RegionId(st.next_region);
+        st.regions.insert(id, Region { ids, len: mem.len() as u64 });
+        Ok(id)
+    }
+
+    async fn unregister(&self, region: RegionId) -> Result<()> {
+        let inner = &self.inner;
+        let ids = {
+            let mut st = inner.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            let r = st.regions.remove(&region).ok_or_else(|| Error::unknown_region(region))?;
+            let why = EndReason::Failed(Error::region_unregistered(region));
+            for (_, b) in st.batches.iter_mut() {
+                let targets = &b.targets;
+                let (_, p) = b.ledger.end_where(&why, |i| targets.get(i).is_some_and(|t| t.1 == region));
+                if p.batch_terminal {
+                    b.done.notify_waiters();
+                }
+            }
+            r.ids
+        };
+        let results =
+            futures::future::join_all(ids.iter().enumerate().map(|(k, &rid)| inner.all[k].unregister(rid))).await;
+        inner
+            .settle(|st| {
+                st.batches.iter().all(|(_, b)| {
+                    b.targets.iter().enumerate().all(|(i, t)| t.1 != region || b.ledger.on_wire_of(i) == 0)
+                })
+            })
+            .await;
+        results.into_iter().collect::<Result<Vec<()>>>().map(|_| ())
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let inner = &self.inner;
+        if inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        let rail0 = &inner.all[0];
+        let control = rail0.open_segment(name).await?;
+        match self.open_paths(name, control).await {
+            Ok(paths) => {
+                let refused = {
+                    let mut st = inner.state.lock();
+                    if st.shutdown {
+                        Some(paths)
+                    } else {
+                        st.next_segment += 1;
+                        let id = SegmentId(st.next_segment);
+                        st.segments.insert(id, Seg { name: name.to_string(), control, paths, closing: false });
+                        return Ok(id);
+                    }
+                };
+                if let Some(paths) = refused {
+                    self.close_handles(control, &paths).await;
+                }
+                Err(Error::shut_down())
+            }
+            Err(e) => {
+                let _ = rail0.close_segment(control).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        let inner = &self.inner;
+        let (control, handles) = {
+            let mut st = inner.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            let s =
+                st.segments.get_mut(&segment).filter(|s| !s.closing).ok_or_else(|| Error::unknown_segment(segment))?;
+            s.closing = true;
+            let out = (s.control, s.paths.iter().map(|p| (p.k, p.seg)).collect::<Vec<_>>());
+            for (_, b) in st.batches.iter_mut() {
+                let targets = &b.targets;
+                let (_, p) =
+                    b.ledger.end_where(&EndReason::Cancelled, |i| targets.get(i).is_some_and(|t| t.0 == segment));
+                if p.batch_terminal {
+                    b.done.notify_waiters();
+                }
+            }
+            out
+        };
+        let closes = handles.iter().map(|&(k, seg)| inner.all[k].close_segment(seg));
+        let _ = futures::future::join_all(closes).await;
+        let _ = inner.all[0].close_segment(control).await;
+        inner
+            .settle(|st| {
+                st.batches.iter().all(|(_, b)| {
+                    b.targets.iter().enumerate().all(|(i, t)| t.0 != segment || b.ledger.on_wire_of(i) == 0)
+                })
+            })
+            .await;
+        inner.state.lock().segments.remove(&segment);
+        Ok(())
+    }
+
+    /// The peer's rail 0 descriptor: from the control handle, or from a
+    /// path to the peer's rail 0 if that one saw a newer generation (the
+    /// control handle moves no data, so it learns of a restart last).
+    fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
+        let (control, to_rail0) = {
+            let st = self.inner.state.lock();
+            let s = st.segments.get(&segment).filter(|s| !s.closing).ok_or_else(|| Error::unknown_segment(segment))?;
+            let to_rail0: Vec<(usize, SegmentId)> =
+                s.paths.iter().filter(|p| p.peer == Some(0) && !p.fallback).map(|p| (p.k, p.seg)).collect();
+            (s.control, to_rail0)
+        };
+        let d = self.inner.all[0].segment_descriptor(control)?;
+        for (k, seg) in to_rail0 {
+            if let Ok(fresh) = self.inner.all[k].segment_descriptor(seg) {
+                if fresh.generation != d.generation {
+                    return Ok(fresh);
+                }
+            }
+        }
+        Ok(d)
+    }
+
+    async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
+        let inner = &self.inner;
+        let controls = {
+            let st = inner.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            validate_batch(
+                &requests,
+                inner.limits(),
+                |id| st.regions.get(&id).map(|r| ((), r.len)),
+                |s| st.segments.get(&s).is_some_and(|s| !s.closing),
+            )?;
+            let mut controls: HashMap<SegmentId, (SegmentId, String)> = HashMap::new();
+            for r in &requests {
+                if let Some(s) = st.segments.get(&r.segment) {
+                    controls.entry(r.segment).or_insert_with(|| (s.control, s.name.clone()));
+                }
+            }
+            controls
+        };
+        self.check_remote(&requests, &controls).await?;
+        let slice = inner.cfg.slice_size;
+        let units: Vec<u64> = requests.iter().map(|r| r.len.div_ceil(slice)).collect();
+        let mut queue = VecDeque::new();
+        for (i, r) in requests.iter().enumerate() {
+            let mut off = 0;
+            while off < r.len {
+                let len = (r.len - off).min(slice);
+                queue.push_back(Slice { req: i, off, len, tries: 0 });
+                off += len;
+            }
+        }
+        let deadline = opts.timeout.map(|t| inner.now().saturating_add(t));
+        let wake = Arc::new(Notify::new());
+        let mut st = inner.state.lock();
+        if st.shutdown {
+            return Err(Error::shut_down());
+        }
+        // Closed or unregistered while the remote ranges were checked.
+        for (i, r) in requests.iter().enumerate() {
+            if !st.regions.contains_key(&r.local) {
+                return Err(Error::unknown_region(r.local).with("request", i));
+            }
+            if st.segments.get(&r.segment).is_none_or(|s| s.closing) {
+                return Err(Error::unknown_segment(r.segment).with("request", i));
+            }
+        }
+        let targets = requests.iter().map(|r| (r.segment, r.local)).collect();
+        let id = st.batches.insert(Batch {
+            ledger: BatchLedger::new(units, deadline),
+            targets,
+            wake: wake.clone(),
+            done: Arc::new(Notify::new()),
+            stop: false,
+            driver: None,
+        });
+        let driver = inner.tasks.spawn(drive(inner.clone(), id, requests, queue, wake));
+        if let Ok(b) = st.batches.get_mut(id) {
+            b.driver = Some(driver);
+        }
+        Ok(id)
+    }
+
+    fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.state.lock().batches.get(batch).map(|b| b.ledger.status())
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
+        loop {
+            let done = {
+                let st = self.inner.state.lock();
+                let b = st.batches.get(batch)?;
+                if b.ledger.is_terminal() {
+                    return Ok(b.ledger.status());
+                }
+                b.done.clone()
+            };
+            let n = done.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            {
+                let st = self.inner.state.lock();
+                let b = st.batches.get(batch)?;
+                if b.ledger.is_terminal() {
+                    return Ok(b.ledger.status());
+                }
+            }
+            let _ = tokio::time::timeout(NAP, n).await;
+        }
+    }
+
+    async fn cancel(&self, batch: BatchId) -> Result<BatchStatus> {
+        {
+            let mut st = self.inner.state.lock();
+            let b = st.batches.get_mut(batch)?;
+            if !b.ledger.is_terminal() {
+                b.stop = true;
+                let p = b.ledger.end_where(&EndReason::Cancelled, |_| true).1;
+                if p.batch_terminal {
+                    b.done.notify_waiters();
+                }
+                b.wake.notify_one();
+            }
+        }
+        self.wait(batch).await
+    }
+
+    fn release(&self, batch: BatchId) -> Result<()> {
+        let b = self.inner.state.lock().batches.release(batch, |b| b.ledger.is_terminal())?;
+        drop(b); // its driver has ended or is about to (the batch is terminal)
+        Ok(())
+    }
+
+    fn stats(&self) -> ResourceStats {
+        let mut s = ResourceStats::default();
+        for t in &self.inner.all {
+            let r = t.stats();
+            s.endpoints += r.endpoints;
+            s.endpoint_lanes += r.endpoint_lanes;
+            s.inflight += r.inflight;
+            s.tasks += r.tasks;
+            s.notifications += r.notifications;
+        }
+        let st = self.inner.state.lock();
+        s.segments = st.segments.len();
+        s.regions = st.regions.len();
+        s.batches = st.batches.len();
+        s.tasks += self.inner.tasks.count();
+        s
+    }
+
+    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        let control = {
+            let st = self.inner.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            st.segments
+                .get(&segment)
+                .filter(|s| !s.closing)
+                .map(|s| s.control)
+                .ok_or_else(|| Error::unknown_segment(segment))?
+        };
+        self.inner.all[0].notify(control, msg).await
+    }
+
+    fn take_notifications(&self, max: usize) -> Result<Vec<Notification>> {
+        if self.inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        let mut out = Vec::new();
+        for t in &self.inner.all {
+            if out.len() >= max {
+                break;
+            }
+            out.extend(t.take_notifications(max - out.len())?);
+        }
+        Ok(out)
+    }
+
+    async fn wait_notification(&self) -> Result<()> {
+        if self.inner.state.lock().shutdown {
+            return Err(Error::shut_down());
+        }
+        let waits = self.inner.all.iter().map(|t| t.wait_notification());
+        futures::future::select_all(waits).await.0
+    }
+
+    async fn shutdown(&self) -> Result<()> {
+        let inner = &self.inner;
+        let drivers = {
+            let mut st = inner.state.lock();
+            if st.shutdown {
+                return Ok(());
+            }
+            st.shutdown = true;
+            let mut drivers = Vec::new();
+            for (_, b) in st.batches.iter_mut() {
+                b.stop = true;
+                let _ = b.ledger.end_where(&EndReason::Cancelled, |_| true);
+                b.wake.notify_one();
+                drivers.extend(b.driver.take());
+            }
+            drivers
+        };
+        let results = futures::future::join_all(inner.all.iter().map(|t| t.shutdown())).await;
+        for d in drivers {
+            if tokio::time::timeout(SETTLE_LIMIT, d).await.is_err() {
+                tracing::warn!("rails: a batch driver did not end within {SETTLE_LIMIT:?} of shutdown");
+            }
+        }
+        {
+            let mut st = inner.state.lock();
+            let batches = st.batches.drain();
+            for (_, b) in &batches {
+                b.done.notify_waiters();
+            }
+            st.segments.clear();
+            st.regions.clear();
+        }
+        results.into_iter().collect::<Result<Vec<()>>>().map(|_| ())
+    }
+
+    fn advertise(&self, extra: &str) -> Result<()> {
+        let _ = extra;
+        Err(Error::new(ErrorKind::Unsupported, "rails advertise their own rail list"))
+    }
+}
+
+impl Rails {
+    /// Opens the paths to the peer whose rail 0 is open as `control`.
+    async fn open_paths(&self, name: &str, control: SegmentId) -> Result<Vec<Path>> {
+        let inner = &self.inner;
+        let desc = inner.all[0].segment_descriptor(control)?;
+        let list = RailList::parse(&desc.address)?;
+        let mut peer: Vec<String> = list.as_ref().map(|l| l.rails.clone()).unwrap_or_default();
+        if peer.is_empty() {
+            peer.push(name.to_string());
+        }
+        // The name the caller opened reaches the peer's rail 0 (it may be
+        // spelled differently from the peer's own list).
+        peer[0] = name.to_string();
+        let tcp = list.and_then(|l| l.tcp);
+        let n = inner.rails;
+        let candidates: Vec<(usize, usize)> = match inner.cfg.pairing {
+            Pairing::Subnet => (0..n).flat_map(|i| (0..peer.len()).map(move |j| (i, j))).collect(),
+            p => pair(p, n, peer.len(), |_| None, |_| None)?,
+        };
+        let opens = candidates.iter().map(|&(i, j)| {
+            let t = inner.all[i].clone();
+            let name = peer[j].clone();
+            async move { (i, j, t.open_segment(&name).await) }
+        });
+        let mut opened = Vec::new();
+        let mut first_err = None;
+        for (i, j, r) in futures::future::join_all(opens).await {
+            match r {
+                Ok(seg) => opened.push((i, j, seg)),
+                Err(e) => {
+                    tracing::warn!(rail = i, peer_rail = j, error = %e, "rails: a path to the peer could not be opened");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if inner.cfg.pairing == Pairing::Subnet {
+            let local: Vec<Option<String>> =
+                (0..n).map(|i| inner.all[i].local_descriptor().ok().map(|d| d.address)).collect();
+            let mut keep = Vec::new();
+            for (i, j, seg) in opened {
+                let theirs = inner.all[i].segment_descriptor(seg).ok().map(|d| d.address);
+                let ok = pair(Pairing::Subnet, 1, 1, |_| local[i].clone(), |_| theirs.clone()).is_ok();
+                if ok {
+                    keep.push((i, j, seg));
+                } else {
+                    let _ = inner.all[i].close_segment(seg).await;
+                }
+            }
+            opened = keep;
+        }
+        let mut paths: Vec<Path> = opened
+            .into_iter()
+            .map(|(k, j, seg)| Path {
+                k,
+                peer: Some(j),
+                seg,
+                fallback: false,
+                health: PathHealth::new(&inner.cfg),
+                subs: 0,
+                inflight: 0,
+                bytes: 0,
+                failures: 0,
+            })
+            .collect();
+        if paths.is_empty() {
+            return Err(first_err.unwrap_or_else(|| {
+                Error::new(
+                    ErrorKind::Config,
+                    "rails.pairing = subnet: no local rail shares a GID subnet with the peer's",
+                )
+            }));
+        }
+        if let (Some(t), Some(tcp)) = (inner.all.get(n), tcp) {
+            match t.open_segment(&tcp).await {
+                Ok(seg) => paths.push(Path {
+                    k: n,
+                    peer: None,
+                    seg,
+                    fallback: true,
+                    health: PathHealth::new(&inner.cfg),
+                    subs: 0,
+                    inflight: 0,
+                    bytes: 0,
+                    failures: 0,
+                }),
+                Err(e) => tracing::warn!(peer = %tcp, error = %e, "rails: the peer's TCP fallback could not be opened"),
+            }
+        }
+        Ok(paths)
+    }
+
+    async fn close_handles(&self, control: SegmentId, paths: &[Path]) {
+        let closes = paths.iter().map(|p| self.inner.all[p.k].close_segment(p.seg));
+        let _ = futures::future::join_all(closes).await;
+        let _ = self.inner.all[0].close_segment(control).await;
+    }
+
+    /// Rule 9 before anything moves: each remote range inside one region of
+    /// the peer (as rail 0 sees it; re-read once if unknown) that allows
+    /// the operation.
+    async fn check_remote(
+        &self,
+        requests: &[TransferRequest],
+        controls: &HashMap<SegmentId, (SegmentId, String)>,
+    ) -> Result<()> {
+        let rail0 = &self.inner.all[0];
+        let mut descs: HashMap<SegmentId, SegmentDescriptor> = HashMap::new();
+        let mut refreshed: HashMap<SegmentId, bool> = HashMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            let Some((control, name)) = controls.get(&r.segment) else {
+                return Err(Error::unknown_segment(r.segment).with("request", i));
+            };
+            if let std::collections::hash_map::Entry::Vacant(v) = descs.entry(r.segment) {
+                v.insert(rail0.segment_descriptor(*control).map_err(|e| e.with("request", i))?);
+            }
+            let known = descs.get(&r.segment).and_then(|d| d.region_for(r.remote_addr, r.len)).is_some();
+            if !known && !refreshed.get(&r.segment).copied().unwrap_or(false) {
+                // The peer may have registered it after the handle was
+                // opened: read its descriptor again, once per batch.
+                refreshed.insert(r.segment, true);
+                let fresh = rail0.open_segment(name).await.map_err(|e| e.with("request", i))?;
+                let d = rail0.segment_descriptor(fresh);
+                let _ = rail0.close_segment(fresh).await;
+                descs.insert(r.segment, d.map_err(|e| e.with("request", i))?);
+            }
+            let Some(info) = descs.get(&r.segment).and_then(|d| d.region_for(r.remote_addr, r.len)) else {
+                return Err(Error::new(
+                    ErrorKind::OutOfBounds,
+                    format!("remote range {:#x}+{} is in no region of the segment", r.remote_addr, r.len),
+                )
+                .with("segment", r.segment)
+                .with("request", i));
+            };
+            if !info.access.allows(r.op) {
+                return Err(Error::new(ErrorKind::AccessDenied, format!("remote region does not allow {:?}", r.op))
+                    .with("segment", r.segment)
+                    .with("request", i));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Unregisters what a failed `register` left on some transports. Nothing
+/// can use those ids yet, so each unregister ends at once; it runs in a
+/// task because unregistering is async.
+fn undo_registrations(inner: &Arc<Inner>, ids: Vec<RegionId>) {
+    if ids.is_empty() {
+        return;
+    }
+    let all = inner.all.clone();
+    let undo = async move {
+        for (k, id) in ids.into_iter().enumerate() {
+            let _ = all[k].unregister(id).await;
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => {
+            inner.tasks.spawn(undo);
+        }
+        Err(_) => {
+            tracing::warn!("rails: register failed outside a runtime; the other rails keep the memory until shutdown")
+        }
+    }
+}
