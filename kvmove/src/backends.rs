@@ -30,11 +30,20 @@ pub fn mock_fabric() -> transport_mock::MockFabric {
     FABRIC.get_or_init(transport_mock::MockFabric::new).clone()
 }
 
-/// An RDMA transport on `backend.rdma.device` (the first device when unset).
+/// An RDMA transport on `backend.rdma.device`, or on every device of
+/// `backend.rdma.devices` as rails; with `backend.rdma.tcp_fallback`, a TCP
+/// transport (the `[backend.tcp]` options, on the RDMA listen host, any
+/// port) carries transfers while every rail to a peer is down.
 #[cfg(feature = "rdma")]
 pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
-    let device = cfg.backend.rdma.device.clone().unwrap_or_else(|| "the first RDMA device".into());
-    let t = transport_rdma::RdmaTransport::new(cfg.backend.rdma.clone()).await.map_err(|e| {
+    let r = &cfg.backend.rdma;
+    let device = match (r.devices.is_empty(), &r.device) {
+        (false, _) => format!("devices {}", r.devices.join(",")),
+        (true, Some(d)) => d.clone(),
+        (true, None) => "the first RDMA device".into(),
+    };
+    let fallback = if r.tcp_fallback { Some(rdma_fallback(cfg).await?) } else { None };
+    transport_rdma::open(r.clone(), fallback).await.map_err(|e| {
         transport_core::Error::new(
             e.kind(),
             format!(
@@ -43,6 +52,21 @@ pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
             ),
         )
         .with("backend", "rdma")
-    })?;
+    })
+}
+
+#[cfg(all(feature = "rdma", feature = "tcp"))]
+async fn rdma_fallback(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
+    let host = cfg.backend.rdma.listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+    let tcp = transport_tcp::TcpConfig { listen: format!("{host}:0"), ..cfg.backend.tcp.clone() };
+    let t = transport_tcp::TcpTransport::new(tcp).await.map_err(|e| e.with("backend", "rdma.tcp_fallback"))?;
     Ok(Arc::new(t))
+}
+
+#[cfg(all(feature = "rdma", not(feature = "tcp")))]
+async fn rdma_fallback(_cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
+    Err(transport_core::Error::new(
+        transport_core::ErrorKind::Config,
+        "backend.rdma.tcp_fallback needs the tcp backend; rebuild with --features tcp",
+    ))
 }

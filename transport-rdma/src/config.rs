@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use transport_core::lifecycle::{RailsConfig, MAX_RAILS};
 use transport_core::{Error, ErrorKind, Result};
 
 /// Most QPs one group may have (a peer asking for more is refused).
@@ -16,6 +17,19 @@ pub(crate) const MAX_QPS_PER_GROUP: usize = 64;
 pub struct RdmaConfig {
     /// RDMA device name (`mlx5_0`, `rxe0`); `None` takes the first device.
     pub device: Option<String>,
+    /// Several devices as one (rails, [`crate::open`]): their names, or
+    /// `["all"]` for every device whose port is active. Empty (the default)
+    /// uses `device` alone. Rail 0 listens on `listen` and names the
+    /// transport; the others on the same host, any port. Every rail keeps
+    /// its own `max_endpoints`, so the kernel holds at most
+    /// `rails x max_endpoints x qps_per_endpoint` QPs.
+    pub devices: Vec<String>,
+    /// How rails pair with a peer's, spread and fail over (pause, backoff).
+    pub rails: RailsConfig,
+    /// With rails: continue over TCP while every rail to a peer is down
+    /// (both sides need it). Honoured by builders that have the TCP backend
+    /// (`kvmove`): the fallback listens on `listen`'s host, any port.
+    pub tcp_fallback: bool,
     /// Port number on the device (1-based).
     pub port: u8,
     /// GID table index (RoCE v2 GIDs are usually 0 on rxe, 3 on mlx5 with IPv4).
@@ -68,6 +82,9 @@ impl Default for RdmaConfig {
     fn default() -> Self {
         Self {
             device: None,
+            devices: Vec::new(),
+            rails: RailsConfig::default(),
+            tcp_fallback: false,
             port: 1,
             gid_index: 0,
             listen: "127.0.0.1:0".into(),
@@ -93,6 +110,13 @@ impl RdmaConfig {
     /// Checks ranges; names the field that is wrong.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("rdma.{field}: {why}")));
+        if self.devices.len() > MAX_RAILS || self.devices.iter().any(String::is_empty) {
+            return bad("devices", "at most 16 non-empty device names (or [\"all\"])");
+        }
+        if self.devices.len() > 1 && self.devices.iter().any(|d| d == "all") {
+            return bad("devices", "\"all\" stands alone");
+        }
+        self.rails.validate().map_err(|e| Error::new(e.kind(), format!("rdma.{}", e.message())))?;
         if self.port == 0 {
             return bad("port", "ports are numbered from 1");
         }

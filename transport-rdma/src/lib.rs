@@ -92,6 +92,17 @@
 //! (shared state, `Inner::with_state`) ->
 //! `verbs` (all unsafe), `wire`, `config`, `error`.
 //!
+//! # Several devices
+//!
+//! [`open`] takes [`RdmaConfig::devices`] (a list, or `["all"]`) and builds
+//! one transport per device, driven as rails by `transport_core::Rails`:
+//! slices spread over the paths to a peer's rails by what each moves, a
+//! failed rail's slices reposted on the others once that rail's work is
+//! quiet, failing paths paused with backoff, and (with
+//! [`RdmaConfig::tcp_fallback`] and a TCP transport) a fallback while
+//! every rail is down. Rail 0's descriptor lists the others
+//! (`Transport::advertise`).
+//!
 //! Transfers from and to this process (two transports, or loopback through
 //! one device) work like remote ones, which is how the tests run on a
 //! single soft-RoCE device.
@@ -102,6 +113,7 @@ mod endpoint;
 mod error;
 mod handshake;
 mod notes;
+mod rails;
 mod server;
 mod state;
 mod submit;
@@ -115,4 +127,5 @@ const BACKEND: &str = "rdma";
 
 pub use config::RdmaConfig;
 pub use error::VerbsError;
+pub use rails::{open, rail_devices};
 pub use transport::{rdma_devices, RdmaTransport};

@@ -1,0 +1,61 @@
+//! Several devices as one: [`open`] builds one [`RdmaTransport`] per
+//! device of [`RdmaConfig::devices`] and drives them as rails
+//! ([`transport_core::Rails`]: striping, failover without failing the
+//! transfer, an optional fallback).
+
+use std::sync::Arc;
+
+use transport_core::{Error, ErrorKind, Rails, Result, Transport};
+
+use crate::{rdma_devices, RdmaConfig, RdmaTransport};
+
+/// The devices `cfg` names: `devices` (`["all"]`: every device with an
+/// active port), else `device` alone.
+pub fn rail_devices(cfg: &RdmaConfig) -> Result<Vec<Option<String>>> {
+    match cfg.devices.as_slice() {
+        [] => Ok(vec![cfg.device.clone()]),
+        [all] if all == "all" => {
+            let active: Vec<Option<String>> = rdma_devices()?
+                .into_iter()
+                .filter(|d| {
+                    let path = format!("/sys/class/infiniband/{d}/ports/{}/state", cfg.port);
+                    std::fs::read_to_string(path).is_ok_and(|s| s.contains("ACTIVE"))
+                })
+                .map(Some)
+                .collect();
+            if active.is_empty() {
+                return Err(Error::new(ErrorKind::Config, "rdma.devices = [\"all\"]: no device has an active port"));
+            }
+            Ok(active)
+        }
+        list => Ok(list.iter().cloned().map(Some).collect()),
+    }
+}
+
+/// The RDMA transport `cfg` describes: one device as a plain
+/// [`RdmaTransport`], several (or one with a `fallback`) as [`Rails`].
+/// `fallback` is used while every rail to a peer is down; pass one only
+/// if `cfg.tcp_fallback` asks for it (builders that have the TCP backend
+/// do). Must be called inside a tokio runtime.
+pub async fn open(cfg: RdmaConfig, fallback: Option<Arc<dyn Transport>>) -> Result<Arc<dyn Transport>> {
+    cfg.validate()?;
+    let devices = rail_devices(&cfg)?;
+    if devices.len() == 1 && fallback.is_none() {
+        let one = RdmaConfig { device: devices.into_iter().next().flatten(), devices: Vec::new(), ..cfg };
+        return Ok(Arc::new(RdmaTransport::new(one).await?));
+    }
+    let host = match cfg.listen.rsplit_once(':') {
+        Some((h, _)) => h.to_string(),
+        None => "127.0.0.1".into(),
+    };
+    let mut rails: Vec<Arc<dyn Transport>> = Vec::with_capacity(devices.len());
+    for (i, device) in devices.into_iter().enumerate() {
+        let listen = if i == 0 { cfg.listen.clone() } else { format!("{host}:0") };
+        let name = device.clone().unwrap_or_else(|| "the first device".into());
+        let rail = RdmaConfig { device, devices: Vec::new(), listen, ..cfg.clone() };
+        let t = RdmaTransport::new(rail).await.map_err(|e| e.with("rail", i).with("device", name))?;
+        rails.push(Arc::new(t));
+    }
+    let t: Arc<dyn Transport> = Rails::new(rails, fallback, cfg.rails.clone())?;
+    Ok(t)
+}
