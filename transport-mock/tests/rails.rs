@@ -1,0 +1,123 @@
+//! `transport_core::Rails` over mock hosts: a rail lost in the middle of a
+//! batch costs no error, every rail lost moves over the fallback, and
+//! without a fallback it is a transient error.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use transport_core::lifecycle::RailsConfig;
+use transport_core::{Access, BatchState, Rails, SubmitOptions, TransferRequest, Transport};
+use transport_mock::{MockConfig, MockFabric, MockTransport};
+
+const LEN: usize = 8 << 20;
+const REQ: u64 = 256 << 10;
+
+fn cfg() -> RailsConfig {
+    RailsConfig {
+        slice_size: 64 << 10,
+        chunk_bytes: 128 << 10,
+        pause_ms: 200,
+        max_pause_ms: 400,
+        ..RailsConfig::default()
+    }
+}
+
+fn host(fabric: &MockFabric, name: &str) -> Arc<dyn Transport> {
+    // Every request takes a while, so a batch is still moving when a rail goes.
+    MockTransport::new(
+        fabric,
+        MockConfig { name: Some(name.into()), latency: Duration::from_millis(2), ..MockConfig::default() },
+    )
+    .unwrap()
+}
+
+fn node(fabric: &MockFabric, name: &str, fallback: bool) -> Arc<Rails> {
+    let rails = vec![host(fabric, &format!("{name}.r0")), host(fabric, &format!("{name}.r1"))];
+    let fb = fallback.then(|| host(fabric, &format!("{name}.tcp")));
+    Rails::new(rails, fb, cfg()).unwrap()
+}
+
+struct Pair {
+    a: Arc<Rails>,
+    b: Arc<Rails>,
+    src: Mem,
+    dst: Mem,
+    reqs: Vec<TransferRequest>,
+    seg: transport_core::SegmentId,
+}
+
+async fn pair(fabric: &MockFabric, fallback: bool) -> Pair {
+    let a = node(fabric, "a", fallback);
+    let b = node(fabric, "b", fallback);
+    let src = Mem::new(LEN, 1);
+    let dst = Mem::new(LEN, 2);
+    let local = a.register(src.region(), Access::LOCAL).unwrap();
+    b.register(dst.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let reqs =
+        (0..LEN as u64 / REQ).map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ)).collect();
+    Pair { a, b, src, dst, reqs, seg }
+}
+
+#[test]
+fn a_rail_lost_mid_batch_costs_no_error() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = pair(&fabric, false).await;
+        assert_eq!(p.a.paths(p.seg).unwrap().len(), 2, "two rails each, paired by index");
+        let id = p.a.submit(p.reqs.clone(), SubmitOptions::with_timeout(Duration::from_secs(15))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!p.a.poll(id).unwrap().is_terminal(), "the batch must still be moving when the rail goes");
+        fabric.kill("b.r1").unwrap();
+        let st = p.a.wait(id).await.unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert_eq!(p.dst.read(), p.src.read(), "every byte, through the failover");
+        assert!(p.dst.canaries_intact());
+        let paths = p.a.paths(p.seg).unwrap();
+        assert!(paths[1].failures > 0, "{paths:?}");
+        assert_eq!(paths[0].bytes + paths[1].bytes, LEN as u64, "{paths:?}");
+        assert!(paths[1].bytes > 0, "rail 1 moved its share until it went: {paths:?}");
+        p.a.release(id).unwrap();
+        assert_eq!(p.a.stats().batches, 0);
+    });
+}
+
+#[test]
+fn the_fallback_carries_the_batch_while_every_rail_is_down() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = pair(&fabric, true).await;
+        assert_eq!(p.a.paths(p.seg).unwrap().len(), 3, "two rails and the fallback");
+        fabric.kill("b.r0").unwrap();
+        fabric.kill("b.r1").unwrap();
+        let st =
+            p.a.wait(p.a.submit(p.reqs.clone(), SubmitOptions::with_timeout(Duration::from_secs(15))).await.unwrap())
+                .await
+                .unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert_eq!(p.dst.read(), p.src.read());
+        let paths = p.a.paths(p.seg).unwrap();
+        assert!(paths[2].fallback && paths[2].bytes > 0, "{paths:?}");
+        assert_eq!(paths.iter().map(|p| p.bytes).sum::<u64>(), LEN as u64, "{paths:?}");
+        drop(p.b);
+    });
+}
+
+#[test]
+fn without_a_fallback_every_rail_down_is_a_transient_error() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = pair(&fabric, false).await;
+        fabric.kill("b.r0").unwrap();
+        fabric.kill("b.r1").unwrap();
+        let st = p.a.wait(p.a.submit(p.reqs.clone(), SubmitOptions::default()).await.unwrap()).await.unwrap();
+        assert_eq!(st.state, BatchState::Failed);
+        let e = st.first_error().unwrap();
+        assert!(e.is_transient(), "{e}");
+        assert!(p.dst.canaries_intact());
+    });
+}
