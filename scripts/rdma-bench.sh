@@ -20,6 +20,16 @@
 # sender, then the same batch with notify_after from submit to the
 # receiver seeing the notification (interleaved); p50/p99 and the p50
 # ratio seen/completed. NOTIFY_ROUNDS_4K / NOTIFY_ROUNDS_1M set the rounds.
+#
+#   RAILS_BENCH=1 scripts/rdma-bench.sh   # multi-rail instead (VM with 6 devices)
+#
+# Multi-rail write bandwidth, 1 MiB writes, r = 1, 2, 3 rails per node:
+# `rdma_bench railbw` (a sender Rails over devices 0..r-1, a receiver
+# Rails over r..2r-1; rail i pairs with rail i) beside r ib_write_bw pairs
+# run concurrently on the same device pairs (client on device i, server on
+# device r+i, each its own TCP port), their BW averages summed; ratio
+# ours / that sum, and the bytes each of our paths moved. Every pair moves
+# BENCH_BYTES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${BENCH_SECONDS:-4}
@@ -36,7 +46,80 @@ if [ "${RXE_VM:-0}" != 1 ] && [ -z "${RDMA_BENCH_INNER:-}" ]; then
   if compgen -G "/sys/class/infiniband/*" >/dev/null; then
     exec "$0"
   fi
+  if [ "${RAILS_BENCH:-0}" = 1 ]; then
+    export RAILS_BENCH BENCH_BYTES
+    RXE_VM_PASS_ENV="RDMA_BENCH_BIN RDMA_BENCH_INNER BENCH_SECONDS BENCH_BYTES RAILS_BENCH" \
+      exec scripts/rxe-vm --timeout 900 --devices 6 -- bash scripts/rdma-bench.sh
+  fi
   RXE_VM_PASS_ENV="RDMA_BENCH_BIN RDMA_BENCH_INNER BENCH_SECONDS NOTIFY_ROUNDS_4K NOTIFY_ROUNDS_1M" exec scripts/rxe-vm --timeout 900 -- bash scripts/rdma-bench.sh
+fi
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b+0 > 0) printf "%.2f", a/b; else print "n/a" }'; }
+
+if [ "${RAILS_BENCH:-0}" = 1 ]; then
+  BIN=${RDMA_BENCH_BIN:?}
+  if [ -n "${RDMA_TEST_DEVICES:-}" ]; then
+    read -r -a DEVS <<<"$RDMA_TEST_DEVICES"
+  else
+    mapfile -t DEVS < <(ibv_devices | awk 'NR>2{print $1}' | sort -V)
+  fi
+  SIZE=1048576
+  echo "rails-bench: devices ${DEVS[*]}; ours runs $SECS s per rail count, each ib_write_bw pair moves $BENCH_BYTES bytes"
+  [ "${#DEVS[@]}" -ge 6 ] || { echo "rails-bench: need 6 devices, have ${DEVS[*]}" >&2; exit 1; }
+
+  listening() { # port: is a TCP socket listening on it?
+    ss -Hltn "sport = :$1" 2>/dev/null | grep -q .
+  }
+  rails_perf() { # r -> "sum pair0+pair1+..." (BW average, MiB/s) of r concurrent pairs
+    local r=$1 i k n=$(( BENCH_BYTES / SIZE )); [ "$n" -lt 20 ] && n=20
+    local spids=() cpids=()
+    for ((i = 0; i < r; i++)); do
+      ib_write_bw -d "${DEVS[r + i]}" -x 0 -F -p $((18515 + i)) -s "$SIZE" -n "$n" >"/tmp/rails-server-$i.txt" 2>&1 &
+      spids+=($!)
+    done
+    # All servers listening first, so the clients start together.
+    for k in $(seq 1 100); do
+      local up=0
+      for ((i = 0; i < r; i++)); do listening $((18515 + i)) && up=$((up + 1)); done
+      [ "$up" -eq "$r" ] && break
+      sleep 0.1
+    done
+    for ((i = 0; i < r; i++)); do
+      (
+        for k in $(seq 1 50); do
+          ib_write_bw -d "${DEVS[i]}" -x 0 -F -p $((18515 + i)) -s "$SIZE" -n "$n" 127.0.0.1 \
+            >"/tmp/rails-client-$i.txt" 2>&1 && exit 0
+          sleep 0.5
+        done
+        exit 1
+      ) &
+      cpids+=($!)
+    done
+    for k in "${cpids[@]}" "${spids[@]}"; do wait "$k" 2>/dev/null || true; done
+    local each=() sum=0 v
+    for ((i = 0; i < r; i++)); do
+      v=$(awk -v s="$SIZE" '$1==s {print $4; exit}' "/tmp/rails-client-$i.txt"); v=${v:-0}
+      each+=("$v")
+      sum=$(awk -v a="$sum" -v b="$v" 'BEGIN { printf "%.2f", a+b }')
+    done
+    local IFS=+
+    echo "$sum ${each[*]}"
+  }
+
+  results=()
+  for r in 1 2 3; do
+    read -r p each <<<"$(rails_perf "$r")"
+    line=$("$BIN" railbw "$SIZE" "$SECS" "$r") || { echo "rails-bench: railbw $r failed: $line" >&2; exit 1; }
+    echo "$line"
+    o=$(printf '%s' "$line" | sed -n 's/.*MiB\/s=\([0-9.]*\).*/\1/p'); o=${o:-0}
+    paths=$(printf '%s' "$line" | sed -n 's/.* paths=\([^ ]*\).*/\1/p')
+    ver=$(printf '%s' "$line" | sed -n 's/.* verified=\([^ ]*\).*/\1/p')
+    results+=("rails $r: ours $o MiB/s, ib_write_bw x $r concurrently $p MiB/s ($each), ratio $(ratio "$o" "$p"); our paths (bytes) $paths; verified=$ver")
+  done
+  echo
+  echo "==== RDMA multi-rail benchmark (1 MiB writes, same VM run) ===="
+  printf '%s\n' "${results[@]}"
+  exit 0
 fi
 
 DEV=${RDMA_TEST_DEVICE:-$(ibv_devices | awk 'NR>2{print $1; exit}')}
@@ -65,8 +148,6 @@ bw_perf() { # size -> MiB/s (BW average). Iteration mode: with -D, large
 lat_perf() { # size -> t_typical usec
   perf_pair ib_write_lat -s "$1" -n 1000 | awk -v s="$1" '$1==s {print $5; exit}'
 }
-
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b+0 > 0) printf "%.2f", a/b; else print "n/a" }'; }
 
 results=()
 for size in 65536 1048576; do

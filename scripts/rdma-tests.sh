@@ -7,7 +7,7 @@
 # * If this machine has an RDMA device (/sys/class/infiniband/* exists) the
 #   test binaries run here, directly.
 # * Otherwise they are built here (cargo test --no-run) and run inside a
-#   soft-RoCE VM by scripts/rxe-vm (qemu TCG; rdma_rxe devices rxe0..rxe2 on
+#   soft-RoCE VM by scripts/rxe-vm (qemu TCG; rdma_rxe devices rxe0..rxe3 on
 #   veth links joined by a bridge, which the tests fault: link down, netem
 #   stalls).
 # * If neither is possible it prints "RDMA SUITE SKIPPED: <reason>" and
@@ -119,6 +119,14 @@ trap 'rm -f "$runner"' EXIT
     printf '%q --test-threads=1' "$b"
     for f in "${FILTER[@]}"; do printf ' %q' "$f"; done
     echo ' || rc=1'
+    # The conformance suite again with two devices per node driven as
+    # rails (transport_core::Rails), cases named rdma_rails2::...
+    case "$(basename "$b")" in conformance-*)
+      printf 'echo "==> %s (two rails per node)"\n' "$(basename "$b")"
+      printf 'RDMA_CONFORMANCE_RAILS=2 %q --test-threads=1' "$b"
+      for f in "${FILTER[@]}"; do printf ' %q' "$f"; done
+      echo ' || rc=1'
+    esac
   done
   echo 'exit $rc'
 } > "$runner"
@@ -132,7 +140,8 @@ if [ "$have_device" = 1 ]; then
 else
   echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
   start=$(date +%s)
-  scripts/rxe-vm --timeout "${RDMA_VM_TIMEOUT:-1500}" -- sh ./.rdma-tests-run.sh || rc=$?
+  # Four devices: the rails tests give each of two nodes two of its own.
+  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-1500}" -- sh ./.rdma-tests-run.sh || rc=$?
   echo "rdma-tests: VM run took $(( $(date +%s) - start )) s"
 fi
 if [ "$rc" = 0 ]; then echo "rdma-tests: RDMA suite passed"; else echo "rdma-tests: RDMA suite FAILED (exit $rc)" >&2; fi

@@ -7,24 +7,35 @@
 //!   rdma_bench pingpong <bytes> <iterations> # ib_write_lat's method: half a write ping-pong
 //!   rdma_bench notify <bytes> <rounds>      # rule 11: a batch's completion on the sender
 //!                                           # vs the receiver seeing its attached notification
+//!   rdma_bench railbw <page-bytes> <seconds> <rails>
+//!                                           # multi-rail: a sender `Rails` over devices 0..r-1,
+//!                                           # a receiver `Rails` over r..2r-1; prints MiB/s and
+//!                                           # the bytes each path moved
 //!
 //! scripts/rdma-bench.sh runs it beside ib_write_bw / ib_write_lat and
-//! prints the ratios. Device: RDMA_TEST_DEVICE, else the first one.
+//! prints the ratios (RAILS_BENCH=1: railbw beside r concurrent
+//! ib_write_bw pairs). Device: RDMA_TEST_DEVICE, else the first one;
+//! railbw takes RDMA_TEST_DEVICES (space separated), else every device.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use transport_core::{Access, BatchId, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
-use transport_rdma::{RdmaConfig, RdmaTransport};
+use transport_core::lifecycle::RailsConfig;
+use transport_core::{Access, BatchId, BatchState, Buffer, Rails, SubmitOptions, TransferRequest, Transport};
+use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
 fn usage() -> ! {
-    eprintln!("usage: rdma_bench bw|lat|pingpong|notify <page-bytes> <seconds|iterations|rounds>");
+    eprintln!(
+        "usage: rdma_bench bw|lat|pingpong|notify <page-bytes> <seconds|iterations|rounds>\n       \
+         rdma_bench railbw <page-bytes> <seconds> <rails>"
+    );
     std::process::exit(2)
 }
 
 /// Waits for and releases a finished batch, failing on its error.
-async fn reap(t: &RdmaTransport, b: Option<BatchId>) -> Result<(), BoxErr> {
+async fn reap<T: Transport + ?Sized>(t: &T, b: Option<BatchId>) -> Result<(), BoxErr> {
     let Some(b) = b else { return Ok(()) };
     let st = t.wait(b).await?;
     t.release(b)?;
@@ -188,8 +199,138 @@ fn pct(lat: &mut [f64], p: f64) -> f64 {
     lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)]
 }
 
+/// Batches in flight in `railbw`, each over its own part of the buffers.
+const RAIL_DEPTH: u64 = 4;
+
+/// The byte `railbw` writes at offset `off` of the source (and expects
+/// there in the destination): not constant within a page, different
+/// from page to page.
+fn pattern(off: u64) -> u8 {
+    ((off >> 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ off as u8
+}
+
+/// One side of `railbw`: a `Rails` over `devices`, one `RdmaTransport`
+/// each, RailsConfig defaults.
+async fn rails_over(devices: &[String]) -> Result<Arc<Rails>, BoxErr> {
+    let mut rails: Vec<Arc<dyn Transport>> = Vec::with_capacity(devices.len());
+    for d in devices {
+        let cfg = RdmaConfig { device: Some(d.clone()), listen: "127.0.0.1:0".into(), ..RdmaConfig::default() };
+        rails.push(Arc::new(RdmaTransport::new(cfg).await.map_err(|e| format!("railbw: device {d}: {e}"))?));
+    }
+    Ok(Rails::new(rails, None, RailsConfig::default())?)
+}
+
+/// Multi-rail write bandwidth: a sender `Rails` over the first `r`
+/// devices, a receiver `Rails` over the next `r` (rail i of the sender
+/// pairs with rail i of the receiver, so each path crosses the bridge
+/// between two devices, as the i-th ib_write_bw pair does). RAIL_DEPTH
+/// batches of `size`-byte writes stay in flight for `secs` seconds, each
+/// over its own quarter of a 64 MiB (or `size` x 16) buffer. Prints the
+/// rate, the bytes each path moved in the timed part, and the outcome of
+/// comparing the whole destination with the source afterwards.
+async fn rail_bw(size: u64, secs: u64, r: usize) -> Result<(), BoxErr> {
+    let devices: Vec<String> = match std::env::var("RDMA_TEST_DEVICES") {
+        Ok(s) if !s.trim().is_empty() => s.split_whitespace().map(String::from).collect(),
+        _ => rdma_devices()?,
+    };
+    if r == 0 || devices.len() < 2 * r {
+        return Err(format!("railbw: {r} rails per side need {} devices, have {devices:?}", 2 * r).into());
+    }
+    let sender = rails_over(&devices[..r]).await?;
+    let receiver = rails_over(&devices[r..2 * r]).await?;
+    let per_batch = ((64u64 << 20) / size / RAIL_DEPTH).max(4);
+    let total = per_batch * RAIL_DEPTH * size;
+    let src = Buffer::from_slice(&(0..total).map(pattern).collect::<Vec<u8>>())?;
+    let dst = Buffer::new(total as usize)?;
+    let lid = sender.register(src.region(), Access::LOCAL)?;
+    receiver.register(dst.region(), Access::REMOTE_RW)?;
+    let seg = sender.open_segment(&receiver.local_segment_name()).await?;
+    let batches: Vec<Vec<TransferRequest>> = (0..RAIL_DEPTH)
+        .map(|k| {
+            (k * per_batch..(k + 1) * per_batch)
+                .map(|i| TransferRequest::write(lid, i * size, seg, dst.addr() + i * size, size))
+                .collect()
+        })
+        .collect();
+    // Warm up: builds every path's endpoint and fills the destination once.
+    let mut warm = Vec::new();
+    for b in &batches {
+        warm.push(sender.submit(b.clone(), SubmitOptions::default()).await?);
+    }
+    for b in warm {
+        reap(&*sender, Some(b)).await?;
+    }
+    let before: Vec<u64> = sender.paths(seg)?.iter().map(|p| p.bytes).collect();
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    let mut inflight = std::collections::VecDeque::new();
+    let mut next = 0usize;
+    loop {
+        let running = start.elapsed() < Duration::from_secs(secs);
+        if running {
+            let b = sender.submit(batches[next].clone(), SubmitOptions::default()).await?;
+            inflight.push_back(b);
+            next = (next + 1) % batches.len();
+        }
+        if (inflight.len() as u64) < RAIL_DEPTH && running {
+            continue;
+        }
+        let Some(b) = inflight.pop_front() else { break };
+        reap(&*sender, Some(b)).await?;
+        bytes += per_batch * size;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let paths: Vec<String> = sender
+        .paths(seg)?
+        .iter()
+        .zip(before.iter().chain(std::iter::repeat(&0)))
+        .map(|(p, b0)| {
+            let (a, b) = (
+                p.rail.map_or("tcp".into(), |i| devices[i].clone()),
+                p.peer_rail.map_or("tcp".into(), |i| devices[r + i].clone()),
+            );
+            let extra = if p.failures > 0 || p.pauses > 0 {
+                format!("(failures={},pauses={})", p.failures, p.pauses)
+            } else {
+                String::new()
+            };
+            format!("{a}>{b}:{}{extra}", p.bytes - b0)
+        })
+        .collect();
+    let mut bad = None;
+    let (mut got, mut want) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    for at in (0..total).step_by(1 << 20) {
+        let n = (total - at).min(1 << 20) as usize;
+        dst.read_at(at as usize, &mut got[..n])?;
+        src.read_at(at as usize, &mut want[..n])?;
+        if let Some(i) = (0..n).find(|&i| got[i] != want[i]) {
+            bad = Some(at + i as u64);
+            break;
+        }
+    }
+    println!(
+        "ours rails_bw size={size} rails={r} MiB/s={:.2} secs={elapsed:.1} paths={} verified={}",
+        bytes as f64 / elapsed / (1u64 << 20) as f64,
+        paths.join(","),
+        if bad.is_none() { "ok" } else { "BAD" }
+    );
+    sender.shutdown().await?;
+    receiver.shutdown().await?;
+    match bad {
+        Some(at) => Err(format!("railbw: destination differs from the source at byte {at}").into()),
+        None => Ok(()),
+    }
+}
+
 fn main() -> Result<(), BoxErr> {
     let args: Vec<String> = std::env::args().collect();
+    if args.len() == 5 && args[1] == "railbw" {
+        let size: u64 = args[2].parse().ok().filter(|&s| s > 0).unwrap_or_else(|| usage());
+        let secs: u64 = args[3].parse().unwrap_or_else(|_| usage());
+        let rails: usize = args[4].parse().unwrap_or_else(|_| usage());
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        return rt.block_on(rail_bw(size, secs, rails));
+    }
     if args.len() != 4 {
         usage();
     }

@@ -22,6 +22,11 @@
 //! Elsewhere (a real NIC is never faulted) `cut` and `stall` are
 //! unsupported and those cases are reported ignored, never passed.
 //!
+//! With `RDMA_CONFORMANCE_RAILS=N` (N >= 2) every node is N devices driven
+//! as rails (`transport_rdma::open`, `transport_core::Rails`), the cases
+//! are named `rdma_railsN::...`, the node's endpoint bound is split over
+//! its rails, and `cut` / `stall` hit every link of the node.
+//!
 //! Without an RDMA device every case is reported ignored (with a loud
 //! line), unless RDMA_REQUIRED=1 or RXE_VM=1, where that is a failure
 //! (scripts/rdma-tests.sh sets it for its runs on a device or in the VM).
@@ -38,6 +43,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::Link;
 use conformance::{Harness, Node, NodeOptions};
+use transport_core::lifecycle::RailsConfig;
 use transport_core::{Error, ErrorKind, Result, Transport, DEFAULT_INBOX};
 use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 
@@ -45,11 +51,15 @@ use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 struct RdmaHarness {
     links: Vec<Link>,
     next: AtomicUsize,
+    /// Devices per node (1: a plain transport; more: rails).
+    rails: usize,
+    label: String,
 }
 
 struct State {
-    transport: Weak<RdmaTransport>,
-    link: Option<Link>,
+    transport: Weak<dyn Transport>,
+    /// The node's links (one per rail), if faultable.
+    links: Vec<Link>,
     /// The node's `inbox_capacity` (a restart keeps it).
     inbox: usize,
 }
@@ -98,16 +108,28 @@ async fn port_state(device: &str, state: &str) -> Result<()> {
     Err(Error::new(ErrorKind::Timeout, format!("{device} port 1 did not become {state} within 5 s")))
 }
 
-async fn make(opts: &NodeOptions, listen: String, link: Option<Link>, inbox: usize) -> Result<Node> {
+async fn make(opts: &NodeOptions, listen: String, links: Vec<Link>, inbox: usize) -> Result<Node> {
     let mut last = None;
     // A restarted node rebinds the old address; give the old socket a moment.
     for _ in 0..100 {
-        let device = link.as_ref().map(|l| l.device.clone());
-        match RdmaTransport::new(cfg(opts, listen.clone(), device, inbox)).await {
+        let device = links.first().map(|l| l.device.clone());
+        let made: Result<Arc<dyn Transport>> = if links.len() > 1 {
+            let per_rail = NodeOptions { max_endpoints: (opts.max_endpoints / links.len()).max(1), ..opts.clone() };
+            let c = RdmaConfig {
+                devices: links.iter().map(|l| l.device.clone()).collect(),
+                rails: RailsConfig { pause_ms: 300, max_pause_ms: 1_000, ..RailsConfig::default() },
+                ..cfg(&per_rail, listen.clone(), device, inbox)
+            };
+            transport_rdma::open(c, None).await
+        } else {
+            RdmaTransport::new(cfg(opts, listen.clone(), device, inbox))
+                .await
+                .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        };
+        match made {
             Ok(t) => {
-                let t = Arc::new(t);
                 let st: Arc<dyn Any + Send + Sync> =
-                    Arc::new(State { transport: Arc::downgrade(&t), link: link.clone(), inbox });
+                    Arc::new(State { transport: Arc::downgrade(&t), links: links.clone(), inbox });
                 return Ok(Node { name: t.local_segment_name(), transport: t, state: st });
             }
             Err(e) if e.kind() == ErrorKind::Io || e.kind() == ErrorKind::ResourceExhausted => {
@@ -123,15 +145,15 @@ async fn make(opts: &NodeOptions, listen: String, link: Option<Link>, inbox: usi
 #[async_trait]
 impl Harness for RdmaHarness {
     fn backend(&self) -> &str {
-        "rdma"
+        &self.label
     }
 
     async fn node(&self, opts: &NodeOptions) -> Result<Node> {
-        make(opts, "127.0.0.1:0".into(), self.next_link(), DEFAULT_INBOX).await
+        make(opts, "127.0.0.1:0".into(), self.next_links(), DEFAULT_INBOX).await
     }
 
     async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
-        make(opts, "127.0.0.1:0".into(), self.next_link(), capacity).await.map(Some)
+        make(opts, "127.0.0.1:0".into(), self.next_links(), capacity).await.map(Some)
     }
 
     async fn kill(&self, node: &Node) -> Result<bool> {
@@ -143,25 +165,35 @@ impl Harness for RdmaHarness {
 
     async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node> {
         let st = state(node)?;
-        make(opts, node.name.clone(), st.link.clone(), st.inbox).await
+        make(opts, node.name.clone(), st.links.clone(), st.inbox).await
     }
 
     async fn cut(&self, to: &Node) -> Result<bool> {
-        let Some(l) = &state(to)?.link else { return Ok(false) };
-        sh(&["ip", "link", "set", &l.netdev, "down"])?;
-        port_state(&l.device, "DOWN").await?;
+        let links = &state(to)?.links;
+        if links.is_empty() {
+            return Ok(false);
+        }
+        for l in links {
+            sh(&["ip", "link", "set", &l.netdev, "down"])?;
+            port_state(&l.device, "DOWN").await?;
+        }
         // The node sees IBV_EVENT_PORT_ERR and drops its QPs; give its
         // event handler a moment before the link returns.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        sh(&["ip", "link", "set", &l.netdev, "up"])?;
-        port_state(&l.device, "ACTIVE").await?;
+        for l in links {
+            sh(&["ip", "link", "set", &l.netdev, "up"])?;
+            port_state(&l.device, "ACTIVE").await?;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
         Ok(true)
     }
 
     async fn stall(&self, to: &Node, on: bool) -> Result<bool> {
-        let Some(l) = &state(to)?.link else { return Ok(false) };
-        for dev in [&l.netdev, &l.bridge_port] {
+        let links = &state(to)?.links;
+        if links.is_empty() {
+            return Ok(false);
+        }
+        for dev in links.iter().flat_map(|l| [&l.netdev, &l.bridge_port]) {
             if on {
                 sh(&["tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%"])?;
             } else {
@@ -178,11 +210,15 @@ impl Harness for RdmaHarness {
 }
 
 impl RdmaHarness {
-    /// One device per node (round robin), so nodes talk across the bridge.
-    fn next_link(&self) -> Option<Link> {
+    /// `rails` devices per node (round robin), so nodes talk across the
+    /// bridge.
+    fn next_links(&self) -> Vec<Link> {
         match self.links.len() {
-            0 => None,
-            n => Some(self.links[self.next.fetch_add(1, Ordering::Relaxed) % n].clone()),
+            0 => Vec::new(),
+            n => {
+                let first = self.next.fetch_add(self.rails, Ordering::Relaxed);
+                (0..self.rails).map(|i| self.links[(first + i) % n].clone()).collect()
+            }
         }
     }
 }
@@ -204,7 +240,14 @@ fn main() {
     if have && links.is_empty() {
         eprintln!("rdma conformance: no RDMA_TEST_FAULT_LINKS (not the soft-RoCE VM): cut/stall cases are ignored");
     }
-    let trials = conformance::trials(move || RdmaHarness { links: links.clone(), next: AtomicUsize::new(0) });
+    let rails: usize = std::env::var("RDMA_CONFORMANCE_RAILS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let label = if rails > 1 { format!("rdma_rails{rails}") } else { "rdma".to_string() };
+    let trials = conformance::trials(move || RdmaHarness {
+        links: links.clone(),
+        next: AtomicUsize::new(0),
+        rails,
+        label: label.clone(),
+    });
     let trials = if have {
         trials
     } else if required {

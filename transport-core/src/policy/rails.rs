@@ -513,6 +513,18 @@ impl Inner {
         }
     }
 
+    /// Fails every live request of a batch that has nothing on the wire
+    /// and nothing queued (never expected; keeps waiters from hanging).
+    fn abandon(&self, id: BatchId) {
+        let mut st = self.state.lock();
+        if let Ok(b) = st.batches.get_mut(id) {
+            let why = EndReason::Failed(Error::new(ErrorKind::Internal, "rails: a batch had nothing left to send"));
+            if b.ledger.end_where(&why, |_| true).1.batch_terminal {
+                b.done.notify_waiters();
+            }
+        }
+    }
+
     /// Waits (bounded) until `quiet` holds of the state.
     async fn settle(&self, quiet: impl Fn(&State) -> bool) {
         let start = Instant::now();
@@ -660,6 +672,12 @@ async fn drive(
             }
         }
         if refused {
+            continue;
+        }
+        if running.is_empty() && queue.is_empty() && !step.terminal {
+            // Nothing out and nothing left to send, yet not terminal: a
+            // bookkeeping bug. End it rather than hang its waiters.
+            inner.abandon(id);
             continue;
         }
         let sleep = async {

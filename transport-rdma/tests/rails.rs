@@ -1,0 +1,311 @@
+//! Several devices as one (rails, `transport_core::Rails`) in the
+//! soft-RoCE VM: a rail's link taken down in the middle of a large batch,
+//! a flapping link, every rail down (a transient error without a fallback;
+//! over TCP with one, then back to RDMA). Each node has two devices of its
+//! own, so its paths cross the bridge and one rail can fail alone.
+//!
+//! Needs four faultable links (RDMA_TEST_FAULT_LINKS, set by scripts/rxe-vm
+//! `--devices 4`); elsewhere every test is reported ignored.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use transport_core::lifecycle::{PathState, RailsConfig};
+use transport_core::{Access, BatchState, Buffer, Rails, SegmentId, SubmitOptions, TransferRequest, Transport};
+use transport_rdma::{RdmaConfig, RdmaTransport};
+
+const LEN: usize = 32 << 20;
+const REQ: u64 = 1 << 20;
+const MAX_ENDPOINTS: usize = 4;
+const QPS: usize = 2;
+
+fn run<F: std::future::Future<Output = ()>>(test: &str, secs: u64, f: F) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(secs), f).await.unwrap_or_else(|_| panic!("{test} timed out"))
+    });
+}
+
+fn rails_cfg() -> RailsConfig {
+    RailsConfig {
+        slice_size: 256 << 10,
+        chunk_bytes: 1 << 20,
+        pause_ms: 500,
+        max_pause_ms: 2_000,
+        ..RailsConfig::default()
+    }
+}
+
+async fn node(devices: &[&str], fallback: bool) -> Arc<Rails> {
+    let mut rails: Vec<Arc<dyn Transport>> = Vec::new();
+    for d in devices {
+        let c =
+            RdmaConfig { device: Some(d.to_string()), max_endpoints: MAX_ENDPOINTS, qps_per_endpoint: QPS, ..config() };
+        rails.push(Arc::new(RdmaTransport::new(c).await.expect("rail")));
+    }
+    let fb: Option<Arc<dyn Transport>> = if fallback {
+        Some(Arc::new(transport_tcp::TcpTransport::new(transport_tcp::TcpConfig::default()).await.expect("tcp")))
+    } else {
+        None
+    };
+    Rails::new(rails, fb, rails_cfg()).expect("rails")
+}
+
+fn ip_link(netdev: &str, state: &str) {
+    let st = Command::new("ip").args(["link", "set", netdev, state]).status().expect("run `ip`");
+    assert!(st.success(), "ip link set {netdev} {state} failed");
+}
+
+fn port_is(device: &str, state: &str) -> bool {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
+}
+
+/// Brings links back up however the test ends.
+struct LinksUp(Vec<String>);
+
+impl Drop for LinksUp {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = Command::new("ip").args(["link", "set", n, "up"]).status();
+        }
+    }
+}
+
+struct Pair {
+    a: Arc<Rails>,
+    b: Arc<Rails>,
+    src: Buffer,
+    dst: Buffer,
+    lid: transport_core::RegionId,
+    seg: SegmentId,
+}
+
+impl Pair {
+    async fn new(fallback: bool) -> (Self, Vec<Link>) {
+        let links = fault_links();
+        assert!(links.len() >= 4, "rails tests need four faultable links, got {links:?}");
+        let a = node(&[&links[0].device, &links[1].device], fallback).await;
+        let b = node(&[&links[2].device, &links[3].device], fallback).await;
+        let src = buffer_with(LEN, 5);
+        let dst = Buffer::new(LEN).unwrap();
+        let lid = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        (Self { a, b, src, dst, lid, seg }, links)
+    }
+
+    fn batch(&self) -> Vec<TransferRequest> {
+        let raddr = self.dst.addr();
+        (0..LEN as u64 / REQ)
+            .map(|i| TransferRequest::write(self.lid, i * REQ, self.seg, raddr + i * REQ, REQ))
+            .collect()
+    }
+
+    /// Writes the whole buffer; returns the status and the time it took.
+    async fn write_all(&self) -> (transport_core::BatchStatus, Duration) {
+        self.dst.fill(0);
+        let t0 = Instant::now();
+        let b = self.a.submit(self.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
+        let st = wait(&*self.a, b).await;
+        let took = t0.elapsed();
+        self.a.release(b).unwrap();
+        (st, took)
+    }
+
+    fn exact(&self) -> bool {
+        self.dst.to_vec() == self.src.to_vec()
+    }
+
+    async fn end(self) {
+        self.a.shutdown().await.unwrap();
+        self.b.shutdown().await.unwrap();
+    }
+}
+
+/// The bound the kernel's QP count must stay within: every rail of both
+/// nodes at its endpoint bound (both nodes live in this process; each
+/// endpoint has a peer half on the other side).
+fn qp_bound() -> u64 {
+    (2 * 2 * MAX_ENDPOINTS * QPS * 2) as u64
+}
+
+fn rail_link_down_mid_batch_completes_byte_exact() {
+    run("rail_link_down_mid_batch_completes_byte_exact", 400, async {
+        let (p, links) = Pair::new(false).await;
+        let (st, clean) = p.write_all().await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert!(p.exact());
+        let before = p.a.paths(p.seg).unwrap();
+        assert!(before.iter().all(|x| x.bytes > 0), "both rails carry a share: {before:?}");
+
+        // Rail 0 of the initiator loses its link while the batch moves.
+        let _up = LinksUp(vec![links[0].netdev.clone()]);
+        p.dst.fill(0);
+        let t0 = Instant::now();
+        let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
+        tokio::time::sleep(clean / 4).await;
+        assert!(!p.a.poll(b).unwrap().is_terminal(), "the batch ended before the link went down");
+        ip_link(&links[0].netdev, "down");
+        let st = wait(&*p.a, b).await;
+        let failed = t0.elapsed();
+        p.a.release(b).unwrap();
+        assert_eq!(st.state, BatchState::Completed, "a rail failure failed the batch: {:?}", st.first_error());
+        assert!(p.exact(), "bytes after the failover");
+        let after = p.a.paths(p.seg).unwrap();
+        assert!(after[0].failures > before[0].failures, "rail 0 saw its failure: {after:?}");
+        eprintln!(
+            "rails: {} MiB verified through a rail failure; batch {clean:?} without, {failed:?} with it; paths {after:?}",
+            LEN >> 20
+        );
+        assert!(my_qps() <= qp_bound(), "kernel QPs {} above {}", my_qps(), qp_bound());
+
+        // The link returns: after its pause the path carries a probe and is back.
+        ip_link(&links[0].netdev, "up");
+        assert!(eventually(Duration::from_secs(10), || port_is(&links[0].device, "ACTIVE")).await);
+        let back = Instant::now();
+        let mut resumed = false;
+        while back.elapsed() < Duration::from_secs(30) && !resumed {
+            let (st, _) = p.write_all().await;
+            assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+            assert!(p.exact());
+            let now = p.a.paths(p.seg).unwrap();
+            resumed = now[0].state == PathState::Up && now[0].bytes > after[0].bytes;
+        }
+        assert!(resumed, "rail 0 never came back: {:?}", p.a.paths(p.seg).unwrap());
+        eprintln!("rails: rail 0 carried data again {:?} after its link returned", back.elapsed());
+        p.end().await;
+    });
+}
+
+fn flapping_rail_costs_no_error_and_kernel_qps_stay_bounded() {
+    run("flapping_rail_costs_no_error_and_kernel_qps_stay_bounded", 500, async {
+        let (p, links) = Pair::new(false).await;
+        let netdev = links[3].netdev.clone(); // the target's rail 1
+        let _up = LinksUp(vec![netdev.clone()]);
+        let start = Instant::now();
+        let (mut cycles, mut verified, mut max_qps) = (0, 0u64, 0);
+        while cycles < 12 && start.elapsed() < Duration::from_secs(240) {
+            let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            ip_link(&netdev, "down");
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            ip_link(&netdev, "up");
+            let st = wait(&*p.a, b).await;
+            p.a.release(b).unwrap();
+            assert_eq!(st.state, BatchState::Completed, "cycle {cycles}: {:?}", st.first_error());
+            assert!(p.exact(), "cycle {cycles}: bytes");
+            verified += LEN as u64;
+            max_qps = max_qps.max(my_qps());
+            assert!(max_qps <= qp_bound(), "cycle {cycles}: kernel QPs {max_qps} above {}\n{}", qp_bound(), qp_table());
+            assert!(eventually(Duration::from_secs(10), || port_is(&links[3].device, "ACTIVE")).await);
+            cycles += 1;
+        }
+        assert!(cycles >= 4, "only {cycles} flaps fit");
+        eprintln!(
+            "rails: {cycles} flaps, {} MiB verified, no error, kernel QPs at most {max_qps} (bound {}); paths {:?}",
+            verified >> 20,
+            qp_bound(),
+            p.a.paths(p.seg).unwrap()
+        );
+        p.end().await;
+    });
+}
+
+fn every_rail_down_is_transient_without_a_fallback() {
+    run("every_rail_down_is_transient_without_a_fallback", 300, async {
+        let (p, links) = Pair::new(false).await;
+        let _up = LinksUp(vec![links[0].netdev.clone(), links[1].netdev.clone()]);
+        ip_link(&links[0].netdev, "down");
+        ip_link(&links[1].netdev, "down");
+        let (st, took) = p.write_all().await;
+        assert_eq!(st.state, BatchState::Failed);
+        let e = st.first_error().unwrap();
+        assert!(e.is_transient(), "every rail down: {e}");
+        eprintln!("rails: every rail down, no fallback: {e} after {took:?}");
+        p.end().await;
+    });
+}
+
+fn every_rail_down_moves_over_tcp_then_back_to_rdma() {
+    run("every_rail_down_moves_over_tcp_then_back_to_rdma", 400, async {
+        let (p, links) = Pair::new(true).await;
+        let (st, clean) = p.write_all().await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        let paths = p.a.paths(p.seg).unwrap();
+        assert_eq!(paths.len(), 3, "{paths:?}");
+        assert_eq!(paths[2].bytes, 0, "the fallback idles while RDMA is up: {paths:?}");
+
+        let _up = LinksUp(vec![links[0].netdev.clone(), links[1].netdev.clone()]);
+        ip_link(&links[0].netdev, "down");
+        ip_link(&links[1].netdev, "down");
+        let (st, over_tcp) = p.write_all().await;
+        assert_eq!(st.state, BatchState::Completed, "with the fallback: {:?}", st.first_error());
+        assert!(p.exact(), "bytes over the fallback");
+        let down = p.a.paths(p.seg).unwrap();
+        assert!(down[2].fallback && down[2].bytes > 0, "the fallback carried it: {down:?}");
+
+        ip_link(&links[0].netdev, "up");
+        ip_link(&links[1].netdev, "up");
+        assert!(
+            eventually(Duration::from_secs(10), || port_is(&links[0].device, "ACTIVE")
+                && port_is(&links[1].device, "ACTIVE"))
+            .await
+        );
+        let back = Instant::now();
+        let mut rdma_again = false;
+        while back.elapsed() < Duration::from_secs(30) && !rdma_again {
+            let before = p.a.paths(p.seg).unwrap();
+            let (st, _) = p.write_all().await;
+            assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+            assert!(p.exact());
+            let now = p.a.paths(p.seg).unwrap();
+            rdma_again = now[2].bytes == before[2].bytes && now.iter().take(2).any(|x| x.state == PathState::Up);
+        }
+        assert!(rdma_again, "never moved back to RDMA: {:?}", p.a.paths(p.seg).unwrap());
+        eprintln!(
+            "rails: fallback: {} MiB verified over TCP while every rail was down ({over_tcp:?}; {clean:?} over RDMA), back on RDMA {:?} after the links returned; paths {:?}",
+            LEN >> 20,
+            back.elapsed(),
+            p.a.paths(p.seg).unwrap()
+        );
+        p.end().await;
+    });
+}
+
+fn main() {
+    let mut args = libtest_mimic::Arguments::from_args();
+    args.test_threads = Some(1);
+    let tests: [(&str, fn()); 4] = [
+        ("rail_link_down_mid_batch_completes_byte_exact", rail_link_down_mid_batch_completes_byte_exact),
+        (
+            "flapping_rail_costs_no_error_and_kernel_qps_stay_bounded",
+            flapping_rail_costs_no_error_and_kernel_qps_stay_bounded,
+        ),
+        ("every_rail_down_is_transient_without_a_fallback", every_rail_down_is_transient_without_a_fallback),
+        ("every_rail_down_moves_over_tcp_then_back_to_rdma", every_rail_down_moves_over_tcp_then_back_to_rdma),
+    ];
+    let have = device_or_skip("rails tests");
+    let links = fault_links().len();
+    if have && links < 4 {
+        eprintln!("SKIPPED rails tests: {links} faultable links (the soft-RoCE VM with --devices 4 has them)");
+    }
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| {
+            libtest_mimic::Trial::test(name, move || {
+                std::panic::catch_unwind(f).map_err(|e| {
+                    let msg =
+                        e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+                    libtest_mimic::Failed::from(msg.unwrap_or_else(|| "panicked".into()))
+                })
+            })
+            .with_ignored_flag(!(have && links >= 4))
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit()
+}
