@@ -63,7 +63,8 @@ impl BackendOptions {
                 .with("protocol", protocol));
         }
         let (host, port) = split_host_port(local_hostname)?;
-        let device = device_name.split(',').map(str::trim).find(|d| !d.is_empty()).unwrap_or_default().to_owned();
+        // Every NIC named ("mlx5_0,mlx5_1"): several become rails.
+        let device = device_name.split(',').map(str::trim).filter(|d| !d.is_empty()).collect::<Vec<_>>().join(",");
         Ok(Self { protocol, host, port, device })
     }
 
@@ -132,7 +133,15 @@ pub(crate) fn engine_config(opts: Option<&BackendOptions>, base: Option<&str>) -
         let options = sub_table(backend, &o.protocol)?;
         options.insert("listen".into(), toml::Value::String(o.listen_addr()));
         if o.protocol == "rdma" && !o.device.is_empty() {
-            options.insert("device".into(), toml::Value::String(o.device.clone()));
+            // Mooncake's `device_name` may list several NICs ("mlx5_0,mlx5_1"):
+            // each becomes a rail.
+            let names: Vec<&str> = o.device.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+            if names.len() > 1 {
+                let list = names.iter().map(|d| toml::Value::String((*d).to_owned())).collect();
+                options.insert("devices".into(), toml::Value::Array(list));
+            } else {
+                options.insert("device".into(), toml::Value::String(o.device.trim().to_owned()));
+            }
         }
     }
     let text = toml::to_string(&table).map_err(|e| Error::new(ErrorKind::Config, format!("config: {e}")))?;
@@ -215,7 +224,10 @@ mod tests {
         let e = BackendOptions::from_mooncake("h", "etcd://127.0.0.1:2379", "tcp", "").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported);
         let o = BackendOptions::from_mooncake("h:5", "P2PHANDSHAKE", "rdma", "mlx5_1, mlx5_2").unwrap();
-        assert_eq!(o.device, "mlx5_1");
+        assert_eq!(o.device, "mlx5_1,mlx5_2");
+        let cfg = engine_config(Some(&o), None).unwrap();
+        let text = cfg.to_toml().unwrap();
+        assert!(text.contains("devices = [\"mlx5_1\", \"mlx5_2\"]"), "{text}");
         assert_eq!(o.listen_addr(), "h:5");
         assert!(BackendOptions::from_mooncake("h", "P2PHANDSHAKE", "ib", "").is_err());
     }

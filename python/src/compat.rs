@@ -265,7 +265,7 @@ impl MooncakeEngine {
     /// `"P2PHANDSHAKE"`; `protocol` is `"tcp"` or `"rdma"` (the environment
     /// variable `KVMOVE_PROTOCOL` overrides it, and Mooncake's `MC_FORCE_TCP=1`
     /// forces `"tcp"` when that is unset); `device_name` names the RDMA
-    /// device (first of a comma-separated list; empty = first device).
+    /// device; a comma-separated list makes each a rail (empty = first device).
     /// `KVMOVE_CONFIG` may name a kvmove TOML config (backend options,
     /// policy) these arguments are applied to; `KVMOVE_POLICY` (JSON)
     /// replaces its policy. Returns 0, or -1 (see `last_error()`).

@@ -9,9 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use transport_core::lifecycle::PathState;
 use transport_core::lifecycle::RailsConfig;
+use transport_core::ErrorKind;
 use transport_core::{Access, BatchState, Rails, SubmitOptions, TransferRequest, Transport};
-use transport_mock::{MockConfig, MockFabric, MockTransport};
+use transport_mock::{FaultPlan, FaultyTransport, MockConfig, MockFabric, MockTransport, RequestFault};
 
 const LEN: usize = 8 << 20;
 const REQ: u64 = 256 << 10;
@@ -119,5 +121,42 @@ fn without_a_fallback_every_rail_down_is_a_transient_error() {
         let e = st.first_error().unwrap();
         assert!(e.is_transient(), "{e}");
         assert!(p.dst.canaries_intact());
+    });
+}
+
+/// A rail that fails every request is paused while the other carries the
+/// batches; once it works again, its probe after the pause takes it back,
+/// even though the other rail was up all along.
+#[test]
+fn a_paused_rail_is_probed_and_taken_back_while_the_other_carries_on() {
+    run(async {
+        let fabric = MockFabric::new();
+        let flaky = FaultyTransport::wrap(host(&fabric, "a.r1"));
+        let a = Rails::new(vec![host(&fabric, "a.r0"), flaky.clone()], None, cfg()).unwrap();
+        let b = node(&fabric, "b", false);
+        let src = Mem::new(LEN, 3);
+        let dst = Mem::new(LEN, 4);
+        let local = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let reqs: Vec<_> = (0..LEN as u64 / REQ)
+            .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
+            .collect();
+        let every = RequestFault { when: Default::default(), kind: ErrorKind::ConnectionReset, times: None };
+        flaky.set_fault_plan(FaultPlan { requests: vec![every], ..FaultPlan::default() }).unwrap();
+        let st = a.wait(a.submit(reqs.clone(), SubmitOptions::default()).await.unwrap()).await.unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert_eq!(dst.read(), src.read());
+        let paths = a.paths(seg).unwrap();
+        assert_eq!(paths[1].state, PathState::Paused, "{paths:?}");
+        assert_eq!(paths[1].bytes, 0, "{paths:?}");
+        flaky.set_fault_plan(FaultPlan::default()).unwrap();
+        // Past its pause (200 ms, doubled after every failed probe, at most 400 ms).
+        assert!(settle(|| a.paths(seg).unwrap()[1].state == PathState::Probation).await);
+        let st = a.wait(a.submit(reqs, SubmitOptions::default()).await.unwrap()).await.unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        let paths = a.paths(seg).unwrap();
+        assert_eq!(paths[1].state, PathState::Up, "the probe took it back: {paths:?}");
+        assert!(paths[1].bytes > 0, "{paths:?}");
     });
 }

@@ -192,8 +192,13 @@ struct Step {
     deadline: Option<Duration>,
 }
 
+/// Whether a rail's failure is the path's, so its slices may go over
+/// another path: a peer or link failure (not a peer restart: the caller
+/// must re-read the peer), or a rail that shut itself down (a device that
+/// failed for good). When `Rails` itself shuts down its requests are
+/// already decided, so nothing is reposted.
 fn transient_path_failure(e: &Error) -> bool {
-    e.kind().is_peer_failure() && e.kind() != ErrorKind::PeerRestarted
+    (e.kind().is_peer_failure() && e.kind() != ErrorKind::PeerRestarted) || e.kind() == ErrorKind::Shutdown
 }
 
 fn rail_event(event: &'static str) {
@@ -561,9 +566,9 @@ enum Choice {
     None(Error),
 }
 
-/// The path for the next sub-batch of a batch to `seg`: the RDMA path
-/// with room and the fewest bytes in flight while any is up; while none
-/// is up, a path on probation (one probe) and the fallback.
+/// The path for the next sub-batch of a batch to `seg`: a path on
+/// probation (one sub-batch at a time: its probe), else the RDMA path with
+/// room and the fewest bytes in flight while any is up, else the fallback.
 fn choose(
     seg: &Seg,
     id: SegmentId,
@@ -587,13 +592,14 @@ fn choose(
             .min_by_key(|(_, p)| p.inflight)
             .map(|(i, _)| i)
     };
-    let up = |p: &Path| !p.fallback && p.health.state(now) == PathState::Up;
-    if seg.paths.iter().any(up) {
-        return best(&up).map_or(Choice::Wait, Choice::Path);
-    }
+    // A path back from its pause gets one sub-batch, its probe, first.
     let probation = |p: &Path| !p.fallback && p.health.state(now) == PathState::Probation;
     if let Some(i) = best(&probation) {
         return Choice::Path(i);
+    }
+    let up = |p: &Path| !p.fallback && p.health.state(now) == PathState::Up;
+    if seg.paths.iter().any(up) {
+        return best(&up).map_or(Choice::Wait, Choice::Path);
     }
     let fallback = |p: &Path| p.fallback && p.health.state(now) != PathState::Paused;
     if seg.paths.iter().any(fallback) {
