@@ -7,6 +7,9 @@
 //!   advertises every rail (and the fallback) in its descriptor's address
 //!   ([`RailList`], through [`Transport::advertise`]), so a peer that opens
 //!   the name finds the others, and a single-rail peer interoperates.
+//!   A transport's rails listen on one host: a peer's advertised rails are
+//!   reached on the host it was opened by, at the advertised ports, so a
+//!   descriptor cannot point us at another machine.
 //! * **Segments**: opening a name opens a *control* handle on rail 0 (the
 //!   descriptor, notifications) and one handle per *path*: a local rail
 //!   paired with one of the peer's rails ([`crate::lifecycle::Pairing`]);
@@ -1099,9 +1102,14 @@ impl Rails {
             peer.push(name.to_string());
         }
         // The name the caller opened reaches the peer's rail 0 (it may be
-        // spelled differently from the peer's own list).
+        // spelled differently from the peer's own list). The other rails
+        // listen on the same host: only their ports are taken from the
+        // list, so a peer cannot send us to connect anywhere else.
         peer[0] = name.to_string();
-        let tcp = list.and_then(|l| l.tcp);
+        for p in peer.iter_mut().skip(1) {
+            *p = same_host(name, p);
+        }
+        let tcp = list.and_then(|l| l.tcp).map(|t| same_host(name, &t));
         let n = inner.rails;
         let candidates: Vec<(usize, usize)> = match inner.cfg.pairing {
             Pairing::Subnet => (0..n).flat_map(|i| (0..peer.len()).map(move |j| (i, j))).collect(),
@@ -1231,6 +1239,17 @@ impl Rails {
     }
 }
 
+/// `advertised` on the host of `opened` (both `host:port`); names that are
+/// not `host:port` (the mock's) are taken as they are.
+fn same_host(opened: &str, advertised: &str) -> String {
+    match (opened.rsplit_once(':'), advertised.rsplit_once(':')) {
+        (Some((host, _)), Some((_, port))) if port.parse::<u16>().is_ok() && !host.is_empty() => {
+            format!("{host}:{port}")
+        }
+        _ => advertised.to_string(),
+    }
+}
+
 /// Unregisters what a failed `register` left on some transports. Nothing
 /// can use those ids yet, so each unregister ends at once; it runs in a
 /// task because unregistering is async.
@@ -1251,5 +1270,19 @@ fn undo_registrations(inner: &Arc<Inner>, ids: Vec<RegionId>) {
         Err(_) => {
             tracing::warn!("rails: register failed outside a runtime; the other rails keep the memory until shutdown")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_host;
+
+    #[test]
+    fn advertised_rails_are_reached_on_the_host_the_peer_was_opened_by() {
+        assert_eq!(same_host("10.0.0.7:5000", "10.0.0.7:5001"), "10.0.0.7:5001");
+        assert_eq!(same_host("node7:5000", "10.0.0.7:5001"), "node7:5001");
+        assert_eq!(same_host("10.0.0.7:5000", "169.254.169.254:80"), "10.0.0.7:80", "never another host");
+        assert_eq!(same_host("[::1]:5000", "[fe80::1]:6000"), "[::1]:6000");
+        assert_eq!(same_host("b.r0", "b.r1"), "b.r1", "mock names have no port");
     }
 }
