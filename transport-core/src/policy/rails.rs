@@ -339,6 +339,7 @@ impl Inner {
         reqs: &[TransferRequest],
         queue: &mut VecDeque<Slice>,
         mine: &mut HashMap<(SegmentId, usize), usize>,
+        segs: usize,
     ) -> Option<Step> {
         let now = self.now();
         let mut st = self.state.lock();
@@ -352,12 +353,17 @@ impl Inner {
         }
         let mut plans = Vec::new();
         let mut keep = VecDeque::new();
+        let mut blocked = std::collections::HashSet::new();
         let timeout = b.ledger.deadline().map(|d| d.saturating_sub(now));
         while let Some(slice) = queue.pop_front() {
             if !b.ledger.is_live(slice.req) {
                 continue; // decided (cancelled, closed, unregistered, failed): dropped
             }
             let seg_id = reqs[slice.req].segment;
+            if blocked.contains(&seg_id) {
+                keep.push_back(slice);
+                continue;
+            }
             let Some(seg) = st.segments.get_mut(&seg_id) else {
                 keep.push_back(slice);
                 continue;
@@ -370,7 +376,21 @@ impl Inner {
                     let mut sub = Sub { seg: seg_id, path: pi, k, slices: Vec::new(), bytes: 0 };
                     let mut requests = Vec::new();
                     let mut next = Some(slice);
-                    while let Some(s) = next.take() {
+                    while let Some(mut s) = next.take() {
+                        if !b.ledger.is_live(s.req) {
+                            next = pop_for(queue, seg_id, reqs); // decided: dropped whole
+                            continue;
+                        }
+                        if s.len > self.cfg.slice_size {
+                            let rest = Slice {
+                                req: s.req,
+                                off: s.off + self.cfg.slice_size,
+                                len: s.len - self.cfg.slice_size,
+                                tries: 0,
+                            };
+                            s.len = self.cfg.slice_size;
+                            queue.push_front(rest);
+                        }
                         let r = &reqs[s.req];
                         let Some(region) = st.regions.get(&r.local) else {
                             // Unregistered since: the request was decided.
@@ -404,13 +424,21 @@ impl Inner {
                     *mine.entry((seg_id, pi)).or_default() += 1;
                     plans.push(Plan { sub, requests, timeout });
                 }
-                Choice::Wait => keep.push_back(slice),
+                Choice::Wait => {
+                    keep.push_back(slice);
+                    blocked.insert(seg_id);
+                    if blocked.len() >= segs {
+                        break; // every segment waits: leave the rest queued as it is
+                    }
+                }
                 Choice::None(why) => {
                     p = merge(p, b.ledger.end(slice.req, EndReason::Failed(why)));
                 }
             }
         }
-        *queue = keep;
+        while let Some(s) = keep.pop_back() {
+            queue.push_front(s);
+        }
         let terminal = b.ledger.is_terminal();
         if p.batch_terminal {
             b.done.notify_waiters();
@@ -646,7 +674,10 @@ async fn drive(
     let mut live: HashMap<(usize, BatchId), ()> = HashMap::new();
     let mut mine = HashMap::new();
     let mut cancelled = false;
-    while let Some(step) = inner.step(id, &reqs, &mut queue, &mut mine) {
+    // Distinct segments of the batch: once each waits for room, a step
+    // stops looking at the queue.
+    let segs = reqs.iter().map(|r| r.segment).collect::<std::collections::HashSet<_>>().len();
+    while let Some(step) = inner.step(id, &reqs, &mut queue, &mut mine, segs) {
         if step.terminal && running.is_empty() {
             break;
         }
@@ -905,15 +936,10 @@ impl Transport for Rails {
         self.check_remote(&requests, &controls).await?;
         let slice = inner.cfg.slice_size;
         let units: Vec<u64> = requests.iter().map(|r| r.len.div_ceil(slice)).collect();
-        let mut queue = VecDeque::new();
-        for (i, r) in requests.iter().enumerate() {
-            let mut off = 0;
-            while off < r.len {
-                let len = (r.len - off).min(slice);
-                queue.push_back(Slice { req: i, off, len, tries: 0 });
-                off += len;
-            }
-        }
+        // One entry per request: slices are cut as they are handed out, so
+        // the queue stays small whatever the request sizes.
+        let queue: VecDeque<Slice> =
+            requests.iter().enumerate().map(|(i, r)| Slice { req: i, off: 0, len: r.len, tries: 0 }).collect();
         let deadline = opts.timeout.map(|t| inner.now().saturating_add(t));
         let wake = Arc::new(Notify::new());
         let mut st = inner.state.lock();
