@@ -1301,7 +1301,87 @@ fn undo_registrations(inner: &Arc<Inner>, ids: Vec<RegionId>) {
 
 #[cfg(test)]
 mod tests {
-    use super::same_host;
+    use super::*;
+
+    fn path(k: usize, fallback: bool, cfg: &RailsConfig) -> Path {
+        Path {
+            k,
+            peer: (!fallback).then_some(k),
+            seg: SegmentId(k as u64 + 10),
+            fallback,
+            health: PathHealth::new(cfg),
+            subs: 0,
+            inflight: 0,
+            bytes: 0,
+            failures: 0,
+        }
+    }
+
+    fn seg(paths: Vec<Path>) -> Seg {
+        Seg { name: "peer".into(), control: SegmentId(1), paths, closing: false }
+    }
+
+    fn pause(p: &mut Path, now: Duration, cfg: &RailsConfig) {
+        for _ in 0..cfg.pause_after_errors {
+            let _ = p.health.failure(now, cfg);
+        }
+    }
+
+    fn picked(c: Choice) -> Option<usize> {
+        match c {
+            Choice::Path(i) => Some(i),
+            Choice::Wait => None,
+            Choice::None(e) => panic!("nothing usable: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_least_loaded_up_path_with_room_is_chosen_and_the_fallback_idles() {
+        let cfg = RailsConfig { subs_per_path: 1, ..RailsConfig::default() };
+        let id = SegmentId(5);
+        let mut s = seg(vec![path(0, false, &cfg), path(1, false, &cfg), path(2, true, &cfg)]);
+        let now = Duration::from_secs(1);
+        let mut mine = HashMap::new();
+        s.paths[0].inflight = 10;
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), Some(1));
+        mine.insert((id, 1), 1);
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), Some(0));
+        mine.insert((id, 0), 1);
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), None, "both full: wait, never the fallback");
+    }
+
+    #[test]
+    fn a_probe_goes_first_and_the_fallback_only_while_no_rail_is_up() {
+        let cfg = RailsConfig { pause_ms: 100, ..RailsConfig::default() };
+        let id = SegmentId(5);
+        let mut s = seg(vec![path(0, false, &cfg), path(1, false, &cfg), path(2, true, &cfg)]);
+        let t0 = Duration::from_secs(1);
+        let mine = HashMap::new();
+        pause(&mut s.paths[0], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg)), Some(1), "paused: skipped");
+        pause(&mut s.paths[1], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg)), Some(2), "no rail up: the fallback");
+        let later = t0 + Duration::from_millis(150);
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(0), "back from its pause: the probe first");
+        s.paths[0].subs = 1;
+        s.paths[1].subs = 1;
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(2), "probes out: the rest over the fallback");
+        let _ = s.paths[1].health.success(later, &cfg);
+        s.paths[1].subs = 0;
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(1), "a rail is back: off the fallback");
+    }
+
+    #[test]
+    fn every_path_paused_without_a_fallback_is_a_transient_error() {
+        let cfg = RailsConfig::default();
+        let mut s = seg(vec![path(0, false, &cfg)]);
+        let now = Duration::from_secs(1);
+        pause(&mut s.paths[0], now, &cfg);
+        match choose(&s, SegmentId(5), &HashMap::new(), now, &cfg) {
+            Choice::None(e) => assert!(e.is_transient(), "{e}"),
+            _ => panic!("a paused path was chosen"),
+        }
+    }
 
     #[test]
     fn advertised_rails_are_reached_on_the_host_the_peer_was_opened_by() {
