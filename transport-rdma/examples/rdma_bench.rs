@@ -261,6 +261,10 @@ async fn rail_bw(size: u64, secs: u64, r: usize) -> Result<(), BoxErr> {
         reap(&*sender, Some(b)).await?;
     }
     let before: Vec<u64> = sender.paths(seg)?.iter().map(|p| p.bytes).collect();
+    // Nothing is in flight: clear the destination, so what is verified at
+    // the end is what the timed batches wrote (every part gets at least
+    // one: the first RAIL_DEPTH batches cover the whole buffer).
+    dst.fill(0);
     let start = Instant::now();
     let mut bytes = 0u64;
     let mut inflight = std::collections::VecDeque::new();
@@ -294,7 +298,7 @@ async fn rail_bw(size: u64, secs: u64, r: usize) -> Result<(), BoxErr> {
             } else {
                 String::new()
             };
-            format!("{a}>{b}:{}{extra}", p.bytes - b0)
+            format!("{a}>{b}:{}{extra}", p.bytes.saturating_sub(*b0))
         })
         .collect();
     let mut bad = None;
@@ -326,7 +330,7 @@ fn main() -> Result<(), BoxErr> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() == 5 && args[1] == "railbw" {
         let size: u64 = args[2].parse().ok().filter(|&s| s > 0).unwrap_or_else(|| usage());
-        let secs: u64 = args[3].parse().unwrap_or_else(|_| usage());
+        let secs: u64 = args[3].parse().ok().filter(|&s| s > 0).unwrap_or_else(|| usage());
         let rails: usize = args[4].parse().unwrap_or_else(|_| usage());
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
         return rt.block_on(rail_bw(size, secs, rails));
