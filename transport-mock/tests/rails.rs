@@ -161,3 +161,36 @@ fn a_paused_rail_is_probed_and_taken_back_while_the_other_carries_on() {
         assert!(paths[1].bytes > 0, "{paths:?}");
     });
 }
+
+/// Slices follow what each path moves: a rail ten times slower than the
+/// other is handed a small share of the batch, not half of it.
+#[test]
+fn a_slow_rail_gets_a_small_share() {
+    run(async {
+        let fabric = MockFabric::new();
+        let rail = |name: &str, ms: u64| -> Arc<dyn Transport> {
+            MockTransport::new(
+                &fabric,
+                MockConfig { name: Some(name.into()), latency: Duration::from_millis(ms), ..MockConfig::default() },
+            )
+            .unwrap()
+        };
+        let a = Rails::new(vec![rail("a.r0", 2), rail("a.r1", 20)], None, cfg()).unwrap();
+        let b = node(&fabric, "b", false);
+        let src = Mem::new(LEN, 7);
+        let dst = Mem::new(LEN, 8);
+        let local = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let reqs: Vec<_> = (0..LEN as u64 / REQ)
+            .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
+            .collect();
+        let st = a.wait(a.submit(reqs, SubmitOptions::default()).await.unwrap()).await.unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert_eq!(dst.read(), src.read());
+        let paths = a.paths(seg).unwrap();
+        assert!(paths[1].bytes > 0, "the slow rail still carries some: {paths:?}");
+        assert!(paths[0].bytes > 3 * paths[1].bytes, "the fast rail carries most: {paths:?}");
+        eprintln!("fast rail {} bytes, slow rail {} bytes", paths[0].bytes, paths[1].bytes);
+    });
+}
