@@ -59,3 +59,23 @@ pub async fn open(cfg: RdmaConfig, fallback: Option<Arc<dyn Transport>>) -> Resu
     let t: Arc<dyn Transport> = Rails::new(rails, fallback, cfg.rails.clone())?;
     Ok(t)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_are_for_open_and_checked() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let cfg = RdmaConfig { devices: vec!["x0".into(), "x1".into()], ..Default::default() };
+        let e = rt.block_on(RdmaTransport::new(cfg.clone())).expect_err("one transport, one device");
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert_eq!(rail_devices(&cfg).expect("a list"), vec![Some("x0".to_string()), Some("x1".to_string())]);
+        let one = RdmaConfig { device: Some("x9".into()), ..Default::default() };
+        assert_eq!(rail_devices(&one).expect("one"), vec![Some("x9".to_string())]);
+        for bad in [vec!["all".to_string(), "x0".into()], vec![String::new()], vec!["d".to_string(); 17]] {
+            let c = RdmaConfig { devices: bad, ..Default::default() };
+            assert!(c.validate().expect_err("refused").to_string().contains("devices"));
+        }
+    }
+}

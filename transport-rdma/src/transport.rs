@@ -74,10 +74,17 @@ impl RdmaTransport {
     /// tokio runtime.
     ///
     /// Errors: `Config` when there is no RDMA device (`no RDMA device
-    /// found`), the named device does not exist, or the GID index is empty;
+    /// found`), the named device does not exist, the GID index is empty, or
+    /// `devices` is set (that is [`crate::open`]'s);
     /// `ConnectionReset` when the port is down; the failing verb otherwise.
     pub async fn new(cfg: RdmaConfig) -> Result<Self> {
         cfg.validate()?;
+        if !cfg.devices.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Config,
+                "rdma.devices is for transport_rdma::open (rails); one RdmaTransport drives the one `device`",
+            ));
+        }
         let ctx = Context::open(cfg.device.as_deref())?;
         let port = ctx.port_info(cfg.port, cfg.gid_index)?;
         ctx.async_events_nonblocking()?;
