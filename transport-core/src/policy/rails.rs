@@ -489,8 +489,13 @@ impl Inner {
                     progress = merge(progress, b.ledger.unit_done(s.req, Ok(())));
                     continue;
                 }
+                // Every cancel of ours (cancel, close, shutdown) decides the
+                // request before a rail sees it: a rail that cancelled a
+                // live one did it by itself (it shut down), so it fails over.
+                Ok(RequestStatus::Cancelled) if b.ledger.is_live(s.req) => {
+                    Error::new(ErrorKind::Shutdown, "the rail ended the work by itself (it shut down)")
+                }
                 Ok(RequestStatus::Cancelled) => {
-                    progress = merge(progress, b.ledger.end(s.req, EndReason::Cancelled));
                     progress = merge(progress, b.ledger.unit_back(s.req));
                     continue;
                 }
