@@ -53,7 +53,12 @@ struct Pair {
 }
 
 async fn pair(fabric: &MockFabric, fallback: bool) -> Pair {
-    let a = node(fabric, "a", fallback);
+    pair_with(fabric, node(fabric, "a", fallback), fallback).await
+}
+
+/// `a` (built by the test) writing the whole of a fresh buffer into node
+/// "b", in `REQ`-sized requests.
+async fn pair_with(fabric: &MockFabric, a: Arc<Rails>, fallback: bool) -> Pair {
     let b = node(fabric, "b", fallback);
     let src = Mem::new(LEN, 1);
     let dst = Mem::new(LEN, 2);
@@ -134,15 +139,8 @@ fn a_paused_rail_is_probed_and_taken_back_while_the_other_carries_on() {
         let fabric = MockFabric::new();
         let flaky = FaultyTransport::wrap(host(&fabric, "a.r1"));
         let a = Rails::new(vec![host(&fabric, "a.r0"), flaky.clone()], None, cfg()).unwrap();
-        let b = node(&fabric, "b", false);
-        let src = Mem::new(LEN, 3);
-        let dst = Mem::new(LEN, 4);
-        let local = a.register(src.region(), Access::LOCAL).unwrap();
-        b.register(dst.region(), Access::REMOTE_RW).unwrap();
-        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-        let reqs: Vec<_> = (0..LEN as u64 / REQ)
-            .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
-            .collect();
+        let p = pair_with(&fabric, a, false).await;
+        let (a, src, dst, seg, reqs) = (&p.a, &p.src, &p.dst, p.seg, p.reqs.clone());
         let every = RequestFault { when: Default::default(), kind: ErrorKind::ConnectionReset, times: None };
         flaky.set_fault_plan(FaultPlan { requests: vec![every], ..FaultPlan::default() }).unwrap();
         let st = a.wait(a.submit(reqs.clone(), SubmitOptions::default()).await.unwrap()).await.unwrap();
@@ -176,15 +174,8 @@ fn a_slow_rail_gets_a_small_share() {
             .unwrap()
         };
         let a = Rails::new(vec![rail("a.r0", 2), rail("a.r1", 20)], None, cfg()).unwrap();
-        let b = node(&fabric, "b", false);
-        let src = Mem::new(LEN, 7);
-        let dst = Mem::new(LEN, 8);
-        let local = a.register(src.region(), Access::LOCAL).unwrap();
-        b.register(dst.region(), Access::REMOTE_RW).unwrap();
-        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-        let reqs: Vec<_> = (0..LEN as u64 / REQ)
-            .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
-            .collect();
+        let p = pair_with(&fabric, a, false).await;
+        let (a, src, dst, seg, reqs) = (&p.a, &p.src, &p.dst, p.seg, p.reqs.clone());
         let st = a.wait(a.submit(reqs, SubmitOptions::default()).await.unwrap()).await.unwrap();
         assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
         assert_eq!(dst.read(), src.read());
@@ -297,15 +288,8 @@ fn a_rail_that_cancels_its_work_by_itself_fails_over() {
         let fabric = MockFabric::new();
         let flaky = Arc::new(Canceller { inner: host(&fabric, "a.r1"), batches: Default::default() });
         let a = Rails::new(vec![host(&fabric, "a.r0"), flaky.clone()], None, cfg()).unwrap();
-        let b = node(&fabric, "b", false);
-        let src = Mem::new(LEN, 9);
-        let dst = Mem::new(LEN, 10);
-        let local = a.register(src.region(), Access::LOCAL).unwrap();
-        b.register(dst.region(), Access::REMOTE_RW).unwrap();
-        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-        let reqs: Vec<_> = (0..LEN as u64 / REQ)
-            .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
-            .collect();
+        let p = pair_with(&fabric, a, false).await;
+        let (a, src, dst, seg, reqs) = (&p.a, &p.src, &p.dst, p.seg, p.reqs.clone());
         let id = a.submit(reqs, SubmitOptions::default()).await.unwrap();
         assert!(settle(|| a.paths(seg).unwrap()[1].bytes > 0).await);
         flaky.cancel_all().await;
