@@ -126,12 +126,79 @@ fn requests(p: &Pair, plan: &Plan, read: bool) -> Vec<TransferRequest> {
 
 async fn check_plan(p: &Pair, plan: &Plan, read: bool) -> CaseResult {
     let reqs = requests(p, plan, read);
+    let before = Model::of(p);
     let mut model = Model::of(p);
     for r in &reqs {
         model.apply(p, r);
     }
-    complete(p.t(), reqs).await?;
-    model.check(p, "after a random batch")
+    complete(p.t(), reqs.clone()).await?;
+    model.check(p, "after a random batch").map_err(|e| explain(p, &before, &model, &reqs, e))
+}
+
+/// Adds to a mismatch what helps find its cause: the wrong bytes' extent,
+/// the request whose destination holds the first one, and where in the
+/// expected source the bytes found there come from (a misplaced or stale
+/// transfer shows as an offset).
+fn explain(p: &Pair, before: &Model, model: &Model, reqs: &[TransferRequest], e: CaseError) -> CaseError {
+    let CaseError::Fail(msg) = e else { return e };
+    let mut out = msg;
+    let sides = [
+        ("local", p.local.snapshot(), &model.local, &before.local),
+        ("remote", p.remote.snapshot(), &model.remote, &before.remote),
+    ];
+    for (side, now, want, old) in sides {
+        let bad: Vec<usize> =
+            now.iter().zip(want.iter()).enumerate().filter(|(_, (a, b))| a != b).map(|(i, _)| i).collect();
+        let (Some(&first), Some(&last)) = (bad.first(), bad.last()) else { continue };
+        let unchanged = bad.iter().filter(|&&i| now[i] == old[i]).count();
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &i in &bad {
+            match runs.last_mut() {
+                Some(r) if i <= r.1 + 64 => r.1 = i,
+                _ => runs.push((i, i)),
+            }
+        }
+        let shown: Vec<String> = runs.iter().take(8).map(|(a, b)| format!("{a}..={b}")).collect();
+        out += &format!("; {side}: wrong runs {} of {}", shown.join(" "), runs.len());
+        out += &format!(
+            "; {side}: {} bytes differ in {first}..={last} ({unchanged} of them still hold what was there before the batch)",
+            bad.len()
+        );
+        let remote_base = p.remote.addr();
+        let covering = reqs.iter().enumerate().find(|(_, r)| {
+            let (dst, is_local) = match r.op {
+                Opcode::Read => (r.local_offset, true),
+                Opcode::Write => (r.remote_addr - remote_base, false),
+            };
+            is_local == (side == "local") && (dst..dst + r.len).contains(&(first as u64))
+        });
+        if let Some((i, r)) = covering {
+            let dst = if r.op == Opcode::Read { r.local_offset } else { r.remote_addr - remote_base };
+            let src = if r.op == Opcode::Read { r.remote_addr - remote_base } else { r.local_offset };
+            out += &format!(
+                " (request {i} of {}: {:?} of {} bytes, source offset {src}, destination offset {dst}; the first wrong \
+                 byte is {} bytes in)",
+                reqs.len(),
+                r.op,
+                r.len,
+                first as u64 - dst
+            );
+        }
+        // Where the 32 bytes found there occur in the source memory.
+        let probe = &now[first..(first + 32).min(now.len())];
+        let source = if side == "local" { &model.remote } else { &model.local };
+        if probe.len() == 32 {
+            if let Some(at) = source.windows(32).position(|w| w == probe) {
+                out += &format!("; the bytes found there are the source's at offset {at}");
+            } else if let Some(at) = want.windows(32).position(|w| w == probe) {
+                out += &format!("; the bytes found there are this region's expected bytes at offset {at}");
+            }
+        }
+    }
+    // Proptest reports the smallest failing batch after shrinking, when
+    // later batches may see leftovers of the first failure: print each.
+    eprintln!("random batch: {out}");
+    CaseError::Fail(out)
 }
 
 /// Proptest: random batches of 1 B to 3 MiB requests at random offsets,
