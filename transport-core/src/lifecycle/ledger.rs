@@ -75,7 +75,8 @@ pub struct Progress {
 }
 
 impl Progress {
-    fn merge(&mut self, o: Progress) {
+    /// Adds `o` to this one (for a driver summing several calls).
+    pub fn merge(&mut self, o: Progress) {
         self.finished += o.finished;
         self.batch_terminal |= o.batch_terminal;
     }

@@ -43,7 +43,7 @@
 //!   per-pair order holds and `from` is this transport's name; received
 //!   ones are taken from every rail.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -349,11 +349,11 @@ impl Inner {
         let expired = b.ledger.deadline().is_some_and(|d| now >= d);
         let cancel = b.stop || expired;
         if cancel {
-            p = merge(p, b.ledger.end_where(&EndReason::Cancelled, |_| true).1);
+            p.merge(b.ledger.end_where(&EndReason::Cancelled, |_| true).1);
         }
         let mut plans = Vec::new();
         let mut keep = VecDeque::new();
-        let mut blocked = std::collections::HashSet::new();
+        let mut blocked = HashSet::new();
         let timeout = b.ledger.deadline().map(|d| d.saturating_sub(now));
         while let Some(slice) = queue.pop_front() {
             if !b.ledger.is_live(slice.req) {
@@ -432,7 +432,7 @@ impl Inner {
                     }
                 }
                 Choice::None(why) => {
-                    p = merge(p, b.ledger.end(slice.req, EndReason::Failed(why)));
+                    p.merge(b.ledger.end(slice.req, EndReason::Failed(why)));
                 }
             }
         }
@@ -475,6 +475,7 @@ impl Inner {
         let mut progress = Progress::default();
         let mut failed: Option<Error> = None;
         let mut moved = 0;
+        let mut reposted = 0usize;
         let statuses: Vec<std::result::Result<RequestStatus, Error>> = match outcome {
             Ok(status) if status.requests.len() == sub.slices.len() => status.requests.into_iter().map(Ok).collect(),
             Ok(_) => {
@@ -482,11 +483,16 @@ impl Inner {
             }
             Err(e) => vec![Err(e); sub.slices.len()],
         };
+        if tracing::enabled!(tracing::Level::TRACE) {
+            for (s, rs) in sub.slices.iter().zip(&statuses) {
+                tracing::trace!(path = %label, req = s.req, off = s.off, len = s.len, outcome = ?rs, "rails: slice outcome");
+            }
+        }
         for (mut s, rs) in sub.slices.into_iter().zip(statuses) {
             let e = match rs {
                 Ok(RequestStatus::Completed) => {
                     moved += s.len;
-                    progress = merge(progress, b.ledger.unit_done(s.req, Ok(())));
+                    progress.merge(b.ledger.unit_done(s.req, Ok(())));
                     continue;
                 }
                 // Every cancel of ours (cancel, close, shutdown) decides the
@@ -496,12 +502,12 @@ impl Inner {
                     Error::new(ErrorKind::Shutdown, "the rail ended the work by itself (it shut down)")
                 }
                 Ok(RequestStatus::Cancelled) => {
-                    progress = merge(progress, b.ledger.unit_back(s.req));
+                    progress.merge(b.ledger.unit_back(s.req));
                     continue;
                 }
                 Ok(RequestStatus::TimedOut) => {
-                    progress = merge(progress, b.ledger.end(s.req, EndReason::TimedOut));
-                    progress = merge(progress, b.ledger.unit_back(s.req));
+                    progress.merge(b.ledger.end(s.req, EndReason::TimedOut));
+                    progress.merge(b.ledger.unit_back(s.req));
                     continue;
                 }
                 Ok(RequestStatus::Failed(e)) | Err(e) => e,
@@ -514,12 +520,13 @@ impl Inner {
                 failed = Some(e.clone());
                 if b.ledger.is_live(s.req) && s.tries < max_tries {
                     s.tries += 1;
-                    progress = merge(progress, b.ledger.unit_back(s.req));
+                    progress.merge(b.ledger.unit_back(s.req));
                     queue.push_front(s);
+                    reposted += 1;
                     continue;
                 }
             }
-            progress = merge(progress, b.ledger.unit_done(s.req, Err(e)));
+            progress.merge(b.ledger.unit_done(s.req, Err(e)));
         }
         // Pausing the last path that is up (with no fallback) helps no one:
         // every path failing at once is the peer or the whole network,
@@ -528,6 +535,9 @@ impl Inner {
             !s.paths.iter().any(|p| p.fallback)
                 && !s.paths.iter().enumerate().any(|(i, p)| i != sub.path && p.health.state(now) == PathState::Up)
         });
+        if let Some(e) = &failed {
+            tracing::debug!(path = %label, reposted, error = %e, "rails: a sub-batch failed on its path");
+        }
         if let Some(p) = st.segments.get_mut(&sub.seg).and_then(|s| s.paths.get_mut(sub.path)) {
             p.bytes += moved;
             match failed {
@@ -580,12 +590,6 @@ impl Inner {
         }
         tracing::warn!("rails: work still unaccounted for after {SETTLE_LIMIT:?}");
     }
-}
-
-fn merge(mut a: Progress, b: Progress) -> Progress {
-    a.finished += b.finished;
-    a.batch_terminal |= b.batch_terminal;
-    a
 }
 
 /// The next queued slice for the same segment, if it is at the front.
@@ -674,21 +678,21 @@ async fn drive(
     mut queue: VecDeque<Slice>,
     wake: Arc<Notify>,
 ) {
-    type Done = (Sub, usize, BatchId, Result<BatchStatus>);
+    type Done = (Sub, BatchId, Result<BatchStatus>);
     let mut running: FuturesUnordered<futures::future::BoxFuture<'static, Done>> = FuturesUnordered::new();
-    let mut live: HashMap<(usize, BatchId), ()> = HashMap::new();
+    let mut live: HashSet<(usize, BatchId)> = HashSet::new();
     let mut mine = HashMap::new();
     let mut cancelled = false;
     // Distinct segments of the batch: once each waits for room, a step
     // stops looking at the queue.
-    let segs = reqs.iter().map(|r| r.segment).collect::<std::collections::HashSet<_>>().len();
+    let segs = reqs.iter().map(|r| r.segment).collect::<HashSet<_>>().len();
     while let Some(step) = inner.step(id, &reqs, &mut queue, &mut mine, segs) {
         if step.terminal && running.is_empty() {
             break;
         }
         if step.cancel && !cancelled {
             cancelled = true;
-            let cancels = live.keys().map(|&(k, bid)| {
+            let cancels = live.iter().map(|&(k, bid)| {
                 let t = inner.all[k].clone();
                 async move {
                     let _ = t.cancel(bid).await;
@@ -700,14 +704,17 @@ async fn drive(
         for plan in step.plans {
             let t = inner.all[plan.sub.k].clone();
             let opts = SubmitOptions { timeout: plan.timeout };
+            if tracing::enabled!(tracing::Level::TRACE) {
+                let slices: Vec<(usize, u64, u64)> = plan.sub.slices.iter().map(|s| (s.req, s.off, s.len)).collect();
+                tracing::trace!(batch = ?id, k = plan.sub.k, path = plan.sub.path, ?slices, "rails: sub-batch out");
+            }
             match t.submit(plan.requests, opts).await {
                 Ok(bid) => {
-                    live.insert((plan.sub.k, bid), ());
-                    let k = plan.sub.k;
+                    live.insert((plan.sub.k, bid));
                     let sub = plan.sub;
                     running.push(Box::pin(async move {
                         let r = t.wait(bid).await;
-                        (sub, k, bid, r)
+                        (sub, bid, r)
                     }));
                 }
                 Err(e) => {
@@ -732,9 +739,9 @@ async fn drive(
             }
         };
         tokio::select! {
-            Some((sub, k, bid, r)) = running.next(), if !running.is_empty() => {
-                live.remove(&(k, bid));
-                let _ = inner.all[k].release(bid);
+            Some((sub, bid, r)) = running.next(), if !running.is_empty() => {
+                live.remove(&(sub.k, bid));
+                let _ = inner.all[sub.k].release(bid);
                 inner.finish(id, sub, r, &mut queue, &mut mine);
             }
             _ = wake.notified() => {}
