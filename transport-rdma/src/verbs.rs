@@ -424,6 +424,8 @@ pub(crate) struct Completion {
     pub wr_id: u64,
     pub status: u32,
     pub vendor_err: u32,
+    /// The QP the work request was posted on.
+    pub qp_num: u32,
 }
 
 /// A completion queue bound to a channel.
@@ -466,7 +468,7 @@ impl Cq {
             return Err(VerbsError::new("ibv_poll_cq", -n));
         }
         for wc in &wcs[..n as usize] {
-            out.push(Completion { wr_id: wc.wr_id, status: wc.status, vendor_err: wc.vendor_err });
+            out.push(Completion { wr_id: wc.wr_id, status: wc.status, vendor_err: wc.vendor_err, qp_num: wc.qp_num });
         }
         Ok(n as usize)
     }

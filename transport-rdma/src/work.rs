@@ -109,11 +109,22 @@ impl State {
         let Some(w) = self.wrs.remove(&WrId(c.wr_id)) else {
             return; // late: its endpoint was destroyed
         };
+        let mut posted_on = None;
         if let Some(q) = self.endpoints.get_mut(&w.ep).and_then(|ep| ep.qps.get_mut(w.qp)) {
             q.outstanding = q.outstanding.saturating_sub(1);
+            posted_on = Some(q.qp.qpn());
         }
-        let failed =
+        let mut failed =
             (c.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS).then(|| completion_error(c.status, c.vendor_err));
+        // A completion must come from the QP its work request was posted
+        // on; one that does not is never taken as data in place.
+        if posted_on.is_some_and(|qpn| qpn != c.qp_num) {
+            tracing::error!(wr_id = c.wr_id, qp_num = c.qp_num, posted_on = ?posted_on, "rdma: a completion from another queue pair");
+            failed = Some(Error::new(
+                ErrorKind::Internal,
+                "a completion came from another queue pair than its work request's",
+            ));
+        }
         if let Ok(b) = self.batches.get_mut(w.slice.batch) {
             let result = match &failed {
                 None => Ok(()),
@@ -178,6 +189,7 @@ impl State {
     pub(crate) fn break_endpoint(&mut self, ep_id: EndpointId, reason: Error, grave: &mut Graveyard) {
         let Some(ep) = self.endpoints.get_mut(&ep_id) else { return };
         if ep.broken_at.is_none() {
+            tracing::debug!(endpoint = ?ep_id, outstanding = ep.outstanding(), reason = %reason, "rdma: endpoint broken");
             ep.broken_at = Some(Instant::now());
             for q in &ep.qps {
                 if let Err(e) = q.qp.set_error() {
