@@ -231,6 +231,14 @@ fn main() {
     let mut args = libtest_mimic::Arguments::from_args();
     // The kernel counts are per process: one case at a time.
     args.test_threads = Some(1);
+    // RUST_LOG=... shows the backends' logs (rails paused, endpoints
+    // broken) next to a failing case.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let have = !rdma_devices().unwrap_or_default().is_empty();
     let flag = |v: &str| std::env::var(v).is_ok_and(|x| x == "1" || x.eq_ignore_ascii_case("true"));
     // CONFORMANCE_STRICT alone does not demand a device: on a machine
