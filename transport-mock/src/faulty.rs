@@ -255,6 +255,20 @@ impl FaultyTransport {
         self.shared.bump();
     }
 
+    /// Cancels the inner transport's running batches behind the caller's
+    /// back, as a backend that ends its own work does (a TCP transport that
+    /// shuts down reports its running batches `Cancelled`). The caller's
+    /// batches end with the inner statuses; the layer stays usable.
+    pub async fn cancel_inner_batches(&self) {
+        let running: Vec<BatchId> = {
+            let st = self.shared.state.lock();
+            st.batches.values().filter(|e| e.done.is_none()).filter_map(|e| e.inner).collect()
+        };
+        for ib in running {
+            let _ = self.shared.inner.cancel(ib).await;
+        }
+    }
+
     /// Undoes [`FaultyTransport::kill`] for later calls.
     pub fn revive(&self) {
         self.shared.state.lock().killed = false;

@@ -186,113 +186,19 @@ fn a_slow_rail_gets_a_small_share() {
     });
 }
 
-/// A rail that cancels its work by itself (as the TCP backend's shutdown
-/// ends a running batch `Cancelled`): `cancel_all` cancels every batch of
-/// the rail it wraps.
-struct Canceller {
-    inner: Arc<dyn Transport>,
-    batches: parking_lot::Mutex<Vec<transport_core::BatchId>>,
-}
-
-impl Canceller {
-    async fn cancel_all(&self) {
-        let ids = std::mem::take(&mut *self.batches.lock());
-        for b in ids {
-            let _ = self.inner.cancel(b).await;
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl Transport for Canceller {
-    fn backend(&self) -> &str {
-        self.inner.backend()
-    }
-    fn capabilities(&self) -> transport_core::Capabilities {
-        self.inner.capabilities()
-    }
-    fn local_segment_name(&self) -> String {
-        self.inner.local_segment_name()
-    }
-    fn local_descriptor(&self) -> transport_core::Result<transport_core::SegmentDescriptor> {
-        self.inner.local_descriptor()
-    }
-    fn advertise(&self, extra: &str) -> transport_core::Result<()> {
-        self.inner.advertise(extra)
-    }
-    fn register(
-        &self,
-        mem: transport_core::MemoryRegion,
-        access: Access,
-    ) -> transport_core::Result<transport_core::RegionId> {
-        self.inner.register(mem, access)
-    }
-    async fn unregister(&self, region: transport_core::RegionId) -> transport_core::Result<()> {
-        self.inner.unregister(region).await
-    }
-    async fn open_segment(&self, name: &str) -> transport_core::Result<transport_core::SegmentId> {
-        self.inner.open_segment(name).await
-    }
-    async fn close_segment(&self, segment: transport_core::SegmentId) -> transport_core::Result<()> {
-        self.inner.close_segment(segment).await
-    }
-    fn segment_descriptor(
-        &self,
-        segment: transport_core::SegmentId,
-    ) -> transport_core::Result<transport_core::SegmentDescriptor> {
-        self.inner.segment_descriptor(segment)
-    }
-    async fn submit(
-        &self,
-        requests: Vec<TransferRequest>,
-        opts: SubmitOptions,
-    ) -> transport_core::Result<transport_core::BatchId> {
-        let b = self.inner.submit(requests, opts).await?;
-        self.batches.lock().push(b);
-        Ok(b)
-    }
-    fn poll(&self, batch: transport_core::BatchId) -> transport_core::Result<transport_core::BatchStatus> {
-        self.inner.poll(batch)
-    }
-    async fn wait(&self, batch: transport_core::BatchId) -> transport_core::Result<transport_core::BatchStatus> {
-        self.inner.wait(batch).await
-    }
-    async fn cancel(&self, batch: transport_core::BatchId) -> transport_core::Result<transport_core::BatchStatus> {
-        self.inner.cancel(batch).await
-    }
-    fn release(&self, batch: transport_core::BatchId) -> transport_core::Result<()> {
-        self.inner.release(batch)
-    }
-    fn stats(&self) -> transport_core::ResourceStats {
-        self.inner.stats()
-    }
-    async fn notify(&self, segment: transport_core::SegmentId, msg: Vec<u8>) -> transport_core::Result<()> {
-        self.inner.notify(segment, msg).await
-    }
-    fn take_notifications(&self, max: usize) -> transport_core::Result<Vec<transport_core::Notification>> {
-        self.inner.take_notifications(max)
-    }
-    async fn wait_notification(&self) -> transport_core::Result<()> {
-        self.inner.wait_notification().await
-    }
-    async fn shutdown(&self) -> transport_core::Result<()> {
-        self.inner.shutdown().await
-    }
-}
-
 /// A rail that cancels its work by itself mid-batch (what a TCP rail's
 /// shutdown does) fails over like a failed link: the batch completes.
 #[test]
 fn a_rail_that_cancels_its_work_by_itself_fails_over() {
     run(async {
         let fabric = MockFabric::new();
-        let flaky = Arc::new(Canceller { inner: host(&fabric, "a.r1"), batches: Default::default() });
+        let flaky = FaultyTransport::wrap(host(&fabric, "a.r1"));
         let a = Rails::new(vec![host(&fabric, "a.r0"), flaky.clone()], None, cfg()).unwrap();
         let p = pair_with(&fabric, a, false).await;
         let (a, src, dst, seg, reqs) = (&p.a, &p.src, &p.dst, p.seg, p.reqs.clone());
         let id = a.submit(reqs, SubmitOptions::default()).await.unwrap();
         assert!(settle(|| a.paths(seg).unwrap()[1].bytes > 0).await);
-        flaky.cancel_all().await;
+        flaky.cancel_inner_batches().await;
         let st = a.wait(id).await.unwrap();
         assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
         assert_eq!(dst.read(), src.read());
