@@ -64,9 +64,8 @@ impl Inner {
             }
             let s = st.segments.get(&seg).ok_or_else(|| Error::unknown_segment(seg))?;
             let lock = s.connect_lock.clone();
-            let now = st.now();
             match st.pool.live(&seg) {
-                Some(id) if st.pool.use_again(id, now) => Ok(Err(id)),
+                Some(id) if st.pool.use_again(id) => Ok(Err(id)),
                 _ => Ok(Ok(lock)),
             }
         })?;

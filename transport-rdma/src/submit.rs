@@ -71,8 +71,10 @@ impl State {
         lim: &crate::state::Limits,
         grave: &mut Graveyard,
     ) -> bool {
-        let now = self.now();
+        // The clock is read only where a use is given back: the common
+        // path (an idle endpoint becoming busy) reads none.
         let Some(e) = self.endpoints.get_mut(&ep).filter(|e| e.broken_at.is_none()) else {
+            let now = self.now();
             self.pool.release(ep, now);
             return false;
         };
@@ -86,6 +88,7 @@ impl State {
             }
         }
         if e.busy {
+            let now = self.epoch.elapsed();
             self.pool.release(ep, now);
         } else {
             e.busy = true;

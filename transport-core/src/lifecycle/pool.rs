@@ -175,11 +175,13 @@ impl<K: Clone + Eq + Hash> EndpointPool<K> {
     }
 
     /// Counts one more use of a live endpoint (the driver found it by id).
-    pub fn use_again(&mut self, id: EndpointId, now: Duration) -> bool {
+    /// It takes no time: an endpoint with users is never idle, and its idle
+    /// time starts when its last use is released ([`EndpointPool::release`]),
+    /// so a hot path that finds its endpoint this way reads no clock.
+    pub fn use_again(&mut self, id: EndpointId) -> bool {
         match self.entries.get_mut(&id) {
             Some(e) if e.state == EndpointState::Live => {
                 e.users += 1;
-                e.last_used = now;
                 true
             }
             _ => false,
