@@ -47,6 +47,10 @@ pub(crate) async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel
         }
     };
     let mut buf = Vec::with_capacity(POLL_BATCH);
+    // One timer for the whole loop, reset only when it fires: a completion
+    // event costs no clock read and no timer-wheel update.
+    let rearm = tokio::time::sleep(POLLER_REARM);
+    tokio::pin!(rearm);
     loop {
         if let Err(e) = cq.arm() {
             tracing::warn!("{e}");
@@ -64,7 +68,9 @@ pub(crate) async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel
                             g.clear_ready();
                         }
                     }
-                    _ = tokio::time::sleep(POLLER_REARM) => {}
+                    () = rearm.as_mut() => {
+                        rearm.as_mut().reset(tokio::time::Instant::now() + POLLER_REARM);
+                    }
                 }
             }
             None => tokio::time::sleep(POLLER_FALLBACK).await,
