@@ -69,6 +69,39 @@ async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
     }
 }
 
+/// Per iteration, TSC stamps at each step of one side of [`pingpong`]
+/// (PINGPONG_TRACE=1 prints where the time goes).
+type Stamps = Vec<[u64; 4]>;
+
+fn trace_report(a: &Stamps, b: &Stamps) {
+    // A: [start, submit returned, reply seen, reaped]; B: [seen, submit returned, reaped, -].
+    let mhz = {
+        let (t, c) = (Instant::now(), transport_rdma::cycles());
+        std::thread::sleep(Duration::from_millis(200));
+        (transport_rdma::cycles() - c) as f64 / t.elapsed().as_secs_f64() / 1e6
+    };
+    let us = |d: i128| d as f64 / mhz;
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let n = a.len().min(b.len());
+    let d = |f: &dyn Fn(usize) -> i128| med((0..n).map(|i| us(f(i))).collect());
+    println!(
+        "trace (median us): A submit {:.1} | A start -> B sees {:.1} | B sees -> B submit returned {:.1} | \
+         B sees -> A sees {:.1} | B submit returned -> B reaped {:.1} | A sees -> A reaped {:.1} | \
+         A reaped -> A next start {:.1} | B reaped -> next arrival at B {:.1}",
+        d(&|i| a[i][1] as i128 - a[i][0] as i128),
+        d(&|i| b[i][0] as i128 - a[i][0] as i128),
+        d(&|i| b[i][1] as i128 - b[i][0] as i128),
+        d(&|i| a[i][2] as i128 - b[i][0] as i128),
+        d(&|i| b[i][2] as i128 - b[i][1] as i128),
+        d(&|i| a[i][3] as i128 - a[i][2] as i128),
+        d(&|i| if i + 1 < n { a[i + 1][0] as i128 - a[i][3] as i128 } else { 0 }),
+        d(&|i| if i + 1 < n { b[i + 1][0] as i128 - b[i][2] as i128 } else { 0 }),
+    );
+}
+
 /// ib_write_lat's measurement with our API: A writes `size` bytes into B's
 /// inbox (the last byte carries the iteration), B sees it in its memory
 /// and writes back, A sees that. Latency = half of A's round trip; each
@@ -82,8 +115,11 @@ fn pingpong(cfg: RdmaConfig, size: u64, n: u64) -> Result<Vec<f64>, BoxErr> {
     let (to_b, from_a) = channel();
     let cfg_b = cfg.clone();
     let responder = std::thread::spawn(move || pingpong_side(cfg_b, size, n, (to_a, from_a), false));
-    let lat = pingpong_side(cfg, size, n, (to_b, from_b), true)?;
-    responder.join().map_err(|_| "responder thread panicked")??;
+    let (lat, a) = pingpong_side(cfg, size, n, (to_b, from_b), true)?;
+    let (_, b) = responder.join().map_err(|_| "responder thread panicked")??;
+    if std::env::var("PINGPONG_TRACE").is_ok_and(|v| v == "1") {
+        trace_report(&a, &b);
+    }
     Ok(lat)
 }
 
@@ -98,7 +134,7 @@ fn pingpong_side(
     n: u64,
     (tell, hear): (std::sync::mpsc::Sender<Introduction>, std::sync::mpsc::Receiver<Introduction>),
     starts: bool,
-) -> Result<Vec<f64>, BoxErr> {
+) -> Result<(Vec<f64>, Stamps), BoxErr> {
     const WARMUP: u64 = 20;
     tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async move {
         let t = RdmaTransport::new(cfg).await?;
@@ -111,25 +147,34 @@ fn pingpong_side(
         let seg = t.open_segment(&peer).await?;
         let w = TransferRequest::write(out, 0, seg, peer_inbox, size);
         let mut lat = Vec::with_capacity(n as usize);
+        let mut stamps: Stamps = Vec::with_capacity((n + WARMUP) as usize);
         let mut prev = None;
         for i in 1..=n + WARMUP {
+            let mut st = [0u64; 4];
             let t0 = Instant::now();
             if !starts {
                 arrival(&inbox, i as u8).await?;
             }
+            st[0] = transport_rdma::cycles();
             outbox.write_at(outbox.len() - 1, &[i as u8])?;
             let id = t.submit(vec![w], SubmitOptions::default()).await?;
+            st[1] = transport_rdma::cycles();
             if starts {
                 arrival(&inbox, i as u8).await?;
+                st[2] = transport_rdma::cycles();
                 if i > WARMUP {
                     lat.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
                 }
             }
             reap(&t, prev.replace(id)).await?;
+            st[if starts { 3 } else { 2 }] = transport_rdma::cycles();
+            if i > WARMUP {
+                stamps.push(st);
+            }
         }
         reap(&t, prev).await?;
         t.shutdown().await?;
-        Ok(lat)
+        Ok((lat, stamps))
     })
 }
 

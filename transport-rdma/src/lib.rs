@@ -129,3 +129,4 @@ pub use config::RdmaConfig;
 pub use error::VerbsError;
 pub use rails::{open, rail_devices};
 pub use transport::{rdma_devices, RdmaTransport};
+pub use verbs::cycles;
