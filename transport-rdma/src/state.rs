@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use transport_core::lifecycle::{BatchLedger, BatchTable, EndpointId, EndpointPool, TaskSet};
+use transport_core::lifecycle::{BatchLedger, BatchTable, EndpointId, EndpointPool, IdBuildHasher, IdMap, TaskSet};
 use transport_core::{
     Access, BatchId, Error, ErrorKind, Inbox, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId,
     TransferRequest,
@@ -281,14 +281,14 @@ pub(crate) struct State {
     pub device_failed: bool,
     pub verbs: Option<Arc<Verbs>>,
     pub regions: BTreeMap<RegionId, LocalRegion>,
-    pub segments: HashMap<SegmentId, Segment>,
+    pub segments: IdMap<SegmentId, Segment>,
     /// The bound on endpoints, LRU eviction and idle reclaim; a place is
     /// freed only when [`Inner::with_state`] reports the QPs destroyed.
-    pub pool: EndpointPool<SegmentId>,
+    pub pool: EndpointPool<SegmentId, IdBuildHasher>,
     /// Endpoints whose QPs exist (live, or broken and flushing).
-    pub endpoints: HashMap<EndpointId, Endpoint>,
+    pub endpoints: IdMap<EndpointId, Endpoint>,
     pub batches: BatchTable<Batch>,
-    pub wrs: HashMap<WrId, WrRef>,
+    pub wrs: IdMap<WrId, WrRef>,
     pub wr_ids: WrIds,
     pub passive: HashMap<PeerGroupId, PassiveConn>,
     pub passive_tasks: HashMap<PeerGroupId, Task>,
@@ -319,11 +319,11 @@ impl State {
             device_failed: false,
             verbs,
             regions: BTreeMap::new(),
-            segments: HashMap::new(),
-            pool: EndpointPool::new(max_endpoints),
-            endpoints: HashMap::new(),
+            segments: IdMap::default(),
+            pool: EndpointPool::with_hasher(max_endpoints),
+            endpoints: IdMap::default(),
             batches: BatchTable::new(),
-            wrs: HashMap::new(),
+            wrs: IdMap::default(),
             wr_ids: WrIds::default(),
             passive: HashMap::new(),
             passive_tasks: HashMap::new(),

@@ -15,6 +15,7 @@
 //! Backends keep the rest of rules 3 and 9 (closing and unregistering make
 //! their work quiet through these machines) and all of 6 and 7 in their I/O.
 
+mod ids;
 mod ledger;
 mod pool;
 mod rails;
@@ -22,6 +23,7 @@ mod table;
 mod tasks;
 mod validate;
 
+pub use ids::{IdBuildHasher, IdHasher, IdMap, IdSet};
 pub use ledger::{BatchLedger, EndReason, Progress};
 pub use pool::{Acquire, EndpointId, EndpointPool, EndpointState, PoolCounts};
 pub use rails::{gid_prefix, pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Verdict, MAX_RAILS};

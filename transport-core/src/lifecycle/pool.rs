@@ -14,10 +14,13 @@
 //! is never handed out again (a broken endpoint is never cached). Time is
 //! passed in (a `Duration` on the driver's monotonic clock).
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
 use std::time::Duration;
+
+use super::IdMap;
 
 /// One endpoint of a pool. Never reused within a pool, so a late report
 /// about a destroyed endpoint can never touch its successor.
@@ -96,20 +99,31 @@ impl PoolCounts {
 }
 
 /// A bounded set of endpoints keyed by peer (`K`: a peer name, a segment
-/// handle, ...). Not synchronised: the driver keeps it behind its lock.
+/// handle, ...; `S` hashes the keys: the standard hasher unless the keys
+/// are the driver's own ids, see [`IdMap`]). Not synchronised: the driver
+/// keeps it behind its lock.
 #[derive(Debug, Clone)]
-pub struct EndpointPool<K> {
+pub struct EndpointPool<K, S = RandomState> {
     max: usize,
-    entries: HashMap<EndpointId, Entry<K>>,
+    entries: IdMap<EndpointId, Entry<K>>,
     /// The building or live endpoint of each key.
-    by_key: HashMap<K, EndpointId>,
+    by_key: HashMap<K, EndpointId, S>,
     next: u64,
 }
 
 impl<K: Clone + Eq + Hash> EndpointPool<K> {
-    /// A pool of at most `max_endpoints` endpoints (at least one).
+    /// A pool of at most `max_endpoints` endpoints (at least one), its keys
+    /// hashed by the standard hasher.
     pub fn new(max_endpoints: usize) -> Self {
-        Self { max: max_endpoints.max(1), entries: HashMap::new(), by_key: HashMap::new(), next: 1 }
+        Self::with_hasher(max_endpoints)
+    }
+}
+
+impl<K: Clone + Eq + Hash, S: BuildHasher + Default> EndpointPool<K, S> {
+    /// A pool of at most `max_endpoints` endpoints (at least one), its keys
+    /// hashed by `S`.
+    pub fn with_hasher(max_endpoints: usize) -> Self {
+        Self { max: max_endpoints.max(1), entries: IdMap::default(), by_key: HashMap::default(), next: 1 }
     }
 
     /// The bound.

@@ -1,21 +1,20 @@
 //! The table of submitted batches: lookup and `release` with the trait's
 //! errors, for any per-batch type a driver keeps.
 
-use std::collections::HashMap;
-
+use super::IdMap;
 use crate::error::{Error, Result};
 use crate::types::BatchId;
 
 /// Batches by id, with ids that are never reused within the table.
 #[derive(Debug)]
 pub struct BatchTable<B> {
-    batches: HashMap<BatchId, B>,
+    batches: IdMap<BatchId, B>,
     next: u64,
 }
 
 impl<B> Default for BatchTable<B> {
     fn default() -> Self {
-        Self { batches: HashMap::new(), next: 1 }
+        Self { batches: IdMap::default(), next: 1 }
     }
 }
 
