@@ -41,6 +41,16 @@ fn remote_key(st: &State, r: &TransferRequest) -> Result<Option<u32>> {
     u32::try_from(info.key).map(Some).map_err(|_| Error::new(ErrorKind::Protocol, "remote key does not fit an rkey"))
 }
 
+/// How far the locked part of `submit` got.
+enum Started {
+    /// Created and queued on its one segment's live endpoint.
+    Queued(BatchId),
+    /// Created; its segments are still to be started.
+    Created(BatchId),
+    /// Request `i`'s remote range is unknown to segment `seg` (named `name`).
+    Stale(usize, SegmentId, String),
+}
+
 /// The outcome of validating a batch under the lock.
 enum Checked {
     Keys,
@@ -103,13 +113,14 @@ impl Inner {
         BatchLimits { max_batch_len: self.cfg.max_batch_len, max_request_len: self.cfg.max_request_len }
     }
 
-    /// Validates `requests` and collects their remote keys into `keys`.
+    /// Validates `requests` and collects them with their remote keys into
+    /// `targets`.
     fn check(
         &self,
         st: &State,
         requests: &[TransferRequest],
-        refreshed: &HashSet<SegmentId>,
-        keys: &mut Vec<u32>,
+        refreshed: &[SegmentId],
+        targets: &mut Vec<Target>,
     ) -> Result<Checked> {
         if st.shutdown {
             return Err(Error::shut_down());
@@ -120,10 +131,10 @@ impl Inner {
             |id| st.regions.get(&id).map(|r| ((), r.reg.mem().len() as u64)),
             |s| st.segments.contains_key(&s),
         )?;
-        keys.clear();
+        targets.clear();
         for (i, r) in requests.iter().enumerate() {
             match remote_key(st, r).map_err(|e| e.with("request", i))? {
-                Some(k) => keys.push(k),
+                Some(rkey) => targets.push(Target { spec: *r, rkey }),
                 None if !refreshed.contains(&r.segment) => {
                     let name = st.segments.get(&r.segment).map(|s| s.desc.name.clone()).unwrap_or_default();
                     return Ok(Checked::Stale(i, r.segment, name));
@@ -147,40 +158,47 @@ impl Inner {
         opts: SubmitOptions,
     ) -> Result<BatchId> {
         // Validate; refresh stale descriptors once if a remote range is unknown.
-        let mut keys = Vec::with_capacity(requests.len());
-        let mut refreshed = HashSet::new();
-        loop {
-            let checked = self.check(&self.state.lock(), &requests, &refreshed, &mut keys)?;
-            let Checked::Stale(i, seg, name) = checked else { break };
-            refreshed.insert(seg);
-            let d = handshake::fetch_descriptor(&name, self.cfg.handshake_timeout())
-                .await
-                .map_err(|e| e.with("request", i))?;
-            let mut st = self.state.lock();
-            let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg).with("request", i))?;
-            let restarted = d.generation != s.desc.generation;
-            s.desc = d;
-            if restarted {
-                return Err(peer_restarted(seg).with("request", i));
-            }
-        }
-        // Create the batch.
+        let mut targets = Vec::with_capacity(requests.len());
+        // Segments whose descriptor was re-read (a handful at most).
+        let mut refreshed = Vec::new();
         let slice = u64::from(self.cfg.slice_size);
-        let id = {
-            let mut st = self.state.lock();
-            if st.shutdown {
-                return Err(Error::shut_down());
-            }
-            let ledger = BatchLedger::new(requests.iter().map(|r| r.len.div_ceil(slice)), None);
-            let targets = requests.iter().zip(&keys).map(|(r, k)| Target { spec: *r, rkey: *k }).collect();
-            let id = st.batches.insert(Batch::new(ledger, targets));
-            if let Some(after) = opts.timeout {
-                let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
-                if let Ok(b) = st.batches.get_mut(id) {
-                    b.deadline = Some(task);
+        // Validate, create the batch and, when every request goes to one
+        // segment whose endpoint is live (the common case), queue it: all
+        // under one lock. Otherwise refresh a stale descriptor once, or
+        // start the segments one by one below.
+        let id = loop {
+            let started = self.with_state(|st, g| {
+                if let Checked::Stale(i, seg, name) = self.check(st, &requests, &refreshed, &mut targets)? {
+                    return Ok(Started::Stale(i, seg, name));
+                }
+                let id = self.create(st, &requests, std::mem::take(&mut targets), slice, &opts);
+                let seg = requests.first().map(|r| r.segment);
+                if let Some(seg) = seg.filter(|&s| requests.iter().all(|r| r.segment == s)) {
+                    if let Some(ep) = st.pool.live(&seg).filter(|&ep| st.pool.use_again(ep)) {
+                        if st.queue(id, seg, ep, &requests, slice, &self.lim, g) {
+                            return Ok(Started::Queued(id));
+                        }
+                    }
+                }
+                Ok::<_, Error>(Started::Created(id))
+            })?;
+            match started {
+                Started::Queued(id) => return Ok(id),
+                Started::Created(id) => break id,
+                Started::Stale(i, seg, name) => {
+                    refreshed.push(seg);
+                    let d = handshake::fetch_descriptor(&name, self.cfg.handshake_timeout())
+                        .await
+                        .map_err(|e| e.with("request", i))?;
+                    let mut st = self.state.lock();
+                    let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg).with("request", i))?;
+                    let restarted = d.generation != s.desc.generation;
+                    s.desc = d;
+                    if restarted {
+                        return Err(peer_restarted(seg).with("request", i));
+                    }
                 }
             }
-            id
         };
         // Start each segment's requests on its endpoint. If this future is
         // dropped meanwhile, the batch is cancelled and removed once quiet.
@@ -193,6 +211,27 @@ impl Inner {
         }
         orphan.batch = None;
         Ok(id)
+    }
+
+    /// Creates the batch of `requests` (validated; `targets` are they with
+    /// their remote keys), with its deadline task if `opts` has a timeout.
+    fn create(
+        self: &Arc<Self>,
+        st: &mut State,
+        requests: &[TransferRequest],
+        targets: Vec<Target>,
+        slice: u64,
+        opts: &SubmitOptions,
+    ) -> BatchId {
+        let ledger = BatchLedger::new(requests.iter().map(|r| r.len.div_ceil(slice)), None);
+        let id = st.batches.insert(Batch::new(ledger, targets));
+        if let Some(after) = opts.timeout {
+            let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
+            if let Ok(b) = st.batches.get_mut(id) {
+                b.deadline = Some(task);
+            }
+        }
+        id
     }
 
     /// Queues the requests of `batch` to `seg` on its endpoint; if that is
