@@ -12,7 +12,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use transport_core::{Error, ErrorKind};
 
 use crate::state::{device_failed, link_down, Inner};
-use crate::verbs::{AsyncEvent, CompChannel, Completion, Context, Cq, POLL_BATCH};
+use crate::verbs::{AsyncEvent, CompChannel, Context, Cq, POLL_BATCH};
 
 /// How long the async-event thread waits for an event before it checks
 /// whether it should stop.
@@ -46,7 +46,6 @@ pub(crate) async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel
             None
         }
     };
-    let mut buf = Vec::with_capacity(POLL_BATCH);
     // One timer for the whole loop, reset only when it fires: a completion
     // event costs no clock read and no timer-wheel update.
     let rearm = tokio::time::sleep(POLLER_REARM);
@@ -57,7 +56,7 @@ pub(crate) async fn poller(weak: Weak<Inner>, cq: Arc<Cq>, chan: Arc<CompChannel
         }
         {
             let Some(inner) = weak.upgrade() else { return };
-            inner.drain_cq(&mut buf, Drain::All);
+            inner.drain_cq(Drain::All);
         }
         match &afd {
             Some(afd) => {
@@ -171,9 +170,9 @@ impl Inner {
     /// poller) waits for the lock and empties the CQ; `Drain::Chunk` (a
     /// busy-polling waiter) takes at most one chunk, and nothing if the
     /// poller is at it. Returns how many completions were applied.
-    pub(crate) fn drain_cq(&self, buf: &mut Vec<Completion>, how: Drain) -> usize {
+    pub(crate) fn drain_cq(&self, how: Drain) -> usize {
         let Some(v) = self.state.lock().verbs.clone() else { return 0 };
-        let _order = match how {
+        let mut buf = match how {
             Drain::All => self.cq_lock.lock(),
             Drain::Chunk => match self.cq_lock.try_lock() {
                 Some(g) => g,
@@ -182,7 +181,7 @@ impl Inner {
         };
         let mut total = 0;
         loop {
-            match v.cq.poll(buf, POLL_BATCH) {
+            match v.cq.poll(&mut buf, POLL_BATCH) {
                 Ok(0) => return total,
                 Ok(n) => {
                     total += n;

@@ -34,7 +34,7 @@ use transport_core::{
 };
 
 use crate::config::RdmaConfig;
-use crate::verbs::{CompChannel, Context, Cq, Pd, PortInfo, Qp, Registration};
+use crate::verbs::{CompChannel, Completion, Context, Cq, Pd, PortInfo, Qp, Registration};
 
 /// A work request's id (the `wr_id` the CQ hands back).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -456,8 +456,9 @@ pub(crate) struct Inner {
     pub tasks: TaskSet,
     /// The tasks that run for the transport's whole life.
     pub fixed: Mutex<Vec<JoinHandle<()>>>,
-    /// Held across polling the CQ and applying what was polled.
-    pub cq_lock: Mutex<()>,
+    /// Held across polling the CQ and applying what was polled; it holds
+    /// the buffer the completions are polled into (no allocation per poll).
+    pub cq_lock: Mutex<Vec<Completion>>,
     /// Stops the async-event thread.
     pub events_stop: Arc<AtomicBool>,
     pub events_thread: Mutex<Option<std::thread::JoinHandle<()>>>,

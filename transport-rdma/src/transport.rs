@@ -21,7 +21,7 @@ use crate::background::{self, Drain};
 use crate::config::RdmaConfig;
 use crate::handshake;
 use crate::state::{Inner, Limits, LocalRegion, Segment, State, Verbs};
-use crate::verbs::{CompChannel, Context, Cq, Pd, Registration};
+use crate::verbs::{CompChannel, Context, Cq, Pd, Registration, POLL_BATCH};
 use crate::wire;
 
 /// The CQ holds a completion for every work request that can be posted
@@ -131,7 +131,7 @@ impl RdmaTransport {
             state: Mutex::new(state),
             tasks: TaskSet::new(),
             fixed: Mutex::new(Vec::new()),
-            cq_lock: Mutex::new(()),
+            cq_lock: Mutex::new(Vec::with_capacity(POLL_BATCH)),
             events_stop: Arc::new(AtomicBool::new(false)),
             events_thread: Mutex::new(None),
             inbox,
@@ -329,7 +329,6 @@ impl Transport for RdmaTransport {
         // every `SPINS_PER_TURN` empty polls (in a VM without a usable TSC
         // each clock read is a system call).
         let busy = self.inner.cfg.busy_poll();
-        let mut buf = Vec::new();
         let mut spin_until = None;
         let mut empty = 0u32;
         loop {
@@ -341,7 +340,7 @@ impl Transport for RdmaTransport {
                 }
                 b.notify.clone()
             };
-            if self.inner.drain_cq(&mut buf, Drain::Chunk) > 0 {
+            if self.inner.drain_cq(Drain::Chunk) > 0 {
                 continue;
             }
             if !busy.is_zero() {
