@@ -185,7 +185,9 @@ pub(crate) struct Batch {
     /// Per-request status; units are work requests (slices).
     pub ledger: BatchLedger,
     pub targets: Vec<Target>,
-    pub notify: Arc<Notify>,
+    /// Wakes sleeping `wait`s; made by the first one that sleeps (a batch
+    /// finished while its waiter spun never needs one).
+    pub notify: Option<Arc<Notify>>,
     pub deadline: Option<Task>,
     /// Its `submit` was dropped before returning the id: nobody can
     /// release it, so it is removed once terminal ([`State::reap`]).
@@ -195,7 +197,7 @@ pub(crate) struct Batch {
 impl Batch {
     /// A new batch: no deadline task yet, not orphaned.
     pub(crate) fn new(ledger: BatchLedger, targets: Vec<Target>) -> Self {
-        Self { ledger, targets, notify: Arc::new(Notify::new()), deadline: None, orphaned: false }
+        Self { ledger, targets, notify: None, deadline: None, orphaned: false }
     }
 }
 
@@ -373,7 +375,9 @@ impl State {
         for l in lost {
             if let Ok(b) = self.batches.get_mut(l.batch) {
                 if b.ledger.units_lost(l.req, l.n, &err).batch_terminal {
-                    b.notify.notify_waiters();
+                    if let Some(n) = &b.notify {
+                        n.notify_waiters();
+                    }
                 }
             }
         }

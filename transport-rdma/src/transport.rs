@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{EndReason, TaskSet};
 use transport_core::{
@@ -332,14 +333,13 @@ impl Transport for RdmaTransport {
         let mut spin_until = None;
         let mut empty = 0u32;
         loop {
-            let notify = {
+            {
                 let st = self.inner.state.lock();
                 let b = st.batches.get(batch)?;
                 if b.ledger.is_terminal() {
                     return Ok(b.ledger.status());
                 }
-                b.notify.clone()
-            };
+            }
             if self.inner.drain_cq(Drain::Chunk) > 0 {
                 continue;
             }
@@ -356,7 +356,29 @@ impl Transport for RdmaTransport {
                     continue;
                 }
             }
-            let _ = tokio::time::timeout(WAIT_NAP, notify.notified()).await;
+            // Sleep until the batch's progress wakes us (bounded by
+            // `WAIT_NAP`). The batch's `Notify` is made only now, so a
+            // batch finished while spinning never has one; the wait is
+            // registered before the lock is let go, so a wake in between
+            // is not missed.
+            let notify = {
+                let mut st = self.inner.state.lock();
+                let b = st.batches.get_mut(batch)?;
+                if b.ledger.is_terminal() {
+                    return Ok(b.ledger.status());
+                }
+                b.notify.get_or_insert_with(|| Arc::new(Notify::new())).clone()
+            };
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            {
+                let st = self.inner.state.lock();
+                notified.as_mut().enable();
+                if st.batches.get(batch)?.ledger.is_terminal() {
+                    continue;
+                }
+            }
+            let _ = tokio::time::timeout(WAIT_NAP, notified).await;
         }
     }
 

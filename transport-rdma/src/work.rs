@@ -29,7 +29,9 @@ const SETTLE_GRACE: Duration = Duration::from_millis(100);
 
 fn wake(b: &Batch, p: Progress) {
     if p.batch_terminal {
-        b.notify.notify_waiters();
+        if let Some(n) = &b.notify {
+            n.notify_waiters();
+        }
     }
 }
 
