@@ -69,6 +69,39 @@ async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
     }
 }
 
+/// Times intervals as perftest does, with the CPU's time-stamp counter:
+/// no system call inside the timed path (in a VM whose clock source is
+/// not the TSC, each clock read is a system call of about 2 us, and two of
+/// them fell inside every timed interval). Ticks become microseconds at
+/// the rate measured against the clock over the stopwatch's whole life.
+/// Without a TSC (not x86-64) it ticks in nanoseconds of the clock.
+struct Stopwatch {
+    c0: u64,
+    i0: Instant,
+}
+
+impl Stopwatch {
+    fn new() -> Self {
+        Self { c0: transport_rdma::cycles(), i0: Instant::now() }
+    }
+
+    fn now(&self) -> u64 {
+        match transport_rdma::cycles() {
+            0 => self.i0.elapsed().as_nanos() as u64,
+            c => c,
+        }
+    }
+
+    /// Ticks per microsecond, measured now.
+    fn per_us(&self) -> f64 {
+        let us = self.i0.elapsed().as_secs_f64() * 1e6;
+        match transport_rdma::cycles() {
+            0 => 1e3,
+            c => c.wrapping_sub(self.c0) as f64 / us.max(1.0),
+        }
+    }
+}
+
 /// Per iteration, TSC stamps at each step of one side of [`pingpong`]
 /// (PINGPONG_TRACE=1 prints where the time goes).
 type Stamps = Vec<[u64; 4]>;
@@ -136,6 +169,7 @@ fn pingpong_side(
     starts: bool,
 ) -> Result<(Vec<f64>, Stamps), BoxErr> {
     const WARMUP: u64 = 20;
+    let sw = Stopwatch::new();
     tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async move {
         let t = RdmaTransport::new(cfg).await?;
         let inbox = Buffer::new(size as usize)?;
@@ -151,7 +185,7 @@ fn pingpong_side(
         let mut prev = None;
         for i in 1..=n + WARMUP {
             let mut st = [0u64; 4];
-            let t0 = Instant::now();
+            let t0 = sw.now();
             if !starts {
                 arrival(&inbox, i as u8).await?;
             }
@@ -163,7 +197,7 @@ fn pingpong_side(
                 arrival(&inbox, i as u8).await?;
                 st[2] = transport_rdma::cycles();
                 if i > WARMUP {
-                    lat.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+                    lat.push(sw.now().wrapping_sub(t0));
                 }
             }
             reap(&t, prev.replace(id)).await?;
@@ -174,7 +208,8 @@ fn pingpong_side(
         }
         reap(&t, prev).await?;
         t.shutdown().await?;
-        Ok((lat, stamps))
+        let per_us = sw.per_us();
+        Ok((lat.into_iter().map(|ticks| ticks as f64 / per_us / 2.0).collect(), stamps))
     })
 }
 
@@ -440,19 +475,22 @@ fn main() -> Result<(), BoxErr> {
             "lat" => {
                 let one = vec![TransferRequest::write(lid, 0, seg, remote.addr(), size)];
                 let mut lat = Vec::with_capacity(n as usize);
+                let sw = Stopwatch::new();
                 for i in 0..n + 20 {
-                    let t0 = Instant::now();
+                    let t0 = sw.now();
                     let b = client.submit(one.clone(), SubmitOptions::default()).await?;
                     let st = client.wait(b).await?;
-                    let dt = t0.elapsed();
+                    let dt = sw.now().wrapping_sub(t0);
                     client.release(b)?;
                     if let Some(e) = st.first_error() {
                         return Err(e.clone().into());
                     }
                     if i >= 20 {
-                        lat.push(dt.as_secs_f64() * 1e6);
+                        lat.push(dt);
                     }
                 }
+                let per_us = sw.per_us();
+                let mut lat: Vec<f64> = lat.into_iter().map(|ticks| ticks as f64 / per_us).collect();
                 let (p50, p99) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99));
                 println!("ours write_lat size={size} p50_us={p50:.1} p99_us={p99:.1}");
             }
