@@ -31,7 +31,8 @@ use crate::wire;
 const MIN_CQE: usize = 256;
 const MAX_CQE: usize = 1 << 20;
 /// How long `wait` sleeps on the batch's notification before it looks
-/// again (a wakeup sent between its look and its sleep is not lost longer).
+/// again: a safety bound only, as the sleep is registered under the lock
+/// that every wake is sent under.
 const WAIT_NAP: Duration = Duration::from_millis(2);
 /// Empty CQ polls a busy-polling `wait` makes between two looks at the
 /// clock (and turns given to the runtime).
