@@ -5,7 +5,7 @@
 //! SipHash defends against does not apply; maps keyed by anything from
 //! outside (names, addresses) keep the standard hasher.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// The multiplier of the Fx hash (rustc's): odd, so multiplying is a
@@ -60,13 +60,12 @@ impl Hasher for IdHasher {
 pub type IdBuildHasher = BuildHasherDefault<IdHasher>;
 /// A map keyed by driver-made ids.
 pub type IdMap<K, V> = HashMap<K, V, IdBuildHasher>;
-/// A set of driver-made ids.
-pub type IdSet<K> = HashSet<K, IdBuildHasher>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::types::BatchId;
+    use std::collections::HashSet;
     use std::hash::{BuildHasher, Hash};
 
     fn hash<T: Hash>(t: &T) -> u64 {

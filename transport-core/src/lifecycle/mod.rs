@@ -23,7 +23,7 @@ mod table;
 mod tasks;
 mod validate;
 
-pub use ids::{IdBuildHasher, IdHasher, IdMap, IdSet};
+pub use ids::{IdBuildHasher, IdHasher, IdMap};
 pub use ledger::{BatchLedger, EndReason, Progress};
 pub use pool::{Acquire, EndpointId, EndpointPool, EndpointState, PoolCounts};
 pub use rails::{gid_prefix, pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Verdict, MAX_RAILS};

@@ -375,6 +375,22 @@ mod tests {
     }
 
     #[test]
+    fn an_endpoint_used_again_is_idle_only_from_its_last_release() {
+        // Rule 4: use_again takes no time; idleness counts from the release
+        // of the last use, however long the endpoint was busy before.
+        let mut p = EndpointPool::new(1);
+        let a = build(&mut p, "a", ms(0));
+        p.release(a, ms(1));
+        assert!(p.use_again(a));
+        assert_eq!(p.users(a), 1);
+        assert!(p.reap(ms(1_000), ms(5)).is_empty(), "in use: never reaped");
+        p.release(a, ms(1_000));
+        assert!(p.reap(ms(1_004), ms(5)).is_empty(), "idle for 4 ms only");
+        assert_eq!(p.reap(ms(1_005), ms(5)), vec![a]);
+        assert!(!p.use_again(a), "a retired endpoint is not used again");
+    }
+
+    #[test]
     fn a_broken_endpoint_is_never_handed_out_again() {
         let mut p = EndpointPool::new(2);
         let a = build(&mut p, "a", ms(0));
