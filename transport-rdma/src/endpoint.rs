@@ -64,9 +64,9 @@ impl Inner {
             }
             let s = st.segments.get(&seg).ok_or_else(|| Error::unknown_segment(seg))?;
             let lock = s.connect_lock.clone();
-            match st.pool.live(&seg) {
-                Some(id) if st.pool.use_again(id) => Ok(Err(id)),
-                _ => Ok(Ok(lock)),
+            match st.use_live_endpoint(seg) {
+                Some(id) => Ok(Err(id)),
+                None => Ok(Ok(lock)),
             }
         })?;
         let lock = match lock {

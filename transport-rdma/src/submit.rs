@@ -59,6 +59,14 @@ enum Checked {
 }
 
 impl State {
+    /// The live endpoint of `seg` with one more use counted for the caller,
+    /// if there is one (no clock read: see [`EndpointPool::use_again`]).
+    ///
+    /// [`EndpointPool::use_again`]: transport_core::lifecycle::EndpointPool::use_again
+    pub(crate) fn use_live_endpoint(&mut self, seg: SegmentId) -> Option<EndpointId> {
+        self.pool.live(&seg).filter(|&ep| self.pool.use_again(ep))
+    }
+
     /// Fails every request of `batch` on segment `seg` with `e`.
     fn fail_segment(&mut self, batch: BatchId, seg: SegmentId, requests: &[TransferRequest], e: &Error) {
         for (i, _) in requests.iter().enumerate().filter(|(_, r)| r.segment == seg) {
@@ -97,11 +105,9 @@ impl State {
                 off += u64::from(len);
             }
         }
-        if e.busy {
-            let now = self.epoch.elapsed();
+        if std::mem::replace(&mut e.busy, true) {
+            let now = self.now();
             self.pool.release(ep, now);
-        } else {
-            e.busy = true;
         }
         self.after_work(ep, lim, grave);
         true
@@ -171,10 +177,10 @@ impl Inner {
                 if let Checked::Stale(i, seg, name) = self.check(st, &requests, &refreshed, &mut targets)? {
                     return Ok(Started::Stale(i, seg, name));
                 }
-                let id = self.create(st, &requests, std::mem::take(&mut targets), slice, &opts);
+                let id = self.create(st, std::mem::take(&mut targets), slice, &opts);
                 let seg = requests.first().map(|r| r.segment);
                 if let Some(seg) = seg.filter(|&s| requests.iter().all(|r| r.segment == s)) {
-                    if let Some(ep) = st.pool.live(&seg).filter(|&ep| st.pool.use_again(ep)) {
+                    if let Some(ep) = st.use_live_endpoint(seg) {
                         if st.queue(id, seg, ep, &requests, slice, &self.lim, g) {
                             return Ok(Started::Queued(id));
                         }
@@ -213,17 +219,10 @@ impl Inner {
         Ok(id)
     }
 
-    /// Creates the batch of `requests` (validated; `targets` are they with
-    /// their remote keys), with its deadline task if `opts` has a timeout.
-    fn create(
-        self: &Arc<Self>,
-        st: &mut State,
-        requests: &[TransferRequest],
-        targets: Vec<Target>,
-        slice: u64,
-        opts: &SubmitOptions,
-    ) -> BatchId {
-        let ledger = BatchLedger::new(requests.iter().map(|r| r.len.div_ceil(slice)), None);
+    /// Creates the batch of `targets` (validated requests with their remote
+    /// keys), with its deadline task if `opts` has a timeout.
+    fn create(self: &Arc<Self>, st: &mut State, targets: Vec<Target>, slice: u64, opts: &SubmitOptions) -> BatchId {
+        let ledger = BatchLedger::new(targets.iter().map(|t| t.spec.len.div_ceil(slice)), None);
         let id = st.batches.insert(Batch::new(ledger, targets));
         if let Some(after) = opts.timeout {
             let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
