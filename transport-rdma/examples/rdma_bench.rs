@@ -75,6 +75,7 @@ async fn arrival(inbox: &Buffer, want: u8) -> Result<(), BoxErr> {
 /// them fell inside every timed interval). Ticks become microseconds at
 /// the rate measured against the clock over the stopwatch's whole life.
 /// Without a TSC (not x86-64) it ticks in nanoseconds of the clock.
+#[derive(Clone, Copy)]
 struct Stopwatch {
     c0: u64,
     i0: Instant,
@@ -102,18 +103,13 @@ impl Stopwatch {
     }
 }
 
-/// Per iteration, TSC stamps at each step of one side of [`pingpong`]
-/// (PINGPONG_TRACE=1 prints where the time goes).
+/// Per iteration, [`Stopwatch`] stamps at each step of one side of
+/// [`pingpong`] (PINGPONG_TRACE=1 prints where the time goes).
 type Stamps = Vec<[u64; 4]>;
 
-fn trace_report(a: &Stamps, b: &Stamps) {
+fn trace_report(a: &Stamps, b: &Stamps, per_us: f64) {
     // A: [start, submit returned, reply seen, reaped]; B: [seen, submit returned, reaped, -].
-    let mhz = {
-        let (t, c) = (Instant::now(), transport_rdma::cycles());
-        std::thread::sleep(Duration::from_millis(200));
-        (transport_rdma::cycles() - c) as f64 / t.elapsed().as_secs_f64() / 1e6
-    };
-    let us = |d: i128| d as f64 / mhz;
+    let us = |d: i128| d as f64 / per_us;
     let med = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
@@ -147,29 +143,32 @@ fn pingpong(cfg: RdmaConfig, size: u64, n: u64) -> Result<Vec<f64>, BoxErr> {
     let (to_a, from_b) = channel();
     let (to_b, from_a) = channel();
     let cfg_b = cfg.clone();
-    let responder = std::thread::spawn(move || pingpong_side(cfg_b, size, n, (to_a, from_a), false));
-    let (lat, a) = pingpong_side(cfg, size, n, (to_b, from_b), true)?;
+    // One stopwatch for both sides, so their stamps compare.
+    let sw = Stopwatch::new();
+    let responder = std::thread::spawn(move || pingpong_side(cfg_b, size, n, (to_a, from_a), false, sw));
+    let (ticks, a) = pingpong_side(cfg, size, n, (to_b, from_b), true, sw)?;
     let (_, b) = responder.join().map_err(|_| "responder thread panicked")??;
+    let per_us = sw.per_us();
     if std::env::var("PINGPONG_TRACE").is_ok_and(|v| v == "1") {
-        trace_report(&a, &b);
+        trace_report(&a, &b, per_us);
     }
-    Ok(lat)
+    Ok(ticks.into_iter().map(|t| t as f64 / per_us / 2.0).collect())
 }
 
 type Introduction = (String, u64);
 
 /// One side of [`pingpong`] on its own current-thread runtime. The side
-/// that `starts` writes first and times each round trip (returned as
-/// half-round-trip latencies, warm-up excluded); the other answers.
+/// that `starts` writes first and times each round trip (returned in
+/// stopwatch ticks, warm-up excluded); the other answers.
 fn pingpong_side(
     cfg: RdmaConfig,
     size: u64,
     n: u64,
     (tell, hear): (std::sync::mpsc::Sender<Introduction>, std::sync::mpsc::Receiver<Introduction>),
     starts: bool,
-) -> Result<(Vec<f64>, Stamps), BoxErr> {
+    sw: Stopwatch,
+) -> Result<(Vec<u64>, Stamps), BoxErr> {
     const WARMUP: u64 = 20;
-    let sw = Stopwatch::new();
     tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async move {
         let t = RdmaTransport::new(cfg).await?;
         let inbox = Buffer::new(size as usize)?;
@@ -189,27 +188,26 @@ fn pingpong_side(
             if !starts {
                 arrival(&inbox, i as u8).await?;
             }
-            st[0] = transport_rdma::cycles();
+            st[0] = sw.now();
             outbox.write_at(outbox.len() - 1, &[i as u8])?;
             let id = t.submit(vec![w], SubmitOptions::default()).await?;
-            st[1] = transport_rdma::cycles();
+            st[1] = sw.now();
             if starts {
                 arrival(&inbox, i as u8).await?;
-                st[2] = transport_rdma::cycles();
+                st[2] = sw.now();
                 if i > WARMUP {
                     lat.push(sw.now().wrapping_sub(t0));
                 }
             }
             reap(&t, prev.replace(id)).await?;
-            st[if starts { 3 } else { 2 }] = transport_rdma::cycles();
+            st[if starts { 3 } else { 2 }] = sw.now();
             if i > WARMUP {
                 stamps.push(st);
             }
         }
         reap(&t, prev).await?;
         t.shutdown().await?;
-        let per_us = sw.per_us();
-        Ok((lat.into_iter().map(|ticks| ticks as f64 / per_us / 2.0).collect(), stamps))
+        Ok((lat, stamps))
     })
 }
 
