@@ -164,17 +164,21 @@ fn explain(p: &Pair, before: &Model, model: &Model, reqs: &[TransferRequest], e:
             "; {side}: {} bytes differ in {first}..={last} ({unchanged} of them still hold what was there before the batch)",
             bad.len()
         );
-        let remote_base = p.remote.addr();
+        // (source offset, destination offset) of a request in its regions.
+        let ends = |r: &TransferRequest| {
+            let remote = r.remote_addr - p.remote.addr();
+            if r.op == Opcode::Read {
+                (remote, r.local_offset)
+            } else {
+                (r.local_offset, remote)
+            }
+        };
         let covering = reqs.iter().enumerate().find(|(_, r)| {
-            let (dst, is_local) = match r.op {
-                Opcode::Read => (r.local_offset, true),
-                Opcode::Write => (r.remote_addr - remote_base, false),
-            };
-            is_local == (side == "local") && (dst..dst + r.len).contains(&(first as u64))
+            let dst = ends(r).1;
+            (r.op == Opcode::Read) == (side == "local") && (dst..dst + r.len).contains(&(first as u64))
         });
         if let Some((i, r)) = covering {
-            let dst = if r.op == Opcode::Read { r.local_offset } else { r.remote_addr - remote_base };
-            let src = if r.op == Opcode::Read { r.remote_addr - remote_base } else { r.local_offset };
+            let (src, dst) = ends(r);
             out += &format!(
                 " (request {i} of {}: {:?} of {} bytes, source offset {src}, destination offset {dst}; the first wrong \
                  byte is {} bytes in)",
