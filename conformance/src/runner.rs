@@ -119,7 +119,10 @@ fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Du
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
-        .thread_name("conformance")
+        .thread_name_fn(|| {
+            static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            format!("conformance-{}", N.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        })
         .build()
         .map_err(|e| format!("cannot build a tokio runtime: {e}"))?;
     let harness = {
@@ -129,6 +132,7 @@ fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Du
             .ok_or("harness already used")?
     };
     let ctx = Ctx::new(harness, case.id());
+    let watchdog = stall_trace_ms().map(|ms| Watchdog::start(Duration::from_millis(ms)));
     let body = (case.run)(ctx.clone());
     let result = rt.block_on(async {
         let mut task = tokio::spawn(body);
@@ -142,6 +146,7 @@ fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Du
             Ok(Ok(r)) => r,
         }
     });
+    drop(watchdog); // the cleanup below shuts the runtime's work down
     let cleanup = rt.block_on(async { tokio::time::timeout(CLEANUP_TIMEOUT, ctx.cleanup()).await });
     rt.shutdown_timeout(Duration::from_secs(5));
     // The context (and the memory it keeps alive for transports) is dropped
@@ -153,6 +158,114 @@ fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Du
         (Err(CaseError::Skip(why)), _) => Ok(Outcome::Skipped(why)),
         (Err(CaseError::Fail(why)), _) => Err(why),
     }
+}
+
+/// Set to a number of milliseconds to trace what the case's threads block
+/// in: a thread of its own samples every thread of the process
+/// (`/proc/self/task/*`) every 20 ms and prints, with the time, each one
+/// found in the same kernel wait (other than the runtime's idle waits:
+/// futex, epoll) for that long or more, and its own sleeps that ran that
+/// late (the process or the machine stalled). It spawns nothing on the
+/// runtime, so it does not wake it. A diagnostic for liveness failures;
+/// off by default.
+pub const STALL_TRACE_ENV: &str = "CONFORMANCE_STALL_TRACE_MS";
+
+fn stall_trace_ms() -> Option<u64> {
+    std::env::var(STALL_TRACE_ENV).ok().and_then(|v| v.parse().ok()).filter(|ms| *ms > 0)
+}
+
+/// The thread behind [`STALL_TRACE_ENV`]; stops when dropped.
+struct Watchdog {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    fn start(limit: Duration) -> Self {
+        use std::collections::HashMap;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Instant;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("stall-watchdog".into())
+            .spawn(move || {
+                let period = Duration::from_millis(20);
+                // Per thread: the wait it is in, since when, and whether reported.
+                let mut seen: HashMap<String, (String, Instant, bool)> = HashMap::new();
+                while !flag.load(Ordering::Relaxed) {
+                    let asked = Instant::now();
+                    std::thread::sleep(period);
+                    let overslept = asked.elapsed().saturating_sub(period);
+                    if overslept >= limit {
+                        eprintln!(
+                            "stall-trace {}: the watchdog's sleep ran {overslept:?} late (process or machine stalled)",
+                            wall()
+                        );
+                    }
+                    let now = Instant::now();
+                    for (tid, wait) in threads_now() {
+                        let e = seen.entry(tid.clone()).or_insert_with(|| (wait.clone(), now, false));
+                        if e.0 != wait {
+                            if e.2 {
+                                eprintln!("stall-trace {}: thread {tid} left that wait after {:?}", wall(), now - e.1);
+                            }
+                            *e = (wait, now, false);
+                        } else if !e.2 && now - e.1 >= limit && !idle_wait(&wait) {
+                            e.2 = true;
+                            eprintln!("stall-trace {}: thread {tid} in {wait} for {:?}", wall(), now - e.1);
+                        }
+                    }
+                }
+            })
+            .ok();
+        Self { stop, thread }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The wall clock as the tracing logs print it (UTC, seconds of the day).
+fn wall() -> String {
+    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let s = d.as_secs() % 86_400;
+    format!("{:02}:{:02}:{:02}.{:06}", s / 3600, s / 60 % 60, s % 60, d.subsec_micros())
+}
+
+/// Waits of an idle runtime thread (parked, or polling its driver).
+fn idle_wait(wait: &str) -> bool {
+    wait.contains("futex") || wait.contains("ep_poll") || wait.contains("do_epoll_wait")
+}
+
+/// Every thread of this process (`tid/name`) and what it is doing: its
+/// state and kernel wait channel, with the top of its kernel stack where
+/// that is readable (root). A running thread is in no wait.
+fn threads_now() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return out };
+    for t in dir.flatten() {
+        let p = t.path();
+        let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // The state is the field after the parenthesised name.
+        let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("?").to_string();
+        let id = format!("{}/{}", t.file_name().to_string_lossy(), read("comm").trim());
+        if state == "R" {
+            out.push((id, "running".into()));
+            continue;
+        }
+        let stack: Vec<String> =
+            read("stack").lines().take(5).map(|l| l.split_whitespace().last().unwrap_or("").to_string()).collect();
+        out.push((id, format!("{state} {} [{}]", read("wchan").trim(), stack.join(" < "))));
+    }
+    out
 }
 
 /// Whether [`STRICT_ENV`] asks skips to fail.

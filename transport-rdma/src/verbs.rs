@@ -58,6 +58,24 @@ pub(crate) fn check<R: VerbsRet>(verb: &'static str, ret: R) -> Result<R::Ok, Ve
     ret.into_result(verb)
 }
 
+/// A verb that blocked its thread this long is logged (debug), with the
+/// thread's name: the evidence for what held a runtime worker.
+const SLOW_VERB: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Logs `verb` (started at `started`) if it took [`SLOW_VERB`] or more.
+pub(crate) fn slow_verb(verb: &'static str, started: std::time::Instant) {
+    let took = started.elapsed();
+    if took >= SLOW_VERB {
+        let thread = std::thread::current();
+        tracing::debug!(
+            verb,
+            took_ms = took.as_millis() as u64,
+            thread = thread.name().unwrap_or("?"),
+            "rdma: slow verb"
+        );
+    }
+}
+
 /// Makes a descriptor owned by a verbs object non-blocking.
 fn set_nonblocking(fd: c_int) -> Result<(), VerbsError> {
     // SAFETY: `fd` is an open descriptor of a live verbs object; F_GETFL

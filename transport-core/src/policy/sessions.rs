@@ -31,6 +31,9 @@ use crate::types::{Opcode, SegmentId, TransferRequest};
 const MAX_QUEUED: usize = 4096;
 /// Notifications taken from the transport per wake-up.
 const TAKE_BATCH: usize = 256;
+/// A session message whose delivery took this long, or a timer tick this
+/// late, is logged (debug): the trace of a liveness timeout.
+const SLOW_DELIVERY: Duration = Duration::from_millis(250);
 
 /// The session engine of one process: both roles (sender and receiver) of
 /// every session, over one [`Engine`]. Cheap to clone; clones share state.
@@ -678,7 +681,15 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
                 Err(e) => Err(e),
             };
             let e = match sent {
-                Ok(()) => break,
+                Ok(()) => {
+                    let took = inner.clock.now().saturating_sub(started);
+                    if took >= SLOW_DELIVERY {
+                        tracing::debug!(peer = %peer, took_ms = took.as_millis() as u64, "session message delivered late");
+                    } else {
+                        tracing::trace!(peer = %peer, took_ms = took.as_millis() as u64, "session message delivered");
+                    }
+                    break;
+                }
                 Err(e) if e.kind() == ErrorKind::Shutdown => return,
                 Err(e) => e,
             };
@@ -686,6 +697,7 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
                 tracing::debug!(peer = %peer, error = %e, "session message dropped");
                 break;
             }
+            tracing::debug!(peer = %peer, error = %e, "session message not delivered yet; retrying");
             // The segment stays open: writes share it, and closing it would
             // cancel them (rule 3). Backends rebuild broken endpoints and
             // refresh a restarted peer's descriptor on their own.
@@ -711,6 +723,7 @@ async fn read_loop(weak: std::sync::Weak<Inner>) {
             let mut t = inner.table.lock();
             for n in &batch {
                 if is_session_message(&n.msg) {
+                    tracing::trace!(from = %n.from, len = n.msg.len(), "session message received");
                     t.on_message(&n.from, &n.msg, now);
                 }
             }
@@ -730,7 +743,12 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
             Some(i) => i.clock.sleep(every),
             None => return,
         };
+        let asked = Instant::now();
         sleep.await;
+        let late = asked.elapsed().saturating_sub(every);
+        if late >= SLOW_DELIVERY {
+            tracing::debug!(late_ms = late.as_millis() as u64, "session timer ran late");
+        }
         let Some(inner) = weak.upgrade() else { return };
         let now = inner.clock.now();
         inner.table.lock().tick(now);

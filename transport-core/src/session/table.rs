@@ -964,7 +964,8 @@ impl SessionTable {
             if now.saturating_sub(p.heard) >= self.limits.liveness_timeout {
                 let err = Error::new(ErrorKind::PeerUnavailable, "the peer went silent past the liveness timeout")
                     .with("peer", &peer)
-                    .with("liveness_timeout_ms", self.limits.liveness_timeout.as_millis());
+                    .with("liveness_timeout_ms", self.limits.liveness_timeout.as_millis())
+                    .with("silent_ms", now.saturating_sub(p.heard).as_millis());
                 self.peer_gone(&peer, err, now);
                 if let Some(p) = self.peers.get_mut(&peer) {
                     p.heard = now; // sessions made later get a fresh window

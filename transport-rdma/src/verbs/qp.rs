@@ -10,7 +10,7 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 use transport_mem::MemoryRegion;
 
-use super::{check, Cq, Pd};
+use super::{check, slow_verb, Cq, Pd};
 use crate::error::VerbsError;
 
 /// RNR NAK timer of our QPs (`ibv_qp_attr.min_rnr_timer` code 12: 0.64 ms).
@@ -184,8 +184,10 @@ impl Qp {
         init.cap.max_recv_wr = 1;
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
+        let started = std::time::Instant::now();
         // SAFETY: PD and CQ are live and kept alive by the returned Qp.
         let qp = check("ibv_create_qp", unsafe { ffi::ibv_create_qp(pd.pd.as_ptr(), &mut init) })?;
+        slow_verb("ibv_create_qp", started);
         let me = Qp { qp, pins: Vec::new(), _pd: pd.clone(), _cq: cq.clone() };
         // SAFETY: all-zero is valid for ibv_qp_attr.
         let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -207,8 +209,11 @@ impl Qp {
     }
 
     fn modify(&self, a: &mut ffi::ibv_qp_attr, mask: ffi::ibv_qp_attr_mask) -> Result<(), VerbsError> {
+        let started = std::time::Instant::now();
         // SAFETY: the QP is live; `a` is a valid attribute struct for `mask`.
-        check("ibv_modify_qp", unsafe { ffi::ibv_modify_qp(self.qp.as_ptr(), a, mask.0 as c_int) })
+        let r = check("ibv_modify_qp", unsafe { ffi::ibv_modify_qp(self.qp.as_ptr(), a, mask.0 as c_int) });
+        slow_verb("ibv_modify_qp", started);
+        r
     }
 
     /// INIT -> RTR -> RTS toward `remote`.
@@ -321,6 +326,7 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        let started = std::time::Instant::now();
         // SAFETY: created by ibv_create_qp, destroyed once. Work may still
         // be posted (a QP dropped without flushing: passive, evicted,
         // force-reaped, or dropped with the transport): a successful
@@ -328,6 +334,7 @@ impl Drop for Qp {
         // its buffers, so the pinned registrations may go (field drop,
         // after this body).
         let rc = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
+        slow_verb("ibv_destroy_qp", started);
         if let Err(e) = check("ibv_destroy_qp", rc) {
             // The QP may live on with work posted: keep what it can reach.
             tracing::error!("{e}; leaking the {} memory registration(s) it used", self.pins.len());
