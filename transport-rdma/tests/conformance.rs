@@ -81,11 +81,17 @@ fn cfg(opts: &NodeOptions, listen: String, device: Option<String>, inbox: usize)
 }
 
 /// Runs a command of the fault tooling (`ip`, `tc`); its failure is the
-/// case's failure, with the command's own words.
-fn sh(args: &[&str]) -> Result<()> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
+/// case's failure, with the command's own words. It runs on the blocking
+/// pool: in the VM under load `ip link set` takes up to seconds, and a
+/// runtime worker waiting that long holds the task it woke last (tokio's
+/// LIFO slot is never stolen), which stalled the nodes' session timers
+/// past their liveness timeout (issue 31).
+async fn sh(args: &[&str]) -> Result<()> {
+    let argv: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let run = tokio::task::spawn_blocking(move || Command::new(&argv[0]).args(&argv[1..]).output());
+    let out = run
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("{}: {e}", args.join(" "))))?
         .map_err(|e| Error::new(ErrorKind::Io, format!("{}: {e}", args.join(" "))))?;
     if out.status.success() {
         return Ok(());
@@ -174,14 +180,14 @@ impl Harness for RdmaHarness {
             return Ok(false);
         }
         for l in links {
-            sh(&["ip", "link", "set", &l.netdev, "down"])?;
+            sh(&["ip", "link", "set", &l.netdev, "down"]).await?;
             port_state(&l.device, "DOWN").await?;
         }
         // The node sees IBV_EVENT_PORT_ERR and drops its QPs; give its
         // event handler a moment before the link returns.
         tokio::time::sleep(Duration::from_millis(50)).await;
         for l in links {
-            sh(&["ip", "link", "set", &l.netdev, "up"])?;
+            sh(&["ip", "link", "set", &l.netdev, "up"]).await?;
             port_state(&l.device, "ACTIVE").await?;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -195,10 +201,10 @@ impl Harness for RdmaHarness {
         }
         for dev in links.iter().flat_map(|l| [&l.netdev, &l.bridge_port]) {
             if on {
-                sh(&["tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%"])?;
+                sh(&["tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%"]).await?;
             } else {
                 // Nothing to delete is fine (a resume without a stall).
-                let _ = sh(&["tc", "qdisc", "del", "dev", dev, "root"]);
+                let _ = sh(&["tc", "qdisc", "del", "dev", dev, "root"]).await;
             }
         }
         Ok(true)
