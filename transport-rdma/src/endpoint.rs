@@ -5,6 +5,7 @@
 //!
 //! [`EndpointPool`]: transport_core::lifecycle::EndpointPool
 
+use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
@@ -12,7 +13,7 @@ use tokio::net::TcpStream;
 use transport_core::lifecycle::{Acquire, EndpointId};
 use transport_core::{Error, ErrorKind, Result, SegmentId};
 
-use crate::handshake::{self, QpGroup};
+use crate::handshake::{self, Bringup};
 use crate::state::{Endpoint, Inner, QpSlot, Task};
 use crate::verbs::QpTiming;
 
@@ -24,16 +25,17 @@ const FULL_RETRY: Duration = Duration::from_millis(1);
 const WATCH_BUF: usize = 64;
 
 /// A place the pool reserved for a build: given back on drop unless the
-/// build settled it (`id` taken).
-struct Reservation<'a> {
-    inner: &'a Inner,
+/// build settled it (`id` taken). It travels with the QPs being built
+/// ([`Bringup`]), so it is given back only after they are destroyed.
+struct Reservation {
+    inner: Weak<Inner>,
     id: Option<EndpointId>,
 }
 
-impl Drop for Reservation<'_> {
+impl Drop for Reservation {
     fn drop(&mut self) {
-        if let Some(id) = self.id.take() {
-            self.inner.with_state(|st, _| st.pool.build_failed(id));
+        if let (Some(id), Some(inner)) = (self.id.take(), self.inner.upgrade()) {
+            inner.with_state(|st, _| st.pool.build_failed(id));
         }
     }
 }
@@ -108,11 +110,15 @@ impl Inner {
             }
         };
         // Until the build is settled, the place goes back if this future
-        // is dropped or the build fails (the QPs built so far are dropped
-        // first, inside `build`).
-        let mut reserved = Reservation { inner: self, id: Some(id) };
+        // is dropped or the build fails, once the QPs built so far are
+        // destroyed (it travels with them).
+        let reserved = Reservation { inner: self.weak(), id: Some(id) };
         self.link_usable()?;
-        let (group, stream, peer) = self.build(&name).await?;
+        let building = Instant::now();
+        let built = self.build(&name, reserved).await;
+        tracing::debug!(segment = %name, took_ms = building.elapsed().as_millis() as u64, ok = built.is_ok(), "rdma: endpoint build");
+        let (bringup, stream, peer) = built?;
+        let (group, mut reserved) = bringup.finish();
         reserved.id = None;
         let created = group.created;
         let mut ep = Endpoint {
@@ -146,12 +152,17 @@ impl Inner {
         })
     }
 
-    /// Creates the QPs and connects them to the segment `name`.
-    async fn build(&self, name: &str) -> Result<(QpGroup, TcpStream, transport_core::SegmentDescriptor)> {
+    /// Creates the QPs for the place `reserved` and connects them to the
+    /// segment `name`, every verbs call off the runtime.
+    async fn build(
+        &self,
+        name: &str,
+        reserved: Reservation,
+    ) -> Result<(Bringup<Reservation>, TcpStream, transport_core::SegmentDescriptor)> {
         let v = self.verbs()?;
-        let group = QpGroup::new(&v, self.cfg.qps_per_endpoint, self.lim.max_outstanding_per_qp)?;
-        let (stream, desc) = handshake::connect(&v, &group, name, self.timing(), self.cfg.handshake_timeout()).await?;
-        Ok((group, stream, desc))
+        let group =
+            Bringup::create(v.clone(), self.cfg.qps_per_endpoint, self.lim.max_outstanding_per_qp, reserved).await?;
+        handshake::connect(v, group, name, self.timing(), self.cfg.handshake_timeout()).await
     }
 }
 

@@ -4,7 +4,19 @@
 //! (INIT -> RTR -> RTS) toward the other half at the smaller of both
 //! ports' MTUs. The connecting side runs [`connect`]; `server.rs` answers
 //! with the same group operations.
+//!
+//! Creating, connecting and destroying QPs block their thread: moving a QP
+//! to RTR resolves the peer's GID to a MAC in the kernel
+//! (`rdma_addr_find_l2_eth_by_grh`), which was seen taking a second in
+//! the soft-RoCE VM, and longer right after a link came back. None of it
+//! runs on a runtime worker: a worker blocked that long also holds the
+//! task it woke last (tokio's LIFO slot is never stolen), which stalled the
+//! session driver's timers and heartbeats past the liveness timeout (issue
+//! 31). [`off_runtime`] runs such work on the blocking pool, and
+//! [`Bringup`] destroys a group that is given up there too.
 
+use std::borrow::Borrow;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::BufReader;
@@ -93,18 +105,87 @@ impl QpGroup {
     }
 }
 
+/// Runs `work` (verbs calls that may block) on tokio's blocking pool, so
+/// that no runtime worker waits in the kernel. If the caller's future is
+/// dropped meanwhile, `work` still runs to its end and its result is
+/// dropped on the pool.
+pub(crate) async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("a blocking verbs task failed: {e}")))
+}
+
+/// A QP group being brought up, with what must outlive its QPs (`P`: the
+/// endpoint place it was built for, given back only once the QPs are
+/// destroyed, rule 4). Dropped before [`Bringup::finish`] (a failed or
+/// abandoned build), it destroys the QPs and then drops `P`, on the
+/// blocking pool when inside a runtime.
+pub(crate) struct Bringup<P: Send + 'static> {
+    group: Option<QpGroup>,
+    place: Option<P>,
+}
+
+impl<P: Send + 'static> Bringup<P> {
+    /// Creates `n` QPs (as [`QpGroup::new`]) off the runtime, for `place`.
+    pub(crate) async fn create(v: Arc<Verbs>, n: usize, max_send_wr: usize, place: P) -> Result<Self> {
+        let made = off_runtime(move || {
+            let group = QpGroup::new(&v, n, max_send_wr);
+            // On failure `place` goes here, after the QPs made so far.
+            group.map(|g| Bringup { group: Some(g), place: Some(place) })
+        });
+        made.await?
+    }
+
+    /// The group and the place, the build settled.
+    pub(crate) fn finish(mut self) -> (QpGroup, P) {
+        match (self.group.take(), self.place.take()) {
+            (Some(g), Some(p)) => (g, p),
+            // Both are set from `create` until `finish`, which consumes self.
+            _ => unreachable!("a Bringup holds its group and place until finished"),
+        }
+    }
+}
+
+impl<P: Send + 'static> Borrow<QpGroup> for Bringup<P> {
+    fn borrow(&self) -> &QpGroup {
+        match &self.group {
+            Some(g) => g,
+            None => unreachable!("a Bringup holds its group until finished"),
+        }
+    }
+}
+
+impl<P: Send + 'static> Drop for Bringup<P> {
+    fn drop(&mut self) {
+        let (group, place) = (self.group.take(), self.place.take());
+        if group.is_none() && place.is_none() {
+            return;
+        }
+        // QPs first (ibv_destroy_qp), then the place.
+        let destroy = move || {
+            drop(group);
+            drop(place);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(destroy)),
+            Err(_) => destroy(),
+        }
+    }
+}
+
 /// The connecting side: sends `group`'s half to the segment `name` and
-/// brings the QPs up toward the reply. Returns the side channel (kept
-/// open for the endpoint's life: its close makes the peer destroy its
-/// half) and the peer's descriptor as of now.
-pub(crate) async fn connect(
-    v: &Verbs,
-    group: &QpGroup,
+/// brings the QPs up toward the reply (off the runtime). Returns the group,
+/// the side channel (kept open for the endpoint's life: its close makes
+/// the peer destroy its half) and the peer's descriptor as of now. On
+/// failure the group is dropped.
+pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
+    v: Arc<Verbs>,
+    group: G,
     name: &str,
     timing: QpTiming,
     limit: Duration,
-) -> Result<(TcpStream, SegmentDescriptor)> {
-    let hello = group.hello(v, v.port.active_mtu);
+) -> Result<(G, TcpStream, SegmentDescriptor)> {
+    let hello = group.borrow().hello(&v, v.port.active_mtu);
     let request = Request::Connect { gid: hello.gid, lid: hello.lid, mtu: hello.mtu, qps: hello.qps };
     let work = async {
         let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
@@ -123,8 +204,8 @@ pub(crate) async fn connect(
         Reply::Error { message } => return Err(Error::new(ErrorKind::HandshakeFailed, message).with("segment", name)),
         _ => return Err(Error::new(ErrorKind::Protocol, "the peer answered the connect request with another reply")),
     };
-    group.connect(v, &theirs, timing)?;
-    Ok((stream.into_inner(), desc))
+    let group = off_runtime(move || group.borrow().connect(&v, &theirs, timing).map(|_| group)).await??;
+    Ok((group, stream.into_inner(), desc))
 }
 
 /// Asks the peer `name` for its descriptor over the side channel.

@@ -87,10 +87,16 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
     let reply = match weak.upgrade() {
         Some(inner) => match req {
             Request::Describe => Reply::Descriptor { descriptor: inner.descriptor() },
-            Request::Connect { gid, lid, mtu, qps } => match accept(&inner, id, &Half { gid, lid, mtu, qps }) {
-                Ok(r) => r,
-                Err(e) => Reply::Error { message: e.to_string() },
-            },
+            Request::Connect { gid, lid, mtu, qps } => {
+                // QP bring-up blocks its thread (see `handshake`): off the
+                // runtime. Aborted meanwhile (shutdown), it still ends,
+                // and `accept` keeps nothing once shut down.
+                let theirs = Half { gid, lid, mtu, qps };
+                match crate::handshake::off_runtime(move || accept(&inner, id, &theirs)).await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(e)) | Err(e) => Reply::Error { message: e.to_string() },
+                }
+            }
             Request::Notify { from, msg } => {
                 drop(inner);
                 return notes(weak, sock, timeout, from, msg).await;
