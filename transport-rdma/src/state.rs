@@ -20,7 +20,7 @@
 //! completion never touches a request that has moved on.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -471,6 +471,28 @@ pub(crate) struct Inner {
     /// `shutdown`.
     pub inbox: Inbox,
     pub me: Weak<Inner>,
+    /// Graveyards with QPs being destroyed on the blocking pool
+    /// ([`Inner::with_state`]); `settle` waits for them.
+    pub burying: AtomicUsize,
+}
+
+/// A graveyard buried off the runtime ([`Inner::with_state`]) when dropped.
+struct Burial {
+    inner: Weak<Inner>,
+    grave: Option<Graveyard>,
+}
+
+impl Drop for Burial {
+    fn drop(&mut self) {
+        let Some(grave) = self.grave.take() else { return };
+        match self.inner.upgrade() {
+            Some(inner) => {
+                inner.bury(grave);
+                inner.burying.fetch_sub(1, Ordering::SeqCst);
+            }
+            None => drop(grave),
+        }
+    }
 }
 
 impl Inner {
@@ -478,12 +500,37 @@ impl Inner {
     /// destroys what `f` put in it and gives the pool back the places of
     /// the endpoints destroyed: a place is free only once its QPs are gone,
     /// so the kernel's QP count never exceeds the bound.
+    ///
+    /// `ibv_destroy_qp` blocks its thread (tens of ms in the soft-RoCE VM),
+    /// so inside a runtime a graveyard holding QPs is buried on the
+    /// blocking pool, never on a worker (see `handshake` for why); the
+    /// places come back once it is done, and [`Inner::settle`] waits for
+    /// it. Memory registrations alone are deregistered here, before the
+    /// caller goes on (`unregister` returns only once they are).
     pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State, &mut Graveyard) -> R) -> R {
         let mut grave = Graveyard::default();
         let out = f(&mut self.state.lock(), &mut grave);
         if grave.is_empty() {
             return out;
         }
+        let qps = !grave.endpoints.is_empty() || !grave.passive.is_empty();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) if qps => {
+                self.burying.fetch_add(1, Ordering::SeqCst);
+                let burial = Burial { inner: self.weak(), grave: Some(grave) };
+                // Run, or dropped unrun by a runtime shutting down: either
+                // way the burial's drop does the work.
+                drop(rt.spawn_blocking(move || drop(burial)));
+            }
+            _ => self.bury(grave),
+        }
+        out
+    }
+
+    /// Destroys what `grave` holds, then gives the pool back the places of
+    /// its endpoints and settles the work they lost.
+    fn bury(&self, grave: Graveyard) {
+        let mut grave = grave;
         let dead: Vec<EndpointId> = grave.endpoints.iter().map(|(id, _)| *id).collect();
         let lost = std::mem::take(&mut grave.lost);
         drop(grave); // ibv_destroy_qp, ibv_dereg_mr: outside the lock
@@ -491,7 +538,6 @@ impl Inner {
             let mut st = self.state.lock();
             st.after_destroy(&dead, &lost);
         }
-        out
     }
 
     pub(crate) fn weak(&self) -> Weak<Inner> {

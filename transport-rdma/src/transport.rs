@@ -123,6 +123,7 @@ impl RdmaTransport {
         let inbox = Inbox::new(cfg.inbox_capacity);
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
+            burying: std::sync::atomic::AtomicUsize::new(0),
             cfg,
             lim,
             name,

@@ -364,9 +364,10 @@ impl State {
 }
 
 impl Inner {
-    /// Waits (bounded) until `quiet` holds, reaping flushed endpoints; after
-    /// twice the flush timeout, destroys every broken endpoint, which makes
-    /// the state quiet by construction.
+    /// Waits (bounded) until `quiet` holds and no QP is being destroyed off
+    /// the runtime, reaping flushed endpoints; after twice the flush
+    /// timeout, destroys every broken endpoint, which makes the state quiet
+    /// by construction.
     pub(crate) async fn settle(&self, quiet: impl Fn(&State) -> bool) {
         let start = Instant::now();
         let limit = self.lim.flush_timeout * 2 + SETTLE_GRACE;
@@ -376,6 +377,9 @@ impl Inner {
                 st.reap(&self.lim, force, g);
                 quiet(st) || force
             });
+            // QPs still being destroyed off the runtime (`with_state`).
+            let buried = self.burying.load(std::sync::atomic::Ordering::SeqCst) == 0;
+            let done = done && (buried || start.elapsed() >= limit);
             if done {
                 return;
             }
