@@ -967,9 +967,13 @@ pub async fn peer_killed(cx: Ctx) -> CaseResult {
 
 /// Sixteen layers of 256 KiB, each one `write`; connections toward the
 /// receiver are cut as layers 2, 5, 8, 11 and 14 start, toward the sender
-/// as layer 6 starts (real endpoint resets): the policy's retry carries
-/// every write through, and the session lands on both sides with every
-/// byte.
+/// as layer 6 starts (real endpoint resets), and the next layer starts
+/// only once that cut is over, so every cut lands inside the transfer:
+/// the policy's retry carries every write through, and the session lands
+/// on both sides with every byte. Each cut is shorter than the liveness
+/// timeout, so neither side may give the session up; the grant's deadline
+/// covers the cuts themselves (a loaded soft-RoCE VM takes up to seconds
+/// to take a link down and up).
 pub async fn connection_cut(cx: Ctx) -> CaseResult {
     let layers: u64 = 16;
     let len = layers * LAYER;
@@ -977,29 +981,34 @@ pub async fn connection_cut(cx: Ctx) -> CaseResult {
     fill_layers(&duo.p.mem, LAYER)?;
     let id = 6;
     duo.p.s.expect(&duo.dn, id)?;
-    duo.grant(id, &[(0, len)], LONG).await?;
+    duo.grant(id, &[(0, len)], CUTS_DEADLINE).await?;
     duo.wait_grant(id).await?;
     let before = duo.d.mem.snapshot();
     let parts: Vec<Part> = (0..layers).map(|k| part(k * LAYER, k * LAYER, LAYER)).collect();
     let want = duo.model(&before, &parts);
 
-    // The writer says which layer it starts; cuts follow at once, while
-    // that layer's write runs.
+    // The writer says which layer it starts; the cut follows at once,
+    // while that layer's write runs, and the writer waits for it to end
+    // before it starts the next layer.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (cut_done, mut cuts_done) = tokio::sync::mpsc::unbounded_channel::<usize>();
     let (d2, parts2) = (duo.clone(), parts.clone());
     let writer = tokio::spawn(async move {
         for (k, p) in parts2.iter().enumerate() {
             let _ = tx.send(k);
             d2.write_ok(id, &[*p], &format!("layer {k} around cuts (rule 13: one transient failure fails nothing)"))
                 .await?;
+            if cut_at(k) {
+                bounded("the cut during this layer", cuts_done.recv()).await?;
+            }
         }
         Ok::<(), CaseError>(())
     });
     while let Some(k) = bounded("the next layer", rx.recv()).await? {
-        match k {
-            2 | 5 | 8 | 11 | 14 => cx.cut(&duo.d.node).await?,
-            6 => cx.cut(&duo.p.node).await?,
-            _ => {}
+        if cut_at(k) {
+            let node = if k == 6 { &duo.p.node } else { &duo.d.node };
+            cx.cut(node).await?;
+            let _ = cut_done.send(k);
         }
     }
     bounded("the writes around the cuts", writer)
@@ -1009,6 +1018,15 @@ pub async fn connection_cut(cx: Ctx) -> CaseResult {
     duo.both_end(id, "landed", ENDS_WITHIN, "a session whose connections were cut mid-transfer").await?;
     duo.d.mem.expect(&want, "the landed session after cuts")?;
     duo.release(id)
+}
+
+/// The grant deadline of `connection_cut`: its six cuts, each up to a few
+/// seconds in a loaded VM, and the writes between them.
+const CUTS_DEADLINE: Duration = Duration::from_secs(45);
+
+/// Whether `connection_cut` cuts a link as layer `k` starts.
+fn cut_at(k: usize) -> bool {
+    matches!(k, 2 | 5 | 6 | 8 | 11 | 14)
 }
 
 // ---------------------------------------------------------------------------
