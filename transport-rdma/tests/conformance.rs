@@ -102,6 +102,16 @@ async fn sh(args: &[&str]) -> Result<()> {
     ))
 }
 
+/// Takes `netdev` down or up (`common::ip_link`: its static neighbours
+/// survive), on the blocking pool like [`sh`].
+async fn link(netdev: &str, up: bool) -> Result<()> {
+    let n = netdev.to_string();
+    tokio::task::spawn_blocking(move || common::ip_link(&n, up))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("ip link set {netdev}: {e}")))?
+        .map_err(|e| Error::new(ErrorKind::Io, e))
+}
+
 /// Waits (bounded) until `device`'s port 1 is in `state` ("ACTIVE", "DOWN").
 async fn port_state(device: &str, state: &str) -> Result<()> {
     let path = format!("/sys/class/infiniband/{device}/ports/1/state");
@@ -180,14 +190,14 @@ impl Harness for RdmaHarness {
             return Ok(false);
         }
         for l in links {
-            sh(&["ip", "link", "set", &l.netdev, "down"]).await?;
+            link(&l.netdev, false).await?;
             port_state(&l.device, "DOWN").await?;
         }
         // The node sees IBV_EVENT_PORT_ERR and drops its QPs; give its
         // event handler a moment before the link returns.
         tokio::time::sleep(Duration::from_millis(50)).await;
         for l in links {
-            sh(&["ip", "link", "set", &l.netdev, "up"]).await?;
+            link(&l.netdev, true).await?;
             port_state(&l.device, "ACTIVE").await?;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -161,9 +161,12 @@ fn notifications_flow_while_the_link_is_down() {
         let local = buffer_with(4096, 8);
         let lid = client.register(local.region(), Access::LOCAL).unwrap();
         let write = vec![TransferRequest::write(lid, 0, seg, remote.addr(), 4096)];
-        let _up = LinkUp(netdev.clone());
-        ip_link(&netdev, "down");
-        assert!(eventually(Duration::from_secs(10), || !port_is(&dev_c, "ACTIVE")).await, "{dev_c} still active");
+        let _up = common::LinksUp(vec![netdev.clone()]);
+        common::ip_link(&netdev, false).unwrap();
+        assert!(
+            eventually(Duration::from_secs(10), || !common::port_is(&dev_c, "ACTIVE")).await,
+            "{dev_c} still active"
+        );
         let e = match client.submit(write.clone(), SubmitOptions::default()).await {
             Err(e) => e,
             Ok(b) => {
@@ -178,8 +181,11 @@ fn notifications_flow_while_the_link_is_down() {
         }
         let got = take_n(&server, 5).await;
         assert_eq!(got.iter().map(|n| n.msg[0]).collect::<Vec<_>>(), (0..5).collect::<Vec<_>>());
-        ip_link(&netdev, "up");
-        assert!(eventually(Duration::from_secs(10), || port_is(&dev_c, "ACTIVE")).await, "{dev_c} did not come back");
+        common::ip_link(&netdev, true).unwrap();
+        assert!(
+            eventually(Duration::from_secs(10), || common::port_is(&dev_c, "ACTIVE")).await,
+            "{dev_c} did not come back"
+        );
         let mut done = false;
         for _ in 0..50 {
             // The first attempts may still find the route missing.
@@ -199,24 +205,6 @@ fn notifications_flow_while_the_link_is_down() {
         client.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
     });
-}
-
-/// Brings a link back up however the test ends.
-struct LinkUp(String);
-
-impl Drop for LinkUp {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip").args(["link", "set", &self.0, "up"]).status();
-    }
-}
-
-fn ip_link(netdev: &str, state: &str) {
-    let st = std::process::Command::new("ip").args(["link", "set", netdev, state]).status().expect("run `ip`");
-    assert!(st.success(), "ip link set {netdev} {state} failed");
-}
-
-fn port_is(device: &str, state: &str) -> bool {
-    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
 }
 
 fn hundred_sequential_notifies_arrive_in_order() {

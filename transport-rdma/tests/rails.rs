@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,26 +64,6 @@ async fn node(devices: &[&str], fallback: bool) -> Arc<Rails> {
         None
     };
     Rails::new(rails, fb, rails_cfg()).expect("rails")
-}
-
-fn ip_link(netdev: &str, state: &str) {
-    let st = Command::new("ip").args(["link", "set", netdev, state]).status().expect("run `ip`");
-    assert!(st.success(), "ip link set {netdev} {state} failed");
-}
-
-fn port_is(device: &str, state: &str) -> bool {
-    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
-}
-
-/// Brings links back up however the test ends.
-struct LinksUp(Vec<String>);
-
-impl Drop for LinksUp {
-    fn drop(&mut self) {
-        for n in &self.0 {
-            let _ = Command::new("ip").args(["link", "set", n, "up"]).status();
-        }
-    }
 }
 
 struct Pair {
@@ -161,12 +140,12 @@ fn rail_link_down_mid_batch_completes_byte_exact() {
         assert!(before.iter().all(|x| x.bytes > 0), "both rails carry a share: {before:?}");
 
         // Rail 0 of the initiator loses its link while the batch moves.
-        let _up = LinksUp(vec![links[0].netdev.clone()]);
+        let _up = common::LinksUp(vec![links[0].netdev.clone()]);
         p.dst.fill(0);
         let t0 = Instant::now();
         let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
         tokio::time::sleep(clean / 5).await;
-        ip_link(&links[0].netdev, "down");
+        common::ip_link(&links[0].netdev, false).unwrap();
         let moved = p.a.paths(p.seg).unwrap();
         assert!(!p.a.poll(b).unwrap().is_terminal(), "the batch ended before the link went down");
         let st = wait(&*p.a, b).await;
@@ -187,8 +166,8 @@ fn rail_link_down_mid_batch_completes_byte_exact() {
         assert!(my_qps() <= qp_bound(), "kernel QPs {} above {}", my_qps(), qp_bound());
 
         // The link returns: after its pause the path carries a probe and is back.
-        ip_link(&links[0].netdev, "up");
-        assert!(eventually(Duration::from_secs(10), || port_is(&links[0].device, "ACTIVE")).await);
+        common::ip_link(&links[0].netdev, true).unwrap();
+        assert!(eventually(Duration::from_secs(10), || common::port_is(&links[0].device, "ACTIVE")).await);
         let back = Instant::now();
         let mut resumed = false;
         while back.elapsed() < Duration::from_secs(30) && !resumed {
@@ -208,15 +187,15 @@ fn flapping_rail_costs_no_error_and_kernel_qps_stay_bounded() {
     run("flapping_rail_costs_no_error_and_kernel_qps_stay_bounded", 500, async {
         let (p, links) = Pair::new(false).await;
         let netdev = links[3].netdev.clone(); // the target's rail 1
-        let _up = LinksUp(vec![netdev.clone()]);
+        let _up = common::LinksUp(vec![netdev.clone()]);
         let start = Instant::now();
         let (mut cycles, mut verified, mut max_qps) = (0, 0u64, 0);
         while cycles < 12 && start.elapsed() < Duration::from_secs(240) {
             let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
             tokio::time::sleep(Duration::from_millis(40)).await;
-            ip_link(&netdev, "down");
+            common::ip_link(&netdev, false).unwrap();
             tokio::time::sleep(Duration::from_millis(150)).await;
-            ip_link(&netdev, "up");
+            common::ip_link(&netdev, true).unwrap();
             let st = wait(&*p.a, b).await;
             p.a.release(b).unwrap();
             assert_eq!(st.state, BatchState::Completed, "cycle {cycles}: {:?}", st.first_error());
@@ -224,7 +203,7 @@ fn flapping_rail_costs_no_error_and_kernel_qps_stay_bounded() {
             verified += LEN as u64;
             max_qps = max_qps.max(my_qps());
             assert!(max_qps <= qp_bound(), "cycle {cycles}: kernel QPs {max_qps} above {}\n{}", qp_bound(), qp_table());
-            assert!(eventually(Duration::from_secs(10), || port_is(&links[3].device, "ACTIVE")).await);
+            assert!(eventually(Duration::from_secs(10), || common::port_is(&links[3].device, "ACTIVE")).await);
             cycles += 1;
         }
         assert!(cycles >= 4, "only {cycles} flaps fit");
@@ -241,9 +220,9 @@ fn flapping_rail_costs_no_error_and_kernel_qps_stay_bounded() {
 fn every_rail_down_is_transient_without_a_fallback() {
     run("every_rail_down_is_transient_without_a_fallback", 300, async {
         let (p, links) = Pair::new(false).await;
-        let _up = LinksUp(vec![links[0].netdev.clone(), links[1].netdev.clone()]);
-        ip_link(&links[0].netdev, "down");
-        ip_link(&links[1].netdev, "down");
+        let _up = common::LinksUp(vec![links[0].netdev.clone(), links[1].netdev.clone()]);
+        common::ip_link(&links[0].netdev, false).unwrap();
+        common::ip_link(&links[1].netdev, false).unwrap();
         let (st, took) = p.write_all().await;
         assert_eq!(st.state, BatchState::Failed);
         let e = st.first_error().unwrap();
@@ -262,20 +241,20 @@ fn every_rail_down_moves_over_tcp_then_back_to_rdma() {
         assert_eq!(paths.len(), 3, "{paths:?}");
         assert_eq!(paths[2].bytes, 0, "the fallback idles while RDMA is up: {paths:?}");
 
-        let _up = LinksUp(vec![links[0].netdev.clone(), links[1].netdev.clone()]);
-        ip_link(&links[0].netdev, "down");
-        ip_link(&links[1].netdev, "down");
+        let _up = common::LinksUp(vec![links[0].netdev.clone(), links[1].netdev.clone()]);
+        common::ip_link(&links[0].netdev, false).unwrap();
+        common::ip_link(&links[1].netdev, false).unwrap();
         let (st, over_tcp) = p.write_all().await;
         assert_eq!(st.state, BatchState::Completed, "with the fallback: {:?}", st.first_error());
         assert!(p.exact(), "bytes over the fallback");
         let down = p.a.paths(p.seg).unwrap();
         assert!(down[2].fallback && down[2].bytes > 0, "the fallback carried it: {down:?}");
 
-        ip_link(&links[0].netdev, "up");
-        ip_link(&links[1].netdev, "up");
+        common::ip_link(&links[0].netdev, true).unwrap();
+        common::ip_link(&links[1].netdev, true).unwrap();
         assert!(
-            eventually(Duration::from_secs(10), || port_is(&links[0].device, "ACTIVE")
-                && port_is(&links[1].device, "ACTIVE"))
+            eventually(Duration::from_secs(10), || common::port_is(&links[0].device, "ACTIVE")
+                && common::port_is(&links[1].device, "ACTIVE"))
             .await
         );
         let back = Instant::now();

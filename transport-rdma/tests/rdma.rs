@@ -529,24 +529,6 @@ fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
     });
 }
 
-/// Brings a link back up however the test ends.
-struct LinkUp<'a>(&'a str);
-
-impl Drop for LinkUp<'_> {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "set", self.0, "up"]).status();
-    }
-}
-
-fn ip_link(netdev: &str, state: &str) {
-    let st = Command::new("ip").args(["link", "set", netdev, state]).status().expect("run `ip`");
-    assert!(st.success(), "ip link set {netdev} {state} failed");
-}
-
-fn port_is(device: &str, state: &str) -> bool {
-    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
-}
-
 /// A link taken down in the middle of a transfer (`ip link set <netdev>
 /// down` on the initiator's device): the batch ends with a transient
 /// error, its endpoint is destroyed (stats and the kernel's QP count back
@@ -578,8 +560,8 @@ fn link_down_mid_transfer_fails_transiently_and_frees_the_endpoint() {
         let reqs: Vec<_> = (0..LEN as u64 / SLICE).map(|i| write(i * SLICE, SLICE)).collect();
         let b = client.submit(reqs, SubmitOptions::default()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let _up = LinkUp(&netdev);
-        ip_link(&netdev, "down");
+        let _up = common::LinksUp(vec![netdev.clone()]);
+        common::ip_link(&netdev, false).unwrap();
         let st = wait(&client, b).await;
         assert_eq!(st.state, BatchState::Failed, "a batch cut by a link failure ended {:?}", st.state);
         let e = st.first_error().unwrap();
@@ -609,8 +591,11 @@ fn link_down_mid_transfer_fails_transiently_and_frees_the_endpoint() {
         assert!(e.is_transient() && e.to_string().contains("link down"), "while the link is down: {e}");
         assert!(t0.elapsed() < Duration::from_secs(5), "a down link took {:?} to report", t0.elapsed());
 
-        ip_link(&netdev, "up");
-        assert!(eventually(Duration::from_secs(10), || port_is(&dev_c, "ACTIVE")).await, "{dev_c} did not come back");
+        common::ip_link(&netdev, true).unwrap();
+        assert!(
+            eventually(Duration::from_secs(10), || common::port_is(&dev_c, "ACTIVE")).await,
+            "{dev_c} did not come back"
+        );
         let b = client.submit(vec![write(0, LEN as u64)], SubmitOptions::default()).await.unwrap();
         let st = wait(&client, b).await;
         assert_eq!(st.state, BatchState::Completed, "after the link returned: {:?}", st.first_error());

@@ -46,6 +46,73 @@ pub fn fault_links() -> Vec<Link> {
         .collect()
 }
 
+/// Neighbour entries saved by [`ip_link`] when it took a netdev down.
+static SAVED_NEIGHBOURS: std::sync::Mutex<Vec<(String, Vec<(String, String)>)>> = std::sync::Mutex::new(Vec::new());
+
+/// The permanent IPv6 neighbours of `netdev` (`(address, MAC)`).
+fn permanent_neighbours(netdev: &str) -> Vec<(String, String)> {
+    let out = Command::new("ip").args(["-6", "neigh", "show", "dev", netdev, "nud", "permanent"]).output();
+    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            let at = w.iter().position(|x| *x == "lladdr")?;
+            Some((w.first()?.to_string(), w.get(at + 1)?.to_string()))
+        })
+        .collect()
+}
+
+/// Takes `netdev` down or up (`ip link set`). Taking a netdev down makes
+/// the kernel flush every neighbour entry on it, the permanent ones the
+/// soft-RoCE VM sets up included (scripts/rxe-vm); without them every QP
+/// brought up toward a peer afterwards waits about a second in the
+/// kernel's address resolution (`rdma_addr_find_l2_eth_by_grh` times out
+/// and retries), which made later timing-sensitive cases fail. So `down`
+/// saves them and `up` puts them back, as a lab network's static
+/// configuration would be.
+pub fn ip_link(netdev: &str, up: bool) -> Result<(), String> {
+    let state = if up { "up" } else { "down" };
+    if !up {
+        let now = permanent_neighbours(netdev);
+        let mut saved = SAVED_NEIGHBOURS.lock().unwrap_or_else(|p| p.into_inner());
+        if !now.is_empty() {
+            saved.retain(|(n, _)| n != netdev);
+            saved.push((netdev.to_string(), now));
+        }
+    }
+    let out = Command::new("ip").args(["link", "set", netdev, state]).output().map_err(|e| format!("ip: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("`ip link set {netdev} {state}` failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    if up {
+        let saved = SAVED_NEIGHBOURS.lock().unwrap_or_else(|p| p.into_inner());
+        for (addr, mac) in saved.iter().filter(|(n, _)| n == netdev).flat_map(|(_, v)| v) {
+            let args = ["-6", "neigh", "replace", addr, "lladdr", mac, "dev", netdev, "nud", "permanent"];
+            let st = Command::new("ip").args(args).status().map_err(|e| format!("ip: {e}"))?;
+            if !st.success() {
+                return Err(format!("`ip {}` failed", args.join(" ")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `device`'s port 1 is in `state` ("ACTIVE", "DOWN").
+pub fn port_is(device: &str, state: &str) -> bool {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/ports/1/state")).is_ok_and(|s| s.contains(state))
+}
+
+/// Brings links back up however a test ends.
+pub struct LinksUp(pub Vec<String>);
+
+impl Drop for LinksUp {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = ip_link(n, true);
+        }
+    }
+}
+
 /// A config on the test device (RDMA_TEST_DEVICE, else the first one).
 pub fn config() -> RdmaConfig {
     RdmaConfig {
