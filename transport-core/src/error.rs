@@ -65,6 +65,12 @@ pub enum ErrorKind {
     AuthFailed,
     /// No segment is known under this name.
     NotFound,
+    /// The outcome is not known to this side: a session's sender finished
+    /// (every byte written, FINISH sent) and then lost its receiver before
+    /// the receiver's answer came. The receiver may have landed the
+    /// session or not; its state decides. Not transient: writing the same
+    /// bytes again may land them twice.
+    OutcomeUnknown,
     /// A bug: a state the code believed impossible. Please report it.
     Internal,
 }
@@ -134,6 +140,7 @@ impl ErrorKind {
             Config => "config",
             AuthFailed => "auth_failed",
             NotFound => "not_found",
+            OutcomeUnknown => "outcome_unknown",
             Internal => "internal",
         }
     }

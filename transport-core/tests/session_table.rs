@@ -5,6 +5,13 @@
 //! live sides end in the same final state; a survivor ends within the
 //! liveness timeout; a sender is final only when quiet; writes outside the
 //! grant are refused.
+//!
+//! With pauses (`pauses_never_split_landed`), the scheduler may also
+//! freeze one table while time passes (a stopped or starved process: it
+//! neither ticks nor reads, and messages to it wait): neither side ever
+//! reports `landed` while the other ends with a known other outcome (the
+//! sender may end `OutcomeUnknown` after its FINISH), and pauses shorter
+//! than half the liveness timeout change nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::VecDeque;
@@ -13,6 +20,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use transport_core::session::wire::{Body, Message};
 use transport_core::session::{Action, Grant, Role, SessionKey, SessionLimits, SessionState, SessionTable};
+use transport_core::ErrorKind;
 
 const ID: u64 = 5;
 const BASE: u64 = 1 << 20;
@@ -35,13 +43,18 @@ enum Op {
     Duplicate(bool),
     Advance(u64),
     Grant(u64),
-    Write { offset: u64, len: u64 },
+    Write {
+        offset: u64,
+        len: u64,
+    },
     EndWrite,
     Finish,
     CancelSender,
     CancelReceiver,
     Kill(bool),
     Forge(bool, u8, u64),
+    /// Freeze the sender (true) or the receiver for this many ms.
+    Freeze(bool, u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -57,6 +70,16 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::CancelReceiver),
         1 => any::<bool>().prop_map(Op::Kill),
         1 => (any::<bool>(), 1u8..7, 0u64..8).prop_map(|(to_s, kind, id)| Op::Forge(to_s, kind, id)),
+    ]
+}
+
+/// [`op`], and freezes of either side: short ones (under half the liveness
+/// timeout) and long ones (up to four times it).
+fn op_with_pauses() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => op(),
+        1 => (any::<bool>(), 100u64..500).prop_map(|(s, ms)| Op::Freeze(s, ms)),
+        2 => (any::<bool>(), 500u64..4000).prop_map(|(s, ms)| Op::Freeze(s, ms)),
     ]
 }
 
@@ -76,6 +99,12 @@ struct World {
     last_r: Option<SessionState>,
     killed_at: Option<Duration>,
     survivor_final_at: Option<Duration>,
+    /// The side frozen (true: the sender) and until when.
+    frozen: Option<(bool, Duration)>,
+    /// The longest freeze so far.
+    longest_freeze: Duration,
+    /// Whether the receiver was ever frozen.
+    receiver_froze: bool,
 }
 
 fn ks() -> SessionKey {
@@ -113,6 +142,22 @@ impl World {
             last_r: None,
             killed_at: None,
             survivor_final_at: None,
+            frozen: None,
+            longest_freeze: Duration::ZERO,
+            receiver_froze: false,
+        }
+    }
+
+    /// Whether the sender (true) or the receiver runs: alive, not frozen.
+    fn runs(&self, sender: bool) -> bool {
+        let alive = if sender { self.s_alive } else { self.r_alive };
+        alive && self.frozen.is_none_or(|(f, _)| f != sender)
+    }
+
+    /// Lets time pass until no side is frozen.
+    fn thaw(&mut self) {
+        while self.frozen.is_some() {
+            self.advance(50);
         }
     }
 
@@ -182,6 +227,9 @@ impl World {
     }
 
     fn deliver(&mut self, to_s: bool, dup: bool) {
+        if self.frozen.is_some_and(|(f, _)| f == to_s) {
+            return; // it waits in the frozen side's socket
+        }
         let (q, alive) = if to_s { (&mut self.to_s, self.s_alive) } else { (&mut self.to_r, self.r_alive) };
         let Some((_, m)) = (if dup { q.front().cloned() } else { q.pop_front() }) else { return };
         if !alive {
@@ -199,8 +247,9 @@ impl World {
         self.now += Duration::from_millis(ms);
         // Bounded delay: anything older than MAX_DELAY arrives first.
         loop {
-            let old_r = self.to_r.front().is_some_and(|(t, _)| self.now.saturating_sub(*t) >= MAX_DELAY);
-            let old_s = self.to_s.front().is_some_and(|(t, _)| self.now.saturating_sub(*t) >= MAX_DELAY);
+            let (r_runs, s_runs) = (self.frozen.is_none_or(|(f, _)| f), self.frozen.is_none_or(|(f, _)| !f));
+            let old_r = r_runs && self.to_r.front().is_some_and(|(t, _)| self.now.saturating_sub(*t) >= MAX_DELAY);
+            let old_s = s_runs && self.to_s.front().is_some_and(|(t, _)| self.now.saturating_sub(*t) >= MAX_DELAY);
             if old_r {
                 self.deliver(false, false);
             } else if old_s {
@@ -209,10 +258,13 @@ impl World {
                 break;
             }
         }
-        if self.s_alive {
+        if self.frozen.is_some_and(|(_, until)| self.now >= until) {
+            self.frozen = None;
+        }
+        if self.runs(true) {
             self.s.tick(self.now);
         }
-        if self.r_alive {
+        if self.runs(false) {
             self.r.tick(self.now);
         }
         self.collect();
@@ -232,7 +284,7 @@ impl World {
             Op::Duplicate(to_s) => self.deliver(to_s, true),
             Op::Advance(ms) => self.advance(ms),
             Op::Grant(ms) => {
-                if self.r_alive && !self.granted {
+                if self.runs(false) && !self.granted {
                     let g =
                         Grant { ranges: vec![(BASE, GRANTED)], expected: GRANTED, deadline: Duration::from_millis(ms) };
                     self.r.grant_to("s", ID, g, self.now).unwrap();
@@ -241,7 +293,7 @@ impl World {
                 }
             }
             Op::Write { offset, len } => {
-                if self.s_alive {
+                if self.runs(true) {
                     let r = self.s.begin_write(&ks(), &[(BASE + offset, len)], self.now);
                     if offset + len > GRANTED {
                         assert!(r.is_err(), "a write outside the grant was allowed");
@@ -254,30 +306,30 @@ impl World {
                 }
             }
             Op::EndWrite => {
-                if self.s_alive {
+                if self.runs(true) {
                     self.end_write();
                 }
             }
             Op::Finish => {
-                if self.s_alive {
+                if self.runs(true) {
                     let _ = self.s.finish(&ks());
                     self.collect();
                 }
             }
             Op::CancelSender => {
-                if self.s_alive {
+                if self.runs(true) {
                     self.s.cancel(&ks(), None, self.now).unwrap();
                     self.collect();
                 }
             }
             Op::CancelReceiver => {
-                if self.r_alive && self.granted {
+                if self.runs(false) && self.granted {
                     self.r.cancel(&kr(), None, self.now).unwrap();
                     self.collect();
                 }
             }
             Op::Kill(sender) => {
-                if self.s_alive && self.r_alive {
+                if self.s_alive && self.r_alive && self.frozen.is_none() {
                     self.killed_at = Some(self.now);
                     if sender {
                         self.s_alive = false;
@@ -301,7 +353,8 @@ impl World {
                 let m = Message { epoch: if to_s { 2 } else { 1 }, id: ID + 1 + id, body }.encode();
                 let garbage = vec![0u8, b'K', b'V', b'S', 1, kind];
                 // Sent by the other side, so only while it lives.
-                if to_s && self.s_alive && self.r_alive {
+                if self.frozen.is_some() {
+                } else if to_s && self.s_alive && self.r_alive {
                     self.s.on_message("r", &m, self.now);
                     self.s.on_message("r", &garbage, self.now);
                 } else if !to_s && self.r_alive && self.s_alive {
@@ -310,11 +363,20 @@ impl World {
                 }
                 self.collect();
             }
+            Op::Freeze(sender, ms) => {
+                if self.s_alive && self.r_alive && self.frozen.is_none() {
+                    let d = Duration::from_millis(ms);
+                    self.frozen = Some((sender, self.now + d));
+                    self.longest_freeze = self.longest_freeze.max(d);
+                    self.receiver_froze |= !sender;
+                }
+            }
         }
     }
 
     /// Lets the world settle: writes end, messages flow, time passes.
     fn settle(&mut self) {
+        self.thaw();
         let stop_at = self.now + Duration::from_secs(10);
         while self.now < stop_at {
             while !self.writes.is_empty() && self.s_alive {
@@ -336,7 +398,11 @@ impl World {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    // SESSION_SCHEDULES=N runs N schedules per property (CI: 512).
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("SESSION_SCHEDULES").ok().and_then(|v| v.parse().ok()).unwrap_or(512),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn both_sides_agree(ops in proptest::collection::vec(op(), 1..80), finish_at_end in any::<bool>()) {
@@ -378,6 +444,50 @@ proptest! {
             let at = w.survivor_final_at.unwrap_or(w.now);
             let bound = limits().liveness_timeout + Duration::from_millis(350);
             prop_assert!(at <= k + bound, "survivor final {:?} after the kill", at.saturating_sub(k));
+        }
+    }
+
+    #[test]
+    fn pauses_never_split_landed(ops in proptest::collection::vec(op_with_pauses(), 1..80), finish_at_end in any::<bool>()) {
+        let mut w = World::new();
+        for op in ops {
+            w.apply(op);
+        }
+        w.thaw();
+        if finish_at_end && w.s_alive {
+            while !w.writes.is_empty() {
+                w.end_write();
+            }
+            let _ = w.s.finish(&ks());
+            w.collect();
+        }
+        let (s_alive, r_alive) = (w.s_alive, w.r_alive);
+        w.settle();
+        let unknown = matches!(&w.last_s, SessionState::Failed(e) if e.kind() == ErrorKind::OutcomeUnknown);
+        if s_alive && r_alive {
+            if let Some(r) = &w.last_r {
+                prop_assert!(r.is_final() && w.last_s.is_final(), "not final: {:?} / {r:?}", w.last_s);
+                if matches!(w.last_s, SessionState::Landed) {
+                    prop_assert_eq!(r, &SessionState::Landed, "the sender landed alone");
+                }
+                if matches!(r, SessionState::Landed) {
+                    prop_assert!(
+                        matches!(w.last_s, SessionState::Landed) || unknown,
+                        "the receiver landed, the sender ended {:?} (rule 13)", w.last_s
+                    );
+                }
+                if w.longest_freeze < limits().liveness_timeout / 2 {
+                    prop_assert_eq!(&w.last_s, r, "the sides disagree after pauses of at most {:?}", w.longest_freeze);
+                }
+            }
+        }
+        if unknown {
+            // Only a receiver that went silent leaves the sender unsure: the
+            // sender's own pauses never do (it reads the answer first).
+            prop_assert!(w.receiver_froze || !r_alive, "the sender is unsure after its own pause only");
+        }
+        if s_alive && matches!(w.last_r, Some(SessionState::Landed)) {
+            prop_assert!(matches!(w.last_s, SessionState::Landed) || unknown, "{:?}", w.last_s);
         }
     }
 }

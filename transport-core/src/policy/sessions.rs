@@ -751,7 +751,20 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
         }
         let Some(inner) = weak.upgrade() else { return };
         let now = inner.clock.now();
-        inner.table.lock().tick(now);
+        let paused = {
+            let mut t = inner.table.lock();
+            let before = t.pauses();
+            t.tick(now);
+            t.pauses() > before
+        };
+        if paused {
+            // The table did not count the gap against any peer.
+            tracing::info!(
+                late_ms = late.as_millis() as u64,
+                "session engine: this process did not run for a while; peers are not blamed for it"
+            );
+            metrics::counter!("kvmove_session_pauses_total").increment(1);
+        }
         inner.pump();
         // Stop signals of sessions that ended or were forgotten; waiters of
         // forgotten sessions are woken (they answer "unknown"), and channels

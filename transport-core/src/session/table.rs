@@ -35,6 +35,15 @@
 //!   counts as heard. Silent for `liveness_timeout`: its open sessions
 //!   fail (`PeerUnavailable`); a new epoch from it (a restart): they fail
 //!   (`PeerRestarted`).
+//! - Pauses: time this side did not run (a timer tick late by a quarter of
+//!   the liveness timeout or more: the process was stopped, starved or
+//!   swapped out) is not its peers' silence; each peer's silence is
+//!   credited with the gap, so what they sent meanwhile is read before
+//!   they are judged.
+//! - A sender that finished (FINISH sent) and then loses its receiver does
+//!   not know the outcome: the receiver may have decided `landed` before
+//!   it went silent. It ends `Failed` with [`ErrorKind::OutcomeUnknown`],
+//!   never with a plain failure the receiver could contradict.
 //! - Late, duplicate, forged or malformed messages are ignored or answered
 //!   with the final outcome again; no message moves a state backwards.
 
@@ -244,6 +253,14 @@ pub struct SessionTable {
     /// (a sender waiting for a grant learns from the answers that this
     /// side's session engine is alive). Bounded: [`MAX_STRANGERS`].
     strangers: HashMap<String, Duration>,
+    /// When this side last ran (a tick or a message read), to notice its
+    /// own pauses.
+    last_ran: Option<Duration>,
+    /// A pause was noticed since the last tick: its judgements wait one
+    /// tick, for what the peers sent meanwhile to be read.
+    just_paused: bool,
+    /// Pauses noticed so far.
+    pauses: u64,
 }
 
 /// Peers without sessions whose heartbeats are answered, at most; an answer
@@ -265,6 +282,12 @@ fn verdict(outcome: Outcome, kind: ErrorKind, reason: impl Into<String>) -> Verd
         reason.truncate(cut);
     }
     Verdict { outcome, kind, reason }
+}
+
+/// A sender's end when it cannot learn the receiver's decision after its
+/// FINISH: `Failed` with [`ErrorKind::OutcomeUnknown`].
+fn unknown_outcome(why: &str) -> Verdict {
+    verdict(Outcome::Failed, ErrorKind::OutcomeUnknown, format!("the receiver's decision is unknown: {why}"))
 }
 
 /// Checks a grant before it is sent: 1 to [`MAX_GRANT_RANGES`] ranges,
@@ -303,7 +326,34 @@ impl SessionTable {
             actions: Vec::new(),
             ignored: 0,
             strangers: HashMap::new(),
+            last_ran: None,
+            just_paused: false,
+            pauses: 0,
         }
+    }
+
+    /// Times this side noticed it had not run for a quarter of the
+    /// liveness timeout or more (see the module docs).
+    pub fn pauses(&self) -> u64 {
+        self.pauses
+    }
+
+    /// This side runs at `now` (a tick, a message read). After a gap of a
+    /// quarter of the liveness timeout or more (the driver ticks far more
+    /// often: the process did not run), every peer's silence is credited
+    /// with the gap: a pause is not the peers' fault.
+    fn ran(&mut self, now: Duration) {
+        if let Some(last) = self.last_ran {
+            let gap = now.saturating_sub(last);
+            if gap >= self.limits.liveness_timeout / 4 {
+                self.pauses += 1;
+                self.just_paused = true;
+                for p in self.peers.values_mut() {
+                    p.heard = p.heard.saturating_add(gap).min(now);
+                }
+            }
+        }
+        self.last_ran = Some(self.last_ran.map_or(now, |l| l.max(now)));
     }
 
     /// This table's epoch.
@@ -627,6 +677,7 @@ impl SessionTable {
     /// A session message (or anything else) received from `from`. Never
     /// fails: what cannot be used is counted as ignored.
     pub fn on_message(&mut self, from: &str, bytes: &[u8], now: Duration) {
+        self.ran(now);
         match super::wire::unbundle(bytes) {
             Some(parts) if parts.len() == 1 && parts[0].len() == bytes.len() => self.on_one(from, bytes, now),
             Some(parts) => {
@@ -873,6 +924,8 @@ impl SessionTable {
             let Some(s) = self.sessions.get_mut(&key) else { continue };
             let v = match &s.phase {
                 Phase::Closing(v) => v.clone(),
+                // FINISH went: the receiver may have landed before it went.
+                Phase::Finishing => unknown_outcome(&format!("after the finish: {err}")),
                 _ => verdict(Outcome::Failed, err.kind(), err.to_string()),
             };
             match key.role {
@@ -896,6 +949,9 @@ impl SessionTable {
 
     /// The timer: deadlines, liveness, heartbeats, lingering sessions.
     pub fn tick(&mut self, now: Duration) {
+        // This side's own pause is not its peers' silence (issue 25).
+        self.ran(now);
+        let paused = std::mem::take(&mut self.just_paused);
         // Receiver deadlines.
         let expired: Vec<SessionKey> = self
             .sessions
@@ -923,12 +979,15 @@ impl SessionTable {
         // nor went silent (an honest receiver sends END(Expired) then): it
         // ends the session itself, as the receiver should have, one liveness
         // timeout after the deadline.
+        // (Not judged right after a pause: the receiver's END may be
+        // waiting to be read.)
         let grace = self.limits.liveness_timeout;
         let overdue: Vec<SessionKey> = self
             .sessions
             .iter()
             .filter(|(k, s)| {
-                k.role == Role::Sender
+                !paused
+                    && k.role == Role::Sender
                     && !s.state.is_final()
                     && !matches!(s.phase, Phase::Closing(_))
                     && s.deadline.is_some_and(|d| now >= d.saturating_add(grace))
@@ -937,11 +996,12 @@ impl SessionTable {
             .collect();
         for key in overdue {
             let Some(s) = self.sessions.get_mut(&key) else { continue };
-            s.phase = Phase::Closing(verdict(
-                Outcome::Expired,
-                ErrorKind::Timeout,
-                "the receiver did not end the session by its deadline",
-            ));
+            s.phase = Phase::Closing(if s.phase == Phase::Finishing {
+                // The receiver had FINISH in time and may have landed.
+                unknown_outcome("the receiver did not answer the finish by the deadline")
+            } else {
+                verdict(Outcome::Expired, ErrorKind::Timeout, "the receiver did not end the session by its deadline")
+            });
             if s.writes > 0 {
                 self.actions.push(Action::StopWrites(key));
             } else {

@@ -30,7 +30,7 @@ use crate::error::ErrorKind;
 use crate::notify::MAX_NOTIFY_LEN;
 
 /// Error kinds as they travel (index = code); an unknown code is `Internal`.
-const KINDS: [ErrorKind; 24] = {
+const KINDS: [ErrorKind; 25] = {
     use ErrorKind::*;
     [
         Internal,
@@ -57,6 +57,7 @@ const KINDS: [ErrorKind; 24] = {
         Config,
         AuthFailed,
         NotFound,
+        OutcomeUnknown,
     ]
 };
 
