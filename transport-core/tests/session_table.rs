@@ -78,6 +78,11 @@ fn op() -> impl Strategy<Value = Op> {
 fn op_with_pauses() -> impl Strategy<Value = Op> {
     prop_oneof![
         12 => op(),
+        // Deadlines longer than the liveness timeout: a receiver frozen
+        // with the FINISH unread may still land once it resumes.
+        1 => (2000u64..6000).prop_map(Op::Grant),
+        // The whole grant in one write (so that sessions do land).
+        2 => Just(Op::Write { offset: 0, len: GRANTED }),
         1 => (any::<bool>(), 100u64..500).prop_map(|(s, ms)| Op::Freeze(s, ms)),
         2 => (any::<bool>(), 500u64..4000).prop_map(|(s, ms)| Op::Freeze(s, ms)),
     ]
@@ -488,6 +493,39 @@ proptest! {
         }
         if s_alive && matches!(w.last_r, Some(SessionState::Landed)) {
             prop_assert!(matches!(w.last_s, SessionState::Landed) || unknown, "{:?}", w.last_s);
+        }
+    }
+}
+
+/// The schedules the pause property is about, spelled out: the receiver
+/// frozen with the FINISH unread for longer than the liveness timeout (it
+/// lands once resumed; the sender, which gave up, is unsure), and the
+/// sender frozen right after its FINISH while the receiver lands (the
+/// sender reads the answer before it judges the receiver: landed).
+#[test]
+fn frozen_across_the_finish() {
+    for freeze_receiver in [true, false] {
+        let mut w = World::new();
+        w.apply(Op::Grant(5000));
+        w.apply(Op::Deliver(true));
+        w.apply(Op::Write { offset: 0, len: GRANTED });
+        w.apply(Op::EndWrite);
+        w.apply(Op::Finish);
+        if !freeze_receiver {
+            w.apply(Op::Deliver(false)); // the receiver lands and answers
+        }
+        w.apply(Op::Freeze(!freeze_receiver, 2500));
+        w.settle();
+        let r = w.last_r.clone().expect("the receiver's session");
+        assert_eq!(r, SessionState::Landed, "receiver frozen: {freeze_receiver}");
+        if freeze_receiver {
+            assert!(
+                matches!(&w.last_s, SessionState::Failed(e) if e.kind() == ErrorKind::OutcomeUnknown),
+                "the sender after its receiver froze across the finish: {:?}",
+                w.last_s
+            );
+        } else {
+            assert_eq!(w.last_s, SessionState::Landed, "the sender frozen after its finish");
         }
     }
 }

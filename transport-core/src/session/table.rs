@@ -253,8 +253,8 @@ pub struct SessionTable {
     /// (a sender waiting for a grant learns from the answers that this
     /// side's session engine is alive). Bounded: [`MAX_STRANGERS`].
     strangers: HashMap<String, Duration>,
-    /// When this side last ran (a tick or a message read), to notice its
-    /// own pauses.
+    /// When this side last ran (a tick, a message read, a call), to notice
+    /// its own pauses.
     last_ran: Option<Duration>,
     /// A pause was noticed since the last tick: its judgements wait one
     /// tick, for what the peers sent meanwhile to be read.
@@ -338,7 +338,7 @@ impl SessionTable {
         self.pauses
     }
 
-    /// This side runs at `now` (a tick, a message read). After a gap of a
+    /// This side runs at `now` (a tick, a message read, a call). After a gap of a
     /// quarter of the liveness timeout or more (the driver ticks far more
     /// often: the process did not run), every peer's silence is credited
     /// with the gap: a pause is not the peers' fault.
@@ -486,6 +486,7 @@ impl SessionTable {
     /// Waiting; its peer's liveness is watched). A grant that came first is
     /// kept: then this is a no-op.
     pub fn expect(&mut self, peer: &str, id: u64, now: Duration) -> Result<()> {
+        self.ran(now);
         let key = SessionKey::new(peer, id, Role::Sender);
         if let Some(s) = self.sessions.get(&key) {
             if s.state.is_final() {
@@ -503,6 +504,7 @@ impl SessionTable {
     /// grant, is open, before its deadline, and every range lies inside one
     /// granted range. Returns the time left before the deadline.
     pub fn begin_write(&mut self, key: &SessionKey, ranges: &[(u64, u64)], now: Duration) -> Result<Duration> {
+        self.ran(now);
         let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
         if key.role != Role::Sender {
             return Err(Error::new(ErrorKind::InvalidRequest, "only the sender writes"));
@@ -540,6 +542,7 @@ impl SessionTable {
     /// Sender: a write begun with [`SessionTable::begin_write`] ended
     /// (quiet); `bytes` of it completed.
     pub fn end_write(&mut self, key: &SessionKey, bytes: u64, now: Duration) {
+        self.ran(now);
         let Some(s) = self.sessions.get_mut(key) else { return };
         s.writes = s.writes.saturating_sub(1);
         s.written = s.written.saturating_add(bytes);
@@ -570,6 +573,7 @@ impl SessionTable {
     /// final state follows (see the module docs). `outcome` is `Cancelled`,
     /// or `Failed` with the error when a side gives up.
     pub fn cancel(&mut self, key: &SessionKey, error: Option<Error>, now: Duration) -> Result<()> {
+        self.ran(now);
         let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
         if s.state.is_final() || s.phase != Phase::Open {
             return Ok(());
@@ -620,6 +624,7 @@ impl SessionTable {
     /// Receiver: grant `peer` the right to write `grant.ranges` for `id`;
     /// the deadline starts now. Queues the GRANT.
     pub fn grant_to(&mut self, peer: &str, id: u64, grant: Grant, now: Duration) -> Result<()> {
+        self.ran(now);
         check_grant(&grant)?;
         let key = SessionKey::new(peer, id, Role::Receiver);
         if self.sessions.contains_key(&key) {
