@@ -51,6 +51,13 @@ class Peer:
             raise RuntimeError(f"peer exited with {self.proc.wait()}")
         return line.strip()
 
+    def pause(self) -> None:
+        """Stops the peer process (SIGSTOP): it neither runs nor reads."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

@@ -184,3 +184,30 @@ def test_killed_receiver_fails_the_sender(decode):
         assert s.wait(timeout=30) == "failed"
         assert time.monotonic() - t0 < 20
         assert s.error.is_transient and s.error.kind == "peer_unavailable", s.error
+
+
+def test_receiver_frozen_across_the_finish_is_never_contradicted(decode):
+    """The decode process is stopped (SIGSTOP) before it reads the FINISH,
+    for longer than the liveness timeout, then continued: it lands the
+    session, and the sender, which gave up waiting, reports the outcome as
+    unknown, never as a failure the receiver contradicts (rule 13)."""
+    kv = pattern(5, LAYER)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 8)
+        assert decode.ask(f"grant {prefill.session_id} 8 0 {LAYER} 60") == "ok"
+        assert s.wait_grant(timeout=20) is not None
+        assert s.write([(src.addr, decode.addr, LAYER)]).ok
+        decode.pause()
+        try:
+            s.finish()
+            t0 = time.monotonic()
+            # The receiver is silent past the sender's liveness timeout (5 s).
+            assert s.wait(timeout=30) == "failed"
+            assert time.monotonic() - t0 < 20
+            assert not s.error.is_transient and s.error.kind == "outcome_unknown", s.error
+            time.sleep(1.0)
+        finally:
+            decode.resume()
+        # Resumed, the receiver reads the FINISH it had: every byte is there.
+        assert decode.ask("wait 8 30") == "landed"
+        assert decode.ask(f"digest 0 {LAYER}") == sha(kv)
