@@ -7,8 +7,10 @@
 //!
 //! Creating, connecting and destroying QPs block their thread: moving a QP
 //! to RTR resolves the peer's GID to a MAC in the kernel
-//! (`rdma_addr_find_l2_eth_by_grh`), which was seen taking a second in
-//! the soft-RoCE VM, and longer right after a link came back. None of it
+//! (`rdma_addr_find_l2_eth_by_grh`), which waits up to a second for
+//! neighbour discovery when the kernel has no entry for the peer (seen in
+//! the soft-RoCE VM after a link went down and up, which flushes a
+//! netdev's neighbours), and destroying a QP took tens of ms. None of it
 //! runs on a runtime worker: a worker blocked that long also holds the
 //! task it woke last (tokio's LIFO slot is never stolen), which stalled the
 //! session driver's timers and heartbeats past the liveness timeout (issue
