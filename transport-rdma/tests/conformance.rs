@@ -112,6 +112,24 @@ async fn link(netdev: &str, up: bool) -> Result<()> {
         .map_err(|e| Error::new(ErrorKind::Io, e))
 }
 
+/// Takes every link of a node down (or up) at once and waits for their
+/// ports to follow: a node's rails fail together, and a loaded VM takes
+/// seconds per link.
+async fn set_links(links: &[Link], up: bool) -> Result<()> {
+    let state = if up { "ACTIVE" } else { "DOWN" };
+    let mut all = tokio::task::JoinSet::new();
+    for l in links.iter().cloned() {
+        all.spawn(async move {
+            link(&l.netdev, up).await?;
+            port_state(&l.device, state).await
+        });
+    }
+    while let Some(done) = all.join_next().await {
+        done.map_err(|e| Error::new(ErrorKind::Internal, format!("a link change failed: {e}")))??;
+    }
+    Ok(())
+}
+
 /// Waits (bounded) until `device`'s port 1 is in `state` ("ACTIVE", "DOWN").
 async fn port_state(device: &str, state: &str) -> Result<()> {
     let path = format!("/sys/class/infiniband/{device}/ports/1/state");
@@ -189,17 +207,11 @@ impl Harness for RdmaHarness {
         if links.is_empty() {
             return Ok(false);
         }
-        for l in links {
-            link(&l.netdev, false).await?;
-            port_state(&l.device, "DOWN").await?;
-        }
+        set_links(links, false).await?;
         // The node sees IBV_EVENT_PORT_ERR and drops its QPs; give its
         // event handler a moment before the link returns.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        for l in links {
-            link(&l.netdev, true).await?;
-            port_state(&l.device, "ACTIVE").await?;
-        }
+        set_links(links, true).await?;
         tokio::time::sleep(Duration::from_millis(50)).await;
         Ok(true)
     }
