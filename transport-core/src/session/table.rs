@@ -35,11 +35,12 @@
 //!   counts as heard. Silent for `liveness_timeout`: its open sessions
 //!   fail (`PeerUnavailable`); a new epoch from it (a restart): they fail
 //!   (`PeerRestarted`).
-//! - Pauses: time this side did not run (a timer tick late by a quarter of
-//!   the liveness timeout or more: the process was stopped, starved or
-//!   swapped out) is not its peers' silence; each peer's silence is
-//!   credited with the gap, so what they sent meanwhile is read before
-//!   they are judged.
+//! - Pauses: time this side did not run (no tick, message or call for a
+//!   quarter of the liveness timeout or more, where the driver ticks many
+//!   times as often: the process was stopped, starved or swapped out) is
+//!   not its peers' silence; each peer's silence is credited with the gap,
+//!   and the judgements of the next tick wait, so what they sent meanwhile
+//!   is read before they are judged.
 //! - A sender that finished (FINISH sent) and then loses its receiver does
 //!   not know the outcome: the receiver may have decided `landed` before
 //!   it went silent. It ends `Failed` with [`ErrorKind::OutcomeUnknown`],
@@ -338,10 +339,10 @@ impl SessionTable {
         self.pauses
     }
 
-    /// This side runs at `now` (a tick, a message read, a call). After a gap of a
-    /// quarter of the liveness timeout or more (the driver ticks far more
-    /// often: the process did not run), every peer's silence is credited
-    /// with the gap: a pause is not the peers' fault.
+    /// This side runs at `now` (a tick, a message read, a call). After a
+    /// gap of a quarter of the liveness timeout or more (the driver ticks
+    /// far more often: the process did not run), every peer's silence is
+    /// credited with the gap: a pause is not the peers' fault.
     fn ran(&mut self, now: Duration) {
         if let Some(last) = self.last_ran {
             let gap = now.saturating_sub(last);
