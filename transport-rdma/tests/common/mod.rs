@@ -46,8 +46,11 @@ pub fn fault_links() -> Vec<Link> {
         .collect()
 }
 
+/// A netdev and its permanent neighbours (`(address, MAC)`).
+type Neighbours = (String, Vec<(String, String)>);
+
 /// Neighbour entries saved by [`ip_link`] when it took a netdev down.
-static SAVED_NEIGHBOURS: std::sync::Mutex<Vec<(String, Vec<(String, String)>)>> = std::sync::Mutex::new(Vec::new());
+static SAVED_NEIGHBOURS: std::sync::Mutex<Vec<Neighbours>> = std::sync::Mutex::new(Vec::new());
 
 /// The permanent IPv6 neighbours of `netdev` (`(address, MAC)`).
 fn permanent_neighbours(netdev: &str) -> Vec<(String, String)> {
