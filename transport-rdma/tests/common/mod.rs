@@ -35,15 +35,35 @@ pub struct Link {
 /// Devices whose links the tests may fault, from RDMA_TEST_FAULT_LINKS
 /// ("rxe0:rv0:rvb0 ..."), which only the soft-RoCE VM sets (a real NIC is
 /// never taken down).
+/// Their static neighbours are saved here, before any test takes a link
+/// down (see [`ip_link`]).
 pub fn fault_links() -> Vec<Link> {
     let v = std::env::var("RDMA_TEST_FAULT_LINKS").unwrap_or_default();
-    v.split_whitespace()
+    let links: Vec<Link> = v
+        .split_whitespace()
         .filter_map(|l| {
             let mut it = l.split(':');
             let (d, n, b) = (it.next()?, it.next()?, it.next()?);
             Some(Link { device: d.into(), netdev: n.into(), bridge_port: b.into() })
         })
-        .collect()
+        .collect();
+    for l in &links {
+        save_neighbours(&l.netdev);
+    }
+    links
+}
+
+/// Saves `netdev`'s permanent neighbours unless they already are (a query
+/// is a process spawn: slow in the VM, so not on a test's timed path).
+fn save_neighbours(netdev: &str) {
+    let mut saved = SAVED_NEIGHBOURS.lock().unwrap_or_else(|p| p.into_inner());
+    if saved.iter().any(|(n, _)| n == netdev) {
+        return;
+    }
+    let now = permanent_neighbours(netdev);
+    if !now.is_empty() {
+        saved.push((netdev.to_string(), now));
+    }
 }
 
 /// A netdev and its permanent neighbours (`(address, MAC)`).
@@ -72,16 +92,12 @@ fn permanent_neighbours(netdev: &str) -> Vec<(String, String)> {
 /// kernel's address resolution (`rdma_addr_find_l2_eth_by_grh` times out
 /// and retries), which made later timing-sensitive cases fail. So `down`
 /// saves them and `up` puts them back, as a lab network's static
-/// configuration would be.
+/// configuration would be. (They are saved once per netdev, by
+/// [`fault_links`] or the first `down`.)
 pub fn ip_link(netdev: &str, up: bool) -> Result<(), String> {
     let state = if up { "up" } else { "down" };
     if !up {
-        let now = permanent_neighbours(netdev);
-        let mut saved = SAVED_NEIGHBOURS.lock().unwrap_or_else(|p| p.into_inner());
-        if !now.is_empty() {
-            saved.retain(|(n, _)| n != netdev);
-            saved.push((netdev.to_string(), now));
-        }
+        save_neighbours(netdev);
     }
     let out = Command::new("ip").args(["link", "set", netdev, state]).output().map_err(|e| format!("ip: {e}"))?;
     if !out.status.success() {
