@@ -379,6 +379,27 @@ impl World {
         }
     }
 
+    /// Runs `ops`, thaws a frozen side, optionally finishes (every write
+    /// ended first), and settles. Returns the world and which sides lived
+    /// before the settling.
+    fn run(ops: Vec<Op>, finish_at_end: bool) -> (Self, bool, bool) {
+        let mut w = World::new();
+        for op in ops {
+            w.apply(op);
+        }
+        w.thaw();
+        if finish_at_end && w.s_alive {
+            while !w.writes.is_empty() {
+                w.end_write();
+            }
+            let _ = w.s.finish(&ks());
+            w.collect();
+        }
+        let alive = (w.s_alive, w.r_alive);
+        w.settle();
+        (w, alive.0, alive.1)
+    }
+
     /// Lets the world settle: writes end, messages flow, time passes.
     fn settle(&mut self) {
         self.thaw();
@@ -411,19 +432,7 @@ proptest! {
 
     #[test]
     fn both_sides_agree(ops in proptest::collection::vec(op(), 1..80), finish_at_end in any::<bool>()) {
-        let mut w = World::new();
-        for op in ops {
-            w.apply(op);
-        }
-        if finish_at_end && w.s_alive {
-            while !w.writes.is_empty() {
-                w.end_write();
-            }
-            let _ = w.s.finish(&ks());
-            w.collect();
-        }
-        let (s_alive, r_alive) = (w.s_alive, w.r_alive);
-        w.settle();
+        let (w, s_alive, r_alive) = World::run(ops, finish_at_end);
         let waiting = !w.granted && matches!(w.last_s, SessionState::Waiting);
         if s_alive && !(waiting && r_alive) {
             prop_assert!(w.last_s.is_final(), "sender not final: {:?}", w.last_s);
@@ -454,20 +463,7 @@ proptest! {
 
     #[test]
     fn pauses_never_split_landed(ops in proptest::collection::vec(op_with_pauses(), 1..80), finish_at_end in any::<bool>()) {
-        let mut w = World::new();
-        for op in ops {
-            w.apply(op);
-        }
-        w.thaw();
-        if finish_at_end && w.s_alive {
-            while !w.writes.is_empty() {
-                w.end_write();
-            }
-            let _ = w.s.finish(&ks());
-            w.collect();
-        }
-        let (s_alive, r_alive) = (w.s_alive, w.r_alive);
-        w.settle();
+        let (w, s_alive, r_alive) = World::run(ops, finish_at_end);
         let unknown = matches!(&w.last_s, SessionState::Failed(e) if e.kind() == ErrorKind::OutcomeUnknown);
         if s_alive && r_alive {
             if let Some(r) = &w.last_r {

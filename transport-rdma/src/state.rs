@@ -529,8 +529,7 @@ impl Inner {
 
     /// Destroys what `grave` holds, then gives the pool back the places of
     /// its endpoints and settles the work they lost.
-    fn bury(&self, grave: Graveyard) {
-        let mut grave = grave;
+    fn bury(&self, mut grave: Graveyard) {
         let dead: Vec<EndpointId> = grave.endpoints.iter().map(|(id, _)| *id).collect();
         let lost = std::mem::take(&mut grave.lost);
         drop(grave); // ibv_destroy_qp, ibv_dereg_mr: outside the lock
