@@ -35,6 +35,7 @@ pub struct Link {
 /// Devices whose links the tests may fault, from RDMA_TEST_FAULT_LINKS
 /// ("rxe0:rv0:rvb0 ..."), which only the soft-RoCE VM sets (a real NIC is
 /// never taken down).
+///
 /// Their static neighbours are saved here, before any test takes a link
 /// down (see [`ip_link`]).
 pub fn fault_links() -> Vec<Link> {
@@ -69,7 +70,8 @@ fn save_neighbours(netdev: &str) {
 /// A netdev and its permanent neighbours (`(address, MAC)`).
 type Neighbours = (String, Vec<(String, String)>);
 
-/// Neighbour entries saved by [`ip_link`] when it took a netdev down.
+/// Neighbour entries saved by [`fault_links`] or [`ip_link`]'s first `down`
+/// of a netdev, put back by its `up`.
 static SAVED_NEIGHBOURS: std::sync::Mutex<Vec<Neighbours>> = std::sync::Mutex::new(Vec::new());
 
 /// The permanent IPv6 neighbours of `netdev` (`(address, MAC)`).
