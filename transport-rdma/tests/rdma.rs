@@ -220,30 +220,49 @@ fn idle_endpoints_are_reclaimed_and_the_store_is_bounded() {
     run("idle_endpoints_are_reclaimed_and_the_store_is_bounded", 120, async {
         let base_qp = my_qps();
         let server = transport(RdmaConfig { qps_per_endpoint: 1, ..config() }).await;
-        let cfg = RdmaConfig { max_endpoints: 2, qps_per_endpoint: 2, idle_timeout_ms: 300, ..config() };
-        let client = transport(cfg).await;
         let remote = Buffer::new(4096).unwrap();
         server.register(remote.region(), Access::REMOTE_RW).unwrap();
         let local = buffer_with(4096, 9);
-        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        // The bound: five segments through two places. The idle timeout is
+        // far longer than the loop, so no endpoint leaves by the timer while
+        // the next one is built (a QP bring-up can take a second in the VM)
+        // and the count after the loop is exact.
+        let cfg = RdmaConfig { max_endpoints: 2, qps_per_endpoint: 2, idle_timeout_ms: 600_000, ..config() };
+        let bounded = transport(cfg).await;
+        let lid = bounded.register(local.region(), Access::LOCAL).unwrap();
         let mut segs = Vec::new();
         for _ in 0..5 {
-            segs.push(client.open_segment(&server.local_segment_name()).await.unwrap());
+            segs.push(bounded.open_segment(&server.local_segment_name()).await.unwrap());
         }
         for round in 0..3 {
             for &seg in &segs {
-                let b = client
+                let b = bounded
                     .submit(vec![TransferRequest::write(lid, 0, seg, remote.addr(), 4096)], SubmitOptions::default())
                     .await
                     .unwrap();
-                let st = wait(&client, b).await;
+                let st = wait(&bounded, b).await;
                 assert_eq!(st.state, BatchState::Completed, "round {round}: {:?}", st.first_error());
-                client.release(b).unwrap();
-                let s = client.stats();
+                bounded.release(b).unwrap();
+                let s = bounded.stats();
                 assert!(s.endpoints <= 2 && s.endpoint_lanes <= 4, "bound broken: {s:?}");
             }
         }
-        assert_eq!(client.stats().endpoints, 2);
+        assert_eq!(bounded.stats().endpoints, 2, "two places, both kept while not idle long enough");
+        bounded.shutdown().await.unwrap();
+        // The timer: with a short idle timeout, endpoints left alone are
+        // reclaimed and their kernel QPs destroyed.
+        let cfg = RdmaConfig { max_endpoints: 2, qps_per_endpoint: 2, idle_timeout_ms: 300, ..config() };
+        let client = transport(cfg).await;
+        let lid = client.register(local.region(), Access::LOCAL).unwrap();
+        for _ in 0..2 {
+            let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+            let b = client
+                .submit(vec![TransferRequest::write(lid, 0, seg, remote.addr(), 4096)], SubmitOptions::default())
+                .await
+                .unwrap();
+            assert_eq!(wait(&client, b).await.state, BatchState::Completed);
+            client.release(b).unwrap();
+        }
         // Nothing happens for a while: the timer reclaims both.
         assert!(eventually(Duration::from_secs(5), || client.stats().endpoints == 0).await, "{:?}", client.stats());
         assert!(
