@@ -110,6 +110,10 @@ struct World {
     longest_freeze: Duration,
     /// Whether the receiver was ever frozen.
     receiver_froze: bool,
+    /// When the sender ended other than `Landed`, and when the receiver
+    /// decided `Landed`.
+    s_ended_at: Option<Duration>,
+    r_landed_at: Option<Duration>,
 }
 
 fn ks() -> SessionKey {
@@ -150,6 +154,8 @@ impl World {
             frozen: None,
             longest_freeze: Duration::ZERO,
             receiver_froze: false,
+            s_ended_at: None,
+            r_landed_at: None,
         }
     }
 
@@ -200,6 +206,9 @@ impl World {
             }
             if st.is_final() {
                 assert!(self.writes.is_empty(), "sender final with writes in flight: {st:?}");
+                if st != SessionState::Landed && self.s_ended_at.is_none() {
+                    self.s_ended_at = Some(self.now);
+                }
             }
             self.last_s = st;
         }
@@ -216,6 +225,7 @@ impl World {
             }
             if matches!(st, Some(SessionState::Landed)) {
                 assert!(self.writes.is_empty() || !self.s_alive, "landed with writes in flight");
+                self.r_landed_at.get_or_insert(self.now);
             }
             self.last_r = st;
         }
@@ -490,17 +500,26 @@ proptest! {
         if s_alive && matches!(w.last_r, Some(SessionState::Landed)) {
             prop_assert!(matches!(w.last_s, SessionState::Landed) || unknown, "{:?}", w.last_s);
         }
+        // A receiver never lands a session the sender had already ended
+        // (issue 25, item 2): it confirms first after a pause of its own.
+        if let (Some(ended), Some(landed)) = (w.s_ended_at, w.r_landed_at) {
+            prop_assert!(landed < ended, "the receiver landed at {landed:?}, after the sender ended ({ended:?}) {:?}", w.last_s);
+        }
     }
 }
 
-/// The schedules the pause property is about, spelled out: the receiver
-/// frozen with the FINISH unread for longer than the liveness timeout (it
-/// lands once resumed; the sender, which gave up, is unsure), and the
-/// sender frozen right after its FINISH while the receiver lands (the
-/// sender reads the answer before it judges the receiver: landed).
+/// The schedules the pause property is about, spelled out:
+/// - the receiver frozen with the FINISH unread for longer than the
+///   liveness timeout: the sender gave up (unsure), and the receiver, once
+///   resumed, asks before it lands, hears "closed" and fails: never landed
+///   alone;
+/// - the receiver frozen for less than the liveness timeout (but long
+///   enough to notice): it asks, the sender is still waiting, both land;
+/// - the sender frozen right after its FINISH while the receiver lands: the
+///   sender reads the answer before it judges the receiver: both land.
 #[test]
 fn frozen_across_the_finish() {
-    for freeze_receiver in [true, false] {
+    for (freeze_receiver, ms) in [(true, 2500), (true, 600), (false, 2500)] {
         let mut w = World::new();
         w.apply(Op::Grant(5000));
         w.apply(Op::Deliver(true));
@@ -510,18 +529,26 @@ fn frozen_across_the_finish() {
         if !freeze_receiver {
             w.apply(Op::Deliver(false)); // the receiver lands and answers
         }
-        w.apply(Op::Freeze(!freeze_receiver, 2500));
+        w.apply(Op::Freeze(!freeze_receiver, ms));
         w.settle();
         let r = w.last_r.clone().expect("the receiver's session");
-        assert_eq!(r, SessionState::Landed, "receiver frozen: {freeze_receiver}");
-        if freeze_receiver {
+        let case = format!("receiver frozen: {freeze_receiver}, for {ms} ms");
+        if freeze_receiver && ms > 1000 {
             assert!(
                 matches!(&w.last_s, SessionState::Failed(e) if e.kind() == ErrorKind::OutcomeUnknown),
-                "the sender after its receiver froze across the finish: {:?}",
+                "{case}: the sender {:?}",
                 w.last_s
             );
+            assert!(
+                matches!(&r, SessionState::Failed(e) if e.kind() == ErrorKind::PeerUnavailable),
+                "{case}: the receiver {r:?}"
+            );
         } else {
-            assert_eq!(w.last_s, SessionState::Landed, "the sender frozen after its finish");
+            assert_eq!(r, SessionState::Landed, "{case}");
+            assert_eq!(w.last_s, SessionState::Landed, "{case}");
+        }
+        if freeze_receiver {
+            assert_eq!(w.r.pauses(), 1, "{case}: the receiver noticed its pause");
         }
     }
 }

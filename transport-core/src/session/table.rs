@@ -45,6 +45,13 @@
 //!   not know the outcome: the receiver may have decided `landed` before
 //!   it went silent. It ends `Failed` with [`ErrorKind::OutcomeUnknown`],
 //!   never with a plain failure the receiver could contradict.
+//! - A receiver that paused while a session was open does not land it
+//!   alone: the sender may have given up on it meanwhile. On the FINISH it
+//!   asks first (CHECK); the sender answers CONFIRM(open) while it waits
+//!   for the decision (and counts the deadline's grace from its answer),
+//!   or CONFIRM(closed) once it has ended the session; closed, no answer
+//!   within the liveness timeout, or [`MAX_CHECKS`] pauses while asking:
+//!   the receiver fails the session instead of landing it.
 //! - Late, duplicate, forged or malformed messages are ignored or answered
 //!   with the final outcome again; no message moves a state backwards.
 
@@ -202,6 +209,9 @@ enum Phase {
     /// Sender: END adopted, waiting for writes to be quiet (then QUIET).
     /// Receiver: END sent, waiting for QUIET (or CANCEL) from the sender.
     Closing(Verdict),
+    /// Receiver: the FINISH came while in doubt (this side paused with the
+    /// session open); CHECK sent at this time, waiting for CONFIRM.
+    Confirming(Duration),
     Final,
 }
 
@@ -215,6 +225,16 @@ struct Session {
     writes: u32,
     final_at: Option<Duration>,
     created: Duration,
+    /// Receiver: this side paused while the session was open, so the
+    /// sender may have given up on it by its clock; a FINISH is confirmed
+    /// with the sender (CHECK) before `Landed` is decided.
+    doubt: bool,
+    /// CHECKs sent (receiver) or answered `open` (sender), at most
+    /// [`MAX_CHECKS`].
+    checks: u8,
+    /// Sender: when it last answered a CHECK with `open` (the receiver was
+    /// alive then and deciding: the deadline's grace counts from here).
+    answered: Option<Duration>,
     /// The state or grant changed since the driver last asked.
     dirty: bool,
 }
@@ -268,6 +288,11 @@ pub struct SessionTable {
 /// goes at most once per heartbeat interval to each, so a claimed name can
 /// make this side send one small message per interval, to a bounded set.
 pub const MAX_STRANGERS: usize = 256;
+
+/// CHECKs one receiver session sends at most (one per pause while it is
+/// confirming), and answers one sender session lets extend its grace; a
+/// receiver that paused this often while confirming fails the session.
+pub const MAX_CHECKS: u8 = 4;
 
 fn table_full(what: &str) -> Error {
     Error::new(ErrorKind::ResourceExhausted, format!("session table full: {what}"))
@@ -351,6 +376,13 @@ impl SessionTable {
                 self.just_paused = true;
                 for p in self.peers.values_mut() {
                     p.heard = p.heard.saturating_add(gap).min(now);
+                }
+                // The peers did not hear from this side either: a sender
+                // may have given up on a session received here.
+                for (k, s) in self.sessions.iter_mut() {
+                    if k.role == Role::Receiver && matches!(s.phase, Phase::Open | Phase::Confirming(_)) {
+                        s.doubt = true;
+                    }
                 }
             }
         }
@@ -461,6 +493,9 @@ impl SessionTable {
                 writes: 0,
                 final_at: None,
                 created: now,
+                doubt: false,
+                checks: 0,
+                answered: None,
                 dirty: true,
             },
         );
@@ -576,7 +611,8 @@ impl SessionTable {
     pub fn cancel(&mut self, key: &SessionKey, error: Option<Error>, now: Duration) -> Result<()> {
         self.ran(now);
         let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
-        if s.state.is_final() || s.phase != Phase::Open {
+        let confirming = key.role == Role::Receiver && matches!(s.phase, Phase::Confirming(_));
+        if s.state.is_final() || (s.phase != Phase::Open && !confirming) {
             return Ok(());
         }
         let v = match &error {
@@ -725,6 +761,8 @@ impl SessionTable {
             Body::Cancel(v) => self.on_cancel(from, m.id, v, now),
             Body::Refuse(v) => self.on_refuse(from, m.id, v, now),
             Body::Quiet => self.on_quiet(from, m.id, now),
+            Body::Check => self.on_check(from, m.id, known, now),
+            Body::Confirm { open } => self.on_confirm(from, m.id, open, now),
         }
     }
 
@@ -807,7 +845,13 @@ impl SessionTable {
         match (&s.phase, &s.state) {
             (Phase::Open, _) => {
                 let expected = s.grant.as_ref().map_or(0, |g| g.expected);
-                if bytes == expected {
+                if bytes == expected && s.doubt {
+                    // Landing alone is what must never happen: ask first.
+                    s.doubt = false;
+                    s.checks = 1;
+                    s.phase = Phase::Confirming(now);
+                    self.send(from, id, Body::Check);
+                } else if bytes == expected {
                     Self::finalize(s, SessionState::Landed, now);
                     let v = verdict(Outcome::Landed, ErrorKind::Internal, "");
                     self.send(from, id, Body::End(v));
@@ -831,6 +875,84 @@ impl SessionTable {
             }
             _ => self.ignored += 1,
         }
+    }
+
+    /// Sender: the receiver asks whether the session is still open here
+    /// (it paused, then read our FINISH). Answered for known peers, and for
+    /// others as a heartbeat is (bounded).
+    fn on_check(&mut self, from: &str, id: u64, known: bool, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Sender);
+        let open = match self.sessions.get_mut(&key) {
+            Some(s) => match (&s.phase, &s.state) {
+                (_, SessionState::Landed) => true,
+                (Phase::Finishing, st) if !st.is_final() => {
+                    // The receiver is deciding: its answer gets a fresh grace
+                    // (a bounded number of times).
+                    if s.checks < MAX_CHECKS {
+                        s.checks += 1;
+                        s.answered = Some(now);
+                    }
+                    true
+                }
+                (Phase::Closing(_) | Phase::Final, _) => false,
+                // No FINISH went from here: forged or confused.
+                _ => {
+                    self.ignored += 1;
+                    return;
+                }
+            },
+            // Forgotten (it ended long ago) or never here.
+            None => {
+                if !known && !self.answer_stranger(from, now) {
+                    self.ignored += 1;
+                    return;
+                }
+                false
+            }
+        };
+        self.send(from, id, Body::Confirm { open });
+    }
+
+    /// Receiver: the sender's answer to CHECK.
+    fn on_confirm(&mut self, from: &str, id: u64, open: bool, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Receiver);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        if !matches!(s.phase, Phase::Confirming(_)) {
+            self.ignored += 1;
+            return;
+        }
+        if !open {
+            // The sender ended it without our decision (it gave up on this
+            // side while we were paused): it is quiet; we must not land.
+            let why = "the sender had ended the session before its finish was confirmed (this side paused)";
+            let v = verdict(Outcome::Failed, ErrorKind::PeerUnavailable, why);
+            Self::finalize(s, SessionState::from_verdict(&v), now);
+        } else if s.doubt && s.checks >= MAX_CHECKS {
+            let why = "this side kept pausing while it confirmed the sender's finish";
+            self.give_up_confirming(&key, why, now);
+        } else if s.doubt {
+            // Paused again since the CHECK: the answer may be stale.
+            s.doubt = false;
+            s.checks += 1;
+            s.phase = Phase::Confirming(now);
+            self.send(from, id, Body::Check);
+        } else {
+            Self::finalize(s, SessionState::Landed, now);
+            self.send(from, id, Body::End(verdict(Outcome::Landed, ErrorKind::Internal, "")));
+        }
+    }
+
+    /// Receiver: confirming failed (no answer, or too many pauses): fail
+    /// the session and tell the sender, which is quiet (it finished) and
+    /// adopts it, unless it has ended already.
+    fn give_up_confirming(&mut self, key: &SessionKey, why: &str, now: Duration) {
+        let Some(s) = self.sessions.get_mut(key) else { return };
+        let v = verdict(Outcome::Failed, ErrorKind::PeerUnavailable, why);
+        Self::finalize(s, SessionState::from_verdict(&v), now);
+        self.send(&key.peer, key.id, Body::End(v));
     }
 
     fn verdict_of(st: &SessionState) -> Verdict {
@@ -996,7 +1118,7 @@ impl SessionTable {
                     && k.role == Role::Sender
                     && !s.state.is_final()
                     && !matches!(s.phase, Phase::Closing(_))
-                    && s.deadline.is_some_and(|d| now >= d.saturating_add(grace))
+                    && s.deadline.is_some_and(|d| now >= d.max(s.answered.unwrap_or(d)).saturating_add(grace))
             })
             .map(|(k, _)| k.clone())
             .collect();
@@ -1013,6 +1135,20 @@ impl SessionTable {
             } else {
                 self.after_quiet(&key, now);
             }
+        }
+        // A receiver whose CHECK the sender did not answer within the
+        // liveness timeout: it cannot know, and must not land.
+        let unconfirmed: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                !paused && matches!(s.phase, Phase::Confirming(at) if now.saturating_sub(at) >= self.limits.liveness_timeout)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in unconfirmed {
+            let why = "the sender did not confirm the finish within the liveness timeout (this side paused)";
+            self.give_up_confirming(&key, why, now);
         }
         // Strangers answered long ago are forgotten.
         let keep = self.limits.liveness_timeout;

@@ -131,6 +131,14 @@ pub enum Body {
     Quiet,
     /// Liveness, either way; `reply` asks the peer to answer at once.
     Heartbeat { reply: bool },
+    /// Receiver -> sender: the FINISH came after this side paused (the
+    /// sender may have given up on it meanwhile); is the session still open
+    /// on the sender's side? Asked before the receiver decides `Landed`.
+    Check,
+    /// Sender -> receiver: the answer to CHECK. `open`: the sender is
+    /// waiting for the receiver's decision (FINISH sent, nothing decided);
+    /// otherwise it has ended the session (or forgotten it) without one.
+    Confirm { open: bool },
 }
 
 /// A session message with its header fields.
@@ -150,6 +158,9 @@ enum Kind {
     Quiet = 5,
     Heartbeat = 6,
     Refuse = 7,
+    // 8 is a bundle's type.
+    Check = 9,
+    Confirm = 10,
 }
 
 const BUNDLE: u8 = 8;
@@ -252,6 +263,8 @@ impl Message {
             Body::Refuse(_) => Kind::Refuse,
             Body::Quiet => Kind::Quiet,
             Body::Heartbeat { .. } => Kind::Heartbeat,
+            Body::Check => Kind::Check,
+            Body::Confirm { .. } => Kind::Confirm,
         };
         b.push(kind as u8);
         b.extend_from_slice(&self.epoch.to_le_bytes());
@@ -285,9 +298,18 @@ impl Message {
                 b.extend_from_slice(r);
             }
             Body::Heartbeat { reply } => b.push(u8::from(*reply)),
-            Body::Quiet => {}
+            Body::Confirm { open } => b.push(u8::from(*open)),
+            Body::Quiet | Body::Check => {}
         }
         b
+    }
+}
+
+fn flag(b: u8) -> Option<bool> {
+    match b {
+        0 => Some(false),
+        1 => Some(true),
+        _ => None,
     }
 }
 
@@ -366,13 +388,9 @@ pub fn decode(msg: &[u8]) -> Option<Message> {
             }
         }
         5 => Body::Quiet,
-        6 => Body::Heartbeat {
-            reply: match r.u8()? {
-                0 => false,
-                1 => true,
-                _ => return None,
-            },
-        },
+        6 => Body::Heartbeat { reply: flag(r.u8()?)? },
+        9 => Body::Check,
+        10 => Body::Confirm { open: flag(r.u8()?)? },
         _ => return None,
     };
     if !r.0.is_empty() {
@@ -399,6 +417,9 @@ mod tests {
                 kind: ErrorKind::ResourceExhausted,
                 reason: "full".into(),
             }),
+            Body::Check,
+            Body::Confirm { open: true },
+            Body::Confirm { open: false },
         ]
         .into_iter()
         .map(|body| Message { epoch: 9, id: 42, body })
@@ -434,7 +455,7 @@ mod tests {
     #[test]
     fn failure_notices() {
         let v: Vec<bool> = all().iter().map(|m| is_failure_notice(&m.encode())).collect();
-        assert_eq!(v, vec![false, false, true, true, false, false, true]);
+        assert_eq!(v, vec![false, false, true, true, false, false, true, false, false, false]);
     }
 
     #[test]
