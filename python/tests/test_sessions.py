@@ -188,9 +188,11 @@ def test_killed_receiver_fails_the_sender(decode):
 
 def test_receiver_frozen_across_the_finish_is_never_contradicted(decode):
     """The decode process is stopped (SIGSTOP) before it reads the FINISH,
-    for longer than the liveness timeout, then continued: it lands the
-    session, and the sender, which gave up waiting, reports the outcome as
-    unknown, never as a failure the receiver contradicts (rule 13)."""
+    for longer than the liveness timeout, then continued. The sender, which
+    gave up waiting, reports the outcome as unknown, never as a failure the
+    receiver could contradict; the receiver, once resumed, asks the sender
+    before it lands (it paused), hears that the sender has ended the session
+    and fails it too: it never lands alone (rule 13)."""
     kv = pattern(5, LAYER)
     with kvmove.Engine() as prefill, prefill.register(kv) as src:
         s = prefill.send(decode.session_id, 8)
@@ -208,6 +210,25 @@ def test_receiver_frozen_across_the_finish_is_never_contradicted(decode):
             time.sleep(1.0)
         finally:
             decode.resume()
-        # Resumed, the receiver reads the FINISH it had: every byte is there.
-        assert decode.ask("wait 8 30") == "landed"
+        assert decode.ask("wait 8 30") == "failed"
+
+
+def test_receiver_paused_briefly_across_the_finish_lands_on_both_sides(decode):
+    """A pause the receiver notices (2 s, past a quarter of the liveness
+    timeout) but the sender forgives (under 5 s): the receiver asks, the
+    sender is still waiting, both report landed."""
+    kv = pattern(6, LAYER)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 9)
+        assert decode.ask(f"grant {prefill.session_id} 9 0 {LAYER} 60") == "ok"
+        assert s.wait_grant(timeout=20) is not None
+        assert s.write([(src.addr, decode.addr, LAYER)]).ok
+        decode.pause()
+        try:
+            s.finish()
+            time.sleep(2.0)
+        finally:
+            decode.resume()
+        assert s.wait(timeout=30) == "landed", s.error
+        assert decode.ask("wait 9 30") == "landed"
         assert decode.ask(f"digest 0 {LAYER}") == sha(kv)
