@@ -114,6 +114,8 @@ struct World {
     /// decided `Landed`.
     s_ended_at: Option<Duration>,
     r_landed_at: Option<Duration>,
+    /// When the receiver's state turned final.
+    r_final_at: Option<Duration>,
 }
 
 fn ks() -> SessionKey {
@@ -156,6 +158,7 @@ impl World {
             receiver_froze: false,
             s_ended_at: None,
             r_landed_at: None,
+            r_final_at: None,
         }
     }
 
@@ -226,6 +229,9 @@ impl World {
             if matches!(st, Some(SessionState::Landed)) {
                 assert!(self.writes.is_empty() || !self.s_alive, "landed with writes in flight");
                 self.r_landed_at.get_or_insert(self.now);
+            }
+            if st.as_ref().is_some_and(SessionState::is_final) {
+                self.r_final_at.get_or_insert(self.now);
             }
             self.last_r = st;
         }
@@ -309,7 +315,24 @@ impl World {
             }
             Op::Write { offset, len } => {
                 if self.runs(true) {
+                    // As the driver does: after a pause, confirm first.
+                    if self.s.confirm_before_write(&ks(), self.now).unwrap() {
+                        self.collect();
+                        return;
+                    }
                     let r = self.s.begin_write(&ks(), &[(BASE + offset, len)], self.now);
+                    if r.is_ok() {
+                        // Terminal means quiet: nothing starts toward a
+                        // receiver that ended the session (a sender that
+                        // paused confirms before it writes again).
+                        assert!(
+                            self.r_final_at.is_none() || !self.r_alive,
+                            "a write began at {:?}, after the receiver ended ({:?}) as {:?}",
+                            self.now,
+                            self.r_final_at,
+                            self.last_r
+                        );
+                    }
                     if offset + len > GRANTED {
                         assert!(r.is_err(), "a write outside the grant was allowed");
                     }
@@ -549,6 +572,52 @@ fn frozen_across_the_finish() {
         }
         if freeze_receiver {
             assert_eq!(w.r.pauses(), 1, "{case}: the receiver noticed its pause");
+        }
+    }
+}
+
+/// Freezes before the grant and mid-transfer, for longer than the liveness
+/// timeout, on either side; once thawed, the sender tries to write every
+/// byte and finish. The side that was not frozen gave the session up on
+/// the silence; the frozen one, resumed, confirms before it writes or
+/// lands, so nothing is written toward a receiver that ended the session
+/// (checked on every write by the world), and neither side lands.
+#[test]
+fn frozen_before_the_grant_and_mid_transfer() {
+    for freeze_sender in [true, false] {
+        for mid_transfer in [false, true] {
+            let case = format!("sender frozen: {freeze_sender}, mid-transfer: {mid_transfer}");
+            let mut w = World::new();
+            if mid_transfer {
+                w.apply(Op::Grant(5000));
+                w.apply(Op::Deliver(true));
+                w.apply(Op::Write { offset: 0, len: GRANTED / 2 });
+                w.apply(Op::EndWrite);
+            }
+            w.apply(Op::Freeze(freeze_sender, 2500));
+            if !mid_transfer {
+                w.apply(Op::Grant(5000)); // only while the receiver runs
+            }
+            for _ in 0..60 {
+                w.apply(Op::Advance(50));
+            }
+            assert!(w.frozen.is_none(), "{case}: thawed");
+            w.apply(Op::Grant(5000)); // a receiver frozen before it granted
+            for _ in 0..4 {
+                w.apply(Op::Deliver(true));
+                w.apply(Op::Deliver(false));
+            }
+            w.apply(Op::Write { offset: 0, len: GRANTED });
+            w.apply(Op::EndWrite);
+            w.apply(Op::Finish);
+            w.settle();
+            let r = w.last_r.clone().expect("the receiver's session");
+            assert!(w.last_s.is_final() && r.is_final(), "{case}: {:?} / {r:?}", w.last_s);
+            assert!(
+                w.last_s != SessionState::Landed && r != SessionState::Landed,
+                "{case}: the sender ended {:?}, the receiver {r:?}",
+                w.last_s
+            );
         }
     }
 }

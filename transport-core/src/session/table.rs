@@ -52,6 +52,12 @@
 //!   or CONFIRM(closed) once it has ended the session; closed, no answer
 //!   within the liveness timeout, or [`MAX_CHECKS`] pauses while asking:
 //!   the receiver fails the session instead of landing it.
+//! - A sender that paused while a session was open does not write again
+//!   before it asks the same (CHECK from the sender,
+//!   [`SessionTable::confirm_before_write`]): the receiver may have taken
+//!   its silence for death and ended the session, and its memory is no
+//!   longer the sender's to write. Closed, or no answer within the liveness
+//!   timeout: the sender fails the session.
 //! - Late, duplicate, forged or malformed messages are ignored or answered
 //!   with the final outcome again; no message moves a state backwards.
 
@@ -225,10 +231,13 @@ struct Session {
     writes: u32,
     final_at: Option<Duration>,
     created: Duration,
-    /// Receiver: this side paused while the session was open, so the
-    /// sender may have given up on it by its clock; a FINISH is confirmed
-    /// with the sender (CHECK) before `Landed` is decided.
+    /// This side paused while the session was open, so the peer may have
+    /// given up on it by its clock: a receiver confirms a FINISH with the
+    /// sender (CHECK) before it decides `Landed`; a sender confirms the
+    /// session before it writes again.
     doubt: bool,
+    /// Sender: CHECK sent at this time, no answer yet (writes wait).
+    checking: Option<Duration>,
     /// CHECKs sent (receiver) or answered `open` (sender), at most
     /// [`MAX_CHECKS`].
     checks: u8,
@@ -377,10 +386,10 @@ impl SessionTable {
                 for p in self.peers.values_mut() {
                     p.heard = p.heard.saturating_add(gap).min(now);
                 }
-                // The peers did not hear from this side either: a sender
-                // may have given up on a session received here.
-                for (k, s) in self.sessions.iter_mut() {
-                    if k.role == Role::Receiver && matches!(s.phase, Phase::Open | Phase::Confirming(_)) {
+                // The peers did not hear from this side either: they may
+                // have given up on the sessions open here.
+                for s in self.sessions.values_mut() {
+                    if !s.state.is_final() && matches!(s.phase, Phase::Open | Phase::Confirming(_)) {
                         s.doubt = true;
                     }
                 }
@@ -494,6 +503,7 @@ impl SessionTable {
                 final_at: None,
                 created: now,
                 doubt: false,
+                checking: None,
                 checks: 0,
                 answered: None,
                 dirty: true,
@@ -552,6 +562,12 @@ impl SessionTable {
         let Some(g) = &s.grant else {
             return Err(Error::new(ErrorKind::InvalidRequest, "no grant yet: nothing may be sent"));
         };
+        if s.doubt || s.checking.is_some() {
+            return Err(Error::new(
+                ErrorKind::Backpressure,
+                "this side paused with the session open: confirm it with the receiver first (confirm_before_write)",
+            ));
+        }
         let left = s.deadline.map(|d| d.saturating_sub(now)).unwrap_or(Duration::ZERO);
         if left.is_zero() {
             return Err(Error::new(ErrorKind::Timeout, "the session's deadline passed"));
@@ -761,8 +777,10 @@ impl SessionTable {
             Body::Cancel(v) => self.on_cancel(from, m.id, v, now),
             Body::Refuse(v) => self.on_refuse(from, m.id, v, now),
             Body::Quiet => self.on_quiet(from, m.id, now),
-            Body::Check => self.on_check(from, m.id, known, now),
-            Body::Confirm { open } => self.on_confirm(from, m.id, open, now),
+            Body::Check { by_sender: false } => self.on_check(from, m.id, known, now),
+            Body::Check { by_sender: true } => self.on_sender_check(from, m.id, known, now),
+            Body::Confirm { open, to_sender: false } => self.on_confirm(from, m.id, open, now),
+            Body::Confirm { open, to_sender: true } => self.on_sender_confirm(from, m.id, open, now),
         }
     }
 
@@ -850,7 +868,7 @@ impl SessionTable {
                     s.doubt = false;
                     s.checks = 1;
                     s.phase = Phase::Confirming(now);
-                    self.send(from, id, Body::Check);
+                    self.send(from, id, Body::Check { by_sender: false });
                 } else if bytes == expected {
                     Self::finalize(s, SessionState::Landed, now);
                     let v = verdict(Outcome::Landed, ErrorKind::Internal, "");
@@ -910,7 +928,86 @@ impl SessionTable {
                 false
             }
         };
-        self.send(from, id, Body::Confirm { open });
+        self.send(from, id, Body::Confirm { open, to_sender: false });
+    }
+
+    /// Receiver: the sender asks whether the session is still open here
+    /// (it paused, and wants to write again).
+    fn on_sender_check(&mut self, from: &str, id: u64, known: bool, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Receiver);
+        let open = match self.sessions.get(&key) {
+            Some(s) => !s.state.is_final() && matches!(s.phase, Phase::Open | Phase::Confirming(_)),
+            None => {
+                if !known && !self.answer_stranger(from, now) {
+                    self.ignored += 1;
+                    return;
+                }
+                false
+            }
+        };
+        self.send(from, id, Body::Confirm { open, to_sender: true });
+    }
+
+    /// Sender: the receiver's answer to our CHECK.
+    fn on_sender_confirm(&mut self, from: &str, id: u64, open: bool, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Sender);
+        let Some(s) = self.sessions.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        if s.checking.is_none() || s.state.is_final() {
+            self.ignored += 1;
+            return;
+        }
+        s.dirty = true; // writes waiting for the answer look again
+        if !open {
+            // The receiver ended the session while we were paused (it took
+            // our silence for death): end it here too, writing nothing more.
+            s.checking = None;
+            let why = "the receiver had ended the session while this side was paused";
+            let v = verdict(Outcome::Failed, ErrorKind::PeerUnavailable, why);
+            if matches!(s.phase, Phase::Open) {
+                s.phase = Phase::Closing(v);
+                if s.writes > 0 {
+                    self.actions.push(Action::StopWrites(key));
+                } else {
+                    self.after_quiet(&key, now);
+                }
+            }
+        } else if s.doubt && s.checks < MAX_CHECKS {
+            // Paused again since the CHECK: the answer may be stale.
+            s.doubt = false;
+            s.checks += 1;
+            s.checking = Some(now);
+            self.send(from, id, Body::Check { by_sender: true });
+        } else {
+            s.doubt = false;
+            s.checking = None;
+        }
+    }
+
+    /// Sender: whether a write must wait because this side paused with the
+    /// session open and has not yet confirmed it with the receiver (then a
+    /// CHECK is on its way; the session's waiters are woken by the answer,
+    /// and a session whose receiver does not answer within the liveness
+    /// timeout fails).
+    pub fn confirm_before_write(&mut self, key: &SessionKey, now: Duration) -> Result<bool> {
+        self.ran(now);
+        let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
+        if key.role != Role::Sender || s.state.is_final() || s.phase != Phase::Open || s.grant.is_none() {
+            return Ok(false); // begin_write says why not, if it must
+        }
+        if s.checking.is_some() {
+            return Ok(true);
+        }
+        if !s.doubt {
+            return Ok(false);
+        }
+        s.doubt = false;
+        s.checks = s.checks.saturating_add(1);
+        s.checking = Some(now);
+        self.send(&key.peer, key.id, Body::Check { by_sender: true });
+        Ok(true)
     }
 
     /// Receiver: the sender's answer to CHECK.
@@ -938,7 +1035,7 @@ impl SessionTable {
             s.doubt = false;
             s.checks += 1;
             s.phase = Phase::Confirming(now);
-            self.send(from, id, Body::Check);
+            self.send(from, id, Body::Check { by_sender: false });
         } else {
             Self::finalize(s, SessionState::Landed, now);
             self.send(from, id, Body::End(verdict(Outcome::Landed, ErrorKind::Internal, "")));
@@ -1149,6 +1246,29 @@ impl SessionTable {
         for key in unconfirmed {
             let why = "the sender did not confirm the finish within the liveness timeout (this side paused)";
             self.give_up_confirming(&key, why, now);
+        }
+        // A sender whose CHECK the receiver did not answer: it gives the
+        // session up (as a failed write would, the receiver learns it).
+        let unchecked: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                !paused
+                    && !s.state.is_final()
+                    && s.checking.is_some_and(|at| now.saturating_sub(at) >= self.limits.liveness_timeout)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in unchecked {
+            if let Some(s) = self.sessions.get_mut(&key) {
+                s.checking = None;
+                s.dirty = true;
+            }
+            let e = Error::new(
+                ErrorKind::PeerUnavailable,
+                "the receiver did not confirm the session within the liveness timeout (this side paused)",
+            );
+            let _ = self.cancel(&key, Some(e), now);
         }
         // Strangers answered long ago are forgotten.
         let keep = self.limits.liveness_timeout;

@@ -131,14 +131,15 @@ pub enum Body {
     Quiet,
     /// Liveness, either way; `reply` asks the peer to answer at once.
     Heartbeat { reply: bool },
-    /// Receiver -> sender: the FINISH came after this side paused (the
-    /// sender may have given up on it meanwhile); is the session still open
-    /// on the sender's side? Asked before the receiver decides `Landed`.
-    Check,
-    /// Sender -> receiver: the answer to CHECK. `open`: the sender is
-    /// waiting for the receiver's decision (FINISH sent, nothing decided);
-    /// otherwise it has ended the session (or forgotten it) without one.
-    Confirm { open: bool },
+    /// Either way, after the asking side paused with the session open (its
+    /// peer may have given up on it meanwhile): is the session still open
+    /// on your side? A receiver asks before it decides `Landed` on a
+    /// FINISH; a sender (`by_sender`) before it writes again.
+    Check { by_sender: bool },
+    /// The answer to CHECK (`to_sender`: the sender asked). `open`: the
+    /// session is open here and nothing is decided; otherwise it has ended
+    /// (or is ending, or was forgotten).
+    Confirm { open: bool, to_sender: bool },
 }
 
 /// A session message with its header fields.
@@ -263,7 +264,7 @@ impl Message {
             Body::Refuse(_) => Kind::Refuse,
             Body::Quiet => Kind::Quiet,
             Body::Heartbeat { .. } => Kind::Heartbeat,
-            Body::Check => Kind::Check,
+            Body::Check { .. } => Kind::Check,
             Body::Confirm { .. } => Kind::Confirm,
         };
         b.push(kind as u8);
@@ -298,8 +299,9 @@ impl Message {
                 b.extend_from_slice(r);
             }
             Body::Heartbeat { reply } => b.push(u8::from(*reply)),
-            Body::Confirm { open } => b.push(u8::from(*open)),
-            Body::Quiet | Body::Check => {}
+            Body::Check { by_sender } => b.push(u8::from(*by_sender)),
+            Body::Confirm { open, to_sender } => b.extend_from_slice(&[u8::from(*open), u8::from(*to_sender)]),
+            Body::Quiet => {}
         }
         b
     }
@@ -389,8 +391,8 @@ pub fn decode(msg: &[u8]) -> Option<Message> {
         }
         5 => Body::Quiet,
         6 => Body::Heartbeat { reply: flag(r.u8()?)? },
-        9 => Body::Check,
-        10 => Body::Confirm { open: flag(r.u8()?)? },
+        9 => Body::Check { by_sender: flag(r.u8()?)? },
+        10 => Body::Confirm { open: flag(r.u8()?)?, to_sender: flag(r.u8()?)? },
         _ => return None,
     };
     if !r.0.is_empty() {
@@ -417,9 +419,9 @@ mod tests {
                 kind: ErrorKind::ResourceExhausted,
                 reason: "full".into(),
             }),
-            Body::Check,
-            Body::Confirm { open: true },
-            Body::Confirm { open: false },
+            Body::Check { by_sender: false },
+            Body::Confirm { open: true, to_sender: true },
+            Body::Confirm { open: false, to_sender: false },
         ]
         .into_iter()
         .map(|body| Message { epoch: 9, id: 42, body })
