@@ -79,6 +79,8 @@ struct Inner {
     table: Mutex<SessionTable>,
     /// Wakes everything (shutdown).
     changed: watch::Sender<u64>,
+    /// Set while the driver is held ([`Sessions::hold`]).
+    held: watch::Sender<bool>,
     /// Wakes the waiters of one session.
     waiters: Mutex<HashMap<SessionKey, watch::Sender<u64>>>,
     plain: Inbox,
@@ -173,6 +175,7 @@ impl Sessions {
             rt: rt.clone(),
             table: Mutex::new(SessionTable::new(limits, epoch)),
             changed: watch::channel(0).0,
+            held: watch::channel(false).0,
             waiters: Mutex::default(),
             plain: Inbox::new(DEFAULT_INBOX),
             peers: Mutex::default(),
@@ -187,6 +190,17 @@ impl Sessions {
         let timer = rt.spawn(tick_loop(weak, tick));
         inner.tasks.lock().extend([reader, timer]);
         Ok(Self { inner: inner.clone(), _owner: Arc::new(Owner(inner)) })
+    }
+
+    /// Holds (`true`) or releases (`false`) this engine's session driver
+    /// as a stopped or starved process is held: its timer does not tick,
+    /// received messages wait unread in the transport's inbox, and nothing
+    /// is sent, heartbeats included, until it is released; calls still run.
+    /// For fault tests: the conformance suite freezes one side of a session
+    /// with it (rule 13, pauses), where a real freeze (SIGSTOP) would stop
+    /// the whole process.
+    pub fn hold(&self, on: bool) {
+        self.inner.held.send_replace(on);
     }
 
     /// This engine's segment name (what peers use as `peer`).
@@ -296,6 +310,7 @@ impl Sessions {
         // One stop signal per session, shared by its concurrent writes; taken
         // before the write is counted, so a stop sent once it is counted
         // reaches it.
+        self.confirmed(&key).await?;
         let mut stop_rx =
             self.inner.writes.lock().entry(key.clone()).or_insert_with(|| watch::channel(false).0).subscribe();
         let now = self.inner.clock.now();
@@ -349,6 +364,29 @@ impl Sessions {
         }
         self.inner.pump();
         outcome
+    }
+
+    /// Sender: returns once the session may be written. After a pause of
+    /// this side with the session open, the receiver may have taken the
+    /// silence for death and ended it: the session is confirmed with the
+    /// receiver first (one round trip; see
+    /// [`SessionTable::confirm_before_write`]), and ends `failed` if the
+    /// receiver has ended it or does not answer.
+    async fn confirmed(&self, key: &SessionKey) -> Result<()> {
+        let mut rx = self.inner.watch(key);
+        loop {
+            rx.borrow_and_update();
+            self.inner.check_open()?;
+            let now = self.inner.clock.now();
+            let wait = self.inner.table.lock().confirm_before_write(key, now)?;
+            self.inner.pump();
+            if !wait {
+                return Ok(());
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::shut_down());
+            }
+        }
     }
 
     /// Sender: every write of the session completed; tell the receiver,
@@ -499,6 +537,13 @@ impl Inner {
     /// A receiver woken when `key` changes.
     fn watch(&self, key: &SessionKey) -> watch::Receiver<u64> {
         self.waiters.lock().entry(key.clone()).or_insert_with(|| watch::channel(0).0).subscribe()
+    }
+
+    /// Waits while the driver is held ([`Sessions::hold`]); false once the
+    /// engine is gone.
+    fn running(&self) -> impl std::future::Future<Output = bool> {
+        let mut gate = self.held.subscribe();
+        async move { gate.wait_for(|held| !held).await.is_ok() }
     }
 
     fn check_open(&self) -> Result<()> {
@@ -672,6 +717,9 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
             ready.extend(crate::session::wire::bundle(queued));
         }
         let Some(msg) = ready.pop_front() else { continue };
+        if !inner.running().await {
+            return;
+        }
         let give_up = inner.table.lock().limits().liveness_timeout;
         let started = inner.clock.now();
         let mut backoff = Duration::from_millis(5);
@@ -716,6 +764,13 @@ async fn read_loop(weak: std::sync::Weak<Inner>) {
         if transport.wait_notification().await.is_err() {
             return;
         }
+        let running = match weak.upgrade() {
+            Some(i) => i.running(),
+            None => return,
+        };
+        if !running.await {
+            return;
+        }
         let Ok(batch) = transport.take_notifications(TAKE_BATCH) else { return };
         let Some(inner) = weak.upgrade() else { return };
         let now = inner.clock.now();
@@ -745,6 +800,13 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
         };
         let asked = Instant::now();
         sleep.await;
+        let running = match weak.upgrade() {
+            Some(i) => i.running(),
+            None => return,
+        };
+        if !running.await {
+            return;
+        }
         let late = asked.elapsed().saturating_sub(every);
         if late >= SLOW_DELIVERY {
             tracing::debug!(late_ms = late.as_millis() as u64, "session timer ran late");
