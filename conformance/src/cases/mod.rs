@@ -348,6 +348,12 @@ static CASES: &[Case] = &[
         "receiver or sender killed before the grant, mid-transfer, after finish: the survivor ends within liveness"
     ),
     case!(
+        session::frozen_side,
+        13,
+        [],
+        "one side frozen (before the grant, mid-transfer, across the finish) and resumed: landed is never contradicted"
+    ),
+    case!(
         session::connection_cut,
         13,
         [Cut],

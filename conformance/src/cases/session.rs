@@ -970,6 +970,171 @@ pub async fn peer_killed(cx: Ctx) -> CaseResult {
 }
 
 // ---------------------------------------------------------------------------
+// frozen_side
+
+/// A freeze past the liveness timeout: the peer gives the frozen side up.
+const FREEZE: Duration = Duration::from_millis(3000);
+/// A freeze the frozen side notices (a quarter of the liveness timeout or
+/// more) and its peer forgives (under the liveness timeout).
+const BRIEF: Duration = Duration::from_millis(1000);
+/// Bytes of the frozen sessions.
+const FROZEN_LEN: u64 = 256 << 10;
+
+fn is_unknown(st: &SessionState) -> bool {
+    matches!(st, SessionState::Failed(e) if e.kind() == ErrorKind::OutcomeUnknown)
+}
+
+/// Holds one side's session engine for `d` (`Sessions::hold`: no tick, no
+/// message read, nothing sent; a stopped or starved process), then
+/// releases it.
+async fn freeze(s: &Sessions, d: Duration) {
+    s.hold(true);
+    tokio::time::sleep(d).await;
+    s.hold(false);
+}
+
+/// A fresh pair with session `id` granted over `[0, FROZEN_LEN)` and the
+/// grant at the sender.
+async fn frozen_duo(cx: &Ctx, id: u64) -> Result<Duo, CaseError> {
+    let duo = Duo::new(cx, FROZEN_LEN as usize).await?;
+    duo.p.s.expect(&duo.dn, id)?;
+    duo.grant(id, &[(0, FROZEN_LEN)], LONG).await?;
+    duo.wait_grant(id).await?;
+    Ok(duo)
+}
+
+/// Both final within `within`; never `landed` on one side only, except
+/// `landed` against the sender's `outcome_unknown`. Returns both states.
+async fn agree(duo: &Duo, id: u64, within: Duration, what: &str) -> Result<(SessionState, SessionState), CaseError> {
+    let (wp, wd) = (format!("{what}: the sender"), format!("{what}: the receiver"));
+    let (ks, kr) = (duo.ks(id), duo.kr(id));
+    let (a, b) = tokio::join!(ends(&duo.p.s, &ks, within, &wp), ends(&duo.d.s, &kr, within, &wd));
+    let (a, b) = (a?, b?);
+    let landed = (a.name() == "landed", b.name() == "landed");
+    ensure!(
+        landed.0 == landed.1 || (landed.1 && is_unknown(&a)),
+        "{what}: the sender ended {}, the receiver {} (rule 13: landed is never contradicted)",
+        describe(&a),
+        describe(&b)
+    );
+    Ok((a, b))
+}
+
+/// Rule 13 under pauses: one side's session engine is frozen (held: it
+/// neither ticks, reads nor sends, as a stopped process) and resumed:
+/// - the receiver across the sender's finish, past the liveness timeout:
+///   the sender ends `outcome_unknown`; the resumed receiver asks before it
+///   lands and fails (never `landed` alone);
+/// - the receiver across the finish, briefly: both `landed`, every byte;
+/// - the sender as the receiver's answer to its finish comes, past the
+///   liveness timeout: the resumed sender reads the answer before it
+///   judges the receiver: both `landed`;
+/// - the sender mid-transfer, past the liveness timeout: the receiver fails
+///   the session on the silence; the resumed sender asks before it writes
+///   again, and nothing more reaches the receiver's memory once final;
+/// - the receiver before its grant, and the sender before the grant came:
+///   both end failed, and nothing is written.
+pub async fn frozen_side(cx: Ctx) -> CaseResult {
+    let within = FREEZE + LIVENESS + ENDS_WITHIN;
+    let all = [part(0, 0, FROZEN_LEN)];
+
+    // The receiver frozen across the finish, long and briefly.
+    for (id, d) in [(1, FREEZE), (2, BRIEF)] {
+        let what = format!("the receiver frozen for {d:?} across the finish");
+        let duo = frozen_duo(&cx, id).await?;
+        let before = duo.d.mem.snapshot();
+        duo.write_ok(id, &all, &what).await?;
+        duo.d.s.hold(true);
+        duo.finish(id)?;
+        tokio::time::sleep(d).await;
+        duo.d.s.hold(false);
+        let (a, b) = agree(&duo, id, within, &what).await?;
+        if d > LIVENESS {
+            ensure!(is_unknown(&a), "{what}: the sender ended {}, expected outcome_unknown", describe(&a));
+            ensure!(
+                b.name() == "failed",
+                "{what}: the receiver ended {}, expected failed (the sender had given up: never landed alone)",
+                describe(&b)
+            );
+        } else {
+            ensure!(a == b && b.name() == "landed", "{what}: {} / {}", describe(&a), describe(&b));
+            let now = duo.d.mem.snapshot();
+            expect_bytes(&duo.d.mem, &now, &duo.model(&before, &all), &what)?;
+        }
+    }
+
+    // The sender frozen as the receiver's answer comes (once the receiver
+    // landed: the FINISH is out; the END is on its way or waiting unread).
+    let (id, what) = (3, "the sender frozen as the receiver's answer comes");
+    let duo = frozen_duo(&cx, id).await?;
+    duo.write_ok(id, &all, what).await?;
+    duo.finish(id)?;
+    let kr = duo.kr(id);
+    let landed = settle(ENDS_WITHIN, || duo.d.s.state(&kr).is_some_and(|s| s.is_final())).await;
+    freeze(&duo.p.s, FREEZE).await;
+    ensure!(landed, "{what}: the receiver did not end within {ENDS_WITHIN:?}: {}", state_now(&duo.d.s, &kr));
+    let (a, b) = agree(&duo, id, within, what).await?;
+    ensure!(a == b && a.name() == "landed", "{what}: {} / {}", describe(&a), describe(&b));
+
+    // The sender frozen mid-transfer (between two writes).
+    let (id, what) = (4, "the sender frozen mid-transfer");
+    let duo = frozen_duo(&cx, id).await?;
+    let half = FROZEN_LEN / 2;
+    duo.write_ok(id, &[part(0, 0, half)], what).await?;
+    duo.p.s.hold(true);
+    let rs = ends(&duo.d.s, &duo.kr(id), within, &format!("{what}: the receiver")).await;
+    duo.p.s.hold(false);
+    let rs = rs?;
+    expect_peer_failure(&rs, &format!("{what}: the receiver (its sender went silent)"))?;
+    let snap = duo.d.mem.snapshot();
+    let second = duo.write(id, &[part(half, half, half)]).await?;
+    ensure!(
+        !second.as_ref().is_ok_and(TransferOutcome::is_success),
+        "{what}: the resumed sender's write completed toward a receiver that had ended the session"
+    );
+    expect_quiet(&duo.d.mem, &snap, QUIET, &format!("{what}: the receiver's memory once final")).await?;
+    let (a, _) = agree(&duo, id, within, what).await?;
+    ensure!(a.name() == "failed", "{what}: the resumed sender ended {}, expected failed", describe(&a));
+
+    // The receiver frozen before its grant: the waiting sender gives up.
+    let (id, what) = (5, "the receiver frozen before its grant");
+    let duo = Duo::new(&cx, FROZEN_LEN as usize).await?;
+    let before = duo.d.mem.snapshot();
+    duo.p.s.expect(&duo.dn, id)?;
+    freeze(&duo.d.s, FREEZE).await;
+    let a = ends(&duo.p.s, &duo.ks(id), within, &format!("{what}: the sender")).await?;
+    expect_peer_failure(&a, &format!("{what}: the waiting sender"))?;
+    duo.grant(id, &all.map(|p| (p.roff, p.len)), LONG).await?;
+    let (_, b) = agree(&duo, id, within, what).await?;
+    ensure!(b.name() == "failed", "{what}: the late grant ended {}, expected failed", describe(&b));
+    duo.d.mem.expect(&before, &format!("{what}: the receiver's memory"))?;
+
+    // The sender frozen while its grant came: the receiver gives up; the
+    // resumed sender has the grant but asks before it writes.
+    let (id, what) = (6, "the sender frozen while its grant came");
+    let duo = Duo::new(&cx, FROZEN_LEN as usize).await?;
+    let before = duo.d.mem.snapshot();
+    duo.p.s.expect(&duo.dn, id)?;
+    duo.p.s.hold(true);
+    duo.grant(id, &[(0, FROZEN_LEN)], LONG).await?;
+    let rs = ends(&duo.d.s, &duo.kr(id), within, &format!("{what}: the receiver")).await;
+    duo.p.s.hold(false);
+    expect_peer_failure(&rs?, &format!("{what}: the receiver (its sender went silent)"))?;
+    if let Ok(g) = bounded("wait_grant", duo.p.s.wait_grant(&duo.dn, id)).await? {
+        ensure!(g.expected == FROZEN_LEN, "{what}: the sender got the grant {g:?}");
+        let w = duo.write(id, &all).await?;
+        ensure!(
+            !w.as_ref().is_ok_and(TransferOutcome::is_success),
+            "{what}: the resumed sender's write completed toward a receiver that had ended the session"
+        );
+    }
+    let (a, _) = agree(&duo, id, within, what).await?;
+    ensure!(a.name() == "failed", "{what}: the resumed sender ended {}, expected failed", describe(&a));
+    duo.d.mem.expect(&before, &format!("{what}: the receiver's memory"))?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
 // connection_cut
 
 /// Sixteen layers of 256 KiB, each one `write`; connections toward the
