@@ -30,8 +30,9 @@ import kvmove
 def main() -> int:
     host, nbytes = sys.argv[1], int(sys.argv[2])
     protocol = sys.argv[3] if len(sys.argv) > 3 else "tcp"
+    device = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
     try:
-        engine = kvmove.Engine(protocol=protocol, host=host)
+        engine = kvmove.Engine(protocol=protocol, host=host, device=device)
         buf = np.zeros(nbytes, dtype=np.uint8)
         region = engine.register(buf)
     except kvmove.TransferError as e:

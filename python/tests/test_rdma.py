@@ -8,6 +8,7 @@ inside ``scripts/rxe-vm`` (soft-RoCE). Skipped otherwise, with the reason;
 
 import hashlib
 import os
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ from kvmove import _native
 from kvmove.mooncake import TransferEngine
 
 from kvpeer import pattern
+
+LAYER = 64 << 10
 
 
 def _device():
@@ -141,3 +144,36 @@ def test_rdma_nixl_agents():
         for p in peers:
             p.stop()
         agent.close()
+
+
+@pytest.mark.parametrize("frozen_s", [7.0, 2.0])
+def test_rdma_receiver_frozen_across_the_finish(spawn_peer, frozen_s):
+    """Sessions over RDMA with a real frozen process: the decode process is
+    stopped (SIGSTOP) before it reads the FINISH and continued. Past the
+    liveness timeout (7 s; 5 s by default) the sender gave up unsure
+    (``outcome_unknown``) and the resumed receiver, which asks before it
+    lands, fails; a pause it notices but the sender forgives (2 s) lands on
+    both sides with every byte (rule 13)."""
+    decode = spawn_peer(nbytes=LAYER, protocol="rdma", device=DEVICE, script="sessionpeer.py")
+    kv = pattern(7, LAYER)
+    with kvmove.Engine(protocol="rdma", device=DEVICE) as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 3)
+        assert decode.ask(f"grant {prefill.session_id} 3 0 {LAYER} 60") == "ok"
+        assert s.wait_grant(timeout=30) is not None
+        assert s.write([(src.addr, decode.addr, LAYER)]).ok
+        decode.pause()
+        try:
+            s.finish()
+            t0 = time.monotonic()
+            if frozen_s > 5:
+                assert s.wait(timeout=30) == "failed"
+                assert s.error.kind == "outcome_unknown", s.error
+            time.sleep(max(0.0, frozen_s - (time.monotonic() - t0)))
+        finally:
+            decode.resume()
+        if frozen_s > 5:
+            assert decode.ask("wait 3 30") == "failed"
+        else:
+            assert s.wait(timeout=30) == "landed", s.error
+            assert decode.ask("wait 3 30") == "landed"
+            assert decode.ask(f"digest 0 {LAYER}") == hashlib.sha256(kv.tobytes()).hexdigest()
