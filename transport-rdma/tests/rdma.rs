@@ -225,8 +225,7 @@ fn idle_endpoints_are_reclaimed_and_the_store_is_bounded() {
         let local = buffer_with(4096, 9);
         // The bound: five segments through two places. The idle timeout is
         // far longer than the loop, so no endpoint leaves by the timer while
-        // the next one is built (a QP bring-up can take a second in the VM)
-        // and the count after the loop is exact.
+        // the next one is built (a QP bring-up can take a second in the VM).
         let cfg = RdmaConfig { max_endpoints: 2, qps_per_endpoint: 2, idle_timeout_ms: 600_000, ..config() };
         let bounded = transport(cfg).await;
         let lid = bounded.register(local.region(), Access::LOCAL).unwrap();
@@ -247,7 +246,11 @@ fn idle_endpoints_are_reclaimed_and_the_store_is_bounded() {
                 assert!(s.endpoints <= 2 && s.endpoint_lanes <= 4, "bound broken: {s:?}");
             }
         }
-        assert_eq!(bounded.stats().endpoints, 2, "two places, both kept while not idle long enough");
+        // One or two live: an evicted endpoint holds its place until its
+        // QPs are destroyed (on the blocking pool), and a build that finds
+        // one place dying and the other idle evicts the idle one too.
+        let live = bounded.stats().endpoints;
+        assert!((1..=2).contains(&live), "{live} live endpoints after the loop");
         bounded.shutdown().await.unwrap();
         // The timer: with a short idle timeout, endpoints left alone are
         // reclaimed and their kernel QPs destroyed.
