@@ -238,9 +238,11 @@ struct Session {
     doubt: bool,
     /// Sender: CHECK sent at this time, no answer yet (writes wait).
     checking: Option<Duration>,
-    /// CHECKs sent (receiver) or answered `open` (sender), at most
-    /// [`MAX_CHECKS`].
+    /// CHECKs sent, at most [`MAX_CHECKS`].
     checks: u8,
+    /// Sender: the receiver's CHECKs answered `open` that extended the
+    /// grace, at most [`MAX_CHECKS`].
+    answers: u8,
     /// Sender: when it last answered a CHECK with `open` (the receiver was
     /// alive then and deciding: the deadline's grace counts from here).
     answered: Option<Duration>,
@@ -298,9 +300,9 @@ pub struct SessionTable {
 /// make this side send one small message per interval, to a bounded set.
 pub const MAX_STRANGERS: usize = 256;
 
-/// CHECKs one receiver session sends at most (one per pause while it is
-/// confirming), and answers one sender session lets extend its grace; a
-/// receiver that paused this often while confirming fails the session.
+/// CHECKs one session sends at most (one per pause while it confirms),
+/// and a sender's answers that extend its grace; a side that paused this
+/// often while confirming fails the session.
 pub const MAX_CHECKS: u8 = 4;
 
 fn table_full(what: &str) -> Error {
@@ -505,6 +507,7 @@ impl SessionTable {
                 doubt: false,
                 checking: None,
                 checks: 0,
+                answers: 0,
                 answered: None,
                 dirty: true,
             },
@@ -906,8 +909,8 @@ impl SessionTable {
                 (Phase::Finishing, st) if !st.is_final() => {
                     // The receiver is deciding: its answer gets a fresh grace
                     // (a bounded number of times).
-                    if s.checks < MAX_CHECKS {
-                        s.checks += 1;
+                    if s.answers < MAX_CHECKS {
+                        s.answers += 1;
                         s.answered = Some(now);
                     }
                     true
@@ -974,14 +977,11 @@ impl SessionTable {
                     self.after_quiet(&key, now);
                 }
             }
-        } else if s.doubt && s.checks < MAX_CHECKS {
-            // Paused again since the CHECK: the answer may be stale.
-            s.doubt = false;
-            s.checks += 1;
-            s.checking = Some(now);
-            self.send(from, id, Body::Check { by_sender: true });
+        } else if s.doubt {
+            // Paused again since the CHECK: the answer may be stale; ask
+            // again (confirm_before_write gives up after MAX_CHECKS).
+            s.checking = None;
         } else {
-            s.doubt = false;
             s.checking = None;
         }
     }
@@ -1003,8 +1003,13 @@ impl SessionTable {
         if !s.doubt {
             return Ok(false);
         }
+        if s.checks >= MAX_CHECKS {
+            let e = Error::new(ErrorKind::PeerUnavailable, "this side kept pausing while it confirmed the session");
+            self.cancel(key, Some(e), now)?;
+            return Ok(false); // begin_write refuses: the session is no longer open
+        }
         s.doubt = false;
-        s.checks = s.checks.saturating_add(1);
+        s.checks += 1;
         s.checking = Some(now);
         self.send(&key.peer, key.id, Body::Check { by_sender: true });
         Ok(true)
