@@ -26,9 +26,11 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+mod device;
 mod pages;
 mod region;
 
 pub use buffer::Buffer;
+pub use device::{DeviceMemory, FakeDevice, MemoryKind};
 pub use pages::PageBuf;
 pub use region::{MemError, MemoryRegion};

@@ -5,6 +5,8 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
+use crate::device::{DeviceMemory, MemoryKind};
+
 /// Why a memory access or allocation was refused. Always the caller's (or
 /// the remote peer's) mistake; never retried.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -21,6 +23,12 @@ pub enum MemError {
     /// `addr + len` overflows the address space, or `addr` is null.
     #[error("region at {addr:#x} of {len} bytes is not a valid address range")]
     BadRange { addr: u64, len: u64 },
+    /// A range given as device memory is not (entirely) the provider's.
+    #[error("{len} bytes at {addr:#x} are not device memory of the {provider} provider")]
+    NotDeviceMemory { addr: u64, len: u64, provider: String },
+    /// The device provider failed a copy to or from device memory.
+    #[error("a copy to or from device {device} failed: {why}")]
+    DeviceCopy { device: u32, why: String },
 }
 
 /// A contiguous range of memory the engine may copy into and out of.
@@ -33,11 +41,14 @@ pub struct MemoryRegion {
     addr: u64,
     len: usize,
     _owner: Option<Arc<dyn Any + Send + Sync>>,
+    /// Device memory: its index and the provider every access goes through
+    /// (the host never dereferences `addr`).
+    device: Option<(u32, Arc<dyn DeviceMemory>)>,
 }
 
 impl MemoryRegion {
     pub(crate) fn from_owner(addr: u64, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Self {
-        Self { addr, len, _owner: Some(owner) }
+        Self { addr, len, _owner: Some(owner), device: None }
     }
 
     /// A region over memory the engine does not own, such as a GPU-host
@@ -62,7 +73,42 @@ impl MemoryRegion {
         if addr == 0 || addr.checked_add(len as u64).is_none() {
             return Err(MemError::BadRange { addr, len: len as u64 });
         }
-        Ok(Self { addr, len, _owner: None })
+        Ok(Self { addr, len, _owner: None, device: None })
+    }
+
+    /// A region of device memory (a CUDA allocation, a fake device's) at
+    /// the device address `addr`. The host never touches it: every access
+    /// the engine makes through the region is a copy by `provider`.
+    /// [`MemError::NotDeviceMemory`] unless the provider owns the whole
+    /// range.
+    ///
+    /// # Safety
+    ///
+    /// As for [`MemoryRegion::from_raw`], with device memory: the range
+    /// stays allocated on its device (not freed, not reused) until the
+    /// region is unregistered everywhere, every batch naming it is terminal
+    /// and every clone is dropped.
+    pub unsafe fn from_device(provider: Arc<dyn DeviceMemory>, addr: u64, len: usize) -> Result<Self, MemError> {
+        if len == 0 {
+            return Err(MemError::ZeroLength);
+        }
+        if addr == 0 || addr.checked_add(len as u64).is_none() {
+            return Err(MemError::BadRange { addr, len: len as u64 });
+        }
+        let Some(d) = provider.device_of(addr, len as u64) else {
+            return Err(MemError::NotDeviceMemory { addr, len: len as u64, provider: provider.name().to_string() });
+        };
+        Ok(Self { addr, len, _owner: None, device: Some((d, provider)) })
+    }
+
+    /// Where the bytes live.
+    pub fn kind(&self) -> MemoryKind {
+        self.device.as_ref().map_or(MemoryKind::Host, |(d, _)| MemoryKind::Device(*d))
+    }
+
+    /// The provider of a device region (`None` for host memory).
+    pub fn provider(&self) -> Option<&Arc<dyn DeviceMemory>> {
+        self.device.as_ref().map(|(_, p)| p)
     }
 
     /// The part `offset .. offset + len` of this region, keeping the same
@@ -73,7 +119,7 @@ impl MemoryRegion {
             return Err(MemError::ZeroLength);
         }
         self.check(offset as u64, len as u64)?;
-        Ok(Self { addr: self.addr + offset as u64, len, _owner: self._owner.clone() })
+        Ok(Self { addr: self.addr + offset as u64, len, _owner: self._owner.clone(), device: self.device.clone() })
     }
 
     /// Address of the first byte.
@@ -100,9 +146,13 @@ impl MemoryRegion {
         }
     }
 
-    /// Copies `dst.len()` bytes from `offset` into `dst`.
+    /// Copies `dst.len()` bytes from `offset` into `dst` (for device
+    /// memory: a copy by its provider).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), MemError> {
         self.check(offset as u64, dst.len() as u64)?;
+        if let Some((_, p)) = &self.device {
+            return p.copy_to_host(self.addr + offset as u64, dst);
+        }
         // SAFETY: the range was bounds-checked against `len`, and the region's
         // constructor guarantees `addr .. addr + len` is live memory (owned via
         // `_owner`, or promised by `from_raw`'s caller). `dst` is a distinct
@@ -113,9 +163,13 @@ impl MemoryRegion {
         Ok(())
     }
 
-    /// Copies `src` into the region at `offset`.
+    /// Copies `src` into the region at `offset` (for device memory: a copy
+    /// by its provider).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), MemError> {
         self.check(offset as u64, src.len() as u64)?;
+        if let Some((_, p)) = &self.device {
+            return p.copy_from_host(src, self.addr + offset as u64);
+        }
         // SAFETY: bounds checked as in `read_at`; `src` is a Rust slice and
         // therefore not part of the engine-managed range being written, unless
         // the caller broke `from_raw`'s contract by holding a reference to it.
@@ -137,6 +191,25 @@ impl MemoryRegion {
     ) -> Result<(), MemError> {
         self.check(dst_offset as u64, len as u64)?;
         src.check(src_offset as u64, len as u64)?;
+        match (&self.device, &src.device) {
+            (None, None) => {}
+            (Some((_, a)), Some((_, b))) if Arc::ptr_eq(a, b) => {
+                return a.copy_on_device(self.addr + dst_offset as u64, src.addr + src_offset as u64, len);
+            }
+            _ => {
+                // Device memory on one side (or two providers): through the
+                // host, in bounded pieces.
+                let mut bounce = vec![0u8; len.min(BOUNCE)];
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(BOUNCE);
+                    src.read_at(src_offset + done, &mut bounce[..n])?;
+                    self.write_at(dst_offset + done, &bounce[..n])?;
+                    done += n;
+                }
+                return Ok(());
+            }
+        }
         // SAFETY: both ranges were bounds-checked against their live regions;
         // `ptr::copy` allows overlap.
         unsafe {
@@ -149,13 +222,27 @@ impl MemoryRegion {
         Ok(())
     }
 
-    /// Sets every byte to `byte`.
+    /// Sets every byte to `byte`. For device memory the copies can fail:
+    /// use [`MemoryRegion::write_at`] where that matters.
     pub fn fill(&self, byte: u8) {
+        if self.device.is_some() {
+            let chunk = vec![byte; self.len.min(BOUNCE)];
+            let mut done = 0;
+            while done < self.len {
+                let n = (self.len - done).min(BOUNCE);
+                if self.write_at(done, &chunk[..n]).is_err() {
+                    return;
+                }
+                done += n;
+            }
+            return;
+        }
         // SAFETY: the whole region is live memory by construction.
         unsafe { std::ptr::write_bytes(self.addr as usize as *mut u8, byte, self.len) }
     }
 
-    /// A copy of the whole region.
+    /// A copy of the whole region (zeros where a device copy failed: use
+    /// [`MemoryRegion::read_at`] where that matters).
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len];
         // Cannot fail: the range is exactly the region.
@@ -180,9 +267,13 @@ impl fmt::Debug for MemoryRegion {
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("len", &self.len)
             .field("owned", &self._owner.is_some())
+            .field("kind", &self.kind())
             .finish()
     }
 }
+
+/// Largest host bounce buffer of a copy between host and device regions.
+const BOUNCE: usize = 4 << 20;
 
 #[cfg(test)]
 mod tests {
