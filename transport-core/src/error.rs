@@ -289,8 +289,9 @@ impl From<transport_mem::MemError> for Error {
         use transport_mem::MemError::*;
         let kind = match &e {
             OutOfBounds { .. } | BadRange { .. } => ErrorKind::OutOfBounds,
-            ZeroLength => ErrorKind::InvalidRequest,
+            ZeroLength | NotDeviceMemory { .. } => ErrorKind::InvalidRequest,
             AllocFailed { .. } => ErrorKind::ResourceExhausted,
+            DeviceCopy { .. } => ErrorKind::Io,
         };
         Error::new(kind, e.to_string())
     }

@@ -52,7 +52,7 @@ pub use policy::{
 };
 pub use stats::{Capabilities, ResourceStats};
 pub use transport::{notify_when_completed, Transport};
-pub use transport_mem::{Buffer, MemError, MemoryRegion};
+pub use transport_mem::{Buffer, DeviceMemory, FakeDevice, MemError, MemoryKind, MemoryRegion};
 pub use types::{
     Access, BatchId, BatchState, BatchStatus, Opcode, RegionId, RegionInfo, RequestStatus, SegmentDescriptor,
     SegmentId, SubmitOptions, TransferRequest,

@@ -19,6 +19,11 @@ pub struct Capabilities {
     pub max_endpoints: usize,
     /// Endpoints per peer connection (QPs per endpoint, TCP lanes).
     pub lanes_per_endpoint: usize,
+    /// Registers and moves device (GPU) memory
+    /// ([`crate::MemoryKind::Device`]); a backend without it refuses a
+    /// device region at registration with `Unsupported`, never at the
+    /// first transfer.
+    pub device_memory: bool,
 }
 
 impl Capabilities {
@@ -31,6 +36,7 @@ impl Capabilities {
             max_request_len: 1 << 32,
             max_endpoints,
             lanes_per_endpoint: 1,
+            device_memory: false,
         }
     }
 }

@@ -145,6 +145,8 @@ impl Transport for MockTransport {
         caps.max_batch_len = c.max_batch_len;
         caps.max_request_len = c.max_request_len;
         caps.lanes_per_endpoint = c.lanes_per_endpoint;
+        // Device regions are read and written through their provider.
+        caps.device_memory = true;
         caps
     }
 

@@ -241,6 +241,16 @@ impl Transport for RdmaTransport {
         if let Some((id, _)) = st.regions.iter().find(|(_, r)| r.reg.mem().overlaps(&mem)) {
             return Err(Error::new(ErrorKind::AlreadyRegistered, format!("memory overlaps {id}")));
         }
+        if mem.kind().is_device() {
+            // Refused here, not at the first transfer (rule 1 of the
+            // memory kinds, docs/CONTRACT.md).
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "the RDMA backend cannot register device memory yet (neither GPUDirect through dma-buf nor \
+                 staging through host memory is built); register host memory, or use the TCP backend",
+            )
+            .with("kind", mem.kind()));
+        }
         let pd = st.verbs.as_ref().map(|v| v.pd.clone()).ok_or_else(Error::shut_down)?;
         let reg = Registration::new(&pd, mem, access.remote_read, access.remote_write)?;
         let id = st.new_region_id();

@@ -67,6 +67,7 @@ pub(crate) fn status_err(s: Status, peer: &str) -> Error {
         Status::VersionMismatch => (ErrorKind::HandshakeFailed, "the peer speaks another protocol version"),
         Status::Busy => (ErrorKind::ConnectionRefused, "the peer is busy (at its connection limit or shutting down)"),
         Status::Protocol => (ErrorKind::Protocol, "the peer could not parse our frames"),
+        Status::DeviceCopy => (ErrorKind::Io, "the peer could not copy to or from its device memory"),
     };
     Error::new(kind, msg).with("peer", peer)
 }

@@ -145,6 +145,8 @@ pub enum Status {
     VersionMismatch = 8,
     /// The server is at its connection limit or shutting down.
     Busy = 9,
+    /// The server's copy to or from its device (GPU) memory failed.
+    DeviceCopy = 10,
 }
 
 impl Status {
@@ -162,6 +164,7 @@ impl Status {
             7 => TooLarge,
             8 => VersionMismatch,
             9 => Busy,
+            10 => DeviceCopy,
             _ => return None,
         })
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 use transport_core::{Access, Error, ErrorKind, RegionId, Result};
-use transport_mem::MemoryRegion;
+use transport_mem::{MemError, MemoryRegion};
 
 use crate::proto::{Status, WireRegion};
 
@@ -45,6 +45,7 @@ impl Region {
         let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;
         match self.with_live(|m| m.read_at(off as usize, dst)) {
             None => Err(Status::Unregistered),
+            Some(Err(MemError::DeviceCopy { .. })) => Err(Status::DeviceCopy),
             Some(Err(_)) => Err(Status::OutOfBounds),
             Some(Ok(())) => Ok(()),
         }
@@ -55,6 +56,7 @@ impl Region {
         let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;
         match self.with_live(|m| m.write_at(off as usize, src)) {
             None => Err(Status::Unregistered),
+            Some(Err(MemError::DeviceCopy { .. })) => Err(Status::DeviceCopy),
             Some(Err(_)) => Err(Status::OutOfBounds),
             Some(Ok(())) => Ok(()),
         }

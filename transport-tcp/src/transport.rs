@@ -145,6 +145,8 @@ impl Transport for TcpTransport {
         c.max_batch_len = MAX_BATCH;
         c.max_request_len = MAX_REQUEST;
         c.lanes_per_endpoint = self.inner.cfg.lanes;
+        // Device regions are read and written through their provider.
+        c.device_memory = true;
         c
     }
 

@@ -319,6 +319,7 @@ impl Inner {
             c.max_request_len = c.max_request_len.min(o.max_request_len);
             c.read &= o.read;
             c.write &= o.write;
+            c.device_memory &= o.device_memory;
         }
         c
     }
