@@ -95,6 +95,7 @@
 //! | `memory::local_only_region_unreachable` | 9 | - | a peer's local-only region cannot be reached |
 //! | `memory::overlapping_registration_refused` | 9 | - | same or overlapping registration: AlreadyRegistered; re-register after unregister works |
 //! | `memory::double_unregister` | 9 | - | unregister twice or an unknown id: InvalidHandle |
+//! | `memory::device_regions` | 9 | - | device regions on a fake device whose memory faults on any host access: a backend without `capabilities().device_memory` refuses them at registration (`Unsupported`); otherwise host to device, device to device and device to host writes and reads land byte-exact (read back through the provider), and a failed device copy on either side is a transient error after which the next write works |
 //! | `memory::write_to_unregistered_remote_fails` | 9 | - | write into a peer region unregistered before: fails, memory untouched |
 //! | `memory::unregister_local_in_flight` | 9 | Stall | unregister a source in flight: request ends Unregistered, memory quiet after |
 //! | `memory::unregister_remote_in_flight` | 9 | Stall | peer unregisters the target in flight: its memory is quiet once the call returns |

@@ -1,11 +1,14 @@
 //! Memory is guarded (rule 9): remote access only to regions registered
 //! for it, registration conflicts and unregistering under load are defined.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use transport_core::{Access, BatchState, ErrorKind, RegionId, RequestStatus, SubmitOptions, TransferRequest};
+use transport_core::{
+    Access, BatchState, ErrorKind, FakeDevice, MemoryRegion, RegionId, RequestStatus, SubmitOptions, TransferRequest,
+};
 
-use crate::ctx::{batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, Ctx};
+use crate::ctx::{batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, Ctx};
 use crate::ensure;
 use crate::guard::pattern;
 use crate::outcome::{CaseError, CaseResult};
@@ -161,5 +164,100 @@ pub async fn unregister_remote_in_flight(cx: Ctx) -> CaseResult {
     ensure!(s.state != BatchState::InProgress, "wait returned a non-terminal status");
     expect_quiet(&p.remote, &remote, Duration::from_millis(300), "peer memory after the peer unregistered it").await?;
     t.release(b)?;
+    Ok(())
+}
+
+/// Device memory on a fake device (`FakeDevice`: the host cannot touch it;
+/// any direct access faults and kills the suite).
+const DEV_LEN: usize = 1 << 20;
+
+/// A device region of `len` bytes on `dev`, filled with `pattern(seed)`
+/// through the provider.
+fn device_region(dev: &Arc<FakeDevice>, len: usize, seed: u64) -> Result<(MemoryRegion, Vec<u8>), CaseError> {
+    let r = FakeDevice::region(dev, len).map_err(|e| CaseError::Fail(format!("fake device: {e}")))?;
+    let bytes = pattern(seed, len);
+    r.write_at(0, &bytes).map_err(|e| CaseError::Fail(format!("fill through the provider: {e}")))?;
+    Ok((r, bytes))
+}
+
+/// Memory kinds (docs/CONTRACT.md, rule 9): device regions on a fake
+/// device whose memory faults on any host access.
+/// - A backend without `capabilities().device_memory` refuses a device
+///   region at registration (`Unsupported`, permanent), never later.
+/// - Otherwise host to device, device to device and device to host writes
+///   (and reads, where supported) land byte-exact, read back through the
+///   provider; a device copy that fails ends its request with a transient
+///   error and the next transfer works.
+pub async fn device_regions(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let (ta, tb) = (p.a.transport.clone(), p.b.transport.clone());
+    let da = Arc::new(FakeDevice::new(0, 4 * DEV_LEN).map_err(|e| CaseError::Fail(format!("fake device: {e}")))?);
+    let db = Arc::new(FakeDevice::new(1, 4 * DEV_LEN).map_err(|e| CaseError::Fail(format!("fake device: {e}")))?);
+    let (la, la_bytes) = device_region(&da, DEV_LEN, 31)?;
+    if !ta.capabilities().device_memory {
+        let r = ta.register(la.clone(), Access::LOCAL);
+        expect_permanent(r, &[ErrorKind::Unsupported], "registering device memory on a backend without it")?;
+        let r = tb.register(la, Access::REMOTE_RW);
+        expect_permanent(r, &[ErrorKind::Unsupported], "registering device memory for peers, without it")?;
+        return Ok(());
+    }
+    let (rb, _) = device_region(&db, DEV_LEN, 32)?;
+    let la_id = ta.register(la.clone(), Access::LOCAL)?;
+    let rb_id = tb.register(rb.clone(), Access::REMOTE_RW)?;
+    let seg = crate::ctx::open(&p.a, &p.b.name).await?;
+    let n = DEV_LEN as u64;
+    let half = n / 2;
+
+    // Device to device, then host to device, then device to host.
+    complete(&ta, vec![TransferRequest::write(la_id, 0, seg, rb.addr(), n)]).await?;
+    ensure!(rb.to_vec() == la_bytes, "device to device write: the target's device memory differs");
+    let host = pattern(33, LEN);
+    p.local.region().write_at(0, &host).map_err(|e| CaseError::Fail(e.to_string()))?;
+    complete(&ta, vec![TransferRequest::write(p.local_id, 0, seg, rb.addr() + 4096, LEN as u64)]).await?;
+    let got = rb.to_vec();
+    ensure!(got[4096..4096 + LEN] == host[..], "host to device write: the target's device memory differs");
+    ensure!(got[..4096] == la_bytes[..4096], "host to device write: bytes before the range changed");
+    complete(&ta, vec![TransferRequest::write(la_id, 8, seg, p.remote.addr(), LEN as u64)]).await?;
+    ensure!(p.remote.snapshot() == la_bytes[8..8 + LEN], "device to host write: the target's host memory differs");
+
+    if ta.capabilities().read {
+        // Device to device and device to host reads.
+        let (lr, _) = device_region(&da, DEV_LEN, 34)?;
+        let lr_id = ta.register(lr.clone(), Access::LOCAL)?;
+        let want = rb.to_vec();
+        complete(&ta, vec![TransferRequest::read(lr_id, 0, seg, rb.addr() + half, half)]).await?;
+        ensure!(lr.to_vec()[..half as usize] == want[half as usize..], "device to device read differs");
+        complete(&ta, vec![TransferRequest::read(p.local_id, 0, seg, rb.addr(), LEN as u64)]).await?;
+        ensure!(p.local.snapshot() == want[..LEN], "device to host read: the local host memory differs");
+        ta.unregister(lr_id).await?;
+    }
+
+    // Failed device copies: the target's, then the initiator's. The
+    // request fails with a transient error, or completes when a layer
+    // (rails) retried it elsewhere.
+    for (dev, side) in [(&db, "the target's"), (&da, "the initiator's")] {
+        dev.fail_copies(1);
+        let reqs = vec![TransferRequest::write(la_id, 0, seg, rb.addr(), 4096)];
+        match run_batch(&ta, reqs, SubmitOptions::default()).await? {
+            Err(e) => ensure!(e.is_transient(), "a failed device copy on {side} side: {e} must be transient (rule 7)"),
+            Ok(s) if s.state == BatchState::Completed => {
+                ensure!(rb.to_vec()[..4096] == la_bytes[..4096], "a write retried past {side} failed copy differs")
+            }
+            Ok(s) => {
+                let e = s.first_error().map(ToString::to_string).unwrap_or_default();
+                ensure!(
+                    s.first_error().is_some_and(|e| e.is_transient()),
+                    "a failed device copy on {side} side ended {:?}: {e} (rule 7: transient)",
+                    s.state
+                );
+            }
+        }
+        ensure!(dev.failures_left() == 0, "the injected copy failure on {side} side was never hit");
+        dev.fail_copies(0);
+        complete(&ta, vec![TransferRequest::write(la_id, 0, seg, rb.addr(), n)]).await?;
+        ensure!(rb.to_vec() == la_bytes, "after {side} failed copy: the next write differs");
+    }
+    ta.unregister(la_id).await?;
+    tb.unregister(rb_id).await?;
     Ok(())
 }

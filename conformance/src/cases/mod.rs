@@ -98,6 +98,12 @@ static CASES: &[Case] = &[
     ),
     case!(memory::double_unregister, 9, [], "unregister twice or an unknown id: InvalidHandle"),
     case!(
+        memory::device_regions,
+        9,
+        [],
+        "device memory (a fake device that faults on host access): moved byte-exact, or refused at registration"
+    ),
+    case!(
         memory::write_to_unregistered_remote_fails,
         9,
         [],
