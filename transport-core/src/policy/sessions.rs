@@ -307,10 +307,10 @@ impl Sessions {
         if requests.is_empty() {
             return Err(Error::new(ErrorKind::InvalidRequest, "empty write"));
         }
+        self.confirmed(&key).await?;
         // One stop signal per session, shared by its concurrent writes; taken
         // before the write is counted, so a stop sent once it is counted
         // reaches it.
-        self.confirmed(&key).await?;
         let mut stop_rx =
             self.inner.writes.lock().entry(key.clone()).or_insert_with(|| watch::channel(false).0).subscribe();
         let now = self.inner.clock.now();
