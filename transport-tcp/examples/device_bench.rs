@@ -1,0 +1,75 @@
+//! Device memory over TCP (a benchmark, not a test): 64 MiB writes
+//! host-to-host against device-to-device, both ends on fake devices
+//! (`FakeDevice`: the provider copies through its own mapping, as a GPU
+//! runtime copies over PCIe), alternated in rounds in one run on loopback.
+//! Prints each round and the ratio of the medians.
+//!
+//! `cargo run --release -p transport-tcp --example device_bench [ROUNDS]`
+#![allow(clippy::unwrap_used, clippy::expect_used)] // benchmark code: a failure should panic
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use transport_core::{Access, BatchState, Buffer, FakeDevice, MemoryRegion, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+const LEN: usize = 64 << 20;
+const PART: u64 = 16 << 20;
+
+async fn gbps(a: &TcpTransport, b: &TcpTransport, src: MemoryRegion, dst: MemoryRegion) -> f64 {
+    let l = a.register(src, Access::LOCAL).unwrap();
+    let r = b.register(dst.clone(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let reqs: Vec<TransferRequest> =
+        (0..LEN as u64 / PART).map(|k| TransferRequest::write(l, k * PART, seg, dst.addr() + k * PART, PART)).collect();
+    let run = |reqs: Vec<TransferRequest>| async move {
+        let id = a.submit(reqs, SubmitOptions::default()).await.unwrap();
+        let s = a.wait(id).await.unwrap();
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        a.release(id).unwrap();
+    };
+    run(reqs.clone()).await; // warm up
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    while start.elapsed() < Duration::from_secs(2) {
+        run(reqs.clone()).await;
+        bytes += LEN as u64;
+    }
+    let g = bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9;
+    a.close_segment(seg).await.unwrap();
+    a.unregister(l).await.unwrap();
+    b.unregister(r).await.unwrap();
+    g
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|x, y| x.total_cmp(y));
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() {
+    let rounds: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(5).clamp(1, 50);
+    let (a, b) = (
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+        TcpTransport::new(TcpConfig::default()).await.unwrap(),
+    );
+    let (hs, hd) = (Buffer::new(LEN).unwrap(), Buffer::new(LEN).unwrap());
+    hs.fill(7);
+    let (da, db) = (Arc::new(FakeDevice::new(0, LEN).unwrap()), Arc::new(FakeDevice::new(1, LEN).unwrap()));
+    let (ds, dd) = (FakeDevice::region(&da, LEN).unwrap(), FakeDevice::region(&db, LEN).unwrap());
+    ds.write_at(0, &vec![7u8; LEN]).unwrap();
+    let (mut host, mut dev) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let h = gbps(&a, &b, hs.region(), hd.region()).await;
+        let d = gbps(&a, &b, ds.clone(), dd.clone()).await;
+        println!("round {round}: host->host {h:.2} Gbit/s, device->device {d:.2} Gbit/s");
+        host.push(h);
+        dev.push(d);
+    }
+    assert!(dd.to_vec() == vec![7u8; LEN], "the device bytes differ");
+    let (h, d) = (median(host), median(dev));
+    println!("64 MiB writes over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s, device->device (fake devices) {d:.2} Gbit/s, ratio {:.2}", d / h);
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
