@@ -621,3 +621,44 @@ fn frozen_before_the_grant_and_mid_transfer() {
         }
     }
 }
+
+/// A side that pauses again every time it asks (each pause long enough to
+/// notice, too short for its peer to give up) stops asking after
+/// `MAX_CHECKS` questions and fails the session, whichever side it is;
+/// the other side ends failed too, and nobody lands.
+#[test]
+fn a_side_that_keeps_pausing_while_it_asks_gives_up() {
+    for sender in [false, true] {
+        let case = if sender { "the sender" } else { "the receiver" };
+        let mut w = World::new();
+        w.apply(Op::Grant(60_000));
+        w.apply(Op::Deliver(true));
+        w.apply(Op::Write { offset: 0, len: if sender { GRANTED / 2 } else { GRANTED } });
+        w.apply(Op::EndWrite);
+        if !sender {
+            w.apply(Op::Finish);
+        }
+        for _ in 0..8 {
+            w.apply(Op::Freeze(sender, 400));
+            for _ in 0..10 {
+                w.apply(Op::Advance(50));
+            }
+            if sender {
+                // Each write attempt asks (or gives up once it asked enough).
+                w.apply(Op::Write { offset: GRANTED / 2, len: GRANTED / 2 });
+                w.apply(Op::EndWrite);
+            }
+            w.apply(Op::Deliver(!sender)); // the question (or FINISH) to the peer
+            w.apply(Op::Deliver(sender)); // the answer back
+        }
+        w.settle();
+        let gave_up = if sender { w.last_s.clone() } else { w.last_r.clone().expect("the receiver's session") };
+        assert!(
+            matches!(&gave_up, SessionState::Failed(e) if e.to_string().contains("kept pausing")),
+            "{case}: {gave_up:?}"
+        );
+        let r = w.last_r.clone().expect("the receiver's session");
+        assert!(w.last_s.is_final() && r.is_final(), "{case}: {:?} / {r:?}", w.last_s);
+        assert!(w.last_s != SessionState::Landed && r != SessionState::Landed, "{case}: {:?} / {r:?}", w.last_s);
+    }
+}
