@@ -242,8 +242,8 @@ impl Transport for RdmaTransport {
             return Err(Error::new(ErrorKind::AlreadyRegistered, format!("memory overlaps {id}")));
         }
         if mem.kind().is_device() {
-            // Refused here, not at the first transfer (rule 1 of the
-            // memory kinds, docs/CONTRACT.md).
+            // Refused here, not at the first transfer (docs/CONTRACT.md,
+            // rule 9, memory kinds).
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 "the RDMA backend cannot register device memory yet (neither GPUDirect through dma-buf nor \

@@ -755,6 +755,15 @@ async fn send_loop(inner: Arc<Inner>, peer: String) {
     }
 }
 
+/// [`Inner::running`] for a task that holds the engine weakly.
+async fn running(weak: &std::sync::Weak<Inner>) -> bool {
+    let gate = match weak.upgrade() {
+        Some(i) => i.running(),
+        None => return false,
+    };
+    gate.await
+}
+
 async fn read_loop(weak: std::sync::Weak<Inner>) {
     loop {
         let transport = match weak.upgrade() {
@@ -764,11 +773,7 @@ async fn read_loop(weak: std::sync::Weak<Inner>) {
         if transport.wait_notification().await.is_err() {
             return;
         }
-        let running = match weak.upgrade() {
-            Some(i) => i.running(),
-            None => return,
-        };
-        if !running.await {
+        if !running(&weak).await {
             return;
         }
         let Ok(batch) = transport.take_notifications(TAKE_BATCH) else { return };
@@ -800,11 +805,7 @@ async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
         };
         let asked = Instant::now();
         sleep.await;
-        let running = match weak.upgrade() {
-            Some(i) => i.running(),
-            None => return,
-        };
-        if !running.await {
+        if !running(&weak).await {
             return;
         }
         let late = asked.elapsed().saturating_sub(every);

@@ -216,8 +216,8 @@ enum Phase {
     /// Receiver: END sent, waiting for QUIET (or CANCEL) from the sender.
     Closing(Verdict),
     /// Receiver: the FINISH came while in doubt (this side paused with the
-    /// session open); CHECK sent at this time, waiting for CONFIRM.
-    Confirming(Duration),
+    /// session open); CHECK sent (`Session::checking`), waiting for CONFIRM.
+    Confirming,
     Final,
 }
 
@@ -236,7 +236,8 @@ struct Session {
     /// sender (CHECK) before it decides `Landed`; a sender confirms the
     /// session before it writes again.
     doubt: bool,
-    /// Sender: CHECK sent at this time, no answer yet (writes wait).
+    /// CHECK sent at this time, no answer yet (a sender's writes wait, a
+    /// receiver is `Confirming`).
     checking: Option<Duration>,
     /// CHECKs sent, at most [`MAX_CHECKS`].
     checks: u8,
@@ -391,7 +392,7 @@ impl SessionTable {
                 // The peers did not hear from this side either: they may
                 // have given up on the sessions open here.
                 for s in self.sessions.values_mut() {
-                    if !s.state.is_final() && matches!(s.phase, Phase::Open | Phase::Confirming(_)) {
+                    if !s.state.is_final() && matches!(s.phase, Phase::Open | Phase::Confirming) {
                         s.doubt = true;
                     }
                 }
@@ -630,7 +631,7 @@ impl SessionTable {
     pub fn cancel(&mut self, key: &SessionKey, error: Option<Error>, now: Duration) -> Result<()> {
         self.ran(now);
         let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
-        let confirming = key.role == Role::Receiver && matches!(s.phase, Phase::Confirming(_));
+        let confirming = key.role == Role::Receiver && matches!(s.phase, Phase::Confirming);
         if s.state.is_final() || (s.phase != Phase::Open && !confirming) {
             return Ok(());
         }
@@ -780,8 +781,7 @@ impl SessionTable {
             Body::Cancel(v) => self.on_cancel(from, m.id, v, now),
             Body::Refuse(v) => self.on_refuse(from, m.id, v, now),
             Body::Quiet => self.on_quiet(from, m.id, now),
-            Body::Check { by_sender: false } => self.on_check(from, m.id, known, now),
-            Body::Check { by_sender: true } => self.on_sender_check(from, m.id, known, now),
+            Body::Check { by_sender } => self.on_check(from, m.id, by_sender, known, now),
             Body::Confirm { open, to_sender: false } => self.on_confirm(from, m.id, open, now),
             Body::Confirm { open, to_sender: true } => self.on_sender_confirm(from, m.id, open, now),
         }
@@ -868,10 +868,8 @@ impl SessionTable {
                 let expected = s.grant.as_ref().map_or(0, |g| g.expected);
                 if bytes == expected && s.doubt {
                     // Landing alone is what must never happen: ask first.
-                    s.doubt = false;
-                    s.checks = 1;
-                    s.phase = Phase::Confirming(now);
-                    self.send(from, id, Body::Check { by_sender: false });
+                    s.phase = Phase::Confirming;
+                    self.ask(&key, now);
                 } else if bytes == expected {
                     Self::finalize(s, SessionState::Landed, now);
                     let v = verdict(Outcome::Landed, ErrorKind::Internal, "");
@@ -898,57 +896,55 @@ impl SessionTable {
         }
     }
 
-    /// Sender: the receiver asks whether the session is still open here
-    /// (it paused, then read our FINISH). Answered for known peers, and for
-    /// others as a heartbeat is (bounded).
-    fn on_check(&mut self, from: &str, id: u64, known: bool, now: Duration) {
-        let key = SessionKey::new(from, id, Role::Sender);
-        let open = match self.sessions.get_mut(&key) {
-            Some(s) => match (&s.phase, &s.state) {
-                (_, SessionState::Landed) => true,
-                (Phase::Finishing, st) if !st.is_final() => {
-                    // The receiver is deciding: its answer gets a fresh grace
-                    // (a bounded number of times).
-                    if s.answers < MAX_CHECKS {
-                        s.answers += 1;
-                        s.answered = Some(now);
-                    }
-                    true
-                }
-                (Phase::Closing(_) | Phase::Final, _) => false,
-                // No FINISH went from here: forged or confused.
-                _ => {
-                    self.ignored += 1;
-                    return;
-                }
-            },
+    /// The peer asks whether session `id` is still open here (it paused
+    /// with the session open; `by_sender`: the peer is its sender, so this
+    /// side is the receiver). Answered for known peers, and for others as
+    /// a heartbeat is (bounded).
+    fn on_check(&mut self, from: &str, id: u64, by_sender: bool, known: bool, now: Duration) {
+        let role = if by_sender { Role::Receiver } else { Role::Sender };
+        let key = SessionKey::new(from, id, role);
+        let open = match self.sessions.get_mut(&key).map(|s| Self::still_open(s, role, now)) {
+            Some(Some(open)) => open,
             // Forgotten (it ended long ago) or never here.
-            None => {
-                if !known && !self.answer_stranger(from, now) {
-                    self.ignored += 1;
-                    return;
-                }
-                false
+            None if known || self.answer_stranger(from, now) => false,
+            // Forged or confused, or a stranger over its bound.
+            _ => {
+                self.ignored += 1;
+                return;
             }
         };
-        self.send(from, id, Body::Confirm { open, to_sender: false });
+        self.send(from, id, Body::Confirm { open, to_sender: by_sender });
     }
 
-    /// Receiver: the sender asks whether the session is still open here
-    /// (it paused, and wants to write again).
-    fn on_sender_check(&mut self, from: &str, id: u64, known: bool, now: Duration) {
-        let key = SessionKey::new(from, id, Role::Receiver);
-        let open = match self.sessions.get(&key) {
-            Some(s) => !s.state.is_final() && matches!(s.phase, Phase::Open | Phase::Confirming(_)),
-            None => {
-                if !known && !self.answer_stranger(from, now) {
-                    self.ignored += 1;
-                    return;
+    /// Whether session `s` (this side's `role`) is open for the peer that
+    /// asks; `None` when the question makes no sense here. A sender waiting
+    /// for the receiver's decision gives the asking receiver a fresh grace
+    /// (a bounded number of times).
+    fn still_open(s: &mut Session, role: Role, now: Duration) -> Option<bool> {
+        Some(match (role, &s.phase, &s.state) {
+            (Role::Receiver, phase, st) => !st.is_final() && matches!(phase, Phase::Open | Phase::Confirming),
+            (Role::Sender, _, SessionState::Landed) => true,
+            (Role::Sender, Phase::Finishing, st) if !st.is_final() => {
+                if s.answers < MAX_CHECKS {
+                    s.answers += 1;
+                    s.answered = Some(now);
                 }
-                false
+                true
             }
-        };
-        self.send(from, id, Body::Confirm { open, to_sender: true });
+            (Role::Sender, Phase::Closing(_) | Phase::Final, _) => false,
+            // No FINISH went from here.
+            (Role::Sender, ..) => return None,
+        })
+    }
+
+    /// Sends CHECK for `key` (one more question; its answer clears
+    /// `checking`).
+    fn ask(&mut self, key: &SessionKey, now: Duration) {
+        let Some(s) = self.sessions.get_mut(key) else { return };
+        s.doubt = false;
+        s.checks = s.checks.saturating_add(1);
+        s.checking = Some(now);
+        self.send(&key.peer, key.id, Body::Check { by_sender: key.role == Role::Sender });
     }
 
     /// Sender: the receiver's answer to our CHECK.
@@ -977,11 +973,10 @@ impl SessionTable {
                     self.after_quiet(&key, now);
                 }
             }
-        } else if s.doubt {
-            // Paused again since the CHECK: the answer may be stale; ask
-            // again (confirm_before_write gives up after MAX_CHECKS).
-            s.checking = None;
         } else {
+            // Answered. If this side paused again since the CHECK (`doubt`),
+            // the next write asks again (confirm_before_write gives up after
+            // MAX_CHECKS).
             s.checking = None;
         }
     }
@@ -1008,10 +1003,7 @@ impl SessionTable {
             self.cancel(key, Some(e), now)?;
             return Ok(false); // begin_write refuses: the session is no longer open
         }
-        s.doubt = false;
-        s.checks += 1;
-        s.checking = Some(now);
-        self.send(&key.peer, key.id, Body::Check { by_sender: true });
+        self.ask(key, now);
         Ok(true)
     }
 
@@ -1022,10 +1014,11 @@ impl SessionTable {
             self.ignored += 1;
             return;
         };
-        if !matches!(s.phase, Phase::Confirming(_)) {
+        if s.phase != Phase::Confirming {
             self.ignored += 1;
             return;
         }
+        s.checking = None;
         if !open {
             // The sender ended it without our decision (it gave up on this
             // side while we were paused): it is quiet; we must not land.
@@ -1037,10 +1030,7 @@ impl SessionTable {
             self.give_up_confirming(&key, why, now);
         } else if s.doubt {
             // Paused again since the CHECK: the answer may be stale.
-            s.doubt = false;
-            s.checks += 1;
-            s.phase = Phase::Confirming(now);
-            self.send(from, id, Body::Check { by_sender: false });
+            self.ask(&key, now);
         } else {
             Self::finalize(s, SessionState::Landed, now);
             self.send(from, id, Body::End(verdict(Outcome::Landed, ErrorKind::Internal, "")));
@@ -1238,23 +1228,10 @@ impl SessionTable {
                 self.after_quiet(&key, now);
             }
         }
-        // A receiver whose CHECK the sender did not answer within the
-        // liveness timeout: it cannot know, and must not land.
-        let unconfirmed: Vec<SessionKey> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                !paused && matches!(s.phase, Phase::Confirming(at) if now.saturating_sub(at) >= self.limits.liveness_timeout)
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in unconfirmed {
-            let why = "the sender did not confirm the finish within the liveness timeout (this side paused)";
-            self.give_up_confirming(&key, why, now);
-        }
-        // A sender whose CHECK the receiver did not answer: it gives the
-        // session up (as a failed write would, the receiver learns it).
-        let unchecked: Vec<SessionKey> = self
+        // A CHECK the peer did not answer within the liveness timeout: a
+        // receiver cannot know and must not land; a sender gives the session
+        // up (as a failed write would, the receiver learns it).
+        let unanswered: Vec<SessionKey> = self
             .sessions
             .iter()
             .filter(|(_, s)| {
@@ -1264,16 +1241,21 @@ impl SessionTable {
             })
             .map(|(k, _)| k.clone())
             .collect();
-        for key in unchecked {
+        for key in unanswered {
             if let Some(s) = self.sessions.get_mut(&key) {
                 s.checking = None;
                 s.dirty = true;
             }
-            let e = Error::new(
-                ErrorKind::PeerUnavailable,
-                "the receiver did not confirm the session within the liveness timeout (this side paused)",
-            );
-            let _ = self.cancel(&key, Some(e), now);
+            match key.role {
+                Role::Receiver => {
+                    let why = "the sender did not confirm the finish within the liveness timeout (this side paused)";
+                    self.give_up_confirming(&key, why, now);
+                }
+                Role::Sender => {
+                    let why = "the receiver did not confirm the session within the liveness timeout (this side paused)";
+                    let _ = self.cancel(&key, Some(Error::new(ErrorKind::PeerUnavailable, why)), now);
+                }
+            }
         }
         // Strangers answered long ago are forgotten.
         let keep = self.limits.liveness_timeout;
