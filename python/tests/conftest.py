@@ -94,6 +94,31 @@ def spawn_peer():
         p.stop()
 
 
+def finish_with_decode_stopped(prefill, decode, sid: int, src, nbytes: int, stopped_s: float, gives_up: bool = False):
+    """A session from ``prefill`` to a ``sessionpeer.py`` ``decode``:
+    granted ``nbytes`` at the decode's buffer start, written from ``src``
+    (a registered region), then finished while the decode process is
+    stopped (SIGSTOP) for ``stopped_s`` seconds. ``gives_up``: the prefill
+    side must end the session unsure (``outcome_unknown``) while the
+    decode is still stopped. Returns the prefill side's session."""
+    s = prefill.send(decode.session_id, sid)
+    assert decode.ask(f"grant {prefill.session_id} {sid} 0 {nbytes} 60") == "ok"
+    assert s.wait_grant(timeout=30) is not None
+    assert s.write([(src.addr, decode.addr, nbytes)]).ok
+    decode.pause()
+    try:
+        s.finish()
+        t0 = time.monotonic()
+        if gives_up:
+            assert s.wait(timeout=30) == "failed"
+            assert time.monotonic() - t0 < 20
+            assert not s.error.is_transient and s.error.kind == "outcome_unknown", s.error
+        time.sleep(max(0.0, stopped_s - (time.monotonic() - t0)))
+    finally:
+        decode.resume()
+    return s
+
+
 def wait_until(fn, timeout: float = 20.0, pause: float = 0.05):
     """Calls fn() until it returns a truthy value; returns it (or the last)."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,6 @@ inside ``scripts/rxe-vm`` (soft-RoCE). Skipped otherwise, with the reason;
 
 import hashlib
 import os
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import kvmove
 from kvmove import _native
 from kvmove.mooncake import TransferEngine
 
+from conftest import finish_with_decode_stopped
 from kvpeer import pattern
 
 LAYER = 64 << 10
@@ -157,20 +157,7 @@ def test_rdma_receiver_frozen_across_the_finish(spawn_peer, frozen_s):
     decode = spawn_peer(nbytes=LAYER, protocol="rdma", device=DEVICE, script="sessionpeer.py")
     kv = pattern(7, LAYER)
     with kvmove.Engine(protocol="rdma", device=DEVICE) as prefill, prefill.register(kv) as src:
-        s = prefill.send(decode.session_id, 3)
-        assert decode.ask(f"grant {prefill.session_id} 3 0 {LAYER} 60") == "ok"
-        assert s.wait_grant(timeout=30) is not None
-        assert s.write([(src.addr, decode.addr, LAYER)]).ok
-        decode.pause()
-        try:
-            s.finish()
-            t0 = time.monotonic()
-            if frozen_s > 5:
-                assert s.wait(timeout=30) == "failed"
-                assert s.error.kind == "outcome_unknown", s.error
-            time.sleep(max(0.0, frozen_s - (time.monotonic() - t0)))
-        finally:
-            decode.resume()
+        s = finish_with_decode_stopped(prefill, decode, 3, src, LAYER, frozen_s, gives_up=frozen_s > 5)
         if frozen_s > 5:
             assert decode.ask("wait 3 30") == "failed"
         else:

@@ -12,6 +12,7 @@ import pytest
 
 import kvmove
 
+from conftest import finish_with_decode_stopped
 from kvpeer import pattern
 
 LAYER = 1 << 20
@@ -195,21 +196,8 @@ def test_receiver_frozen_across_the_finish_is_never_contradicted(decode):
     and fails it too: it never lands alone (rule 13)."""
     kv = pattern(5, LAYER)
     with kvmove.Engine() as prefill, prefill.register(kv) as src:
-        s = prefill.send(decode.session_id, 8)
-        assert decode.ask(f"grant {prefill.session_id} 8 0 {LAYER} 60") == "ok"
-        assert s.wait_grant(timeout=20) is not None
-        assert s.write([(src.addr, decode.addr, LAYER)]).ok
-        decode.pause()
-        try:
-            s.finish()
-            t0 = time.monotonic()
-            # The receiver is silent past the sender's liveness timeout (5 s).
-            assert s.wait(timeout=30) == "failed"
-            assert time.monotonic() - t0 < 20
-            assert not s.error.is_transient and s.error.kind == "outcome_unknown", s.error
-            time.sleep(1.0)
-        finally:
-            decode.resume()
+        # Past the sender's liveness timeout (5 s): it gives up meanwhile.
+        finish_with_decode_stopped(prefill, decode, 8, src, LAYER, 7.0, gives_up=True)
         assert decode.ask("wait 8 30") == "failed"
 
 
@@ -219,16 +207,7 @@ def test_receiver_paused_briefly_across_the_finish_lands_on_both_sides(decode):
     sender is still waiting, both report landed."""
     kv = pattern(6, LAYER)
     with kvmove.Engine() as prefill, prefill.register(kv) as src:
-        s = prefill.send(decode.session_id, 9)
-        assert decode.ask(f"grant {prefill.session_id} 9 0 {LAYER} 60") == "ok"
-        assert s.wait_grant(timeout=20) is not None
-        assert s.write([(src.addr, decode.addr, LAYER)]).ok
-        decode.pause()
-        try:
-            s.finish()
-            time.sleep(2.0)
-        finally:
-            decode.resume()
+        s = finish_with_decode_stopped(prefill, decode, 9, src, LAYER, 2.0)
         assert s.wait(timeout=30) == "landed", s.error
         assert decode.ask("wait 9 30") == "landed"
         assert decode.ask(f"digest 0 {LAYER}") == sha(kv)
