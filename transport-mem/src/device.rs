@@ -93,6 +93,8 @@ pub struct FakeDevice {
     next: Mutex<usize>,
     /// Copies left to fail.
     failing: AtomicU64,
+    /// How long each copy takes, in microseconds (0: at once).
+    delay_us: AtomicU64,
     copies: AtomicU64,
     _fd: OwnedFd,
 }
@@ -156,6 +158,7 @@ impl FakeDevice {
             len,
             next: Mutex::new(0),
             failing: AtomicU64::new(0),
+            delay_us: AtomicU64::new(0),
             copies: AtomicU64::new(0),
             _fd: fd,
         })
@@ -194,6 +197,14 @@ impl FakeDevice {
         self.failing.store(n, Ordering::SeqCst);
     }
 
+    /// Every copy from now on takes at least `delay` (as a slow or busy
+    /// device's would): for tests of deadlines and cancellation that land
+    /// while a copy runs. `Duration::ZERO` makes copies immediate again.
+    pub fn delay_copies(&self, delay: std::time::Duration) {
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.delay_us.store(us, Ordering::SeqCst);
+    }
+
     /// Injected failures not yet used by a copy.
     pub fn failures_left(&self) -> u64 {
         self.failing.load(Ordering::SeqCst)
@@ -212,6 +223,10 @@ impl FakeDevice {
     /// The provider's view of `addr .. addr + len`, after the checks.
     fn shadow_of(&self, addr: u64, len: usize) -> Result<u64, MemError> {
         self.copies.fetch_add(1, Ordering::Relaxed);
+        let delay = self.delay_us.load(Ordering::SeqCst);
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(delay));
+        }
         let fail = self.failing.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
         if fail {
             return Err(MemError::DeviceCopy { device: self.device, why: "a fault injected by the test".into() });
@@ -336,6 +351,20 @@ mod tests {
         assert!(matches!(r.read_at(0, &mut b), Err(MemError::DeviceCopy { device: 3, .. })));
         r.read_at(0, &mut b).unwrap();
         assert!(dev.copies() >= 2);
+    }
+
+    #[test]
+    fn delayed_copies_take_their_time() {
+        let dev = device(1 << 16);
+        let r = region(&dev, 4096);
+        dev.delay_copies(std::time::Duration::from_millis(30));
+        let t = std::time::Instant::now();
+        r.write_at(0, &[1, 2, 3]).unwrap();
+        assert!(t.elapsed() >= std::time::Duration::from_millis(30), "{:?}", t.elapsed());
+        dev.delay_copies(std::time::Duration::ZERO);
+        let mut b = [0u8; 3];
+        r.read_at(0, &mut b).unwrap();
+        assert_eq!(b, [1, 2, 3]);
     }
 
     /// The one property the fake device exists for: the host cannot touch

@@ -28,6 +28,7 @@
 mod buffer;
 mod device;
 mod pages;
+pub mod providers;
 mod region;
 
 pub use buffer::Buffer;
