@@ -15,6 +15,10 @@ backpressure and memory checks built in):
   sessions between a sender and a receiver (``Engine.send`` /
   ``Engine.receive``).
 
+Memory is host memory or device (GPU) memory: every API finds which at
+registration and moves device memory through its provider
+(``kvmove.devices``: CUDA, or ``kvmove.devices.FakeDevice`` in tests).
+
 ``kvmove.metrics()`` returns the engine's metrics (bytes, requests,
 transfers, latency histograms; process-wide) as a dict, and
 ``kvmove.register_prometheus()`` shows them on a ``prometheus_client``
@@ -36,6 +40,7 @@ from ._engine import (
     Session,
     SessionWrite,
 )
+from . import devices
 from ._metrics import metrics, register_prometheus
 from .mooncake import TransferEngine, TransferNotify, TransferOpcode
 

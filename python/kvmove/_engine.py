@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Tuple, Union
 
 from ._native import NativeEngine, TransferError
+from .devices import memory_of
 
 #: One request: ``(local_addr, remote_addr, length)``.
 Op = Tuple[int, int, int]
@@ -81,15 +82,17 @@ class Region:
     """Registered memory. Unregistered by :meth:`unregister`, on leaving a
     ``with`` block, or when its engine closes."""
 
-    def __init__(self, engine: "Engine", addr: int, length: int, obj: Any = None):
+    def __init__(self, engine: "Engine", addr: int, length: int, obj: Any = None, kind: str = "host"):
         self._engine = engine
         self.addr = addr
         self.length = length
+        #: Where the bytes live: ``"host"`` or ``"device:N"``.
+        self.kind = kind
         self._obj = obj
         self._live = True
 
     def __repr__(self) -> str:
-        return f"Region(addr={self.addr:#x}, length={self.length}, live={self._live})"
+        return f"Region(addr={self.addr:#x}, length={self.length}, kind={self.kind!r}, live={self._live})"
 
     def __len__(self) -> int:
         return self.length
@@ -510,32 +513,57 @@ class Engine:
     def backend(self) -> str:
         return self._native.backend
 
+    @property
+    def device_memory(self) -> bool:
+        """Whether this engine's backend moves device (GPU) memory (TCP
+        does, through the device's provider; RDMA refuses it today)."""
+        return self._native.device_memory
+
     def register(self, obj: Any) -> Region:
-        """Registers a writable, C-contiguous Python buffer (``bytearray``,
-        ``memoryview``, numpy array). The engine keeps a buffer export until
-        the region is unregistered, so the memory can neither be freed nor
-        resized meanwhile."""
-        addr, length = self._native.register_buffer(obj)
-        r = Region(self, addr, length, obj)
+        """Registers the memory of ``obj`` for transfers and remote
+        read/write: a writable, C-contiguous Python buffer (``bytearray``,
+        ``memoryview``, numpy array), or an object exposing
+        ``__cuda_array_interface__`` or DLPack (a torch tensor on the GPU or
+        the CPU). Device memory is moved through its provider (see
+        :mod:`kvmove.devices`); a tensor whose device has no provider here
+        is refused (``kind == "unsupported"``). The region holds ``obj``
+        until it is unregistered, and a buffer's export too, so the memory
+        can neither be freed nor resized meanwhile. Synchronize the
+        producer's stream before transferring what it wrote."""
+        try:
+            found = memory_of(obj)
+        except ValueError as e:
+            raise TypeError(f"cannot register {type(obj).__name__}: {e}") from None
+        if found is None:
+            addr, length = self._native.register_buffer(obj)
+            kind = "host"
+        else:
+            addr, length, want = found
+            kind = self._native.register_address(addr, length, want)
+        r = Region(self, addr, length, obj, kind)
         self._regions.add(r)
         return r
 
-    def register_address(self, addr: int, length: int) -> Region:
-        """Registers raw host memory, e.g. ``tensor.data_ptr()`` and
-        ``tensor.numel() * tensor.element_size()`` of a CPU tensor. A range
-        whose first or last byte this process cannot read (a CUDA tensor's
-        memory, an unmapped page) raises ``kvmove.PermanentError`` with
-        ``kind == "unsupported"``: kvmove moves host memory only.
+    def register_address(self, addr: int, length: int, kind: str = "auto") -> Region:
+        """Registers raw memory by address, e.g. ``tensor.data_ptr()`` and
+        ``tensor.numel() * tensor.element_size()``. ``kind`` is ``"auto"``
+        (found from the pointer, as Mooncake does), ``"host"``,
+        ``"device"`` or ``"device:N"``. Device memory of an installed
+        provider (:func:`kvmove.devices.device_providers`) is moved through
+        it; other memory must be host memory whose first and last byte this
+        process can read, or ``kvmove.PermanentError`` is raised with
+        ``kind == "unsupported"`` (a CUDA tensor's memory in a build or on a
+        machine without CUDA, an unmapped page).
 
         Safety contract (the engine cannot check it): ``addr .. addr +
-        length`` must stay allocated, writable memory of this process until
-        the region is unregistered (``Region.unregister``, leaving its
-        ``with`` block, or :meth:`close`) — keep the tensor alive. Bytes of a
-        range being transferred are unspecified until its batch finishes, as
-        with DMA.
+        length`` must stay allocated, writable memory of this process (or
+        of its device) until the region is unregistered
+        (``Region.unregister``, leaving its ``with`` block, or
+        :meth:`close`) — keep the tensor alive. Bytes of a range being
+        transferred are unspecified until its batch finishes, as with DMA.
         """
-        self._native.register_address(int(addr), int(length))
-        r = Region(self, int(addr), int(length))
+        got = self._native.register_address(int(addr), int(length), kind)
+        r = Region(self, int(addr), int(length), None, got)
         self._regions.add(r)
         return r
 

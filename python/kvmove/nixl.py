@@ -1,6 +1,7 @@
 """A ``nixl_agent`` over kvmove: the calls vLLM's and SGLang's NIXL
-connectors make on ``nixl._api.nixl_agent``, for host memory ("DRAM"), over
-kvmove's TCP or RDMA backend.
+connectors make on ``nixl._api.nixl_agent``, for host memory ("DRAM") and
+device memory ("VRAM", through its provider: see ``kvmove.devices``), over
+kvmove's TCP or RDMA backend (RDMA moves host memory only today).
 
 Opt-in for an unmodified program: put ``python/nixl-shim`` first on
 ``PYTHONPATH`` and ``from nixl._api import nixl_agent, nixl_agent_config``
@@ -205,20 +206,21 @@ class nixl_agent_config:
 # ---- descriptor lists ----
 
 
-_MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM"}
-_DEVICE_MEM_TYPES = {"VRAM", "cuda", "FILE", "BLOCK", "OBJ"}
+_MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
+_OTHER_MEM_TYPES = {"FILE", "BLK", "BLOCK", "OBJ"}
 
 
 def _mem_type(mem_type: Optional[str]) -> str:
     if mem_type is None:
-        raise nixlInvalidParamError("a memory type is needed with a list of tuples or an array: use \"DRAM\"")
+        raise nixlInvalidParamError("a memory type is needed with a list of tuples or an array: \"DRAM\" or \"VRAM\"")
     if mem_type in _MEM_TYPES:
         return _MEM_TYPES[mem_type]
-    if mem_type in _DEVICE_MEM_TYPES:
+    if mem_type in _OTHER_MEM_TYPES:
         raise nixlNotSupportedError(
-            f"memory type {mem_type!r} is not supported: kvmove's NIXL agent moves host memory only (\"DRAM\")"
+            f"memory type {mem_type!r} is not supported: kvmove's NIXL agent moves host (\"DRAM\") and "
+            "device (\"VRAM\") memory"
         )
-    raise nixlInvalidParamError(f"unknown memory type {mem_type!r}; kvmove's NIXL agent takes \"DRAM\"")
+    raise nixlInvalidParamError(f"unknown memory type {mem_type!r}; kvmove's NIXL agent takes \"DRAM\" or \"VRAM\"")
 
 
 class _DList:
@@ -313,18 +315,21 @@ def _is_tensor(obj) -> bool:
 
 
 def _tensor_rows(tensors, what: str) -> Tuple[str, np.ndarray]:
+    """One row per tensor; CUDA tensors are ``"VRAM"`` with their device
+    index as ``dev_id`` (as NIXL makes them), CPU tensors ``"DRAM"``."""
     rows = []
+    types = set()
     for i, t in enumerate(tensors):
         if not _is_tensor(t):
             raise nixlInvalidParamError(f"{what}: item {i} is not a tensor")
-        if t.get_device() != -1:
-            raise nixlNotSupportedError(
-                f"{what}: tensor {i} is on {t.device}; kvmove's NIXL agent moves host memory only (\"DRAM\")"
-            )
+        dev = t.get_device()
+        types.add("DRAM" if dev == -1 else "VRAM")
         if not t.is_contiguous():
             raise nixlInvalidParamError(f"{what}: tensor {i} is not contiguous")
-        rows.append((t.data_ptr(), t.numel() * t.element_size(), 0))
-    return "DRAM", np.array(rows, dtype=np.uint64).reshape(-1, 3)
+        rows.append((t.data_ptr(), t.numel() * t.element_size(), max(dev, 0)))
+    if len(types) > 1:
+        raise nixlInvalidParamError(f"{what}: the tensors are on the CPU and on a GPU; one memory type per list")
+    return types.pop(), np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
 # ---- handles ----
@@ -479,7 +484,7 @@ class nixl_agent:
         return list(self.plugin_list)
 
     def get_plugin_mem_types(self, backend: str) -> List[str]:
-        return ["DRAM"] if backend in self.plugin_list else []
+        return ["DRAM", "VRAM"] if backend in self.plugin_list else []
 
     def get_plugin_params(self, backend: str) -> Dict[str, str]:
         return {"device": ""} if backend in self.plugin_list else {}
@@ -520,7 +525,7 @@ class nixl_agent:
                     "one protocol per agent"
                 )
             self.backends[backend] = len(self.backends) + 1
-            self.backend_mems[backend] = ["DRAM"]
+            self.backend_mems[backend] = ["DRAM", "VRAM"] if self._engine.device_memory else ["DRAM"]
             self.backend_options[backend] = {"protocol": self._protocol or "", "session_id": self._engine.session_id}
 
     def _start_engine(self, protocol: Optional[str], device: Optional[str]) -> Engine:
@@ -587,21 +592,26 @@ class nixl_agent:
     # ---- memory ----
 
     def register_memory(self, reg_list, mem_type: Optional[str] = None, backends: Sequence[str] = ()) -> nixlRegDList:
-        """Registers host memory for local use and remote read/write. All or
-        nothing: a failure unregisters what this call registered. Memory
-        this process cannot read (a GPU address given as "DRAM") raises
-        ``nixlNotSupportedError``. The caller keeps the memory allocated
-        until ``deregister_memory``."""
+        """Registers memory for local use and remote read/write. All or
+        nothing: a failure unregisters what this call registered.
+        ``"DRAM"`` must be host memory this process can read; ``"VRAM"``
+        is device memory of an installed provider on device ``dev_id``
+        (moved through the provider, see :mod:`kvmove.devices`), or host
+        memory labelled ``"VRAM"`` (serving engines on CPU do that). Memory
+        that is neither, device memory given as ``"DRAM"``, or device memory
+        on another device than ``dev_id`` raises. The caller keeps the
+        memory allocated until ``deregister_memory``."""
         descs = self.get_reg_descs(reg_list, mem_type)
         self._check_backends(backends)
         with self._lock:
             eng = self._need_engine()
             done = []
             try:
-                for addr, length, _ in descs:
+                for addr, length, dev in descs:
                     if length == 0:
                         raise nixlInvalidParamError(f"descriptor at {addr:#x} has length 0")
-                    self._regions[addr] = eng.register_address(addr, length)
+                    kind = "host" if descs.mem_type == "DRAM" else f"device:{dev}"
+                    self._regions[addr] = eng.register_address(addr, length, kind)
                     done.append(addr)
             except TransferError as e:
                 for a in done:

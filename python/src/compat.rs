@@ -21,6 +21,7 @@ use transport_core::{
 
 use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
+use crate::devmem::Want;
 use crate::errors::invalid;
 use crate::outcome::{last_error, log, set_last_error};
 
@@ -336,9 +337,12 @@ impl MooncakeEngine {
     }
 
     /// Registers `capacity` bytes at `buffer_addr` for transfers and for
-    /// remote read/write by peers. `location` is accepted and ignored.
-    /// Host memory only: a range whose first or last byte this process
-    /// cannot read (GPU memory) is -1 (`unsupported`), nothing registered.
+    /// remote read/write by peers. `location` is accepted and ignored: as
+    /// Mooncake does, the memory's kind is found from the pointer. Device
+    /// memory of an installed provider (CUDA where a driver and a GPU are
+    /// present, `kvmove.FakeDevice` in tests) is moved through it; other
+    /// memory must be host memory this process can read, or the call is -1
+    /// (`unsupported`) with nothing registered.
     ///
     /// Safety contract: the memory must stay allocated and writable until
     /// `unregister_memory(buffer_addr)` returns (or the engine is closed).
@@ -351,7 +355,7 @@ impl MooncakeEngine {
                 // SAFETY: the caller's contract, stated in this method's
                 // docstring (Mooncake's contract too): the range is live
                 // memory until it is unregistered.
-                unsafe { c.register(buffer_addr, capacity, None) }
+                unsafe { c.register(buffer_addr, capacity, None, Want::Any) }.map(drop)
             })
         });
         Self::registration_code(py, "register_memory", r)
@@ -366,7 +370,8 @@ impl MooncakeEngine {
 
     /// Registers several regions, all or none: the whole batch is checked
     /// (zero lengths, overlaps inside the batch and with registered memory,
-    /// memory this process cannot read such as GPU memory) before anything
+    /// memory that is neither a provider's device memory nor readable host
+    /// memory) before anything
     /// is registered, so a call returning -1 leaves nothing registered.
     #[pyo3(signature = (buffer_addresses, capacities, location = "*"))]
     fn batch_register_memory(
@@ -383,7 +388,7 @@ impl MooncakeEngine {
             }
             let ranges: Vec<(u64, u64)> = buffer_addresses.into_iter().zip(capacities).collect();
             // SAFETY: as in `register_memory`, for every range.
-            py.allow_threads(|| unsafe { c.register_all(&ranges) })
+            py.allow_threads(|| unsafe { c.register_all(&ranges, Want::Any) })
         });
         Self::registration_code(py, "batch_register_memory", r)
     }
@@ -682,7 +687,7 @@ impl MooncakeEngine {
             // SAFETY: `buf` is kept in `self.managed` until
             // `free_managed_buffer` has unregistered it, or until the engine
             // is closed (the transport is shut down before the map drops).
-            unsafe { c.register(buf.addr(), length, None) }?;
+            unsafe { c.register(buf.addr(), length, None, Want::Host) }?;
             let addr = buf.addr();
             self.managed.lock().insert(addr, buf);
             Ok(addr)

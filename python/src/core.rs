@@ -15,12 +15,12 @@ use pyo3::buffer::PyBuffer;
 use tokio::runtime::Runtime;
 use transport_core::session::SessionLimits;
 use transport_core::{
-    Access, Engine, Error, ErrorKind, MemoryRegion, Notification, Opcode, Result, SegmentId, Sessions, Transfer,
+    Access, Engine, Error, ErrorKind, MemoryKind, Notification, Opcode, Result, SegmentId, Sessions, Transfer,
     TransferOutcome, TransferRequest,
 };
 
 use crate::backend;
-use crate::hostmem;
+use crate::devmem::{self, Want};
 use crate::regions::{Entry, Regions};
 
 /// One transfer as Python describes it: raw local address, remote address.
@@ -184,33 +184,51 @@ impl Core {
         })
     }
 
+    /// Whether the backend moves device memory (capability
+    /// `device_memory`; RDMA refuses it at registration today).
+    pub(crate) fn device_memory(&self) -> bool {
+        self.engine.transport().capabilities().device_memory
+    }
+
+    /// The kind of the registered region holding `addr` (`host`,
+    /// `device:N`).
+    pub(crate) fn memory_kind(&self, addr: u64) -> Result<MemoryKind> {
+        self.live()?;
+        Ok(self.regions.lock().locate_entry(addr, 1)?.0.mem.kind())
+    }
+
     /// The backend kind (`tcp`, `rdma`).
     pub(crate) fn backend(&self) -> String {
         self.engine.transport().backend().to_owned()
     }
 
-    /// Registers `addr .. addr + len` for local use and remote read/write.
-    /// A range whose first or last byte this process cannot read (GPU
-    /// memory, an unmapped address) is refused with `Unsupported`.
+    /// Registers `addr .. addr + len` for local use and remote read/write:
+    /// device memory of an installed provider, or host memory this process
+    /// can read, as `want` allows ([`devmem::region_at`]); anything else
+    /// is refused with `Unsupported` before a backend could touch it.
     ///
     /// # Safety
     ///
-    /// The caller keeps the contract of [`MemoryRegion::from_raw`]: the range
-    /// stays valid, allocated, writable memory of this process until
-    /// [`Core::unregister`] of `addr` returns (or the engine is closed).
-    pub(crate) unsafe fn register(&self, addr: u64, len: u64, keepalive: Option<PyBuffer<u8>>) -> Result<()> {
+    /// The caller keeps the contract of [`transport_core::MemoryRegion::from_raw`] (or
+    /// [`transport_core::MemoryRegion::from_device`] for device memory): the range stays
+    /// valid, allocated, writable memory until [`Core::unregister`] of
+    /// `addr` returns (or the engine is closed).
+    pub(crate) unsafe fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        keepalive: Option<PyBuffer<u8>>,
+        want: Want,
+    ) -> Result<MemoryKind> {
         self.live()?;
-        let size = usize::try_from(len).map_err(|_| Error::new(ErrorKind::OutOfBounds, "length too large"))?;
         let mut regions = self.regions.lock();
         regions.check_free(addr, len)?;
-        // GPU memory (or any address this process cannot read) is refused
-        // here, before a backend could copy from it and crash.
-        hostmem::check_readable(addr, len)?;
         // SAFETY: forwarded from this function's contract.
-        let mem = unsafe { MemoryRegion::from_raw(addr, size) }?;
+        let mem = unsafe { devmem::region_at(addr, len, want) }?;
+        let kind = mem.kind();
         let id = self.engine.register(mem.clone(), Access::REMOTE_RW)?;
         regions.insert(addr, Entry { id, len, mem, keepalive });
-        Ok(())
+        Ok(kind)
     }
 
     /// Unregisters the region that starts at `addr`. Returns the buffer
@@ -231,7 +249,7 @@ impl Core {
     /// # Safety
     ///
     /// As [`Core::register`], for every range.
-    pub(crate) unsafe fn register_all(&self, ranges: &[(u64, u64)]) -> Result<()> {
+    pub(crate) unsafe fn register_all(&self, ranges: &[(u64, u64)], want: Want) -> Result<()> {
         self.live()?;
         let mut sorted = ranges.to_vec();
         sorted.sort_unstable();
@@ -252,9 +270,12 @@ impl Core {
             }
             prev_end = end;
         }
-        // Every range readable before any is registered (all or nothing).
-        for &(addr, len) in &sorted {
-            hostmem::check_readable(addr, len)?;
+        // Every range classified (device or readable host memory) before
+        // any is registered: all or nothing.
+        let mut mems = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            // SAFETY: forwarded from this function's contract.
+            mems.push(unsafe { devmem::region_at(addr, len, want) }?);
         }
         let mut done = Vec::with_capacity(ranges.len());
         let r = (|| {
@@ -262,10 +283,7 @@ impl Core {
             for &(addr, len) in &sorted {
                 regions.check_free(addr, len)?;
             }
-            for &(addr, len) in ranges {
-                let size = usize::try_from(len).map_err(|_| Error::new(ErrorKind::OutOfBounds, "length too large"))?;
-                // SAFETY: forwarded from this function's contract.
-                let mem = unsafe { MemoryRegion::from_raw(addr, size) }?;
+            for (&(addr, len), mem) in ranges.iter().zip(mems) {
                 let id = self.engine.register(mem.clone(), Access::REMOTE_RW)?;
                 regions.insert(addr, Entry { id, len, mem, keepalive: None });
                 done.push(addr);

@@ -2,10 +2,11 @@
 //! process can read.
 //!
 //! The serving engines' connectors register their KV cache by address
-//! (`tensor.data_ptr()`), and by default that cache is on the GPU. kvmove
-//! moves host memory only: a GPU address registered and later copied by
-//! the TCP backend would crash the process. So every registration first
-//! asks the kernel to read the first and the last byte of the range (two
+//! (`tensor.data_ptr()`), and by default that cache is on the GPU. Device
+//! memory is found first by its provider (`devmem.rs`); an address no
+//! provider claims is taken for host memory, and if it is not (a GPU
+//! address with no provider in this process) the TCP backend copying it
+//! would crash the process. So such a registration first asks the kernel to read the first and the last byte of the range (two
 //! one-byte `process_vm_readv` calls on this process, which answer
 //! `EFAULT` instead of faulting), and refuses a range it cannot read.
 //! Where that call is not allowed (`ENOSYS`, or `EPERM` under some
@@ -36,7 +37,7 @@ pub(crate) fn check_readable(addr: u64, len: u64) -> Result<()> {
             Ok(true) => continue,
             Ok(false) => Error::new(
                 ErrorKind::Unsupported,
-                format!("{a:#x} is not host memory this process can read (GPU memory?): kvmove moves host memory only"),
+                format!("{a:#x} is not host memory this process can read (GPU memory?)"),
             ),
             Err(e) => {
                 Error::new(ErrorKind::Io, format!("cannot check that {a:#x} is host memory this process can read: {e}"))

@@ -24,6 +24,10 @@
 //!   facade) in memory for `kvmove.metrics()` and the `prometheus_client`
 //!   collector; the first engine of any API installs it.
 //!
+//! * [`devmem`] tells device memory (an installed provider's: CUDA, or
+//!   `kvmove.FakeDevice` in tests) from host memory at every registration,
+//!   so device memory is only ever reached through its provider.
+//!
 //! Callers pass raw local addresses; a table of registered regions
 //! ([`regions`]) maps each to `(region, offset)` and refuses anything
 //! outside registered memory before the engine sees it. Every blocking call
@@ -32,6 +36,7 @@
 mod backend;
 mod compat;
 mod core;
+mod devmem;
 mod errors;
 mod handoff;
 mod hostmem;
@@ -54,6 +59,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handoff::NativeHandoff>()?;
     m.add_class::<handoff::NativeSessionWrite>()?;
     m.add_class::<nixl::NixlXfer>()?;
+    m.add_class::<devmem::PyFakeDevice>()?;
+    m.add_function(wrap_pyfunction!(devmem::device_providers, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_snapshot, m)?)?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
     m.add("HAS_RDMA", backend::has_rdma())?;

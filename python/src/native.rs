@@ -14,6 +14,7 @@ use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, 
 
 use crate::backend::{engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};
+use crate::devmem::{self, Want};
 use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, grant_tuple, timeout_arg, GrantTuple, NativeHandoff};
 use crate::nixl::NixlXfer;
@@ -113,17 +114,35 @@ impl NativeEngine {
         self.core.backend()
     }
 
-    /// Registers raw host memory (memory this process cannot read, such as
-    /// GPU memory, is refused). See `kvmove.Engine.register_address` for
-    /// the safety contract the caller keeps.
-    fn register_address(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
+    /// Whether this engine's backend moves device memory.
+    #[getter]
+    fn device_memory(&self) -> bool {
+        self.core.device_memory()
+    }
+
+    /// The kind of the registered memory holding `addr`: `"host"` or
+    /// `"device:N"`.
+    fn memory_kind(&self, py: Python<'_>, addr: u64) -> PyResult<String> {
+        py_result(py, self.core.memory_kind(addr)).map(devmem::kind_name)
+    }
+
+    /// Registers raw memory: host memory this process can read, or device
+    /// memory of an installed provider. `kind` is `"auto"` (found from the
+    /// pointer), `"host"`, `"device"` or `"device:N"`; returns the kind
+    /// registered (`"host"`, `"device:N"`). See
+    /// `kvmove.Engine.register_address` for the safety contract the caller
+    /// keeps.
+    #[pyo3(signature = (addr, length, kind = "auto"))]
+    fn register_address(&self, py: Python<'_>, addr: u64, length: u64, kind: &str) -> PyResult<String> {
+        let want = py_result(py, Want::parse(kind))?;
         let core = &self.core;
         let r = py.allow_threads(|| {
             // SAFETY: the Python caller keeps `MemoryRegion::from_raw`'s
-            // contract, as documented on `kvmove.Engine.register_address`.
-            unsafe { core.register(addr, length, None) }
+            // (or `from_device`'s) contract, as documented on
+            // `kvmove.Engine.register_address`.
+            unsafe { core.register(addr, length, None, want) }
         });
-        py_result(py, r)
+        py_result(py, r).map(devmem::kind_name)
     }
 
     /// Registers a writable, C-contiguous Python buffer (bytearray,
@@ -147,7 +166,7 @@ impl NativeEngine {
             // stored with the region and released only after the transport
             // unregistered the region (or shut down), so the memory outlives
             // every transfer.
-            unsafe { core.register(addr, len, Some(buf)) }
+            unsafe { core.register(addr, len, Some(buf), Want::Host) }.map(drop)
         });
         py_result(py, r)?;
         Ok((addr, len))

@@ -94,7 +94,7 @@ def test_config_backends_and_metadata():
     b = nixl_agent("sglang")
     bare = nixl_agent("bare", nixl_agent_config(backends=[]))
     try:
-        assert list(a.backends) == ["UCX"] and a.get_backend_mem_types("UCX") == ["DRAM"]
+        assert list(a.backends) == ["UCX"] and a.get_backend_mem_types("UCX") == ["DRAM", "VRAM"]
         assert "UCX" in a.get_plugin_list() and "TCP" in a.get_plugin_list()
         assert a.name == "vllm"
         with pytest.raises(nixlNotSupportedError, match="not served by kvmove"):
@@ -145,8 +145,9 @@ def test_descriptor_inputs_and_registration(pair):
         a.get_xfer_descs([(p, 16, 0), (p,)], "DRAM")
     with pytest.raises(nixlInvalidParamError, match="registration list"):
         a.get_xfer_descs(r)
-    with pytest.raises(nixlNotSupportedError, match="host memory only"):
-        a.get_reg_descs([(p, 16, 0, "")], "VRAM")
+    with pytest.raises(nixlNotSupportedError, match="FILE"):
+        a.get_reg_descs([(p, 16, 0, "")], "FILE")
+    assert a.get_reg_descs([(p, 16, 0, "")], "cuda").getType() == "VRAM"
 
     before = a._engine.stats()["registered"]
     a.register_memory(r, backends=["UCX"])

@@ -155,7 +155,8 @@ def test_peer_killed_and_restarted(spawn_peer, agents, monkeypatch):
 def test_bad_descriptors(spawn_peer, agents):
     """Descriptors outside registered memory, bad indices and lengths are
     refused with clear errors before anything moves; a transfer against
-    stale metadata fails and sends no notification; VRAM is refused."""
+    stale metadata fails and sends no notification; memory types other than
+    DRAM and VRAM are refused."""
     prefill = nixl_peer(spawn_peer)
     decode = agents(str(uuid.uuid4()))
     kv = np.zeros(NBYTES, dtype=np.uint8)
@@ -184,10 +185,10 @@ def test_bad_descriptors(spawn_peer, agents):
     short = decode.prep_xfer_dlist(name, [(prefill.info["addr"], BLOCK // 2, 0)], "DRAM")
     with pytest.raises(nixlMismatchError):
         decode.make_prepped_xfer("READ", local, [0], short, [0])
-    with pytest.raises(nixlNotSupportedError, match="host memory only"):
-        decode.register_memory([(kv.ctypes.data, 16, 0, "")], "VRAM")
-    with pytest.raises(nixlNotSupportedError, match="host memory only"):
-        decode.get_xfer_descs([(kv.ctypes.data, 16, 0)], "VRAM")
+    with pytest.raises(nixlNotSupportedError, match="OBJ"):
+        decode.register_memory([(kv.ctypes.data, 16, 0, "")], "OBJ")
+    with pytest.raises(nixlNotSupportedError, match="BLK"):
+        decode.get_xfer_descs([(kv.ctypes.data, 16, 0)], "BLK")
 
     # Stale metadata: prefill deregistered region 0 after sending it. The
     # READ is refused by prefill's engine; no notification is sent.
