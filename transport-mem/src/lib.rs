@@ -26,12 +26,16 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod device;
 mod pages;
 pub mod providers;
 mod region;
 
 pub use buffer::Buffer;
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaAlloc, CudaDevices};
 pub use device::{DeviceMemory, FakeDevice, MemoryKind};
 pub use pages::PageBuf;
 pub use region::{MemError, MemoryRegion};

@@ -4,12 +4,12 @@
 //! installed provider, or host memory.
 //!
 //! Providers are asked in the order they were installed; the first that
-//! claims the whole range ([`DeviceMemory::device_of`]) owns it. A CUDA
-//! provider is installed by whoever finds a driver and a device (the
-//! Python bindings at import, with their `cuda` feature); tests install
-//! [`crate::FakeDevice`]s.
+//! claims the whole range ([`DeviceMemory::device_of`]) owns it. With the
+//! `cuda` feature, the first lookup also looks for the CUDA driver and
+//! installs [`crate::CudaDevices`] where a driver and a device are present
+//! (once per process); tests install [`crate::FakeDevice`]s.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::device::DeviceMemory;
 
@@ -34,12 +34,36 @@ pub fn uninstall(provider: &Arc<dyn DeviceMemory>) {
 /// index of the device holding it; `None` for memory no provider claims
 /// (host memory, or an address that is nobody's).
 pub fn find(addr: u64, len: u64) -> Option<(Arc<dyn DeviceMemory>, u32)> {
+    cuda_once();
     let all = PROVIDERS.read().unwrap_or_else(|e| e.into_inner());
     all.iter().find_map(|p| p.device_of(addr, len).map(|d| (p.clone(), d)))
 }
 
+/// Why the CUDA provider is not installed although a driver is present
+/// (`cuInit` failed, say); `None` when it is installed, when there is no
+/// driver, or in a build without the `cuda` feature.
+pub fn cuda_problem() -> Option<&'static str> {
+    CUDA.get().and_then(|r| r.as_ref().err()).map(String::as_str)
+}
+
+static CUDA: OnceLock<Result<(), String>> = OnceLock::new();
+
+/// Looks for CUDA once per process (with the `cuda` feature).
+fn cuda_once() {
+    CUDA.get_or_init(|| {
+        #[cfg(feature = "cuda")]
+        match crate::cuda::CudaDevices::open() {
+            Ok(Some(d)) => install(Arc::new(d)),
+            Ok(None) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        Ok(())
+    });
+}
+
 /// Names of the installed providers, in the order they are asked.
 pub fn names() -> Vec<String> {
+    cuda_once();
     PROVIDERS.read().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.name().to_owned()).collect()
 }
 
@@ -62,7 +86,7 @@ mod tests {
         assert!(Arc::ptr_eq(&p, &pa));
         assert_eq!(d, 3);
         assert_eq!(find(xb + 8, 64).map(|(_, d)| d), Some(4));
-        let host = vec![0u8; 64];
+        let host = [0u8; 64];
         assert!(find(host.as_ptr() as u64, 64).is_none(), "host memory is no provider's");
         assert!(find(xa, 1 << 20).is_none(), "a range running off the device is not claimed");
         uninstall(&pa);
