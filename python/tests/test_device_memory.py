@@ -61,15 +61,16 @@ def test_the_fake_device_faults_on_host_access():
 
 
 def test_providers_are_found_while_open():
-    assert "fake" not in device_providers()
+    before = device_providers()  # ["cuda"] on a machine with a GPU
+    assert "fake" not in before
     with FakeDevice(2, PAGE) as d:
-        assert device_providers() == ["fake"]
+        assert device_providers() == before + ["fake"]
         a = d.alloc(PAGE)
         d.write(a, b"kv")
         assert d.read(a, 2) == b"kv"
         with pytest.raises(kvmove.TransferError):
             d.read(a, 2 * PAGE)  # past the device's memory
-    assert device_providers() == []
+    assert device_providers() == before
 
 
 def test_mooncake_moves_device_memory_between_processes(spawn_peer, device, mooncake):
@@ -78,7 +79,7 @@ def test_mooncake_moves_device_memory_between_processes(spawn_peer, device, moon
     go device to device in a shuffled order, then back, then host to
     device and device to host."""
     decode = spawn_peer(nbytes=NBYTES, device="mooncake", script="devpeer.py")
-    assert decode.info["providers"] == ["fake"]
+    assert decode.info["providers"][-1:] == ["fake"]
     kv = pattern(1, NBYTES)
     src = device.alloc(NBYTES)
     device.write(src, kv)
@@ -196,7 +197,7 @@ def test_nixl_memory_types_are_checked_against_the_memory(device):
             agent.register_memory([(d, PAGE, 0, "")], "DRAM")
         with pytest.raises(nixlInvalidParamError, match="device 5"):
             agent.register_memory([(d, PAGE, 5, "")], "VRAM")
-        with pytest.raises(nixlNotSupportedError, match="installed: fake"):
+        with pytest.raises(nixlNotSupportedError, match=r"installed: (cuda, )?fake\)"):
             agent.register_memory([(0x1000, PAGE, 0, "")], "VRAM")
         with pytest.raises(nixlNotSupportedError, match="FILE"):
             agent.get_reg_descs([(d, PAGE, 0, "")], "FILE")
@@ -206,7 +207,7 @@ def test_nixl_memory_types_are_checked_against_the_memory(device):
         assert agent._engine._native.memory_kind(host.ctypes.data) == "host"
         assert agent._engine._native.memory_kind(d) == "device:0"
         device.close()  # new registrations no longer find it
-        with pytest.raises(nixlNotSupportedError, match="installed: none"):
+        with pytest.raises(nixlNotSupportedError, match=r"installed: (none|cuda)\)"):
             agent.register_memory([(device.alloc(PAGE), PAGE, 0, "")], "VRAM")
     finally:
         agent.close()

@@ -7,6 +7,7 @@ first transfer from it would crash the process."""
 import ctypes
 import logging
 import mmap
+import re
 import time
 
 import numpy as np
@@ -66,7 +67,7 @@ def test_prot_none_memory_from_python_mmap_is_refused(mooncake, caplog):
         assert mooncake.register_memory(addr, 2 * PAGE) == -1
     err = mooncake.last_error()
     assert err.kind == "unsupported" and MESSAGE in str(err), err
-    assert "installed: none" in str(err), err  # no device provider claimed it either
+    assert re.search(r"installed: (none|cuda)\)", str(err)), err  # no device provider claimed it either
     assert registered(mooncake) == 0
     # Seen even by a caller that ignores the return code (SGLang does).
     warned = [r.getMessage() for r in caplog.records if r.name == "kvmove" and r.levelno == logging.WARNING]
