@@ -18,6 +18,10 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
+step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tests: scripts/gpu-tests.sh)"
+cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
+cargo test -p transport-mem --features cuda
+
 step "cargo test --workspace"
 # Plain `cargo test`, not nextest: the conformance runner reports a case a
 # backend cannot run as "ignored" at run time, which only libtest's output

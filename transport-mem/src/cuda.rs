@@ -224,6 +224,53 @@ mod tests {
         }
     }
 
+    fn devices() -> std::sync::Arc<CudaDevices> {
+        std::sync::Arc::new(CudaDevices::open().unwrap().expect("no CUDA device"))
+    }
+
+    /// Device memory is claimed with its device index, the whole
+    /// allocation and nothing past it; host memory is not.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: scripts/gpu-tests.sh"]
+    fn cuda_pointers_are_classified() {
+        let cuda = devices();
+        let a = cuda.alloc(0, 1 << 20).unwrap();
+        assert_eq!(cuda.device_of(a.addr(), 1 << 20), Some(0));
+        assert_eq!(cuda.device_of(a.addr() + 4096, 4096), Some(0));
+        assert_eq!(cuda.device_of(a.addr(), (1 << 20) + 1), None, "past the allocation");
+        let host = vec![0u8; 4096];
+        assert_eq!(cuda.device_of(host.as_ptr() as u64, 4096), None);
+        assert_eq!(cuda.device_of(0, 16), None);
+        if cuda.count() > 1 {
+            let b = cuda.alloc(1, 4096).unwrap();
+            assert_eq!(cuda.device_of(b.addr(), 4096), Some(1));
+        }
+    }
+
+    /// Copies both ways and on the device, through a region as the
+    /// engine makes them; the process-wide lookup finds the memory.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: scripts/gpu-tests.sh"]
+    fn cuda_regions_copy_through_the_driver() {
+        let cuda = devices();
+        let a = cuda.alloc(0, 1 << 20).unwrap();
+        let (p, d) = crate::providers::find(a.addr(), 1 << 20).expect("the lookup installs CUDA and finds the memory");
+        assert_eq!((p.name(), d), ("cuda", 0));
+        let provider: std::sync::Arc<dyn DeviceMemory> = cuda.clone();
+        // SAFETY: `a` outlives the region (dropped at the end of the test,
+        // after the region).
+        let r = unsafe { crate::MemoryRegion::from_device(provider, a.addr(), 1 << 20) }.unwrap();
+        let bytes: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 + 3) as u8).collect();
+        r.write_at(0, &bytes).unwrap();
+        let mut back = vec![0u8; 1 << 20];
+        r.read_at(0, &mut back).unwrap();
+        assert!(back == bytes);
+        r.copy_from(4096, &r, 0, 4096).unwrap();
+        r.read_at(4096, &mut back[..4096]).unwrap();
+        assert!(back[..4096] == bytes[..4096]);
+        drop(r);
+    }
+
     fn driver_files_present() -> bool {
         ["/dev/nvidiactl", "/proc/driver/nvidia/version"].iter().any(|p| std::path::Path::new(p).exists())
     }

@@ -5,6 +5,11 @@
 //! Prints each round and the ratio of the medians.
 //!
 //! `cargo run --release -p transport-tcp --example device_bench [ROUNDS]`
+//!
+//! With `--cuda` (built with `--features cuda`, on a machine with an
+//! NVIDIA GPU) the device memory is real GPU memory (`cuMemAlloc`, two
+//! devices where there are two), and the provider's own copy bandwidth
+//! (64 MiB device to host and host to device) is printed next to it.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // benchmark code: a failure should panic
 
 use std::sync::Arc;
@@ -47,17 +52,65 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Two device regions of `LEN` bytes: on fake devices, or (`--cuda`) on
+/// GPUs, with whatever keeps the GPU memory allocated.
+type Keep = Box<dyn std::any::Any>;
+
+fn fake_regions() -> (MemoryRegion, MemoryRegion, &'static str, Keep) {
+    let (da, db) = (Arc::new(FakeDevice::new(0, LEN).unwrap()), Arc::new(FakeDevice::new(1, LEN).unwrap()));
+    (FakeDevice::region(&da, LEN).unwrap(), FakeDevice::region(&db, LEN).unwrap(), "fake devices", Box::new(()))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_regions() -> (MemoryRegion, MemoryRegion, &'static str, Keep) {
+    use transport_core::DeviceMemory;
+    let cuda = Arc::new(transport_mem::CudaDevices::open().unwrap().expect("--cuda: no CUDA driver or no GPU here"));
+    let second = u32::from(cuda.count() > 1);
+    let (x, y) = (cuda.alloc(0, LEN).unwrap(), cuda.alloc(second, LEN).unwrap());
+    let provider: Arc<dyn DeviceMemory> = cuda.clone();
+    // SAFETY: `x` and `y` stay allocated in `Keep` until after the
+    // transports shut down at the end of `main`.
+    let (rx, ry) = unsafe {
+        (
+            MemoryRegion::from_device(provider.clone(), x.addr(), LEN).unwrap(),
+            MemoryRegion::from_device(provider, y.addr(), LEN).unwrap(),
+        )
+    };
+    let mut host = vec![0u8; LEN];
+    for (what, f) in [("device to host", true), ("host to device", false)] {
+        let start = Instant::now();
+        for _ in 0..8 {
+            if f {
+                cuda.copy_to_host(x.addr(), &mut host).unwrap();
+            } else {
+                cuda.copy_from_host(&host, x.addr()).unwrap();
+            }
+        }
+        let g = 8.0 * LEN as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9;
+        println!("CUDA provider copies, 64 MiB {what} (pageable host memory): {g:.2} Gbit/s");
+    }
+    let what = if second == 1 { "GPUs 0 and 1" } else { "GPU 0" };
+    (rx, ry, what, Box::new((x, y, cuda)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_regions() -> (MemoryRegion, MemoryRegion, &'static str, Keep) {
+    panic!("--cuda needs a build with `--features cuda`");
+}
+
 #[tokio::main]
 async fn main() {
-    let rounds: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(5).clamp(1, 50);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let use_cuda = args.iter().any(|a| a == "--cuda");
+    let rounds: usize =
+        args.iter().find(|a| !a.starts_with("--")).and_then(|s| s.parse().ok()).unwrap_or(5).clamp(1, 50);
     let (a, b) = (
         TcpTransport::new(TcpConfig::default()).await.unwrap(),
         TcpTransport::new(TcpConfig::default()).await.unwrap(),
     );
     let (hs, hd) = (Buffer::new(LEN).unwrap(), Buffer::new(LEN).unwrap());
     hs.fill(7);
-    let (da, db) = (Arc::new(FakeDevice::new(0, LEN).unwrap()), Arc::new(FakeDevice::new(1, LEN).unwrap()));
-    let (ds, dd) = (FakeDevice::region(&da, LEN).unwrap(), FakeDevice::region(&db, LEN).unwrap());
+    let (ds, dd, devices, keep) = if use_cuda { cuda_regions() } else { fake_regions() };
     ds.write_at(0, &vec![7u8; LEN]).unwrap();
     let (mut host, mut dev) = (Vec::new(), Vec::new());
     for round in 0..rounds {
@@ -69,7 +122,8 @@ async fn main() {
     }
     assert!(dd.to_vec() == vec![7u8; LEN], "the device bytes differ");
     let (h, d) = (median(host), median(dev));
-    println!("64 MiB writes over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s, device->device (fake devices) {d:.2} Gbit/s, ratio {:.2}", d / h);
+    println!("64 MiB writes over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s, device->device ({devices}) {d:.2} Gbit/s, ratio {:.2}", d / h);
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
+    drop((ds, dd, keep));
 }
