@@ -161,8 +161,7 @@ impl DeviceMemory for CudaDevices {
         self.enter(d)?;
         // SAFETY: both ranges are device memory of registered regions
         // (unified addressing: any context copies between devices).
-        unsafe { result::memcpy_dtod_sync(dst, src, len) }
-            .map_err(|e| failed(d, "cuMemcpyDtoD", format_args!("{e:?}")))
+        unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| failed(d, "cuMemcpyDtoD", format_args!("{e:?}")))
     }
 }
 

@@ -101,6 +101,22 @@ impl MemoryRegion {
         Ok(Self { addr, len, _owner: None, device: Some((d, provider)) })
     }
 
+    /// The same range taken for host memory, its provider forgotten: what
+    /// a backend that ignores memory kinds would do. Test-only (feature
+    /// `bugs`, never in a program): it exists so the conformance suite can
+    /// prove that it catches such a backend. Only memory of a
+    /// [`crate::FakeDevice`] is forgotten, whose pages are mapped
+    /// `PROT_NONE`: the first access through the result is stopped by the
+    /// kernel (SIGSEGV, the process dies) before a byte moves. Any other
+    /// region comes back unchanged.
+    #[cfg(feature = "bugs")]
+    pub fn forget_device(&self) -> MemoryRegion {
+        match &self.device {
+            Some((_, p)) if p.name() == "fake" => Self { device: None, ..self.clone() },
+            _ => self.clone(),
+        }
+    }
+
     /// Where the bytes live.
     pub fn kind(&self) -> MemoryKind {
         self.device.as_ref().map_or(MemoryKind::Host, |(d, _)| MemoryKind::Device(*d))

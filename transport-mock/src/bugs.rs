@@ -33,4 +33,9 @@ pub struct MockBugs {
     /// failure: `transport_core::session::is_failure_notice`) delivered but
     /// drops them, so the peer never learns. Breaks rule 13.
     pub drop_failure_notices: bool,
+    /// `register` takes device regions for host memory (their provider
+    /// forgotten), so the copies touch device memory directly: on a fake
+    /// device the first one kills the process. Breaks rule 9 (memory
+    /// kinds).
+    pub forget_device_memory: bool,
 }

@@ -167,6 +167,10 @@ impl Transport for MockTransport {
 
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
         self.host.check_live()?;
+        // The deliberate bug: device memory taken for host memory, so the
+        // copies touch it directly (a fake device's faults at once).
+        #[cfg(feature = "bugs")]
+        let mem = if self.host.bugs.forget_device_memory { mem.forget_device() } else { mem };
         let id = RegionId(self.host.next_id());
         let entry = Arc::new(RegionEntry { id, mem, access, state: parking_lot::RwLock::new(RegionState::Live) });
         self.host.regions.lock().insert(entry)?;
