@@ -34,6 +34,51 @@ macro_rules! ensure {
     };
 }
 
+/// Where a case's guarded memory lives (docs/CONTRACT.md, rule 9: memory
+/// kinds). The suite runs its data, deadline, lifecycle, failure, poll and
+/// session cases once more with device memory on fake devices (memory the
+/// host cannot touch), on one or both ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryMode {
+    /// Host memory on both ends.
+    Host,
+    /// Device memory on both ends.
+    DeviceToDevice,
+    /// The initiator's memory on the host, the target's on a device.
+    HostToDevice,
+    /// The initiator's memory on a device, the target's on the host.
+    DeviceToHost,
+}
+
+impl MemoryMode {
+    /// The device modes, in the order the suite rotates through them.
+    pub const DEVICE: [MemoryMode; 3] =
+        [MemoryMode::DeviceToDevice, MemoryMode::HostToDevice, MemoryMode::DeviceToHost];
+
+    /// `host`, `d2d`, `h2d`, `d2h`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryMode::Host => "host",
+            MemoryMode::DeviceToDevice => "d2d",
+            MemoryMode::HostToDevice => "h2d",
+            MemoryMode::DeviceToHost => "d2h",
+        }
+    }
+
+    /// Whether any memory is on a device.
+    pub fn is_device(self) -> bool {
+        self != MemoryMode::Host
+    }
+
+    fn local_on_device(self) -> bool {
+        matches!(self, MemoryMode::DeviceToDevice | MemoryMode::DeviceToHost)
+    }
+
+    fn remote_on_device(self) -> bool {
+        matches!(self, MemoryMode::DeviceToDevice | MemoryMode::HostToDevice)
+    }
+}
+
 /// The context of one running case. Cheap to clone.
 #[derive(Clone)]
 pub struct Ctx {
@@ -44,6 +89,7 @@ pub struct Ctx {
 // their transports may still reference.
 struct Inner {
     case: String,
+    memory: MemoryMode,
     harness: Arc<dyn Harness>,
     nodes: Mutex<Vec<Node>>,
     keep: Mutex<Vec<Guarded>>,
@@ -56,8 +102,27 @@ impl fmt::Debug for Ctx {
 }
 
 impl Ctx {
-    pub(crate) fn new(harness: Arc<dyn Harness>, case: String) -> Self {
-        Self { inner: Arc::new(Inner { case, harness, nodes: Mutex::default(), keep: Mutex::default() }) }
+    pub(crate) fn new(harness: Arc<dyn Harness>, case: String, memory: MemoryMode) -> Self {
+        Self { inner: Arc::new(Inner { case, memory, harness, nodes: Mutex::default(), keep: Mutex::default() }) }
+    }
+
+    /// Where this run's guarded memory lives.
+    pub fn memory(&self) -> MemoryMode {
+        self.inner.memory
+    }
+
+    /// In a device run, skips the case on a backend that does not move
+    /// device memory (it must refuse it at registration instead, which
+    /// `memory::device_regions` checks).
+    fn check_device_memory(&self, node: &Node) -> CaseResult {
+        if self.inner.memory.is_device() && !node.transport.capabilities().device_memory {
+            return Err(CaseError::Skip(format!(
+                "{} moves no device memory (capabilities().device_memory is false): memory::device_regions checks \
+                 that it refuses it",
+                node.transport.backend()
+            )));
+        }
+        Ok(())
     }
 
     /// The case id (`group::name`).
@@ -88,6 +153,7 @@ impl Ctx {
             .map_err(|e| CaseError::Fail(format!("the harness could not create a node: {e}")))?;
         let node = Node { transport: self.inner.harness.wrap(layer(raw.transport)), ..raw };
         self.inner.nodes.lock().push(node.clone());
+        self.check_device_memory(&node)?;
         Ok(node)
     }
 
@@ -102,6 +168,7 @@ impl Ctx {
             .ok_or_else(|| CaseError::Skip("the harness cannot make a node with a given inbox capacity".into()))?;
         let node = Node { transport: self.inner.harness.wrap(raw.transport), ..raw };
         self.inner.nodes.lock().push(node.clone());
+        self.check_device_memory(&node)?;
         Ok(node)
     }
 
@@ -112,6 +179,7 @@ impl Ctx {
             .map_err(|e| CaseError::Fail(format!("the harness could not restart {}: {e}", node.name)))?;
         let node = Node { transport: self.inner.harness.wrap(raw.transport), ..raw };
         self.inner.nodes.lock().push(node.clone());
+        self.check_device_memory(&node)?;
         Ok(node)
     }
 
@@ -148,8 +216,22 @@ impl Ctx {
     }
 
     /// Memory with canaries, kept alive until the case's runtime is gone.
+    /// This one is the target's memory (what peers write and read): on a
+    /// fake device in the [`MemoryMode`]s that put the target's memory
+    /// there.
     pub fn guarded(&self, len: usize, seed: u64) -> Result<Guarded, CaseError> {
-        let g = Guarded::new(len, seed)?;
+        self.keep(self.inner.memory.remote_on_device(), len, seed, 1)
+    }
+
+    /// Memory with canaries for the initiator's side of a transfer: on a
+    /// fake device in the [`MemoryMode`]s that put the initiator's memory
+    /// there.
+    pub fn guarded_local(&self, len: usize, seed: u64) -> Result<Guarded, CaseError> {
+        self.keep(self.inner.memory.local_on_device(), len, seed, 0)
+    }
+
+    fn keep(&self, device: bool, len: usize, seed: u64, index: u32) -> Result<Guarded, CaseError> {
+        let g = if device { Guarded::on_device(len, seed, index)? } else { Guarded::new(len, seed)? };
         self.inner.keep.lock().push(g.clone());
         Ok(g)
     }
@@ -197,7 +279,7 @@ impl Ctx {
 
     /// [`Ctx::pair`] over two existing nodes.
     pub async fn pair_between(&self, a: Node, b: Node, len: usize) -> Result<Pair, CaseError> {
-        let local = self.guarded(len, 1)?;
+        let local = self.guarded_local(len, 1)?;
         let remote = self.guarded(len, 2)?;
         let local_id = a.transport.register(local.region(), Access::LOCAL)?;
         let remote_id = b.transport.register(remote.region(), Access::REMOTE_RW)?;

@@ -2,8 +2,9 @@
 //! outside a region (or after a terminal report) is seen, not suffered.
 
 use std::fmt;
+use std::sync::Arc;
 
-use transport_core::{Buffer, MemoryRegion};
+use transport_core::{Buffer, FakeDevice, MemoryRegion};
 
 use crate::outcome::CaseError;
 
@@ -14,16 +15,32 @@ pub const CANARY: u8 = 0xC5;
 
 /// A region in the middle of a larger allocation whose edges hold
 /// [`CANARY`] bytes. Made by [`crate::Ctx::guarded`], which keeps the
-/// allocation alive until every transport of the case is gone.
+/// allocation alive until every transport of the case is gone. The
+/// allocation is host memory, or (the suite's device runs) memory of a
+/// [`FakeDevice`] that faults on any host access; every access here goes
+/// through the region, so the same checks hold for both.
 #[derive(Clone)]
 pub struct Guarded {
-    buf: Buffer,
+    /// The whole allocation, guards included.
+    whole: MemoryRegion,
     region: MemoryRegion,
+    /// What keeps the allocation alive (a host buffer, or the device).
+    _owner: Owner,
+}
+
+#[derive(Clone)]
+enum Owner {
+    Host(#[allow(dead_code)] Buffer),
+    Device(#[allow(dead_code)] Arc<FakeDevice>),
 }
 
 impl fmt::Debug for Guarded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Guarded").field("addr", &format_args!("{:#x}", self.addr())).field("len", &self.len()).finish()
+        f.debug_struct("Guarded")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("kind", &self.region.kind())
+            .finish()
     }
 }
 
@@ -34,11 +51,32 @@ impl Guarded {
             return Err(CaseError::Fail("a guarded region needs at least one byte".into()));
         }
         let buf = Buffer::new(len + 2 * GUARD).map_err(|e| CaseError::Fail(format!("allocation failed: {e}")))?;
-        buf.fill(CANARY);
-        let region = buf.region().sub(GUARD, len).map_err(|e| CaseError::Fail(format!("cannot make a region: {e}")))?;
-        let g = Self { buf, region };
+        Self::around(buf.region(), len, seed, Owner::Host(buf))
+    }
+
+    /// Like [`Guarded::new`], on a fresh fake device with index `device`:
+    /// device memory the host cannot touch.
+    pub(crate) fn on_device(len: usize, seed: u64, device: u32) -> Result<Self, CaseError> {
+        if len == 0 {
+            return Err(CaseError::Fail("a guarded region needs at least one byte".into()));
+        }
+        let fail = |e: transport_core::MemError| CaseError::Fail(format!("fake device allocation failed: {e}"));
+        let dev = Arc::new(FakeDevice::new(device, len + 2 * GUARD).map_err(fail)?);
+        let whole = FakeDevice::region(&dev, len + 2 * GUARD).map_err(fail)?;
+        Self::around(whole, len, seed, Owner::Device(dev))
+    }
+
+    fn around(whole: MemoryRegion, len: usize, seed: u64, owner: Owner) -> Result<Self, CaseError> {
+        whole.fill(CANARY);
+        let region = whole.sub(GUARD, len).map_err(|e| CaseError::Fail(format!("cannot make a region: {e}")))?;
+        let g = Self { whole, region, _owner: owner };
         g.fill_pattern(seed);
         Ok(g)
+    }
+
+    /// Whether the bytes live on a (fake) device.
+    pub fn is_device(&self) -> bool {
+        self.region.kind().is_device()
     }
 
     /// The region to register.
@@ -85,7 +123,7 @@ impl Guarded {
 
     /// Checks the canaries on both sides; names the first changed byte.
     pub fn canaries_intact(&self) -> Result<(), CaseError> {
-        let all = self.buf.to_vec();
+        let all = self.whole.to_vec();
         let len = self.len();
         let before = &all[..GUARD];
         let after = &all[GUARD + len..];

@@ -166,11 +166,11 @@ pub use case::{Case, CaseFuture, Need};
 pub use cases::cases;
 pub use ctx::{
     batch_error, bounded, complete, complete_retrying, expect_kind, expect_permanent, expect_quiet, expect_stats, open,
-    permanent_kind, run_batch, settle, Ctx, Pair, SETTLE, WAIT_LIMIT,
+    permanent_kind, run_batch, settle, Ctx, MemoryMode, Pair, SETTLE, WAIT_LIMIT,
 };
 pub use guard::{pattern, Guarded, CANARY, GUARD};
 pub use harness::{Harness, Node, NodeOptions};
 pub use outcome::{CaseError, CaseResult};
 pub use runner::{
-    main_with, probe, run_case, run_case_with, strict, trials, Outcome, Support, CASE_TIMEOUT, STRICT_ENV,
+    main_with, probe, run_case, run_case_with, run_id, runs, strict, trials, Outcome, Support, CASE_TIMEOUT, STRICT_ENV,
 };

@@ -10,7 +10,7 @@ use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
 use crate::case::{Case, Need};
 use crate::cases::cases;
-use crate::ctx::Ctx;
+use crate::ctx::{Ctx, MemoryMode};
 use crate::harness::Harness;
 use crate::outcome::CaseError;
 
@@ -33,6 +33,8 @@ pub struct Support {
     pub stall: bool,
     pub os_probe: bool,
     pub inbox_capacity: bool,
+    /// The backend moves device memory (`capabilities().device_memory`).
+    pub device_memory: bool,
 }
 
 impl Support {
@@ -56,6 +58,7 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
     let opts = crate::harness::NodeOptions::default();
     let node = harness.node(&opts).await.ok()?;
     let read = node.transport.capabilities().read;
+    let device_memory = node.transport.capabilities().device_memory;
     let stall = matches!(harness.stall(&node, false).await, Ok(true));
     let cut = matches!(harness.cut(&node).await, Ok(true));
     let kill = matches!(harness.kill(&node).await, Ok(true));
@@ -67,7 +70,7 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
         }
         _ => false,
     };
-    Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some(), inbox_capacity })
+    Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some(), inbox_capacity, device_memory })
 }
 
 /// The result of a case that did not fail.
@@ -79,29 +82,63 @@ pub enum Outcome {
     Skipped(String),
 }
 
-/// Runs one case (`"group::case"`, or `"backend::group::case"`) against
-/// `harness`, in its own runtime with [`CASE_TIMEOUT`]. `Err` carries the
-/// failure message (or says the case is unknown).
+/// The groups whose cases run again with device memory (rule 9: memory
+/// kinds): every data case in each [`MemoryMode::DEVICE`] mode, the others
+/// in one mode each, in turn.
+const DEVICE_GROUPS: &[&str] = &["data", "deadline", "lifecycle", "failure", "poll", "session"];
+
+/// Every `(case, memory mode)` the suite runs, in order: each case on host
+/// memory, then the device runs of [`DEVICE_GROUPS`].
+pub fn runs() -> Vec<(Case, MemoryMode)> {
+    let mut out: Vec<(Case, MemoryMode)> = cases().iter().map(|c| (*c, MemoryMode::Host)).collect();
+    let mut turn = 0usize;
+    for c in cases().iter().filter(|c| DEVICE_GROUPS.contains(&c.group)) {
+        if c.group == "data" {
+            out.extend(MemoryMode::DEVICE.iter().map(|m| (*c, *m)));
+        } else {
+            out.push((*c, MemoryMode::DEVICE[turn % MemoryMode::DEVICE.len()]));
+            turn += 1;
+        }
+    }
+    out
+}
+
+/// The name of a run: `group::case` on host memory,
+/// `device_<mode>::group::case` on device memory (`device_d2d`,
+/// `device_h2d`, `device_d2h`).
+pub fn run_id(case: &Case, memory: MemoryMode) -> String {
+    match memory {
+        MemoryMode::Host => case.id(),
+        m => format!("device_{}::{}", m.name(), case.id()),
+    }
+}
+
+/// Runs one case (`"group::case"`, `"device_d2d::group::case"`, with or
+/// without the backend in front) against `harness`, in its own runtime
+/// with [`CASE_TIMEOUT`]. `Err` carries the failure message (or says the
+/// case is unknown).
 pub fn run_case<H: Harness>(harness: H, id: &str) -> Result<Outcome, String> {
-    let case = find_case(id)?;
+    let (case, memory) = find_case(id)?;
     let cell = parking_lot::Mutex::new(Some(harness));
-    execute(&|| cell.lock().take().map(|h| Arc::new(h) as Arc<dyn Harness>), &case, CASE_TIMEOUT)
+    execute(&|| cell.lock().take().map(|h| Arc::new(h) as Arc<dyn Harness>), &case, memory, CASE_TIMEOUT)
 }
 
 /// Like [`run_case`] with a harness factory and a timeout of your choice.
 pub fn run_case_with(make: &dyn Fn() -> Arc<dyn Harness>, id: &str, timeout: Duration) -> Result<Outcome, String> {
-    let case = find_case(id)?;
-    execute(&|| Some(make()), &case, timeout)
+    let (case, memory) = find_case(id)?;
+    execute(&|| Some(make()), &case, memory, timeout)
 }
 
-fn find_case(id: &str) -> Result<Case, String> {
+fn find_case(id: &str) -> Result<(Case, MemoryMode), String> {
+    let device = MemoryMode::DEVICE.iter().find(|m| id.contains(&format!("device_{}::", m.name()))).copied();
+    let memory = device.unwrap_or(MemoryMode::Host);
     cases()
         .iter()
         .find(|c| {
-            let cid = c.id();
-            id == cid || id.ends_with(&format!("::{cid}"))
+            let rid = run_id(c, memory);
+            id == rid || id.ends_with(&format!("::{rid}"))
         })
-        .copied()
+        .map(|c| (*c, memory))
         .ok_or_else(|| format!("no conformance case named {id:?}"))
 }
 
@@ -115,7 +152,12 @@ fn panic_message(p: Box<dyn Any + Send>) -> String {
     }
 }
 
-fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Duration) -> Result<Outcome, String> {
+fn execute(
+    make: &dyn Fn() -> Option<Arc<dyn Harness>>,
+    case: &Case,
+    memory: MemoryMode,
+    timeout: Duration,
+) -> Result<Outcome, String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
@@ -131,7 +173,7 @@ fn execute(make: &dyn Fn() -> Option<Arc<dyn Harness>>, case: &Case, timeout: Du
             .map_err(|p| format!("harness constructor panicked: {}", panic_message(p)))?
             .ok_or("harness already used")?
     };
-    let ctx = Ctx::new(harness, case.id());
+    let ctx = Ctx::new(harness, run_id(case, memory), memory);
     let watchdog = stall_trace_ms().map(|ms| Watchdog::start(Duration::from_millis(ms)));
     let body = (case.run)(ctx.clone());
     let result = rt.block_on(async {
@@ -308,16 +350,16 @@ where
             Err(_) => (make().backend().to_owned(), None),
         }
     };
-    cases()
-        .iter()
-        .map(|case| {
-            let case = *case;
+    runs()
+        .into_iter()
+        .map(|(case, memory)| {
             let make = make.clone();
-            let name = format!("{backend}::{}", case.id());
-            let unmet = support.is_some_and(|s| case.needs.iter().any(|n| !s.has(*n)));
+            let name = format!("{backend}::{}", run_id(&case, memory));
+            let unmet = support
+                .is_some_and(|s| case.needs.iter().any(|n| !s.has(*n)) || (memory.is_device() && !s.device_memory));
             Trial::ignorable_test(name, move || {
                 let factory = || Some(Arc::new(make()) as Arc<dyn Harness>);
-                match execute(&factory, &case, CASE_TIMEOUT) {
+                match execute(&factory, &case, memory, CASE_TIMEOUT) {
                     Ok(Outcome::Passed) => Ok(Completion::Completed),
                     Ok(Outcome::Skipped(why)) if strict => {
                         Err(Failed::from(format!("skipped in strict mode ({STRICT_ENV}=1): {why}")))

@@ -71,6 +71,52 @@ fn retries_permanent_fails_permanent_not_retried() {
     caught(MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap), "policy::permanent_errors_not_retried");
 }
 
+/// Set in the child process of `forgotten_device_memory_is_caught`.
+const CHILD: &str = "KVMOVE_BROKEN_DEVICE_CHILD";
+
+/// The signal of a segmentation fault (Linux, every architecture).
+const SIGSEGV: i32 = 11;
+
+/// A backend that takes device memory for host memory is caught by the
+/// suite's device runs: the fake device's memory faults on the first host
+/// access, which kills the process, so the broken mock runs in a child
+/// that must die of SIGSEGV (or fail the case); the correct mock passes.
+#[test]
+fn forgotten_device_memory_is_caught() {
+    use std::os::unix::process::ExitStatusExt;
+    let case = "device_d2d::data::write_lands_exact";
+    assert_eq!(run_case(MockHarness::new(), case), Ok(Outcome::Passed), "the correct mock must pass {case}");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "forgotten_device_memory_child", "--include-ignored", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let how = (out.status.signal(), out.status.code());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        how == (Some(SIGSEGV), None) || how == (None, Some(3)),
+        "the broken mock was not caught by {case}: child ended {:?}\n{err}",
+        out.status
+    );
+    eprintln!("the broken mock is caught by {case}: child ended {:?}", out.status);
+}
+
+/// The child of `forgotten_device_memory_is_caught` (runs only there).
+#[test]
+#[ignore = "run by forgotten_device_memory_is_caught in a child process"]
+fn forgotten_device_memory_child() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    match run_case(bugs(|b| b.forget_device_memory = true), "device_d2d::data::write_lands_exact") {
+        Err(why) => {
+            eprintln!("failed the case: {why}");
+            std::process::exit(3);
+        }
+        Ok(o) => panic!("the broken mock passed: {o:?}"),
+    }
+}
+
 /// Every case against every broken transport, printed as a table (for
 /// the README). `cargo test -p conformance --test broken -- --ignored --nocapture`
 #[test]

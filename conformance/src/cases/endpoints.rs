@@ -23,7 +23,7 @@ pub async fn bound_never_exceeded(cx: Ctx) -> CaseResult {
         "capabilities().max_endpoints is {}, configured 2",
         t.capabilities().max_endpoints
     );
-    let local = cx.guarded(64 << 10, 1)?;
+    let local = cx.guarded_local(64 << 10, 1)?;
     let lid = t.register(local.region(), Access::LOCAL)?;
     let mut targets = Vec::new();
     for i in 0..5u64 {

@@ -39,7 +39,7 @@ pub async fn close_releases_endpoints(cx: Ctx) -> CaseResult {
     let a = cx.node(&NodeOptions::default()).await?;
     let b = cx.node(&NodeOptions::default()).await?;
     let t = a.transport.clone();
-    let local = cx.guarded(LEN, 1)?;
+    let local = cx.guarded_local(LEN, 1)?;
     let remote = cx.guarded(LEN, 2)?;
     let lid = t.register(local.region(), Access::LOCAL)?;
     b.transport.register(remote.region(), Access::REMOTE_RW)?;
@@ -189,7 +189,7 @@ pub async fn shutdown_with_transfers_in_flight(cx: Ctx) -> CaseResult {
     );
     let later = bounded("open after shutdown", t.open_segment(&p.b.name)).await?;
     expect_permanent(later, &[ErrorKind::Shutdown], "open_segment after shutdown")?;
-    let again = cx.guarded(4096, 4)?;
+    let again = cx.guarded_local(4096, 4)?;
     expect_permanent(t.register(again.region(), Access::LOCAL), &[ErrorKind::Shutdown], "register after shutdown")?;
     let _ = t.poll(b);
     bounded("second shutdown", t.shutdown()).await??;

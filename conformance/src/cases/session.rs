@@ -103,7 +103,8 @@ async fn side(cx: &Ctx, len: usize, seed: u64, access: Access) -> Result<Side, C
 
 /// A side on `node`: its region registered, then its session engine.
 fn side_on(cx: &Ctx, node: Node, len: usize, seed: u64, access: Access) -> Result<Side, CaseError> {
-    let mem = cx.guarded(len, seed)?;
+    // The sender registers for local use only, the receiver for peers.
+    let mem = if access == Access::LOCAL { cx.guarded_local(len, seed)? } else { cx.guarded(len, seed)? };
     let region = node.transport.register(mem.region(), access)?;
     let base = node.transport.stats();
     let engine = Engine::new(node.transport.clone(), policy())?;
