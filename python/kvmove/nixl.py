@@ -386,12 +386,18 @@ class nixl_xfer_handle:
         self._notif = notif
         self._native = None  # the NixlXfer of the last post
         self._session = None  # the Session it was posted on
+        self._pending = None  # the courier's _Job posting it, until it ran
         self._released = False
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        j = self._pending
+        if j is not None:
+            # Not posted if it has not started; if it is posting now, the
+            # courier cancels what it posted (see nixl_agent._post).
+            j.cancelled = True
         x = self._native
         if x is not None and x.state() == "PROC":
             x.cancel()
@@ -407,15 +413,106 @@ class nixl_xfer_handle:
 
     def __repr__(self) -> str:
         st = "not posted" if self._native is None else self._native.state()
+        if self._pending is not None and not self._pending.done():
+            st = "waiting for the connection"
         return f"nixl_xfer_handle({self.op} {self.remote_agent!r}, {len(self._ops)} descriptors, {st})"
 
 
 # ---- the agent ----
 
 
+class _Courier:
+    """The work for one remote agent that may wait on it (opening the
+    connection, posting a transfer before the connection is up, sending a
+    notification), done in order on a thread of its own, so that the calls
+    NIXL makes non-blocking (``transfer``, ``send_notif``,
+    ``make_connection``) return at once and a hung peer stalls only its
+    own work. At most ``LIMIT`` jobs wait."""
+
+    LIMIT = 4096
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: "List" = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, job) -> "_Job":
+        j = _Job(job)
+        with self._cv:
+            if self._closed:
+                raise nixlBackendError(f"agent {self._name!r} was removed or the agent closed")
+            if len(self._jobs) >= self.LIMIT:
+                raise nixlBackendError(
+                    f"{self.LIMIT} operations already wait for agent {self._name!r} (it does not answer)"
+                )
+            self._jobs.append(j)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"kvmove-nixl-{self._name}"[:60], daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return j
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._jobs
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                j = self._jobs[0]
+            j.run()
+            with self._cv:
+                self._jobs.pop(0)
+
+    def close(self) -> None:
+        """Drops the jobs that have not started (each ends with an error)."""
+        with self._cv:
+            self._closed = True
+            dropped, self._jobs = self._jobs[1:], self._jobs[:1]
+            self._cv.notify()
+        for j in dropped:
+            j.drop(nixlBackendError(f"agent {self._name!r} was removed or the agent closed before this ran"))
+
+
+class _Job:
+    """One job of a :class:`_Courier`: done, or failed with an error."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._done = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.cancelled = False
+
+    def run(self) -> None:
+        try:
+            if not self.cancelled:
+                self._fn()
+        except BaseException as e:  # kept for the caller's next status call
+            self.error = e
+        finally:
+            self._done.set()
+
+    def drop(self, error: BaseException) -> None:
+        self.error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+
 class _Remote:
-    """What an agent knows of a remote agent: its metadata and the session
-    opened to it (on first use)."""
+    """What an agent knows of a remote agent: its metadata, the session
+    opened to it (on first use), and the courier that does the work that
+    may wait on it."""
 
     def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str):
         self.name = name
@@ -425,6 +522,7 @@ class _Remote:
         self.starts = np.array([a for a, _ in order], dtype=np.uint64)
         self.ends = np.array([a + n for a, n in order], dtype=np.uint64)
         self.session = None
+        self.courier = _Courier(name)
 
 
 def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> int:
@@ -443,6 +541,9 @@ def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np
 
 
 _BACKENDS = ("UCX", "KVMOVE", "TCP", "RDMA")
+
+# Tries to open a session to a remote agent when each failure is transient.
+_CONNECT_ATTEMPTS = 3
 
 
 class nixl_agent:
@@ -691,6 +792,7 @@ class nixl_agent:
         with self._lock:
             old = self._remotes.pop(agent, None)
         if old is not None:
+            old.courier.close()
             self._close_session(old)
 
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
@@ -706,10 +808,19 @@ class nixl_agent:
         return _uncovered(r.starts, r.ends, d.addrs, d.lens) < 0
 
     def make_connection(self, remote_agent: str, backends: Sequence[str] = ()) -> None:
-        """Opens the session to ``remote_agent`` now rather than at the
-        first transfer."""
+        """Starts opening the session to ``remote_agent`` now rather than
+        at the first transfer, and returns at once (as NIXL does); a failure
+        is logged, and the first transfer tries again."""
         self._check_backends(backends)
-        self._session(self._remote(remote_agent))
+        r = self._remote(remote_agent)
+
+        def connect():
+            try:
+                self._session(r)
+            except nixlError as e:
+                logger.warning("make_connection to agent %r: %s", r.name, e)
+
+        r.courier.submit(connect)
 
     def _remote(self, name: str) -> _Remote:
         with self._lock:
@@ -724,11 +835,20 @@ class nixl_agent:
                 return r.session
             eng = self._need_engine()
         # Connect without the lock: an unreachable peer must not stall the
-        # agent's other threads.
-        try:
-            s = eng.connect(r.session_id)
-        except TransferError as e:
-            raise _from_kvmove(e, f"connecting to agent {r.name!r} at {r.session_id}") from e
+        # agent's other threads. Only the courier of `r` gets here, off the
+        # caller's thread, so a transient failure (a reset under load) is
+        # retried a few times.
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                s = eng.connect(r.session_id)
+                break
+            except TransferError as e:
+                if not getattr(e, "is_transient", False) or attempt >= _CONNECT_ATTEMPTS:
+                    raise _from_kvmove(e, f"connecting to agent {r.name!r} at {r.session_id}") from e
+                logger.info("connecting to agent %r failed (attempt %d), retrying: %s", r.name, attempt, e)
+                time.sleep(0.05 * attempt)
         with self._lock:
             if r.session is None:
                 r.session, s = s, None
@@ -877,29 +997,46 @@ class nixl_agent:
             raise nixlInvalidParamError("handle must come from make_prepped_xfer or initialize_xfer")
         if handle._released:
             raise nixlInvalidParamError("the transfer handle was released")
-        if handle._native is not None and handle._native.state() == "PROC":
+        if (handle._pending is not None and not handle._pending.done()) or (
+            handle._native is not None and handle._native.state() == "PROC"
+        ):
             raise nixlRepostActiveError("the transfer is still in progress; wait for DONE before posting it again")
+        handle._pending = None
         notif = _notif_bytes(notif_msg) if notif_msg else handle._notif
         target = self._target(handle.remote_agent)
-        eng = self._need_engine()
+        self._need_engine()
         with self._lock:
             r = self._remotes.get(handle.remote_agent)
-        session = self._session(r) if r is not None else self._loopback_session()
         wire = _encode_notif(self.name, notif) if notif else None
         write = handle.op == "WRITE"
         ops = [(write, local, remote, n) for (local, remote, n) in handle._ops]
+        handle._native = None
+        if r is None or (r.session is not None and r.courier.idle()):
+            # Connected (or loopback): posting does not wait on the peer.
+            self._post(handle, r, ops, target, wire)
+            st = handle._native.state()
+            # Failed already: raise as check_xfer_state does.
+            return self.check_xfer_state(handle) if st == "ERR" else st
+        # Not connected yet, or work for this peer still waits: the courier
+        # connects and posts, in order, and this call returns at once.
+        handle._pending = r.courier.submit(lambda: None if handle._released else self._post(handle, r, ops, target, wire))
+        return "PROC"
+
+    def _post(self, handle: nixl_xfer_handle, r: Optional[_Remote], ops, target: str, wire) -> None:
+        """Opens the session if needed and posts ``ops``; raises the NIXL
+        error of a refusal (the remote agent is then not notified)."""
+        eng = self._need_engine()
+        session = self._session(r) if r is not None else self._loopback_session()
         try:
             x = eng._native.submit_nixl(session._seg, ops, target if wire is not None else None, wire)
         except TransferError as e:
-            handle._native = None
             if r is not None and getattr(e, "kind", None) in _PEER_GONE:
                 self._forget_session(r, session)
             raise _from_kvmove(e, f"posting a {handle.op} to agent {handle.remote_agent!r}") from e
         handle._native = x
         handle._session = (r, session)
-        st = x.state()
-        # Failed already: raise as check_xfer_state does.
-        return self.check_xfer_state(handle) if st == "ERR" else st
+        if handle._released and x.state() == "PROC":
+            x.cancel()  # released while the courier was posting it
 
     def _loopback_session(self):
         with self._lock:
@@ -929,6 +1066,13 @@ class nixl_agent:
         transfer raises, as NIXL's bindings do (``nixlRemoteDisconnectError``,
         ``nixlNotFoundError``, ``nixlCancelledError``, ``nixlBackendError``,
         with ``.kind``); its notification was not sent."""
+        j = handle._pending if isinstance(handle, nixl_xfer_handle) else None
+        if j is not None:
+            if not j.done():
+                return "PROC"  # still connecting, or queued behind the peer's other work
+            handle._pending = None
+            if j.error is not None:
+                raise j.error
         x = self._posted(handle)
         st = x.state()
         if st != "ERR":
@@ -1011,23 +1155,37 @@ class nixl_agent:
         return False
 
     def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: Optional[str] = None) -> None:
-        """Sends a notification not tied to a transfer; returns once it is in
-        the remote agent's inbox."""
+        """Sends a notification not tied to a transfer. Returns at once, as
+        NIXL does: the message is delivered in order with this agent's other
+        work for that peer, on a thread of its own; a delivery that fails
+        (the peer is gone) is logged on logger ``kvmove.nixl``. Raises for
+        an unknown agent, a bad message, or when ``_Courier.LIMIT``
+        operations already wait for a peer that does not answer."""
         if backend is not None:
             self._check_backends([backend])
         wire = _encode_notif(self.name, _notif_bytes(notif_msg))
         target = self._target(remote_agent_name)
         eng = self._need_engine()
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                eng.notify(target, wire)
-                return
-            except TransferError as e:
-                if getattr(e, "kind", None) == "backpressure" and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                    continue
-                raise _from_kvmove(e, f"send_notif to agent {remote_agent_name!r}") from e
+        with self._lock:
+            r = self._remotes.get(remote_agent_name)
+
+        def deliver():
+            deadline = time.monotonic() + 5.0
+            while True:
+                try:
+                    eng.notify(target, wire)
+                    return
+                except TransferError as e:
+                    if getattr(e, "kind", None) == "backpressure" and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                        continue
+                    logger.warning("send_notif to agent %r was not delivered: %s", remote_agent_name, e)
+                    return
+
+        if r is None:  # this agent itself
+            deliver()
+        else:
+            r.courier.submit(deliver)
 
     # ---- lifetime ----
 
@@ -1045,7 +1203,10 @@ class nixl_agent:
             eng, self._engine = self._engine, None
             self._self_session = None
             self._regions.clear()
+            remotes = list(self._remotes.values())
             self._remotes.clear()
+        for r in remotes:
+            r.courier.close()
         if eng is not None:
             eng.close()
 

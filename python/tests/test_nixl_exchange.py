@@ -27,6 +27,7 @@ from nixlflows import (
     LAYERS,
     NBYTES,
     REGION,
+    desc_ids,
     expect_read,
     pairs_arg,
     register_kv,
@@ -211,3 +212,55 @@ def test_bad_descriptors(spawn_peer, agents):
 
 
 REGIONS_TOTAL = 2 * LAYERS * BLOCKS
+
+
+# The calls NIXL makes non-blocking must return in far less than the
+# peer's timeouts (handshake 2-5 s, notification 30 s) while it is frozen.
+AT_ONCE = 1.0
+
+
+def timed(fn):
+    start = time.monotonic()
+    r = fn()
+    return r, time.monotonic() - start
+
+
+def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
+    """Prefill is frozen (SIGSTOP, as a hung or swapping server is) before
+    decode has connected to it. ``make_connection``, ``send_notif``,
+    ``transfer`` and ``check_xfer_state`` return at once, as NIXL's do (vLLM
+    calls them from its engine thread); once prefill runs again the queued
+    work is done in order: the READ lands, every notification arrives."""
+    prefill = nixl_peer(spawn_peer)
+    assert prefill.ask("fill 5") == "ok"
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    want = expect_read(kv, 5, [0, 1], [4, 5])
+
+    prefill.pause()
+    try:
+        took = {}
+        _, took["make_connection"] = timed(lambda: decode.make_connection(name))
+        _, took["send_notif"] = timed(lambda: decode.send_notif(name, b"hb:1"))
+        h = decode.make_prepped_xfer("READ", local, desc_ids([0, 1]), remote, desc_ids([4, 5]), notif_msg=b"done:1")
+        st, took["transfer"] = timed(lambda: decode.transfer(h))
+        assert st == "PROC"
+        st, took["check_xfer_state"] = timed(lambda: decode.check_xfer_state(h))
+        assert st == "PROC"
+        _, took["send_notif again"] = timed(lambda: decode.send_notif(name, b"hb:2"))
+        slow = {k: round(v, 3) for k, v in took.items() if v > AT_ONCE}
+        assert not slow, f"calls blocked on the frozen peer (seconds): {slow}"
+        time.sleep(0.3)
+        assert decode.check_xfer_state(h) == "PROC", "the READ finished while its source was frozen"
+    finally:
+        prefill.resume()
+    assert wait_state(decode, h) == "DONE"
+    assert np.array_equal(kv, want)
+    got = json.loads(prefill.ask("notifs 3 20"))
+    assert sorted(m for _, m in got) == ["done:1", "hb:1", "hb:2"], got
+    assert {who for who, _ in got} == {decode.name}
+    heartbeats = [m for _, m in got if m.startswith("hb:")]
+    assert heartbeats == ["hb:1", "hb:2"], got  # in the order sent
+    decode.release_xfer_handle(h)

@@ -146,6 +146,41 @@ def test_rdma_nixl_agents():
         agent.close()
 
 
+def test_rdma_refuses_device_memory_at_registration():
+    """The RDMA backend moves host memory only (no GPUDirect or staging
+    yet): device memory (a fake device's) is refused when registered, with
+    a clear error, through each API; host memory still registers."""
+    import uuid
+
+    from kvmove.devices import FakeDevice
+    from kvmove.nixl import nixl_agent, nixl_agent_config, nixlNotSupportedError
+
+    with FakeDevice(0, 1 << 20) as dev:
+        mc = TransferEngine()
+        assert mc.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", DEVICE) == 0, mc.last_error()
+        try:
+            addr = dev.alloc(1 << 16)
+            assert mc.register_memory(addr, 1 << 16) == -1
+            assert mc.last_error().kind == "unsupported", mc.last_error()
+            host = np.zeros(4096, dtype=np.uint8)
+            assert mc.register_memory(host.ctypes.data, host.nbytes) == 0, mc.last_error()
+        finally:
+            mc.close()
+        with kvmove.Engine(protocol="rdma", device=DEVICE) as e:
+            assert not e.device_memory
+            with pytest.raises(kvmove.PermanentError) as info:
+                e.register(dev.buffer(4096))
+            assert info.value.kind == "unsupported"
+        agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+        try:
+            agent.create_backend("RDMA", {"device": DEVICE})
+            assert agent.get_backend_mem_types("RDMA") == ["DRAM"]
+            with pytest.raises(nixlNotSupportedError):
+                agent.register_memory([(dev.alloc(4096), 4096, 0, "")], "VRAM")
+        finally:
+            agent.close()
+
+
 @pytest.mark.parametrize("frozen_s", [7.0, 2.0])
 def test_rdma_receiver_frozen_across_the_finish(spawn_peer, frozen_s):
     """Sessions over RDMA with a real frozen process: the decode process is
