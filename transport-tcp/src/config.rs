@@ -22,6 +22,9 @@ pub const HANDSHAKE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
 pub const SERVER_IDLE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
     Duration::from_millis(10)..=Duration::from_secs(7 * 86400);
 
+/// What `drain_timeout` may be: 0..=60 s.
+pub const DRAIN_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> = Duration::ZERO..=Duration::from_secs(60);
+
 /// Configuration of a [`crate::TcpTransport`]. Every field has a default;
 /// a JSON or TOML config may name only the fields it changes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,6 +137,17 @@ pub struct TcpConfig {
     /// each). Must be at least 1. Default
     /// [`transport_core::DEFAULT_INBOX`] (1024).
     pub inbox_capacity: usize,
+    /// When a deadline or a cancel ends requests whose slices are on the
+    /// wire, the initiator waits this long for the target's answers to
+    /// them before it resets the connections that carry them (rule 5).
+    /// The target answers a slice only once its bytes are applied (for
+    /// device memory, once the copy into the device finished), so what
+    /// answers in time leaves no copy running at the target, and its
+    /// connections live on; what does not (a stalled peer) is reset, as
+    /// before. Must be within [`DRAIN_TIMEOUT_RANGE`] (0..=60 s). Default
+    /// 250 ms.
+    #[serde(with = "transport_core::serde_ms")]
+    pub drain_timeout: Duration,
 }
 
 impl Default for TcpConfig {
@@ -160,6 +174,7 @@ impl Default for TcpConfig {
             handshake_timeout: Duration::from_secs(2),
             server_idle_timeout: Duration::from_secs(300),
             inbox_capacity: transport_core::DEFAULT_INBOX,
+            drain_timeout: Duration::from_millis(250),
         }
     }
 }
@@ -203,6 +218,9 @@ impl TcpConfig {
                 "handshake_timeout",
                 &format!("{} ms is outside 10..=600000 ms", self.handshake_timeout.as_millis()),
             );
+        }
+        if !DRAIN_TIMEOUT_RANGE.contains(&self.drain_timeout) {
+            return bad("drain_timeout", &format!("{} ms is outside 0..=60000 ms", self.drain_timeout.as_millis()));
         }
         if !SERVER_IDLE_TIMEOUT_RANGE.contains(&self.server_idle_timeout) {
             return bad(
@@ -286,6 +304,7 @@ mod tests {
             (TcpConfig { max_connections_per_ip: 0, ..TcpConfig::default() }, "max_connections_per_ip"),
             (TcpConfig { max_connections_per_ip: 65537, ..TcpConfig::default() }, "max_connections_per_ip"),
             (TcpConfig { handshake_timeout: Duration::ZERO, ..TcpConfig::default() }, "handshake_timeout"),
+            (TcpConfig { drain_timeout: Duration::from_secs(61), ..TcpConfig::default() }, "drain_timeout"),
             (TcpConfig { handshake_timeout: Duration::from_secs(601), ..TcpConfig::default() }, "handshake_timeout"),
             (TcpConfig { server_idle_timeout: Duration::ZERO, ..TcpConfig::default() }, "server_idle_timeout"),
             (TcpConfig { server_idle_timeout: Duration::MAX, ..TcpConfig::default() }, "server_idle_timeout"),

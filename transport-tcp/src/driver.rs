@@ -25,6 +25,10 @@ use crate::proto::WireRegion;
 use crate::regions::RegionTable;
 use crate::server::Server;
 
+/// How often a draining batch is checked for its answers (see
+/// [`Inner::quiet`]).
+const DRAIN_POLL: Duration = Duration::from_millis(2);
+
 /// An open segment handle.
 #[derive(Debug)]
 pub(crate) struct SegmentEntry {
@@ -222,10 +226,10 @@ impl Inner {
     }
 
     /// Makes the ended requests of `batch` quiet: if none is live its
-    /// queued work is dropped, and every endpoint that still carries a
-    /// started slice of an ended request is destroyed (its sockets reset),
-    /// so nothing of theirs is read, written or applied afterwards and the
-    /// ledger can report them.
+    /// queued work is dropped; the started slices of ended requests get
+    /// `drain_timeout` to be answered; every endpoint that still carries one
+    /// then is destroyed (its sockets reset), so nothing of theirs is read,
+    /// written or applied afterwards and the ledger can report them.
     pub async fn quiet(&self, batch: &Arc<Batch>) {
         if batch.is_terminal() {
             return;
@@ -238,6 +242,15 @@ impl Inner {
         }
         if batch.on_wire() == 0 {
             return;
+        }
+        // Drain first: the target answers a slice only once its bytes are
+        // applied (into device memory: once the provider's copy finished),
+        // so the slices that answer within `drain_timeout` end with no copy
+        // left running at the target, and their endpoints live on. A reset
+        // alone stops the socket, not a copy the target already started.
+        let until = tokio::time::Instant::now() + self.cfg.drain_timeout;
+        while eps.iter().any(|ep| ep.carries_ended(batch)) && tokio::time::Instant::now() < until {
+            tokio::time::sleep(DRAIN_POLL).await;
         }
         // Every reset is started before any is awaited, so a caller that
         // stops waiting leaves none undone (and they proceed together).
