@@ -230,6 +230,13 @@ impl Ctx {
         self.keep(self.inner.memory.local_on_device(), len, seed, 0)
     }
 
+    /// Memory with canaries on a fresh fake device with index `index`,
+    /// whatever the run's [`MemoryMode`] (for the cases about device
+    /// memory itself); its device is [`Guarded::device`].
+    pub fn guarded_on_device(&self, len: usize, seed: u64, index: u32) -> Result<Guarded, CaseError> {
+        self.keep(true, len, seed, index)
+    }
+
     fn keep(&self, device: bool, len: usize, seed: u64, index: u32) -> Result<Guarded, CaseError> {
         let g = if device { Guarded::on_device(len, seed, index)? } else { Guarded::new(len, seed)? };
         self.inner.keep.lock().push(g.clone());

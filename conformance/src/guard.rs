@@ -31,7 +31,7 @@ pub struct Guarded {
 #[derive(Clone)]
 enum Owner {
     Host(#[allow(dead_code)] Buffer),
-    Device(#[allow(dead_code)] Arc<FakeDevice>),
+    Device(Arc<FakeDevice>),
 }
 
 impl fmt::Debug for Guarded {
@@ -72,6 +72,15 @@ impl Guarded {
         let g = Self { whole, region, _owner: owner };
         g.fill_pattern(seed);
         Ok(g)
+    }
+
+    /// The fake device holding the bytes (`None` for host memory): to
+    /// slow or fail its copies.
+    pub fn device(&self) -> Option<&Arc<FakeDevice>> {
+        match &self._owner {
+            Owner::Device(d) => Some(d),
+            Owner::Host(_) => None,
+        }
     }
 
     /// Whether the bytes live on a (fake) device.

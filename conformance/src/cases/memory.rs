@@ -11,6 +11,7 @@ use transport_core::{
 use crate::ctx::{batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, Ctx};
 use crate::ensure;
 use crate::guard::pattern;
+use crate::harness::NodeOptions;
 use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 64 << 10;
@@ -259,5 +260,70 @@ pub async fn device_regions(cx: Ctx) -> CaseResult {
     }
     ta.unregister(la_id).await?;
     tb.unregister(rb_id).await?;
+    Ok(())
+}
+
+/// How the slow-copy case ends a batch.
+#[derive(Debug, Clone, Copy)]
+enum End {
+    Deadline,
+    Cancel,
+}
+
+/// Device copies that take their time (rules 5 and 9: terminal means
+/// quiet, with device memory): a deadline or a cancel that lands while the
+/// target's or the initiator's device copies run ends the batch, and from
+/// its terminal report on no byte of the target's device memory changes
+/// (no copy still running into it).
+pub async fn slow_device_copies_stay_quiet(cx: Ctx) -> CaseResult {
+    const PARTS: usize = 8;
+    const PART: usize = 16 << 10;
+    const COPY: Duration = Duration::from_millis(30);
+    let a = cx.node(&NodeOptions::default()).await?;
+    let b = cx.node(&NodeOptions::default()).await?;
+    if !a.transport.capabilities().device_memory {
+        return Err(CaseError::Skip("the backend moves no device memory (memory::device_regions checks it)".into()));
+    }
+    let t = a.transport.clone();
+    let local = cx.guarded_on_device(PARTS * PART, 71, 0)?;
+    let remote = cx.guarded_on_device(PARTS * PART, 72, 1)?;
+    let dev = |g: &crate::guard::Guarded| {
+        g.device().cloned().ok_or_else(|| CaseError::Fail("a guarded device region without a device".into()))
+    };
+    let (ldev, rdev) = (dev(&local)?, dev(&remote)?);
+    let lid = t.register(local.region(), Access::LOCAL)?;
+    b.transport.register(remote.region(), Access::REMOTE_RW)?;
+    let seg = crate::ctx::open(&a, &b.name).await?;
+    let mut seed = 80;
+    for (slow, side) in [(&rdev, "the target's"), (&ldev, "the initiator's")] {
+        for end in [End::Deadline, End::Cancel] {
+            seed += 1;
+            let reqs = (0..PARTS as u64)
+                .map(|k| {
+                    TransferRequest::write(lid, k * PART as u64, seg, remote.addr() + k * PART as u64, PART as u64)
+                })
+                .collect();
+            let opts = match end {
+                End::Deadline => SubmitOptions::with_timeout(Duration::from_millis(45)),
+                End::Cancel => SubmitOptions::default(),
+            };
+            slow.delay_copies(COPY);
+            let id = t.submit(reqs, opts).await?;
+            let s = match end {
+                End::Deadline => bounded("wait for the deadline", t.wait(id)).await??,
+                End::Cancel => {
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                    bounded("cancel while device copies run", t.cancel(id)).await??
+                }
+            };
+            ensure!(s.is_terminal(), "{end:?} with {side} copies slow: {:?} is not terminal", s.state);
+            let what = format!("target device memory after {end:?} with {side} device copies slow ({:?})", s.state);
+            let snap = remote.snapshot();
+            local.write(0, &pattern(seed, PARTS * PART))?;
+            expect_quiet(&remote, &snap, Duration::from_millis(300), &what).await?;
+            slow.delay_copies(Duration::ZERO);
+            t.release(id)?;
+        }
+    }
     Ok(())
 }

@@ -104,6 +104,12 @@ static CASES: &[Case] = &[
         "device memory (a fake device that faults on host access): moved byte-exact, or refused at registration"
     ),
     case!(
+        memory::slow_device_copies_stay_quiet,
+        5,
+        [],
+        "a deadline or cancel during slow device copies (either side): the target's device memory is quiet after"
+    ),
+    case!(
         memory::write_to_unregistered_remote_fails,
         9,
         [],
