@@ -783,6 +783,7 @@ class nixl_agent:
             old = self._remotes.pop(name, None)
             self._remotes[name] = _Remote(name, sid, regions, backend)
         if old is not None:
+            old.courier.close()
             self._close_session(old)
         return name
 

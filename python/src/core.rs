@@ -439,6 +439,13 @@ impl Core {
             .collect()
     }
 
+    /// A handle on the engine, for work the runtime does on its own
+    /// (submitting off the caller's thread).
+    pub(crate) fn engine(&self) -> Result<Engine> {
+        self.live()?;
+        Ok(self.engine.clone())
+    }
+
     /// Starts a transfer (waits for room in the in-flight budget).
     pub(crate) fn submit(&self, requests: Vec<TransferRequest>) -> Result<Transfer> {
         self.live()?;

@@ -10,6 +10,7 @@
 //! sent for a failed or cancelled batch, and never depends on Python
 //! polling the handle.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -38,6 +39,9 @@ struct Finished {
 struct Shared {
     done: watch::Sender<Option<Finished>>,
     started: Instant,
+    /// How long the engine took to accept the batch, microseconds (0 until
+    /// it did).
+    post_us: AtomicU64,
 }
 
 impl Shared {
@@ -91,17 +95,17 @@ pub(crate) struct NixlXfer {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     start_unix_us: u64,
-    post_us: u64,
     bytes: u64,
     descs: u64,
 }
 
 impl NixlXfer {
     /// Submits `requests` and, with `notify` = `(peer, msg)`, has the
-    /// runtime send `msg` to `peer` once every request completed. Fails
-    /// before anything moves when the message or peer name is invalid or
-    /// the batch is refused (local or remote range outside registered
-    /// memory, closed engine).
+    /// runtime send `msg` to `peer` once every request completed. Returns
+    /// at once: the submission (which may wait for room in the in-flight
+    /// budget, or for a connection to be rebuilt) is the runtime's, as in
+    /// NIXL, and its refusal ends the transfer in `"ERR"`. Fails here only
+    /// when the message or peer name is invalid or the engine is closed.
     pub(crate) fn start(
         core: &Arc<Core>,
         requests: Vec<TransferRequest>,
@@ -115,24 +119,33 @@ impl NixlXfer {
             }
             None => None,
         };
+        let engine = core.engine()?;
         let bytes = requests.iter().map(|r| r.len).fold(0u64, u64::saturating_add);
         let descs = requests.len() as u64;
         let start_unix_us = SystemTime::now().duration_since(UNIX_EPOCH).map(micros).unwrap_or(0);
         let started = Instant::now();
-        let transfer = core.submit(requests)?;
-        let post_us = micros(started.elapsed());
-        let shared = Arc::new(Shared { done: watch::channel(None).0, started });
-        let (stop, mut stop_rx) = watch::channel(false);
+        let shared = Arc::new(Shared { done: watch::channel(None).0, started, post_us: AtomicU64::new(0) });
+        let (stop, stop_rx) = watch::channel(false);
         let reporter = Reporter(shared.clone());
         core.spawn(async move {
-            let stopped = async move {
-                if stop_rx.wait_for(|s| *s).await.is_err() {
+            let stopped = |mut rx: watch::Receiver<bool>| async move {
+                if rx.wait_for(|s| *s).await.is_err() {
                     // The handle is gone without a cancel: let it run.
                     std::future::pending::<()>().await;
                 }
             };
-            let mut r = match transfer.wait_or_cancel(stopped).await {
-                Ok(o) => o.into_result().map(drop),
+            let transfer = tokio::select! {
+                t = engine.submit(requests) => t,
+                () = stopped(stop_rx.clone()) => {
+                    Err(Error::new(ErrorKind::Cancelled, "the transfer was cancelled before the engine accepted it"))
+                }
+            };
+            reporter.0.post_us.store(micros(started.elapsed()), Ordering::Relaxed);
+            let mut r = match transfer {
+                Ok(t) => match t.wait_or_cancel(stopped(stop_rx)).await {
+                    Ok(o) => o.into_result().map(drop),
+                    Err(e) => Err(e),
+                },
                 Err(e) => Err(e),
             };
             if let (Ok(()), Some((peer, msg)), Some(s)) = (&r, notify, sessions) {
@@ -140,7 +153,7 @@ impl NixlXfer {
             }
             reporter.0.finish(r.err());
         });
-        Ok(Self { core: core.clone(), shared, stop, start_unix_us, post_us, bytes, descs })
+        Ok(Self { core: core.clone(), shared, stop, start_unix_us, bytes, descs })
     }
 
     fn finished(&self) -> Option<Finished> {
@@ -214,6 +227,6 @@ impl NixlXfer {
             Some(f) => f.xfer_us,
             None => micros(self.shared.started.elapsed()),
         };
-        (self.start_unix_us, self.post_us, xfer_us, self.bytes, self.descs)
+        (self.start_unix_us, self.shared.post_us.load(Ordering::Relaxed), xfer_us, self.bytes, self.descs)
     }
 }

@@ -253,7 +253,8 @@ def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
         slow = {k: round(v, 3) for k, v in took.items() if v > AT_ONCE}
         assert not slow, f"calls blocked on the frozen peer (seconds): {slow}"
         time.sleep(0.3)
-        assert decode.check_xfer_state(h) == "PROC", "the READ finished while its source was frozen"
+        state = [l for l in open(f"/proc/{prefill.proc.pid}/status") if l.startswith("State:")]
+        assert decode.check_xfer_state(h) == "PROC", f"the READ finished while its source was frozen ({state})"
     finally:
         prefill.resume()
     assert wait_state(decode, h) == "DONE"
