@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::TaskSet;
 use transport_core::{check_received, Inbox, Notification, Refused};
@@ -66,12 +67,21 @@ const REFUSE_WAIT: Duration = Duration::from_secs(1);
 /// fewer handshakes under way than the busiest address takes the slot of
 /// that address's oldest handshake ([`Admit::Evict`]): a flood spread over
 /// many addresses keeps at most its fair share, and a peer that opens one
-/// connection at a time always finds room.
+/// connection at a time always finds room. When the newcomer's own address
+/// is at its share (`max_handshaking_per_ip`, or the busiest at a full
+/// quota), it takes the slot of its own address's oldest handshake: peers
+/// behind one address (a NAT, co-tenants of a host) are not locked out by
+/// a flood from that address, which can hold a slot only until its next
+/// reopening.
 #[derive(Debug, Default)]
 struct Counts {
     handshaking: usize,
     served: usize,
     per_ip: HashMap<IpAddr, PerIp>,
+    /// How to tell each connection in its handshake that its slot was
+    /// taken (it answers `Busy` and closes, so its peer retries instead of
+    /// reading the close as a failed authentication).
+    evict_signals: HashMap<u64, Arc<Notify>>,
 }
 
 /// One peer address's connections; removed when it has none.
@@ -108,15 +118,26 @@ impl Counts {
             return Admit::No("per-address connection cap (max_connections_per_ip) reached");
         }
         if h >= cfg.max_handshaking_per_ip {
-            return Admit::No("per-address handshake cap (max_handshaking_per_ip) reached");
+            return match self.evict_own(ip) {
+                Some(id) => Admit::Evict(id),
+                None => Admit::No("per-address handshake cap (max_handshaking_per_ip) reached"),
+            };
         }
         if self.handshaking >= cfg.max_handshaking {
-            return match self.evict(h) {
+            return match self.evict(h).or_else(|| self.evict_own(ip)) {
                 Some(id) => Admit::Evict(id),
                 None => Admit::No("handshake quota (max_handshaking) reached"),
             };
         }
         Admit::Yes
+    }
+
+    /// Uncounts the oldest handshake of `ip` itself, if it has one; its id,
+    /// for the caller to close.
+    fn evict_own(&mut self, ip: IpAddr) -> Option<u64> {
+        let id = self.per_ip.get_mut(&ip)?.handshaking.pop_front()?;
+        self.handshaking = self.handshaking.saturating_sub(1);
+        Some(id)
     }
 
     /// Uncounts the oldest handshake of the address with the most under
@@ -147,6 +168,8 @@ struct Slot {
     ip: IpAddr,
     id: u64,
     served: bool,
+    /// Notified when a newcomer took this handshake's slot.
+    evicted: Arc<Notify>,
 }
 
 impl Slot {
@@ -155,7 +178,9 @@ impl Slot {
     fn handshaking(counts: &Arc<Mutex<Counts>>, c: &mut Counts, ip: IpAddr, id: u64) -> Self {
         c.handshaking += 1;
         c.per_ip.entry(ip).or_default().handshaking.push_back(id);
-        Self { counts: counts.clone(), ip, id, served: false }
+        let evicted = Arc::new(Notify::new());
+        c.evict_signals.insert(id, evicted.clone());
+        Self { counts: counts.clone(), ip, id, served: false, evicted }
     }
 
     /// Moves the connection from its handshake to the handshaken ones, if
@@ -180,6 +205,7 @@ impl Slot {
         e.served += 1;
         c.handshaking = c.handshaking.saturating_sub(1);
         c.served += 1;
+        c.evict_signals.remove(&self.id);
         self.served = true;
         Ok(())
     }
@@ -188,6 +214,7 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut c = self.counts.lock();
+        c.evict_signals.remove(&self.id);
         let Some(e) = c.per_ip.get_mut(&self.ip) else { return };
         if self.served {
             e.served = e.served.saturating_sub(1);
@@ -319,7 +346,10 @@ impl Server {
                 let mut c = self.counts.lock();
                 match c.admits(&self.cfg, ip) {
                     Admit::Yes => (Slot::handshaking(&self.counts, &mut c, ip, id), None),
-                    Admit::Evict(old) => (Slot::handshaking(&self.counts, &mut c, ip, id), Some(old)),
+                    Admit::Evict(old) => {
+                        let signal = c.evict_signals.remove(&old);
+                        (Slot::handshaking(&self.counts, &mut c, ip, id), signal)
+                    }
                     Admit::No(why) => {
                         drop(c);
                         tracing::warn!(%peer, reason = why, "refusing connection (answered Busy)");
@@ -330,12 +360,12 @@ impl Server {
                     }
                 }
             };
-            if let Some(old) = evicted {
-                // Its count is already gone; closing it frees the socket.
-                if let Some(h) = self.conns.lock().remove(&old) {
-                    h.abort();
-                }
-                tracing::warn!(%peer, "handshake quota full: closed the oldest handshake of the busiest address");
+            if let Some(signal) = evicted {
+                // Its count is already gone; told so, it answers `Busy` and
+                // closes (its peer retries: a close in the middle of an
+                // authentication would read as a wrong secret).
+                signal.notify_one();
+                tracing::warn!(%peer, "handshake quota full: closed the oldest handshake of the busiest address (or of the newcomer's own)");
                 metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => "evicted_handshake").increment(1);
             }
             let mut conns = self.conns.lock();
@@ -466,9 +496,18 @@ impl Server {
     /// handshaken) until this returns.
     async fn serve(&self, mut s: TcpStream, mut slot: Slot) -> Result<(), Close> {
         apply_options(&s, &self.cfg, false)?;
-        tokio::time::timeout(self.cfg.handshake_timeout, self.handshake(&mut s, &mut slot))
-            .await
-            .map_err(|_| Close::Proto("handshake timed out".into()))??;
+        let evicted = slot.evicted.clone();
+        let handshake = tokio::select! {
+            r = tokio::time::timeout(self.cfg.handshake_timeout, self.handshake(&mut s, &mut slot)) => Some(r),
+            () = evicted.notified() => None,
+        };
+        let Some(handshake) = handshake else {
+            let mut e = Header::new(FrameType::Error);
+            e.status = Status::Busy;
+            let _ = tokio::time::timeout(REFUSE_WAIT, write_frame(&mut s, e, &[])).await;
+            return Err(Close::Io(std::io::Error::other("handshake slot taken by a newcomer (answered Busy)")));
+        };
+        handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
         if let Ok(peer) = s.peer_addr() {
             tracing::info!(%peer, authenticated = self.cfg.secret.is_some(), "peer connected");
             metrics::counter!("kvmove_tcp_connections_total").increment(1);
@@ -792,20 +831,51 @@ mod tests {
         assert!(flood[0].promote(&cfg).is_err());
         drop(flood.remove(0));
         assert_eq!(counts.lock().handshaking, 4);
-        // Address 1 (3 under way) cannot take address 2's slot back (1).
-        assert_eq!(admit(&counts, &cfg, ip(1), 11).err(), Some("handshake quota (max_handshaking) reached"));
+        // Address 1 (3 under way) cannot take address 2's slot back (1):
+        // its newcomer takes the slot of its own oldest (1) instead.
+        let (f11, evicted) = admit(&counts, &cfg, ip(1), 11).unwrap();
+        assert_eq!(evicted, Some(1));
+        drop(flood.remove(0));
+        flood.push(f11);
+        assert_eq!(counts.lock().handshaking, 4);
         // Address 3 takes from address 1 again (3 > 0 + 1), then address
         // 4 finds address 1 at 2 and everyone else at 1: still 2 > 0 + 1.
         let (_c, evicted) = admit(&counts, &cfg, ip(3), 12).unwrap();
-        assert_eq!(evicted, Some(1));
-        let (_d, evicted) = admit(&counts, &cfg, ip(4), 13).unwrap();
         assert_eq!(evicted, Some(2));
-        // Now every address holds one: a fifth is refused.
+        let (_d, evicted) = admit(&counts, &cfg, ip(4), 13).unwrap();
+        assert_eq!(evicted, Some(3));
+        // Now every address holds one: a fifth, with none of its own, is
+        // refused.
         assert!(admit(&counts, &cfg, ip(5), 14).is_err());
         // The newcomer from address 2 finishes its handshake.
         assert!(legit.promote(&cfg).is_ok());
         let c = counts.lock();
         assert_eq!((c.handshaking, c.served), (3, 1));
+    }
+
+    /// A newcomer from an address at its cap takes its own address's
+    /// oldest handshake, so a flood from an initiator's own address cannot
+    /// lock it out; other addresses' slots are untouched.
+    #[test]
+    fn an_address_at_its_cap_gives_up_its_own_oldest() {
+        let counts = Arc::new(Mutex::new(Counts::default()));
+        let cfg = cfg(16, 3);
+        let others: Vec<Slot> = (0..2).map(|i| admit(&counts, &cfg, ip(2), 100 + i).unwrap().0).collect();
+        let mut flood: Vec<Slot> = (0..3).map(|i| admit(&counts, &cfg, ip(1), i).unwrap().0).collect();
+        for (n, want) in (3..10).zip(0..) {
+            let (slot, evicted) = admit(&counts, &cfg, ip(1), n).unwrap();
+            assert_eq!(evicted, Some(want), "the oldest of address 1 gives way");
+            flood.push(slot);
+            let c = counts.lock();
+            assert_eq!(c.per_ip[&ip(1)].handshaking.len(), 3, "address 1 stays at its cap");
+            assert_eq!(c.per_ip[&ip(2)].handshaking.len(), 2, "address 2 keeps its slots");
+        }
+        // The newest from address 1 (a legitimate peer behind the flood's
+        // address) finishes its handshake; the evicted ones cannot.
+        let mut legit = flood.pop().unwrap();
+        assert!(legit.promote(&cfg).is_ok());
+        assert!(flood[0].promote(&cfg).is_err());
+        drop(others);
     }
 
     #[test]

@@ -44,7 +44,15 @@ async fn try_legit_write(
         match a.open_segment(&b.local_segment_name()).await {
             Ok(seg) => break seg,
             Err(e) if e.kind().is_transient() && Instant::now() < end => {
-                assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                // Busy, or (a flood from its own address took its
+                // handshake slot) reset during the handshake.
+                assert!(
+                    matches!(
+                        e.kind(),
+                        ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset | ErrorKind::HandshakeFailed
+                    ),
+                    "{e}"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             Err(e) => return Err(format!("the legitimate initiator was locked out after {tries} tries: {e}")),
@@ -286,13 +294,26 @@ async fn per_address_cap_on_handshaken_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legitimate_initiators_get_through_an_unthrottled_flood() {
     for addrs in [1u8, 16] {
-        let (ok, runs) = flood_and_connect(addrs).await;
+        let (ok, runs) = flood_and_connect(addrs, false).await;
         assert_eq!(ok, runs, "every legitimate initiator gets through a flood from {addrs} address(es)");
     }
 }
 
-/// Runs the flood from `addrs` addresses; (initiators through, runs).
-async fn flood_and_connect(addrs: u8) -> (usize, usize) {
+/// Issue 27, item 1: the flood comes from the legitimate initiators' own
+/// address (127.0.0.1: a co-tenant of their host, or peers behind one
+/// NAT). Before the fix every initiator was refused at the per-address
+/// handshake cap (0 of 3, each within 0.02 s); now a newcomer takes the
+/// slot of its address's oldest handshake, and every initiator gets
+/// through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legitimate_initiators_get_through_a_flood_from_their_own_address() {
+    let (ok, runs) = flood_and_connect(1, true).await;
+    assert_eq!(ok, runs, "every legitimate initiator gets through a flood from its own address");
+}
+
+/// Runs the flood from `addrs` addresses (127.0.2.x), or from 127.0.0.1,
+/// the initiators' own address, with `same`; (initiators through, runs).
+async fn flood_and_connect(addrs: u8, same: bool) -> (usize, usize) {
     tokio::time::timeout(Duration::from_secs(120), async {
         let b = support::node(TcpConfig { secret: Some(SECRET.into()), ..TcpConfig::default() }).await;
         let dst = Buffer::new(4096).unwrap();
@@ -308,7 +329,11 @@ async fn flood_and_connect(addrs: u8) -> (usize, usize) {
                 let mut opened = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) && opened < 200_000 {
                     let permit = held.clone().acquire_owned().await.unwrap();
-                    let from = Ipv4Addr::new(127, 0, 2, 1 + (opened % u64::from(addrs)) as u8);
+                    let from = if same {
+                        Ipv4Addr::LOCALHOST
+                    } else {
+                        Ipv4Addr::new(127, 0, 2, 1 + (opened % u64::from(addrs)) as u8)
+                    };
                     let s = tokio::net::TcpSocket::new_v4().unwrap();
                     s.bind(std::net::SocketAddr::new(from.into(), 0)).unwrap();
                     if let Ok(mut s) = s.connect(to).await {
@@ -342,8 +367,9 @@ async fn flood_and_connect(addrs: u8) -> (usize, usize) {
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let opened = flood.await.unwrap();
+        let whence = if same { "the initiators' own address".to_string() } else { format!("{addrs} address(es)") };
         eprintln!(
-            "flood from {addrs} address(es): {opened} silent connections opened; legitimate initiators: {ok}/{runs} through, slowest {slowest:?}"
+            "flood from {whence}: {opened} silent connections opened; legitimate initiators: {ok}/{runs} through, slowest {slowest:?}"
         );
         b.shutdown().await.unwrap();
         (ok, runs)
