@@ -185,3 +185,45 @@ async fn server_at_its_connection_limit_answers_busy() {
     .await
     .expect("test timed out");
 }
+
+/// Issue 27, item 2: Busy is transient everywhere. The policy `Engine`
+/// opening a segment on a target at its connection limit asks again with
+/// backoff (rule 8), and gets through once the one slot frees; while the
+/// slot stays taken it gives up after `retry.max_attempts` tries, and the
+/// error says how many, over how long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_retries_a_busy_target_until_a_slot_frees() {
+    use std::sync::Arc;
+    use transport_core::{Engine, PolicyConfig, RetryConfig};
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let b = support::node(TcpConfig { max_connections: 1, ..support::test_config() }).await;
+        let addr = b.local_addr();
+        let mut held = TcpStream::connect(addr).await.unwrap();
+        hello(&mut held).await;
+        let a: Arc<dyn Transport> = Arc::new(support::node(TcpConfig { lanes: 1, ..support::test_config() }).await);
+        let retry =
+            RetryConfig { max_attempts: 6, initial_backoff: Duration::from_millis(50), ..RetryConfig::default() };
+        let engine = Engine::new(a.clone(), PolicyConfig { retry, ..PolicyConfig::default() }).unwrap();
+
+        // The slot stays taken: every try is refused, the last error says so.
+        let start = tokio::time::Instant::now();
+        let Err(e) = engine.open_segment(&b.local_segment_name()).await else { panic!("served while at its limit") };
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+        assert_eq!(e.context_value("attempts"), Some("6"), "{e}");
+        assert!(e.to_string().contains("over_ms"), "{e}");
+        assert!(start.elapsed() >= Duration::from_millis(50 + 100 + 200), "backed off: {:?}", start.elapsed());
+
+        // The slot frees while the engine is retrying: it gets through.
+        let freer = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(120)).await;
+            drop(held);
+        });
+        let seg = engine.open_segment(&b.local_segment_name()).await.expect("served once the slot freed");
+        freer.await.unwrap();
+        engine.close_segment(seg).await.unwrap();
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}

@@ -486,16 +486,58 @@ impl Engine {
     /// Opens a peer's segment, through its breaker: fails fast with
     /// `PeerUnavailable` while the breaker is open; a failure to reach the
     /// peer counts toward it, success closes it.
+    ///
+    /// A peer that refuses or resets the connection at once (`Busy` at its
+    /// connection limit, a listener not up yet, a handshake slot taken by a
+    /// flood) is asked again (rule 8: transient failures are retried), with
+    /// the retry policy's backoff, up to `retry.max_attempts` tries and
+    /// within `deadline.base`; the one call counts once toward the breaker.
+    /// The error of the last try says how many were made, over how long.
+    /// A failure that took its time (a handshake that timed out) is not
+    /// retried here: the caller already waited for it.
     pub async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let admit = self.inner.admit(name)?;
-        let result = self.inner.transport.open_segment(name).await;
+        let started = self.inner.clock.now();
+        let budget = self.inner.cfg.deadline.base;
+        let mut attempt = 1u32;
+        let result = loop {
+            let result = self.inner.transport.open_segment(name).await;
+            let again = match &result {
+                Err(e) => {
+                    matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset)
+                        && admit != Admit::Probe
+                        && attempt < self.inner.cfg.retry.max_attempts
+                }
+                Ok(_) => false,
+            };
+            if !again {
+                break result;
+            }
+            let pause = {
+                let mut rng = self.inner.rng.lock();
+                backoff(&self.inner.cfg.retry, attempt, &mut *rng)
+            };
+            if self.inner.clock.now().saturating_sub(started) + pause > budget {
+                break result;
+            }
+            self.inner.clock.sleep(pause).await;
+            attempt += 1;
+        };
         match &result {
             Ok(_) => self.inner.record(name, Verdict::Healthy),
             Err(e) if e.kind().is_peer_failure() => self.inner.record(name, Verdict::Failed),
             Err(_) if admit == Admit::Probe => self.inner.record(name, Verdict::Unknown),
             Err(_) => {}
         }
-        result.map_err(|e| e.with("peer", name))
+        let took = self.inner.clock.now().saturating_sub(started);
+        result.map_err(|e| {
+            let e = e.with("peer", name);
+            if attempt > 1 {
+                e.with("attempts", attempt).with("over_ms", took.as_millis())
+            } else {
+                e
+            }
+        })
     }
 
     /// Closes a segment (see [`Transport::close_segment`]).
