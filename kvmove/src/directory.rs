@@ -53,7 +53,9 @@ pub async fn resolve(engine: &Engine, store: &dyn MetadataStore, name: &str) -> 
 /// its descriptor; the error says which address did not answer.
 pub async fn open(engine: &Engine, address: &str) -> Result<(SegmentId, SegmentDescriptor)> {
     let segment = engine.open_segment(address).await.map_err(|e| {
-        Error::new(e.kind(), format!("cannot reach {address}: {}", e.message())).with("segment", address)
+        // The context (how many tries over how long, the peer) is kept.
+        let reached = Error::new(e.kind(), format!("cannot reach {address}: {}", e.message()));
+        e.context().iter().fold(reached, |r, (k, v)| r.with(k, v)).with("segment", address)
     })?;
     match engine.transport().segment_descriptor(segment) {
         Ok(d) => Ok((segment, d)),

@@ -82,3 +82,41 @@ def test_pythonic_engine_raises_transient_on_dead_peer(spawn_peer):
         # A session to a port nobody listens on fails at connect.
         with pytest.raises(kvmove.TransientError):
             eng.connect(decode.session_id)
+
+
+def test_a_busy_target_is_retried_until_a_slot_frees():
+    """Issue 27, item 2: a target at its connection limit answers Busy; the
+    engine asks again with the policy's backoff, gives up with an error
+    that says how many tries over how long, and gets through once the one
+    slot frees while it is retrying."""
+    import threading
+
+    one = "[backend.tcp]\nmax_connections = 1\nlanes = 1\n"
+    policy = {"retry": {"max_attempts": 6, "initial_backoff_ms": 40}}
+    with kvmove.Engine(config=one) as target:
+        dst = np.zeros(4096, dtype=np.uint8)
+        rd = target.register(dst)
+        holder = kvmove.Engine(config="[backend.tcp]\nlanes = 1\n")
+        src = np.full(4096, 7, dtype=np.uint8)
+        held = holder.connect(target.session_id)
+        held.write(holder.register(src).addr, rd.addr, 4096)  # the one slot, in use
+        with kvmove.Engine(config="[backend.tcp]\nlanes = 1\n", policy=policy) as me:
+            start = time.monotonic()
+            with pytest.raises(kvmove.TransientError) as info:
+                me.connect(target.session_id)
+            assert info.value.kind == "connection_refused", info.value
+            assert "busy" in str(info.value) and "attempts: 6" in str(info.value), info.value
+            assert time.monotonic() - start >= 0.04 + 0.08 + 0.16, "it backed off between tries"
+
+            def free():
+                time.sleep(0.15)
+                held.close()
+                holder.close()
+
+            t = threading.Thread(target=free)
+            t.start()
+            with me.connect(target.session_id) as s:
+                mine = np.full(4096, 9, dtype=np.uint8)
+                s.write(me.register(mine).addr, rd.addr, 4096)
+            t.join()
+            assert (dst == 9).all()

@@ -531,7 +531,7 @@ impl Engine {
         }
         let took = self.inner.clock.now().saturating_sub(started);
         result.map_err(|e| {
-            let e = e.with("peer", name);
+            let e = if e.context_value("peer").is_some() { e } else { e.with("peer", name) };
             if attempt > 1 {
                 e.with("attempts", attempt).with("over_ms", took.as_millis())
             } else {
