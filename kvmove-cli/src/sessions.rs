@@ -106,6 +106,8 @@ pub fn limits(concurrency: usize) -> SessionLimits {
     SessionLimits {
         max_sessions: d.max_sessions.max(room),
         max_sessions_per_peer: d.max_sessions_per_peer.max(room),
+        max_unclaimed: d.max_unclaimed.max(room),
+        max_unclaimed_per_peer: d.max_unclaimed_per_peer.max(room),
         ..d
     }
 }

@@ -194,7 +194,11 @@ fn limits(c: &HandoffConfig) -> SessionLimits {
         heartbeat_interval: c.liveness / 5,
         liveness_timeout: c.liveness,
         max_sessions_per_peer: c.requests.max(1),
-        max_sessions: (c.requests * c.senders).max(1),
+        max_sessions: c.requests.saturating_mul(c.senders).max(1),
+        // Decode grants as soon as it has room, often before the sender
+        // expects the id: every request may be granted ahead.
+        max_unclaimed_per_peer: c.requests.max(1),
+        max_unclaimed: c.requests.saturating_mul(c.senders).max(1),
         ..SessionLimits::default()
     }
 }

@@ -662,3 +662,53 @@ fn a_side_that_keeps_pausing_while_it_asks_gives_up() {
         assert!(w.last_s != SessionState::Landed && r != SessionState::Landed, "{case}: {:?} / {r:?}", w.last_s);
     }
 }
+
+/// Issue 27, item 3: grants no local sender expects yet (a receiver may
+/// grant first) take places in the table only up to their own bounds, per
+/// peer and in all; over them they are refused (the receiver frees its
+/// memory). A claimed grant (`expect`) no longer counts, and grants a
+/// sender expects are never refused for it.
+#[test]
+fn unclaimed_grants_are_bounded_per_peer_and_in_all() {
+    let lim = SessionLimits { max_unclaimed: 6, max_unclaimed_per_peer: 4, ..limits() };
+    let mut s = SessionTable::new(lim, 1);
+    let now = Duration::ZERO;
+    let grant = |id: u64| {
+        let g = Grant { ranges: vec![(BASE, 64)], expected: 64, deadline: Duration::from_secs(60) };
+        Message { epoch: 2, id, body: Body::Grant(g) }.encode()
+    };
+    let held = |s: &SessionTable, peer: &str, id: u64| {
+        s.state(&SessionKey::new(peer, id, Role::Sender)) == Some(SessionState::Granted)
+    };
+    let refused = |s: &mut SessionTable| -> Vec<(String, u64, String)> {
+        s.drain_outgoing()
+            .into_iter()
+            .filter_map(|(to, bytes)| match transport_core::session::wire::decode(&bytes)?.body {
+                Body::Refuse(v) => Some((to, transport_core::session::wire::decode(&bytes)?.id, v.reason)),
+                _ => None,
+            })
+            .collect()
+    };
+    for id in 0..6 {
+        s.on_message("a", &grant(id), now);
+    }
+    assert!((0..4).all(|id| held(&s, "a", id)), "the first four of peer a are held");
+    let r = refused(&mut s);
+    assert_eq!(r.iter().map(|(to, id, _)| (to.as_str(), *id)).collect::<Vec<_>>(), [("a", 4), ("a", 5)]);
+    assert!(r.iter().all(|(_, _, why)| why.contains("max_unclaimed_per_peer")), "{r:?}");
+    for id in 0..3 {
+        s.on_message("b", &grant(id), now);
+    }
+    assert!(held(&s, "b", 0) && held(&s, "b", 1) && !held(&s, "b", 2), "six in all");
+    let r = refused(&mut s);
+    assert!(r.len() == 1 && r[0].2.contains("max_unclaimed"), "{r:?}");
+    // A grant the sender expects is not held back by the bound.
+    s.expect("c", 9, now).unwrap();
+    s.on_message("c", &grant(9), now);
+    assert!(held(&s, "c", 9));
+    // Claiming one of peer a's makes room for another of its own.
+    s.expect("a", 0, now).unwrap();
+    s.on_message("a", &grant(10), now);
+    assert!(held(&s, "a", 10) && held(&s, "a", 0));
+    assert!(refused(&mut s).is_empty());
+}

@@ -177,6 +177,14 @@ pub struct SessionLimits {
     pub linger: Duration,
     /// Final sessions kept at most (the oldest go first).
     pub max_lingering: usize,
+    /// Grants held that no local sender expects yet (a receiver may grant
+    /// before its sender starts; each takes a place in the table until the
+    /// sender claims it with `expect` or its deadline ends it), in all. A
+    /// grant over this bound is refused (the receiver frees its memory),
+    /// so peers that grant what nobody asked for cannot fill the table.
+    pub max_unclaimed: usize,
+    /// The same, per peer.
+    pub max_unclaimed_per_peer: usize,
 }
 
 impl Default for SessionLimits {
@@ -188,6 +196,8 @@ impl Default for SessionLimits {
             liveness_timeout: Duration::from_secs(5),
             linger: Duration::from_secs(60),
             max_lingering: 16384,
+            max_unclaimed: 1024,
+            max_unclaimed_per_peer: 256,
         }
     }
 }
@@ -249,6 +259,8 @@ struct Session {
     answered: Option<Duration>,
     /// The state or grant changed since the driver last asked.
     dirty: bool,
+    /// Sender: granted before any local `expect` (not claimed yet).
+    unclaimed: bool,
 }
 
 #[derive(Debug)]
@@ -511,8 +523,25 @@ impl SessionTable {
                 answers: 0,
                 answered: None,
                 dirty: true,
+                unclaimed: false,
             },
         );
+    }
+
+    /// Room for one more grant nobody expects from `peer`
+    /// ([`SessionLimits::max_unclaimed`], `max_unclaimed_per_peer`).
+    fn room_for_unclaimed(&self, peer: &str) -> Result<()> {
+        let held: Vec<&SessionKey> =
+            self.sessions.iter().filter(|(_, s)| s.unclaimed && !s.state.is_final()).map(|(k, _)| k).collect();
+        if held.len() >= self.limits.max_unclaimed {
+            return Err(table_full("max_unclaimed").with("max", self.limits.max_unclaimed));
+        }
+        if held.iter().filter(|k| k.peer == peer).count() >= self.limits.max_unclaimed_per_peer {
+            return Err(table_full("max_unclaimed_per_peer")
+                .with("peer", peer)
+                .with("max", self.limits.max_unclaimed_per_peer));
+        }
+        Ok(())
     }
 
     fn send(&mut self, peer: &str, id: u64, body: Body) {
@@ -538,10 +567,11 @@ impl SessionTable {
     pub fn expect(&mut self, peer: &str, id: u64, now: Duration) -> Result<()> {
         self.ran(now);
         let key = SessionKey::new(peer, id, Role::Sender);
-        if let Some(s) = self.sessions.get(&key) {
+        if let Some(s) = self.sessions.get_mut(&key) {
             if s.state.is_final() {
                 return Err(Self::exists_error(&key));
             }
+            s.unclaimed = false; // a grant that came first, claimed now
             return Ok(());
         }
         self.room_for(peer)?;
@@ -809,9 +839,12 @@ impl SessionTable {
                 self.send(from, id, Body::Refuse(v));
             }
             Some(_) => self.ignored += 1, // a duplicate
-            None => match self.room_for(from) {
+            None => match self.room_for_unclaimed(from).and_then(|()| self.room_for(from)) {
                 Ok(()) => {
-                    self.insert(key, SessionState::Granted, Some(g), now);
+                    self.insert(key.clone(), SessionState::Granted, Some(g), now);
+                    if let Some(s) = self.sessions.get_mut(&key) {
+                        s.unclaimed = true;
+                    }
                     if let Some(p) = self.peers.get_mut(from) {
                         p.epoch = Some(epoch);
                     }
