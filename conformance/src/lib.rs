@@ -53,6 +53,18 @@
 //! [`Ctx::node_layered`]), so its counts see every request a wrapper
 //! resends.
 //!
+//! # Device memory
+//!
+//! Every case runs on host memory; the data, deadline, lifecycle, failure,
+//! poll and session cases run again with their guarded memory on fake
+//! devices (`transport_mem::FakeDevice`: the host cannot touch it, every
+//! access is a provider copy), named `device_d2d::`, `device_h2d::` and
+//! `device_d2h::` by where the initiator's and the target's memory lives
+//! ([`MemoryMode`], [`runs`]): the data cases in all three modes, the
+//! others in one each, in turn. A backend without
+//! `capabilities().device_memory` has them skipped, with the reason
+//! (`memory::device_regions` checks that it refuses device memory).
+//!
 //! # The suite can fail
 //!
 //! `tests/broken.rs` runs it against deliberately broken transports and
@@ -67,6 +79,7 @@
 //! | [`broken::RetriesPermanent`] around the mock | `policy::permanent_errors_not_retried` |
 //! | mock with 2 ms latency, `notify_before_landing` | `notify::never_overtakes_data` |
 //! | mock, `drop_failure_notices` | `session::receiver_cancels_mid_transfer`, `session::sender_cancels` |
+//! | mock, `forget_device_memory` (device regions taken for host memory) | `device_d2d::data::write_lands_exact`: the process dies of SIGSEGV on the fake device's memory, so the test runs it in a child |
 //!
 //! # The cases
 //!
@@ -96,6 +109,7 @@
 //! | `memory::overlapping_registration_refused` | 9 | - | same or overlapping registration: AlreadyRegistered; re-register after unregister works |
 //! | `memory::double_unregister` | 9 | - | unregister twice or an unknown id: InvalidHandle |
 //! | `memory::device_regions` | 9 | - | device regions on a fake device whose memory faults on any host access: a backend without `capabilities().device_memory` refuses them at registration (`Unsupported`); otherwise host to device, device to device and device to host writes and reads land byte-exact (read back through the provider), and a failed device copy on either side is a transient error after which the next write works |
+//! | `memory::slow_device_copies_stay_quiet` | 5 | - | device copies slowed to 30 ms, on the target's side and on the initiator's: a deadline (45 ms) or a cancel (after 40 ms) that lands while they run ends the batch, and from its terminal report on no byte of the target's device memory changes (no copy still running into it) |
 //! | `memory::write_to_unregistered_remote_fails` | 9 | - | write into a peer region unregistered before: fails, memory untouched |
 //! | `memory::unregister_local_in_flight` | 9 | Stall | unregister a source in flight: request ends Unregistered, memory quiet after |
 //! | `memory::unregister_remote_in_flight` | 9 | Stall | peer unregisters the target in flight: its memory is quiet once the call returns |

@@ -88,7 +88,8 @@ pub enum Outcome {
 const DEVICE_GROUPS: &[&str] = &["data", "deadline", "lifecycle", "failure", "poll", "session"];
 
 /// Every `(case, memory mode)` the suite runs, in order: each case on host
-/// memory, then the device runs of [`DEVICE_GROUPS`].
+/// memory, then the device runs of the data, deadline, lifecycle, failure,
+/// poll and session groups.
 pub fn runs() -> Vec<(Case, MemoryMode)> {
     let mut out: Vec<(Case, MemoryMode)> = cases().iter().map(|c| (*c, MemoryMode::Host)).collect();
     let mut turn = 0usize;
