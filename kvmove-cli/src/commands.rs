@@ -241,9 +241,8 @@ async fn connect(
                 e
             }
         }),
-        None => kvmove::open(engine, target).await.map_err(|e| {
-            Error::new(e.kind(), format!("cannot reach the target at {target}: {}", e.message())).with("target", target)
-        }),
+        // Its error names the address and keeps how many tries it took.
+        None => kvmove::open(engine, target).await,
     }
 }
 

@@ -670,3 +670,59 @@ fn bench_prints_a_stage_breakdown_unless_metrics_are_off() {
     let both = run(&args(&["--no-metrics", "--metrics", "127.0.0.1:1"]));
     assert_one_line_error(&both, "exclude each other");
 }
+
+/// Issue 27, item 2: a target at its connection limit answers Busy, and
+/// the initiator waits for a slot (the policy's retry, here up to 40 tries
+/// 50-100 ms apart) instead of ending the run. The target serves one
+/// connection; a first initiator holds it for a couple of seconds while a
+/// second one starts: both verify every byte, and the target refused
+/// someone on the way.
+#[test]
+fn initiator_waits_for_a_busy_target_and_gets_through() {
+    let dir = std::env::temp_dir().join(format!("kvmove-cli-busy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tcfg = dir.join("target.toml");
+    std::fs::write(&tcfg, "[backend.tcp]\nmax_connections = 1\n").unwrap();
+    let icfg = dir.join("initiator.toml");
+    std::fs::write(
+        &icfg,
+        "[backend.tcp]\nlanes = 1\n[policy.retry]\nmax_attempts = 40\ninitial_backoff_ms = 50\nmax_backoff_ms = 100\n\
+         [policy.deadline]\nbase_ms = 30000\n",
+    )
+    .unwrap();
+    let log = dir.join("target.err");
+    let stderr = Stdio::from(std::fs::File::create(&log).unwrap());
+    let (mut target, segment, _) = start_target_with(&["--config", tcfg.to_str().unwrap()], stderr);
+    let ic = icfg.to_str().unwrap();
+    // The first initiator: ten passes with 20 ms of compute per layer.
+    let mut holder = Command::new(BIN)
+        .args(["initiator", "--target", &segment, "--config", ic, "--json"])
+        .args(["--tokens", "64", "--layers", "4", "--iterations", "10", "--warmup", "0", "--compute-delay-ms", "20"])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map(Guard)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let v = json(&run(&args(&["initiator", "--target", &segment, "--config", ic, "--json"])));
+    assert_eq!(v["ok"], true, "{v}");
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(s) = holder.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the first initiator did not finish");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    holder.0.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    assert!(status.success(), "the first initiator failed: {out}");
+    let first: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(first["ok"], true, "{first}");
+    stop(&mut target);
+    let refusals = std::fs::read_to_string(&log).unwrap().matches("refusing connection").count();
+    assert!(refusals > 0, "the target never answered Busy: the test did not test the retry");
+    let _ = std::fs::remove_dir_all(&dir);
+}
