@@ -325,8 +325,13 @@ async fn probes_give_back_what_they_open() {
         let (a, b) = (Arc::new(node(test_config()).await), node(test_config()).await);
         let mem = Buffer::new(4096).unwrap();
         b.register(mem.region(), Access::REMOTE_RW).unwrap();
-        // A port nothing listens on (bound, then closed).
-        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        // A port nothing listens on: bound and held without listening for
+        // the whole test (connections to it are refused), so no transport
+        // of a test running beside this one can be given it (a port bound
+        // and closed again was, once: the probe of "nothing" then worked).
+        let reserved = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        reserved.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+        let dead = reserved.local_addr().unwrap().as_socket().unwrap().to_string();
         let engine = transport_core::Engine::new(a.clone(), transport_core::PolicyConfig::default()).unwrap();
         let before = a.stats();
         for _ in 0..50 {
