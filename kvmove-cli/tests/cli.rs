@@ -311,9 +311,10 @@ fn sessions_with_reads_is_a_one_line_config_error() {
 
 #[test]
 fn initiator_to_a_dead_peer_is_one_line() {
-    // Bind and drop a listener: nothing listens on that port any more.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr = format!("127.0.0.1:{port}");
+    // Port 1: privileged (nothing here listens on it) and never handed out
+    // as an ephemeral port, so no target of a test running beside this one
+    // can be on it (a port bound and dropped again could be given to one).
+    let addr = "127.0.0.1:1".to_string();
     let r = run(&args(&["initiator", "--target", &addr]));
     assert_one_line_error(&r, &addr);
     assert_eq!(r.code, Some(1));

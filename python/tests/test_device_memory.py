@@ -8,6 +8,7 @@ by reading the device memory back through the device."""
 import ctypes
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -56,7 +57,10 @@ def test_the_fake_device_faults_on_host_access():
         "d = FakeDevice(0, 4096)\n"
         "ctypes.string_at(d.alloc(4096), 1)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    # From the tests' directory: `-c` puts the working directory first on
+    # sys.path, and from python/ that is the source package, not the wheel.
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, cwd=here)
     assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stderr[-2000:])
 
 
