@@ -52,8 +52,28 @@ class Peer:
         return line.strip()
 
     def pause(self) -> None:
-        """Stops the peer process (SIGSTOP): it neither runs nor reads."""
+        """Stops the peer process (SIGSTOP): it neither runs nor reads.
+        Returns once every thread of it is stopped: the signal takes effect
+        only as each thread is next scheduled, and a thread already running
+        could still answer a request sent right after the kill (seen: a
+        READ "from a frozen peer" completed)."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not self._all_stopped():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peer {self.proc.pid} did not stop within 10 s of SIGSTOP")
+            time.sleep(0.001)
+
+    def _all_stopped(self) -> bool:
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        for t in tasks.iterdir():
+            try:
+                state = next(l for l in (t / "status").read_text().splitlines() if l.startswith("State:"))
+            except (OSError, StopIteration):
+                continue  # a thread that just ended
+            if "(stopped)" not in state and "(tracing stop)" not in state:
+                return False
+        return True
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

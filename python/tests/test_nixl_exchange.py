@@ -4,6 +4,8 @@ byte checked, notifications checked against the data when they arrive, a
 peer killed and restarted, bad descriptors."""
 
 import json
+import os
+import subprocess
 import time
 import uuid
 
@@ -253,8 +255,18 @@ def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
         slow = {k: round(v, 3) for k, v in took.items() if v > AT_ONCE}
         assert not slow, f"calls blocked on the frozen peer (seconds): {slow}"
         time.sleep(0.3)
-        state = [l for l in open(f"/proc/{prefill.proc.pid}/status") if l.startswith("State:")]
-        assert decode.check_xfer_state(h) == "PROC", f"the READ finished while its source was frozen ({state})"
+        st = decode.check_xfer_state(h)
+        if st != "PROC":
+            state = [l for l in open(f"/proc/{prefill.proc.pid}/status") if l.startswith("State:")]
+            port = prefill.session_id.rsplit(":", 1)[1]
+            ss = subprocess.run(["ss", "-tanp"], capture_output=True, text=True).stdout
+            mine = [l for l in ss.splitlines() if f":{port} " in l]
+            r, session = h._session
+            raise AssertionError(
+                f"the READ finished while its source was frozen ({state}); peer {prefill.session_id} pid "
+                f"{prefill.proc.pid}, remote {r.session_id if r else None}, this engine {decode._engine.session_id}, "
+                f"pytest pid {os.getpid()}; sockets on the port: {mine}"
+            )
     finally:
         prefill.resume()
     assert wait_state(decode, h) == "DONE"
