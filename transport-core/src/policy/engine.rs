@@ -517,7 +517,7 @@ impl Engine {
                 let mut rng = self.inner.rng.lock();
                 backoff(&self.inner.cfg.retry, attempt, &mut *rng)
             };
-            if self.inner.clock.now().saturating_sub(started) + pause > budget {
+            if self.inner.clock.now().saturating_sub(started).saturating_add(pause) > budget {
                 break result;
             }
             self.inner.clock.sleep(pause).await;
