@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use transport_core::{Error, ErrorKind, FakeDevice, MemoryKind, MemoryRegion, Result};
+use transport_core::{Error, ErrorKind, FakeDevice, MemoryRegion, Result};
 use transport_mem::providers;
 
 use crate::errors::to_pyerr;
@@ -101,11 +101,6 @@ pub(crate) unsafe fn region_at(addr: u64, len: u64, want: Want) -> Result<Memory
     unsafe { MemoryRegion::from_raw(addr, size) }.map_err(|e| at(e.into()))
 }
 
-/// `"host"` or `"device:N"`, for Python.
-pub(crate) fn kind_name(kind: MemoryKind) -> String {
-    kind.to_string()
-}
-
 /// A device whose memory this process cannot touch (`kvmove.FakeDevice`):
 /// its addresses fault on any host access, and only its provider copies in
 /// and out. Made for tests on machines without a GPU: registered memory
@@ -123,6 +118,7 @@ impl PyFakeDevice {
         self.dev.clone()
     }
 
+    /// Checked before a buffer of `len` bytes is allocated for the copy.
     fn range(&self, py: Python<'_>, addr: u64, len: usize) -> PyResult<()> {
         use transport_core::DeviceMemory;
         if self.dev.device_of(addr, len as u64).is_none() {

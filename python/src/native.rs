@@ -14,7 +14,7 @@ use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, 
 
 use crate::backend::{engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};
-use crate::devmem::{self, Want};
+use crate::devmem::Want;
 use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, grant_tuple, timeout_arg, GrantTuple, NativeHandoff};
 use crate::nixl::NixlXfer;
@@ -123,7 +123,7 @@ impl NativeEngine {
     /// The kind of the registered memory holding `addr`: `"host"` or
     /// `"device:N"`.
     fn memory_kind(&self, py: Python<'_>, addr: u64) -> PyResult<String> {
-        py_result(py, self.core.memory_kind(addr)).map(devmem::kind_name)
+        py_result(py, self.core.memory_kind(addr)).map(|k| k.to_string())
     }
 
     /// Registers raw memory: host memory this process can read, or device
@@ -142,7 +142,7 @@ impl NativeEngine {
             // `kvmove.Engine.register_address`.
             unsafe { core.register(addr, length, None, want) }
         });
-        py_result(py, r).map(devmem::kind_name)
+        py_result(py, r).map(|k| k.to_string())
     }
 
     /// Registers a writable, C-contiguous Python buffer (bytearray,

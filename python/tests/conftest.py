@@ -114,6 +114,17 @@ def spawn_peer():
         p.stop()
 
 
+@pytest.fixture
+def mooncake():
+    """A Mooncake-API engine over TCP on loopback, closed after the test."""
+    from kvmove.mooncake import TransferEngine
+
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, e.last_error()
+    yield e
+    e.close()
+
+
 def finish_with_decode_stopped(prefill, decode, sid: int, src, nbytes: int, stopped_s: float, gives_up: bool = False):
     """A session from ``prefill`` to a ``sessionpeer.py`` ``decode``:
     granted ``nbytes`` at the decode's buffer start, written from ``src``

@@ -19,7 +19,6 @@ import pytest
 
 import kvmove
 from kvmove.devices import FakeDevice, device_providers, memory_of
-from kvmove.mooncake import TransferEngine
 from kvmove.nixl import nixl_agent, nixl_agent_config, nixlInvalidParamError, nixlNotSupportedError
 
 from devpeer import DEVICE as PEER_DEVICE
@@ -38,14 +37,6 @@ def device():
     d = FakeDevice(0, 4 * NBYTES)
     yield d
     d.close()
-
-
-@pytest.fixture
-def mooncake():
-    e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, e.last_error()
-    yield e
-    e.close()
 
 
 def test_the_fake_device_faults_on_host_access():

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import kvmove
-from kvmove.mooncake import TransferEngine
 from kvmove.nixl import nixl_agent, nixlNotSupportedError
 
 PAGE = mmap.PAGESIZE
@@ -45,14 +44,6 @@ class Pages:
 
     def close(self):
         _libc.munmap(self.addr, self.len)
-
-
-@pytest.fixture
-def mooncake():
-    e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, e.last_error()
-    yield e
-    e.close()
 
 
 def registered(e) -> int:

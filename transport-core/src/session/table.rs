@@ -486,15 +486,26 @@ impl SessionTable {
     }
 
     fn room_for(&self, peer: &str) -> Result<()> {
+        let l = &self.limits;
+        self.room(peer, |_| true, ("max_sessions", l.max_sessions), ("max_sessions_per_peer", l.max_sessions_per_peer))
+    }
+
+    /// Room for one more open session counted by `counted`: under `all`
+    /// in all and `per_peer` with `peer` (each a limit's name and value).
+    fn room(
+        &self,
+        peer: &str,
+        counted: impl Fn(&Session) -> bool,
+        all: (&str, usize),
+        per_peer: (&str, usize),
+    ) -> Result<()> {
         let open: Vec<&SessionKey> =
-            self.sessions.iter().filter(|(_, s)| !s.state.is_final()).map(|(k, _)| k).collect();
-        if open.len() >= self.limits.max_sessions {
-            return Err(table_full("max_sessions").with("max", self.limits.max_sessions));
+            self.sessions.iter().filter(|(_, s)| !s.state.is_final() && counted(s)).map(|(k, _)| k).collect();
+        if open.len() >= all.1 {
+            return Err(table_full(all.0).with("max", all.1));
         }
-        if open.iter().filter(|k| k.peer == peer).count() >= self.limits.max_sessions_per_peer {
-            return Err(table_full("max_sessions_per_peer")
-                .with("peer", peer)
-                .with("max", self.limits.max_sessions_per_peer));
+        if open.iter().filter(|k| k.peer == peer).count() >= per_peer.1 {
+            return Err(table_full(per_peer.0).with("peer", peer).with("max", per_peer.1));
         }
         Ok(())
     }
@@ -531,17 +542,10 @@ impl SessionTable {
     /// Room for one more grant nobody expects from `peer`
     /// ([`SessionLimits::max_unclaimed`], `max_unclaimed_per_peer`).
     fn room_for_unclaimed(&self, peer: &str) -> Result<()> {
-        let held: Vec<&SessionKey> =
-            self.sessions.iter().filter(|(_, s)| s.unclaimed && !s.state.is_final()).map(|(k, _)| k).collect();
-        if held.len() >= self.limits.max_unclaimed {
-            return Err(table_full("max_unclaimed").with("max", self.limits.max_unclaimed));
-        }
-        if held.iter().filter(|k| k.peer == peer).count() >= self.limits.max_unclaimed_per_peer {
-            return Err(table_full("max_unclaimed_per_peer")
-                .with("peer", peer)
-                .with("max", self.limits.max_unclaimed_per_peer));
-        }
-        Ok(())
+        let l = &self.limits;
+        let (all, per_peer) =
+            (("max_unclaimed", l.max_unclaimed), ("max_unclaimed_per_peer", l.max_unclaimed_per_peer));
+        self.room(peer, |s| s.unclaimed, all, per_peer)
     }
 
     fn send(&mut self, peer: &str, id: u64, body: Body) {
