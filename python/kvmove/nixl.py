@@ -542,8 +542,6 @@ def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np
 
 _BACKENDS = ("UCX", "KVMOVE", "TCP", "RDMA")
 
-# Tries to open a session to a remote agent when each failure is transient.
-_CONNECT_ATTEMPTS = 3
 
 
 class nixl_agent:
@@ -836,20 +834,12 @@ class nixl_agent:
                 return r.session
             eng = self._need_engine()
         # Connect without the lock: an unreachable peer must not stall the
-        # agent's other threads. Only the courier of `r` gets here, off the
-        # caller's thread, so a transient failure (a reset under load) is
-        # retried a few times.
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                s = eng.connect(r.session_id)
-                break
-            except TransferError as e:
-                if not getattr(e, "is_transient", False) or attempt >= _CONNECT_ATTEMPTS:
-                    raise _from_kvmove(e, f"connecting to agent {r.name!r} at {r.session_id}") from e
-                logger.info("connecting to agent %r failed (attempt %d), retrying: %s", r.name, attempt, e)
-                time.sleep(0.05 * attempt)
+        # agent's other threads. (A peer that refuses at once, busy at its
+        # limit, is retried by the engine's policy: rule 8, once.)
+        try:
+            s = eng.connect(r.session_id)
+        except TransferError as e:
+            raise _from_kvmove(e, f"connecting to agent {r.name!r} at {r.session_id}") from e
         with self._lock:
             if r.session is None:
                 r.session, s = s, None
