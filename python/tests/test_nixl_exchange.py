@@ -277,3 +277,25 @@ def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
     heartbeats = [m for _, m in got if m.startswith("hb:")]
     assert heartbeats == ["hb:1", "hb:2"], got  # in the order sent
     decode.release_xfer_handle(h)
+
+
+def test_work_waiting_for_a_frozen_peer_is_bounded(spawn_peer, agents, monkeypatch):
+    """Nothing queues without bound (rule 8): at most ``_Courier.LIMIT``
+    operations wait for a peer that does not answer; one more raises at
+    once, and once the peer runs again what waited is delivered in order."""
+    from kvmove import nixl as nixl_mod
+
+    monkeypatch.setattr(nixl_mod._Courier, "LIMIT", 8)
+    prefill = nixl_peer(spawn_peer)
+    decode = agents(str(uuid.uuid4()))
+    name = decode.add_remote_agent(bytes.fromhex(prefill.info["metadata"]))
+    prefill.pause()
+    try:
+        for i in range(8):
+            decode.send_notif(name, f"n:{i}".encode())
+        with pytest.raises(nixlError, match="already wait"):
+            decode.send_notif(name, b"one too many")
+    finally:
+        prefill.resume()
+    got = json.loads(prefill.ask("notifs 8 20"))
+    assert [m for _, m in got] == [f"n:{i}" for i in range(8)], got
