@@ -16,7 +16,7 @@ use std::fmt;
 
 use cudarc::driver::{result, sys};
 
-use crate::device::DeviceMemory;
+use crate::device::{DeviceMemory, DmaBuf};
 use crate::region::MemError;
 
 /// Every CUDA device of this process, through their primary contexts.
@@ -162,6 +162,43 @@ impl DeviceMemory for CudaDevices {
         // SAFETY: both ranges are device memory of registered regions
         // (unified addressing: any context copies between devices).
         unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| failed(d, "cuMemcpyDtoD", format_args!("{e:?}")))
+    }
+
+    /// `cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`
+    /// over the host pages holding the range (CUDA 11.7+, a driver and
+    /// kernel with dma-buf support); `None` where the driver answers that
+    /// it is not supported.
+    fn export_dmabuf(&self, addr: u64, len: u64) -> Result<Option<DmaBuf>, MemError> {
+        let d = Self::attribute(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0);
+        self.enter(d)?;
+        let pg = 4096u64;
+        let start = addr / pg * pg;
+        let end = addr.checked_add(len).and_then(|e| e.checked_add(pg - 1)).ok_or(MemError::BadRange { addr, len })?
+            / pg
+            * pg;
+        let size = usize::try_from(end - start).map_err(|_| MemError::BadRange { addr, len })?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: the driver writes one file descriptor into `fd`; the
+        // range is device memory of a registered region (kept allocated by
+        // its owner, the region's contract) and is only looked up.
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
+                start,
+                size,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        if r == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED || r == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+            return Ok(None);
+        }
+        if r != sys::CUresult::CUDA_SUCCESS || fd < 0 {
+            return Err(failed(d, "cuMemGetHandleForAddressRange", format_args!("{r:?}")));
+        }
+        // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Some(DmaBuf { fd, offset: addr - start }))
     }
 }
 

@@ -76,6 +76,27 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         self.copy_to_host(src, &mut bounce)?;
         self.copy_from_host(&bounce, dst)
     }
+
+    /// A dma-buf exporting `addr .. addr + len`, for a NIC to reach the
+    /// memory directly (GPUDirect RDMA through `ibv_reg_dmabuf_mr`), or
+    /// `Ok(None)` where the provider, driver or device cannot export it.
+    /// The default exports nothing.
+    fn export_dmabuf(&self, addr: u64, len: u64) -> Result<Option<DmaBuf>, MemError> {
+        let _ = (addr, len);
+        Ok(None)
+    }
+}
+
+/// A dma-buf file descriptor that exports a range of device memory:
+/// the range starts `offset` bytes into the buffer. Closing the
+/// descriptor (dropping this) is allowed once an importer holds the
+/// buffer (an RDMA registration keeps its own reference).
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf.
+    pub fd: OwnedFd,
+    /// Where the exported range starts inside the buffer.
+    pub offset: u64,
 }
 
 /// Device memory for tests: a `memfd` mapped twice, `PROT_NONE` at the

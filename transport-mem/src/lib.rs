@@ -36,6 +36,6 @@ mod region;
 pub use buffer::Buffer;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaAlloc, CudaDevices};
-pub use device::{DeviceMemory, FakeDevice, MemoryKind};
+pub use device::{DeviceMemory, DmaBuf, FakeDevice, MemoryKind};
 pub use pages::PageBuf;
 pub use region::{MemError, MemoryRegion};

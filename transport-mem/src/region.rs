@@ -127,6 +127,15 @@ impl MemoryRegion {
         self.device.as_ref().map(|(_, p)| p)
     }
 
+    /// A dma-buf exporting this device region ([`DeviceMemory::export_dmabuf`]);
+    /// `Ok(None)` for host memory or where the provider cannot export it.
+    pub fn export_dmabuf(&self) -> Result<Option<crate::DmaBuf>, MemError> {
+        match &self.device {
+            Some((_, p)) => p.export_dmabuf(self.addr, self.len as u64),
+            None => Ok(None),
+        }
+    }
+
     /// The part `offset .. offset + len` of this region, keeping the same
     /// owner alive: the safe way to register or address a sub-range (guard
     /// bytes around a region, overlapping registrations in tests).
@@ -211,6 +220,24 @@ impl MemoryRegion {
             (None, None) => {}
             (Some((_, a)), Some((_, b))) if Arc::ptr_eq(a, b) => {
                 return a.copy_on_device(self.addr + dst_offset as u64, src.addr + src_offset as u64, len);
+            }
+            // One copy by the provider straight between host memory and
+            // the device (how a staging buffer is filled and drained).
+            (Some((_, p)), None) => {
+                // SAFETY: `src .. + len` was bounds-checked against a live
+                // host region (its constructor's guarantee); the slice
+                // lives only for the provider's synchronous copy, and a
+                // device range never aliases host memory.
+                let from = unsafe { std::slice::from_raw_parts((src.addr as usize + src_offset) as *const u8, len) };
+                return p.copy_from_host(from, self.addr + dst_offset as u64);
+            }
+            (None, Some((_, p))) => {
+                // SAFETY: as above, for the host destination: checked,
+                // live, and written only by this synchronous copy (the
+                // engine does not hand one range to two transfers at once;
+                // concurrent writers give unspecified bytes, as with DMA).
+                let to = unsafe { std::slice::from_raw_parts_mut((self.addr as usize + dst_offset) as *mut u8, len) };
+                return p.copy_to_host(src.addr + src_offset as u64, to);
             }
             _ => {
                 // Device memory on one side (or two providers): through the
