@@ -70,11 +70,13 @@ impl MemoryMode {
         self != MemoryMode::Host
     }
 
-    fn local_on_device(self) -> bool {
+    /// Whether the initiator's memory is on a device.
+    pub fn local_on_device(self) -> bool {
         matches!(self, MemoryMode::DeviceToDevice | MemoryMode::DeviceToHost)
     }
 
-    fn remote_on_device(self) -> bool {
+    /// Whether the target's memory (what peers reach) is on a device.
+    pub fn remote_on_device(self) -> bool {
         matches!(self, MemoryMode::DeviceToDevice | MemoryMode::HostToDevice)
     }
 }
@@ -115,10 +117,18 @@ impl Ctx {
     /// device memory (it must refuse it at registration instead, which
     /// `memory::device_regions` checks).
     fn check_device_memory(&self, node: &Node) -> CaseResult {
-        if self.inner.memory.is_device() && !node.transport.capabilities().device_memory {
+        let caps = node.transport.capabilities();
+        if self.inner.memory.is_device() && !caps.device_memory {
             return Err(CaseError::Skip(format!(
                 "{} moves no device memory (capabilities().device_memory is false): memory::device_regions checks \
                  that it refuses it",
+                node.transport.backend()
+            )));
+        }
+        if self.inner.memory.remote_on_device() && !caps.device_memory_remote {
+            return Err(CaseError::Skip(format!(
+                "{} lets no peer reach its device memory (capabilities().device_memory_remote is false): \
+                 memory::device_regions checks that it refuses it with remote access",
                 node.transport.backend()
             )));
         }

@@ -63,7 +63,9 @@
 //! ([`MemoryMode`], [`runs`]): the data cases in all three modes, the
 //! others in one each, in turn. A backend without
 //! `capabilities().device_memory` has them skipped, with the reason
-//! (`memory::device_regions` checks that it refuses device memory).
+//! (`memory::device_regions` checks that it refuses device memory); one
+//! without `device_memory_remote` has the modes with the target's memory on
+//! a device skipped (d2d, h2d) and runs the d2h ones.
 //!
 //! # The suite can fail
 //!
@@ -108,8 +110,8 @@
 //! | `memory::local_only_region_unreachable` | 9 | - | a peer's local-only region cannot be reached |
 //! | `memory::overlapping_registration_refused` | 9 | - | same or overlapping registration: AlreadyRegistered; re-register after unregister works |
 //! | `memory::double_unregister` | 9 | - | unregister twice or an unknown id: InvalidHandle |
-//! | `memory::device_regions` | 9 | - | device regions on a fake device whose memory faults on any host access: a backend without `capabilities().device_memory` refuses them at registration (`Unsupported`); otherwise host to device, device to device and device to host writes and reads land byte-exact (read back through the provider), and a failed device copy on either side is a transient error after which the next write works |
-//! | `memory::slow_device_copies_stay_quiet` | 5 | - | device copies slowed to 30 ms, on the target's side and on the initiator's: a deadline (45 ms) or a cancel (after 40 ms) that lands while they run ends the batch, and from its terminal report on no byte of the target's device memory changes (no copy still running into it) |
+//! | `memory::device_regions` | 9 | - | device regions on a fake device whose memory faults on any host access: a backend without `capabilities().device_memory` refuses them at registration (`Unsupported`), one without `device_memory_remote` refuses them with remote access and is checked device to host only (writes, reads, a failed initiator copy); otherwise host to device, device to device and device to host writes and reads land byte-exact (read back through the provider), and a failed device copy on either side is a transient error after which the next write works |
+//! | `memory::slow_device_copies_stay_quiet` | 5 | - | device copies slowed to 30 ms, on the target's side (where peers may reach device memory) and on the initiator's: a deadline (45 ms) or a cancel (after 40 ms) that lands while they run ends the batch, and from its terminal report on no byte of the target's device memory changes (no copy still running into it) |
 //! | `memory::write_to_unregistered_remote_fails` | 9 | - | write into a peer region unregistered before: fails, memory untouched |
 //! | `memory::unregister_local_in_flight` | 9 | Stall | unregister a source in flight: request ends Unregistered, memory quiet after |
 //! | `memory::unregister_remote_in_flight` | 9 | Stall | peer unregisters the target in flight: its memory is quiet once the call returns |

@@ -35,6 +35,8 @@ pub struct Support {
     pub inbox_capacity: bool,
     /// The backend moves device memory (`capabilities().device_memory`).
     pub device_memory: bool,
+    /// Peers may reach its device memory (`capabilities().device_memory_remote`).
+    pub device_memory_remote: bool,
 }
 
 impl Support {
@@ -59,6 +61,7 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
     let node = harness.node(&opts).await.ok()?;
     let read = node.transport.capabilities().read;
     let device_memory = node.transport.capabilities().device_memory;
+    let device_memory_remote = node.transport.capabilities().device_memory_remote;
     let stall = matches!(harness.stall(&node, false).await, Ok(true));
     let cut = matches!(harness.cut(&node).await, Ok(true));
     let kill = matches!(harness.kill(&node).await, Ok(true));
@@ -70,7 +73,16 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
         }
         _ => false,
     };
-    Some(Support { read, kill, cut, stall, os_probe: harness.os_probe().is_some(), inbox_capacity, device_memory })
+    Some(Support {
+        read,
+        kill,
+        cut,
+        stall,
+        os_probe: harness.os_probe().is_some(),
+        inbox_capacity,
+        device_memory,
+        device_memory_remote,
+    })
 }
 
 /// The result of a case that did not fail.
@@ -356,8 +368,11 @@ where
         .map(|(case, memory)| {
             let make = make.clone();
             let name = format!("{backend}::{}", run_id(&case, memory));
-            let unmet = support
-                .is_some_and(|s| case.needs.iter().any(|n| !s.has(*n)) || (memory.is_device() && !s.device_memory));
+            let unmet = support.is_some_and(|s| {
+                case.needs.iter().any(|n| !s.has(*n))
+                    || (memory.is_device() && !s.device_memory)
+                    || (memory.remote_on_device() && !s.device_memory_remote)
+            });
             Trial::ignorable_test(name, move || {
                 let factory = || Some(Arc::new(make()) as Arc<dyn Harness>);
                 match execute(&factory, &case, memory, CASE_TIMEOUT) {

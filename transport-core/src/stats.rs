@@ -24,6 +24,13 @@ pub struct Capabilities {
     /// device region at registration with `Unsupported`, never at the
     /// first transfer.
     pub device_memory: bool,
+    /// Peers may read and write device memory this backend registered with
+    /// remote access. A backend with `device_memory` and without this
+    /// moves device memory only on the initiator's side of a transfer:
+    /// it refuses a device region with remote access at registration
+    /// (`Unsupported`), unless its NIC can reach that region directly
+    /// (RDMA: GPUDirect), which only registration can tell.
+    pub device_memory_remote: bool,
 }
 
 impl Capabilities {
@@ -37,6 +44,7 @@ impl Capabilities {
             max_endpoints,
             lanes_per_endpoint: 1,
             device_memory: false,
+            device_memory_remote: false,
         }
     }
 }
@@ -63,4 +71,8 @@ pub struct ResourceStats {
     pub tasks: usize,
     /// Received notifications waiting in the inbox (rule 11: bounded).
     pub notifications: usize,
+    /// Host memory held to stage device memory (pinned buffers a device
+    /// region's bytes pass through), bounded by the backend's
+    /// configuration; freed when no registered region needs it.
+    pub staging_bytes: u64,
 }

@@ -191,6 +191,8 @@ impl HostShared {
             inflight,
             tasks: self.tasks.count(),
             notifications: self.inbox.len(),
+            // Device memory is copied straight by its provider: no staging.
+            staging_bytes: 0,
         }
     }
 

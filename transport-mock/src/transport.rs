@@ -147,6 +147,7 @@ impl Transport for MockTransport {
         caps.lanes_per_endpoint = c.lanes_per_endpoint;
         // Device regions are read and written through their provider.
         caps.device_memory = true;
+        caps.device_memory_remote = true;
         caps
     }
 

@@ -147,6 +147,7 @@ impl Transport for TcpTransport {
         c.lanes_per_endpoint = self.inner.cfg.lanes;
         // Device regions are read and written through their provider.
         c.device_memory = true;
+        c.device_memory_remote = true;
         c
     }
 
@@ -318,6 +319,9 @@ impl Transport for TcpTransport {
             inflight: usize::try_from(inflight).unwrap_or(usize::MAX),
             tasks: i.env.tasks.count(),
             notifications: i.inbox.len(),
+            // No staging pool: a device slice is copied by its provider
+            // into or out of the lane's own frame buffer.
+            staging_bytes: 0,
         }
     }
 

@@ -8,7 +8,9 @@ use transport_core::{
     Access, BatchState, ErrorKind, FakeDevice, MemoryRegion, RegionId, RequestStatus, SubmitOptions, TransferRequest,
 };
 
-use crate::ctx::{batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, Ctx};
+use crate::ctx::{
+    batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, Ctx, Pair,
+};
 use crate::ensure;
 use crate::guard::pattern;
 use crate::harness::NodeOptions;
@@ -185,6 +187,9 @@ fn device_region(dev: &Arc<FakeDevice>, len: usize, seed: u64) -> Result<(Memory
 /// device whose memory faults on any host access.
 /// - A backend without `capabilities().device_memory` refuses a device
 ///   region at registration (`Unsupported`, permanent), never later.
+/// - A backend with it but without `capabilities().device_memory_remote`
+///   refuses a device region with remote access (`Unsupported`) and
+///   moves device memory on the initiator's side only.
 /// - Otherwise host to device, device to device and device to host writes
 ///   (and reads, where supported) land byte-exact, read back through the
 ///   provider; a device copy that fails ends its request with a transient
@@ -203,6 +208,11 @@ pub async fn device_regions(cx: Ctx) -> CaseResult {
         return Ok(());
     }
     let (rb, _) = device_region(&db, DEV_LEN, 32)?;
+    if !ta.capabilities().device_memory_remote {
+        let r = tb.register(rb, Access::REMOTE_RW);
+        expect_permanent(r, &[ErrorKind::Unsupported], "registering device memory for peers, without remote")?;
+        return initiator_device_only(&p, &da, la, &la_bytes).await;
+    }
     let la_id = ta.register(la.clone(), Access::LOCAL)?;
     let rb_id = tb.register(rb.clone(), Access::REMOTE_RW)?;
     let seg = crate::ctx::open(&p.a, &p.b.name).await?;
@@ -263,6 +273,44 @@ pub async fn device_regions(cx: Ctx) -> CaseResult {
     Ok(())
 }
 
+/// [`device_regions`] on a backend that moves device memory on the
+/// initiator's side only: device to host writes and reads land
+/// byte-exact, a failed initiator copy is transient, the next write works.
+async fn initiator_device_only(p: &Pair, da: &Arc<FakeDevice>, la: MemoryRegion, la_bytes: &[u8]) -> CaseResult {
+    let ta = p.a.transport.clone();
+    let la_id = ta.register(la.clone(), Access::LOCAL)?;
+    complete(&ta, vec![TransferRequest::write(la_id, 8, p.seg, p.remote.addr(), LEN as u64)]).await?;
+    ensure!(p.remote.snapshot() == la_bytes[8..8 + LEN], "device to host write: the target's host memory differs");
+    if ta.capabilities().read {
+        let (lr, _) = device_region(da, DEV_LEN, 34)?;
+        let lr_id = ta.register(lr.clone(), Access::LOCAL)?;
+        let want = p.remote.snapshot();
+        complete(&ta, vec![TransferRequest::read(lr_id, 4096, p.seg, p.remote.addr(), LEN as u64)]).await?;
+        ensure!(lr.to_vec()[4096..4096 + LEN] == want[..], "device to host read: the local device memory differs");
+        ta.unregister(lr_id).await?;
+    }
+    da.fail_copies(1);
+    let reqs = vec![TransferRequest::write(la_id, 0, p.seg, p.remote.addr(), 4096)];
+    match run_batch(&ta, reqs, SubmitOptions::default()).await? {
+        Err(e) => ensure!(e.is_transient(), "a failed device copy on the initiator's side: {e} must be transient"),
+        Ok(s) if s.state == BatchState::Completed => {
+            ensure!(p.remote.snapshot()[..4096] == la_bytes[..4096], "a write retried past a failed copy differs")
+        }
+        Ok(s) => ensure!(
+            s.first_error().is_some_and(|e| e.is_transient()),
+            "a failed device copy on the initiator's side ended {:?}: {:?} (rule 7: transient)",
+            s.state,
+            s.first_error().map(ToString::to_string)
+        ),
+    }
+    ensure!(da.failures_left() == 0, "the injected copy failure on the initiator's side was never hit");
+    da.fail_copies(0);
+    complete(&ta, vec![TransferRequest::write(la_id, 0, p.seg, p.remote.addr(), LEN as u64)]).await?;
+    ensure!(p.remote.snapshot() == la_bytes[..LEN], "after a failed initiator copy: the next write differs");
+    ta.unregister(la_id).await?;
+    Ok(())
+}
+
 /// How the slow-copy case ends a batch.
 #[derive(Debug, Clone, Copy)]
 enum End {
@@ -285,17 +333,28 @@ pub async fn slow_device_copies_stay_quiet(cx: Ctx) -> CaseResult {
         return Err(CaseError::Skip("the backend moves no device memory (memory::device_regions checks it)".into()));
     }
     let t = a.transport.clone();
+    // Without remote device memory the target's is on the host and only
+    // the initiator's copies are slow.
+    let remote_dev = t.capabilities().device_memory_remote;
     let local = cx.guarded_on_device(PARTS * PART, 71, 0)?;
-    let remote = cx.guarded_on_device(PARTS * PART, 72, 1)?;
+    let remote = if remote_dev {
+        cx.guarded_on_device(PARTS * PART, 72, 1)?
+    } else {
+        crate::guard::Guarded::new(PARTS * PART, 72)?
+    };
     let dev = |g: &crate::guard::Guarded| {
         g.device().cloned().ok_or_else(|| CaseError::Fail("a guarded device region without a device".into()))
     };
-    let (ldev, rdev) = (dev(&local)?, dev(&remote)?);
+    let ldev = dev(&local)?;
+    let mut sides = vec![(ldev, "the initiator's")];
+    if remote_dev {
+        sides.insert(0, (dev(&remote)?, "the target's"));
+    }
     let lid = t.register(local.region(), Access::LOCAL)?;
     b.transport.register(remote.region(), Access::REMOTE_RW)?;
     let seg = crate::ctx::open(&a, &b.name).await?;
     let mut seed = 80;
-    for (slow, side) in [(&rdev, "the target's"), (&ldev, "the initiator's")] {
+    for (slow, side) in &sides {
         for end in [End::Deadline, End::Cancel] {
             seed += 1;
             let reqs = (0..PARTS as u64)

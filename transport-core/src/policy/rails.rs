@@ -320,6 +320,7 @@ impl Inner {
             c.read &= o.read;
             c.write &= o.write;
             c.device_memory &= o.device_memory;
+            c.device_memory_remote &= o.device_memory_remote;
         }
         c
     }
@@ -1043,6 +1044,7 @@ impl Transport for Rails {
             s.inflight += r.inflight;
             s.tasks += r.tasks;
             s.notifications += r.notifications;
+            s.staging_bytes = s.staging_bytes.saturating_add(r.staging_bytes);
         }
         let st = self.inner.state.lock();
         s.segments = st.segments.len();
