@@ -48,6 +48,12 @@ pub struct RdmaConfig {
     pub max_outstanding_per_qp: usize,
     /// Requests are cut into slices of at most this many bytes.
     pub slice_size: u32,
+    /// Pinned host buffers of `slice_size` bytes that slices of staged
+    /// device memory pass through (device memory the NIC cannot reach
+    /// directly: no GPUDirect). Allocated when the first such region is
+    /// registered, freed with the last; `staging_buffers * slice_size`
+    /// is the most host memory staging holds (at most 4 GiB).
+    pub staging_buffers: u32,
     /// Largest request in bytes.
     pub max_request_len: u64,
     /// Largest batch.
@@ -93,6 +99,7 @@ impl Default for RdmaConfig {
             idle_timeout_ms: 60_000,
             max_outstanding_per_qp: 64,
             slice_size: 1 << 20,
+            staging_buffers: 16,
             max_request_len: 1 << 32,
             max_batch_len: 1 << 16,
             handshake_timeout_ms: 5_000,
@@ -131,6 +138,9 @@ impl RdmaConfig {
         }
         if self.slice_size == 0 || self.slice_size > (1 << 30) {
             return bad("slice_size", "must be 1..=1 GiB");
+        }
+        if self.staging_buffers == 0 || u64::from(self.staging_buffers) * u64::from(self.slice_size) > (4 << 30) {
+            return bad("staging_buffers", "must be at least 1, and staging_buffers * slice_size at most 4 GiB");
         }
         if self.max_batch_len == 0 || self.max_request_len == 0 {
             return bad("max_batch_len", "limits must be non-zero");

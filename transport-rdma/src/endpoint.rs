@@ -125,6 +125,8 @@ impl Inner {
             segment: seg,
             qps: group.into_qps().into_iter().map(|qp| QpSlot { qp, outstanding: 0 }).collect(),
             pending: Default::default(),
+            ready: Default::default(),
+            copying: 0,
             next_qp: 0,
             busy: false,
             created,

@@ -12,7 +12,12 @@
 //!
 //! * **Memory**: `register` pins the region with `ibv_reg_mr`; access flags
 //!   follow [`transport_core::Access`] (local write always, remote read /
-//!   write as asked). The rkey travels in the segment descriptor.
+//!   write as asked). The rkey travels in the segment descriptor. Device
+//!   (GPU) memory is registered for GPUDirect where the stack allows it
+//!   (`ibv_reg_dmabuf_mr` on the provider's dma-buf, else `ibv_reg_mr` on
+//!   the device address) and otherwise staged through pinned host buffers
+//!   on the initiator's side only ([`RdmaConfig::staging_buffers`]; the
+//!   private `staging` module says how).
 //! * **Segments**: the name is the peer's side-channel `host:port`; opening
 //!   fetches the descriptor (generation + regions with rkeys) from the peer.
 //! * **Endpoints**: built lazily on the first transfer to a segment handle:
@@ -118,6 +123,7 @@ mod handshake;
 mod notes;
 mod rails;
 mod server;
+mod staging;
 mod state;
 mod submit;
 mod transport;

@@ -68,8 +68,12 @@ pub(crate) struct Verbs {
 
 #[derive(Debug)]
 pub(crate) struct LocalRegion {
-    pub reg: Registration,
+    /// The MR; `None` for device memory staged through host buffers (the
+    /// NIC never reaches it).
+    pub reg: Option<Registration>,
+    pub mem: transport_mem::MemoryRegion,
     pub access: Access,
+    pub path: crate::staging::MemPath,
 }
 
 #[derive(Debug)]
@@ -131,6 +135,12 @@ pub(crate) struct Endpoint {
     // closes the side channel, which makes the peer destroy its half).
     pub qps: Vec<QpSlot>,
     pub pending: VecDeque<Slice>,
+    /// Slices of staged device memory to write, copied into their staging
+    /// buffer (the `u32`) and waiting for room on a QP: posted first.
+    pub ready: VecDeque<(Slice, u32)>,
+    /// Copies between device memory and a staging buffer running for
+    /// slices of this endpoint (a started unit each).
+    pub copying: usize,
     pub next_qp: usize,
     /// Whether it holds a use in the pool because it has work (queued or
     /// posted); given back when it goes idle, so the pool's LRU eviction
@@ -152,7 +162,7 @@ impl Endpoint {
     }
 
     pub(crate) fn idle(&self) -> bool {
-        self.pending.is_empty() && self.outstanding() == 0
+        self.pending.is_empty() && self.ready.is_empty() && self.copying == 0 && self.outstanding() == 0
     }
 }
 
@@ -171,6 +181,8 @@ pub(crate) struct WrRef {
     pub ep: EndpointId,
     pub qp: usize,
     pub slice: Slice,
+    /// The staging buffer it reads or writes, for staged device memory.
+    pub slot: Option<u32>,
 }
 
 /// A request as validated at submit: the spec and the remote key.
@@ -232,6 +244,12 @@ pub(crate) struct Graveyard {
     /// Units posted on the QPs of `endpoints`: settled (the batch may turn
     /// terminal) only after those QPs are destroyed (rule 5).
     pub lost: Vec<Lost>,
+    /// Staging buffers that work posted on the QPs of `endpoints` used:
+    /// free again only after those QPs are destroyed.
+    pub slots: Vec<u32>,
+    /// Copies between device memory and staging buffers to run once the
+    /// lock is released.
+    pub copies: Vec<crate::staging::StageCopy>,
 }
 
 impl Graveyard {
@@ -241,6 +259,8 @@ impl Graveyard {
             && self.passive.is_empty()
             && self.batches.is_empty()
             && self.lost.is_empty()
+            && self.slots.is_empty()
+            && self.copies.is_empty()
     }
 
     /// Counts one unit of `(batch, req)` lost with a destroyed QP.
@@ -302,6 +322,9 @@ pub(crate) struct State {
     /// through a QP not yet destroyed): dropped here, never by a caller's
     /// future, once no QP holds them ([`State::prune_retiring`]).
     pub retiring: Vec<Registration>,
+    /// Pinned host buffers for staged device memory, while any staged
+    /// region is registered.
+    pub staging: Option<crate::staging::Staging>,
     /// The pool's clock starts here.
     pub epoch: Instant,
     next_region: u64,
@@ -332,6 +355,7 @@ impl State {
             passive_building: 0,
             passive_notes: 0,
             retiring: Vec::new(),
+            staging: None,
             epoch,
             next_region: 0,
             next_segment: 0,
@@ -419,11 +443,14 @@ impl State {
                 .regions
                 .values()
                 .filter(|r| r.access.is_remote())
-                .map(|r| RegionInfo {
-                    addr: r.reg.mem().addr(),
-                    len: r.reg.mem().len() as u64,
-                    access: r.access,
-                    key: u64::from(r.reg.rkey()),
+                .filter_map(|r| {
+                    let reg = r.reg.as_ref()?;
+                    Some(RegionInfo {
+                        addr: reg.mem().addr(),
+                        len: reg.mem().len() as u64,
+                        access: r.access,
+                        key: u64::from(reg.rkey()),
+                    })
                 })
                 .collect(),
         }
@@ -441,6 +468,7 @@ impl Drop for State {
         self.passive.clear();
         self.retiring.clear();
         self.regions.clear();
+        self.staging = None;
     }
 }
 
@@ -532,10 +560,17 @@ impl Inner {
     fn bury(&self, mut grave: Graveyard) {
         let dead: Vec<EndpointId> = grave.endpoints.iter().map(|(id, _)| *id).collect();
         let lost = std::mem::take(&mut grave.lost);
+        let slots = std::mem::take(&mut grave.slots);
+        let copies = std::mem::take(&mut grave.copies);
         drop(grave); // ibv_destroy_qp, ibv_dereg_mr: outside the lock
-        if !dead.is_empty() || !lost.is_empty() {
-            let mut st = self.state.lock();
-            st.after_destroy(&dead, &lost);
+        if !dead.is_empty() || !lost.is_empty() || !slots.is_empty() {
+            self.with_state(|st, g| {
+                st.after_destroy(&dead, &lost);
+                st.free_slots(slots, &self.lim, g);
+            });
+        }
+        for c in copies {
+            self.run_copy(c);
         }
     }
 

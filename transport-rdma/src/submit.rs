@@ -134,7 +134,7 @@ impl Inner {
         validate_batch(
             requests,
             self.limits(),
-            |id| st.regions.get(&id).map(|r| ((), r.reg.mem().len() as u64)),
+            |id| st.regions.get(&id).map(|r| ((), r.mem.len() as u64)),
             |s| st.segments.contains_key(&s),
         )?;
         targets.clear();

@@ -21,6 +21,7 @@ use transport_core::{
 use crate::background::{self, Drain};
 use crate::config::RdmaConfig;
 use crate::handshake;
+use crate::staging::{self, MemPath};
 use crate::state::{Inner, Limits, LocalRegion, Segment, State, Verbs};
 use crate::verbs::{CompChannel, Context, Cq, Pd, Registration, POLL_BATCH};
 use crate::wire;
@@ -207,6 +208,10 @@ impl Transport for RdmaTransport {
         c.max_batch_len = self.inner.cfg.max_batch_len;
         c.max_request_len = self.inner.cfg.max_request_len;
         c.lanes_per_endpoint = self.inner.cfg.qps_per_endpoint;
+        // Staged through host buffers on this side; peers reach device
+        // memory only where registration finds GPUDirect (crate::staging).
+        c.device_memory = true;
+        c.device_memory_remote = false;
         c
     }
 
@@ -238,23 +243,28 @@ impl Transport for RdmaTransport {
         if st.shutdown {
             return Err(Error::shut_down());
         }
-        if let Some((id, _)) = st.regions.iter().find(|(_, r)| r.reg.mem().overlaps(&mem)) {
+        if let Some((id, _)) = st.regions.iter().find(|(_, r)| r.mem.overlaps(&mem)) {
             return Err(Error::new(ErrorKind::AlreadyRegistered, format!("memory overlaps {id}")));
         }
-        if mem.kind().is_device() {
-            // Refused here, not at the first transfer (docs/CONTRACT.md,
-            // rule 9, memory kinds).
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "the RDMA backend cannot register device memory yet (neither GPUDirect through dma-buf nor \
-                 staging through host memory is built); register host memory, or use the TCP backend",
-            )
-            .with("kind", mem.kind()));
-        }
         let pd = st.verbs.as_ref().map(|v| v.pd.clone()).ok_or_else(Error::shut_down)?;
-        let reg = Registration::new(&pd, mem, access.remote_read, access.remote_write)?;
+        // Device memory: GPUDirect where the NIC can reach it, else staged
+        // (docs/CONTRACT.md, memory kinds; refused here, never at the
+        // first transfer).
+        let (reg, path) = if mem.kind().is_device() {
+            let (reg, path) = staging::register_device(&pd, &mem, access)?;
+            if path == MemPath::Staged {
+                self.inner.ensure_staging(&mut st, &pd)?;
+            }
+            (reg, path)
+        } else {
+            (Some(Registration::new(&pd, mem.clone(), access.remote_read, access.remote_write)?), MemPath::Host)
+        };
         let id = st.new_region_id();
-        st.regions.insert(id, LocalRegion { reg, access });
+        if path != MemPath::Host {
+            tracing::debug!(region = %id, kind = %mem.kind(), path = path.as_str(), "rdma: device memory registered");
+            staging::count_path(path);
+        }
+        st.regions.insert(id, LocalRegion { reg, mem, access, path });
         Ok(id)
     }
 
@@ -269,7 +279,8 @@ impl Transport for RdmaTransport {
             // Parked in the state, not in this future: the QPs that posted
             // on it hold its MR until they are destroyed, and whoever
             // drops the last of them (or the next prune) lets it go.
-            st.retiring.push(r.reg);
+            st.retiring.extend(r.reg);
+            st.release_staging();
             let ids: Vec<_> = st.endpoints.keys().copied().collect();
             for id in ids {
                 st.drop_if_pinning_retired(id, g);
@@ -416,6 +427,7 @@ impl Transport for RdmaTransport {
             inflight: st.wrs.len(),
             tasks: self.inner.tasks.count(),
             notifications: self.inner.inbox.len(),
+            staging_bytes: st.staging.as_ref().map_or(0, |s| s.bytes()),
         }
     }
 
@@ -484,7 +496,8 @@ impl Transport for RdmaTransport {
             st.segments.clear();
             drop(st.batches.drain()); // aborts their deadline tasks
             st.wrs.clear();
-            g.regions.extend(std::mem::take(&mut st.regions).into_values().map(|r| r.reg));
+            g.regions.extend(std::mem::take(&mut st.regions).into_values().filter_map(|r| r.reg));
+            g.regions.extend(st.staging.take().map(|s| s.reg));
             g.regions.append(&mut st.retiring);
             st.verbs.take()
         }); // QPs are gone already; MRs now

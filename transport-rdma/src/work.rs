@@ -18,6 +18,7 @@ use transport_core::lifecycle::{EndReason, EndpointId, Progress};
 use transport_core::{BatchId, Error, ErrorKind, Opcode};
 
 use crate::error::completion_error;
+use crate::staging::{CopyDir, StageCopy};
 use crate::state::{Batch, Graveyard, Inner, Limits, PeerGroupId, Slice, State, Target, WrId, WrRef};
 use crate::verbs::{Completion, WorkRequest};
 
@@ -27,7 +28,7 @@ const SETTLE_POLL: Duration = Duration::from_millis(1);
 /// every broken endpoint regardless.
 const SETTLE_GRACE: Duration = Duration::from_millis(100);
 
-fn wake(b: &Batch, p: Progress) {
+pub(crate) fn wake(b: &Batch, p: Progress) {
     if p.batch_terminal {
         if let Some(n) = &b.notify {
             n.notify_waiters();
@@ -59,36 +60,105 @@ impl State {
             else {
                 return;
             };
-            let Some(slice) = ep.pending.pop_front() else { return };
+            // Staged writes whose buffer is filled go first: their units
+            // are started and they hold a buffer.
+            let (slice, filled) = match ep.ready.pop_front() {
+                Some((s, slot)) => (s, Some(slot)),
+                None => match ep.pending.pop_front() {
+                    Some(s) => (s, None),
+                    None => return,
+                },
+            };
             let Ok(b) = self.batches.get_mut(slice.batch) else { continue };
             let Some(&Target { spec, rkey }) = b.targets.get(slice.req) else { continue };
+            let read = spec.op == Opcode::Read;
             // A request that is no longer live is neither ended again (the
             // first decision stands) nor started.
             let Some(region) = self.regions.get(&spec.local) else {
-                let p = b.ledger.end(slice.req, EndReason::Failed(Error::region_unregistered(spec.local)));
+                let p = match filled {
+                    Some(_) => b.ledger.unit_done(slice.req, Err(Error::region_unregistered(spec.local))),
+                    None => b.ledger.end(slice.req, EndReason::Failed(Error::region_unregistered(spec.local))),
+                };
                 wake(b, p);
+                if let (Some(slot), Some(st)) = (filled, self.staging.as_mut()) {
+                    st.free.push(slot);
+                }
                 continue;
             };
-            if !b.ledger.start(slice.req) {
-                continue;
-            }
+            // Which registration the NIC uses, at which offset: the
+            // region's own, or a staging buffer.
+            let slot = match (filled, &region.reg) {
+                (Some(slot), _) => Some(slot),
+                (None, Some(_)) => {
+                    if !b.ledger.start(slice.req) {
+                        continue;
+                    }
+                    None
+                }
+                (None, None) => {
+                    let Some(staging) = self.staging.as_mut() else {
+                        let p = b.ledger.end(slice.req, EndReason::Failed(crate::staging::no_staging()));
+                        wake(b, p);
+                        continue;
+                    };
+                    let Some(slot) = staging.free.pop() else {
+                        ep.pending.push_front(slice);
+                        if !staging.waiting.contains(&ep_id) {
+                            staging.waiting.push(ep_id);
+                        }
+                        return;
+                    };
+                    if !b.ledger.start(slice.req) {
+                        staging.free.push(slot);
+                        continue;
+                    }
+                    if !read {
+                        // Fill the buffer first (off the lock); the slice
+                        // comes back through `ready`.
+                        let dir = CopyDir::ToBuffer;
+                        match StageCopy::new(Some(staging), dir, ep_id, slice, slot, &region.mem, spec.local_offset) {
+                            Ok(c) => {
+                                ep.copying += 1;
+                                grave.copies.push(c);
+                            }
+                            Err(e) => {
+                                let p = b.ledger.unit_done(slice.req, Err(e));
+                                wake(b, p);
+                                staging.free.push(slot);
+                            }
+                        }
+                        continue;
+                    }
+                    Some(slot)
+                }
+            };
+            let (local, local_offset) = match (slot, &region.reg, &self.staging) {
+                (Some(slot), _, Some(staging)) => (&staging.reg, staging.offset(slot)),
+                // No overflow: submit checked local_offset + len against
+                // the region.
+                (None, Some(reg), _) => (reg, spec.local_offset + slice.offset),
+                _ => {
+                    let p = b.ledger.unit_done(slice.req, Err(crate::staging::no_staging()));
+                    wake(b, p);
+                    continue;
+                }
+            };
             let wr_id = self.wr_ids.next();
-            // No overflow: submit checked local_offset + len against the
-            // region and remote_addr + len for overflow.
+            // No overflow: submit checked remote_addr + len for overflow.
             let wr = WorkRequest {
                 wr_id: wr_id.0,
-                read: spec.op == Opcode::Read,
-                local_offset: spec.local_offset + slice.offset,
+                read,
+                local_offset,
                 len: slice.len,
                 remote_addr: spec.remote_addr + slice.offset,
                 rkey,
             };
             ep.next_qp = (qi + 1) % n;
             let q = &mut ep.qps[qi];
-            match q.qp.post(&region.reg, &wr) {
+            match q.qp.post(local, &wr) {
                 Ok(()) => {
                     q.outstanding += 1;
-                    self.wrs.insert(wr_id, WrRef { ep: ep_id, qp: qi, slice });
+                    self.wrs.insert(wr_id, WrRef { ep: ep_id, qp: qi, slice, slot });
                 }
                 Err(e) => {
                     let e: Error = e.into();
@@ -99,6 +169,9 @@ impl State {
                     };
                     let p = b.ledger.unit_done(slice.req, Err(e.clone()));
                     wake(b, p);
+                    if let (Some(slot), Some(st)) = (slot, self.staging.as_mut()) {
+                        st.free.push(slot);
+                    }
                     self.break_endpoint(ep_id, e, grave);
                     return;
                 }
@@ -127,13 +200,53 @@ impl State {
                 "a completion came from another queue pair than its work request's",
             ));
         }
-        if let Ok(b) = self.batches.get_mut(w.slice.batch) {
-            let result = match &failed {
-                None => Ok(()),
-                Some(e) => Err(e.clone()),
+        // A staged READ's bytes are in its buffer: the unit ends once
+        // they are copied to the device (if the request still wants them).
+        let drain = w.slot.filter(|_| failed.is_none()).and_then(|slot| {
+            let b = self.batches.get(w.slice.batch).ok()?;
+            let t = b.targets.get(w.slice.req)?;
+            (t.spec.op == Opcode::Read && b.ledger.is_live(w.slice.req)).then_some((slot, t.spec))
+        });
+        if let Some((slot, spec)) = drain {
+            let copy = match self.regions.get(&spec.local) {
+                Some(r) => StageCopy::new(
+                    self.staging.as_ref(),
+                    CopyDir::FromBuffer,
+                    w.ep,
+                    w.slice,
+                    slot,
+                    &r.mem,
+                    spec.local_offset,
+                ),
+                None => Err(Error::region_unregistered(spec.local)),
             };
-            let p = b.ledger.unit_done(w.slice.req, result);
-            wake(b, p);
+            match copy {
+                Ok(c) => {
+                    if let Some(ep) = self.endpoints.get_mut(&w.ep) {
+                        ep.copying += 1;
+                    }
+                    grave.copies.push(c);
+                }
+                Err(e) => {
+                    if let Ok(b) = self.batches.get_mut(w.slice.batch) {
+                        let p = b.ledger.unit_done(w.slice.req, Err(e));
+                        wake(b, p);
+                    }
+                    self.free_slots(vec![slot], lim, grave);
+                }
+            }
+        } else {
+            if let Ok(b) = self.batches.get_mut(w.slice.batch) {
+                let result = match &failed {
+                    None => Ok(()),
+                    Some(e) => Err(e.clone()),
+                };
+                let p = b.ledger.unit_done(w.slice.req, result);
+                wake(b, p);
+            }
+            if let Some(slot) = w.slot {
+                self.free_slots(vec![slot], lim, grave);
+            }
         }
         if let Some(e) = failed {
             // Rule 2: a completion error breaks the QP; the endpoint goes.
@@ -168,6 +281,7 @@ impl State {
             }
             None => {}
         }
+        self.pump_waiting(lim, grave);
     }
 
     /// Destroys endpoint `ep_id` if it is idle and one of its QPs pins a
@@ -207,6 +321,7 @@ impl State {
         } else {
             Error::new(ErrorKind::ConnectionReset, format!("endpoint destroyed: {}", reason.message()))
         };
+        self.drop_ready(ep_id, &reset);
         for s in queued {
             self.end_request(s.batch, s.req, EndReason::Failed(reset.clone()));
         }
@@ -310,17 +425,19 @@ impl State {
     /// still touch its memory exists (rule 5).
     pub(crate) fn destroy_endpoint_now(&mut self, ep_id: EndpointId, grave: &mut Graveyard) {
         self.pool.broken(ep_id);
+        let unposted = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed before the slice was posted");
+        self.drop_ready(ep_id, &unposted);
         let Some(mut ep) = self.endpoints.remove(&ep_id) else { return };
         if ep.outstanding() > 0 {
             self.wrs.retain(|_, w| {
                 let mine = w.ep == ep_id;
                 if mine {
                     grave.lose(w.slice.batch, w.slice.req);
+                    grave.slots.extend(w.slot);
                 }
                 !mine
             });
         }
-        let unposted = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed before the slice was posted");
         for s in ep.pending.drain(..) {
             self.end_request(s.batch, s.req, EndReason::Failed(unposted.clone()));
         }
