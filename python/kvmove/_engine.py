@@ -515,8 +515,11 @@ class Engine:
 
     @property
     def device_memory(self) -> bool:
-        """Whether this engine's backend moves device (GPU) memory (TCP
-        does, through the device's provider; RDMA refuses it today)."""
+        """Whether this engine registers device (GPU) memory (TCP does,
+        through the device's provider). Registered memory is reachable by
+        peers, which RDMA gives device memory only through GPUDirect: there
+        this is ``False`` and a device buffer registers only where the NIC
+        reaches it directly."""
         return self._native.device_memory
 
     def register(self, obj: Any) -> Region:

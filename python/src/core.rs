@@ -184,10 +184,14 @@ impl Core {
         })
     }
 
-    /// Whether the backend moves device memory (capability
-    /// `device_memory`; RDMA refuses it at registration today).
+    /// Whether memory registered here may be device memory. Every region
+    /// the Python APIs register is reachable by peers (`REMOTE_RW`), so
+    /// this needs both capabilities: RDMA stages device memory on the
+    /// initiator's side only and refuses it here unless registration
+    /// finds GPUDirect.
     pub(crate) fn device_memory(&self) -> bool {
-        self.engine.transport().capabilities().device_memory
+        let c = self.engine.transport().capabilities();
+        c.device_memory && c.device_memory_remote
     }
 
     /// The kind of the registered region holding `addr` (`host`,

@@ -147,9 +147,11 @@ def test_rdma_nixl_agents():
 
 
 def test_rdma_refuses_device_memory_at_registration():
-    """The RDMA backend moves host memory only (no GPUDirect or staging
-    yet): device memory (a fake device's) is refused when registered, with
-    a clear error, through each API; host memory still registers."""
+    """Memory registered through the Python APIs is reachable by peers;
+    the RDMA backend gives peers device memory only through GPUDirect, which
+    a fake device (and soft-RoCE) never has: device memory is refused when
+    registered, with a clear error, through each API; host memory still
+    registers."""
     import uuid
 
     from kvmove.devices import FakeDevice
