@@ -699,6 +699,91 @@ fn random_mixed_batches_are_byte_exact() {
     });
 }
 
+/// Device memory the NIC cannot reach (a fake device: soft-RoCE has no
+/// GPUDirect) is staged through `staging_buffers` pinned host buffers on
+/// the initiator's side: a transfer of many more slices than buffers is
+/// byte-exact both ways, the buffers are counted in `staging_bytes` and
+/// freed (MR included) with the last staged region, a device region with
+/// remote access is refused at registration, and a cancel that lands while
+/// slow copies run is quiet from its terminal report on.
+fn staged_device_memory_is_byte_exact_and_bounded() {
+    run("staged_device_memory_is_byte_exact_and_bounded", 120, async {
+        use transport_core::FakeDevice;
+        let server = transport(config()).await;
+        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: 3, ..config() };
+        let client = transport(cfg).await;
+        let base_c = client.stats();
+        let base_mrs = my_counts();
+        const LEN: usize = (2 << 20) + 4321;
+        let dev = Arc::new(FakeDevice::new(0, 8 << 20).unwrap());
+        let dmem = FakeDevice::region(&dev, LEN).unwrap();
+        let want = pattern(LEN, 42);
+        dmem.write_at(0, &want).unwrap();
+        let e = client.register(dmem.clone(), Access::REMOTE_RW).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("GPUDirect"), "the refusal says why: {e}");
+        assert_eq!(client.stats().staging_bytes, 0, "a refused region allocates no staging");
+        let did = client.register(dmem.clone(), Access::LOCAL).unwrap();
+        assert_eq!(client.stats().staging_bytes, 3 * (64 << 10));
+        let remote = Buffer::new(LEN).unwrap();
+        let rid = server.register(remote.region(), Access::REMOTE_RW).unwrap();
+        let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let raddr = remote.addr();
+
+        // Device to host: 33 slices through 3 buffers, two requests.
+        let reqs = vec![
+            TransferRequest::write(did, 0, seg, raddr, (LEN / 2) as u64),
+            TransferRequest::write(did, (LEN / 2) as u64, seg, raddr + (LEN / 2) as u64, (LEN - LEN / 2) as u64),
+        ];
+        let b = client.submit(reqs, SubmitOptions::default()).await.unwrap();
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        client.release(b).unwrap();
+        assert!(remote.to_vec() == want, "staged device-to-host write differs");
+
+        // Host to device: read the remote bytes into a second device region.
+        let back = FakeDevice::region(&dev, LEN).unwrap();
+        let bid = client.register(back.clone(), Access::LOCAL).unwrap();
+        let b = client
+            .submit(vec![TransferRequest::read(bid, 0, seg, raddr, LEN as u64)], SubmitOptions::default())
+            .await
+            .unwrap();
+        let st = wait(&client, b).await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        client.release(b).unwrap();
+        assert!(back.to_vec() == want, "staged read into device memory differs");
+
+        // A cancel while copies are slow: terminal means quiet.
+        dev.delay_copies(Duration::from_millis(20));
+        let b = client
+            .submit(vec![TransferRequest::read(bid, 0, seg, raddr, LEN as u64)], SubmitOptions::default())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let st = client.cancel(b).await.unwrap();
+        assert!(st.is_terminal(), "{:?}", st.state);
+        let copies = dev.copies();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(dev.copies(), copies, "a device copy ran after the cancelled batch was terminal");
+        dev.delay_copies(Duration::ZERO);
+        client.release(b).unwrap();
+
+        client.unregister(did).await.unwrap();
+        assert_eq!(client.stats().staging_bytes, 3 * (64 << 10), "held while a staged region is left");
+        client.unregister(bid).await.unwrap();
+        client.close_segment(seg).await.unwrap();
+        server.unregister(rid).await.unwrap();
+        assert!(eventually(Duration::from_secs(5), || client.stats() == base_c).await, "{:?}", client.stats());
+        assert!(
+            eventually(Duration::from_secs(5), || my_counts() == base_mrs).await,
+            "kernel objects {:?} back to {base_mrs:?} (the staging MR deregistered)",
+            my_counts()
+        );
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
 fn main() {
     // The churn test starts this binary again as its peer.
     if std::env::var_os("KVMOVE_RDMA_PEER_LISTEN").is_some() {
@@ -707,8 +792,9 @@ fn main() {
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 9] = [
+    let tests: [(&str, fn()); 10] = [
         ("write_and_read_are_byte_exact", write_and_read_are_byte_exact),
+        ("staged_device_memory_is_byte_exact_and_bounded", staged_device_memory_is_byte_exact_and_bounded),
         ("bad_input_is_rejected_with_the_right_kind", bad_input_is_rejected_with_the_right_kind),
         ("close_and_shutdown_release_kernel_objects", close_and_shutdown_release_kernel_objects),
         (
