@@ -2,7 +2,8 @@
 //! one device (like perftest's two processes on one device), KV-cache-like
 //! batches of equal pages (two batches in flight for bandwidth).
 //!
-//!   rdma_bench bw  <page-bytes> <seconds>   # prints MiB/s
+//!   rdma_bench bw  <page-bytes> <seconds>   # prints MiB/s (RDMA_BENCH_STAGED=1: the source
+//!                                           # is fake-device memory staged through host buffers)
 //!   rdma_bench lat <page-bytes> <iterations> # prints p50/p99 of one write, submit to completed
 //!   rdma_bench pingpong <bytes> <iterations> # ib_write_lat's method: half a write ping-pong
 //!   rdma_bench notify <bytes> <rounds>      # rule 11: a batch's completion on the sender
@@ -433,9 +434,18 @@ fn main() -> Result<(), BoxErr> {
         let total = (32u64 << 20).max(size * 16);
         let remote = Buffer::new(total as usize)?;
         server.register(remote.region(), Access::REMOTE_RW)?;
-        let local = Buffer::new(total as usize)?;
+        // RDMA_BENCH_STAGED=1: the source is device memory of a fake
+        // device, staged through pinned host buffers (no GPUDirect).
+        let staged = std::env::var_os("RDMA_BENCH_STAGED").is_some_and(|v| v == "1");
+        let local = if staged {
+            let dev = Arc::new(transport_core::FakeDevice::new(0, total as usize)?);
+            transport_core::FakeDevice::region(&dev, total as usize)?
+        } else {
+            Buffer::new(total as usize)?.region()
+        };
         local.fill(0x5a);
-        let lid = client.register(local.region(), Access::LOCAL)?;
+        let lid = client.register(local, Access::LOCAL)?;
+        let source = if staged { "staged" } else { "host" };
         let seg = client.open_segment(&server.local_segment_name()).await?;
         let pages = total / size;
         let batch: Vec<TransferRequest> =
@@ -468,7 +478,8 @@ fn main() -> Result<(), BoxErr> {
                     bytes += total;
                 }
                 let secs = start.elapsed().as_secs_f64();
-                println!("ours write_bw size={size} MiB/s={:.2}", bytes as f64 / secs / (1u64 << 20) as f64);
+                let rate = bytes as f64 / secs / (1u64 << 20) as f64;
+                println!("ours write_bw size={size} source={source} MiB/s={rate:.2}");
             }
             "lat" => {
                 let one = vec![TransferRequest::write(lid, 0, seg, remote.addr(), size)];
