@@ -65,6 +65,7 @@ pub(crate) struct Staging {
     /// One registration over all the buffers, `slot_len` bytes each.
     pub reg: Registration,
     pub slot_len: u32,
+    slots: u32,
     pub free: Vec<u32>,
     /// Endpoints that stopped posting for want of a free buffer.
     pub waiting: Vec<EndpointId>,
@@ -76,7 +77,7 @@ impl Staging {
             .map_err(|_| Error::new(ErrorKind::Config, "staging buffers do not fit in memory"))?;
         let buf = Buffer::new(len).map_err(|e| Error::from(e).with("staging_bytes", len))?;
         let reg = Registration::new(pd, buf.region(), false, false)?;
-        Ok(Self { reg, slot_len, free: (0..slots).rev().collect(), waiting: Vec::new() })
+        Ok(Self { reg, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
     }
 
     /// Host memory held.
@@ -165,6 +166,7 @@ impl State {
             s.free.extend(slots);
         }
         self.pump_waiting(lim, grave);
+        self.release_staging();
     }
 
     /// Offers free buffers to the endpoints that ran out of them.
@@ -225,8 +227,8 @@ impl State {
 
     /// Fails the staged writes waiting on endpoint `ep_id` (it broke or
     /// goes): their buffers were never posted, so they are free at once.
-    pub(crate) fn drop_ready(&mut self, ep_id: EndpointId, why: &Error) -> Vec<u32> {
-        let Some(ep) = self.endpoints.get_mut(&ep_id) else { return Vec::new() };
+    pub(crate) fn drop_ready(&mut self, ep_id: EndpointId, why: &Error) {
+        let Some(ep) = self.endpoints.get_mut(&ep_id) else { return };
         let ready: Vec<(Slice, u32)> = ep.ready.drain(..).collect();
         let mut slots = Vec::with_capacity(ready.len());
         for (s, slot) in ready {
@@ -237,9 +239,9 @@ impl State {
             slots.push(slot);
         }
         if let Some(st) = self.staging.as_mut() {
-            st.free.extend(slots.iter().copied());
+            st.free.extend(slots);
         }
-        slots
+        self.release_staging();
     }
 
     /// Whether any registered region is staged.
@@ -247,10 +249,13 @@ impl State {
         self.regions.values().any(|r| r.path == MemPath::Staged)
     }
 
-    /// Frees the staging buffers once no staged region is left (the QPs
-    /// that posted on them keep the registration until they are destroyed).
+    /// Frees the staging buffers once no staged region is left and every
+    /// buffer is back (a copy or work request of an ended request may
+    /// still hold one: its index must never land in a newer pool). The QPs
+    /// that posted on them keep the registration until they are destroyed.
     pub(crate) fn release_staging(&mut self) {
-        if self.any_staged() {
+        let all_back = self.staging.as_ref().is_some_and(|s| s.free.len() as u64 == u64::from(s.slots));
+        if !all_back || self.any_staged() {
             return;
         }
         if let Some(s) = self.staging.take() {

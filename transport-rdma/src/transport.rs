@@ -289,7 +289,10 @@ impl Transport for RdmaTransport {
             Ok(())
         })?;
         self.inner.settle(|st| !st.any_on_wire(|t| t.spec.local == region)).await;
-        self.inner.with_state(|st, g| st.prune_retiring(g)); // ibv_dereg_mr, then the memory may go
+        self.inner.with_state(|st, g| {
+            st.release_staging();
+            st.prune_retiring(g); // ibv_dereg_mr, then the memory may go
+        });
         Ok(())
     }
 
