@@ -127,6 +127,7 @@ impl Inner {
             pending: Default::default(),
             ready: Default::default(),
             copying: 0,
+            drivers: 0,
             next_qp: 0,
             busy: false,
             created,

@@ -34,12 +34,12 @@ const MAX_PIPELINE: usize = 16;
 /// time limit) for room.
 const ASK_QUEUE: usize = 64;
 
-/// A notification for a carrier to send, and where its answer goes (`Ok`
-/// once it is in the peer's inbox).
+/// A request for a carrier to send (a notification, or a staging request),
+/// and where the peer's answer goes.
 #[derive(Debug)]
 pub(crate) struct Ask {
     request: Request,
-    answer: oneshot::Sender<Result<()>>,
+    answer: oneshot::Sender<Result<Reply>>,
 }
 
 /// Counts one notification in flight on a channel until dropped.
@@ -71,6 +71,18 @@ impl Inner {
         }
         check_notification(&msg)?;
         let request = wire::notify_request(&self.name, &msg)?;
+        match self.ask(seg, request, "notification").await? {
+            Reply::NotifyAck => Ok(()),
+            Reply::Busy => Err(inbox_full()),
+            _ => Err(Error::new(ErrorKind::Protocol, "the peer answered a notification with another reply")),
+        }
+    }
+
+    /// Sends `request` on the notification channel of `seg` (opened if
+    /// there is none) and waits for the peer's answer, each bounded by
+    /// `handshake_timeout_ms`. An `error` answer is an error (the channel
+    /// is then closed); the others are the caller's to read.
+    pub(crate) async fn ask(&self, seg: SegmentId, request: Request, what: &str) -> Result<Reply> {
         let limit = self.cfg.handshake_timeout();
         let (side, inflight, name) = self.channel(seg, limit).await?;
         inflight.fetch_add(1, Ordering::SeqCst);
@@ -84,7 +96,9 @@ impl Inner {
             Ok(r) => r.map_err(|e| e.with("segment", &name)),
             Err(_) => Err(Error::new(
                 ErrorKind::Timeout,
-                "the peer did not answer the notification within handshake_timeout_ms (it may or may not be delivered)",
+                format!(
+                    "the peer did not answer the {what} within handshake_timeout_ms (it may or may not have been done)"
+                ),
             )
             .with("segment", &name)),
         }
@@ -165,7 +179,7 @@ async fn carry(
     limit: Duration,
 ) {
     let mut lines = wire::Lines::new(BufReader::new(stream), wire::MAX_NOTE_LINE);
-    let mut waiting: VecDeque<oneshot::Sender<Result<()>>> = VecDeque::new();
+    let mut waiting: VecDeque<oneshot::Sender<Result<Reply>>> = VecDeque::new();
     let mut open = true;
     let why = loop {
         tokio::select! {
@@ -179,18 +193,18 @@ async fn carry(
                     break Error::new(ErrorKind::Protocol, "the peer sent an unasked-for message on the notification channel");
                 };
                 let e = match reply {
-                    Reply::NotifyAck => {
-                        let _ = answer.send(Ok(()));
-                        continue;
-                    }
-                    Reply::Busy => {
-                        let _ = answer.send(Err(inbox_full()));
+                    Reply::NotifyAck
+                    | Reply::Busy
+                    | Reply::Staged { .. }
+                    | Reply::Unstaged
+                    | Reply::StageFailed { .. } => {
+                        let _ = answer.send(Ok(reply));
                         continue;
                     }
                     Reply::Error { message } => {
-                        Error::new(ErrorKind::Protocol, format!("the peer refused the notification: {message}"))
+                        Error::new(ErrorKind::Protocol, format!("the peer refused a request on the notification channel: {message}"))
                     }
-                    _ => Error::new(ErrorKind::Protocol, "the peer answered a notification with another reply"),
+                    _ => Error::new(ErrorKind::Protocol, "the peer answered on the notification channel with another reply"),
                 };
                 let _ = answer.send(Err(e.clone()));
                 break e;

@@ -97,9 +97,14 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
                     Ok(Err(e)) | Err(e) => Reply::Error { message: e.to_string() },
                 }
             }
-            Request::Notify { from, msg } => {
+            first @ (Request::Notify { .. } | Request::Stage { .. } | Request::Unstage { .. }) => {
                 drop(inner);
-                return notes(weak, sock, timeout, from, msg).await;
+                notes(weak, id, sock, timeout, first).await;
+                // Its staging buffers come back with the channel.
+                if let Some(inner) = weak.upgrade() {
+                    inner.drop_leases(id);
+                }
+                return;
             }
         },
         None => return,
@@ -118,11 +123,18 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
     }
 }
 
-/// A notification channel (rule 11), opened by its first notification
-/// (`from`, `msg`): each one is decoded (bounded), offered to the inbox and
-/// answered, in order, until the peer closes the channel. A malformed one
-/// or any other request is answered with an error and closes it.
-async fn notes(weak: &Weak<Inner>, mut sock: BufReader<TcpStream>, timeout: Duration, from: String, msg: String) {
+/// A notification channel (rule 11), opened by its first request
+/// (`first`): each notification is decoded (bounded), offered to the inbox
+/// and answered, each staging request served (leases held by `chan`), in
+/// order, until the peer closes the channel. A malformed one or any other
+/// request is answered with an error and closes it.
+async fn notes(
+    weak: &Weak<Inner>,
+    chan: PeerGroupId,
+    mut sock: BufReader<TcpStream>,
+    timeout: Duration,
+    first: Request,
+) {
     let _place = {
         let Some(inner) = weak.upgrade() else { return };
         match NotesPlace::take(&inner) {
@@ -133,20 +145,41 @@ async fn notes(weak: &Weak<Inner>, mut sock: BufReader<TcpStream>, timeout: Dura
             }
         }
     };
-    let (mut from, mut msg) = (from, msg);
+    let mut req = first;
     loop {
-        let reply = match wire::decode_notify(from, &msg) {
-            Ok(n) => {
+        let reply = match req {
+            Request::Notify { from, msg } => match wire::decode_notify(from, &msg) {
+                Ok(n) => {
+                    let Some(inner) = weak.upgrade() else { return };
+                    match inner.inbox.offer(n) {
+                        Ok(()) => Reply::NotifyAck,
+                        Err(Refused::Full) => Reply::Busy,
+                        // Shutting down: the channel closes unanswered (the
+                        // sender sees a transient reset).
+                        Err(Refused::Closed) => return,
+                    }
+                }
+                Err(e) => {
+                    let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
+                    return;
+                }
+            },
+            Request::Stage { write, addr, len } => {
                 let Some(inner) = weak.upgrade() else { return };
-                match inner.inbox.offer(n) {
-                    Ok(()) => Reply::NotifyAck,
-                    Err(Refused::Full) => Reply::Busy,
-                    // Shutting down: the channel closes unanswered (the
-                    // sender sees a transient reset).
-                    Err(Refused::Closed) => return,
+                inner.stage(chan, write, addr, len).await
+            }
+            Request::Unstage { slot, commit } => {
+                let Some(inner) = weak.upgrade() else { return };
+                match inner.unstage(chan, slot, commit).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
+                        return;
+                    }
                 }
             }
-            Err(e) => {
+            _ => {
+                let e = Error::new(ErrorKind::Protocol, "only notifications and staging requests are accepted here");
                 let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
                 return;
             }
@@ -156,13 +189,8 @@ async fn notes(weak: &Weak<Inner>, mut sock: BufReader<TcpStream>, timeout: Dura
             Ok(Ok(())) => {}
             _ => return,
         }
-        (from, msg) = match wire::recv_limited::<_, Request>(&mut sock, wire::MAX_NOTE_LINE).await {
-            Ok(Request::Notify { from, msg }) => (from, msg),
-            Ok(_) => {
-                let e = Error::new(ErrorKind::Protocol, "only notifications are accepted on a notification channel");
-                let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
-                return;
-            }
+        req = match wire::recv_limited::<_, Request>(&mut sock, wire::MAX_NOTE_LINE).await {
+            Ok(r) => r,
             Err(e) if e.kind() == ErrorKind::Protocol => {
                 let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
                 return;

@@ -28,12 +28,17 @@
 //! [`RdmaConfig::staging_buffers`]: crate::RdmaConfig::staging_buffers
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use transport_core::lifecycle::EndpointId;
-use transport_core::{Access, Buffer, Error, ErrorKind, MemoryRegion, Result};
+use tokio::sync::oneshot;
+use transport_core::lifecycle::{EndReason, EndpointId};
+use transport_core::{
+    Access, Buffer, Error, ErrorKind, MemError, MemoryRegion, Opcode, RegionId, Result, SegmentId, TransferRequest,
+};
 
-use crate::state::{Graveyard, Inner, Limits, Slice, State};
-use crate::verbs::{Pd, Registration};
+use crate::state::{Graveyard, Inner, Limits, PeerGroupId, Slice, State, WrRef};
+use crate::verbs::{Pd, Registration, WorkRequest};
+use crate::wire::{Reply, Request};
 
 /// How the NIC reaches a registered region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,17 +77,24 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    fn new(pd: &Arc<Pd>, slots: u32, slot_len: u32) -> Result<Self> {
+    /// `slots` buffers of `slot_len` bytes, registered once; peers may read
+    /// and write them if `remote` (the target's pool).
+    fn new(pd: &Arc<Pd>, slots: u32, slot_len: u32, remote: bool) -> Result<Self> {
         let len = usize::try_from(u64::from(slots) * u64::from(slot_len))
             .map_err(|_| Error::new(ErrorKind::Config, "staging buffers do not fit in memory"))?;
         let buf = Buffer::new(len).map_err(|e| Error::from(e).with("staging_bytes", len))?;
-        let reg = Registration::new(pd, buf.region(), false, false)?;
+        let reg = Registration::new(pd, buf.region(), remote, remote)?;
         Ok(Self { reg, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
     }
 
     /// Host memory held.
     pub(crate) fn bytes(&self) -> u64 {
         self.reg.mem().len() as u64
+    }
+
+    /// Whether every buffer is free.
+    fn all_back(&self) -> bool {
+        self.free.len() as u64 == u64::from(self.slots)
     }
 
     /// Where buffer `slot` starts in the registration.
@@ -254,13 +266,24 @@ impl State {
     /// still hold one: its index must never land in a newer pool). The QPs
     /// that posted on them keep the registration until they are destroyed.
     pub(crate) fn release_staging(&mut self) {
-        let all_back = self.staging.as_ref().is_some_and(|s| s.free.len() as u64 == u64::from(s.slots));
-        if !all_back || self.any_staged() {
-            return;
+        let staged = self.any_staged();
+        if !staged && self.staging.as_ref().is_some_and(Staging::all_back) {
+            if let Some(s) = self.staging.take() {
+                self.retiring.push(s.reg);
+            }
         }
-        if let Some(s) = self.staging.take() {
-            self.retiring.push(s.reg);
+        let exposed = self.regions.values().any(|r| r.path == MemPath::Staged && r.access.is_remote());
+        if !exposed && self.leases.is_empty() && self.remote_staging.as_ref().is_some_and(Staging::all_back) {
+            if let Some(s) = self.remote_staging.take() {
+                self.retiring.push(s.reg);
+            }
         }
+    }
+
+    /// Whether a copy between a peer's leased buffer and `region`'s memory
+    /// is running (unregister waits for none).
+    pub(crate) fn staging_into(&self, mem: &MemoryRegion) -> bool {
+        self.leases.values().any(|l| l.copying && mem.contains(l.addr, u64::from(l.len)))
     }
 }
 
@@ -286,26 +309,19 @@ pub(crate) fn register_device(
         Err(e) => why.push(format!("{e} (no peer-memory module)")),
     }
     let why = why.join("; ");
-    if access.is_remote() {
-        return Err(Error::new(
-            ErrorKind::Unsupported,
-            format!(
-                "the NIC cannot reach this device memory directly (no GPUDirect: {why}), and staged device memory \
-                 cannot be exposed to peers; register it without remote access (it is then staged through host \
-                 buffers on this side), or use the TCP backend"
-            ),
-        )
-        .with("kind", mem.kind()));
-    }
     tracing::info!(kind = %mem.kind(), len = mem.len(), why = %why, "rdma: device memory staged through host buffers");
     Ok((None, MemPath::Staged))
 }
 
 impl Inner {
-    /// The staging buffers, made with the first staged region.
-    pub(crate) fn ensure_staging(&self, st: &mut State, pd: &Arc<Pd>) -> Result<()> {
+    /// The staging buffers, made with the first staged region (and the
+    /// pool peers reach, with the first one they may reach).
+    pub(crate) fn ensure_staging(&self, st: &mut State, pd: &Arc<Pd>, remote: bool) -> Result<()> {
         if st.staging.is_none() {
-            st.staging = Some(Staging::new(pd, self.cfg.staging_buffers, self.cfg.slice_size)?);
+            st.staging = Some(Staging::new(pd, self.cfg.staging_buffers, self.cfg.slice_size, false)?);
+        }
+        if remote && st.remote_staging.is_none() {
+            st.remote_staging = Some(Staging::new(pd, self.cfg.staging_buffers, self.cfg.slice_size, true)?);
         }
         Ok(())
     }
@@ -337,4 +353,484 @@ pub(crate) fn no_staging() -> Error {
 /// (`kvmove_device_regions_total{backend="rdma",path=...}`).
 pub(crate) fn count_path(path: MemPath) {
     metrics::counter!("kvmove_device_regions_total", "backend" => "rdma", "path" => path.as_str()).increment(1);
+}
+
+/// The descriptor key of a staged region with remote access: it has no
+/// rkey (rkeys are 32 bits); peers reach it through staging buffers.
+pub(crate) const STAGED_KEY: u64 = 1 << 32;
+
+/// Staged slices a driver has in flight at once.
+const WINDOW: usize = 4;
+/// Longest pause between asking a busy peer for a staging buffer again.
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(20);
+
+/// A peer's lease on one of this side's remote staging buffers (its
+/// channel's; given back with `unstage` or when the channel closes).
+#[derive(Debug)]
+pub(crate) struct Lease {
+    chan: PeerGroupId,
+    write: bool,
+    addr: u64,
+    len: u32,
+    /// A copy between the buffer and device memory is running.
+    copying: bool,
+}
+
+/// Slices of requests into a peer's staged memory, driven on endpoint `ep`.
+#[derive(Debug)]
+pub(crate) struct Drive {
+    pub seg: SegmentId,
+    pub ep: EndpointId,
+    pub slices: Vec<Slice>,
+}
+
+/// What a driver's work request moves locally.
+#[derive(Debug, Clone, Copy)]
+enum Local {
+    /// This side's staging buffer.
+    Slot(u32),
+    /// A registered region, at an offset.
+    Region(RegionId, u64),
+}
+
+fn stage_failed(e: &Error) -> Reply {
+    match Reply::bounded_error(e) {
+        Reply::Error { message } => Reply::StageFailed { kind: e.kind().as_str().to_string(), message },
+        other => other,
+    }
+}
+
+/// The error a peer's `stage_failed` stands for.
+fn peer_stage_error(kind: &str, message: &str) -> Error {
+    let kind = match kind {
+        "io" => ErrorKind::Io,
+        "out_of_bounds" => ErrorKind::OutOfBounds,
+        "access_denied" => ErrorKind::AccessDenied,
+        "unregistered" => ErrorKind::Unregistered,
+        "invalid_request" => ErrorKind::InvalidRequest,
+        _ => ErrorKind::Protocol,
+    };
+    Error::new(kind, format!("the peer's staging: {message}"))
+}
+
+fn ended() -> Error {
+    Error::new(ErrorKind::Cancelled, "the request ended while its slice was staged")
+}
+
+/// Runs a copy on the blocking pool.
+async fn off_runtime(f: impl FnOnce() -> std::result::Result<(), MemError> + Send + 'static) -> Result<()> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(Error::from),
+        Err(_) => Err(Error::new(ErrorKind::Internal, "a staging copy did not finish")),
+    }
+}
+
+/// Takes a remote staging buffer for `chan`: `Ok(None)` when none is free.
+fn lease(st: &mut State, chan: PeerGroupId, write: bool, addr: u64, len: u32) -> Result<Option<Leased>> {
+    if len == 0 {
+        return Err(Error::new(ErrorKind::InvalidRequest, "an empty staging request"));
+    }
+    let r =
+        st.regions.values().find(|r| r.path == MemPath::Staged && r.mem.contains(addr, u64::from(len))).ok_or_else(
+            || Error::new(ErrorKind::OutOfBounds, format!("{len} bytes at {addr:#x} are in no staged region")),
+        )?;
+    if !(if write { r.access.remote_write } else { r.access.remote_read }) {
+        return Err(Error::new(ErrorKind::AccessDenied, "the staged region does not allow this"));
+    }
+    let device = r.mem.clone();
+    let at = usize::try_from(addr - r.mem.addr()).map_err(|_| Error::new(ErrorKind::OutOfBounds, "offset"))?;
+    let pool = st.remote_staging.as_mut().ok_or_else(no_staging)?;
+    if len > pool.slot_len {
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("{len} bytes exceed a staging buffer ({}): the peer's slice_size is larger", pool.slot_len),
+        ));
+    }
+    let Some(slot) = pool.free.pop() else { return Ok(None) };
+    let buffer = match pool.slot_mem(slot, len) {
+        Ok(b) => b,
+        Err(e) => {
+            pool.free.push(slot);
+            return Err(e);
+        }
+    };
+    let addr_of = pool.reg.mem().addr() + pool.offset(slot);
+    let rkey = pool.reg.rkey();
+    st.leases.insert(slot, Lease { chan, write, addr, len, copying: !write });
+    Ok(Some(Leased { slot, buffer, device, at, addr: addr_of, rkey }))
+}
+
+/// A remote staging buffer just leased.
+struct Leased {
+    slot: u32,
+    buffer: MemoryRegion,
+    device: MemoryRegion,
+    at: usize,
+    addr: u64,
+    rkey: u32,
+}
+
+impl State {
+    /// Gives remote staging buffer `slot` back.
+    fn end_lease(&mut self, slot: u32) {
+        if self.leases.remove(&slot).is_some() {
+            if let Some(p) = self.remote_staging.as_mut() {
+                p.free.push(slot);
+            }
+        }
+        self.release_staging();
+    }
+
+    /// Posts a driver's work request on endpoint `ep` if a QP has room
+    /// (`Ok(None)` if none has): its outcome comes on the receiver.
+    #[allow(clippy::too_many_arguments)]
+    fn post_for_driver(
+        &mut self,
+        ep_id: EndpointId,
+        s: Slice,
+        local: Local,
+        remote_addr: u64,
+        rkey: u32,
+        read: bool,
+        lim: &Limits,
+        grave: &mut Graveyard,
+    ) -> Result<Option<oneshot::Receiver<Result<()>>>> {
+        let ep = self
+            .endpoints
+            .get_mut(&ep_id)
+            .filter(|e| e.broken_at.is_none())
+            .ok_or_else(|| Error::new(ErrorKind::ConnectionReset, "the endpoint broke while a slice was staged"))?;
+        let n = ep.qps.len();
+        let Some(qi) =
+            (0..n).map(|k| (ep.next_qp + k) % n).find(|&i| ep.qps[i].outstanding < lim.max_outstanding_per_qp)
+        else {
+            return Ok(None);
+        };
+        let (reg, local_offset) = match local {
+            Local::Slot(slot) => {
+                let st = self.staging.as_ref().ok_or_else(no_staging)?;
+                (&st.reg, st.offset(slot))
+            }
+            Local::Region(id, off) => {
+                let r = self.regions.get(&id).ok_or_else(|| Error::region_unregistered(id))?;
+                (r.reg.as_ref().ok_or_else(no_staging)?, off)
+            }
+        };
+        let wr_id = self.wr_ids.next();
+        let wr = WorkRequest { wr_id: wr_id.0, read, local_offset, len: s.len, remote_addr, rkey };
+        ep.next_qp = (qi + 1) % n;
+        let q = &mut ep.qps[qi];
+        match q.qp.post(reg, &wr) {
+            Ok(()) => {
+                q.outstanding += 1;
+                let (tx, rx) = oneshot::channel();
+                self.wrs.insert(wr_id, WrRef { ep: ep_id, qp: qi, slice: s, slot: None, waiter: Some(tx) });
+                Ok(Some(rx))
+            }
+            Err(e) => {
+                let e: Error = e.into();
+                let e = Error::new(ErrorKind::ConnectionReset, e.message().to_string());
+                self.break_endpoint(ep_id, e.clone(), grave);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// Serves a peer's `stage`: leases a buffer for `addr .. addr + len`
+    /// of a staged region (for a read, filled from the device first).
+    pub(crate) async fn stage(&self, chan: PeerGroupId, write: bool, addr: u64, len: u32) -> Reply {
+        let taken = {
+            let mut g = self.state.lock();
+            lease(&mut g, chan, write, addr, len)
+        };
+        let l = match taken {
+            Ok(Some(l)) => l,
+            Ok(None) => return Reply::Busy,
+            Err(e) => return stage_failed(&e),
+        };
+        if !write {
+            let (buffer, device, at) = (l.buffer.clone(), l.device.clone(), l.at);
+            let copied = off_runtime(move || buffer.copy_from(0, &device, at, len as usize)).await;
+            let mut st = self.state.lock();
+            if let Err(e) = copied {
+                st.end_lease(l.slot);
+                return stage_failed(&e);
+            }
+            if let Some(lease) = st.leases.get_mut(&l.slot) {
+                lease.copying = false;
+            }
+        }
+        Reply::Staged { slot: l.slot, addr: l.addr, rkey: l.rkey }
+    }
+
+    /// Serves a peer's `unstage`: copies a written buffer into its range
+    /// first if `commit`, then frees it. A slot this channel does not hold
+    /// is a protocol error (the channel closes).
+    pub(crate) async fn unstage(&self, chan: PeerGroupId, slot: u32, commit: bool) -> Result<Reply> {
+        let job = {
+            let mut g = self.state.lock();
+            let st = &mut *g;
+            let l = st.leases.get_mut(&slot).filter(|l| l.chan == chan && !l.copying).ok_or_else(|| {
+                Error::new(ErrorKind::Protocol, format!("staging buffer {slot} is not held by this channel"))
+            })?;
+            if commit && l.write {
+                let (addr, len) = (l.addr, l.len);
+                let region =
+                    st.regions.values().find(|r| r.path == MemPath::Staged && r.mem.contains(addr, u64::from(len)));
+                let buffer = st.remote_staging.as_ref().ok_or_else(no_staging).and_then(|p| p.slot_mem(slot, len));
+                match (region, buffer) {
+                    (Some(r), Ok(buffer)) => {
+                        l.copying = true;
+                        let at = usize::try_from(addr - r.mem.addr()).unwrap_or(usize::MAX);
+                        Some((buffer, r.mem.clone(), at, len))
+                    }
+                    (None, _) => {
+                        st.end_lease(slot);
+                        return Ok(stage_failed(&Error::new(ErrorKind::Unregistered, "the staged region went")));
+                    }
+                    (_, Err(e)) => {
+                        st.end_lease(slot);
+                        return Ok(stage_failed(&e));
+                    }
+                }
+            } else {
+                None
+            }
+        };
+        let copied = match job {
+            Some((buffer, device, at, len)) => {
+                off_runtime(move || device.copy_from(at, &buffer, 0, len as usize)).await
+            }
+            None => Ok(()),
+        };
+        self.state.lock().end_lease(slot);
+        Ok(match copied {
+            Ok(()) => Reply::Unstaged,
+            Err(e) => stage_failed(&e),
+        })
+    }
+
+    /// The channel `chan` closed: its buffers come back (one with a copy
+    /// still running stays out: the copy's task was aborted with the
+    /// channel's, at shutdown).
+    pub(crate) fn drop_leases(&self, chan: PeerGroupId) {
+        let mut st = self.state.lock();
+        let mine: Vec<u32> =
+            st.leases.iter().filter(|(_, l)| l.chan == chan && !l.copying).map(|(slot, _)| *slot).collect();
+        for slot in mine {
+            st.end_lease(slot);
+        }
+    }
+
+    /// Starts driver `d` (counted among the transport's tasks).
+    pub(crate) fn start_drive(&self, d: Drive) {
+        let Some(me) = self.weak().upgrade() else { return };
+        if tokio::runtime::Handle::try_current().is_err() {
+            // No runtime (the transport is being dropped): the slices fail.
+            me.with_state(|st, g| {
+                for s in &d.slices {
+                    st.end_request(s.batch, s.req, EndReason::Failed(Error::shut_down()));
+                }
+                if let Some(e) = st.endpoints.get_mut(&d.ep) {
+                    e.drivers = e.drivers.saturating_sub(1);
+                }
+                st.after_work(d.ep, &me.lim, g);
+            });
+            return;
+        }
+        // Spawned and recorded under the lock: the driver's last step,
+        // which takes its record out, waits for it.
+        let mut st = self.state.lock();
+        st.next_driver += 1;
+        let id = st.next_driver;
+        let task = crate::state::Task::spawn(&self.tasks, me.drive(id, d));
+        st.drivers.insert(id, task);
+    }
+
+    /// Runs the slices of `d`, [`WINDOW`] at a time, then lets its
+    /// endpoint go idle. It holds the state alive: the transport's drop
+    /// aborts it (`State::drivers`).
+    async fn drive(self: Arc<Self>, id: u64, d: Drive) {
+        let mut set = tokio::task::JoinSet::new();
+        let mut next = d.slices.into_iter();
+        loop {
+            while set.len() < WINDOW {
+                let Some(s) = next.next() else { break };
+                set.spawn(self.clone().staged_slice(d.seg, d.ep, s));
+            }
+            if set.join_next().await.is_none() {
+                break;
+            }
+        }
+        self.with_state(|st, g| {
+            if let Some(e) = st.endpoints.get_mut(&d.ep) {
+                e.drivers = e.drivers.saturating_sub(1);
+            }
+            st.after_work(d.ep, &self.lim, g);
+            if let Some(me) = st.drivers.remove(&id) {
+                me.ending();
+            }
+        });
+    }
+
+    /// Whether slice `s`'s request may still start work.
+    fn live(&self, s: Slice) -> bool {
+        self.state.lock().batches.get(s.batch).is_ok_and(|b| b.ledger.is_live(s.req))
+    }
+
+    /// One slice into (or out of) the peer's staged memory: its ledger
+    /// unit is started here and ends only once every step is over.
+    async fn staged_slice(self: Arc<Self>, seg: SegmentId, ep: EndpointId, s: Slice) {
+        let started = self.with_state(|st, _| {
+            let b = st.batches.get_mut(s.batch).ok()?;
+            let t = *b.targets.get(s.req)?;
+            if !b.ledger.start(s.req) {
+                return None;
+            }
+            Some((t.spec, st.regions.get(&t.spec.local).map(|r| (r.reg.is_none(), r.mem.clone()))))
+        });
+        let Some((spec, local)) = started else { return };
+        let result = match local {
+            None => Err(Error::region_unregistered(spec.local)),
+            Some((staged_local, mem)) => self.staged_io(seg, ep, s, &spec, staged_local, mem).await,
+        };
+        self.with_state(|st, _| {
+            if let Ok(b) = st.batches.get_mut(s.batch) {
+                let p = b.ledger.unit_done(s.req, result);
+                crate::work::wake(b, p);
+            }
+        });
+    }
+
+    async fn staged_io(
+        &self,
+        seg: SegmentId,
+        ep: EndpointId,
+        s: Slice,
+        spec: &TransferRequest,
+        staged_local: bool,
+        mem: MemoryRegion,
+    ) -> Result<()> {
+        // No overflow: submit checked both ranges.
+        let local_off = spec.local_offset + s.offset;
+        let local_slot = if staged_local { Some(self.local_slot(s).await?) } else { None };
+        let local = match local_slot {
+            Some(slot) => Local::Slot(slot),
+            None => Local::Region(spec.local, local_off),
+        };
+        let r = self.staged_steps(seg, ep, s, spec, local, &mem, local_off).await;
+        if let Some(slot) = local_slot {
+            self.with_state(|st, g| st.free_slots(vec![slot], &self.lim, g));
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn staged_steps(
+        &self,
+        seg: SegmentId,
+        ep: EndpointId,
+        s: Slice,
+        spec: &TransferRequest,
+        local: Local,
+        mem: &MemoryRegion,
+        local_off: u64,
+    ) -> Result<()> {
+        let write = spec.op == Opcode::Write;
+        let at = usize::try_from(local_off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset"))?;
+        let buffer =
+            |slot: u32| self.state.lock().staging.as_ref().ok_or_else(no_staging).and_then(|p| p.slot_mem(slot, s.len));
+        if let (true, Local::Slot(slot)) = (write, local) {
+            let (buf, dev) = (buffer(slot)?, mem.clone());
+            off_runtime(move || buf.copy_from(0, &dev, at, s.len as usize)).await?;
+        }
+        let (rslot, raddr, rkey) = self.lease_remote(seg, s, write, spec.remote_addr + s.offset).await?;
+        let moved = self.post_and_wait(ep, s, local, raddr, rkey, !write).await;
+        let commit = write && moved.is_ok() && self.live(s);
+        let unstaged = self.ask(seg, Request::Unstage { slot: rslot, commit }, "staging request").await;
+        moved?;
+        match unstaged? {
+            Reply::Unstaged => {}
+            Reply::StageFailed { kind, message } => return Err(peer_stage_error(&kind, &message)),
+            _ => return Err(Error::new(ErrorKind::Protocol, "the peer answered unstage with another reply")),
+        }
+        if write && !commit {
+            return Err(ended());
+        }
+        if let (false, Local::Slot(slot)) = (write, local) {
+            if !self.live(s) {
+                return Err(ended());
+            }
+            let (buf, dev) = (buffer(slot)?, mem.clone());
+            off_runtime(move || dev.copy_from(at, &buf, 0, s.len as usize)).await?;
+        }
+        Ok(())
+    }
+
+    /// One of this side's staging buffers for slice `s` (waits for one
+    /// while its request is live).
+    async fn local_slot(&self, s: Slice) -> Result<u32> {
+        loop {
+            let got = self.state.lock().staging.as_mut().and_then(|p| p.free.pop());
+            if let Some(slot) = got {
+                return Ok(slot);
+            }
+            if !self.live(s) {
+                return Err(ended());
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// A buffer of the peer's for slice `s` (at `addr` of its staged
+    /// memory): asked again, with backoff, while the peer has none free,
+    /// for at most `handshake_timeout_ms`.
+    async fn lease_remote(&self, seg: SegmentId, s: Slice, write: bool, addr: u64) -> Result<(u32, u64, u32)> {
+        let start = std::time::Instant::now();
+        let mut pause = Duration::from_millis(1);
+        loop {
+            if !self.live(s) {
+                return Err(ended());
+            }
+            match self.ask(seg, Request::Stage { write, addr, len: s.len }, "staging request").await? {
+                Reply::Staged { slot, addr, rkey } => return Ok((slot, addr, rkey)),
+                Reply::Busy if start.elapsed() < self.cfg.handshake_timeout() => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(BUSY_BACKOFF_MAX);
+                }
+                Reply::Busy => {
+                    return Err(Error::new(ErrorKind::Backpressure, "the peer's staging buffers stayed busy"))
+                }
+                Reply::StageFailed { kind, message } => return Err(peer_stage_error(&kind, &message)),
+                _ => return Err(Error::new(ErrorKind::Protocol, "the peer answered stage with another reply")),
+            }
+        }
+    }
+
+    /// Posts the slice's work request (waiting for room on a QP while its
+    /// request is live) and waits for its completion.
+    async fn post_and_wait(
+        &self,
+        ep: EndpointId,
+        s: Slice,
+        local: Local,
+        raddr: u64,
+        rkey: u32,
+        read: bool,
+    ) -> Result<()> {
+        loop {
+            let posted = self.with_state(|st, g| st.post_for_driver(ep, s, local, raddr, rkey, read, &self.lim, g))?;
+            if let Some(rx) = posted {
+                return rx.await.unwrap_or_else(|_| {
+                    Err(Error::new(ErrorKind::ConnectionReset, "the work request was dropped with its endpoint"))
+                });
+            }
+            if !self.live(s) {
+                return Err(ended());
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
 }

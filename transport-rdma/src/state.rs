@@ -141,6 +141,8 @@ pub(crate) struct Endpoint {
     /// Copies between device memory and a staging buffer running for
     /// slices of this endpoint (a started unit each).
     pub copying: usize,
+    /// Staging drivers running slices of remote staged memory on it.
+    pub drivers: usize,
     pub next_qp: usize,
     /// Whether it holds a use in the pool because it has work (queued or
     /// posted); given back when it goes idle, so the pool's LRU eviction
@@ -162,7 +164,11 @@ impl Endpoint {
     }
 
     pub(crate) fn idle(&self) -> bool {
-        self.pending.is_empty() && self.ready.is_empty() && self.copying == 0 && self.outstanding() == 0
+        self.pending.is_empty()
+            && self.ready.is_empty()
+            && self.copying == 0
+            && self.drivers == 0
+            && self.outstanding() == 0
     }
 }
 
@@ -176,20 +182,25 @@ pub(crate) struct Slice {
 }
 
 /// Where a posted work request is.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub(crate) struct WrRef {
     pub ep: EndpointId,
     pub qp: usize,
     pub slice: Slice,
     /// The staging buffer it reads or writes, for staged device memory.
     pub slot: Option<u32>,
+    /// Posted by a staging driver, which owns its ledger unit: the outcome
+    /// goes here instead.
+    pub waiter: Option<tokio::sync::oneshot::Sender<Result<()>>>,
 }
 
 /// A request as validated at submit: the spec and the remote key.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Target {
     pub spec: TransferRequest,
-    pub rkey: u32,
+    /// `None`: the remote range is staged device memory, reached through
+    /// the peer's staging buffers (see `crate::staging`).
+    pub rkey: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -250,6 +261,11 @@ pub(crate) struct Graveyard {
     /// Copies between device memory and staging buffers to run once the
     /// lock is released.
     pub copies: Vec<crate::staging::StageCopy>,
+    /// Staging drivers to start once the lock is released.
+    pub drives: Vec<crate::staging::Drive>,
+    /// Drivers' work requests lost with the QPs of `endpoints`: told so
+    /// once those are destroyed.
+    pub waiters: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
 }
 
 impl Graveyard {
@@ -261,6 +277,8 @@ impl Graveyard {
             && self.lost.is_empty()
             && self.slots.is_empty()
             && self.copies.is_empty()
+            && self.drives.is_empty()
+            && self.waiters.is_empty()
     }
 
     /// Counts one unit of `(batch, req)` lost with a destroyed QP.
@@ -325,6 +343,13 @@ pub(crate) struct State {
     /// Pinned host buffers for staged device memory, while any staged
     /// region is registered.
     pub staging: Option<crate::staging::Staging>,
+    /// Pinned host buffers peers reach (RDMA) for this side's staged
+    /// regions with remote access, and who holds which.
+    pub remote_staging: Option<crate::staging::Staging>,
+    pub leases: HashMap<u32, crate::staging::Lease>,
+    /// Running staging drivers, by id (aborted with the transport).
+    pub drivers: HashMap<u64, Task>,
+    pub next_driver: u64,
     /// The pool's clock starts here.
     pub epoch: Instant,
     next_region: u64,
@@ -356,6 +381,10 @@ impl State {
             passive_notes: 0,
             retiring: Vec::new(),
             staging: None,
+            remote_staging: None,
+            leases: HashMap::new(),
+            drivers: HashMap::new(),
+            next_driver: 0,
             epoch,
             next_region: 0,
             next_segment: 0,
@@ -443,14 +472,13 @@ impl State {
                 .regions
                 .values()
                 .filter(|r| r.access.is_remote())
-                .filter_map(|r| {
-                    let reg = r.reg.as_ref()?;
-                    Some(RegionInfo {
-                        addr: reg.mem().addr(),
-                        len: reg.mem().len() as u64,
-                        access: r.access,
-                        key: u64::from(reg.rkey()),
-                    })
+                .map(|r| RegionInfo {
+                    addr: r.mem.addr(),
+                    len: r.mem.len() as u64,
+                    access: r.access,
+                    // Staged regions have no MR: peers reach them through
+                    // the staging buffers.
+                    key: r.reg.as_ref().map_or(crate::staging::STAGED_KEY, |reg| u64::from(reg.rkey())),
                 })
                 .collect(),
         }
@@ -469,6 +497,7 @@ impl Drop for State {
         self.retiring.clear();
         self.regions.clear();
         self.staging = None;
+        self.remote_staging = None;
     }
 }
 
@@ -562,7 +591,13 @@ impl Inner {
         let lost = std::mem::take(&mut grave.lost);
         let slots = std::mem::take(&mut grave.slots);
         let copies = std::mem::take(&mut grave.copies);
+        let drives = std::mem::take(&mut grave.drives);
+        let waiters = std::mem::take(&mut grave.waiters);
         drop(grave); // ibv_destroy_qp, ibv_dereg_mr: outside the lock
+        let lost_wr = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed with work in flight");
+        for w in waiters {
+            let _ = w.send(Err(lost_wr.clone()));
+        }
         if !dead.is_empty() || !lost.is_empty() || !slots.is_empty() {
             self.with_state(|st, g| {
                 st.after_destroy(&dead, &lost);
@@ -571,6 +606,9 @@ impl Inner {
         }
         for c in copies {
             self.run_copy(c);
+        }
+        for d in drives {
+            self.start_drive(d);
         }
     }
 
@@ -628,7 +666,7 @@ mod tests {
     fn state_with_posted(posted: u64) -> (State, BatchId) {
         let mut st = State::with_verbs(None, 4, Instant::now());
         let req = TransferRequest::write(RegionId(1), 0, SegmentId(1), 0x1000, 8);
-        let targets = vec![Target { spec: req, rkey: 7 }, Target { spec: req, rkey: 7 }];
+        let targets = vec![Target { spec: req, rkey: Some(7) }, Target { spec: req, rkey: Some(7) }];
         let ledger = BatchLedger::new([posted, 1], None);
         let id = st.batches.insert(Batch::new(ledger, targets));
         let b = st.batches.get_mut(id).unwrap();

@@ -27,9 +27,11 @@ fn peer_restarted(seg: SegmentId) -> Error {
     Error::new(ErrorKind::PeerRestarted, "the peer restarted; re-read its descriptor").with("segment", seg)
 }
 
-/// The remote key for request `r`, or `None` if its remote range is in no
-/// region of the handle's descriptor (which may be stale).
-fn remote_key(st: &State, r: &TransferRequest) -> Result<Option<u32>> {
+/// The remote key for request `r` (`Some(None)`: the range is the peer's
+/// staged device memory, reached through its staging buffers), or `None` if
+/// its remote range is in no region of the handle's descriptor (which may
+/// be stale).
+fn remote_key(st: &State, r: &TransferRequest) -> Result<Option<Option<u32>>> {
     let seg = st.segments.get(&r.segment).ok_or_else(|| Error::unknown_segment(r.segment))?;
     let Some(info) = seg.desc.region_for(r.remote_addr, r.len) else {
         return Ok(None);
@@ -38,7 +40,12 @@ fn remote_key(st: &State, r: &TransferRequest) -> Result<Option<u32>> {
         return Err(Error::new(ErrorKind::AccessDenied, format!("remote region does not allow {:?}", r.op))
             .with("segment", r.segment));
     }
-    u32::try_from(info.key).map(Some).map_err(|_| Error::new(ErrorKind::Protocol, "remote key does not fit an rkey"))
+    if info.key == crate::staging::STAGED_KEY {
+        return Ok(Some(None));
+    }
+    u32::try_from(info.key)
+        .map(|k| Some(Some(k)))
+        .map_err(|_| Error::new(ErrorKind::Protocol, "remote key does not fit an rkey"))
 }
 
 /// How far the locked part of `submit` got.
@@ -96,14 +103,29 @@ impl State {
             self.pool.release(ep, now);
             return false;
         };
+        // Requests into the peer's staged device memory go to a driver of
+        // their own (crate::staging), the rest to the endpoint's queue.
+        let staged =
+            |i: usize| self.batches.get(batch).is_ok_and(|b| b.targets.get(i).is_some_and(|t| t.rkey.is_none()));
+        let mut driven = Vec::new();
         for (i, r) in requests.iter().enumerate().filter(|(_, r)| r.segment == seg) {
+            let to_driver = staged(i);
             let mut off = 0;
             while off < r.len {
                 // At most `slice` (a u32) bytes: the cast cannot truncate.
                 let len = (r.len - off).min(slice) as u32;
-                e.pending.push_back(Slice { batch, req: i, offset: off, len });
+                let s = Slice { batch, req: i, offset: off, len };
+                if to_driver {
+                    driven.push(s);
+                } else {
+                    e.pending.push_back(s);
+                }
                 off += u64::from(len);
             }
+        }
+        if !driven.is_empty() {
+            e.drivers += 1;
+            grave.drives.push(crate::staging::Drive { seg, ep, slices: driven });
         }
         if std::mem::replace(&mut e.busy, true) {
             let now = self.now();

@@ -191,6 +191,7 @@ impl Drop for RdmaTransport {
         }
         let mut st = self.inner.state.lock();
         st.passive_tasks.clear(); // aborts them
+        st.drivers.clear(); // aborts them (each holds the state alive)
         for (_, b) in st.batches.iter_mut() {
             b.deadline = None; // aborts it
         }
@@ -208,10 +209,10 @@ impl Transport for RdmaTransport {
         c.max_batch_len = self.inner.cfg.max_batch_len;
         c.max_request_len = self.inner.cfg.max_request_len;
         c.lanes_per_endpoint = self.inner.cfg.qps_per_endpoint;
-        // Staged through host buffers on this side; peers reach device
-        // memory only where registration finds GPUDirect (crate::staging).
+        // GPUDirect where registration finds it, else staged through host
+        // buffers on both sides (crate::staging).
         c.device_memory = true;
-        c.device_memory_remote = false;
+        c.device_memory_remote = true;
         c
     }
 
@@ -253,7 +254,7 @@ impl Transport for RdmaTransport {
         let (reg, path) = if mem.kind().is_device() {
             let (reg, path) = staging::register_device(&pd, &mem, access)?;
             if path == MemPath::Staged {
-                self.inner.ensure_staging(&mut st, &pd)?;
+                self.inner.ensure_staging(&mut st, &pd, access.is_remote())?;
             }
             (reg, path)
         } else {
@@ -269,11 +270,12 @@ impl Transport for RdmaTransport {
     }
 
     async fn unregister(&self, region: RegionId) -> Result<()> {
-        self.inner.with_state(|st, g| {
+        let gone = self.inner.with_state(|st, g| {
             if st.shutdown {
                 return Err(Error::shut_down());
             }
             let r = st.regions.remove(&region).ok_or_else(|| Error::unknown_region(region))?;
+            let gone = r.mem.clone();
             let why = EndReason::Failed(Error::region_unregistered(region));
             st.end_requests(|_, t| t.spec.local == region, &why, g);
             // Parked in the state, not in this future: the QPs that posted
@@ -286,9 +288,11 @@ impl Transport for RdmaTransport {
                 st.drop_if_pinning_retired(id, g);
             }
             st.prune_retiring(g);
-            Ok(())
+            Ok(gone)
         })?;
-        self.inner.settle(|st| !st.any_on_wire(|t| t.spec.local == region)).await;
+        // Nothing of the region on the wire, and no peer's staged write
+        // still being copied into it.
+        self.inner.settle(|st| !st.any_on_wire(|t| t.spec.local == region) && !st.staging_into(&gone)).await;
         self.inner.with_state(|st, g| {
             st.release_staging();
             st.prune_retiring(g); // ibv_dereg_mr, then the memory may go
@@ -430,7 +434,7 @@ impl Transport for RdmaTransport {
             inflight: st.wrs.len(),
             tasks: self.inner.tasks.count(),
             notifications: self.inner.inbox.len(),
-            staging_bytes: st.staging.as_ref().map_or(0, |s| s.bytes()),
+            staging_bytes: [&st.staging, &st.remote_staging].iter().map(|p| p.as_ref().map_or(0, |s| s.bytes())).sum(),
         }
     }
 

@@ -10,6 +10,17 @@
 //! queued) or `error` (malformed: the server then closes the channel).
 //! Lines after the first are bounded by [`MAX_NOTE_LINE`], enough for the
 //! largest notification and no more.
+//!
+//! The same channel carries staging of device memory peers cannot reach
+//! directly (see `crate::staging`): `{"op":"stage","write":BOOL,"addr":A,
+//! "len":N}` leases one of the server's pinned staging buffers for the
+//! range `A .. A+N` of a staged region (for a read, after copying the range
+//! into it) and is answered `staged` (`slot`, the buffer's `addr` and
+//! `rkey`), `busy` (no buffer free) or `stage_failed` (`kind`, `message`:
+//! out of range, access, a failed device copy); `{"op":"unstage","slot":S,
+//! "commit":BOOL}` gives the buffer back, after copying it into the leased
+//! range if `commit` (a write), answered `unstaged` or `stage_failed`.
+//! Leases are the channel's: its close frees them.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -54,6 +65,17 @@ pub(crate) enum Request {
         /// The message as lowercase hex, at most `2 * MAX_NOTIFY_LEN` digits.
         msg: String,
     },
+    /// Lease a staging buffer for `addr .. addr + len` of a staged region.
+    Stage {
+        write: bool,
+        addr: u64,
+        len: u32,
+    },
+    /// Give a leased buffer back, committing a write first.
+    Unstage {
+        slot: u32,
+        commit: bool,
+    },
 }
 
 /// The answer.
@@ -75,8 +97,22 @@ pub(crate) enum Reply {
     },
     /// The notification is in the peer's inbox.
     NotifyAck,
-    /// The peer's inbox is full: nothing was queued.
+    /// The peer's inbox is full (or, for `stage`, no buffer is free):
+    /// nothing was done.
     Busy,
+    /// A staging buffer is leased: `slot`, reachable at `addr` with `rkey`.
+    Staged {
+        slot: u32,
+        addr: u64,
+        rkey: u32,
+    },
+    /// The buffer is back (and a write committed).
+    Unstaged,
+    /// A staging request failed without harm to the channel.
+    StageFailed {
+        kind: String,
+        message: String,
+    },
 }
 
 impl Reply {

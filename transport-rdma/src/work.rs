@@ -71,6 +71,20 @@ impl State {
             };
             let Ok(b) = self.batches.get_mut(slice.batch) else { continue };
             let Some(&Target { spec, rkey }) = b.targets.get(slice.req) else { continue };
+            // Remote staged memory never comes through here (its driver
+            // posts for it): refused rather than posted without a key.
+            let Some(rkey) = rkey else {
+                let e = Error::new(ErrorKind::Internal, "a slice of remote staged memory queued for posting");
+                let p = match filled {
+                    Some(_) => b.ledger.unit_done(slice.req, Err(e)),
+                    None => b.ledger.end(slice.req, EndReason::Failed(e)),
+                };
+                wake(b, p);
+                if let (Some(slot), Some(st)) = (filled, self.staging.as_mut()) {
+                    st.free.push(slot);
+                }
+                continue;
+            };
             let read = spec.op == Opcode::Read;
             // A request that is no longer live is neither ended again (the
             // first decision stands) nor started.
@@ -158,7 +172,7 @@ impl State {
             match q.qp.post(local, &wr) {
                 Ok(()) => {
                     q.outstanding += 1;
-                    self.wrs.insert(wr_id, WrRef { ep: ep_id, qp: qi, slice, slot });
+                    self.wrs.insert(wr_id, WrRef { ep: ep_id, qp: qi, slice, slot, waiter: None });
                 }
                 Err(e) => {
                     let e: Error = e.into();
@@ -191,6 +205,7 @@ impl State {
         }
         let mut failed =
             (c.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS).then(|| completion_error(c.status, c.vendor_err));
+        let mut w = w;
         // A completion must come from the QP its work request was posted
         // on; one that does not is never taken as data in place.
         if posted_on.is_some_and(|qpn| qpn != c.qp_num) {
@@ -199,6 +214,18 @@ impl State {
                 ErrorKind::Internal,
                 "a completion came from another queue pair than its work request's",
             ));
+        }
+        if let Some(waiter) = w.waiter.take() {
+            // A staging driver's: it owns the unit and its buffers.
+            let _ = waiter.send(match &failed {
+                None => Ok(()),
+                Some(e) => Err(e.clone()),
+            });
+            if let Some(e) = failed {
+                self.break_endpoint(w.ep, e, grave);
+            }
+            self.after_work(w.ep, lim, grave);
+            return;
         }
         // A staged READ's bytes are in its buffer: the unit ends once
         // they are copied to the device (if the request still wants them).
@@ -429,14 +456,15 @@ impl State {
         self.drop_ready(ep_id, &unposted);
         let Some(mut ep) = self.endpoints.remove(&ep_id) else { return };
         if ep.outstanding() > 0 {
-            self.wrs.retain(|_, w| {
-                let mine = w.ep == ep_id;
-                if mine {
-                    grave.lose(w.slice.batch, w.slice.req);
-                    grave.slots.extend(w.slot);
+            let mine: Vec<WrId> = self.wrs.iter().filter(|(_, w)| w.ep == ep_id).map(|(id, _)| *id).collect();
+            for id in mine {
+                let Some(mut w) = self.wrs.remove(&id) else { continue };
+                match w.waiter.take() {
+                    Some(waiter) => grave.waiters.push(waiter),
+                    None => grave.lose(w.slice.batch, w.slice.req),
                 }
-                !mine
-            });
+                grave.slots.extend(w.slot);
+            }
         }
         for s in ep.pending.drain(..) {
             self.end_request(s.batch, s.req, EndReason::Failed(unposted.clone()));

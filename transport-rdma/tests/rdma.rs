@@ -700,29 +700,27 @@ fn random_mixed_batches_are_byte_exact() {
 }
 
 /// Device memory the NIC cannot reach (a fake device: soft-RoCE has no
-/// GPUDirect) is staged through `staging_buffers` pinned host buffers on
-/// the initiator's side: a transfer of many more slices than buffers is
-/// byte-exact both ways, the buffers are counted in `staging_bytes` and
-/// freed (MR included) with the last staged region, a device region with
-/// remote access is refused at registration, and a cancel that lands while
-/// slow copies run is quiet from its terminal report on.
+/// GPUDirect) is staged through `staging_buffers` pinned host buffers, on
+/// the initiator's side and on the target's: transfers of many more slices
+/// than buffers are byte-exact both ways, device to host, host to device
+/// and device to device, the buffers are counted in `staging_bytes` and
+/// freed (MRs included) with the last staged region, and a cancel that
+/// lands while slow copies run is quiet from its terminal report on.
 fn staged_device_memory_is_byte_exact_and_bounded() {
     run("staged_device_memory_is_byte_exact_and_bounded", 120, async {
         use transport_core::FakeDevice;
-        let server = transport(config()).await;
         let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: 3, ..config() };
+        let server = transport(cfg.clone()).await;
         let client = transport(cfg).await;
         let base_c = client.stats();
+        let base_s = server.stats();
         let base_mrs = my_counts();
         const LEN: usize = (2 << 20) + 4321;
         let dev = Arc::new(FakeDevice::new(0, 8 << 20).unwrap());
         let dmem = FakeDevice::region(&dev, LEN).unwrap();
         let want = pattern(LEN, 42);
         dmem.write_at(0, &want).unwrap();
-        let e = client.register(dmem.clone(), Access::REMOTE_RW).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
-        assert!(e.to_string().contains("GPUDirect"), "the refusal says why: {e}");
-        assert_eq!(client.stats().staging_bytes, 0, "a refused region allocates no staging");
+        assert_eq!(client.stats().staging_bytes, 0);
         let did = client.register(dmem.clone(), Access::LOCAL).unwrap();
         assert_eq!(client.stats().staging_bytes, 3 * (64 << 10));
         let remote = Buffer::new(LEN).unwrap();
@@ -768,12 +766,49 @@ fn staged_device_memory_is_byte_exact_and_bounded() {
         dev.delay_copies(Duration::ZERO);
         client.release(b).unwrap();
 
+        // The target's memory on a device too (its own staging buffers,
+        // both pools: 2 x 3 x 64 KiB), from host memory and from device
+        // memory, written then read back.
+        let sdev = Arc::new(FakeDevice::new(1, 4 << 20).unwrap());
+        let tmem = FakeDevice::region(&sdev, LEN).unwrap();
+        let before_t = server.stats();
+        let tid = server.register(tmem.clone(), Access::REMOTE_RW).unwrap();
+        assert_eq!(server.stats().staging_bytes, 2 * 3 * (64 << 10));
+        let seg2 = client.open_segment(&server.local_segment_name()).await.unwrap();
+        let host = buffer_with(LEN, 9);
+        let hid = client.register(host.region(), Access::LOCAL).unwrap();
+        let taddr = tmem.addr();
+        for (src, want_bytes) in [(hid, host.to_vec()), (did, want.clone())] {
+            let reqs = vec![
+                TransferRequest::write(src, 0, seg2, taddr, 70_000),
+                TransferRequest::write(src, 70_000, seg2, taddr + 70_000, (LEN - 70_000) as u64),
+            ];
+            let b = client.submit(reqs, SubmitOptions::default()).await.unwrap();
+            let st = wait(&client, b).await;
+            assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+            client.release(b).unwrap();
+            assert!(tmem.to_vec() == want_bytes, "a staged write into the target's device memory differs");
+            let b = client
+                .submit(vec![TransferRequest::read(bid, 0, seg2, taddr, LEN as u64)], SubmitOptions::default())
+                .await
+                .unwrap();
+            let st = wait(&client, b).await;
+            assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+            client.release(b).unwrap();
+            assert!(back.to_vec() == want_bytes, "a device-to-device staged read differs");
+        }
+        client.unregister(hid).await.unwrap();
+        client.close_segment(seg2).await.unwrap();
+        server.unregister(tid).await.unwrap();
+        assert!(eventually(Duration::from_secs(5), || server.stats() == before_t).await, "{:?}", server.stats());
+
         client.unregister(did).await.unwrap();
         assert_eq!(client.stats().staging_bytes, 3 * (64 << 10), "held while a staged region is left");
         client.unregister(bid).await.unwrap();
         client.close_segment(seg).await.unwrap();
         server.unregister(rid).await.unwrap();
         assert!(eventually(Duration::from_secs(5), || client.stats() == base_c).await, "{:?}", client.stats());
+        assert!(eventually(Duration::from_secs(5), || server.stats() == base_s).await, "{:?}", server.stats());
         assert!(
             eventually(Duration::from_secs(5), || my_counts() == base_mrs).await,
             "kernel objects {:?} back to {base_mrs:?} (the staging MR deregistered)",
