@@ -515,11 +515,10 @@ class Engine:
 
     @property
     def device_memory(self) -> bool:
-        """Whether this engine registers device (GPU) memory (TCP does,
-        through the device's provider). Registered memory is reachable by
-        peers, which RDMA gives device memory only through GPUDirect: there
-        this is ``False`` and a device buffer registers only where the NIC
-        reaches it directly."""
+        """Whether this engine registers and moves device (GPU) memory,
+        reachable by peers (TCP and RDMA do, through the device's
+        provider: RDMA with GPUDirect where the NIC reaches it, else staged
+        through host buffers)."""
         return self._native.device_memory
 
     def register(self, obj: Any) -> Region:

@@ -186,9 +186,7 @@ impl Core {
 
     /// Whether memory registered here may be device memory. Every region
     /// the Python APIs register is reachable by peers (`REMOTE_RW`), so
-    /// this needs both capabilities: RDMA stages device memory on the
-    /// initiator's side only and refuses it here unless registration
-    /// finds GPUDirect.
+    /// this needs both capabilities.
     pub(crate) fn device_memory(&self) -> bool {
         let c = self.engine.transport().capabilities();
         c.device_memory && c.device_memory_remote

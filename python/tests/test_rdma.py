@@ -146,39 +146,54 @@ def test_rdma_nixl_agents():
         agent.close()
 
 
-def test_rdma_refuses_device_memory_at_registration():
-    """Memory registered through the Python APIs is reachable by peers;
-    the RDMA backend gives peers device memory only through GPUDirect, which
-    a fake device (and soft-RoCE) never has: device memory is refused when
-    registered, with a clear error, through each API; host memory still
-    registers."""
+def test_rdma_moves_device_memory_through_every_api():
+    """Device memory (a fake device's: no GPUDirect under soft-RoCE) is
+    staged through host buffers on both sides: ``kvmove.Engine`` writes
+    device to device and reads back, Mooncake's ``register_memory`` takes a
+    device pointer and writes from it, and the NIXL agent lists ``VRAM``
+    for the RDMA backend and registers it."""
     import uuid
 
     from kvmove.devices import FakeDevice
-    from kvmove.nixl import nixl_agent, nixl_agent_config, nixlNotSupportedError
+    from kvmove.nixl import nixl_agent, nixl_agent_config
 
-    with FakeDevice(0, 1 << 20) as dev:
+    n = 3 << 20
+    with FakeDevice(0, 8 << 20) as d0, FakeDevice(1, 8 << 20) as d1:
+        a_buf, b_buf, back = d0.buffer(n), d1.buffer(n), d0.buffer(n)
+        want = pattern(7, n).tobytes()
+        a_buf.write(want)
+        with kvmove.Engine(protocol="rdma", device=DEVICE) as a, kvmove.Engine(protocol="rdma", device=DEVICE) as b:
+            assert a.device_memory
+            ra, rb, rback = a.register(a_buf), b.register(b_buf), a.register(back)
+            assert (ra.kind, rb.kind) == ("device:0", "device:1")
+            with a.connect(b.session_id) as s:
+                s.write(ra.addr, rb.addr + 4096, n - 4096)
+                assert b_buf.read(4096) == want[: n - 4096]
+                s.read(rback.addr, rb.addr + 4096, n - 4096)
+            assert back.read(0, n - 4096) == want[: n - 4096]
+
+        target = TransferEngine()
         mc = TransferEngine()
+        assert target.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", DEVICE) == 0, target.last_error()
         assert mc.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", DEVICE) == 0, mc.last_error()
         try:
-            addr = dev.alloc(1 << 16)
-            assert mc.register_memory(addr, 1 << 16) == -1
-            assert mc.last_error().kind == "unsupported", mc.last_error()
-            host = np.zeros(4096, dtype=np.uint8)
-            assert mc.register_memory(host.ctypes.data, host.nbytes) == 0, mc.last_error()
+            src = d0.alloc(1 << 16)
+            d0.write(src, pattern(8, 1 << 16).tobytes())
+            assert mc.register_memory(src, 1 << 16) == 0, mc.last_error()
+            dst = d1.alloc(1 << 16)
+            assert target.register_memory(dst, 1 << 16) == 0, target.last_error()
+            peer = f"127.0.0.1:{target.get_rpc_port()}"
+            assert mc.transfer_sync_write(peer, src, dst, 1 << 16) == 0, mc.last_error()
+            assert d1.read(dst, 1 << 16) == pattern(8, 1 << 16).tobytes()
         finally:
             mc.close()
-        with kvmove.Engine(protocol="rdma", device=DEVICE) as e:
-            assert not e.device_memory
-            with pytest.raises(kvmove.PermanentError) as info:
-                e.register(dev.buffer(4096))
-            assert info.value.kind == "unsupported"
+            target.close()
+
         agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
         try:
             agent.create_backend("RDMA", {"device": DEVICE})
-            assert agent.get_backend_mem_types("RDMA") == ["DRAM"]
-            with pytest.raises(nixlNotSupportedError):
-                agent.register_memory([(dev.alloc(4096), 4096, 0, "")], "VRAM")
+            assert agent.get_backend_mem_types("RDMA") == ["DRAM", "VRAM"]
+            agent.register_memory([(d0.alloc(4096), 4096, 0, "")], "VRAM")
         finally:
             agent.close()
 
