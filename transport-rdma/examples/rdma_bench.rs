@@ -432,11 +432,18 @@ fn main() -> Result<(), BoxErr> {
         let server = std::sync::Arc::new(RdmaTransport::new(cfg.clone()).await?);
         let client = RdmaTransport::new(cfg).await?;
         let total = (32u64 << 20).max(size * 16);
-        let remote = Buffer::new(total as usize)?;
-        server.register(remote.region(), Access::REMOTE_RW)?;
+        let mode = std::env::var("RDMA_BENCH_STAGED").unwrap_or_default();
+        let remote = if mode == "2" {
+            let dev = Arc::new(transport_core::FakeDevice::new(1, total as usize)?);
+            transport_core::FakeDevice::region(&dev, total as usize)?
+        } else {
+            Buffer::new(total as usize)?.region()
+        };
+        server.register(remote.clone(), Access::REMOTE_RW)?;
         // RDMA_BENCH_STAGED=1: the source is device memory of a fake
-        // device, staged through pinned host buffers (no GPUDirect).
-        let staged = std::env::var_os("RDMA_BENCH_STAGED").is_some_and(|v| v == "1");
+        // device, staged through pinned host buffers (no GPUDirect); =2:
+        // the target's memory too (staged through its buffers).
+        let staged = mode == "1" || mode == "2";
         let local = if staged {
             let dev = Arc::new(transport_core::FakeDevice::new(0, total as usize)?);
             transport_core::FakeDevice::region(&dev, total as usize)?
@@ -445,7 +452,11 @@ fn main() -> Result<(), BoxErr> {
         };
         local.fill(0x5a);
         let lid = client.register(local, Access::LOCAL)?;
-        let source = if staged { "staged" } else { "host" };
+        let source = match mode.as_str() {
+            "1" => "staged-to-host",
+            "2" => "staged-to-staged",
+            _ => "host",
+        };
         let seg = client.open_segment(&server.local_segment_name()).await?;
         let pages = total / size;
         let batch: Vec<TransferRequest> =

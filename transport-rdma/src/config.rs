@@ -50,9 +50,11 @@ pub struct RdmaConfig {
     pub slice_size: u32,
     /// Pinned host buffers of `slice_size` bytes that slices of staged
     /// device memory pass through (device memory the NIC cannot reach
-    /// directly: no GPUDirect). Allocated when the first such region is
-    /// registered, freed with the last; `staging_buffers * slice_size`
-    /// is the most host memory staging holds (at most 4 GiB).
+    /// directly: no GPUDirect), per pool: one for this side's transfers,
+    /// and one that peers lease for staged regions they may reach.
+    /// Allocated when the first such region is registered, freed with the
+    /// last; `2 * staging_buffers * slice_size` is the most host memory
+    /// staging holds (`staging_buffers * slice_size` at most 4 GiB).
     pub staging_buffers: u32,
     /// Largest request in bytes.
     pub max_request_len: u64,

@@ -16,8 +16,8 @@
 //!   (GPU) memory is registered for GPUDirect where the stack allows it
 //!   (`ibv_reg_dmabuf_mr` on the provider's dma-buf, else `ibv_reg_mr` on
 //!   the device address) and otherwise staged through pinned host buffers
-//!   on the initiator's side only ([`RdmaConfig::staging_buffers`]; the
-//!   private `staging` module says how).
+//!   on both sides ([`RdmaConfig::staging_buffers`]; the private `staging`
+//!   module says how).
 //! * **Segments**: the name is the peer's side-channel `host:port`; opening
 //!   fetches the descriptor (generation + regions with rkeys) from the peer.
 //! * **Endpoints**: built lazily on the first transfer to a segment handle:

@@ -10,10 +10,20 @@
 //! pinned host buffers registered once: device to buffer (the provider's
 //! copy) then RDMA WRITE from the buffer; RDMA READ into the buffer then
 //! buffer to device. Slices of several requests and endpoints are in
-//! different phases at once, so copies overlap the wire. A staged region
-//! is reachable only by this side: one asked for with remote access is
-//! refused at registration (`Unsupported`), since peers would need the
-//! target's help to reach it (not built).
+//! different phases at once, so copies overlap the wire.
+//!
+//! A staged region with remote access is in the descriptor with the key
+//! [`STAGED_KEY`] (no rkey). An initiator's requests into it go to a
+//! *driver* (one task per batch and segment, [`WINDOW`] slices at a time)
+//! instead of the endpoint's queue: for each slice it leases one of the
+//! target's pinned staging buffers over the notification channel
+//! (`stage`; for a read the target first copies the range into it),
+//! moves the slice by RDMA into or out of that buffer (from or to its own
+//! memory, itself staged if it is device memory), and gives the buffer back
+//! (`unstage`; for a write the target copies the buffer into its device
+//! memory first). Leases belong to the channel: its close frees them, and
+//! the target checks every range against its staged regions and their
+//! access. The slice's ledger unit ends only after the last answer.
 //!
 //! Copies run on the blocking pool, never under the state lock; each is a
 //! started ledger unit from before it begins until its slice is done, so a
