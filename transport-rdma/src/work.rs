@@ -102,6 +102,15 @@ impl State {
             // Which registration the NIC uses, at which offset: the
             // region's own, or a staging buffer.
             let slot = match (filled, &region.reg) {
+                // Ended since its buffer was filled: it goes nowhere.
+                (Some(slot), _) if !b.ledger.is_live(slice.req) => {
+                    let p = b.ledger.unit_back(slice.req);
+                    wake(b, p);
+                    if let Some(st) = self.staging.as_mut() {
+                        st.free.push(slot);
+                    }
+                    continue;
+                }
                 (Some(slot), _) => Some(slot),
                 (None, Some(_)) => {
                     if !b.ledger.start(slice.req) {
