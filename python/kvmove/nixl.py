@@ -274,6 +274,12 @@ class nixlXferDList(_DList):
 class nixlRegDList(_DList):
     """A registration descriptor list (``get_reg_descs``)."""
 
+    def trim(self) -> nixlXferDList:
+        """The same ranges as a transfer descriptor list (NIXL's
+        ``nixlRegDList.trim``: NIXL's own examples serialize
+        ``register_memory(...).trim()`` for the peer)."""
+        return nixlXferDList(self.mem_type, self._descs.copy())
+
 
 def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, np.ndarray]:
     """``(mem_type, N x 3 array)`` from tuples, an ``N x 3`` array, a

@@ -137,6 +137,9 @@ def test_descriptor_inputs_and_registration(pair):
     assert a.deserialize_descs(a.get_serialized_descs(x)) == x
     r = a.get_reg_descs([(p, buf.nbytes, 0, "")], "cpu")
     assert isinstance(r, nixlRegDList) and r.getType() == "DRAM"
+    # As NIXL's examples serialize a registration for the peer.
+    t = r.trim()
+    assert isinstance(t, nixlXferDList) and t.getType() == "DRAM" and list(t) == [(p, buf.nbytes, 0)]
     with pytest.raises(nixlInvalidParamError, match="memory type"):
         a.get_xfer_descs([(p, 16, 0)])
     with pytest.raises(nixlInvalidParamError, match="N x 3"):
