@@ -1,0 +1,324 @@
+"""kvmove next to the engines it replaces, on one host (issue: peers side by side).
+
+    python bench/peers.py [--rounds N] [--systems a,b,...] [--json FILE]
+
+Each *system* runs a target process (it registers a 64 MiB host buffer) and
+an initiator process (the same size), both started from this file
+(``--serve SYSTEM``), on loopback. The initiator moves KV-shaped batches
+into and out of the target and times them:
+
+* ``1MiBx64``, ``64KiBx256``, ``4KiBx1024``: one batch of equal pages,
+  written (and read), GB/s over the batch from submit to done (best of a
+  few repetitions, after one warm-up); the bytes are verified once per
+  configuration (a digest of the target's buffer after the write, of the
+  initiator's after the read);
+* ``4KiB rtt``: one 4 KiB write from submit to done, p50 / p99 over 300;
+* CPU seconds of both processes over the timed part (utime + stime).
+
+Systems:
+
+* ``mooncake``: Mooncake's transfer engine from PyPI
+  (``mooncake-transfer-engine-non-cuda``), TCP transport, P2PHANDSHAKE;
+* ``kvmove-mooncake``: ``kvmove.mooncake.TransferEngine`` (kvmove over TCP);
+* ``nixl``: NIXL from PyPI (``nixl-cu12``, installed ``--no-deps``), UCX
+  backend with UCX's own transport choice: on one host that is CMA (a
+  kernel copy between the two processes), not a network;
+* ``nixl-tcp``: the same with ``UCX_TLS=tcp`` (a network transport);
+* ``kvmove-nixl``: ``kvmove.nixl.nixl_agent`` (kvmove over TCP).
+
+Rounds alternate the systems (each round runs every system once, in
+order); the table gives min / median / max over the rounds and, per round,
+the ratio of each kvmove API to its peer (``kvmove-mooncake / mooncake``,
+``kvmove-nixl / nixl-tcp``, ``kvmove-nixl / nixl``). ``scripts/peer-bench.sh``
+installs the peers into a virtualenv of their own and runs this with the
+kvmove wheel.
+"""
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SIZE = 64 << 20
+WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
+REPEAT = 5
+RTT_N = 300
+SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl"]
+
+
+def pattern(seed, n):
+    return (np.arange(n, dtype=np.uint64) * 2654435761 + seed * 97).astype(np.uint8)
+
+
+def digest(buf):
+    return hashlib.sha256(memoryview(buf)).hexdigest()
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- the two APIs, behind one small interface --------------------------------
+
+
+class Mooncake:
+    def __init__(self, module):
+        self.te = module.TransferEngine()
+        rc = self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise RuntimeError(f"initialize: {rc}")
+        self.buf = np.zeros(SIZE, dtype=np.uint8)
+        if self.te.register_memory(self.buf.ctypes.data, SIZE) != 0:
+            raise RuntimeError("register_memory failed")
+
+    def info(self):
+        return {"name": f"127.0.0.1:{self.te.get_rpc_port()}", "addr": self.buf.ctypes.data}
+
+    def connect(self, info):
+        self.peer, self.raddr = info["name"], info["addr"]
+
+    def batch(self, op, page, n):
+        base = self.buf.ctypes.data
+        locs = [base + i * page for i in range(n)]
+        rems = [self.raddr + i * page for i in range(n)]
+        f = self.te.batch_transfer_sync_write if op == "write" else self.te.batch_transfer_sync_read
+        if f(self.peer, locs, rems, [page] * n) != 0:
+            raise RuntimeError(f"batch {op} failed")
+
+    def close(self):
+        pass
+
+
+class Nixl:
+    def __init__(self, module):
+        self.api = module
+        name = f"bench-{os.getpid()}"
+        self.agent = module.nixl_agent(name, module.nixl_agent_config(backends=["UCX"]))
+        self.buf = np.zeros(SIZE, dtype=np.uint8)
+        self.reg = self.agent.register_memory([(self.buf.ctypes.data, SIZE, 0, "")], "DRAM")
+
+    def info(self):
+        meta = self.agent.get_agent_metadata()
+        descs = self.agent.get_serialized_descs(self.reg.trim())
+        return {
+            "meta": base64.b64encode(meta).decode(),
+            "descs": base64.b64encode(descs).decode(),
+            "addr": self.buf.ctypes.data,
+        }
+
+    def connect(self, info):
+        self.remote = self.agent.add_remote_agent(base64.b64decode(info["meta"]))
+        if isinstance(self.remote, bytes):
+            self.remote = self.remote.decode()
+        self.raddr = info["addr"]
+        # Wait until the connection is usable (NIXL connects lazily).
+        self.agent.make_connection(self.remote)
+
+    def batch(self, op, page, n):
+        base = self.buf.ctypes.data
+        local = self.agent.get_xfer_descs([(base + i * page, page, 0) for i in range(n)], "DRAM")
+        remote = self.agent.get_xfer_descs([(self.raddr + i * page, page, 0) for i in range(n)], "DRAM")
+        h = self.agent.initialize_xfer("WRITE" if op == "write" else "READ", local, remote, self.remote, b"")
+        state = self.agent.transfer(h)
+        while state not in ("DONE", "ERR"):
+            state = self.agent.check_xfer_state(h)
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"{op}: {state}")
+
+    def close(self):
+        pass
+
+
+def make(system):
+    if system == "mooncake":
+        from mooncake import engine
+
+        return Mooncake(engine)
+    if system == "kvmove-mooncake":
+        from kvmove import mooncake
+
+        return Mooncake(mooncake)
+    if system in ("nixl", "nixl-tcp"):
+        try:
+            from nixl import _api
+        except ImportError:
+            from nixl_cu12 import _api
+        return Nixl(_api)
+    if system == "kvmove-nixl":
+        from kvmove import nixl
+
+        return Nixl(nixl)
+    raise SystemExit(f"unknown system {system}")
+
+
+# ---- a peer process ------------------------------------------------------------
+
+
+def serve(system):
+    """One side, driven one JSON command per line on stdin."""
+    e = make(system)
+    out = sys.stdout
+
+    def say(obj):
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    say({"ready": e.info()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        c = cmd["cmd"]
+        if c == "connect":
+            e.connect(cmd["info"])
+            say({"ok": True})
+        elif c == "fill":
+            e.buf[:] = pattern(cmd["seed"], SIZE)
+            say({"ok": True})
+        elif c == "zero":
+            e.buf[:] = 0
+            say({"ok": True})
+        elif c == "digest":
+            say({"digest": digest(e.buf[: cmd["len"]])})
+        elif c == "batch":
+            e.batch(cmd["op"], cmd["page"], cmd["n"])  # warm-up
+            best = None
+            for _ in range(REPEAT):
+                t = time.perf_counter()
+                e.batch(cmd["op"], cmd["page"], cmd["n"])
+                dt = time.perf_counter() - t
+                best = dt if best is None else min(best, dt)
+            say({"seconds": best})
+        elif c == "rtt":
+            lat = []
+            for i in range(RTT_N + 20):
+                t = time.perf_counter()
+                e.batch("write", 4096, 1)
+                if i >= 20:
+                    lat.append(time.perf_counter() - t)
+            lat.sort()
+            say({"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
+        elif c == "quit":
+            e.close()
+            say({"ok": True})
+            return
+
+
+class Proc:
+    def __init__(self, system):
+        env = dict(os.environ)
+        if system == "nixl-tcp":
+            env["UCX_TLS"] = "tcp"
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", system],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self.ready = self.read()["ready"]
+
+    def read(self):
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError("a peer process exited")
+            if line.startswith("{"):  # NIXL logs to stdout too
+                return json.loads(line)
+
+    def ask(self, **cmd):
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def stop(self):
+        try:
+            self.ask(cmd="quit")
+        except Exception:
+            pass
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+def run_system(system, verify):
+    """One system, every workload: {"write 1MiBx64": GB/s, ..., "rtt p50": us, "cpu": s}."""
+    target, init = Proc(system), Proc(system)
+    try:
+        init.ask(cmd="connect", info=target.ready)
+        res = {}
+        cpu0 = cpu_seconds(target.p.pid) + cpu_seconds(init.p.pid)
+        for name, page, n in WORKLOADS:
+            nbytes = page * n
+            for op in ("write", "read"):
+                if verify:
+                    src, dst = (init, target) if op == "write" else (target, init)
+                    src.ask(cmd="fill", seed=len(res) + 3)
+                    dst.ask(cmd="zero")
+                secs = init.ask(cmd="batch", op=op, page=page, n=n)["seconds"]
+                res[f"{op} {name}"] = nbytes / secs / 1e9
+                if verify:
+                    want = src.ask(cmd="digest", len=nbytes)["digest"]
+                    got = dst.ask(cmd="digest", len=nbytes)["digest"]
+                    if want != got:
+                        raise RuntimeError(f"{system}: {op} {name} moved wrong bytes")
+        r = init.ask(cmd="rtt")
+        res["rtt p50 us"], res["rtt p99 us"] = r["p50_us"], r["p99_us"]
+        res["cpu s"] = cpu_seconds(target.p.pid) + cpu_seconds(init.p.pid) - cpu0
+        return res
+    finally:
+        init.stop()
+        target.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--serve")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.serve:
+        serve(a.serve)
+        return
+    systems = a.systems.split(",")
+    rounds = []
+    for r in range(a.rounds):
+        got = {}
+        for s in systems:
+            got[s] = run_system(s, verify=(r == 0))
+            print(f"round {r + 1} {s}: " + ", ".join(f"{k} {v:.3g}" for k, v in got[s].items()), flush=True)
+        rounds.append(got)
+    keys = list(rounds[0][systems[0]].keys())
+    print("\n| metric | " + " | ".join(systems) + " |")
+    print("|---|" + "---|" * len(systems))
+    for k in keys:
+        cells = []
+        for s in systems:
+            v = sorted(rd[s][k] for rd in rounds)
+            cells.append(f"{v[0]:.3g} / {statistics.median(v):.3g} / {v[-1]:.3g}")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    pairs = [("kvmove-mooncake", "mooncake"), ("kvmove-nixl", "nixl-tcp"), ("kvmove-nixl", "nixl")]
+    print("\nratios per round (ours / theirs; for rtt and cpu lower is better):")
+    for ours, theirs in pairs:
+        if ours in systems and theirs in systems:
+            for k in keys:
+                per = [rd[ours][k] / rd[theirs][k] for rd in rounds if rd[theirs][k] > 0]
+                print(f"  {ours} / {theirs} {k}: " + " ".join(f"{x:.2f}" for x in per))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rounds, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# peer-bench.sh: kvmove next to the engines it replaces, on this host
+# (python/bench/peers.py says what is measured and how).
+#
+#   scripts/peer-bench.sh [ROUNDS]        # default 3 rounds
+#
+# Installs into target/peers-venv (its own virtualenv, so the real
+# `mooncake` package never shadows kvmove's stand-in in the test venv):
+# Mooncake's transfer engine without CUDA (mooncake-transfer-engine-non-cuda),
+# NIXL with UCX (nixl-cu12, --no-deps: it moves host memory without CUDA or
+# torch), numpy, and kvmove's wheel built from this tree. iperf3 on loopback
+# (installed with apt-get where missing and possible) is the ceiling of a
+# single TCP stream, measured before and after the rounds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-3}
+V=target/peers-venv
+if [ ! -x "$V/bin/python" ]; then
+    python3 -m venv "$V"
+fi
+"$V/bin/pip" install -q maturin numpy mooncake-transfer-engine-non-cuda
+"$V/bin/pip" install -q --no-deps nixl-cu12
+(cd python && "../$V/bin/maturin" build --release --compatibility linux --skip-auditwheel \
+    -i "../$V/bin/python" -o ../target/peer-wheels >/dev/null)
+"$V/bin/pip" install -q --force-reinstall --no-deps "$(ls -t target/peer-wheels/kvmove-*.whl | head -1)"
+
+ceiling() {
+    if ! command -v iperf3 >/dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3 >/dev/null 2>&1 || true
+        fi
+    fi
+    if ! command -v iperf3 >/dev/null; then
+        echo "iperf3: not installed (no ceiling)"
+        return
+    fi
+    iperf3 -s -1 -p 5299 >/dev/null 2>&1 &
+    local srv=$!
+    sleep 0.5
+    local bps
+    bps=$(iperf3 -c 127.0.0.1 -p 5299 -t 4 -J 2>/dev/null |
+        "$V/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"])')
+    wait "$srv" 2>/dev/null || true
+    "$V/bin/python" -c "print(f'iperf3 loopback, one TCP stream: {$bps / 8e9:.2f} GB/s')"
+}
+
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+ceiling
+# Run from outside python/ so `import kvmove` is the installed wheel.
+(cd target && "../$V/bin/python" ../python/bench/peers.py --rounds "$ROUNDS" --json peer-bench.json)
+ceiling
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
