@@ -24,7 +24,8 @@ Systems:
   backend with UCX's own transport choice: on one host that is CMA (a
   kernel copy between the two processes), not a network;
 * ``nixl-tcp``: the same with ``UCX_TLS=tcp`` (a network transport);
-* ``kvmove-nixl``: ``kvmove.nixl.nixl_agent`` (kvmove over TCP).
+* ``kvmove-nixl``: ``kvmove.nixl.nixl_agent`` (kvmove over TCP);
+* ``kvmove``: ``kvmove.Engine`` (kvmove's own API, TCP).
 
 Rounds alternate the systems (each round runs every system once, in
 order); the table gives min / median / max over the rounds and, per round,
@@ -50,7 +51,7 @@ SIZE = 64 << 20
 WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
 REPEAT = 5
 RTT_N = 300
-SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl"]
+SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl", "kvmove"]
 
 
 def pattern(seed, n):
@@ -139,6 +140,32 @@ class Nixl:
         pass
 
 
+class Engine:
+    """``kvmove.Engine``: kvmove's own Python API."""
+
+    def __init__(self):
+        import kvmove
+
+        self.e = kvmove.Engine()
+        self.buf = np.zeros(SIZE, dtype=np.uint8)
+        self.region = self.e.register(self.buf)
+
+    def info(self):
+        return {"name": self.e.session_id, "addr": self.region.addr}
+
+    def connect(self, info):
+        self.s = self.e.connect(info["name"])
+        self.raddr = info["addr"]
+
+    def batch(self, op, page, n):
+        base = self.region.addr
+        ops = [(base + i * page, self.raddr + i * page, page) for i in range(n)]
+        (self.s.write_many if op == "write" else self.s.read_many)(ops)
+
+    def close(self):
+        self.e.close()
+
+
 def make(system):
     if system == "mooncake":
         from mooncake import engine
@@ -158,6 +185,8 @@ def make(system):
         from kvmove import nixl
 
         return Nixl(nixl)
+    if system == "kvmove":
+        return Engine()
     raise SystemExit(f"unknown system {system}")
 
 
@@ -308,7 +337,13 @@ def main():
             v = sorted(rd[s][k] for rd in rounds)
             cells.append(f"{v[0]:.3g} / {statistics.median(v):.3g} / {v[-1]:.3g}")
         print(f"| {k} | " + " | ".join(cells) + " |")
-    pairs = [("kvmove-mooncake", "mooncake"), ("kvmove-nixl", "nixl-tcp"), ("kvmove-nixl", "nixl")]
+    pairs = [
+        ("kvmove-mooncake", "mooncake"),
+        ("kvmove-nixl", "nixl-tcp"),
+        ("kvmove-nixl", "nixl"),
+        ("kvmove", "mooncake"),
+        ("kvmove", "nixl-tcp"),
+    ]
     print("\nratios per round (ours / theirs; for rtt and cpu lower is better):")
     for ours, theirs in pairs:
         if ours in systems and theirs in systems:
