@@ -52,46 +52,42 @@ fn access_flags(remote_read: bool, remote_write: bool) -> ffi::ibv_access_flags 
 
 impl Mr {
     /// Registers `mem` (kept in the returned `Mr`: it is freed only after
-    /// the MR is deregistered).
-    fn register(pd: &Arc<Pd>, mem: MemoryRegion, remote_read: bool, remote_write: bool) -> Result<Self, VerbsError> {
-        let access = access_flags(remote_read, remote_write);
-        // SAFETY: the PD is live. `mem` is valid for its whole range while
-        // any clone of it lives (a `Buffer` owns it; `from_raw`'s caller
-        // promised it); this clone is stored in the returned `Mr` and
-        // released only after `ibv_dereg_mr` succeeded (see `Drop`).
-        let mr = check("ibv_reg_mr", unsafe {
-            ffi::ibv_reg_mr(pd.pd.as_ptr(), mem.addr() as usize as *mut _, mem.len(), access.0 as c_int)
-        })?;
-        Ok(Mr { mr, mem: ManuallyDrop::new(mem), _pd: pd.clone() })
-    }
-
-    /// Registers device memory `mem` through the dma-buf `buf` that
-    /// exports it (GPUDirect RDMA): the NIC reaches the device pages, the
-    /// host never maps them. The MR's I/O virtual address is the region's
-    /// device address, so work requests and peers address it as any other.
-    fn register_dmabuf(
+    /// the MR is deregistered): by address (`ibv_reg_mr`), or through the
+    /// dma-buf `dmabuf` that exports device memory (`ibv_reg_dmabuf_mr`,
+    /// GPUDirect RDMA: the NIC reaches the device pages, the host never
+    /// maps them; the MR's I/O virtual address is the region's device
+    /// address, so work requests and peers address it as any other).
+    fn register(
         pd: &Arc<Pd>,
         mem: MemoryRegion,
-        buf: &transport_mem::DmaBuf,
+        dmabuf: Option<&transport_mem::DmaBuf>,
         remote_read: bool,
         remote_write: bool,
     ) -> Result<Self, VerbsError> {
-        let access = access_flags(remote_read, remote_write);
-        // SAFETY: the PD is live and `buf.fd` is an open dma-buf (borrowed
-        // for the call; the kernel takes its own reference to the buffer).
-        // The device memory stays allocated while any clone of `mem` lives
-        // (`from_device`'s contract); this clone is kept in the `Mr` and
-        // released only after `ibv_dereg_mr` succeeded.
-        let mr = check("ibv_reg_dmabuf_mr", unsafe {
-            ffi::ibv_reg_dmabuf_mr(
-                pd.pd.as_ptr(),
-                buf.offset,
-                mem.len(),
-                mem.addr(),
-                std::os::fd::AsRawFd::as_raw_fd(&buf.fd),
-                access.0 as c_int,
-            )
-        })?;
+        let access = access_flags(remote_read, remote_write).0 as c_int;
+        // For both: the PD is live. `mem` is valid for its whole range while
+        // any clone of it lives (a `Buffer` owns it; `from_raw`'s and
+        // `from_device`'s callers promised it); this clone is stored in the
+        // returned `Mr` and released only after `ibv_dereg_mr` succeeded
+        // (see `Drop`).
+        let mr = match dmabuf {
+            // SAFETY: see above; host memory registered by address.
+            None => check("ibv_reg_mr", unsafe {
+                ffi::ibv_reg_mr(pd.pd.as_ptr(), mem.addr() as usize as *mut _, mem.len(), access)
+            })?,
+            // SAFETY: see above; the dma-buf's descriptor is open and only
+            // borrowed for the call (the kernel takes its own reference).
+            Some(buf) => check("ibv_reg_dmabuf_mr", unsafe {
+                ffi::ibv_reg_dmabuf_mr(
+                    pd.pd.as_ptr(),
+                    buf.offset,
+                    mem.len(),
+                    mem.addr(),
+                    std::os::fd::AsRawFd::as_raw_fd(&buf.fd),
+                    access,
+                )
+            })?,
+        };
         Ok(Mr { mr, mem: ManuallyDrop::new(mem), _pd: pd.clone() })
     }
 
@@ -142,11 +138,11 @@ impl Registration {
         remote_read: bool,
         remote_write: bool,
     ) -> Result<Self, VerbsError> {
-        Ok(Self { mr: Arc::new(Mr::register(pd, mem, remote_read, remote_write)?) })
+        Ok(Self { mr: Arc::new(Mr::register(pd, mem, None, remote_read, remote_write)?) })
     }
 
     /// Registers device memory through a dma-buf that exports it
-    /// (GPUDirect RDMA, see `Mr::register_dmabuf`).
+    /// (GPUDirect RDMA, see `Mr::register`).
     pub(crate) fn new_dmabuf(
         pd: &Arc<Pd>,
         mem: MemoryRegion,
@@ -154,7 +150,7 @@ impl Registration {
         remote_read: bool,
         remote_write: bool,
     ) -> Result<Self, VerbsError> {
-        Ok(Self { mr: Arc::new(Mr::register_dmabuf(pd, mem, buf, remote_read, remote_write)?) })
+        Ok(Self { mr: Arc::new(Mr::register(pd, mem, Some(buf), remote_read, remote_write)?) })
     }
 
     /// The memory registered.
