@@ -22,7 +22,9 @@ registration and moves device memory through its provider
 ``kvmove.metrics()`` returns the engine's metrics (bytes, requests,
 transfers, latency histograms; process-wide) as a dict, and
 ``kvmove.register_prometheus()`` shows them on a ``prometheus_client``
-registry's ``/metrics``.
+registry's ``/metrics``; ``kvmove.serve_metrics(addr)``, or
+``KVMOVE_METRICS_ADDR`` in the environment of a process whose engines are
+created by a serving engine, serves them on an HTTP port of their own.
 """
 
 from ._native import PermanentError, TransferError, TransientError
@@ -41,7 +43,7 @@ from ._engine import (
     SessionWrite,
 )
 from . import devices
-from ._metrics import metrics, register_prometheus
+from ._metrics import metrics, register_prometheus, serve_metrics
 from .mooncake import TransferEngine, TransferNotify, TransferOpcode
 
 __all__ = [
@@ -65,4 +67,5 @@ __all__ = [
     "TransientError",
     "metrics",
     "register_prometheus",
+    "serve_metrics",
 ]

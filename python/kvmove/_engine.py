@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Tuple, Union
 
+from ._metrics import serve_metrics_from_env
 from ._native import NativeEngine, TransferError
 from .devices import memory_of
 
@@ -501,6 +502,7 @@ class Engine:
         self._native = NativeEngine(
             protocol, host, port, device, json.dumps(policy) if policy else None, config
         )
+        serve_metrics_from_env()
         self._regions: set = set()
         self._sessions: set = set()
 

@@ -8,6 +8,7 @@ are process-wide: every engine of the process adds to the same series
 """
 
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Dict, List, Optional
@@ -196,3 +197,69 @@ def register_prometheus(registry=None):
             except TypeError:
                 pass
         return _collector
+
+
+_served: Optional[str] = None
+
+
+def _parse_addr(value: str):
+    """``(host, port)`` from ``host:port``, ``[v6]:port`` or ``port``."""
+    text = value.strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise ValueError(f"KVMOVE_METRICS_ADDR={value!r}: expected host:port or port (0-65535)")
+    return host, number
+
+
+def serve_metrics(addr: str) -> Optional[str]:
+    """Serves the engine's metrics in Prometheus's text format on
+    ``http://addr/metrics`` from a daemon thread (prometheus_client's own
+    server, on a registry holding only kvmove's series), once per process.
+
+    ``addr`` is ``host:port`` or ``port`` (host ``127.0.0.1``); port 0 picks
+    a free one. Returns the address served (``host:port``), the one of the
+    first call if the process already serves, or ``None`` when the server
+    could not start (logged on logger ``kvmove``: another process of the
+    same server may hold the port). Raises ``ValueError`` for an address
+    that is not one, ``ImportError`` without prometheus_client.
+
+    Serving engines run their transfer engine in a worker process whose
+    metrics their own ``/metrics`` does not show; setting
+    ``KVMOVE_METRICS_ADDR`` makes the first kvmove engine of each process
+    call this (see the README).
+    """
+    global _served
+    host, port = _parse_addr(addr)
+    pc = _import_prometheus_client()
+    with _lock:
+        if _served is not None:
+            return _served
+        registry = pc.CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(pc))
+        try:
+            started = pc.start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            logger.warning("kvmove metrics not served on %s:%d: %s", host, port, e)
+            return None
+        # prometheus_client >= 0.17 returns (server, thread): the bound port.
+        if isinstance(started, tuple) and hasattr(started[0], "server_address"):
+            port = started[0].server_address[1]
+        _served = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        logger.info("kvmove metrics on http://%s/metrics (pid %d)", _served, os.getpid())
+        return _served
+
+
+def serve_metrics_from_env() -> Optional[str]:
+    """Calls :func:`serve_metrics` with ``KVMOVE_METRICS_ADDR`` when it is
+    set (every engine's constructor calls this); ``None`` when it is not."""
+    value = os.environ.get("KVMOVE_METRICS_ADDR", "").strip()
+    if not value:
+        return None
+    return serve_metrics(value)

@@ -8,6 +8,7 @@ few deliberate differences).
 
 import enum
 
+from ._metrics import serve_metrics_from_env
 from ._native import TransferEngine as _NativeTransferEngine
 from ._native import TransferNotify
 
@@ -30,6 +31,10 @@ class TransferEngine(_NativeTransferEngine):
     """
 
     TransferOpcode = TransferOpcode
+
+    def __init__(self):
+        super().__init__()
+        serve_metrics_from_env()
 
     def metrics(self) -> dict:
         """kvmove's metrics as a dict (not in Mooncake's API):

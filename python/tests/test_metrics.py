@@ -7,6 +7,7 @@ before them."""
 
 import logging
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -185,6 +186,52 @@ def test_engines_install_the_recorder_without_asking(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_metrics_addr_serves_each_process_once(tmp_path):
+    # A serving engine's worker process: KVMOVE_METRICS_ADDR in its
+    # environment, engines made by the connector. Each API's first engine
+    # starts the server; a second engine (and a second process on the same
+    # port) does not fail; a bad value is a clear error.
+    code = textwrap.dedent(
+        """
+        import os, sys, urllib.request, numpy as np, kvmove
+        from kvmove.mooncake import TransferEngine
+        import kvmove._metrics as km
+        which = sys.argv[1]
+        if which == "mooncake":
+            TransferEngine()
+        with kvmove.Engine() as a, kvmove.Engine() as b:
+            served = km._served
+            assert served and not served.endswith(":0"), served
+            src = np.ones(8192, dtype=np.uint8); dst = np.zeros_like(src)
+            with a.register(src) as rs, b.register(dst) as rd, a.connect(b.session_id) as s:
+                s.write(rs.addr, rd.addr, 8192)
+            text = urllib.request.urlopen(f"http://{served}/metrics", timeout=10).read().decode()
+            line = f'kvmove_bytes_total{{op="write",peer="{b.session_id}"}} 8192.0'
+            assert line in text, text
+            assert "python_gc_objects" not in text, "only kvmove's series"
+            # A second process asking for the same port logs, then works.
+            os.environ["KVMOVE_METRICS_ADDR"] = served
+            import subprocess
+            r = subprocess.run([sys.executable, "-c", "import kvmove; e = kvmove.Engine(); e.close(); print('second ok')"],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and "second ok" in r.stdout, r.stdout + r.stderr
+            assert "kvmove metrics not served on" in r.stderr, r.stderr
+            print("ok")
+        """
+    )
+    env = {**os.environ, "KVMOVE_METRICS_ADDR": "127.0.0.1:0"}
+    for which in ("engine", "mooncake"):
+        r = subprocess.run(
+            [sys.executable, "-c", code, which], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env
+        )
+        assert r.returncode == 0 and r.stdout.strip() == "ok", which + r.stdout + r.stderr
+    bad = {**os.environ, "KVMOVE_METRICS_ADDR": "localhost:http"}
+    r = subprocess.run(
+        [sys.executable, "-c", "import kvmove; kvmove.Engine()"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=bad
+    )
+    assert r.returncode != 0 and "KVMOVE_METRICS_ADDR='localhost:http'" in r.stderr, r.stderr
 
 
 def scrape(registry):
