@@ -3,10 +3,12 @@
 # (unit, conformance over mock and real loopback TCP, etcd against a real
 # server), coverage-guided fuzzing of the TCP server for a bounded time,
 # the RDMA suite (directly on an RDMA device, else in a soft-RoCE VM), and
-# the Python package's tests.
+# the Python package's tests, and real vLLM servers doing prefill/decode
+# disaggregation over kvmove (scripts/vllm-tests.sh).
 #
 #   scripts/test.sh            # everything
 #   SKIP_RDMA=1 scripts/test.sh  # everything but the RDMA VM (local iteration only)
+#   SKIP_VLLM=1 scripts/test.sh  # everything but the vLLM check (local iteration only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +45,15 @@ fi
 if [ -x scripts/python-tests.sh ]; then
   step "Python package tests"
   scripts/python-tests.sh
+fi
+
+if [ -x scripts/vllm-tests.sh ]; then
+  if [ "${SKIP_VLLM:-0}" = 1 ] && [ "${CI:-}" != true ]; then
+    echo "VLLM CHECK SKIPPED: SKIP_VLLM=1 (never allowed in CI)"
+  else
+    step "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)"
+    scripts/vllm-tests.sh
+  fi
 fi
 
 step "all tests passed"
