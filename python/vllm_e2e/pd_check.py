@@ -118,6 +118,7 @@ class Server:
         self.side_port, self.metrics_port, self.role = side_port, metrics_port, role
         self.log_path = os.path.join(args.work, f"{name}.log")
         self.proc = None
+        self.extra_env = {}  # applied last (pd_bench.py: the real NIXL)
 
     def start(self):
         a = self.args
@@ -151,6 +152,7 @@ class Server:
             env["KVMOVE_METRICS_ADDR"] = f"127.0.0.1:{self.metrics_port}"
             # The stand-in first, then sitecustomize (names kvmove's log lines).
             env["PYTHONPATH"] = os.pathsep.join([a.shim, os.path.join(HERE, "site")])
+        env.update(self.extra_env)
         self.logf = open(self.log_path, "ab")
         self.logf.write(f"\n===== start {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
         self.logf.flush()
@@ -181,8 +183,17 @@ class Server:
     def kill(self):
         self.signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        # The group's children (engine core, worker) go with it.
-        time.sleep(1)
+        self.logf.close()
+        # Until the group's other processes (engine core, worker: they hold
+        # the ports a restart binds) are gone too.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise CheckFailed(f"{self.name}: processes of its group still alive 30 s after SIGKILL")
 
     def stop(self, timeout=90):
         """SIGTERM; returns the seconds it took, SIGKILL after ``timeout``."""
