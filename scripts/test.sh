@@ -33,27 +33,26 @@ cargo test --workspace --no-fail-fast
 step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)"
 scripts/fuzz.sh
 
-if [ -x scripts/rdma-tests.sh ]; then
-  if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
-    echo "RDMA SUITE SKIPPED: SKIP_RDMA=1 (never allowed in CI)"
-  else
-    step "RDMA tests"
-    scripts/rdma-tests.sh
+# A suite that a local run may skip with its SKIP_ variable (never in CI):
+# suite VAR SCRIPT TITLE
+suite() {
+  local var=$1 script=$2 title=$3
+  [ -x "$script" ] || return 0
+  if [ "${!var:-0}" = 1 ] && [ "${CI:-}" != true ]; then
+    echo "$title SKIPPED: $var=1 (never allowed in CI)"
+    return 0
   fi
-fi
+  step "$title"
+  "$script"
+}
+
+suite SKIP_RDMA scripts/rdma-tests.sh "RDMA tests"
 
 if [ -x scripts/python-tests.sh ]; then
   step "Python package tests"
   scripts/python-tests.sh
 fi
 
-if [ -x scripts/vllm-tests.sh ]; then
-  if [ "${SKIP_VLLM:-0}" = 1 ] && [ "${CI:-}" != true ]; then
-    echo "VLLM CHECK SKIPPED: SKIP_VLLM=1 (never allowed in CI)"
-  else
-    step "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)"
-    scripts/vllm-tests.sh
-  fi
-fi
+suite SKIP_VLLM scripts/vllm-tests.sh "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)"
 
 step "all tests passed"
