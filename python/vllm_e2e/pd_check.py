@@ -265,9 +265,10 @@ def decode_with(decode, prompt, params):
 
 def under_load(prefill, decode, victim, ps, ref, workers=4):
     """Prefill/decode requests from ``workers`` threads while ``victim`` is
-    SIGKILLed and restarted. Returns the kill's time, the time the restarted
-    server was ready, and ``(True | error, start, end)`` per request
-    (``True``: tokens equal the reference)."""
+    SIGKILLed and restarted, until ``workers`` requests started after the
+    restart ended. Returns the kill's time, the time the restarted server
+    was ready, and ``(True | error, start, end)`` per request (``True``:
+    tokens equal the reference)."""
     stop = threading.Event()
     results = []
 
@@ -298,7 +299,12 @@ def under_load(prefill, decode, victim, ps, ref, workers=4):
     victim.start()
     victim.wait_ready()
     ready_at = time.monotonic()
-    time.sleep(3)
+    # Until each worker finished a request it started after the restart
+    # (the first ones after a restart take seconds: the restarted server's
+    # first batches, the decode's handshake with the new prefill), or 90 s.
+    deadline = ready_at + 90
+    while time.monotonic() < deadline and sum(1 for r in results if r[1] >= ready_at) < workers:
+        time.sleep(0.2)
     stop.set()
     for t in threads:
         t.join(REQUEST_TIMEOUT)
@@ -459,7 +465,8 @@ def main():
             )
             check(
                 len(after) >= 4 and all(r[0] is True for r in after),
-                f"{victim.name} restarted: {len(after)} requests after it equal the reference"
+                f"{victim.name} restarted: {len(after)} requests after it equal the reference "
+                f"(the first ended {min((r[2] for r in after), default=float('nan')) - ready_at:.1f} s after ready)"
                 + "".join(f"\n  {r[0]}" for r in after if r[0] is not True),
             )
 
