@@ -4,25 +4,15 @@
 #
 #   scripts/peer-bench.sh [ROUNDS]        # default 3 rounds
 #
-# Installs into target/peers-venv (its own virtualenv, so the real
-# `mooncake` package never shadows kvmove's stand-in in the test venv):
-# Mooncake's transfer engine without CUDA (mooncake-transfer-engine-non-cuda),
-# NIXL with UCX (nixl-cu12, --no-deps: it moves host memory without CUDA or
-# torch), numpy, and kvmove's wheel built from this tree. iperf3 on loopback
+# The peers and kvmove's wheel are installed into target/peers-venv by
+# scripts/peers-venv.sh. iperf3 on loopback
 # (installed with apt-get where missing and possible) is the ceiling of a
 # single TCP stream, measured before and after the rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
 V=target/peers-venv
-if [ ! -x "$V/bin/python" ]; then
-    python3 -m venv "$V"
-fi
-"$V/bin/pip" install -q maturin numpy mooncake-transfer-engine-non-cuda
-"$V/bin/pip" install -q --no-deps nixl-cu12
-(cd python && "../$V/bin/maturin" build --release --compatibility linux --skip-auditwheel \
-    -i "../$V/bin/python" -o ../target/peer-wheels >/dev/null)
-"$V/bin/pip" install -q --force-reinstall --no-deps "$(ls -t target/peer-wheels/kvmove-*.whl | head -1)"
+scripts/peers-venv.sh
 
 ceiling() {
     if ! command -v iperf3 >/dev/null; then

@@ -2,13 +2,15 @@
 # Runs every test of the project: formatting, lints, the Rust test suites
 # (unit, conformance over mock and real loopback TCP, etcd against a real
 # server), coverage-guided fuzzing of the TCP server for a bounded time,
-# the RDMA suite (directly on an RDMA device, else in a soft-RoCE VM), and
-# the Python package's tests, and real vLLM servers doing prefill/decode
-# disaggregation over kvmove (scripts/vllm-tests.sh).
+# the RDMA suite (directly on an RDMA device, else in a soft-RoCE VM),
+# the Python package's tests, the same calls on the real Mooncake and NIXL
+# and on kvmove's stand-ins (scripts/compat-diff.sh), and real vLLM servers
+# doing prefill/decode disaggregation over kvmove (scripts/vllm-tests.sh).
 #
 #   scripts/test.sh            # everything
 #   SKIP_RDMA=1 scripts/test.sh  # everything but the RDMA VM (local iteration only)
 #   SKIP_VLLM=1 scripts/test.sh  # everything but the vLLM check (local iteration only)
+#   SKIP_PEERS=1 scripts/test.sh # everything but the real Mooncake / NIXL comparison (local only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +54,8 @@ if [ -x scripts/python-tests.sh ]; then
   step "Python package tests"
   scripts/python-tests.sh
 fi
+
+suite SKIP_PEERS scripts/compat-diff.sh "the same calls on the real Mooncake and NIXL (PyPI) and on kvmove's stand-ins"
 
 suite SKIP_VLLM scripts/vllm-tests.sh "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)"
 

@@ -520,10 +520,14 @@ class _Remote:
     opened to it (on first use), and the courier that does the work that
     may wait on it."""
 
-    def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str):
+    def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str, metadata: bytes):
         self.name = name
         self.session_id = session_id
         self.backend = backend
+        self.metadata = metadata
+        #: The last work with it found it gone (NIXL's disconnected peer):
+        #: ``send_notif`` raises until a transfer reconnects.
+        self.gone = False
         order = sorted(regions)
         self.starts = np.array([a for a, _ in order], dtype=np.uint64)
         self.ends = np.array([a + n for a, n in order], dtype=np.uint64)
@@ -538,7 +542,9 @@ def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np
     if len(starts) == 0:
         return 0
     i = np.searchsorted(starts, addrs, side="right") - 1
-    ok = (i >= 0) & (lens > 0)
+    # A zero-byte range at a region's start, inside it or at its end is
+    # inside (NIXL accepts it; it moves nothing).
+    ok = i >= 0
     j = np.clip(i, 0, len(starts) - 1)
     ok &= addrs + lens <= ends[j]
     ok &= addrs + lens >= addrs  # no wrap-around
@@ -763,37 +769,45 @@ class nixl_agent:
             }
         return _MD_MAGIC + json.dumps(md, separators=(",", ":")).encode()
 
-    def add_remote_agent(self, metadata: bytes) -> str:
+    def add_remote_agent(self, metadata: bytes) -> bytes:
         """Loads a remote agent's metadata (from its ``get_agent_metadata``);
-        returns its name. Loading an agent again replaces what was known
-        (e.g. after it restarted)."""
+        returns its name as ``bytes``, as NIXL does (every method taking an
+        agent name takes ``str`` or ``bytes``). Loading the same metadata
+        again returns the name; other metadata under a loaded name raises
+        ``nixlNotAllowedError`` (``remove_remote_agent`` it first, as NIXL
+        wants); metadata that is not a kvmove agent's raises
+        ``nixlMismatchError``, as NIXL's own for unreadable metadata."""
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise nixlInvalidParamError(f"metadata must be bytes, not {type(metadata).__name__}")
         metadata = bytes(metadata)
         if not metadata.startswith(_MD_MAGIC):
-            raise nixlInvalidParamError("not kvmove NIXL agent metadata (both sides must run kvmove's nixl_agent)")
+            raise nixlMismatchError("not kvmove NIXL agent metadata (both sides must run kvmove's nixl_agent)")
         try:
             md = json.loads(metadata[len(_MD_MAGIC) :])
             name, sid, backend = str(md["name"]), str(md["session_id"]), str(md["backend"])
             regions = [(int(a), int(n)) for a, n in md["regions"]]
         except (ValueError, KeyError, TypeError) as e:
-            raise nixlInvalidParamError(f"malformed agent metadata: {e}") from None
+            raise nixlMismatchError(f"malformed agent metadata: {e}") from None
         with self._lock:
             eng = self._need_engine()
             if backend != eng.backend:
                 raise nixlMismatchError(
                     f"remote agent {name!r} runs kvmove over {backend}, this agent over {eng.backend}"
                 )
-            old = self._remotes.pop(name, None)
-            self._remotes[name] = _Remote(name, sid, regions, backend)
-        if old is not None:
-            old.courier.close()
-            self._close_session(old)
-        return name
+            old = self._remotes.get(name)
+            if old is not None:
+                if old.metadata == metadata:
+                    return name.encode()
+                raise nixlNotAllowedError(
+                    f"agent {name!r} is loaded with other metadata (remove_remote_agent it first: a restarted peer)"
+                )
+            self._remotes[name] = _Remote(name, sid, regions, backend, metadata)
+        return name.encode()
 
     def remove_remote_agent(self, agent: str) -> None:
         """Forgets a remote agent and closes the session to it; transfers
         to it can no longer be made. An unknown name is ignored."""
+        agent = _agent_name(agent)
         with self._lock:
             old = self._remotes.pop(agent, None)
         if old is not None:
@@ -803,6 +817,7 @@ class nixl_agent:
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
         """Whether ``agent``'s metadata was loaded (and, with ``descs``,
         whether every descriptor lies in memory it registered)."""
+        agent = _agent_name(agent)
         with self._lock:
             r = self._remotes.get(agent)
         if r is None:
@@ -828,6 +843,7 @@ class nixl_agent:
         r.courier.submit(connect)
 
     def _remote(self, name: str) -> _Remote:
+        name = _agent_name(name)
         with self._lock:
             r = self._remotes.get(name)
         if r is None:
@@ -850,6 +866,7 @@ class nixl_agent:
             if r.session is None:
                 r.session, s = s, None
             session = r.session
+            r.gone = False
         if s is not None:  # another thread connected meanwhile: keep theirs
             try:
                 s.close()
@@ -878,6 +895,7 @@ class nixl_agent:
         ``nixlNotFoundError``."""
         descs = self.get_xfer_descs(xfer_list, mem_type)
         self._check_backends(backends)
+        agent_name = _agent_name(agent_name)
         if agent_name in (NIXL_INIT_AGENT, ""):
             with self._lock:
                 starts, ends = self._local_bounds()
@@ -890,6 +908,7 @@ class nixl_agent:
         return nixl_prepped_dlist_handle(self, agent_name, descs)
 
     def _check_remote_descs(self, agent_name: str, descs: _DList, what: str) -> None:
+        agent_name = _agent_name(agent_name)
         if agent_name == self.name and agent_name not in self._remotes:
             with self._lock:
                 starts, ends = self._local_bounds()
@@ -905,6 +924,7 @@ class nixl_agent:
 
     def _target(self, agent_name: str) -> str:
         """The session id of a transfer's remote side."""
+        agent_name = _agent_name(agent_name)
         if agent_name == self.name and agent_name not in self._remotes:
             return self._need_engine().session_id
         return self._remote(agent_name).session_id
@@ -977,8 +997,11 @@ class nixl_agent:
         mismatch = np.flatnonzero(ll != rl)
         if len(mismatch):
             i = int(mismatch[0])
-            raise nixlMismatchError(f"descriptor pair {i}: local length {int(ll[i])} != remote length {int(rl[i])}")
+            raise nixlInvalidParamError(
+                f"descriptor pair {i}: local length {int(ll[i])} != remote length {int(rl[i])}"
+            )
         notif = _notif_bytes(notif_msg)
+        remote = _agent_name(remote)
         self._target(remote)  # the remote agent must be known now
         ops = list(zip(la.tolist(), ra.tolist(), ll.tolist()))
         return nixl_xfer_handle(self, op, remote, ops, notif)
@@ -1049,6 +1072,7 @@ class nixl_agent:
         """Drops a session to a peer that went away, so the next transfer
         opens a fresh one (a restarted peer has new keys)."""
         with self._lock:
+            r.gone = True
             if r.session is not session:
                 return
             r.session = None
@@ -1144,7 +1168,7 @@ class nixl_agent:
         the one found is removed from ``self.notifs``."""
         tag = _notif_bytes(lookup_tag)
         self.update_notifs(backends)
-        msgs = self.notifs.get(remote_agent_name, [])
+        msgs = self.notifs.get(_agent_name(remote_agent_name), [])
         for i, m in enumerate(msgs):
             if (m.startswith(tag) if tag_is_prefix else tag in m):
                 del msgs[i]
@@ -1160,11 +1184,16 @@ class nixl_agent:
         operations already wait for a peer that does not answer."""
         if backend is not None:
             self._check_backends([backend])
+        remote_agent_name = _agent_name(remote_agent_name)
         wire = _encode_notif(self.name, _notif_bytes(notif_msg))
         target = self._target(remote_agent_name)
         eng = self._need_engine()
         with self._lock:
             r = self._remotes.get(remote_agent_name)
+        if r is not None and r.gone:
+            raise nixlRemoteDisconnectError(
+                f"agent {remote_agent_name!r} was found gone by the last work with it (a transfer reconnects)"
+            )
 
         def deliver():
             deadline = time.monotonic() + 5.0
@@ -1177,6 +1206,8 @@ class nixl_agent:
                         time.sleep(0.005)
                         continue
                     logger.warning("send_notif to agent %r was not delivered: %s", remote_agent_name, e)
+                    if r is not None and getattr(e, "kind", None) in _PEER_GONE:
+                        r.gone = True
                     return
 
         if r is None:  # this agent itself
@@ -1236,6 +1267,14 @@ def _indices(idx, n: int, what: str) -> np.ndarray:
         bad = int(a[(a < 0) | (a >= n)][0])
         raise nixlInvalidParamError(f"{what}: index {bad} is outside the prepared list of {n} descriptors")
     return a
+
+
+def _agent_name(name) -> str:
+    """An agent name as given: ``str``, or ``bytes`` as ``add_remote_agent``
+    returns it."""
+    if isinstance(name, (bytes, bytearray)):
+        return bytes(name).decode("utf-8", "replace")
+    return name
 
 
 def _notif_bytes(msg) -> bytes:

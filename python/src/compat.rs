@@ -28,6 +28,10 @@ use crate::outcome::{last_error, log, set_last_error};
 /// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
 const OPCODE_READ: i64 = 0;
 const OPCODE_WRITE: i64 = 1;
+/// Mooncake's return code for an address that starts no registered region.
+const ERR_ADDRESS_NOT_REGISTERED: i64 = -3;
+/// Mooncake's return code for memory that overlaps a registered region.
+const ERR_ADDRESS_OVERLAPPED: i64 = -7;
 
 /// First bytes of a Mooncake-style notification on the wire (a plain
 /// rule-11 notification whose message carries the name and the text):
@@ -139,7 +143,8 @@ fn notify_arg(notify: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TransferNoti
 #[pyclass(module = "kvmove._native", name = "TransferEngine", frozen, subclass)]
 pub(crate) struct MooncakeEngine {
     core: Mutex<Option<Arc<Core>>>,
-    batches: Mutex<HashMap<u64, Transfer>>,
+    /// Submitted batches by id; `None`: a batch with nothing to move.
+    batches: Mutex<HashMap<u64, Option<Transfer>>>,
     next_batch: AtomicU64,
     managed: Mutex<HashMap<u64, Buffer>>,
 }
@@ -154,13 +159,29 @@ impl MooncakeEngine {
     /// A registration refused because the memory is not host memory this
     /// process can read (GPU memory) is a deployment mistake a caller may
     /// ignore the return code of (SGLang does): logged at warning level.
+    /// Memory that overlaps a registered region is Mooncake's
+    /// `ERR_ADDRESS_OVERLAPPED` (-7).
     fn registration_code(py: Python<'_>, what: &str, r: Result<()>) -> i64 {
         if let Err(e) = &r {
             if e.kind() == ErrorKind::Unsupported {
                 log(py, "warning", &format!("kvmove TransferEngine.{what} refused: {e}"));
             }
         }
-        Self::code(py, what, r)
+        let overlap = matches!(&r, Err(e) if e.kind() == ErrorKind::AlreadyRegistered);
+        match Self::code(py, what, r) {
+            -1 if overlap => ERR_ADDRESS_OVERLAPPED,
+            rc => rc,
+        }
+    }
+
+    /// An address that starts no registered region is Mooncake's
+    /// `ERR_ADDRESS_NOT_REGISTERED` (-3).
+    fn unregistration_code<T>(py: Python<'_>, what: &str, r: Result<T>) -> i64 {
+        let unknown = matches!(&r, Err(e) if e.kind() == ErrorKind::Unregistered);
+        match Self::code(py, what, r) {
+            -1 if unknown => ERR_ADDRESS_NOT_REGISTERED,
+            rc => rc,
+        }
     }
 
     /// Turns a result into Mooncake's return code, remembering the error.
@@ -184,7 +205,9 @@ impl MooncakeEngine {
         notify: Option<TransferNotify>,
     ) -> i64 {
         let r = self.core().and_then(|core| {
-            let ops = ops?;
+            // A request of zero bytes moves nothing: Mooncake returns 0 for
+            // it, and for a batch of nothing.
+            let ops: Vec<RawOp> = ops?.into_iter().filter(|op| op.len != 0).collect();
             // Checked before anything moves: a notification that cannot be
             // sent fails the call up front.
             let msg = notify.as_ref().map(TransferNotify::encode).transpose()?;
@@ -195,11 +218,16 @@ impl MooncakeEngine {
 
     fn submit_async(&self, py: Python<'_>, target: &str, ops: Result<Vec<RawOp>>) -> Result<u64> {
         let core = self.core()?;
-        let ops = ops?;
+        // Zero-byte requests move nothing (Mooncake completes a batch of
+        // nothing), but the peer must be reachable, as in `sync`.
+        let ops: Vec<RawOp> = ops?.into_iter().filter(|op| op.len != 0).collect();
         let t = py.allow_threads(|| {
             let seg = core.cached_segment(target)?;
+            if ops.is_empty() {
+                return Ok(None);
+            }
             let reqs = core.requests(seg, &ops)?;
-            core.submit(reqs).inspect_err(|e| core.forget_segment_after(target, seg, e))
+            core.submit(reqs).map(Some).inspect_err(|e| core.forget_segment_after(target, seg, e))
         })?;
         let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
         self.batches.lock().insert(id, t);
@@ -211,19 +239,22 @@ impl MooncakeEngine {
 /// With `notify`, the message goes to the target once every request
 /// completed (so after every byte landed: rule 5); a transfer that did not
 /// complete sends nothing.
-fn run_sync(core: &Core, target: &str, ops: &[RawOp], notify: Option<Vec<u8>>) -> Result<TransferOutcome> {
+fn run_sync(core: &Core, target: &str, ops: &[RawOp], notify: Option<Vec<u8>>) -> Result<()> {
+    // Opened also for a call with nothing to move: Mooncake fails one to
+    // a peer it cannot reach.
     let seg = core.cached_segment(target)?;
-    let reqs = core.requests(seg, ops)?;
-    let outcome = core
-        .transfer(reqs)
-        .and_then(TransferOutcome::into_result)
-        .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
+    if !ops.is_empty() {
+        let reqs = core.requests(seg, ops)?;
+        core.transfer(reqs)
+            .and_then(TransferOutcome::into_result)
+            .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
+    }
     if let Some(msg) = notify {
         core.notify_segment(seg, msg, NOTIFY_PATIENCE)
             .map_err(|e| e.with("while", "sending the notification (the data landed)"))
             .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
     }
-    Ok(outcome)
+    Ok(())
 }
 
 fn ops_from(op: Opcode, buffers: &[u64], peers: &[u64], lengths: &[u64]) -> Result<Vec<RawOp>> {
@@ -365,7 +396,7 @@ impl MooncakeEngine {
     /// once no transfer can touch it.
     fn unregister_memory(&self, py: Python<'_>, buffer_addr: u64) -> i64 {
         let r = self.core().and_then(|c| py.allow_threads(|| c.unregister(buffer_addr)));
-        Self::code(py, "unregister_memory", r)
+        Self::unregistration_code(py, "unregister_memory", r)
     }
 
     /// Registers several regions, all or none: the whole batch is checked
@@ -397,7 +428,7 @@ impl MooncakeEngine {
     /// registered (and listed once) before any is unregistered.
     fn batch_unregister_memory(&self, py: Python<'_>, buffer_addresses: Vec<u64>) -> i64 {
         let r = self.core().and_then(|c| py.allow_threads(|| c.unregister_all(&buffer_addresses)));
-        Self::code(py, "batch_unregister_memory", r)
+        Self::unregistration_code(py, "batch_unregister_memory", r)
     }
 
     /// Writes `length` bytes from registered local memory at `buffer` to
@@ -589,7 +620,7 @@ impl MooncakeEngine {
                 let mut map = self.batches.lock();
                 for id in &batch_ids {
                     match map.remove(id) {
-                        Some(t) => transfers.push(t),
+                        Some(t) => transfers.extend(t),
                         None => unknown = Some(*id),
                     }
                 }
@@ -642,6 +673,10 @@ impl MooncakeEngine {
                 "transfer_check_status",
                 Err::<(), _>(Error::new(ErrorKind::InvalidHandle, "unknown batch id").with("batch", batch_id)),
             );
+        };
+        let Some(t) = t else {
+            map.remove(&batch_id);
+            return 1;
         };
         let Some(o) = t.poll() else { return 0 };
         map.remove(&batch_id);
@@ -775,7 +810,7 @@ impl MooncakeEngine {
     fn close(&self, py: Python<'_>) {
         let core = self.core.lock().clone();
         if let Some(core) = core {
-            let batches: Vec<Transfer> = self.batches.lock().drain().map(|(_, t)| t).collect();
+            let batches: Vec<Transfer> = self.batches.lock().drain().filter_map(|(_, t)| t).collect();
             let keep = py.allow_threads(|| {
                 for t in batches {
                     let _ = core.cancel(t);

@@ -227,11 +227,13 @@ impl NativeEngine {
             _ => return Err(to_pyerr(py, &invalid("notify_peer and notify_msg go together"))),
         };
         let core = &self.core;
-        let raw = raw_ops(&ops);
+        // Zero-byte descriptors move nothing (NIXL completes them); a
+        // transfer of nothing but those only sends its notification.
+        let raw: Vec<RawOp> = raw_ops(&ops).into_iter().filter(|o| o.len != 0).collect();
         py_result(
             py,
             py.allow_threads(|| {
-                let reqs = core.requests(SegmentId(segment), &raw)?;
+                let reqs = if raw.is_empty() { Vec::new() } else { core.requests(SegmentId(segment), &raw)? };
                 NixlXfer::start(core, reqs, notify)
             }),
         )

@@ -134,19 +134,26 @@ impl NixlXfer {
                     std::future::pending::<()>().await;
                 }
             };
-            let transfer = tokio::select! {
-                t = engine.submit(requests) => t,
-                () = stopped(stop_rx.clone()) => {
-                    Err(Error::new(ErrorKind::Cancelled, "the transfer was cancelled before the engine accepted it"))
-                }
+            // Every descriptor zero bytes: nothing to move, only the
+            // notification to send (NIXL completes such a transfer).
+            let transfer = if requests.is_empty() {
+                None
+            } else {
+                Some(tokio::select! {
+                    t = engine.submit(requests) => t,
+                    () = stopped(stop_rx.clone()) => {
+                        Err(Error::new(ErrorKind::Cancelled, "the transfer was cancelled before the engine accepted it"))
+                    }
+                })
             };
             reporter.0.post_us.store(micros(started.elapsed()), Ordering::Relaxed);
             let mut r = match transfer {
-                Ok(t) => match t.wait_or_cancel(stopped(stop_rx)).await {
+                None => Ok(()),
+                Some(Ok(t)) => match t.wait_or_cancel(stopped(stop_rx)).await {
                     Ok(o) => o.into_result().map(drop),
                     Err(e) => Err(e),
                 },
-                Err(e) => Err(e),
+                Some(Err(e)) => Err(e),
             };
             if let (Ok(()), Some((peer, msg)), Some(s)) = (&r, notify, sessions) {
                 r = notify_patiently(&s, &peer, msg).await;

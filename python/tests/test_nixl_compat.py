@@ -19,6 +19,7 @@ from kvmove.nixl import (
     nixl_agent_config,
     nixlError,
     nixlInvalidParamError,
+    nixlMismatchError,
     nixlNotAllowedError,
     nixlNotFoundError,
     nixlNotPostedError,
@@ -110,12 +111,15 @@ def test_config_backends_and_metadata():
             bare.get_agent_metadata()
         bare.create_backend("TCP")
         assert bare.get_agent_metadata().startswith(b"KVMOVE-NIXL/1\n")
-        assert a.add_remote_agent(b.get_agent_metadata()) == "sglang"
-        assert a.add_remote_agent(b.get_agent_metadata()) == "sglang", "loading again replaces"
-        assert a.check_remote_metadata("sglang") and not a.check_remote_metadata("nobody")
+        assert a.add_remote_agent(b.get_agent_metadata()) == b"sglang", "bytes, as NIXL"
+        assert a.add_remote_agent(b.get_agent_metadata()) == b"sglang", "the same metadata again: fine"
+        assert a.check_remote_metadata("sglang") and a.check_remote_metadata(b"sglang")
+        assert not a.check_remote_metadata("nobody")
         for junk in (b"", b"{}", b"KVMOVE-NIXL/1\n{", b"KVMOVE-NIXL/1\n{}"):
-            with pytest.raises(nixlInvalidParamError):
+            with pytest.raises(nixlMismatchError):
                 a.add_remote_agent(junk)
+        with pytest.raises(nixlInvalidParamError):
+            a.add_remote_agent("not bytes")
         a.remove_remote_agent("sglang")
         a.remove_remote_agent("sglang")  # unknown: ignored, as NIXL does
         with pytest.raises(nixlNotFoundError):

@@ -70,7 +70,7 @@ def test_vllm_decode_reads_from_prefill(spawn_peer, agents):
     kv = np.zeros(NBYTES, dtype=np.uint8)
     _, local = register_kv(decode, kv)
     name, remote = vllm_handshake(decode, prefill)
-    assert name == prefill.info["name"] and decode.check_remote_metadata(name)
+    assert name == prefill.info["name"].encode() and decode.check_remote_metadata(name)
 
     local_blocks, remote_blocks = [0, 1, 2, 3, 7], [3, 5, 6, 9, 15]
     want = expect_read(kv, 11, local_blocks, remote_blocks)
@@ -186,7 +186,7 @@ def test_bad_descriptors(spawn_peer, agents):
     with pytest.raises(nixlInvalidParamError, match="READ"):
         decode.make_prepped_xfer("COPY", local, [0], remote, [0])
     short = decode.prep_xfer_dlist(name, [(prefill.info["addr"], BLOCK // 2, 0)], "DRAM")
-    with pytest.raises(nixlMismatchError):
+    with pytest.raises(nixlInvalidParamError, match="length"):
         decode.make_prepped_xfer("READ", local, [0], short, [0])
     with pytest.raises(nixlNotSupportedError, match="OBJ"):
         decode.register_memory([(kv.ctypes.data, 16, 0, "")], "OBJ")
