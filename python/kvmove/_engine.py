@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ._metrics import serve_metrics_from_env
 from ._native import NativeEngine, TransferError
@@ -29,18 +29,56 @@ class RequestResult:
         return self.state == "completed"
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """The final report of a batch."""
+_COMPLETED = RequestResult("completed")
 
-    state: str  #: "completed", "failed", "timed_out" or "cancelled"
-    attempts: int  #: backend submissions (1 when nothing was retried)
-    requests: List[RequestResult]
+
+class Outcome:
+    """The final report of a batch. ``ok`` (all completed?) and ``failed``
+    (which did not?) are answered without a Python object per request;
+    ``requests`` makes them on first use."""
+
+    __slots__ = ("state", "attempts", "_count", "_not_done", "_requests")
+
+    def __init__(self, state: str, attempts: int, requests: Sequence[RequestResult]):
+        self.state = state  #: "completed", "failed", "timed_out" or "cancelled"
+        self.attempts = attempts  #: backend submissions (1 when nothing was retried)
+        self._requests: Optional[List[RequestResult]] = list(requests)
+        self._count = len(self._requests)
+        self._not_done = [(i, r.state, r.error) for i, r in enumerate(self._requests) if not r.ok]
 
     @classmethod
     def _from_native(cls, t) -> "Outcome":
-        state, attempts, reqs = t
-        return cls(state, attempts, [RequestResult(s, e) for s, e in reqs])
+        o = cls.__new__(cls)
+        o.state, o.attempts, o._count, o._not_done = t
+        o._requests = None
+        return o
+
+    @property
+    def requests(self) -> List[RequestResult]:
+        """One :class:`RequestResult` per submitted request, in order."""
+        if self._requests is None:
+            reqs = [_COMPLETED] * self._count
+            for i, state, err in self._not_done:
+                reqs[i] = RequestResult(state, err)
+            self._requests = reqs
+        return self._requests
+
+    @property
+    def failed(self) -> List[int]:
+        """Indices of the requests that did not complete (failed, timed
+        out or cancelled), in submission order; empty when ``ok``."""
+        return [i for i, _, _ in self._not_done]
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Outcome):
+            return NotImplemented
+        return (self.state, self.attempts, self.requests) == (other.state, other.attempts, other.requests)
+
+    def __repr__(self) -> str:
+        return f"Outcome(state={self.state!r}, attempts={self.attempts}, requests={self._count}, failed={self.failed})"
 
     @property
     def ok(self) -> bool:
@@ -49,9 +87,9 @@ class Outcome:
     @property
     def error(self) -> Optional[TransferError]:
         """The first request error, if any request failed."""
-        for r in self.requests:
-            if r.error is not None:
-                return r.error
+        for _, _, err in self._not_done:
+            if err is not None:
+                return err
         return None
 
     def raise_for_status(self) -> "Outcome":
@@ -229,14 +267,16 @@ class Session:
     def __repr__(self) -> str:
         return f"Session(peer={self.peer!r}, open={self._open})"
 
-    def _ops(self, ops: Iterable[Op], write: bool):
-        return [(write, int(l), int(r), int(n)) for (l, r, n) in ops]
+    @staticmethod
+    def _ops(ops: Iterable[Op]):
+        # Read in Rust as they are: no Python tuple per request here.
+        return ops if isinstance(ops, (list, tuple)) else list(ops)
 
     def submit(self, ops: Iterable[Op], write: bool = True) -> Batch:
         """Starts a batch of writes (or reads with ``write=False``); each
         request is ``(local_addr, remote_addr, length)``. Waits for room when
         the in-flight budget is full."""
-        return Batch(self._engine._native.submit(self._seg, self._ops(ops, write)))
+        return Batch(self._engine._native.submit_pairs(self._seg, bool(write), self._ops(ops)))
 
     def write(self, local_addr: int, remote_addr: int, length: int) -> Outcome:
         """Writes one range and waits; raises on failure."""
@@ -247,11 +287,11 @@ class Session:
         return self.read_many([(local_addr, remote_addr, length)])
 
     def write_many(self, ops: Iterable[Op]) -> Outcome:
-        t = self._engine._native.transfer(self._seg, self._ops(ops, True))
+        t = self._engine._native.transfer_pairs(self._seg, True, self._ops(ops))
         return Outcome._from_native(t).raise_for_status()
 
     def read_many(self, ops: Iterable[Op]) -> Outcome:
-        t = self._engine._native.transfer(self._seg, self._ops(ops, False))
+        t = self._engine._native.transfer_pairs(self._seg, False, self._ops(ops))
         return Outcome._from_native(t).raise_for_status()
 
     def layerwise(self, write: bool = True) -> LayerwiseTransfer:

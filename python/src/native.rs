@@ -41,6 +41,14 @@ pub(crate) struct NativeEngine {
 /// `(is_write, local_addr, remote_addr, length)` as passed from Python.
 type OpTuple = (bool, u64, u64, u64);
 
+/// `(local_addr, remote_addr, length)`, all of one direction.
+type PairTuple = (u64, u64, u64);
+
+fn raw_pairs(write: bool, ops: &[PairTuple]) -> Vec<RawOp> {
+    let op = if write { Opcode::Write } else { Opcode::Read };
+    ops.iter().map(|&(local_addr, remote_addr, len)| RawOp { op, local_addr, remote_addr, len }).collect()
+}
+
 fn raw_ops(ops: &[OpTuple]) -> Vec<RawOp> {
     ops.iter()
         .map(|&(w, local_addr, remote_addr, len)| RawOp {
@@ -50,6 +58,32 @@ fn raw_ops(ops: &[OpTuple]) -> Vec<RawOp> {
             len,
         })
         .collect()
+}
+
+impl NativeEngine {
+    fn submit_raw(&self, py: Python<'_>, segment: u64, raw: Vec<RawOp>) -> PyResult<NativeBatch> {
+        let core = &self.core;
+        let t = py_result(
+            py,
+            py.allow_threads(|| {
+                let reqs = core.requests(SegmentId(segment), &raw)?;
+                core.submit(reqs)
+            }),
+        )?;
+        Ok(NativeBatch { core: self.core.clone(), slot: Mutex::new(Slot::Running(t)) })
+    }
+
+    fn transfer_raw(&self, py: Python<'_>, segment: u64, raw: Vec<RawOp>) -> PyResult<PyObject> {
+        let core = &self.core;
+        let o = py_result(
+            py,
+            py.allow_threads(|| {
+                let reqs = core.requests(SegmentId(segment), &raw)?;
+                core.transfer(reqs)
+            }),
+        )?;
+        outcome_to_py(py, &o)
+    }
 }
 
 #[pymethods]
@@ -193,19 +227,17 @@ impl NativeEngine {
         py_result(py, py.allow_threads(move || core.close_segment(SegmentId(segment))))
     }
 
-    /// Submits `ops` (`(is_write, local_addr, remote_addr, length)`) on a
-    /// segment; returns a running batch.
-    fn submit(&self, py: Python<'_>, segment: u64, ops: Vec<OpTuple>) -> PyResult<NativeBatch> {
-        let core = self.core.clone();
-        let raw = raw_ops(&ops);
-        let t = py_result(
-            py,
-            py.allow_threads(|| {
-                let reqs = core.requests(SegmentId(segment), &raw)?;
-                core.submit(reqs)
-            }),
-        )?;
-        Ok(NativeBatch { core: self.core.clone(), slot: Mutex::new(Slot::Running(t)) })
+    /// Submits `(local_addr, remote_addr, length)` requests, all writes
+    /// (`write`) or all reads, on a segment; returns a running batch. The
+    /// caller's tuples are read here as they are.
+    fn submit_pairs(&self, py: Python<'_>, segment: u64, write: bool, ops: Vec<PairTuple>) -> PyResult<NativeBatch> {
+        self.submit_raw(py, segment, raw_pairs(write, &ops))
+    }
+
+    /// Submits requests as `submit_pairs` does and waits; returns the
+    /// outcome tuple.
+    fn transfer_pairs(&self, py: Python<'_>, segment: u64, write: bool, ops: Vec<PairTuple>) -> PyResult<PyObject> {
+        self.transfer_raw(py, segment, raw_pairs(write, &ops))
     }
 
     /// NIXL agent: submits `ops` on a segment like `submit`; with
@@ -237,20 +269,6 @@ impl NativeEngine {
                 NixlXfer::start(core, reqs, notify)
             }),
         )
-    }
-
-    /// Submits and waits; returns the outcome tuple.
-    fn transfer(&self, py: Python<'_>, segment: u64, ops: Vec<OpTuple>) -> PyResult<PyObject> {
-        let core = self.core.clone();
-        let raw = raw_ops(&ops);
-        let o = py_result(
-            py,
-            py.allow_threads(|| {
-                let reqs = core.requests(SegmentId(segment), &raw)?;
-                core.transfer(reqs)
-            }),
-        )?;
-        outcome_to_py(py, &o)
     }
 
     /// Copies bytes into registered local memory.

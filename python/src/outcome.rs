@@ -44,22 +44,30 @@ pub(crate) fn state_name(s: BatchState) -> &'static str {
     }
 }
 
-/// `(state, attempts, [(request_state, error_or_None), ...])`.
+/// `(state, attempts, requests, [(index, request_state, error_or_None), ...])`:
+/// only the requests that did not complete are listed, so a batch that
+/// completed costs no Python object per request (`kvmove.Outcome` makes
+/// them on first use of `.requests`).
 pub(crate) fn outcome_to_py(py: Python<'_>, o: &TransferOutcome) -> PyResult<PyObject> {
-    let reqs = PyList::empty(py);
-    for r in &o.requests {
-        let item = match r {
+    let not_done = PyList::empty(py);
+    for (i, r) in o.requests.iter().enumerate() {
+        let (state, err) = match r {
+            RequestStatus::Completed => continue,
             RequestStatus::Pending => ("pending", py.None()),
-            RequestStatus::Completed => ("completed", py.None()),
             RequestStatus::Failed(e) => ("failed", to_pyerr(py, e).into_value(py).into_any()),
             RequestStatus::TimedOut => ("timed_out", py.None()),
             RequestStatus::Cancelled => ("cancelled", py.None()),
         };
-        reqs.append(item)?;
+        not_done.append((i, state, err))?;
     }
     Ok(PyTuple::new(
         py,
-        [state_name(o.state).into_pyobject(py)?.into_any(), o.attempts.into_pyobject(py)?.into_any(), reqs.into_any()],
+        [
+            state_name(o.state).into_pyobject(py)?.into_any(),
+            o.attempts.into_pyobject(py)?.into_any(),
+            o.requests.len().into_pyobject(py)?.into_any(),
+            not_done.into_any(),
+        ],
     )?
     .into_any()
     .unbind())

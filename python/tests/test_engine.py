@@ -235,3 +235,27 @@ def test_interpreter_exit_with_transfers_in_flight(tmp_path):
     )
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "bye" in r.stdout, r.stderr
+
+
+def test_outcome_says_which_requests_failed(pair):
+    """A batch whose middle request is refused by the peer: the outcome
+    answers "all completed?" and "which failed?" (indices), and its per-request
+    results (made on first use) agree; generators of ops are taken too."""
+    prefill, decode = pair
+    src = np.arange(3 * PAGE, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with prefill.register(src) as rs, decode.register(dst) as rd:
+        with prefill.connect(decode.session_id) as s:
+            ops = [(rs.at(0), rd.at(0), PAGE), (rs.at(PAGE), rd.addr + (1 << 30), PAGE), (rs.at(2 * PAGE), rd.at(2 * PAGE), PAGE)]
+            out = s.submit(iter(ops)).wait(check=False)
+            assert not out.ok and out.state == "failed" and len(out) == 3
+            assert out.failed == [1]
+            assert out.error is not None and out.error.kind == "out_of_bounds"
+            assert [r.state for r in out.requests] == ["completed", "failed", "completed"]
+            assert out.requests[1].error.kind == "out_of_bounds" and out.requests is out.requests
+            with pytest.raises(kvmove.TransferError):
+                out.raise_for_status()
+            good = s.write_many(op for i, op in enumerate(ops) if i != 1)
+            assert good.ok and good.failed == [] and len(good) == 2 and all(r.ok for r in good.requests)
+    assert np.array_equal(dst[:PAGE], src[:PAGE]) and np.array_equal(dst[2 * PAGE :], src[2 * PAGE :])
+    assert not dst[PAGE : 2 * PAGE].any(), "the refused request wrote nothing"
