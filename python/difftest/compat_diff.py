@@ -222,10 +222,16 @@ def mooncake_steps(s, phase, info):
                 te, te.batch_transfer_async_write(peer, [base + 18 * PAGE, base], [raddr + 18 * PAGE, raddr], [PAGE, 0]))),  # fmt: skip
             ("submit a zero-byte write and poll it", lambda: poll_mooncake(te, te.transfer_submit_write(peer, base, raddr, 0))),
             ("batch register overlapping a registered range", lambda: te.batch_register_memory([ex, base + PAGE], [PAGE, PAGE])),
+            ("register the first range of that refused batch", lambda: te.register_memory(ex, PAGE)),
+            ("unregister that range", lambda: te.unregister_memory(ex)),
             ("batch unregister an unknown address", lambda: te.batch_unregister_memory([ex + 7])),
             ("write_bytes_to_buffer into registered memory", lambda: te.write_bytes_to_buffer(base + 19 * PAGE, b"abcd", 4)),
             ("read_bytes_from_buffer of registered memory", lambda: te.read_bytes_from_buffer(base + 19 * PAGE, 4)),
             ("managed buffer is non-zero", lambda: managed(te)),
+            ("register zero bytes", lambda: te.register_memory(ex, 0)),
+            ("batch register with mismatched lists", lambda: te.batch_register_memory([ex + 2 * PAGE, ex + 3 * PAGE], [PAGE])),
+            ("batch write with mismatched lists", lambda: te.batch_transfer_sync_write(peer, [base, base], [raddr], [PAGE, PAGE])),
+            ("async batch with mismatched lists", lambda: te.batch_transfer_async_write(peer, [base], [raddr, raddr], [PAGE])),
             ("opcode values", lambda: (int(te.TransferOpcode.Read), int(te.TransferOpcode.Write))),
         ]
     if phase == "dead":
@@ -293,11 +299,11 @@ class NixlSide:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             for k, v in self.agent.get_new_notifs().items():
-                got.setdefault(k if isinstance(k, str) else k.decode(), []).extend(v)
+                got.setdefault(k, []).extend(v)
             if sum(len(v) for v in got.values()) >= 3:
                 break
             time.sleep(0.05)
-        return sorted((k, norm(m)) for k, v in got.items() for m in v)
+        return sorted((norm(k), norm(m)) for k, v in got.items() for m in v)
 
 
 def xfer(s, op, pairs, remote, notif=b""):
@@ -434,6 +440,9 @@ def nixl_steps(s, phase, info):
             ("state of an unposted handle", unposted_state),
             ("prepped write of both descriptors", lambda: prepped([0, 1], [1, 0])),
             ("prepped index out of range", lambda: prepped([0, 2], [0, 1])),
+            ("prepped with more local than remote indices", lambda: prepped([0, 1], [0])),
+            ("prep remote descriptors outside its memory", lambda: a.prep_xfer_dlist(s.remote, [(s.raddr + 2 * SIZE, PAGE, 0)], "DRAM")),
+            ("prep local descriptors in unregistered memory", lambda: a.prep_xfer_dlist("NIXL_INIT_AGENT", [(spare, PAGE, 0)], "DRAM")),
             ("send_notif to the peer", lambda: a.send_notif(s.remote, b"n2")),
             ("send_notif to an unknown agent", lambda: a.send_notif("nobody", b"n3")),
             ("register the same range twice", lambda: reg_again(base, SIZE)),
