@@ -229,9 +229,9 @@ def mooncake_steps(s, phase, info):
             ("read_bytes_from_buffer of registered memory", lambda: te.read_bytes_from_buffer(base + 19 * PAGE, 4)),
             ("managed buffer is non-zero", lambda: managed(te)),
             ("register zero bytes", lambda: te.register_memory(ex, 0)),
-            ("batch register with mismatched lists", lambda: te.batch_register_memory([ex + 2 * PAGE, ex + 3 * PAGE], [PAGE])),
-            ("batch write with mismatched lists", lambda: te.batch_transfer_sync_write(peer, [base, base], [raddr], [PAGE, PAGE])),
-            ("async batch with mismatched lists", lambda: te.batch_transfer_async_write(peer, [base], [raddr, raddr], [PAGE])),
+            # Not here: lists of different lengths. Mooncake does not check
+            # them, and its answer varies between runs (-1, or -7 where it
+            # read a length past the end of the shorter list).
             ("opcode values", lambda: (int(te.TransferOpcode.Read), int(te.TransferOpcode.Write))),
         ]
     if phase == "dead":

@@ -394,6 +394,10 @@ class nixl_xfer_handle:
         self._session = None  # the Session it was posted on
         self._pending = None  # the courier's _Job posting it, until it ran
         self._released = False
+        # Posted, and no call has reported its end yet: as in NIXL, a post
+        # is active until transfer() or check_xfer_state() said "DONE" or
+        # raised, even if it finished in the background meanwhile.
+        self._active = False
 
     def release(self) -> None:
         if self._released:
@@ -1007,8 +1011,9 @@ class nixl_agent:
         return nixl_xfer_handle(self, op, remote, ops, notif)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
-        """Posts the transfer (again, once a previous post finished);
-        returns ``"PROC"`` (or ``"DONE"`` if it already finished).
+        """Posts the transfer (again, once a call reported the previous
+        post's end); returns ``"PROC"``: ``check_xfer_state`` reports the
+        end.
         ``notif_msg`` replaces the handle's notification. A transfer refused
         before anything moved raises (e.g. ``nixlNotFoundError`` for memory
         outside registered ranges, ``nixlRemoteDisconnectError`` for an
@@ -1017,10 +1022,10 @@ class nixl_agent:
             raise nixlInvalidParamError("handle must come from make_prepped_xfer or initialize_xfer")
         if handle._released:
             raise nixlInvalidParamError("the transfer handle was released")
-        if (handle._pending is not None and not handle._pending.done()) or (
-            handle._native is not None and handle._native.state() == "PROC"
-        ):
-            raise nixlRepostActiveError("the transfer is still in progress; wait for DONE before posting it again")
+        if handle._active:
+            raise nixlRepostActiveError(
+                "the transfer's last post was not seen to end; check_xfer_state until DONE before posting it again"
+            )
         handle._pending = None
         notif = _notif_bytes(notif_msg) if notif_msg else handle._notif
         target = self._target(handle.remote_agent)
@@ -1034,12 +1039,17 @@ class nixl_agent:
         if r is None or (r.session is not None and r.courier.idle()):
             # Connected (or loopback): posting does not wait on the peer.
             self._post(handle, r, ops, target, wire)
-            st = handle._native.state()
-            # Failed already: raise as check_xfer_state does.
-            return self.check_xfer_state(handle) if st == "ERR" else st
+            handle._active = True
+            # Failed already: raise as check_xfer_state does. Done already:
+            # still "PROC" (check_xfer_state reports the end), so whether a
+            # post is active never depends on how fast it was.
+            if handle._native.state() == "ERR":
+                return self.check_xfer_state(handle)
+            return "PROC"
         # Not connected yet, or work for this peer still waits: the courier
         # connects and posts, in order, and this call returns at once.
         handle._pending = r.courier.submit(lambda: None if handle._released else self._post(handle, r, ops, target, wire))
+        handle._active = True
         return "PROC"
 
     def _post(self, handle: nixl_xfer_handle, r: Optional[_Remote], ops, target: str, wire) -> None:
@@ -1093,9 +1103,13 @@ class nixl_agent:
                 return "PROC"  # still connecting, or queued behind the peer's other work
             handle._pending = None
             if j.error is not None:
+                handle._active = False
                 raise j.error
         x = self._posted(handle)
         st = x.state()
+        if st == "PROC":
+            return st
+        handle._active = False
         if st != "ERR":
             return st
         e = x.error()

@@ -25,6 +25,7 @@ from kvmove.nixl import (
     nixlNotPostedError,
     nixlNotSupportedError,
     nixlRegDList,
+    nixlRepostActiveError,
     nixlXferDList,
 )
 
@@ -186,6 +187,16 @@ def test_handles_notifications_and_loopback(pair):
     dst[:] = 0
     assert a.transfer(h, b"again") in ("PROC", "DONE")
     assert wait_state(a, h) == "DONE" and np.array_equal(src, dst)
+    # As in NIXL, a post stays active until a call reported its end, even
+    # when it finished in the background meanwhile.
+    if a.transfer(h, b"unseen") == "PROC":
+        deadline = time.monotonic() + 10
+        while h._native.state() == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(nixlRepostActiveError):
+            a.transfer(h)
+        assert a.check_xfer_state(h) == "DONE"
+    assert a.check_remote_xfer_done("A", b"unseen")
     assert a.check_remote_xfer_done("A", b"to my")
     assert a.check_remote_xfer_done("A", b"gai", tag_is_prefix=False)
     assert not a.check_remote_xfer_done("A", b"to my")
