@@ -267,16 +267,25 @@ class Session:
     def __repr__(self) -> str:
         return f"Session(peer={self.peer!r}, open={self._open})"
 
-    @staticmethod
-    def _ops(ops: Iterable[Op]):
-        # Read in Rust as they are: no Python tuple per request here.
-        return ops if isinstance(ops, (list, tuple)) else list(ops)
+    def _call(self, fn, write: bool, ops: Iterable[Op]):
+        """``fn(segment, write, ops)`` with the caller's tuples read in Rust
+        as they are (no Python object per request here); requests that are
+        not tuples (lists, numpy rows) are made tuples of ints first."""
+        ops = ops if isinstance(ops, (list, tuple)) else list(ops)
+        try:
+            return fn(self._seg, write, ops)
+        except TypeError as e:
+            try:
+                rows = [(int(l), int(r), int(n)) for (l, r, n) in ops]
+            except (TypeError, ValueError):
+                raise e from None
+            return fn(self._seg, write, rows)
 
     def submit(self, ops: Iterable[Op], write: bool = True) -> Batch:
         """Starts a batch of writes (or reads with ``write=False``); each
         request is ``(local_addr, remote_addr, length)``. Waits for room when
         the in-flight budget is full."""
-        return Batch(self._engine._native.submit_pairs(self._seg, bool(write), self._ops(ops)))
+        return Batch(self._call(self._engine._native.submit_pairs, bool(write), ops))
 
     def write(self, local_addr: int, remote_addr: int, length: int) -> Outcome:
         """Writes one range and waits; raises on failure."""
@@ -287,11 +296,11 @@ class Session:
         return self.read_many([(local_addr, remote_addr, length)])
 
     def write_many(self, ops: Iterable[Op]) -> Outcome:
-        t = self._engine._native.transfer_pairs(self._seg, True, self._ops(ops))
+        t = self._call(self._engine._native.transfer_pairs, True, ops)
         return Outcome._from_native(t).raise_for_status()
 
     def read_many(self, ops: Iterable[Op]) -> Outcome:
-        t = self._engine._native.transfer_pairs(self._seg, False, self._ops(ops))
+        t = self._call(self._engine._native.transfer_pairs, False, ops)
         return Outcome._from_native(t).raise_for_status()
 
     def layerwise(self, write: bool = True) -> LayerwiseTransfer:

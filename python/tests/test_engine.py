@@ -257,5 +257,10 @@ def test_outcome_says_which_requests_failed(pair):
                 out.raise_for_status()
             good = s.write_many(op for i, op in enumerate(ops) if i != 1)
             assert good.ok and good.failed == [] and len(good) == 2 and all(r.ok for r in good.requests)
+            # Requests as lists or numpy rows are taken too.
+            assert s.write_many([list(ops[0]), list(ops[2])]).ok
+            assert s.write_many(np.array([ops[0], ops[2]], dtype=np.uint64)).ok
+            with pytest.raises(TypeError):
+                s.write_many([("not", "an", "address")])
     assert np.array_equal(dst[:PAGE], src[:PAGE]) and np.array_equal(dst[2 * PAGE :], src[2 * PAGE :])
     assert not dst[PAGE : 2 * PAGE].any(), "the refused request wrote nothing"
