@@ -115,20 +115,31 @@ pub async fn kill_restart_cycles_stay_bounded(cx: Ctx) -> CaseResult {
         let remote = cx.guarded(4096, 10 + cycles)?;
         b.transport.register(remote.region(), Access::REMOTE_RW)?;
         let mut done = false;
-        for round in 0..6 {
+        let mut last = String::new();
+        for round in 0..6u32 {
+            if round > 0 {
+                // Backed off as a caller's policy would (40 ms doubling, 1.2 s
+                // in all): a loaded machine may need that long to bring the
+                // restarted peer's listener up.
+                tokio::time::sleep(Duration::from_millis(20 << round)).await;
+            }
             if round == 3 {
                 // The cached handle did not recover: a fresh one must.
                 seg = open(&p.a, &b.name).await?;
             }
             let req = TransferRequest::write(p.local_id, 0, seg, remote.addr(), 4096);
-            if attempt_with(&t, req, true).await? {
-                done = true;
-                break;
+            match run_batch(&t, vec![req], SubmitOptions::with_timeout(Duration::from_secs(5))).await? {
+                Ok(s) if s.state == BatchState::Completed => {
+                    done = true;
+                    break;
+                }
+                Ok(s) => last = format!("{:?}: {:?}", s.state, s.first_error().map(ToString::to_string)),
+                Err(e) => last = e.to_string(),
             }
             let n = t.stats().endpoints;
             ensure!(n <= bound, "cycle {cycles}: {n} endpoints live, bound {bound} (rule 4)");
         }
-        ensure!(done, "cycle {cycles}: no transfer to the restarted peer completed in 6 attempts");
+        ensure!(done, "cycle {cycles}: no transfer to the restarted peer completed in 6 attempts (the last: {last})");
         let n = t.stats().endpoints;
         ensure!(n <= bound, "cycle {cycles}: {n} endpoints live, bound {bound} (rule 4)");
         cycles += 1;
