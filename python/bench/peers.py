@@ -41,11 +41,12 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+from lineproc import LineProc
 
 SIZE = 64 << 20
 WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
@@ -241,43 +242,11 @@ def serve(system):
             return
 
 
-class Proc:
-    def __init__(self, system):
-        env = dict(os.environ)
-        if system == "nixl-tcp":
-            env["UCX_TLS"] = "tcp"
-        self.p = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", system],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        self.ready = self.read()["ready"]
-
-    def read(self):
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                raise RuntimeError("a peer process exited")
-            if line.startswith("{"):  # NIXL logs to stdout too
-                return json.loads(line)
-
-    def ask(self, **cmd):
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def stop(self):
-        try:
-            self.ask(cmd="quit")
-        except Exception:
-            pass
-        try:
-            self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
+def Proc(system):
+    env = dict(os.environ)
+    if system == "nixl-tcp":
+        env["UCX_TLS"] = "tcp"
+    return LineProc([os.path.abspath(__file__), "--serve", system], env=env)
 
 
 def run_system(system, verify):

@@ -30,13 +30,15 @@ import base64
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from lineproc import LineProc  # noqa: E402
 
 SIZE = 1 << 20
 PAGE = 4096
@@ -510,46 +512,10 @@ def serve(api, real, role):
     os._exit(0)
 
 
-class Proc:
-    def __init__(self, api, real, role):
-        env = dict(os.environ)
-        env["UCX_TLS"] = "tcp"  # NIXL over the network, as kvmove
-        self.p = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", api, "real" if real else "kvmove", role],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if not os.environ.get("COMPAT_DIFF_STDERR") else None,
-            text=True,
-            env=env,
-        )
-        self.ready = self.read()["ready"]
-
-    def read(self):
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                raise RuntimeError(f"process exited with {self.p.wait()}")
-            if line.startswith('{"'):  # NIXL prints a banner of its own
-                return json.loads(line)
-
-    def ask(self, **cmd):
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self.read()
-
-    def kill(self):
-        self.p.send_signal(signal.SIGKILL)
-        self.p.wait()
-
-    def quit(self):
-        try:
-            self.ask(cmd="quit")
-        except (RuntimeError, BrokenPipeError, OSError):
-            pass
-        try:
-            self.p.wait(10)
-        except subprocess.TimeoutExpired:
-            self.kill()
+def Proc(api, real, role):
+    env = dict(os.environ, UCX_TLS="tcp")  # NIXL over the network, as kvmove
+    stderr = None if os.environ.get("COMPAT_DIFF_STDERR") else subprocess.DEVNULL
+    return LineProc([os.path.abspath(__file__), "--serve", api, "real" if real else "kvmove", role], env, stderr)
 
 
 def run_api(api, real):
@@ -572,8 +538,8 @@ def run_api(api, real):
         out.append(("initiator's bytes at the end", init.ask(cmd="digest")["digest"]))
         out.append(("notifications the restarted target got", norm([n for n in target.ask(cmd="notifs")["notifs"]])))
     finally:
-        init.quit()
-        target.quit()
+        init.stop()
+        target.stop()
     return out
 
 

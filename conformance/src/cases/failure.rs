@@ -15,16 +15,6 @@ const LEN: usize = 64 << 10;
 /// The outcome of one transfer attempt: `Ok(true)` completed, `Ok(false)`
 /// failed with a transient error; a permanent error or a hang fails the case.
 async fn attempt(t: &std::sync::Arc<dyn Transport>, req: TransferRequest) -> Result<bool, CaseError> {
-    attempt_with(t, req, false).await
-}
-
-/// [`attempt`]; with `lenient`, a permanent error is a failed attempt too
-/// (a request naming memory the cached descriptor does not know yet).
-async fn attempt_with(
-    t: &std::sync::Arc<dyn Transport>,
-    req: TransferRequest,
-    lenient: bool,
-) -> Result<bool, CaseError> {
     let (state, err) = match run_batch(t, vec![req], SubmitOptions::with_timeout(Duration::from_secs(5))).await? {
         Err(e) => (BatchState::Failed, Some(e)),
         Ok(s) => (s.state, s.first_error().cloned()),
@@ -32,7 +22,7 @@ async fn attempt_with(
     match (state, err) {
         (BatchState::Completed, _) => Ok(true),
         (BatchState::TimedOut, _) => Ok(false),
-        (_, Some(e)) if e.is_transient() || lenient => Ok(false),
+        (_, Some(e)) if e.is_transient() => Ok(false),
         (s, e) => Err(CaseError::Fail(format!(
             "a transfer to a failed or restarted peer must fail with a transient error, got {s:?} {:?}",
             e.map(|e| e.to_string())
