@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._engine import Engine
-from ._native import TransferError, HAS_RDMA
+from ._native import TransferError, HAS_RDMA, NixlOps
 
 logger = logging.getLogger("kvmove.nixl")
 
@@ -134,6 +134,13 @@ class nixlCancelledError(nixlError):
 
 class nixlNoTelemetryError(nixlError):
     pass
+
+
+# Two polls of a transfer closer together than this (seconds) mean the
+# caller spins on it; such a poll waits up to _SPIN_WAIT for the end (the
+# posted transfer's own poll does the same in Rust: NixlXfer.poll).
+_SPIN_GAP = 0.0005
+_SPIN_WAIT = 0.001
 
 
 def _from_kvmove(e: TransferError, doing: str) -> nixlError:
@@ -384,7 +391,7 @@ class nixl_xfer_handle:
     """A transfer request (``make_prepped_xfer`` / ``initialize_xfer``),
     posted by ``transfer``. Releasing one still running cancels it."""
 
-    def __init__(self, agent: "nixl_agent", op: str, remote: str, ops: List[Tuple[int, int, int]], notif: bytes):
+    def __init__(self, agent: "nixl_agent", op: str, remote: str, ops: NixlOps, notif: bytes):
         self._agent = agent
         self.op = op
         self.remote_agent = remote
@@ -393,6 +400,7 @@ class nixl_xfer_handle:
         self._native = None  # the NixlXfer of the last post
         self._session = None  # the Session it was posted on
         self._pending = None  # the courier's _Job posting it, until it ran
+        self._polled = float("-inf")  # when check_xfer_state last saw the job pending
         self._released = False
         # Posted, and no call has reported its end yet: as in NIXL, a post
         # is active until transfer() or check_xfer_state() said "DONE" or
@@ -1007,7 +1015,11 @@ class nixl_agent:
         notif = _notif_bytes(notif_msg)
         remote = _agent_name(remote)
         self._target(remote)  # the remote agent must be known now
-        ops = list(zip(la.tolist(), ra.tolist(), ll.tolist()))
+        words = [np.ascontiguousarray(a, dtype=np.uint64).tobytes() for a in (la, ra, ll)]
+        try:
+            ops = NixlOps(op == "WRITE", *words)
+        except TransferError as e:
+            raise _from_kvmove(e, "preparing the transfer") from e
         return nixl_xfer_handle(self, op, remote, ops, notif)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
@@ -1033,8 +1045,7 @@ class nixl_agent:
         with self._lock:
             r = self._remotes.get(handle.remote_agent)
         wire = _encode_notif(self.name, notif) if notif else None
-        write = handle.op == "WRITE"
-        ops = [(write, local, remote, n) for (local, remote, n) in handle._ops]
+        ops = handle._ops
         handle._native = None
         if r is None or (r.session is not None and r.courier.idle()):
             # Connected (or loopback): posting does not wait on the peer.
@@ -1099,14 +1110,19 @@ class nixl_agent:
         with ``.kind``); its notification was not sent."""
         j = handle._pending if isinstance(handle, nixl_xfer_handle) else None
         if j is not None:
-            if not j.done():
-                return "PROC"  # still connecting, or queued behind the peer's other work
+            # Still connecting, or queued behind the peer's other work. A
+            # caller polling back to back waits a little for the post
+            # instead of spinning (as the posted transfer's poll does).
+            spinning = time.monotonic() - handle._polled < _SPIN_GAP
+            if not (j.done() or spinning and j.wait(_SPIN_WAIT)):
+                handle._polled = time.monotonic()
+                return "PROC"
             handle._pending = None
             if j.error is not None:
                 handle._active = False
                 raise j.error
         x = self._posted(handle)
-        st = x.state()
+        st = x.poll()
         if st == "PROC":
             return st
         handle._active = False

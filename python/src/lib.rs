@@ -59,6 +59,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handoff::NativeHandoff>()?;
     m.add_class::<handoff::NativeSessionWrite>()?;
     m.add_class::<nixl::NixlXfer>()?;
+    m.add_class::<nixl::NixlOps>()?;
     m.add_class::<devmem::PyFakeDevice>()?;
     m.add_function(wrap_pyfunction!(devmem::device_providers, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_snapshot, m)?)?;

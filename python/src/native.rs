@@ -17,7 +17,7 @@ use crate::core::{Core, RawOp};
 use crate::devmem::Want;
 use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, grant_tuple, timeout_arg, GrantTuple, NativeHandoff};
-use crate::nixl::NixlXfer;
+use crate::nixl::{NixlOps, NixlXfer};
 use crate::outcome::outcome_to_py;
 
 /// Parses a JSON policy (keys of the Rust `PolicyConfig`).
@@ -38,9 +38,6 @@ pub(crate) struct NativeEngine {
     core: Arc<Core>,
 }
 
-/// `(is_write, local_addr, remote_addr, length)` as passed from Python.
-type OpTuple = (bool, u64, u64, u64);
-
 /// `(local_addr, remote_addr, length)`, all of one direction.
 type PairTuple = (u64, u64, u64);
 
@@ -49,16 +46,6 @@ fn raw_pairs(write: bool, ops: &[PairTuple]) -> Vec<RawOp> {
     ops.iter().map(|&(local_addr, remote_addr, len)| RawOp { op, local_addr, remote_addr, len }).collect()
 }
 
-fn raw_ops(ops: &[OpTuple]) -> Vec<RawOp> {
-    ops.iter()
-        .map(|&(w, local_addr, remote_addr, len)| RawOp {
-            op: if w { Opcode::Write } else { Opcode::Read },
-            local_addr,
-            remote_addr,
-            len,
-        })
-        .collect()
-}
 
 impl NativeEngine {
     fn submit_raw(&self, py: Python<'_>, segment: u64, raw: Vec<RawOp>) -> PyResult<NativeBatch> {
@@ -240,7 +227,7 @@ impl NativeEngine {
         self.transfer_raw(py, segment, raw_pairs(write, &ops))
     }
 
-    /// NIXL agent: submits `ops` on a segment like `submit`; with
+    /// NIXL agent: submits `ops` (a `NixlOps`) on a segment; with
     /// `notify_peer` and `notify_msg`, the runtime sends the message to that
     /// peer once every request completed (never after a failure). Returns a
     /// `NixlXfer`.
@@ -249,7 +236,7 @@ impl NativeEngine {
         &self,
         py: Python<'_>,
         segment: u64,
-        ops: Vec<OpTuple>,
+        ops: &NixlOps,
         notify_peer: Option<String>,
         notify_msg: Option<Vec<u8>>,
     ) -> PyResult<NixlXfer> {
@@ -259,13 +246,12 @@ impl NativeEngine {
             _ => return Err(to_pyerr(py, &invalid("notify_peer and notify_msg go together"))),
         };
         let core = &self.core;
-        // Zero-byte descriptors move nothing (NIXL completes them); a
-        // transfer of nothing but those only sends its notification.
-        let raw: Vec<RawOp> = raw_ops(&ops).into_iter().filter(|o| o.len != 0).collect();
         py_result(
             py,
             py.allow_threads(|| {
-                let reqs = if raw.is_empty() { Vec::new() } else { core.requests(SegmentId(segment), &raw)? };
+                // A transfer of nothing but zero-byte descriptors only
+                // sends its notification.
+                let reqs = if ops.ops.is_empty() { Vec::new() } else { core.requests(SegmentId(segment), &ops.ops)? };
                 NixlXfer::start(core, reqs, notify)
             }),
         )

@@ -16,11 +16,21 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::prelude::*;
 use tokio::sync::watch;
-use transport_core::{check_notification, Error, ErrorKind, Result, Sessions, TransferRequest};
+use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, Sessions, TransferRequest};
 
-use crate::core::{check_peer_name, Core};
+use crate::core::{check_peer_name, Core, RawOp};
 use crate::errors::to_pyerr;
 use crate::handoff::{bounded, timeout_arg};
+
+/// Two polls of one running transfer closer together than this mean the
+/// caller spins on it (NIXL's callers loop on `check_xfer_state`; with UCX
+/// that loop is the progress engine). Here the engine's threads move the
+/// bytes, and a spinning caller only takes a CPU from them.
+const SPIN_GAP: Duration = Duration::from_micros(500);
+
+/// How long a spinning caller's poll waits (GIL released) for the end
+/// before it answers `"PROC"`; it returns as soon as the transfer ended.
+const SPIN_WAIT: Duration = Duration::from_millis(1);
 
 /// How long the runtime keeps retrying a notification the peer's full
 /// inbox refused (nothing was queued, so a retry cannot duplicate it).
@@ -42,6 +52,9 @@ struct Shared {
     /// How long the engine took to accept the batch, microseconds (0 until
     /// it did).
     post_us: AtomicU64,
+    /// When the caller last polled it running: nanoseconds after `started`
+    /// plus one (0: never).
+    polled: AtomicU64,
 }
 
 impl Shared {
@@ -87,6 +100,61 @@ async fn notify_patiently(sessions: &Sessions, peer: &str, msg: Vec<u8>) -> Resu
     }
 }
 
+/// The descriptor pairs of one NIXL transfer handle, handed to Rust once
+/// when the handle is made (`make_prepped_xfer`, `initialize_xfer`), so a
+/// post costs one call, not a Python loop over descriptors.
+#[pyclass(module = "kvmove._native", name = "NixlOps", frozen)]
+#[derive(Debug)]
+pub(crate) struct NixlOps {
+    /// The pairs that move bytes (zero-length descriptors move nothing:
+    /// NIXL completes them).
+    pub(crate) ops: Vec<RawOp>,
+    /// Descriptors given, zero-length ones included.
+    count: usize,
+}
+
+/// Native-endian `u64`s packed in `b` (numpy's `tobytes()` of a `uint64`
+/// array).
+fn words(b: &[u8], what: &str) -> Result<Vec<u64>> {
+    if !b.len().is_multiple_of(8) {
+        return Err(Error::new(ErrorKind::InvalidRequest, format!("{what}: {} bytes is not a whole number of u64", b.len())));
+    }
+    Ok(b.chunks_exact(8).map(|c| u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
+}
+
+#[pymethods]
+impl NixlOps {
+    /// `local`, `remote`, `lens`: the pairs' local addresses, remote
+    /// addresses and lengths, each packed as native-endian `u64`s, all of
+    /// one count.
+    #[new]
+    fn new(py: Python<'_>, write: bool, local: &[u8], remote: &[u8], lens: &[u8]) -> PyResult<Self> {
+        let r = (|| {
+            let (l, r, n) = (words(local, "local")?, words(remote, "remote")?, words(lens, "lens")?);
+            if l.len() != r.len() || l.len() != n.len() {
+                return Err(Error::new(
+                    ErrorKind::InvalidRequest,
+                    format!("{} local addresses, {} remote addresses, {} lengths", l.len(), r.len(), n.len()),
+                ));
+            }
+            let op = if write { Opcode::Write } else { Opcode::Read };
+            let ops = l
+                .iter()
+                .zip(&r)
+                .zip(&n)
+                .filter(|(_, &len)| len != 0)
+                .map(|((&local_addr, &remote_addr), &len)| RawOp { op, local_addr, remote_addr, len })
+                .collect();
+            Ok(Self { ops, count: l.len() })
+        })();
+        r.map_err(|e| to_pyerr(py, &e))
+    }
+
+    fn __len__(&self) -> usize {
+        self.count
+    }
+}
+
 /// One NIXL transfer: running, or finished with an optional error.
 #[pyclass(module = "kvmove._native", name = "NixlXfer", frozen)]
 #[derive(Debug)]
@@ -124,7 +192,7 @@ impl NixlXfer {
         let descs = requests.len() as u64;
         let start_unix_us = SystemTime::now().duration_since(UNIX_EPOCH).map(micros).unwrap_or(0);
         let started = Instant::now();
-        let shared = Arc::new(Shared { done: watch::channel(None).0, started, post_us: AtomicU64::new(0) });
+        let shared = Arc::new(Shared { done: watch::channel(None).0, started, post_us: AtomicU64::new(0), polled: AtomicU64::new(0) });
         let (stop, stop_rx) = watch::channel(false);
         let reporter = Reporter(shared.clone());
         core.spawn(async move {
@@ -182,6 +250,37 @@ impl NixlXfer {
     /// the notification (if any) is in the peer's inbox, else `"ERR"`.
     fn state(&self) -> &'static str {
         state_of(&self.finished())
+    }
+
+    /// [`NixlXfer::state`] for a caller that polls in a loop: a poll that
+    /// comes within 500 us of this transfer's previous one waits (GIL
+    /// released) up to 1 ms for the end before it answers `"PROC"`, so a
+    /// spinning caller sleeps while the engine's threads move the bytes,
+    /// and learns the end as soon as it comes. A caller that polls now and
+    /// then (once per step) never waits.
+    fn poll(&self, py: Python<'_>) -> &'static str {
+        let st = self.state();
+        if st != "PROC" {
+            return st;
+        }
+        let now = u64::try_from(self.shared.started.elapsed().as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
+        let last = self.shared.polled.swap(now, Ordering::Relaxed);
+        let gap = u64::try_from(SPIN_GAP.as_nanos()).unwrap_or(u64::MAX);
+        if last == 0 || now.saturating_sub(last) >= gap {
+            return st;
+        }
+        let mut rx = self.shared.done.subscribe();
+        py.allow_threads(|| {
+            // Closed engine: the task ended the transfer or is aborted;
+            // the state below says which.
+            let _ = bounded(&self.core, Some(SPIN_WAIT), async move {
+                let _ = rx.wait_for(Option::is_some).await;
+            });
+        });
+        // The wait's own time does not count as the caller's gap.
+        let after = u64::try_from(self.shared.started.elapsed().as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
+        self.shared.polled.store(after, Ordering::Relaxed);
+        self.state()
     }
 
     /// The error of an `"ERR"` transfer (a `kvmove.TransferError`

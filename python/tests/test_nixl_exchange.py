@@ -279,6 +279,65 @@ def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
     decode.release_xfer_handle(h)
 
 
+def spin(agent, h, n=300):
+    """Polls ``h`` ``n`` times back to back: (states seen, wall s, CPU s)."""
+    wall, cpu = time.monotonic(), time.process_time()
+    states = {agent.check_xfer_state(h) for _ in range(n)}
+    return states, time.monotonic() - wall, time.process_time() - cpu
+
+
+def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents):
+    """NIXL's callers loop on ``check_xfer_state`` (with UCX the loop is
+    the progress engine). Here the engine's threads move the bytes, so a
+    caller polling one unfinished transfer back to back is made to wait
+    (GIL released) for its end instead of taking a CPU from them. With the
+    source frozen: 300 polls in a loop cost at least the time of their
+    waits and little CPU, for a transfer posted on a live connection and
+    for one still waiting to connect; polls a step apart answer at once;
+    once the peers run again the loops see DONE and the bytes are right."""
+    connected, unconnected = nixl_peer(spawn_peer), nixl_peer(spawn_peer)
+    for i, p in enumerate((connected, unconnected)):
+        assert p.ask(f"fill {7 + i}") == "ok"
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, connected)
+    first = decode.make_prepped_xfer("READ", local, desc_ids([1]), remote, desc_ids([1]))
+    decode.transfer(first)
+    assert wait_state(decode, first) == "DONE"
+    decode.release_xfer_handle(first)
+    name2, remote2 = vllm_handshake(decode, unconnected)
+    want = expect_read(expect_read(kv, 7, [1, 2], [1, 3]), 8, [4], [5])
+    handles = []
+    connected.pause()
+    unconnected.pause()
+    try:
+        h = decode.make_prepped_xfer("READ", local, desc_ids([2]), remote, desc_ids([3]))
+        h2 = decode.make_prepped_xfer("READ", local, desc_ids([4]), remote2, desc_ids([5]))
+        handles = [h, h2]
+        for x in handles:
+            assert decode.transfer(x) == "PROC"
+        assert h._pending is None and h2._pending is not None  # posted / waiting to connect
+        for x in handles:
+            # Polled now and then, as a serving engine's step does.
+            for _ in range(3):
+                time.sleep(0.05)
+                st, took = timed(lambda: decode.check_xfer_state(x))
+                assert (st, took < AT_ONCE) == ("PROC", True), took
+            states, wall, cpu = spin(decode, x)
+            assert states == {"PROC"}
+            assert wall >= 0.25, f"300 polls of a running transfer took {wall:.4f} s: they did not wait"
+            assert cpu < 0.5 * wall, f"300 polls took {cpu:.3f} s of CPU in {wall:.3f} s: the caller spun"
+    finally:
+        connected.resume()
+        unconnected.resume()
+    for x in handles:
+        st, took = timed(lambda: next(s for s in iter(lambda: decode.check_xfer_state(x), None) if s != "PROC"))
+        assert (st, took < 30) == ("DONE", True), took
+        decode.release_xfer_handle(x)
+    assert np.array_equal(kv, want)
+
+
 def test_work_waiting_for_a_frozen_peer_is_bounded(spawn_peer, agents, monkeypatch):
     """Nothing queues without bound (rule 8): at most ``_Courier.LIMIT``
     operations wait for a peer that does not answer; one more raises at
