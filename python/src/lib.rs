@@ -62,6 +62,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<nixl::NixlOps>()?;
     m.add_class::<devmem::PyFakeDevice>()?;
     m.add_function(wrap_pyfunction!(devmem::device_providers, m)?)?;
+    m.add_function(wrap_pyfunction!(nixl::nixl_desc_rows, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_snapshot, m)?)?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
     m.add("HAS_RDMA", backend::has_rdma())?;

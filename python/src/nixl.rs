@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
 use tokio::sync::watch;
 use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, Sessions, TransferRequest};
 
@@ -27,6 +28,11 @@ use crate::handoff::{bounded, timeout_arg};
 /// that loop is the progress engine). Here the engine's threads move the
 /// bytes, and a spinning caller only takes a CPU from them.
 const SPIN_GAP: Duration = Duration::from_micros(500);
+
+/// A transfer younger than this is polled without waiting: a small one
+/// ends within it, and a caller spinning on it learns the end without a
+/// wake-up (tens of microseconds on a halted vCPU).
+const SPIN_FREE: Duration = Duration::from_micros(250);
 
 /// How long a spinning caller's poll waits (GIL released) for the end
 /// before it answers `"PROC"`; it returns as soon as the transfer ended.
@@ -155,6 +161,39 @@ impl NixlOps {
     }
 }
 
+/// The NIXL agent's descriptor lists, fast path: a list (or tuple) of
+/// `(addr, len, dev_id)` tuples (or lists; `width` 4 allows a fourth item,
+/// the registration's meta string) as `3 x N` native-endian `u64`s, row
+/// after row. `None` for anything else (an item of another shape, a value
+/// that is no non-negative integer below 2^64): the caller's own check then
+/// says what is wrong, so the two never disagree on what is accepted.
+#[pyfunction]
+pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Option<Bound<'py, PyBytes>> {
+    fn item(d: &Bound<'_, PyAny>, width: usize) -> Option<[u64; 3]> {
+        let at = |i: usize| d.get_item(i).ok()?.extract::<u64>().ok();
+        let n = if let Ok(t) = d.downcast::<PyTuple>() {
+            t.len()
+        } else {
+            d.downcast::<PyList>().ok()?.len()
+        };
+        if n != 3 && n != width {
+            return None;
+        }
+        Some([at(0)?, at(1)?, at(2)?])
+    }
+    let n = descs.len().ok()?;
+    if !(descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>()) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(n.checked_mul(24)?);
+    for d in descs.try_iter().ok()? {
+        for v in item(&d.ok()?, width)? {
+            out.extend_from_slice(&v.to_ne_bytes());
+        }
+    }
+    Some(PyBytes::new(descs.py(), &out))
+}
+
 /// One NIXL transfer: running, or finished with an optional error.
 #[pyclass(module = "kvmove._native", name = "NixlXfer", frozen)]
 #[derive(Debug)]
@@ -252,9 +291,10 @@ impl NixlXfer {
         state_of(&self.finished())
     }
 
-    /// [`NixlXfer::state`] for a caller that polls in a loop: a poll that
-    /// comes within 500 us of this transfer's previous one waits (GIL
-    /// released) up to 1 ms for the end before it answers `"PROC"`, so a
+    /// [`NixlXfer::state`] for a caller that polls in a loop: once the
+    /// transfer is 250 us old, a poll that comes within 500 us of its
+    /// previous one waits (GIL released) up to 1 ms for the end before it
+    /// answers `"PROC"`, so a
     /// spinning caller sleeps while the engine's threads move the bytes,
     /// and learns the end as soon as it comes. A caller that polls now and
     /// then (once per step) never waits.
@@ -263,7 +303,11 @@ impl NixlXfer {
         if st != "PROC" {
             return st;
         }
-        let now = u64::try_from(self.shared.started.elapsed().as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
+        let age = self.shared.started.elapsed();
+        if age < SPIN_FREE {
+            return st;
+        }
+        let now = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
         let last = self.shared.polled.swap(now, Ordering::Relaxed);
         let gap = u64::try_from(SPIN_GAP.as_nanos()).unwrap_or(u64::MAX);
         if last == 0 || now.saturating_sub(last) >= gap {

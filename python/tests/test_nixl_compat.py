@@ -170,6 +170,46 @@ def test_descriptor_inputs_and_registration(pair):
         a.deregister_memory(r)
 
 
+def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
+    """Lists of descriptors are read by a Rust fast path; whatever it does
+    not take (another shape, a value that is no integer in range) goes to
+    the checked Python path, so the rows, and the errors, are the same
+    either way."""
+    from kvmove import _native
+    from kvmove.nixl import _rows
+
+    a, _ = pair
+    p = 1 << 40
+    many = [(p + i * 4096, 4096, i % 3) for i in range(1000)]
+    fast = a.get_xfer_descs(many, "DRAM")
+    assert list(fast) == many
+    assert fast == a.get_xfer_descs(np.array(many, dtype=np.uint64), "DRAM")
+    assert list(a.get_xfer_descs([list(d) for d in many[:3]], "DRAM")) == many[:3]
+    numpy_ints = [tuple(np.uint64(v) for v in d) for d in many[:2]]
+    assert list(a.get_xfer_descs(numpy_ints, "DRAM")) == many[:2]
+    assert _native.nixl_desc_rows(numpy_ints, 3) is not None
+    # Taken by the Python path only, with the same result as before.
+    for odd in ([(p, 16.0, 0)], [(p, True, 0)], [(p, "16", 0)]):
+        assert _native.nixl_desc_rows(odd, 3) is None or odd[0][1] is True
+        assert list(a.get_xfer_descs(odd, "DRAM")) == [(p, int(odd[0][1]), 0)]
+    # Refused, by the Python path's own words.
+    for bad, words in (
+        ([(p, 16, 0), (p,)], "descriptor 1 must be a tuple"),
+        ([(p, 16, 0), (p, 16, 0, "m")], "descriptor 1 must be a tuple"),
+        ([(p, -1, 0)], "negative or too large"),
+        ([(2**64, 1, 0)], "negative or too large"),
+        ([(p, None, 0)], "non-integer"),
+        ([(p, 16, 0), 7], "descriptor 1 must be a tuple"),
+    ):
+        assert _native.nixl_desc_rows(bad, 3) is None
+        with pytest.raises(nixlInvalidParamError, match=words):
+            a.get_xfer_descs(bad, "DRAM")
+    # Registration lists may carry a fourth item; transfer lists may not.
+    assert _native.nixl_desc_rows([(p, 16, 0, "meta")], 4) is not None
+    assert list(a.get_reg_descs([(p, 16, 0, "meta")], "DRAM")) == [(p, 16, 0)]
+    assert _rows([(p, 16, 0)], "DRAM", "x", 3)[1].flags.writeable
+
+
 def test_handles_notifications_and_loopback(pair):
     a, b = pair
     src, dst = np.arange(1 << 16, dtype=np.uint32).view(np.uint8), np.zeros(1 << 18, dtype=np.uint8)
