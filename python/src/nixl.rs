@@ -10,14 +10,17 @@
 //! sent for a failed or cancelled batch, and never depends on Python
 //! polling the handle.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use tokio::sync::watch;
-use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, Sessions, TransferRequest};
+use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, Sessions, Transfer, TransferRequest};
 
 use crate::core::{check_peer_name, Core, RawOp};
 use crate::errors::to_pyerr;
@@ -209,9 +212,10 @@ pub(crate) struct NixlXfer {
 impl NixlXfer {
     /// Submits `requests` and, with `notify` = `(peer, msg)`, has the
     /// runtime send `msg` to `peer` once every request completed. Returns
-    /// at once: the submission (which may wait for room in the in-flight
-    /// budget, or for a connection to be rebuilt) is the runtime's, as in
-    /// NIXL, and its refusal ends the transfer in `"ERR"`. Fails here only
+    /// at once: the submission starts on the caller's thread, and whatever
+    /// it would wait for (room in the in-flight budget, a connection being
+    /// rebuilt) is the runtime's, as in NIXL; its refusal ends the transfer
+    /// in `"ERR"`. Not to be called from the runtime's own threads. Fails here only
     /// when the message or peer name is invalid or the engine is closed.
     pub(crate) fn start(
         core: &Arc<Core>,
@@ -234,6 +238,16 @@ impl NixlXfer {
         let shared = Arc::new(Shared { done: watch::channel(None).0, started, post_us: AtomicU64::new(0), polled: AtomicU64::new(0) });
         let (stop, stop_rx) = watch::channel(false);
         let reporter = Reporter(shared.clone());
+        // The submission starts on the caller's thread (a small batch goes
+        // to the wire from here, with no hand-off to a runtime thread);
+        // whatever it would wait for (room in the in-flight budget, a
+        // connection being built) goes on in the runtime.
+        let mut submit: Option<Pin<Box<dyn Future<Output = Result<Transfer>> + Send>>> =
+            (!requests.is_empty()).then(|| Box::pin(async move { engine.submit(requests).await }) as _);
+        let first = match submit.as_mut() {
+            Some(f) => core.block_on(std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx)))),
+            None => Poll::Pending,
+        };
         core.spawn(async move {
             let stopped = |mut rx: watch::Receiver<bool>| async move {
                 if rx.wait_for(|s| *s).await.is_err() {
@@ -243,15 +257,15 @@ impl NixlXfer {
             };
             // Every descriptor zero bytes: nothing to move, only the
             // notification to send (NIXL completes such a transfer).
-            let transfer = if requests.is_empty() {
-                None
-            } else {
-                Some(tokio::select! {
-                    t = engine.submit(requests) => t,
+            let transfer = match (submit, first) {
+                (None, _) => None,
+                (Some(_), Poll::Ready(t)) => Some(t),
+                (Some(f), Poll::Pending) => Some(tokio::select! {
+                    t = f => t,
                     () = stopped(stop_rx.clone()) => {
                         Err(Error::new(ErrorKind::Cancelled, "the transfer was cancelled before the engine accepted it"))
                     }
-                })
+                }),
             };
             reporter.0.post_us.store(micros(started.elapsed()), Ordering::Relaxed);
             let mut r = match transfer {

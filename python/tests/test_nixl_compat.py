@@ -210,6 +210,31 @@ def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
     assert _rows([(p, 16, 0)], "DRAM", "x", 3)[1].flags.writeable
 
 
+def test_bounds_check_of_few_and_many_descriptors_agree():
+    """A few descriptors are checked against the registered regions in
+    plain Python, many with numpy: the same answer for the same ranges."""
+    from kvmove.nixl import _FEW, _uncovered
+
+    rng = np.random.default_rng(5)
+    starts = np.array([1000, 5000, 9000], dtype=np.uint64)
+    ends = np.array([2000, 5000, 2**64 - 1], dtype=np.uint64)  # an empty region, one up to the top
+    edges = [0, 999, 1000, 1500, 1999, 2000, 2001, 4999, 5000, 5001, 8999, 9000, 2**64 - 2, 2**64 - 1]
+    for _ in range(3000):
+        k = int(rng.integers(1, _FEW + 1))
+        addrs = np.array([edges[int(j)] for j in rng.integers(0, len(edges), k)], dtype=np.uint64)
+        lens = np.array([int(x) for x in rng.choice([0, 1, 500, 1000, 2**63], k)], dtype=np.uint64)
+        few = _uncovered(starts, ends, addrs, lens)
+        # The same ranges after enough covered ones to take the numpy path.
+        pad = _FEW + 1
+        many = _uncovered(
+            starts,
+            ends,
+            np.concatenate([np.full(pad, 1000, dtype=np.uint64), addrs]),
+            np.concatenate([np.full(pad, 10, dtype=np.uint64), lens]),
+        )
+        assert (few, many) == (few, -1 if few < 0 else few + pad), (addrs.tolist(), lens.tolist())
+
+
 def test_handles_notifications_and_loopback(pair):
     a, b = pair
     src, dst = np.arange(1 << 16, dtype=np.uint32).view(np.uint8), np.zeros(1 << 18, dtype=np.uint8)
