@@ -46,7 +46,6 @@ fn raw_pairs(write: bool, ops: &[PairTuple]) -> Vec<RawOp> {
     ops.iter().map(|&(local_addr, remote_addr, len)| RawOp { op, local_addr, remote_addr, len }).collect()
 }
 
-
 impl NativeEngine {
     fn submit_raw(&self, py: Python<'_>, segment: u64, raw: Vec<RawOp>) -> PyResult<NativeBatch> {
         let core = &self.core;

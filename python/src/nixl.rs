@@ -13,8 +13,8 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::Poll;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pyo3::prelude::*;
@@ -126,7 +126,10 @@ pub(crate) struct NixlOps {
 /// array).
 fn words(b: &[u8], what: &str) -> Result<Vec<u64>> {
     if !b.len().is_multiple_of(8) {
-        return Err(Error::new(ErrorKind::InvalidRequest, format!("{what}: {} bytes is not a whole number of u64", b.len())));
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("{what}: {} bytes is not a whole number of u64", b.len()),
+        ));
     }
     Ok(b.chunks_exact(8).map(|c| u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
 }
@@ -174,11 +177,7 @@ impl NixlOps {
 pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Option<Bound<'py, PyBytes>> {
     fn item(d: &Bound<'_, PyAny>, width: usize) -> Option<[u64; 3]> {
         let at = |i: usize| d.get_item(i).ok()?.extract::<u64>().ok();
-        let n = if let Ok(t) = d.downcast::<PyTuple>() {
-            t.len()
-        } else {
-            d.downcast::<PyList>().ok()?.len()
-        };
+        let n = if let Ok(t) = d.downcast::<PyTuple>() { t.len() } else { d.downcast::<PyList>().ok()?.len() };
         if n != 3 && n != width {
             return None;
         }
@@ -235,7 +234,12 @@ impl NixlXfer {
         let descs = requests.len() as u64;
         let start_unix_us = SystemTime::now().duration_since(UNIX_EPOCH).map(micros).unwrap_or(0);
         let started = Instant::now();
-        let shared = Arc::new(Shared { done: watch::channel(None).0, started, post_us: AtomicU64::new(0), polled: AtomicU64::new(0) });
+        let shared = Arc::new(Shared {
+            done: watch::channel(None).0,
+            started,
+            post_us: AtomicU64::new(0),
+            polled: AtomicU64::new(0),
+        });
         let (stop, stop_rx) = watch::channel(false);
         let reporter = Reporter(shared.clone());
         // The submission starts on the caller's thread (a small batch goes
