@@ -319,9 +319,9 @@ def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, n
             )
         try:
             a, n, dev = int(d[0]), int(d[1]), int(d[2])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise nixlInvalidParamError(f"{what}: descriptor {i} has a non-integer addr, len or dev_id") from None
-        if a < 0 or n < 0 or dev < 0 or a >= 2**64 or n >= 2**64:
+        if a < 0 or n < 0 or dev < 0 or a >= 2**64 or n >= 2**64 or dev >= 2**64:
             raise nixlInvalidParamError(f"{what}: descriptor {i} has a negative or too large value")
         rows.append((a, n, dev))
     return mt, np.array(rows, dtype=np.uint64).reshape(-1, 3)
@@ -598,6 +598,7 @@ class nixl_agent:
             raise nixlInvalidParamError("agent_name is longer than 1024 bytes")
         self.name = agent_name
         self._lock = threading.RLock()
+        self._last_polled: Optional[int] = None  # id() of the handle check_xfer_state last looked at
         self._engine: Optional[Engine] = None
         self._protocol: Optional[str] = None
         self.backends: Dict[str, int] = {}
@@ -1129,7 +1130,8 @@ class nixl_agent:
             # Still connecting, or queued behind the peer's other work. A
             # caller polling back to back waits a little for the post
             # instead of spinning (as the posted transfer's poll does).
-            spinning = time.monotonic() - handle._polled < _SPIN_GAP
+            same, self._last_polled = self._last_polled == id(handle), id(handle)
+            spinning = same and time.monotonic() - handle._polled < _SPIN_GAP
             if not (j.done() or spinning and j.wait(_SPIN_WAIT)):
                 handle._polled = time.monotonic()
                 return "PROC"
@@ -1138,7 +1140,10 @@ class nixl_agent:
                 handle._active = False
                 raise j.error
         x = self._posted(handle)
-        st = x.poll()
+        # Only a caller polling this same handle back to back may be made
+        # to wait; one going over several handles never is.
+        same, self._last_polled = self._last_polled == id(handle), id(handle)
+        st = x.poll(same)
         if st == "PROC":
             return st
         handle._active = False

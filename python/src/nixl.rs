@@ -177,16 +177,22 @@ impl NixlOps {
 pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Option<Bound<'py, PyBytes>> {
     fn item(d: &Bound<'_, PyAny>, width: usize) -> Option<[u64; 3]> {
         let at = |i: usize| d.get_item(i).ok()?.extract::<u64>().ok();
-        let n = if let Ok(t) = d.downcast::<PyTuple>() { t.len() } else { d.downcast::<PyList>().ok()?.len() };
+        if !(d.is_instance_of::<PyTuple>() || d.is_instance_of::<PyList>()) {
+            return None;
+        }
+        // len(), as Python's check reads it (a subclass may define it).
+        let n = d.len().ok()?;
         if n != 3 && n != width {
             return None;
         }
         Some([at(0)?, at(1)?, at(2)?])
     }
-    let n = descs.len().ok()?;
-    if !(descs.is_instance_of::<PyList>() || descs.is_instance_of::<PyTuple>()) {
-        return None;
-    }
+    // The real item count (a subclass's __len__ could claim any size).
+    let n = match (descs.downcast::<PyList>(), descs.downcast::<PyTuple>()) {
+        (Ok(l), _) => l.len(),
+        (_, Ok(t)) => t.len(),
+        _ => return None,
+    };
     let mut out = Vec::with_capacity(n.checked_mul(24)?);
     for d in descs.try_iter().ok()? {
         for v in item(&d.ok()?, width)? {
@@ -252,6 +258,11 @@ impl NixlXfer {
             Some(f) => core.block_on(std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx)))),
             None => Poll::Pending,
         };
+        if let Poll::Ready(Err(e)) = &first {
+            // Refused at once: the caller's next look says so.
+            shared.post_us.store(micros(started.elapsed()), Ordering::Relaxed);
+            shared.finish(Some(e.clone()));
+        }
         core.spawn(async move {
             let stopped = |mut rx: watch::Receiver<bool>| async move {
                 if rx.wait_for(|s| *s).await.is_err() {
@@ -311,14 +322,16 @@ impl NixlXfer {
 
     /// [`NixlXfer::state`] for a caller that polls in a loop: once the
     /// transfer is 250 us old, a poll that comes within 500 us of its
-    /// previous one waits (GIL released) up to 1 ms for the end before it
-    /// answers `"PROC"`, so a
+    /// previous one, with `may_wait` (the agent's last poll was of this
+    /// same transfer), waits (GIL released) up to 1 ms for the end before
+    /// it answers `"PROC"`, so a
     /// spinning caller sleeps while the engine's threads move the bytes,
-    /// and learns the end as soon as it comes. A caller that polls now and
-    /// then (once per step) never waits.
-    fn poll(&self, py: Python<'_>) -> &'static str {
+    /// and learns the end as soon as it comes. A caller that polls other
+    /// transfers in between (a serving engine's step over its pending
+    /// handles) or polls 500 us apart or more never waits.
+    fn poll(&self, py: Python<'_>, may_wait: bool) -> &'static str {
         let st = self.state();
-        if st != "PROC" {
+        if st != "PROC" || !may_wait {
             return st;
         }
         let age = self.shared.started.elapsed();

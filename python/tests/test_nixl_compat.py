@@ -170,6 +170,20 @@ def test_descriptor_inputs_and_registration(pair):
         a.deregister_memory(r)
 
 
+class Liar(tuple):
+    """A tuple whose len() says something else."""
+
+    def __len__(self):
+        return 5
+
+
+class Huge(list):
+    """A list that claims to be enormous."""
+
+    def __len__(self):
+        return 2**58
+
+
 def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
     """Lists of descriptors are read by a Rust fast path; whatever it does
     not take (another shape, a value that is no integer in range) goes to
@@ -200,10 +214,15 @@ def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
         ([(2**64, 1, 0)], "negative or too large"),
         ([(p, None, 0)], "non-integer"),
         ([(p, 16, 0), 7], "descriptor 1 must be a tuple"),
+        ([(p, 16, 2**64)], "negative or too large"),
+        ([(p, float("inf"), 0)], "non-integer"),
+        ([Liar((p, 16, 0))], "descriptor 0 must be a tuple"),
     ):
         assert _native.nixl_desc_rows(bad, 3) is None
         with pytest.raises(nixlInvalidParamError, match=words):
             a.get_xfer_descs(bad, "DRAM")
+    # What a list claims to hold is not trusted for sizes.
+    assert list(a.get_xfer_descs(Huge(many[:2]), "DRAM")) == many[:2]
     # Registration lists may carry a fourth item; transfer lists may not.
     assert _native.nixl_desc_rows([(p, 16, 0, "meta")], 4) is not None
     assert list(a.get_reg_descs([(p, 16, 0, "meta")], "DRAM")) == [(p, 16, 0)]

@@ -294,7 +294,8 @@ def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents):
     source frozen: 300 polls in a loop cost at least the time of their
     waits and little CPU, for a transfer posted on a live connection and
     for one still waiting to connect; polls a step apart answer at once;
-    once the peers run again the loops see DONE and the bytes are right."""
+    a loop over two handles in turn never waits; once the peers run again
+    the loops see DONE and the bytes are right."""
     connected, unconnected = nixl_peer(spawn_peer), nixl_peer(spawn_peer)
     for i, p in enumerate((connected, unconnected)):
         assert p.ask(f"fill {7 + i}") == "ok"
@@ -328,6 +329,13 @@ def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents):
             assert states == {"PROC"}
             assert wall >= 0.25, f"300 polls of a running transfer took {wall:.4f} s: they did not wait"
             assert cpu < 0.5 * wall, f"300 polls took {cpu:.3f} s of CPU in {wall:.3f} s: the caller spun"
+        # A loop over both handles in turn (as a step over pending
+        # transfers) is never made to wait: far quicker than one handle's.
+        start = time.monotonic()
+        states = {decode.check_xfer_state(handles[k % 2]) for k in range(300)}
+        turns = time.monotonic() - start
+        assert states == {"PROC"}
+        assert turns < 0.5 * wall, f"300 polls over two handles took {turns:.3f} s, over one {wall:.3f} s"
     finally:
         connected.resume()
         unconnected.resume()
