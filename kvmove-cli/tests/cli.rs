@@ -687,7 +687,7 @@ fn initiator_waits_for_a_busy_target_and_gets_through() {
     let icfg = dir.join("initiator.toml");
     std::fs::write(
         &icfg,
-        "[backend.tcp]\nlanes = 1\n[policy.retry]\nmax_attempts = 40\ninitial_backoff_ms = 50\nmax_backoff_ms = 100\n\
+        "[backend.tcp]\nlanes = 1\n[policy.retry]\nmax_attempts = 200\ninitial_backoff_ms = 50\nmax_backoff_ms = 100\n\
          [policy.deadline]\nbase_ms = 30000\n",
     )
     .unwrap();

@@ -67,6 +67,6 @@ fn killed_decode_fails_every_open_session_within_liveness() {
         let failed: usize = r.failed.values().sum();
         assert_eq!(r.landed + failed, r.requests, "every request ended: {:?}", r.failed);
         let slowest = r.slowest_fail_after_kill.unwrap();
-        assert!(slowest <= c.liveness + Duration::from_millis(400), "{slowest:?}");
+        assert!(slowest <= c.liveness + Duration::from_millis(1500), "{slowest:?}");
     });
 }

@@ -29,6 +29,7 @@ from kvmove.nixl import (
     nixlXferDList,
 )
 
+from conftest import wait_until
 from nixlflows import wait_state
 
 HERE = Path(__file__).resolve().parent
@@ -280,7 +281,9 @@ def test_handles_notifications_and_loopback(pair):
         with pytest.raises(nixlRepostActiveError):
             a.transfer(h)
         assert a.check_xfer_state(h) == "DONE"
-    assert a.check_remote_xfer_done("A", b"unseen")
+    # DONE: the message is in the agent's inbox; the engine's reader
+    # hands it to the agent's notifications a moment later.
+    assert wait_until(lambda: a.check_remote_xfer_done("A", b"unseen"), timeout=10)
     assert a.check_remote_xfer_done("A", b"to my")
     assert a.check_remote_xfer_done("A", b"gai", tag_is_prefix=False)
     assert not a.check_remote_xfer_done("A", b"to my")

@@ -80,7 +80,7 @@ fn stalled_batch_times_out_quietly() {
         let f = FaultyTransport::new(p.a.clone(), plan).unwrap();
         // p.write(0..) is stalled (first request); the second goes through.
         p.fabric.stall("b", true).unwrap();
-        let opts = SubmitOptions::with_timeout(Duration::from_millis(150));
+        let opts = SubmitOptions::with_timeout(Duration::from_millis(1000));
         let b = f.submit(vec![p.write(0, 0, 4096), p.write(4096, 4096, LEN as u64 - 4096)], opts).await.unwrap();
         assert_eq!(f.poll(b).unwrap().state, BatchState::InProgress);
         let s = f.wait(b).await.unwrap();

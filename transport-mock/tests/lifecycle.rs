@@ -37,7 +37,7 @@ fn deadline_ends_stalled_work_quietly() {
 #[test]
 fn cancel_with_latency_is_quiet_and_sticky() {
     run(async {
-        let a = MockConfig { latency: Duration::from_millis(300), ..MockConfig::named("a") };
+        let a = MockConfig { latency: Duration::from_millis(1000), ..MockConfig::named("a") };
         let p = Pair::new(LEN, a, MockConfig::named("b")).await;
         let b =
             p.a.submit(vec![p.write(0, 0, 4096), p.write(4096, 4096, 4096)], SubmitOptions::default()).await.unwrap();

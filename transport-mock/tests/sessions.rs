@@ -132,7 +132,7 @@ fn receiver_killed_fails_sender_within_liveness() {
         fabric.kill("d").unwrap();
         let st = p.s.wait(&ks).await.unwrap();
         assert!(matches!(st, SessionState::Failed(ref e) if e.kind() == ErrorKind::PeerUnavailable), "{st:?}");
-        assert!(start.elapsed() < Duration::from_millis(1000), "{:?}", start.elapsed());
+        assert!(start.elapsed() < Duration::from_millis(2000), "{:?}", start.elapsed());
         drop(d);
     });
 }

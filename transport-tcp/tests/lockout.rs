@@ -368,7 +368,7 @@ async fn flood_and_connect(addrs: u8, same: bool) -> (usize, usize) {
             tokio::time::sleep(Duration::from_millis(500)).await;
             let a = support::node(TcpConfig { secret: Some(SECRET.into()), ..support::test_config() }).await;
             let start = Instant::now();
-            match try_legit_write(&a, &b, &dst, Duration::from_secs(4)).await {
+            match try_legit_write(&a, &b, &dst, Duration::from_secs(10)).await {
                 Ok(_) => {
                     ok += 1;
                     slowest = slowest.max(start.elapsed());

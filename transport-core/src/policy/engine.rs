@@ -37,7 +37,8 @@ use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, Segment
 ///   probe (the next open or transfer) goes through and closes the breaker
 ///   if it succeeds. Meanwhile a background prober asks the peer
 ///   ([`Engine::probe`]) 20 ms after the breaker opened, then at doubling
-///   intervals up to the cool-down (at most `PROBER_TRIES` times), and
+///   intervals up to a quarter of the cool-down, at most 1 s (at most
+///   `PROBER_TRIES` times), and
 ///   closes the breaker as soon as the peer answers: work to a peer that
 ///   came back flows again within about one probe interval, not one
 ///   cool-down.
@@ -94,8 +95,17 @@ struct Inner {
 /// The background prober's first wait after a breaker opens.
 const PROBER_FIRST: Duration = Duration::from_millis(20);
 /// Probes a background prober makes before it leaves the breaker to its
-/// cool-down (about a minute at the default 2 s cool-down).
+/// cool-down (about 20 s at the default 2 s cool-down).
 const PROBER_TRIES: u32 = 40;
+/// The longest wait between a background prober's probes.
+const PROBER_MAX_WAIT: Duration = Duration::from_secs(1);
+
+/// The prober's longest wait for a breaker with `cooldown`: a quarter of
+/// it, at most [`PROBER_MAX_WAIT`], so a peer that comes back is found
+/// within a fraction of the cool-down however long it was away.
+fn prober_cap(cooldown: Duration) -> Duration {
+    (cooldown / 4).clamp(PROBER_FIRST, PROBER_MAX_WAIT)
+}
 /// Longest a probe's read may take.
 const PROBE_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -810,7 +820,7 @@ impl Inner {
                     Err(e) if e.kind() == ErrorKind::Shutdown => break,
                     Err(_) => {}
                 }
-                wait = (wait * 2).min(me.cfg.breaker.cooldown.max(PROBER_FIRST));
+                wait = (wait * 2).min(prober_cap(me.cfg.breaker.cooldown));
             }
             if let Some(me) = weak.upgrade() {
                 me.probers.lock().remove(&peer);
@@ -1057,5 +1067,18 @@ impl Driver {
                 self.inner.record(&self.peers[p], v);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prober_waits_at_most_a_quarter_of_the_cool_down_and_one_second() {
+        assert_eq!(prober_cap(Duration::from_secs(2)), Duration::from_millis(500));
+        assert_eq!(prober_cap(Duration::from_secs(60)), PROBER_MAX_WAIT);
+        assert_eq!(prober_cap(Duration::from_millis(10)), PROBER_FIRST);
+        assert_eq!(prober_cap(Duration::ZERO), PROBER_FIRST);
     }
 }
