@@ -18,8 +18,6 @@ step() { printf '\n==> %s\n' "$*"; }
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
-# The Python bindings are a crate outside the workspace: --all misses them.
-(cd python && cargo fmt -- --check)
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
