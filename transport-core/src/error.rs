@@ -291,7 +291,7 @@ impl From<transport_mem::MemError> for Error {
             OutOfBounds { .. } | BadRange { .. } => ErrorKind::OutOfBounds,
             ZeroLength | NotDeviceMemory { .. } => ErrorKind::InvalidRequest,
             AllocFailed { .. } => ErrorKind::ResourceExhausted,
-            DeviceCopy { .. } => ErrorKind::Io,
+            DeviceCopy { .. } | ProcessCopy { .. } => ErrorKind::Io,
         };
         Error::new(kind, e.to_string())
     }

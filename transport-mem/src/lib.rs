@@ -26,6 +26,7 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+pub mod cma;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;

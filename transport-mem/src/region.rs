@@ -29,6 +29,11 @@ pub enum MemError {
     /// The device provider failed a copy to or from device memory.
     #[error("a copy to or from device {device} failed: {why}")]
     DeviceCopy { device: u32, why: String },
+    /// A same-host copy from another process's memory (`pull_at`) failed:
+    /// the process is gone, the address is not mapped there, or the kernel
+    /// refused the access.
+    #[error("a same-host copy from process {pid} failed: {why}")]
+    ProcessCopy { pid: u32, why: String },
 }
 
 /// A contiguous range of memory the engine may copy into and out of.

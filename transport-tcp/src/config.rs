@@ -148,6 +148,16 @@ pub struct TcpConfig {
     /// 250 ms.
     #[serde(with = "transport_core::serde_ms")]
     pub drain_timeout: Duration,
+    /// Same-host copies: when a peer is a process of this host that this
+    /// one may read and that may read this one (Linux cross-memory attach,
+    /// `process_vm_readv`: same user, or ptrace rights), the bytes of its
+    /// lanes move by one kernel copy from process to process instead of
+    /// through the sockets, which still carry the requests and answers.
+    /// Each side copies only into its own memory, after its own checks.
+    /// Offered by both ends of a lane and used where both agree and the
+    /// check of the peer's identity passes; otherwise the lane carries
+    /// the bytes itself, as it does with this set to false. Default true.
+    pub same_host: bool,
 }
 
 impl Default for TcpConfig {
@@ -175,6 +185,7 @@ impl Default for TcpConfig {
             server_idle_timeout: Duration::from_secs(300),
             inbox_capacity: transport_core::DEFAULT_INBOX,
             drain_timeout: Duration::from_millis(250),
+            same_host: true,
         }
     }
 }

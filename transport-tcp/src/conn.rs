@@ -10,6 +10,7 @@ use transport_core::{Error, ErrorKind, Result};
 
 use crate::auth::{self, Role};
 use crate::config::TcpConfig;
+use crate::samehost::{self, SameHost};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
 
 /// Names the socket option and its allowed values in an OS error, which
@@ -68,6 +69,7 @@ pub(crate) fn status_err(s: Status, peer: &str) -> Error {
         Status::Busy => (ErrorKind::ConnectionRefused, "the peer is busy (at its connection limit or shutting down)"),
         Status::Protocol => (ErrorKind::Protocol, "the peer could not parse our frames"),
         Status::DeviceCopy => (ErrorKind::Io, "the peer could not copy to or from its device memory"),
+        Status::SourceCopy => (ErrorKind::Io, "the peer could not copy the bytes from this process's memory"),
     };
     Error::new(kind, msg).with("peer", peer)
 }
@@ -104,6 +106,8 @@ pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
 #[derive(Debug, Clone)]
 pub(crate) struct Hello {
     pub generation: u64,
+    /// What the lane may move by same-host copies.
+    pub same_host: SameHost,
 }
 
 /// Connects one lane: TCP connect, options, handshake (version, optional
@@ -137,11 +141,19 @@ pub(crate) async fn connect(addr: SocketAddr, cfg: &TcpConfig, peer: &str) -> Re
 
 async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hello> {
     let io = |e: std::io::Error| Error::from(e).with("peer", peer);
-    let cn = auth::nonce();
+    // Boxed: with a same-host offer the server reads it from this
+    // process's memory (at this address) before it answers.
+    let cn = Box::new(auth::nonce());
     let mut hello = Vec::with_capacity(2 + NONCE_LEN);
     hello.extend_from_slice(&VERSION.to_le_bytes());
-    hello.extend_from_slice(&cn);
-    write_frame(s, Header::new(FrameType::Hello), &hello).await.map_err(io)?;
+    hello.extend_from_slice(&cn[..]);
+    let mut hh = Header::new(FrameType::Hello);
+    if cfg.same_host {
+        hh.flags = proto::SAME_HOST;
+        hh.addr = u64::from(samehost::my_pid());
+        hh.len = cn.as_ptr() as u64;
+    }
+    write_frame(s, hh, &hello).await.map_err(io)?;
     let (h, sn) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(handshake_kind)?;
     if h.ty == FrameType::Error {
         return Err(status_err(h.status, peer));
@@ -150,8 +162,9 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
         return Err(Error::new(ErrorKind::HandshakeFailed, "expected CHALLENGE").with("peer", peer));
     }
     let auth_required = h.flags & 1 != 0;
+    let same_host = if cfg.same_host { check_server(s, &h, &sn) } else { SameHost::default() };
     let proof = match (&cfg.secret, auth_required) {
-        (Some(k), true) => auth::prove(k.as_bytes(), Role::Client, &cn, &sn),
+        (Some(k), true) => auth::prove(k.as_bytes(), Role::Client, &cn[..], &sn),
         (None, true) => {
             return Err(Error::new(ErrorKind::AuthFailed, "the peer requires a shared secret and none is configured")
                 .with("peer", peer))
@@ -176,13 +189,34 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     if let Some(k) = &cfg.secret {
         // With a secret configured we require the server to prove it too,
         // so an impostor listening on the address is never sent data.
-        if !auth_required || !auth::verify(k.as_bytes(), Role::Server, &cn, &sn, &server_proof) {
+        if !auth_required || !auth::verify(k.as_bytes(), Role::Server, &cn[..], &sn, &server_proof) {
             return Err(
                 Error::new(ErrorKind::AuthFailed, "the peer did not prove the shared secret").with("peer", peer)
             );
         }
     }
-    Ok(Hello { generation: h.generation })
+    Ok(Hello { generation: h.generation, same_host })
+}
+
+/// What a CHALLENGE allows by same-host copies: writes if the server
+/// verified this process; reads if the server offered its own process and
+/// it passes the same checks here (it holds the other end of this socket,
+/// and its memory has the nonce it sent at the address it named).
+fn check_server(s: &TcpStream, h: &Header, sn: &[u8]) -> SameHost {
+    let mut same = SameHost { writes: h.flags & proto::PULL_WRITES != 0, read_from: None };
+    if h.flags & proto::SAME_HOST != 0 {
+        if let (Ok(pid), Ok(mine), Ok(theirs)) = (u32::try_from(h.addr), s.local_addr(), s.peer_addr()) {
+            if samehost::may_be_local(theirs, mine)
+                && samehost::holds_socket(pid, theirs, mine)
+                && samehost::probe(pid, h.len, sn)
+            {
+                same.read_from = Some(pid);
+            } else {
+                tracing::info!(peer = %theirs, pid, "the peer's same-host offer did not pass the checks: its reads go through the socket");
+            }
+        }
+    }
+    same
 }
 
 fn handshake_kind(e: Error) -> Error {

@@ -25,6 +25,7 @@ use crate::batch::Batch;
 use crate::config::TcpConfig;
 use crate::pool::{Slots, Use};
 use crate::proto::WireRegion;
+use crate::samehost::SameHost;
 
 /// What every endpoint of one transport shares: the configuration, the
 /// counted tasks, the socket count and the request id source.
@@ -34,6 +35,9 @@ pub(crate) struct Env {
     pub tasks: TaskSet,
     /// Client sockets (lanes) open, for `stats().endpoint_lanes`.
     pub lanes: AtomicUsize,
+    /// Bytes this side's requests moved by same-host copies (answered
+    /// writes the peer copied, reads copied here).
+    pub same_host_bytes: AtomicU64,
     /// Request ids: unique per transport, never reused, so a late answer
     /// can never be taken for another slice's.
     next_id: AtomicU64,
@@ -41,7 +45,13 @@ pub(crate) struct Env {
 
 impl Env {
     pub fn new(cfg: Arc<TcpConfig>, tasks: TaskSet) -> Arc<Self> {
-        Arc::new(Self { cfg, tasks, lanes: AtomicUsize::new(0), next_id: AtomicU64::new(1) })
+        Arc::new(Self {
+            cfg,
+            tasks,
+            lanes: AtomicUsize::new(0),
+            same_host_bytes: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+        })
     }
 
     pub fn next_id(&self) -> u64 {
@@ -103,6 +113,10 @@ pub(crate) struct Slice {
     pub len: u64,
     pub local_off: u64,
     pub op: Opcode,
+    /// Its address in the peer (a same-host READ copies from there).
+    pub remote: u64,
+    /// Sent as a same-host copy (no payload either way).
+    pub same_host: bool,
     /// Keeps the endpoint counted as in use until the slice ends.
     pub _using: EndpointUse,
 }
@@ -149,6 +163,8 @@ pub(crate) struct Pending {
 pub(crate) struct Lane {
     pub pending: Mutex<Pending>,
     pub window: Semaphore,
+    /// What this lane moves by same-host copies (agreed at its handshake).
+    pub same_host: SameHost,
     /// The lane's sending side. Whoever holds it is the only one putting
     /// bytes on the socket: the writer task (across its writes), or a
     /// submit sending small work at once (`lane::send_now`, without
@@ -205,6 +221,7 @@ impl Endpoint {
         name: &str,
         addr: SocketAddr,
         peer: (u64, Vec<WireRegion>),
+        same_host: &[SameHost],
         env: Arc<Env>,
         slots: Weak<EndpointSlots>,
     ) -> Arc<Self> {
@@ -216,9 +233,10 @@ impl Endpoint {
             generation: peer.0,
             regions: peer.1,
             lanes: (0..lanes)
-                .map(|_| Lane {
+                .map(|i| Lane {
                     pending: Mutex::new(Pending::default()),
                     window: Semaphore::new(window),
+                    same_host: same_host.get(i).copied().unwrap_or_default(),
                     out: Arc::default(),
                 })
                 .collect(),

@@ -30,7 +30,7 @@ use transport_core::{inbox_full, Error, ErrorKind, Opcode, Result};
 use crate::batch::Batch;
 use crate::conn::{self, read_header, status_err};
 use crate::endpoint::{Endpoint, EndpointSlots, Env, Item, Lane, LaneOut, Next, Note, SentNote, Slice, Work};
-use crate::proto::{FrameType, Header, Status, HEADER_LEN};
+use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
 
 /// Bytes a writer gathers before one `write` when slices are small.
 const COALESCE: usize = 256 << 10;
@@ -52,8 +52,10 @@ pub(crate) async fn connect(
     let mut streams = Vec::with_capacity(cfg.lanes);
     let mut generation = 0;
     let mut regions = Vec::new();
+    let mut same_host = Vec::with_capacity(cfg.lanes);
     for i in 0..cfg.lanes {
         let (mut s, hello) = conn::connect(addr, cfg, name).await?;
+        same_host.push(hello.same_host);
         if i == 0 {
             let (g, r) = conn::fetch_regions(&mut s, cfg, env.next_id(), name).await?;
             if g != hello.generation {
@@ -69,7 +71,19 @@ pub(crate) async fn connect(
         }
         streams.push(s);
     }
-    let ep = Endpoint::new(id, name, addr, (generation, regions), env.clone(), slots);
+    let agreed = same_host.iter().filter(|s| s.writes && s.read_from.is_some()).count();
+    if cfg.same_host {
+        tracing::info!(
+            peer = name,
+            lanes = same_host.len(),
+            same_host_lanes = agreed,
+            "endpoint connected ({})",
+            if agreed == same_host.len() { "same-host copies" } else if agreed == 0 { "bytes over the sockets" } else { "mixed" }
+        );
+    }
+    metrics::counter!("kvmove_tcp_lanes_total", "path" => "same_host").increment(agreed as u64);
+    metrics::counter!("kvmove_tcp_lanes_total", "path" => "socket").increment((same_host.len() - agreed) as u64);
+    let ep = Endpoint::new(id, name, addr, (generation, regions), &same_host, env.clone(), slots);
     env.lanes.fetch_add(streams.len(), std::sync::atomic::Ordering::Relaxed);
     let mut readers = Vec::with_capacity(streams.len());
     for (lane, s) in ep.lanes.iter().zip(streams) {
@@ -124,6 +138,28 @@ fn copy_in(batch: &Batch, i: usize, off: u64, src: &[u8]) -> Result<()> {
     }
 }
 
+/// Copies `len` bytes at `remote` in process `pid` into request `i`'s
+/// local region at `off` (a same-host READ).
+fn pull_in(batch: &Batch, i: usize, off: u64, len: u64, (pid, remote): (u32, u64)) -> Result<()> {
+    let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
+    let (Ok(off), Ok(len)) = (usize::try_from(off), usize::try_from(len)) else {
+        return Err(Error::new(ErrorKind::OutOfBounds, "local range too large"));
+    };
+    match region.with_live(|m| m.pull_at(off, len, pid, remote)) {
+        Some(r) => r.map_err(Error::from),
+        None => Err(Error::region_unregistered(region.id)),
+    }
+}
+
+/// Whether request `i`'s slice goes as a same-host copy on `lane`: the
+/// lane agreed to it for this operation and the local region is host
+/// memory (device memory is staged through the socket path).
+fn same_host_slice(ep: &Endpoint, lane: usize, batch: &Batch, i: usize, write: bool) -> bool {
+    let agreed = ep.lanes[lane].same_host;
+    let ok = if write { agreed.writes } else { agreed.read_from.is_some() };
+    ok && batch.locals.get(i).is_some_and(|r| r.mem.provider().is_none())
+}
+
 /// Puts one slice's frame into `buf[*used..]` and records it as
 /// outstanding on `lane`. A WRITE larger than [`STREAM`] gets only its
 /// header here: its payload is streamed by the writer in chunks, so the
@@ -139,7 +175,8 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
     };
     let id = ep.env.next_id();
     let write = req.op == Opcode::Write;
-    let stream = write && len > STREAM as u64;
+    let same = same_host_slice(ep, lane, &batch, i, write);
+    let stream = write && !same && len > STREAM as u64;
     {
         // Started and recorded as outstanding under the lane's lock, so
         // whoever quiets an ended request sees every started slice.
@@ -154,34 +191,48 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
             drop(p);
             return Staged::NotLive(batch, i);
         }
-        p.map.insert(id, Slice { batch: batch.clone(), req: i, len, local_off, op: req.op, _using: using });
+        let slice = Slice { batch: batch.clone(), req: i, len, local_off, op: req.op, remote: addr, same_host: same, _using: using };
+        p.map.insert(id, slice);
         if stream {
             p.streaming = Some(id);
         }
     }
-    // A slice is at most `slice_size` (<= 64 MiB) bytes.
-    let inline = if write && !stream { len as usize } else { 0 };
+    // A slice is at most `slice_size` (<= 64 MiB) bytes; a same-host
+    // WRITE carries the address of its bytes here instead.
+    let inline = match (write, same) {
+        (true, true) => 8,
+        (true, false) if !stream => len as usize,
+        _ => 0,
+    };
     let start = *used;
     let frame_len = HEADER_LEN + inline;
     if buf.len() < start + frame_len {
         buf.resize(start + frame_len, 0);
     }
-    if inline > 0 {
-        if let Err(e) = copy_out(&batch, i, local_off, &mut buf[start + HEADER_LEN..start + frame_len]) {
-            let s = ep.lanes[lane].pending.lock().map.remove(&id);
-            if let Some(s) = s {
-                s.batch.slice_done(s.req, Err(e));
-            }
-            return Staged::Skipped;
+    let filled = if write && same {
+        source_addr(&batch, i, local_off).map(|a| buf[start + HEADER_LEN..start + frame_len].copy_from_slice(&a.to_le_bytes()))
+    } else if inline > 0 {
+        copy_out(&batch, i, local_off, &mut buf[start + HEADER_LEN..start + frame_len])
+    } else {
+        Ok(())
+    };
+    if let Err(e) = filled {
+        let s = ep.lanes[lane].pending.lock().map.remove(&id);
+        if let Some(s) = s {
+            s.batch.slice_done(s.req, Err(e));
         }
+        return Staged::Skipped;
     }
     let mut h = Header::new(if write { FrameType::Write } else { FrameType::Read });
     h.id = id;
     h.addr = addr;
     h.len = len;
     h.generation = generation;
+    if same {
+        h.flags = crate::proto::SAME_HOST;
+    }
     if write {
-        h.payload_len = len as u32;
+        h.payload_len = if same { inline as u32 } else { len as u32 };
     }
     buf[start..start + HEADER_LEN].copy_from_slice(&h.encode());
     *used = start + frame_len;
@@ -190,6 +241,17 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
     } else {
         Staged::Inline
     }
+}
+
+/// The address in this process of request `i`'s local bytes at `off`,
+/// for a same-host WRITE (the peer copies them from there): the region
+/// must still be registered.
+fn source_addr(batch: &Batch, i: usize, off: u64) -> Result<u64> {
+    let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
+    region
+        .with_live(|m| m.addr().checked_add(off))
+        .ok_or_else(|| Error::region_unregistered(region.id))?
+        .ok_or_else(|| Error::new(ErrorKind::OutOfBounds, "local offset overflows"))
 }
 
 /// Puts one NOTIFY frame into `buf[*used..]` and records the note as
@@ -488,13 +550,18 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
                 let err = Error::new(ErrorKind::Protocol, "answer to a WRITE before its payload was sent");
                 return ep.broke(err.with("peer", &peer));
             }
-            if n == 0 {
-                p.map.remove(&h.id).map(|s| (s.batch.clone(), s.req, s.local_off, s.len, s.op, Some(s)))
+            // A same-host READ's answer brings no payload, but the bytes
+            // are copied into local memory below: the slice stays in the
+            // map until then, as for a payload.
+            let copies = h.ty == FrameType::ReadResp && h.flags & SAME_HOST != 0 && h.status == Status::Ok;
+            let info = |s: &Slice| (s.batch.clone(), s.req, s.local_off, s.len, s.op, (s.same_host, s.remote));
+            if n == 0 && !copies {
+                p.map.remove(&h.id).map(|s| (info(&s), Some(s)))
             } else {
-                p.map.get(&h.id).map(|s| (s.batch.clone(), s.req, s.local_off, s.len, s.op, None))
+                p.map.get(&h.id).map(|s| (info(s), None))
             }
         };
-        let Some((batch, req, local_off, slice_len, op, taken)) = found else {
+        let Some(((batch, req, local_off, slice_len, op, (same, remote)), taken)) = found else {
             if ep.is_dead() {
                 return;
             }
@@ -504,8 +571,15 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
         // A READ answer carries exactly the slice (or nothing, with an
         // error status); anything else is a protocol error, so a peer can
         // never make the copy below leave the slice's range.
-        let ok_len = h.status != Status::Ok || h.ty != FrameType::ReadResp || (h.len == slice_len && n as u64 == h.len);
-        if h.ty != expected || !ok_len {
+        // A same-host answer comes only to a same-host READ, also for the
+        // whole slice, and without payload. A same-host READ may still be
+        // answered with its bytes (the peer's region is device memory).
+        let answered_same = h.flags & SAME_HOST != 0;
+        let ok_len = h.status != Status::Ok
+            || h.ty != FrameType::ReadResp
+            || (h.len == slice_len && n as u64 == if answered_same { 0 } else { h.len });
+        let ok_same = h.ty != FrameType::ReadResp || !answered_same || same;
+        if h.ty != expected || !ok_len || !ok_same {
             let err = Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer);
             if let Some(s) = taken {
                 s.batch.slice_done(s.req, Err(err.clone()));
@@ -516,6 +590,18 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
         // error (the region was unregistered) drains the rest. A read error
         // breaks the endpoint, whose teardown ends the slice.
         let mut result = if h.status != Status::Ok { Err(status_err(h.status, &peer)) } else { Ok(()) };
+        let same = same && (op == Opcode::Write || answered_same);
+        if result.is_ok() && same {
+            if op == Opcode::Read {
+                result = match ep.lanes[lane].same_host.read_from {
+                    Some(pid) => pull_in(&batch, req, local_off, slice_len, (pid, remote)),
+                    None => Err(Error::new(ErrorKind::Internal, "a same-host READ on a lane without the peer's process")),
+                };
+            }
+            if result.is_ok() {
+                ep.env.same_host_bytes.fetch_add(slice_len, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         let mut done = 0usize;
         while done < n {
             let k = (n - done).min(STREAM);

@@ -114,6 +114,7 @@ mod lane;
 mod pool;
 mod proto;
 mod regions;
+mod samehost;
 mod server;
 mod transport;
 

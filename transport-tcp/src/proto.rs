@@ -7,12 +7,16 @@
 //!   0     1   magic 0x4B
 //!   1     1   frame type (FrameType)
 //!   2     1   status (Status) in answers, 0 in requests (else refused)
-//!   3     1   flags (CHALLENGE: bit 0 = authentication required)
+//!   3     1   flags (CHALLENGE: bit 0 = authentication required;
+//!             bit 1 SAME_HOST and bit 2 PULL_WRITES: below)
 //!   4     4   payload length (bytes after the header), <= max_frame
 //!             (NOTIFY: 2..=MAX_NOTIFY_PAYLOAD, whatever max_frame)
 //!   8     8   request id (unique per transport, never reused)
-//!  16     8   remote address (WRITE, READ)
-//!  24     8   length (WRITE: = payload length; READ: bytes asked)
+//!  16     8   remote address (WRITE, READ); HELLO, CHALLENGE with
+//!             SAME_HOST: the sender's process id
+//!  24     8   length (WRITE: = payload length; READ: bytes asked);
+//!             HELLO, CHALLENGE with SAME_HOST: the address of the
+//!             sender's nonce in its memory
 //!  32     8   generation (CHALLENGE, DESC_RESP: the server's; WRITE, READ,
 //!             NOTIFY: the one the client's descriptor has; a mismatch is
 //!             refused)
@@ -20,6 +24,14 @@
 //!  44     4   reserved, 0
 //! ```
 //! All integers little-endian.
+//!
+//! Same-host copies (`samehost.rs`): a HELLO with SAME_HOST offers them
+//! (process id and nonce address); a CHALLENGE with SAME_HOST offers the
+//! server's, and with PULL_WRITES says the server verified the client. A
+//! WRITE with SAME_HOST carries, instead of the bytes, an 8-byte payload:
+//! the address of the source bytes in the client (the server copies them
+//! from there). A READ with SAME_HOST is answered by a READ_RESP with
+//! SAME_HOST and no payload (the client copies the bytes from the server).
 //!
 //! A NOTIFY payload (rule 11) is the sender's name and the message:
 //!
@@ -37,6 +49,13 @@
 use std::fmt;
 
 use transport_core::{MAX_NOTIFY_FROM, MAX_NOTIFY_LEN};
+
+/// Flag bit 1 (HELLO, CHALLENGE, WRITE, READ, READ_RESP): same-host
+/// copies, see `samehost.rs`.
+pub const SAME_HOST: u8 = 2;
+/// Flag bit 2 (CHALLENGE): the server verified the client's process, so
+/// WRITEs with [`SAME_HOST`] are served.
+pub const PULL_WRITES: u8 = 4;
 
 /// Protocol version carried in HELLO; a server refuses any other.
 pub const VERSION: u16 = 1;
@@ -147,6 +166,9 @@ pub enum Status {
     Busy = 9,
     /// The server's copy to or from its device (GPU) memory failed.
     DeviceCopy = 10,
+    /// A same-host WRITE's copy from the client's memory failed (the
+    /// address it named is not mapped there, or the client is gone).
+    SourceCopy = 11,
 }
 
 impl Status {
@@ -165,6 +187,7 @@ impl Status {
             8 => VersionMismatch,
             9 => Busy,
             10 => DeviceCopy,
+            11 => SourceCopy,
             _ => return None,
         })
     }
@@ -311,6 +334,13 @@ impl Header {
             }
             FrameType::DescReq if payload != 0 => inconsistent("DESC_REQ carries no payload"),
             FrameType::DescResp if payload < 4 => inconsistent("DESC_RESP too short"),
+            FrameType::Write if h.flags & SAME_HOST != 0 => {
+                if payload != 8 || h.len == 0 || h.len > max_frame as u64 {
+                    inconsistent("a same-host WRITE carries an 8-byte source address for 1..=max_frame bytes")
+                } else {
+                    Ok(h)
+                }
+            }
             FrameType::Write if h.len != payload as u64 || payload == 0 => {
                 inconsistent("WRITE length must equal a non-zero payload")
             }
@@ -318,7 +348,10 @@ impl Header {
             FrameType::Read if payload != 0 || h.len == 0 || h.len > max_frame as u64 => {
                 inconsistent("READ asks for 1..=max_frame bytes and carries none")
             }
-            FrameType::ReadResp if h.status == Status::Ok && h.len != payload as u64 => {
+            FrameType::ReadResp if h.flags & SAME_HOST != 0 && payload != 0 => {
+                inconsistent("a same-host READ_RESP carries no payload")
+            }
+            FrameType::ReadResp if h.flags & SAME_HOST == 0 && h.status == Status::Ok && h.len != payload as u64 => {
                 inconsistent("READ_RESP payload must equal its length")
             }
             FrameType::ReadResp if h.status != Status::Ok && payload != 0 => {

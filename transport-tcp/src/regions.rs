@@ -51,6 +51,20 @@ impl Region {
         }
     }
 
+    /// Copies `len` bytes at `src` in process `pid` to the absolute
+    /// address `addr` (a same-host WRITE).
+    pub fn pull_abs(&self, addr: u64, len: u64, pid: u32, src: u64) -> std::result::Result<(), Status> {
+        let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;
+        let len = usize::try_from(len).map_err(|_| Status::OutOfBounds)?;
+        match self.with_live(|m| m.pull_at(off as usize, len, pid, src)) {
+            None => Err(Status::Unregistered),
+            Some(Err(MemError::DeviceCopy { .. })) => Err(Status::DeviceCopy),
+            Some(Err(MemError::ProcessCopy { .. })) => Err(Status::SourceCopy),
+            Some(Err(_)) => Err(Status::OutOfBounds),
+            Some(Ok(())) => Ok(()),
+        }
+    }
+
     /// Copies `src` to the absolute address `addr`.
     pub fn write_abs(&self, addr: u64, src: &[u8]) -> std::result::Result<(), Status> {
         let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;

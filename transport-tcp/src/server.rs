@@ -25,6 +25,7 @@ use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::regions::RegionTable;
+use crate::samehost;
 
 /// A connection's output buffer: answers gathered before one `write`. A
 /// READ answer up to `STREAM` fits in it whole.
@@ -235,6 +236,9 @@ impl Drop for Slot {
 struct Served {
     write: u64,
     read: u64,
+    /// Of those, moved by same-host copies (no socket payload).
+    same_write: u64,
+    same_read: u64,
 }
 
 impl Served {
@@ -246,6 +250,14 @@ impl Served {
         if self.read > 0 {
             metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "read").increment(self.read);
             self.read = 0;
+        }
+        if self.same_write > 0 {
+            metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => "write").increment(self.same_write);
+            self.same_write = 0;
+        }
+        if self.same_read > 0 {
+            metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => "read").increment(self.same_read);
+            self.same_read = 0;
         }
     }
 }
@@ -269,6 +281,17 @@ fn refusal_label(why: &str) -> &'static str {
     } else {
         "other"
     }
+}
+
+/// What a handshaken connection's client may do by same-host copies.
+#[derive(Debug, Default, Clone, Copy)]
+struct Peer {
+    /// The client's verified process: its WRITEs may name source bytes
+    /// there instead of carrying them.
+    pull_from: Option<u32>,
+    /// Both sides offered same-host copies: a READ may ask for an answer
+    /// without payload (the client copies from this process itself).
+    reads: bool,
 }
 
 /// What the server needs, shared with its connection tasks.
@@ -439,7 +462,9 @@ impl Server {
         }
     }
 
-    async fn handshake(&self, s: &mut TcpStream, slot: &mut Slot) -> Result<(), Close> {
+    /// The handshake; on success, what the connection may do by same-host
+    /// copies.
+    async fn handshake(&self, s: &mut TcpStream, slot: &mut Slot) -> Result<Peer, Close> {
         let mut b = [0u8; HEADER_LEN];
         s.read_exact(&mut b).await?;
         let h = Header::decode(&b, 2 + NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
@@ -456,11 +481,24 @@ impl Server {
             return Err(Close::Proto(format!("protocol version {version}, this side speaks {VERSION}")));
         }
         let cn = &p[2..];
-        let sn = auth::nonce();
+        // Boxed: with a same-host offer the client reads it from this
+        // process's memory (at this address) before it sends AUTH.
+        let sn = Box::new(auth::nonce());
         let mut c = Header::new(FrameType::Challenge);
         c.generation = self.generation;
         c.flags = u8::from(self.cfg.secret.is_some());
-        write_frame(s, c, &sn).await?;
+        let mut peer = Peer::default();
+        if self.cfg.same_host && h.flags & proto::SAME_HOST != 0 {
+            peer.reads = true;
+            peer.pull_from = self.check_client(s, &h, cn);
+            c.flags |= proto::SAME_HOST;
+            if peer.pull_from.is_some() {
+                c.flags |= proto::PULL_WRITES;
+            }
+            c.addr = u64::from(samehost::my_pid());
+            c.len = sn.as_ptr() as u64;
+        }
+        write_frame(s, c, &sn[..]).await?;
         s.read_exact(&mut b).await?;
         let a = Header::decode(&b, NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
         if a.ty != FrameType::Auth {
@@ -471,13 +509,13 @@ impl Server {
         let answer = match &self.cfg.secret {
             None => Vec::new(),
             Some(k) => {
-                if !auth::verify(k.as_bytes(), Role::Client, cn, &sn, &proof) {
+                if !auth::verify(k.as_bytes(), Role::Client, cn, &sn[..], &proof) {
                     let mut e = Header::new(FrameType::Error);
                     e.status = Status::AuthFailed;
                     let _ = write_frame(s, e, &[]).await;
                     return Err(Close::Proto("authentication failed".into()));
                 }
-                auth::prove(k.as_bytes(), Role::Server, cn, &sn)
+                auth::prove(k.as_bytes(), Role::Server, cn, &sn[..])
             }
         };
         // Handshaken connections filled up while this one handshook: it is
@@ -489,7 +527,26 @@ impl Server {
             return Err(Close::Proto(format!("refused after the handshake (answered Busy): {why}")));
         }
         write_frame(s, Header::new(FrameType::Ready), &answer).await?;
-        Ok(())
+        Ok(peer)
+    }
+
+    /// Whether `addr .. addr + len` is in a registered device region.
+    fn is_device(&self, addr: u64, len: u64) -> bool {
+        self.regions.remote(addr, len, false).is_ok_and(|r| r.mem.provider().is_some())
+    }
+
+    /// The client's process id, if its HELLO offered same-host copies and
+    /// it passes the checks (`samehost.rs`): it holds the other end of this
+    /// socket, and its memory has its nonce at the address it named.
+    fn check_client(&self, s: &TcpStream, h: &Header, cn: &[u8]) -> Option<u32> {
+        let (pid, mine, theirs) = (u32::try_from(h.addr).ok()?, s.local_addr().ok()?, s.peer_addr().ok()?);
+        let ok = samehost::may_be_local(theirs, mine)
+            && samehost::holds_socket(pid, theirs, mine)
+            && samehost::probe(pid, h.len, cn);
+        if !ok {
+            tracing::info!(peer = %theirs, pid, "the peer's same-host offer did not pass the checks: its writes go through the socket");
+        }
+        ok.then_some(pid)
     }
 
     /// Serves one connection; `slot` counts it (in its handshake, then
@@ -507,15 +564,21 @@ impl Server {
             let _ = tokio::time::timeout(REFUSE_WAIT, write_frame(&mut s, e, &[])).await;
             return Err(Close::Io(std::io::Error::other("handshake slot taken by a newcomer (answered Busy)")));
         };
-        handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
+        let same = handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
         if let Ok(peer) = s.peer_addr() {
-            tracing::info!(%peer, authenticated = self.cfg.secret.is_some(), "peer connected");
+            tracing::info!(
+                %peer,
+                authenticated = self.cfg.secret.is_some(),
+                same_host_writes = same.pull_from.is_some(),
+                same_host_reads = same.reads,
+                "peer connected"
+            );
             metrics::counter!("kvmove_tcp_connections_total").increment(1);
         }
         let (r, mut w) = s.into_split();
         let mut r = PooledReader::new(r, self.chunk_bufs.clone());
         let mut out = OutBuf::new(self.out_bufs.clone());
-        let e = match self.requests(&mut r, &mut w, &mut out).await {
+        let e = match self.requests(&mut r, &mut w, &mut out, same).await {
             Ok(never) => match never {},
             Err(e) => e,
         };
@@ -598,6 +661,7 @@ impl Server {
         r: &mut PooledReader,
         w: &mut OwnedWriteHalf,
         out: &mut OutBuf,
+        same: Peer,
     ) -> Result<std::convert::Infallible, Close> {
         let mut note: Vec<u8> = Vec::new();
         let mut served = Served::default();
@@ -636,6 +700,60 @@ impl Server {
                         self.idle(w.write_all(&a.encode())).await?;
                         self.idle(w.write_all(&regions)).await?;
                     }
+                }
+                FrameType::Write if h.flags & proto::SAME_HOST != 0 => {
+                    // The bytes stay in the client: the payload is their
+                    // address there, and they are copied from it straight
+                    // into the checked destination. As for a WRITE with its
+                    // bytes, a reset already behind the frame means the
+                    // client gave up on it: nothing is copied.
+                    let Some(pid) = same.pull_from else {
+                        return Err(Close::Proto("same-host WRITE from a client that was not verified".into()));
+                    };
+                    let mut src = [0u8; 8];
+                    self.idle(r.read_exact(&mut src)).await?;
+                    r.check_reset()?;
+                    let status = if h.generation != self.generation {
+                        Err(Status::StaleGeneration)
+                    } else {
+                        self.regions.remote(h.addr, h.len, true)
+                    };
+                    let status = status.and_then(|region| region.pull_abs(h.addr, h.len, pid, u64::from_le_bytes(src)));
+                    if status.is_ok() {
+                        served.write = served.write.saturating_add(h.len);
+                        served.same_write = served.same_write.saturating_add(h.len);
+                    }
+                    let mut a = Header::new(FrameType::WriteAck);
+                    a.id = h.id;
+                    a.status = status.err().unwrap_or(Status::Ok);
+                    self.room(w, out, HEADER_LEN).await?;
+                    out.push(&a.encode())?;
+                }
+                // Device memory cannot be copied from another process: such
+                // a READ is answered with its bytes, as without the flag.
+                FrameType::Read if h.flags & proto::SAME_HOST != 0 && !self.is_device(h.addr, h.len) => {
+                    // Checked here; the client copies the bytes itself.
+                    if !same.reads {
+                        return Err(Close::Proto("same-host READ on a connection that did not agree to them".into()));
+                    }
+                    let mut a = Header::new(FrameType::ReadResp);
+                    a.id = h.id;
+                    a.flags = proto::SAME_HOST;
+                    let region = if h.generation != self.generation {
+                        Err(Status::StaleGeneration)
+                    } else {
+                        self.regions.remote(h.addr, h.len, false)
+                    };
+                    match region {
+                        Ok(_) => {
+                            a.len = h.len;
+                            served.read = served.read.saturating_add(h.len);
+                            served.same_read = served.same_read.saturating_add(h.len);
+                        }
+                        Err(status) => a.status = status,
+                    }
+                    self.room(w, out, HEADER_LEN).await?;
+                    out.push(&a.encode())?;
                 }
                 FrameType::Write => {
                     // The payload is received in chunks of a pooled staging

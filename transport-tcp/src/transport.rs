@@ -112,6 +112,15 @@ impl TcpTransport {
     pub fn local_addr(&self) -> SocketAddr {
         self.bound
     }
+
+    /// Bytes of this transport's own requests (writes it sent, reads it
+    /// made) that moved by same-host copies instead of through its sockets
+    /// (see [`TcpConfig::same_host`]). Which peers' lanes agreed to them is
+    /// logged when each endpoint connects and counted in the metric
+    /// `kvmove_tcp_lanes_total{path="same_host"|"socket"}`.
+    pub fn same_host_bytes(&self) -> u64 {
+        self.inner.env.same_host_bytes.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for TcpTransport {
