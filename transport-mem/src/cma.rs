@@ -29,12 +29,10 @@ unsafe fn pull(pid: u32, remote: u64, local: *mut u8, len: usize) -> std::io::Re
         let Some(from) = remote.checked_add(done as u64) else {
             return Err(std::io::Error::from_raw_os_error(libc::EFAULT));
         };
-        let lv = libc::iovec {
-            // SAFETY (pointer arithmetic): `done < len`, inside the range
-            // the caller vouched for.
-            iov_base: unsafe { local.add(done) }.cast(),
-            iov_len: len - done,
-        };
+        // SAFETY: `done < len`: the pointer stays inside the range the
+        // caller vouched for.
+        let at = unsafe { local.add(done) };
+        let lv = libc::iovec { iov_base: at.cast(), iov_len: len - done };
         let rv = libc::iovec { iov_base: from as usize as *mut libc::c_void, iov_len: len - done };
         // SAFETY: the local iovec covers writable memory of this process
         // (the caller's promise); the remote one is only read, in another
@@ -253,7 +251,8 @@ mod tests {
             assert_eq!(ci, fd_inode(c.as_raw_fd()));
             assert_eq!(si, fd_inode(s.as_raw_fd()));
             let port = l.local_addr().unwrap().port();
-            let nowhere: std::net::SocketAddr = if host.starts_with('[') { "[::1]:9" } else { "127.0.0.1:9" }.parse().unwrap();
+            let nowhere: std::net::SocketAddr =
+                if host.starts_with('[') { "[::1]:9" } else { "127.0.0.1:9" }.parse().unwrap();
             assert_eq!(tcp_socket_inode(cl, nowhere).unwrap(), None, "{port}");
         }
     }

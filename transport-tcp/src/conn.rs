@@ -10,8 +10,8 @@ use transport_core::{Error, ErrorKind, Result};
 
 use crate::auth::{self, Role};
 use crate::config::TcpConfig;
-use crate::samehost::{self, SameHost};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
+use crate::samehost::{self, SameHost};
 
 /// Names the socket option and its allowed values in an OS error, which
 /// otherwise says only "Invalid argument".

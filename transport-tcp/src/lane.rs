@@ -78,7 +78,13 @@ pub(crate) async fn connect(
             lanes = same_host.len(),
             same_host_lanes = agreed,
             "endpoint connected ({})",
-            if agreed == same_host.len() { "same-host copies" } else if agreed == 0 { "bytes over the sockets" } else { "mixed" }
+            if agreed == same_host.len() {
+                "same-host copies"
+            } else if agreed == 0 {
+                "bytes over the sockets"
+            } else {
+                "mixed"
+            }
         );
     }
     metrics::counter!("kvmove_tcp_lanes_total", "path" => "same_host").increment(agreed as u64);
@@ -191,7 +197,16 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
             drop(p);
             return Staged::NotLive(batch, i);
         }
-        let slice = Slice { batch: batch.clone(), req: i, len, local_off, op: req.op, remote: addr, same_host: same, _using: using };
+        let slice = Slice {
+            batch: batch.clone(),
+            req: i,
+            len,
+            local_off,
+            op: req.op,
+            remote: addr,
+            same_host: same,
+            _using: using,
+        };
         p.map.insert(id, slice);
         if stream {
             p.streaming = Some(id);
@@ -210,7 +225,8 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
         buf.resize(start + frame_len, 0);
     }
     let filled = if write && same {
-        source_addr(&batch, i, local_off).map(|a| buf[start + HEADER_LEN..start + frame_len].copy_from_slice(&a.to_le_bytes()))
+        source_addr(&batch, i, local_off)
+            .map(|a| buf[start + HEADER_LEN..start + frame_len].copy_from_slice(&a.to_le_bytes()))
     } else if inline > 0 {
         copy_out(&batch, i, local_off, &mut buf[start + HEADER_LEN..start + frame_len])
     } else {
@@ -595,7 +611,9 @@ async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
             if op == Opcode::Read {
                 result = match ep.lanes[lane].same_host.read_from {
                     Some(pid) => pull_in(&batch, req, local_off, slice_len, (pid, remote)),
-                    None => Err(Error::new(ErrorKind::Internal, "a same-host READ on a lane without the peer's process")),
+                    None => {
+                        Err(Error::new(ErrorKind::Internal, "a same-host READ on a lane without the peer's process"))
+                    }
                 };
             }
             if result.is_ok() {

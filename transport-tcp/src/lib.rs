@@ -128,6 +128,6 @@ pub use transport::{TcpTransport, NOTIFY_TIMEOUT};
 pub mod wire {
     pub use crate::proto::{
         decode_notify, decode_regions, encode_notify, encode_regions, FrameDecoder, FrameType, Header, ProtoError,
-        Status, WireRegion, HEADER_LEN, MAX_NOTIFY_PAYLOAD, NONCE_LEN, VERSION,
+        Status, WireRegion, HEADER_LEN, MAX_NOTIFY_PAYLOAD, NONCE_LEN, PULL_WRITES, SAME_HOST, VERSION,
     };
 }

@@ -259,7 +259,7 @@ async fn peer_process_killed_mid_batch_then_restarted() {
         let seg = a.open_segment(&name).await.unwrap();
         let gen1 = a.segment_descriptor(seg).unwrap().generation;
         // A long batch; the peer dies in the middle of it.
-        let reqs: Vec<_> = (0..256u64)
+        let reqs: Vec<_> = (0..2048u64)
             .map(|k| TransferRequest::write(l, (k % 4) << 20, seg, raddr + ((k % 4) << 20), 1 << 20))
             .collect();
         let b = a.submit(reqs, SubmitOptions::default()).await.unwrap();

@@ -1,8 +1,9 @@
 //! A minimal TCP peer for tests and benchmarks: serves one remotely
 //! readable and writable region until stdin closes (or it is killed).
 //!
-//! `tcp-peer <listen host:port> <region bytes> [lanes]` prints one line,
-//! `<segment name> <region address>`, once it serves.
+//! `tcp-peer <listen host:port> <region bytes> [same_host: on|off]` prints
+//! one line, `<segment name> <region address>`, once it serves. The region
+//! starts as the bytes `i % 251` (byte `i`), so a reader can check them.
 
 use std::io::{BufRead, Write};
 
@@ -13,6 +14,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let listen = args.get(1).cloned().unwrap_or_else(|| "127.0.0.1:0".into());
     let len: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
+    let same_host = args.get(3).map(String::as_str) != Some("off");
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -21,7 +23,7 @@ fn main() {
         }
     };
     rt.block_on(async move {
-        let cfg = TcpConfig { listen, ..TcpConfig::default() };
+        let cfg = TcpConfig { listen, same_host, ..TcpConfig::default() };
         let t = match TcpTransport::new(cfg).await {
             Ok(t) => t,
             Err(e) => {
@@ -29,7 +31,8 @@ fn main() {
                 std::process::exit(2);
             }
         };
-        let buf = match Buffer::new(len) {
+        let start: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let buf = match Buffer::from_slice(&start) {
             Ok(b) => b,
             Err(e) => {
                 eprintln!("tcp-peer: {e}");

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod fake_peer;
+pub mod harness;
 pub mod proxy;
 pub mod raw;
 

@@ -1,0 +1,7 @@
+//! The conformance suite against the TCP backend with same-host copies
+//! off: every byte goes through the sockets, as between two hosts.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
+
+mod support;
+
+conformance::conformance_main!(|| support::harness::TcpHarness::new(false));

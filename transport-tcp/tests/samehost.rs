@@ -1,0 +1,269 @@
+//! Same-host copies (`TcpConfig::same_host`) between two processes: the
+//! bytes move by process-to-process copies, not through the sockets; a
+//! peer with them off is served through the sockets; a client that names
+//! another process is never believed; a process killed mid-batch ends the
+//! batch and a restarted one is reached again.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
+
+mod support;
+
+use std::io::BufRead;
+use std::time::Duration;
+
+use support::raw::{next_frame, WAIT};
+use support::{node, run, test_config};
+use tokio::io::AsyncWriteExt;
+use transport_core::{Access, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::wire::{FrameType, Header, Status, NONCE_LEN, PULL_WRITES, SAME_HOST, VERSION};
+use transport_tcp::TcpConfig;
+
+const LEN: usize = 8 << 20;
+
+/// A `tcp-peer` process serving `LEN` bytes that start as `i % 251`.
+struct Peer {
+    child: std::process::Child,
+    name: String,
+    region: u64,
+}
+
+impl Peer {
+    fn start(listen: &str, same_host: bool) -> Peer {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tcp-peer"))
+            .args([listen, &LEN.to_string(), if same_host { "on" } else { "off" }])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("tcp-peer starts");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let mut it = line.split_whitespace();
+        let name = it.next().unwrap().to_owned();
+        let region = it.next().unwrap().parse().unwrap();
+        Peer { child, name, region }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
+}
+
+/// Reads the peer's region, writes a new pattern over part of it, reads
+/// that back; every byte checked. Returns the bytes moved.
+async fn round_trip(a: &transport_tcp::TcpTransport, peer: &Peer) -> u64 {
+    let seg = a.open_segment(&peer.name).await.unwrap();
+    let back = Buffer::new(LEN).unwrap();
+    let bl = a.register(back.region(), Access::LOCAL).unwrap();
+    // Many sizes, small and sliced (1 MiB slices), at odd offsets.
+    let mut moved = 0;
+    for (k, size) in [1usize, 4095, 4096, 65537, (1 << 20) + 3, 3 << 20].into_iter().enumerate() {
+        let off = (k * 4099) as u64;
+        let s = run(a, vec![TransferRequest::read(bl, off, seg, peer.region + off, size as u64)]).await;
+        assert_eq!(s.state, BatchState::Completed, "read {size}: {:?}", s.first_error());
+        let want = &start_pattern(LEN)[off as usize..off as usize + size];
+        assert_eq!(&back.to_vec()[off as usize..off as usize + size], want, "read of {size} bytes");
+        moved += size as u64;
+    }
+    let src = Buffer::from_slice(&pattern(5, LEN)).unwrap();
+    let sl = a.register(src.region(), Access::LOCAL).unwrap();
+    let reqs: Vec<_> =
+        (0..8u64).map(|k| TransferRequest::write(sl, k << 20, seg, peer.region + (k << 20), 1 << 20)).collect();
+    let s = run(a, reqs).await;
+    assert_eq!(s.state, BatchState::Completed, "writes: {:?}", s.first_error());
+    back.fill(0);
+    let s = run(a, vec![TransferRequest::read(bl, 0, seg, peer.region, LEN as u64)]).await;
+    assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+    assert!(back.to_vec() == src.to_vec(), "what was written is what is read back");
+    moved += 2 * LEN as u64;
+    a.unregister(bl).await.unwrap();
+    a.unregister(sl).await.unwrap();
+    a.close_segment(seg).await.unwrap();
+    moved
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_move_their_bytes_by_same_host_copies() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let peer = Peer::start("127.0.0.1:0", true);
+        let a = node(test_config()).await;
+        let moved = round_trip(&a, &peer).await;
+        assert_eq!(a.same_host_bytes(), moved, "every byte moved by same-host copies");
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn either_side_off_means_the_bytes_go_through_the_sockets() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        // The peer refuses; then this side does not offer.
+        let off_peer = Peer::start("127.0.0.1:0", false);
+        let a = node(test_config()).await;
+        round_trip(&a, &off_peer).await;
+        assert_eq!(a.same_host_bytes(), 0, "a peer with same-host copies off is served through the sockets");
+        let on_peer = Peer::start("127.0.0.1:0", true);
+        let b = node(TcpConfig { same_host: false, ..test_config() }).await;
+        round_trip(&b, &on_peer).await;
+        assert_eq!(b.same_host_bytes(), 0, "an initiator with them off sends through the sockets");
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_killed_mid_batch_ends_it_and_a_restarted_one_is_reached() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let peer = Peer::start("127.0.0.1:0", true);
+        let a = node(test_config()).await;
+        let src = Buffer::from_slice(&pattern(9, LEN)).unwrap();
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&peer.name).await.unwrap();
+        let reqs: Vec<_> = (0..4096u64)
+            .map(|k| TransferRequest::write(l, (k % 8) << 20, seg, peer.region + ((k % 8) << 20), 1 << 20))
+            .collect();
+        let b = a.submit(reqs, SubmitOptions::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let name = peer.name.clone();
+        drop(peer); // SIGKILL
+        let s = tokio::time::timeout(Duration::from_secs(30), a.wait(b)).await.unwrap().unwrap();
+        a.release(b).unwrap();
+        assert_eq!(s.state, BatchState::Failed, "a batch to a killed peer fails");
+        assert!(s.first_error().unwrap().is_transient(), "{:?}", s.first_error());
+        let gone = async {
+            while a.stats().endpoints != 0 || a.stats().inflight != 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(3), gone).await.expect("the broken endpoint is destroyed");
+        let before = a.same_host_bytes();
+        let peer2 = Peer::start(&name, true);
+        let w = TransferRequest::write(l, 0, seg, peer2.region, 1 << 20);
+        if run(&a, vec![w]).await.state != BatchState::Completed {
+            // The first use notices the new generation (PeerRestarted).
+            assert_eq!(run(&a, vec![w]).await.state, BatchState::Completed);
+        }
+        assert_eq!(a.same_host_bytes() - before, 1 << 20, "the restarted peer is reached by same-host copies");
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A raw client's HELLO offering same-host copies as process `pid`, with
+/// its nonce at `nonce_at`; returns the CHALLENGE's flags after finishing
+/// the handshake.
+async fn offer(s: &mut tokio::net::TcpStream, nonce: &[u8; NONCE_LEN], pid: u32, nonce_at: u64) -> u8 {
+    let mut p = VERSION.to_le_bytes().to_vec();
+    p.extend_from_slice(nonce);
+    let mut h = Header::new(FrameType::Hello);
+    h.flags = SAME_HOST;
+    h.addr = u64::from(pid);
+    h.len = nonce_at;
+    h.payload_len = p.len() as u32;
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&p).await.unwrap();
+    let (c, _) = next_frame(s, WAIT).await.expect("a CHALLENGE");
+    assert_eq!(c.ty, FrameType::Challenge);
+    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
+    let (r, _) = next_frame(s, WAIT).await.expect("READY");
+    assert_eq!(r.ty, FrameType::Ready);
+    c.flags
+}
+
+/// A same-host WRITE of `len` bytes to `addr`, its source at `from`.
+async fn pull_write(s: &mut tokio::net::TcpStream, generation: u64, addr: u64, len: u64, from: u64) {
+    let mut h = Header::new(FrameType::Write);
+    h.flags = SAME_HOST;
+    h.id = 1;
+    h.addr = addr;
+    h.len = len;
+    h.generation = generation;
+    h.payload_len = 8;
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(&from.to_le_bytes()).await.unwrap();
+}
+
+/// Rule 9 with same-host copies: a client is believed to be a process only
+/// if that process holds the client's end of the connection. Here the
+/// client names another process (a `tcp-peer` that holds a copy of the
+/// client's nonce in its region, written there through the protocol) and
+/// asks the server to copy that process's memory: the server does not
+/// agree to same-host writes, refuses the frame, and copies nothing. A
+/// client that names itself but points at no nonce is not believed either;
+/// one that passes and then names a source it does not map gets an error
+/// status, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_names_another_process_is_not_believed() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let victim = Peer::start("127.0.0.1:0", true);
+        let server = node(test_config()).await;
+        let mem = Buffer::new(1 << 20).unwrap();
+        server.register(mem.region(), Access::REMOTE_RW).unwrap();
+        let generation = server.generation();
+        let nonce = [0x5au8; NONCE_LEN];
+        // Plant the nonce in the victim's memory through the protocol.
+        let a = node(TcpConfig { same_host: false, ..test_config() }).await;
+        let planted = Buffer::from_slice(&nonce).unwrap();
+        let pl = a.register(planted.region(), Access::LOCAL).unwrap();
+        let vseg = a.open_segment(&victim.name).await.unwrap();
+        let s = run(&a, vec![TransferRequest::write(pl, 0, vseg, victim.region, NONCE_LEN as u64)]).await;
+        assert_eq!(s.state, BatchState::Completed);
+
+        let addr = server.local_addr();
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let flags = offer(&mut s, &nonce, victim.pid(), victim.region).await;
+        assert_eq!(flags & PULL_WRITES, 0, "another process's pid is not believed");
+        pull_write(&mut s, generation, mem.addr(), 4096, victim.region + 4096).await;
+        assert!(
+            support::raw::closed(&mut s).await,
+            "a same-host WRITE from an unverified client closes the connection"
+        );
+        assert!(mem.to_vec().iter().all(|&b| b == 0), "nothing was copied from the other process");
+
+        // Its own pid, but no nonce where it says: not believed either.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let elsewhere = [0u8; NONCE_LEN];
+        let flags = offer(&mut s, &nonce, std::process::id(), elsewhere.as_ptr() as u64).await;
+        assert_eq!(flags & PULL_WRITES, 0, "a process whose memory lacks the nonce is not believed");
+
+        // Itself, truthfully: believed; a source it does not map is an
+        // error answer, and a good one is copied.
+        let mine = Box::new(nonce);
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let flags = offer(&mut s, &mine, std::process::id(), mine.as_ptr() as u64).await;
+        assert_eq!(flags & (PULL_WRITES | SAME_HOST), PULL_WRITES | SAME_HOST, "the client itself is believed");
+        pull_write(&mut s, generation, mem.addr(), 4096, 8).await;
+        let (h, _) = next_frame(&mut s, WAIT).await.expect("an answer");
+        assert_eq!((h.ty, h.status), (FrameType::WriteAck, Status::SourceCopy));
+        let src = Buffer::from_slice(&pattern(3, 4096)).unwrap();
+        pull_write(&mut s, generation, mem.addr() + 100, 4096, src.addr()).await;
+        let (h, _) = next_frame(&mut s, WAIT).await.expect("an answer");
+        assert_eq!((h.ty, h.status), (FrameType::WriteAck, Status::Ok));
+        assert_eq!(&mem.to_vec()[100..4196], &src.to_vec()[..]);
+        // Out of the region: refused like any WRITE.
+        pull_write(&mut s, generation, mem.addr() + (1 << 20) - 10, 4096, src.addr()).await;
+        let (h, _) = next_frame(&mut s, WAIT).await.expect("an answer");
+        assert_eq!((h.ty, h.status), (FrameType::WriteAck, Status::OutOfBounds));
+        a.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}

@@ -1,0 +1,123 @@
+//! The conformance harness of the TCP backend. Every node lives behind a
+//! loopback fault proxy (its segment name is the proxy's address), so
+//! `cut` and `stall` are real socket faults; `kill` resets every connection
+//! and stops the listener abruptly, then drops the node; `restart` starts a
+//! new node (new generation) behind a proxy on the same address.
+
+use std::any::Any;
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use super::proxy::FaultProxy;
+use async_trait::async_trait;
+use conformance::{Harness, Node, NodeOptions};
+use transport_core::{Error, ErrorKind, Result, Transport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+/// One per case: remembers the ports of its nodes, so its OS probe counts
+/// only this case's sockets (cases run in parallel in one process).
+#[derive(Default)]
+pub struct TcpHarness {
+    ports: parking_lot::Mutex<Vec<u16>>,
+    /// `TcpConfig::same_host` of every node.
+    same_host: bool,
+}
+
+impl TcpHarness {
+    /// Nodes with `same_host` as given (the default, true, moves the bytes
+    /// of these loopback lanes by same-host copies; false, through the
+    /// sockets).
+    pub fn new(same_host: bool) -> Self {
+        Self { ports: parking_lot::Mutex::default(), same_host }
+    }
+}
+
+struct State {
+    proxy: Arc<FaultProxy>,
+    transport: Weak<TcpTransport>,
+}
+
+fn state(node: &Node) -> Result<&State> {
+    node.state.downcast_ref::<State>().ok_or_else(|| Error::new(ErrorKind::Internal, "foreign node state"))
+}
+
+async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr, inbox: Option<usize>) -> Result<Node> {
+    // The proxy comes first so the node can advertise its address.
+    let mut proxy = None;
+    for _ in 0..200 {
+        match FaultProxy::start(listen, listen).await {
+            Ok(p) => {
+                proxy = Some(p);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    let proxy = proxy.ok_or_else(|| Error::new(ErrorKind::Io, "cannot bind the proxy address"))?;
+    let cfg = TcpConfig {
+        advertise: Some(proxy.addr.to_string()),
+        max_endpoints: opts.max_endpoints,
+        idle_timeout: opts.idle_timeout,
+        connect_timeout: Duration::from_secs(2),
+        inbox_capacity: inbox.unwrap_or(transport_core::DEFAULT_INBOX),
+        same_host: h.same_host,
+        ..TcpConfig::default()
+    };
+    let t = Arc::new(TcpTransport::new(cfg).await?);
+    proxy.set_upstream(t.local_addr());
+    h.ports.lock().extend([proxy.addr.port(), t.local_addr().port()]);
+    let name = proxy.addr.to_string();
+    let st: Arc<dyn Any + Send + Sync> = Arc::new(State { proxy, transport: Arc::downgrade(&t) });
+    Ok(Node { transport: t, name, state: st })
+}
+
+#[async_trait]
+impl Harness for TcpHarness {
+    fn backend(&self) -> &str {
+        if self.same_host {
+            "tcp"
+        } else {
+            "tcp_sockets"
+        }
+    }
+
+    async fn node(&self, opts: &NodeOptions) -> Result<Node> {
+        make(self, opts, "127.0.0.1:0".parse().map_err(|_| Error::new(ErrorKind::Internal, "addr"))?, None).await
+    }
+
+    async fn node_with_inbox(&self, opts: &NodeOptions, capacity: usize) -> Result<Option<Node>> {
+        let any = "127.0.0.1:0".parse().map_err(|_| Error::new(ErrorKind::Internal, "addr"))?;
+        make(self, opts, any, Some(capacity)).await.map(Some)
+    }
+
+    async fn kill(&self, node: &Node) -> Result<bool> {
+        let s = state(node)?;
+        s.proxy.kill();
+        if let Some(t) = s.transport.upgrade() {
+            t.shutdown().await?;
+        }
+        Ok(true)
+    }
+
+    async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node> {
+        let addr: SocketAddr =
+            node.name.parse().map_err(|_| Error::new(ErrorKind::Internal, "node name is not an address"))?;
+        make(self, opts, addr, None).await
+    }
+
+    async fn cut(&self, to: &Node) -> Result<bool> {
+        state(to)?.proxy.cut();
+        Ok(true)
+    }
+
+    async fn stall(&self, to: &Node, on: bool) -> Result<bool> {
+        state(to)?.proxy.stall(on);
+        Ok(true)
+    }
+
+    fn os_probe(&self) -> Option<Vec<(String, u64)>> {
+        let ports = self.ports.lock().clone();
+        Some(vec![("sockets".into(), super::sockets_on(&ports))])
+    }
+}
