@@ -19,18 +19,26 @@ Systems:
 
 * ``mooncake``: Mooncake's transfer engine from PyPI
   (``mooncake-transfer-engine-non-cuda``), TCP transport, P2PHANDSHAKE;
-* ``kvmove-mooncake``: ``kvmove.mooncake.TransferEngine`` (kvmove over TCP);
+* ``kvmove-mooncake``: ``kvmove.mooncake.TransferEngine`` (kvmove's default
+  path: on one host, same-host copies, the bytes copied from process to
+  process, requests and answers over TCP);
 * ``nixl``: NIXL from PyPI (``nixl-cu12``, installed ``--no-deps``), UCX
   backend with UCX's own transport choice: on one host that is CMA (a
   kernel copy between the two processes), not a network;
 * ``nixl-tcp``: the same with ``UCX_TLS=tcp`` (a network transport);
-* ``kvmove-nixl``: ``kvmove.nixl.nixl_agent`` (kvmove over TCP);
-* ``kvmove``: ``kvmove.Engine`` (kvmove's own API, TCP).
+* ``kvmove-nixl``: ``kvmove.nixl.nixl_agent`` (kvmove's default path);
+* ``kvmove``: ``kvmove.Engine`` (kvmove's own API, default path);
+* ``kvmove-tcp``: ``kvmove.Engine`` with same-host copies off
+  (``[backend.tcp] same_host = false``): every byte through the sockets, as
+  between two hosts.
 
 Rounds alternate the systems (each round runs every system once, in
 order); the table gives min / median / max over the rounds and, per round,
-the ratio of each kvmove API to its peer (``kvmove-mooncake / mooncake``,
-``kvmove-nixl / nixl-tcp``, ``kvmove-nixl / nixl``). ``scripts/peer-bench.sh``
+the ratio of each kvmove API to its peer: same-host path to same-host
+path (``kvmove / nixl``, ``kvmove-nixl / nixl``), network path to network
+path (``kvmove-tcp / nixl-tcp``, ``kvmove-tcp / mooncake``), and each API's
+default to its peer's (``kvmove-mooncake / mooncake``: Mooncake's TCP
+transport has no same-host path). ``scripts/peer-bench.sh``
 installs the peers into a virtualenv of their own and runs this with the
 kvmove wheel.
 """
@@ -52,7 +60,7 @@ SIZE = 64 << 20
 WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
 REPEAT = 5
 RTT_N = 300
-SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl", "kvmove"]
+SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl", "kvmove", "kvmove-tcp"]
 
 
 def pattern(seed, n):
@@ -144,10 +152,10 @@ class Nixl:
 class Engine:
     """``kvmove.Engine``: kvmove's own Python API."""
 
-    def __init__(self):
+    def __init__(self, config=None):
         import kvmove
 
-        self.e = kvmove.Engine()
+        self.e = kvmove.Engine(config=config)
         self.buf = np.zeros(SIZE, dtype=np.uint8)
         self.region = self.e.register(self.buf)
 
@@ -188,6 +196,8 @@ def make(system):
         return Nixl(nixl)
     if system == "kvmove":
         return Engine()
+    if system == "kvmove-tcp":
+        return Engine(config="[backend]\nkind = \"tcp\"\n[backend.tcp]\nsame_host = false\n")
     raise SystemExit(f"unknown system {system}")
 
 
@@ -307,11 +317,12 @@ def main():
             cells.append(f"{v[0]:.3g} / {statistics.median(v):.3g} / {v[-1]:.3g}")
         print(f"| {k} | " + " | ".join(cells) + " |")
     pairs = [
-        ("kvmove-mooncake", "mooncake"),
-        ("kvmove-nixl", "nixl-tcp"),
+        ("kvmove", "nixl"),
         ("kvmove-nixl", "nixl"),
-        ("kvmove", "mooncake"),
-        ("kvmove", "nixl-tcp"),
+        ("kvmove-tcp", "nixl-tcp"),
+        ("kvmove-tcp", "mooncake"),
+        ("kvmove-mooncake", "mooncake"),
+        ("kvmove-nixl", "kvmove"),
     ]
     print("\nratios per round (ours / theirs; for rtt and cpu lower is better):")
     for ours, theirs in pairs:

@@ -41,6 +41,10 @@ HELP = {
     "kvmove_tcp_served_bytes_total": "Bytes this engine's TCP server served to peers, by operation.",
     "kvmove_tcp_connections_total": "Connections the TCP server accepted.",
     "kvmove_tcp_connections_refused_total": "Connections the TCP server refused or evicted, by reason.",
+    "kvmove_tcp_same_host_bytes_total": "Of the bytes this engine's TCP server served, those moved by "
+    "same-host copies (process to process, not through the socket), by operation.",
+    "kvmove_tcp_lanes_total": "TCP lanes this engine connected, by path: same_host (bytes moved by "
+    "same-host copies) or socket.",
 }
 
 

@@ -78,6 +78,30 @@ def pair():
         yield prefill, decode
 
 
+SOCKETS_ONLY = "[backend]\nkind = \"tcp\"\n[backend.tcp]\nsame_host = false\n"
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_engines_on_one_host_pick_same_host_copies_and_say_so(same_host):
+    """The facade's default for two engines of one host: their lanes agree
+    to same-host copies (counted by path), and the served bytes are counted
+    as moved that way; with ``same_host = false`` on the initiator its lanes
+    carry the bytes (path ``socket``) and none is moved by copies."""
+    config = None if same_host else SOCKETS_ONLY
+    with kvmove.Engine(config=config) as prefill, kvmove.Engine() as decode:
+        before = prefill.metrics()
+        _, nbytes, _ = move(prefill, decode)
+        after = kvmove.metrics()
+    lanes = {p: delta(before, after, "kvmove_tcp_lanes_total", path=p) for p in ("same_host", "socket")}
+    if same_host:
+        assert lanes["same_host"] >= 1 and lanes["socket"] == 0, lanes
+    else:
+        assert lanes["socket"] >= 1 and lanes["same_host"] == 0, lanes
+    for op in ("write", "read"):
+        moved = delta(before, after, "kvmove_tcp_same_host_bytes_total", op=op)
+        assert moved == (nbytes[op] if same_host else 0), (op, moved)
+
+
 def test_metrics_count_bytes_requests_and_transfers_exactly(pair):
     prefill, decode = pair
     before = prefill.metrics()
