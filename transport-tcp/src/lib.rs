@@ -83,6 +83,23 @@
 //! Resetting an endpoint to end one batch fails the other batches' slices
 //! on it with the transient `ConnectionReset`; the policy layer retries them.
 //!
+//! # Same-host copies
+//!
+//! Between two processes of one host (`TcpConfig::same_host`, default on)
+//! a lane carries requests and answers but not the bytes: the server copies
+//! a WRITE's bytes from the client's source into its region, the client
+//! copies a READ's bytes from the server's region into its destination
+//! (`process_vm_readv`; `samehost.rs` says how each side verifies the other
+//! process). Each side writes only its own memory, after its own checks.
+//! The rules above hold with one difference for WRITE sources: the peer's
+//! copy reads them until it answers. Ending a request waits
+//! `drain_timeout` for those answers, so normally the source is no longer
+//! read once the request is terminal; a peer that stalls longer (a frozen
+//! process) and then resumes may still read the source of a WRITE already
+//! reported failed, which only changes that failed write's destination
+//! bytes (unspecified either way). Local READ destinations are written only
+//! by this process's lane reader, under the ledger, as without copies.
+//!
 //! # The contract, and where this crate keeps it
 //!
 //! The lifecycle is decided by `transport_core::lifecycle` (sans-IO); this
