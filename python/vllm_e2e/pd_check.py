@@ -393,7 +393,16 @@ def main():
         served = total(s1, "kvmove_tcp_served_bytes_total", op="read") - total(
             s0, "kvmove_tcp_served_bytes_total", op="read"
         )
+        same_host = total(s1, "kvmove_tcp_same_host_bytes_total", op="read") - total(
+            s0, "kvmove_tcp_same_host_bytes_total", op="read"
+        )
         check(failed == 0, "vLLM counts no failed NIXL transfer")
+        # Both servers run on this host: kvmove's default moves their KV by
+        # same-host copies (the decode copies from the prefill's memory).
+        check(
+            same_host == served,
+            f"the prefill served {served:.0f} bytes, {same_host:.0f} of them by same-host copies",
+        )
         check(
             vllm_bytes > 0 and read == vllm_bytes and served == vllm_bytes,
             f"bytes: vLLM pulled {vllm_bytes:.0f}, the decode's kvmove read {read:.0f}, "
