@@ -98,7 +98,13 @@
 //! process) and then resumes may still read the source of a WRITE already
 //! reported failed, which only changes that failed write's destination
 //! bytes (unspecified either way). Local READ destinations are written only
-//! by this process's lane reader, under the ledger, as without copies.
+//! by this process's lane reader, under the ledger, as without copies. On
+//! the serving side, a READ is checked against the live regions when it
+//! arrives and the client copies after the answer, so a READ that races an
+//! `unregister` of its source may copy bytes of that range after the
+//! unregister returned (without copies it would have failed
+//! `Unregistered`); only reading, and only by a process that could read all
+//! of this one anyway (see the threat model).
 //!
 //! # The contract, and where this crate keeps it
 //!
