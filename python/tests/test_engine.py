@@ -264,3 +264,36 @@ def test_outcome_says_which_requests_failed(pair):
                 s.write_many([("not", "an", "address")])
     assert np.array_equal(dst[:PAGE], src[:PAGE]) and np.array_equal(dst[2 * PAGE :], src[2 * PAGE :])
     assert not dst[PAGE : 2 * PAGE].any(), "the refused request wrote nothing"
+
+
+def test_a_caller_waiting_for_a_frozen_peer_sleeps(spawn_peer):
+    """A caller waiting for its answer sleeps (GIL released) rather than
+    spinning: a write to a peer frozen for a second costs its thread far
+    less CPU than the second, and ends well once the peer runs again. (A
+    bounded spin before the sleep was measured and made 4 KiB round trips
+    slower on 2 vCPUs: the spinning caller took the CPU the engine's and
+    the peer's threads needed; see the closing note of issue 30.)"""
+    peer = spawn_peer()
+    with kvmove.Engine() as e:
+        src = np.full(4096, 3, dtype=np.uint8)
+        with e.register(src) as r, e.connect(peer.session_id) as s:
+            assert s.write(r.addr, peer.addr, 4096).ok
+            got = {}
+
+            def write():
+                cpu = time.thread_time()
+                got["ok"] = s.write(r.addr, peer.addr, 4096).ok
+                got["cpu"] = time.thread_time() - cpu
+
+            peer.pause()
+            try:
+                t = threading.Thread(target=write)
+                start = time.monotonic()
+                t.start()
+                time.sleep(1.0)
+            finally:
+                peer.resume()
+            t.join(30)
+            waited = time.monotonic() - start
+    assert got.get("ok"), got
+    assert waited >= 1.0 and got["cpu"] < 0.25, f"the waiting thread used {got['cpu']:.3f} s of CPU in {waited:.2f} s"
