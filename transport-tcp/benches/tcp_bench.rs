@@ -4,7 +4,8 @@
 //! request for batches of 1, 64, 4096 and 262144 requests of 2 KiB, the
 //! time until the receiver sees a notification attached to 4 KiB and 1 MiB
 //! batches next to submit-to-completed (rule 11), and the
-//! peak RSS of the 262144-request batch. Loopback only; every loop is
+//! peak RSS of the 262144-request batch, all through the sockets
+//! (same-host copies off). Loopback only; every loop is
 //! bounded. Run with `cargo bench -p transport-tcp` (or `bench.sh`, which
 //! adds iperf3 and the ratios).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
@@ -20,6 +21,13 @@ fn rss_kib(field: &str) -> u64 {
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
         .unwrap_or(0)
+}
+
+/// The configuration measured: the socket path (both ends are this one
+/// process, where same-host copies would otherwise carry the bytes; they
+/// are measured between processes by `python/bench/peers.py`).
+fn sockets() -> TcpConfig {
+    TcpConfig { same_host: false, ..TcpConfig::default() }
 }
 
 async fn batch(t: &TcpTransport, reqs: Vec<TransferRequest>) {
@@ -58,7 +66,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 async fn bandwidth(slice: usize, read: bool) -> f64 {
-    let cfg = TcpConfig { slice_size: slice, max_frame: slice.max(1 << 20), ..TcpConfig::default() };
+    let cfg = TcpConfig { slice_size: slice, max_frame: slice.max(1 << 20), ..sockets() };
     let (a, b) = (TcpTransport::new(cfg.clone()).await.unwrap(), TcpTransport::new(cfg).await.unwrap());
     let len = 64 << 20;
     let (src, dst) = (Buffer::new(len).unwrap(), Buffer::new(len).unwrap());
@@ -93,10 +101,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 async fn latency() -> (f64, f64) {
-    let (a, b) = (
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-    );
+    let (a, b) = (TcpTransport::new(sockets()).await.unwrap(), TcpTransport::new(sockets()).await.unwrap());
     let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
     b.register(dst.region(), Access::REMOTE_RW).unwrap();
@@ -119,10 +124,7 @@ async fn latency() -> (f64, f64) {
 async fn latency_engine() -> (f64, f64) {
     use std::sync::Arc;
     use transport_core::{Engine, PolicyConfig};
-    let (a, b) = (
-        Arc::new(TcpTransport::new(TcpConfig::default()).await.unwrap()),
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-    );
+    let (a, b) = (Arc::new(TcpTransport::new(sockets()).await.unwrap()), TcpTransport::new(sockets()).await.unwrap());
     let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
     b.register(dst.region(), Access::REMOTE_RW).unwrap();
@@ -196,10 +198,7 @@ fn check_reference(p50: f64) {
 /// notified p50, p99) in microseconds.
 async fn notify_delay(size: usize, rounds: usize) -> (f64, f64, f64, f64) {
     use std::sync::Arc;
-    let (a, b) = (
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-        Arc::new(TcpTransport::new(TcpConfig::default()).await.unwrap()),
-    );
+    let (a, b) = (TcpTransport::new(sockets()).await.unwrap(), Arc::new(TcpTransport::new(sockets()).await.unwrap()));
     let (src, dst) = (Buffer::new(size).unwrap(), Buffer::new(size).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
     b.register(dst.region(), Access::REMOTE_RW).unwrap();
@@ -270,10 +269,7 @@ async fn ping_pong() -> (f64, f64) {
 }
 
 async fn per_request(n: usize) -> (f64, u64) {
-    let (a, b) = (
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-    );
+    let (a, b) = (TcpTransport::new(sockets()).await.unwrap(), TcpTransport::new(sockets()).await.unwrap());
     let len = n * 2048;
     let (src, dst) = (Buffer::new(len).unwrap(), Buffer::new(len).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
