@@ -200,23 +200,9 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
 
 /// What a CHALLENGE allows by same-host copies: writes if the server
 /// verified this process; reads if the server offered its own process and
-/// it passes the same checks here (it holds the other end of this socket,
-/// and its memory has the nonce it sent at the address it named).
+/// it passes the same checks here (`samehost::peer_process`).
 fn check_server(s: &TcpStream, h: &Header, sn: &[u8]) -> SameHost {
-    let mut same = SameHost { writes: h.flags & proto::PULL_WRITES != 0, read_from: None };
-    if h.flags & proto::SAME_HOST != 0 {
-        if let (Ok(pid), Ok(mine), Ok(theirs)) = (u32::try_from(h.addr), s.local_addr(), s.peer_addr()) {
-            if samehost::may_be_local(theirs, mine)
-                && samehost::holds_socket(pid, theirs, mine)
-                && samehost::probe(pid, h.len, sn)
-            {
-                same.read_from = Some(pid);
-            } else {
-                tracing::info!(peer = %theirs, pid, "the peer's same-host offer did not pass the checks: its reads go through the socket");
-            }
-        }
-    }
-    same
+    SameHost { writes: h.flags & proto::PULL_WRITES != 0, read_from: samehost::peer_process(s, h, sn, "its reads") }
 }
 
 fn handshake_kind(e: Error) -> Error {

@@ -31,6 +31,10 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use tokio::net::TcpStream;
+
+use crate::proto::{Header, SAME_HOST};
+
 /// What a lane may do without socket payloads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct SameHost {
@@ -40,16 +44,33 @@ pub(crate) struct SameHost {
     pub read_from: Option<u32>,
 }
 
+/// The process at the other end of `s`, if its HELLO or CHALLENGE `h`
+/// offered same-host copies (its pid and the address of its `nonce`) and
+/// it passes both checks: it holds the other end of this socket, and its
+/// memory has `nonce` at that address. A refusal is logged, saying which
+/// of this side's copies (`what`) go through the socket instead.
+pub(crate) fn peer_process(s: &TcpStream, h: &Header, nonce: &[u8], what: &str) -> Option<u32> {
+    if h.flags & SAME_HOST == 0 {
+        return None;
+    }
+    let (pid, mine, theirs) = (u32::try_from(h.addr).ok()?, s.local_addr().ok()?, s.peer_addr().ok()?);
+    let ok = may_be_local(theirs, mine) && holds_socket(pid, theirs, mine) && probe(pid, h.len, nonce);
+    if !ok {
+        tracing::info!(peer = %theirs, pid, "the peer's same-host offer did not pass the checks: {what} go through the socket");
+    }
+    ok.then_some(pid)
+}
+
 /// Whether a connection between `peer` and `sock` may have both ends on
 /// this host: a cheap filter before the socket table is read.
-pub(crate) fn may_be_local(peer: SocketAddr, sock: SocketAddr) -> bool {
+fn may_be_local(peer: SocketAddr, sock: SocketAddr) -> bool {
     let (p, s) = (peer.ip().to_canonical(), sock.ip().to_canonical());
     p.is_loopback() || p == s
 }
 
 /// Whether process `pid` holds the socket whose local address is `sock`
 /// and whose peer is `peer`, in this network namespace.
-pub(crate) fn holds_socket(pid: u32, sock: SocketAddr, peer: SocketAddr) -> bool {
+fn holds_socket(pid: u32, sock: SocketAddr, peer: SocketAddr) -> bool {
     let Some(inode) = socket_inode(sock, peer) else { return false };
     let want = format!("socket:[{inode}]");
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
@@ -115,7 +136,7 @@ fn parse_addr(s: &str) -> Option<SocketAddr> {
 /// Reads `want.len()` bytes at `addr` in process `pid` and compares them:
 /// proves that the kernel lets this process read that one's memory and
 /// that the process is the one that sent `want`.
-pub(crate) fn probe(pid: u32, addr: u64, want: &[u8]) -> bool {
+fn probe(pid: u32, addr: u64, want: &[u8]) -> bool {
     let mut got = vec![0u8; want.len()];
     transport_mem::cma::read_process(pid, addr, &mut got).is_ok() && got == want
 }

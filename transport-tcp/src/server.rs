@@ -243,21 +243,15 @@ struct Served {
 
 impl Served {
     fn report(&mut self) {
-        if self.write > 0 {
-            metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "write").increment(self.write);
-            self.write = 0;
-        }
-        if self.read > 0 {
-            metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "read").increment(self.read);
-            self.read = 0;
-        }
-        if self.same_write > 0 {
-            metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => "write").increment(self.same_write);
-            self.same_write = 0;
-        }
-        if self.same_read > 0 {
-            metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => "read").increment(self.same_read);
-            self.same_read = 0;
+        for (name, op, n) in [
+            ("kvmove_tcp_served_bytes_total", "write", &mut self.write),
+            ("kvmove_tcp_served_bytes_total", "read", &mut self.read),
+            ("kvmove_tcp_same_host_bytes_total", "write", &mut self.same_write),
+            ("kvmove_tcp_same_host_bytes_total", "read", &mut self.same_read),
+        ] {
+            if *n > 0 {
+                metrics::counter!(name, "op" => op).increment(std::mem::take(n));
+            }
         }
     }
 }
@@ -490,7 +484,7 @@ impl Server {
         let mut peer = Peer::default();
         if self.cfg.same_host && h.flags & proto::SAME_HOST != 0 {
             peer.reads = true;
-            peer.pull_from = self.check_client(s, &h, cn);
+            peer.pull_from = samehost::peer_process(s, &h, cn, "its writes");
             c.flags |= proto::SAME_HOST;
             if peer.pull_from.is_some() {
                 c.flags |= proto::PULL_WRITES;
@@ -528,25 +522,6 @@ impl Server {
         }
         write_frame(s, Header::new(FrameType::Ready), &answer).await?;
         Ok(peer)
-    }
-
-    /// Whether `addr .. addr + len` is in a registered device region.
-    fn is_device(&self, addr: u64, len: u64) -> bool {
-        self.regions.remote(addr, len, false).is_ok_and(|r| r.mem.provider().is_some())
-    }
-
-    /// The client's process id, if its HELLO offered same-host copies and
-    /// it passes the checks (`samehost.rs`): it holds the other end of this
-    /// socket, and its memory has its nonce at the address it named.
-    fn check_client(&self, s: &TcpStream, h: &Header, cn: &[u8]) -> Option<u32> {
-        let (pid, mine, theirs) = (u32::try_from(h.addr).ok()?, s.local_addr().ok()?, s.peer_addr().ok()?);
-        let ok = samehost::may_be_local(theirs, mine)
-            && samehost::holds_socket(pid, theirs, mine)
-            && samehost::probe(pid, h.len, cn);
-        if !ok {
-            tracing::info!(peer = %theirs, pid, "the peer's same-host offer did not pass the checks: its writes go through the socket");
-        }
-        ok.then_some(pid)
     }
 
     /// Serves one connection; `slot` counts it (in its handshake, then
@@ -729,32 +704,6 @@ impl Server {
                     self.room(w, out, HEADER_LEN).await?;
                     out.push(&a.encode())?;
                 }
-                // Device memory cannot be copied from another process: such
-                // a READ is answered with its bytes, as without the flag.
-                FrameType::Read if h.flags & proto::SAME_HOST != 0 && !self.is_device(h.addr, h.len) => {
-                    // Checked here; the client copies the bytes itself.
-                    if !same.reads {
-                        return Err(Close::Proto("same-host READ on a connection that did not agree to them".into()));
-                    }
-                    let mut a = Header::new(FrameType::ReadResp);
-                    a.id = h.id;
-                    a.flags = proto::SAME_HOST;
-                    let region = if h.generation != self.generation {
-                        Err(Status::StaleGeneration)
-                    } else {
-                        self.regions.remote(h.addr, h.len, false)
-                    };
-                    match region {
-                        Ok(_) => {
-                            a.len = h.len;
-                            served.read = served.read.saturating_add(h.len);
-                            served.same_read = served.same_read.saturating_add(h.len);
-                        }
-                        Err(status) => a.status = status,
-                    }
-                    self.room(w, out, HEADER_LEN).await?;
-                    out.push(&a.encode())?;
-                }
                 FrameType::Write => {
                     // The payload is received in chunks of a pooled staging
                     // buffer, each applied as soon as it is in hand (a check
@@ -816,6 +765,10 @@ impl Server {
                     out.push(&a.encode())?;
                 }
                 FrameType::Read => {
+                    let same_host = h.flags & proto::SAME_HOST != 0;
+                    if same_host && !same.reads {
+                        return Err(Close::Proto("same-host READ on a connection that did not agree to them".into()));
+                    }
                     let mut a = Header::new(FrameType::ReadResp);
                     a.id = h.id;
                     let region = if h.generation != self.generation {
@@ -832,11 +785,22 @@ impl Server {
                             continue;
                         }
                     };
-                    // The decoder bounded `len` by `max_frame`.
-                    let n = h.len as usize;
                     // Counted when answered (a read that fails half way
                     // closes the connection; rare enough to count anyway).
                     served.read = served.read.saturating_add(h.len);
+                    // Checked here; the client copies the bytes itself
+                    // (device memory cannot be copied from another process:
+                    // that READ is answered with its bytes).
+                    if same_host && region.mem.provider().is_none() {
+                        served.same_read = served.same_read.saturating_add(h.len);
+                        a.flags = proto::SAME_HOST;
+                        a.len = h.len;
+                        self.room(w, out, HEADER_LEN).await?;
+                        out.push(&a.encode())?;
+                        continue;
+                    }
+                    // The decoder bounded `len` by `max_frame`.
+                    let n = h.len as usize;
                     a.len = h.len;
                     a.payload_len = n as u32;
                     if n <= STREAM {

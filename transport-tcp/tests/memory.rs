@@ -19,9 +19,8 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,18 +56,8 @@ struct Peer {
 
 impl Peer {
     fn start() -> Peer {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tcp-peer"))
-            .args(["127.0.0.1:0", &(2u64 << 20).to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let mut it = line.split_whitespace();
-        let addr = it.next().unwrap().parse().unwrap();
-        let region = it.next().unwrap().parse().unwrap();
-        Peer { child, addr, region }
+        let (child, name, region) = support::tcp_peer("127.0.0.1:0", 2 << 20, true, None);
+        Peer { child, addr: name.parse().unwrap(), region }
     }
 }
 

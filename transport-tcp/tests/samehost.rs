@@ -7,14 +7,13 @@
 
 mod support;
 
-use std::io::BufRead;
 use std::time::Duration;
 
 use support::raw::{next_frame, WAIT};
 use support::{node, run, test_config};
 use tokio::io::AsyncWriteExt;
 use transport_core::{Access, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
-use transport_tcp::wire::{FrameType, Header, Status, NONCE_LEN, PULL_WRITES, SAME_HOST, VERSION};
+use transport_tcp::wire::{FrameType, Header, Status, NONCE_LEN, PULL_WRITES, SAME_HOST};
 use transport_tcp::TcpConfig;
 
 const LEN: usize = 8 << 20;
@@ -33,22 +32,7 @@ impl Peer {
 
     /// `as_user`: run it as that uid and gid.
     fn start_as(listen: &str, same_host: bool, as_user: Option<u32>) -> Peer {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tcp-peer"));
-        if let Some(id) = as_user {
-            use std::os::unix::process::CommandExt;
-            cmd.uid(id).gid(id);
-        }
-        let mut child = cmd
-            .args([listen, &LEN.to_string(), if same_host { "on" } else { "off" }])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("tcp-peer starts");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let mut it = line.split_whitespace();
-        let name = it.next().unwrap().to_owned();
-        let region = it.next().unwrap().parse().unwrap();
+        let (child, name, region) = support::tcp_peer(listen, LEN, same_host, as_user);
         Peer { child, name, region }
     }
 
@@ -208,21 +192,11 @@ async fn a_direction_the_kernel_refuses_goes_through_the_socket() {
 /// its nonce at `nonce_at`; returns the CHALLENGE's flags after finishing
 /// the handshake.
 async fn offer(s: &mut tokio::net::TcpStream, nonce: &[u8; NONCE_LEN], pid: u32, nonce_at: u64) -> u8 {
-    let mut p = VERSION.to_le_bytes().to_vec();
-    p.extend_from_slice(nonce);
     let mut h = Header::new(FrameType::Hello);
     h.flags = SAME_HOST;
     h.addr = u64::from(pid);
     h.len = nonce_at;
-    h.payload_len = p.len() as u32;
-    s.write_all(&h.encode()).await.unwrap();
-    s.write_all(&p).await.unwrap();
-    let (c, _) = next_frame(s, WAIT).await.expect("a CHALLENGE");
-    assert_eq!(c.ty, FrameType::Challenge);
-    s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
-    let (r, _) = next_frame(s, WAIT).await.expect("READY");
-    assert_eq!(r.ty, FrameType::Ready);
-    c.flags
+    support::raw::hello_as(s, h, nonce).await.flags
 }
 
 /// A same-host WRITE of `len` bytes to `addr`, its source at `from`.
@@ -301,6 +275,35 @@ async fn a_client_that_names_another_process_is_not_believed() {
         assert_eq!((h.ty, h.status), (FrameType::WriteAck, Status::OutOfBounds));
         a.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// The conformance harness's topology (`support/harness.rs`: every node
+/// behind a loopback fault proxy of this process) moves its bytes by
+/// same-host copies, so the `tcp` conformance run exercises them (and
+/// `tcp_sockets`, with them off, the socket path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_behind_the_fault_proxy_use_same_host_copies() {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        for same_host in [true, false] {
+            let cfg = TcpConfig { same_host, ..test_config() };
+            let (a, b) = (node(cfg.clone()).await, node(cfg).await);
+            let proxy =
+                support::proxy::FaultProxy::start("127.0.0.1:0".parse().unwrap(), b.local_addr()).await.unwrap();
+            let (src, dst) = (Buffer::from_slice(&pattern(4, 1 << 20)).unwrap(), Buffer::new(1 << 20).unwrap());
+            let l = a.register(src.region(), Access::LOCAL).unwrap();
+            b.register(dst.region(), Access::REMOTE_RW).unwrap();
+            let seg = a.open_segment(&proxy.addr.to_string()).await.unwrap();
+            let s = run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20)]).await;
+            assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+            assert!(dst.to_vec() == src.to_vec());
+            let want = if same_host { 1 << 20 } else { 0 };
+            assert_eq!(a.same_host_bytes(), want, "same_host = {same_host}");
+            a.shutdown().await.unwrap();
+            b.shutdown().await.unwrap();
+        }
     })
     .await
     .expect("test timed out");

@@ -234,19 +234,7 @@ async fn proxy_cut_stall_and_corruption() {
 
 /// Starts `tcp-peer` on `listen`; returns the child, its name and region address.
 fn spawn_peer(listen: &str) -> (std::process::Child, String, u64) {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tcp-peer"))
-        .args([listen, &(4 << 20).to_string()])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("tcp-peer starts");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let mut it = line.split_whitespace();
-    let name = it.next().unwrap().to_owned();
-    let addr = it.next().unwrap().parse().unwrap();
-    (child, name, addr)
+    support::tcp_peer(listen, 4 << 20, true, None)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,6 +31,31 @@ pub fn test_config() -> TcpConfig {
     TcpConfig { connect_timeout: Duration::from_secs(2), ..TcpConfig::default() }
 }
 
+/// Starts the `tcp-peer` process serving `len` bytes on `listen`, with
+/// same-host copies on or off, as user and group `as_user` if given; the
+/// child, its segment name and its region's address (the region starts as
+/// the bytes `i % 251`).
+pub fn tcp_peer(listen: &str, len: usize, same_host: bool, as_user: Option<u32>) -> (std::process::Child, String, u64) {
+    use std::io::BufRead;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tcp-peer"));
+    if let Some(id) = as_user {
+        use std::os::unix::process::CommandExt;
+        cmd.uid(id).gid(id);
+    }
+    let mut child = cmd
+        .args([listen, &len.to_string(), if same_host { "on" } else { "off" }])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("tcp-peer starts");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut it = line.split_whitespace();
+    let name = it.next().expect("tcp-peer printed its name").to_owned();
+    let addr = it.next().expect("tcp-peer printed its region").parse().unwrap();
+    (child, name, addr)
+}
+
 /// A transport on 127.0.0.1:0.
 pub async fn node(cfg: TcpConfig) -> TcpTransport {
     TcpTransport::new(cfg).await.expect("transport starts")

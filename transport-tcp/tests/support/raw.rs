@@ -26,9 +26,14 @@ pub async fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
 /// Sends a HELLO (the first step of a handshake); errors are ignored (the
 /// server may already have refused the connection).
 pub async fn send_hello(s: &mut TcpStream) {
+    send_hello_as(s, Header::new(FrameType::Hello), &[7u8; NONCE_LEN]).await;
+}
+
+/// Sends `h` (a HELLO header: its flags and fields as the caller set them)
+/// with the protocol version and `nonce` as payload; errors are ignored.
+async fn send_hello_as(s: &mut TcpStream, mut h: Header, nonce: &[u8; NONCE_LEN]) {
     let mut p = VERSION.to_le_bytes().to_vec();
-    p.extend_from_slice(&[7u8; NONCE_LEN]);
-    let mut h = Header::new(FrameType::Hello);
+    p.extend_from_slice(nonce);
     h.payload_len = p.len() as u32;
     let _ = s.write_all(&h.encode()).await;
     let _ = s.write_all(&p).await;
@@ -37,13 +42,19 @@ pub async fn send_hello(s: &mut TcpStream) {
 /// Runs the client side of a handshake without a secret; returns the
 /// server's generation.
 pub async fn hello(s: &mut TcpStream) -> u64 {
-    send_hello(s).await;
+    hello_as(s, Header::new(FrameType::Hello), &[7u8; NONCE_LEN]).await.generation
+}
+
+/// Runs the client side of a handshake without a secret, opening with the
+/// HELLO header `h` and `nonce`; returns the server's CHALLENGE.
+pub async fn hello_as(s: &mut TcpStream, h: Header, nonce: &[u8; NONCE_LEN]) -> Header {
+    send_hello_as(s, h, nonce).await;
     let (c, _) = next_frame(s, WAIT).await.expect("a CHALLENGE");
     assert_eq!(c.ty, FrameType::Challenge);
     s.write_all(&Header::new(FrameType::Auth).encode()).await.unwrap();
     let (r, _) = next_frame(s, WAIT).await.expect("READY");
     assert_eq!(r.ty, FrameType::Ready);
-    c.generation
+    c
 }
 
 /// Reads one whole frame, or `None` if the connection ended first or
