@@ -356,14 +356,24 @@ def nixl_steps(s, phase, info):
             return a.get_xfer_descs([(base + off, n, 0)], "DRAM")
 
         def posted_twice():
-            h = a.initialize_xfer("WRITE", loc(0, SIZE // 2), rem(0, SIZE // 2), s.remote, b"")
-            a.transfer(h)
-            try:
-                return a.transfer(h)
-            finally:
-                while a.check_xfer_state(h) == "PROC":
-                    time.sleep(0.001)
-                a.release_xfer_handle(h)
+            # The step is about a post still in progress. A post that ended
+            # before the second call (the real UCX may finish a same-host
+            # copy at once: seen once in CI, repost answered 'PROC') does
+            # not test that: such a try is repeated, up to 5 times.
+            for _ in range(5):
+                h = a.initialize_xfer("WRITE", loc(0, SIZE // 2), rem(0, SIZE // 2), s.remote, b"")
+                a.transfer(h)
+                try:
+                    again = a.transfer(h)
+                except Exception as e:  # the answer to a repost of an active handle
+                    again = e
+                finally:
+                    while a.check_xfer_state(h) == "PROC":
+                        time.sleep(0.001)
+                    a.release_xfer_handle(h)
+                if isinstance(again, Exception):
+                    raise again
+            return "the first post ended before the second call, 5 times"
 
         def unposted_state():
             h = a.initialize_xfer("WRITE", loc(0, PAGE), rem(0, PAGE), s.remote, b"")
