@@ -191,6 +191,27 @@ async fn publish_and_resolve_by_name_refuse_a_stale_generation() {
     target.shutdown().await.unwrap();
 }
 
+/// Metadata stores refuse a descriptor whose generation is smaller than
+/// the stored one, so every restart of a peer (a new transport under the
+/// same name) must come with a larger generation: a restarted engine
+/// publishes again under its name, every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_publishes_again_under_its_name() {
+    let cfg = EngineConfig::from_toml_str("[backend]\nkind = \"tcp\"\n[metadata]\nkind = \"in-process\"\n").unwrap();
+    let store = kvmove::build_metadata(&cfg.metadata).await.unwrap().unwrap();
+    let mut last = 0;
+    for restart in 0..8 {
+        let engine = kvmove::build(&cfg).await.unwrap();
+        let desc = kvmove::publish(&engine, store.as_ref(), "restarting-decode")
+            .await
+            .unwrap_or_else(|e| panic!("restart {restart}: {e}"));
+        assert!(desc.generation > last, "restart {restart}: generation {} after {last}", desc.generation);
+        last = desc.generation;
+        engine.shutdown().await.unwrap();
+    }
+    store.remove("restarting-decode").await.unwrap();
+}
+
 /// `own_descriptor` is what a peer opening the transport sees (generation,
 /// remote regions only), answered by `Transport::local_descriptor` without
 /// opening a segment or building an endpoint.

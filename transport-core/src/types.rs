@@ -254,6 +254,19 @@ pub struct RegionInfo {
     pub key: u64,
 }
 
+/// A generation for a peer starting now: the microseconds since the Unix
+/// epoch in the high bits, 12 random bits below, never 0. A peer that
+/// restarts gets a larger one than before (on a machine whose clock does
+/// not go back), which metadata stores rely on ("a reader never sees a
+/// descriptor with a smaller generation after a larger one was put"), and
+/// two peers starting in the same microsecond still differ.
+pub fn fresh_generation() -> u64 {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX >> 12));
+    (((micros & (u64::MAX >> 12)) << 12) | (rand::random::<u64>() & 0xfff)).max(1)
+}
+
 /// How to reach a peer and what it exposes. The `generation` changes every
 /// time the peer starts (and whenever its keys change), so a descriptor from
 /// before a restart is recognised and never used.

@@ -106,12 +106,7 @@ impl RdmaTransport {
         let cq = Cq::new(&ctx, &chan, u32::try_from(want_cqe).unwrap_or(u32::MAX))?;
         let listener = TcpListener::bind(&cfg.listen).await.map_err(|e| Error::from(e).with("listen", &cfg.listen))?;
         let name = listener.local_addr()?.to_string();
-        let generation = loop {
-            let g: u64 = rand::random();
-            if g != 0 {
-                break g;
-            }
-        };
+        let generation = transport_core::fresh_generation();
         let device = ctx.name().to_string();
         let address = format!("{device}/{}/gid={}", port.port, wire::gid_hex(&port.gid));
         let lim = Limits {

@@ -46,12 +46,6 @@ pub struct TcpTransport {
     bound: SocketAddr,
 }
 
-fn fresh_generation() -> u64 {
-    let t =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    (t ^ rand::random::<u64>()) | 1
-}
-
 impl TcpTransport {
     /// Binds the listener and starts serving. Must be called inside a
     /// tokio runtime. The segment name is the bound `host:port`.
@@ -71,7 +65,7 @@ impl TcpTransport {
         let cfg = Arc::new(cfg);
         let tasks = TaskSet::new();
         let regions = Arc::new(RegionTable::default());
-        let generation = fresh_generation();
+        let generation = transport_core::fresh_generation();
         let inbox = Arc::new(Inbox::new(cfg.inbox_capacity));
         let server = Server::new(cfg.clone(), regions.clone(), generation, tasks.clone(), inbox.clone());
         let inner = Arc::new(Inner {
