@@ -54,6 +54,6 @@ pub use stats::{Capabilities, ResourceStats};
 pub use transport::{notify_when_completed, Transport};
 pub use transport_mem::{Buffer, DeviceMemory, FakeDevice, MemError, MemoryKind, MemoryRegion};
 pub use types::{
-    fresh_generation, Access, BatchId, BatchState, BatchStatus, Opcode, RegionId, RegionInfo, RequestStatus, SegmentDescriptor,
-    SegmentId, SubmitOptions, TransferRequest,
+    fresh_generation, Access, BatchId, BatchState, BatchStatus, Opcode, RegionId, RegionInfo, RequestStatus,
+    SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest,
 };

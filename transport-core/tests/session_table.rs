@@ -576,6 +576,76 @@ fn frozen_across_the_finish() {
     }
 }
 
+/// A receiver frozen after its grant, before any write, for longer than
+/// the liveness timeout: the sender gives the session up on the silence.
+/// The thawed receiver asks (it paused with the session open), learns that
+/// and ends the session at once, not at its deadline a minute later, so
+/// its memory is free again (rule 13, pauses). Frozen for less, the
+/// answer is "open" and the session goes on to land.
+#[test]
+fn a_thawed_receiver_learns_at_once_that_its_sender_gave_up() {
+    for ms in [2500, 600] {
+        let mut w = World::new();
+        w.apply(Op::Grant(60_000));
+        w.apply(Op::Deliver(true));
+        w.apply(Op::Freeze(false, ms));
+        w.thaw();
+        let thawed = w.now;
+        for _ in 0..20 {
+            w.apply(Op::Advance(50));
+        }
+        let r = w.last_r.clone().expect("the receiver's session");
+        if ms > 1000 {
+            assert!(
+                matches!(&w.last_s, SessionState::Failed(e) if e.kind() == ErrorKind::PeerUnavailable),
+                "the sender {:?}",
+                w.last_s
+            );
+            assert!(matches!(&r, SessionState::Failed(e) if e.kind() == ErrorKind::PeerUnavailable), "{r:?}");
+            let took = w.r_final_at.expect("final").saturating_sub(thawed);
+            assert!(took < Duration::from_secs(1), "the receiver ended {took:?} after it thawed");
+        } else {
+            assert!(!r.is_final() && !w.last_s.is_final(), "{r:?} / {:?}", w.last_s);
+            w.apply(Op::Write { offset: 0, len: GRANTED });
+            w.apply(Op::EndWrite);
+            w.apply(Op::Finish);
+            w.settle();
+            assert_eq!(w.last_s, SessionState::Landed);
+            assert_eq!(w.last_r, Some(SessionState::Landed));
+        }
+        assert_eq!(w.r.pauses(), 1, "frozen {ms} ms: the receiver noticed its pause");
+    }
+}
+
+/// A sender that ended a session before its grant came and released it
+/// (an engine dropping a request that waited too long) still refuses the
+/// late grant, as it does while the session lingers: the receiver frees
+/// the memory at once instead of holding an unclaimed grant until the
+/// deadline.
+#[test]
+fn a_grant_for_a_released_session_is_refused() {
+    let mut s = SessionTable::new(limits(), 1);
+    let mut r = SessionTable::new(limits(), 2);
+    let t = Duration::from_millis(10);
+    s.expect("r", ID, t).unwrap();
+    s.cancel(&ks(), None, t).unwrap();
+    assert_eq!(s.state(&ks()), Some(SessionState::Cancelled));
+    s.release(&ks()).unwrap();
+    assert_eq!(s.state(&ks()), None);
+    r.grant_to("s", ID, Grant { ranges: vec![(0, 8)], expected: 8, deadline: Duration::from_secs(60) }, t).unwrap();
+    for _ in 0..3 {
+        for (_, m) in r.drain_outgoing() {
+            s.on_message("r", &m, t);
+        }
+        for (_, m) in s.drain_outgoing() {
+            r.on_message("s", &m, t);
+        }
+    }
+    let st = r.state(&kr()).expect("the receiver's session");
+    assert!(st.is_final() && st != SessionState::Landed, "the receiver still holds the grant: {st:?}");
+    assert_eq!(s.state(&ks()), None, "the refused grant is not taken as a new one");
+}
+
 /// Freezes before the grant and mid-transfer, for longer than the liveness
 /// timeout, on either side; once thawed, the sender tries to write every
 /// byte and finish. The side that was not frozen gave the session up on

@@ -61,7 +61,7 @@
 //! - Late, duplicate, forged or malformed messages are ignored or answered
 //!   with the final outcome again; no message moves a state backwards.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use super::wire::{decode, Body, Grant, Message, Outcome, Verdict, MAX_GRANT_RANGES, MAX_REASON};
@@ -251,6 +251,9 @@ struct Session {
     checking: Option<Duration>,
     /// CHECKs sent, at most [`MAX_CHECKS`].
     checks: u8,
+    /// Receiver: CHECKs sent by `probe_after_pause` not answered yet (their
+    /// answers come first, before that of a FINISH's question).
+    probes: u8,
     /// Sender: the receiver's CHECKs answered `open` that extended the
     /// grace, at most [`MAX_CHECKS`].
     answers: u8,
@@ -298,6 +301,13 @@ pub struct SessionTable {
     /// (a sender waiting for a grant learns from the answers that this
     /// side's session engine is alive). Bounded: [`MAX_STRANGERS`].
     strangers: HashMap<String, Duration>,
+    /// Sender sessions released after they ended without a grant, with
+    /// when: a late GRANT for one is refused (as a lingering one's is), so
+    /// the receiver frees its memory at once instead of holding it for an
+    /// unclaimed grant until the deadline. Kept for `linger`, at most
+    /// `max_lingering`.
+    released: VecDeque<(SessionKey, Duration)>,
+    released_set: HashSet<SessionKey>,
     /// When this side last ran (a tick, a message read, a call), to notice
     /// its own pauses.
     last_ran: Option<Duration>,
@@ -376,6 +386,8 @@ impl SessionTable {
             actions: Vec::new(),
             ignored: 0,
             strangers: HashMap::new(),
+            released: VecDeque::new(),
+            released_set: HashSet::new(),
             last_ran: None,
             just_paused: false,
             pauses: 0,
@@ -530,6 +542,7 @@ impl SessionTable {
                 created: now,
                 doubt: false,
                 checking: None,
+                probes: 0,
                 checks: 0,
                 answers: 0,
                 answered: None,
@@ -705,6 +718,14 @@ impl SessionTable {
         if !s.state.is_final() {
             return Err(Error::new(ErrorKind::InvalidRequest, "the session is still open (cancel it first)"));
         }
+        if key.role == Role::Sender && s.grant.is_none() && self.released_set.insert(key.clone()) {
+            self.released.push_back((key.clone(), self.last_ran.unwrap_or_default()));
+            while self.released.len() > self.limits.max_lingering {
+                if let Some((k, _)) = self.released.pop_front() {
+                    self.released_set.remove(&k);
+                }
+            }
+        }
         self.sessions.remove(key);
         self.forget_idle_peers();
         Ok(())
@@ -843,6 +864,10 @@ impl SessionTable {
                 self.send(from, id, Body::Refuse(v));
             }
             Some(_) => self.ignored += 1, // a duplicate
+            None if self.released_set.contains(&key) => {
+                let why = "the sender ended the session before the grant came";
+                self.send(from, id, Body::Refuse(verdict(Outcome::Cancelled, ErrorKind::Cancelled, why)));
+            }
             None => match self.room_for_unclaimed(from).and_then(|()| self.room_for(from)) {
                 Ok(()) => {
                     self.insert(key.clone(), SessionState::Granted, Some(g), now);
@@ -969,7 +994,9 @@ impl SessionTable {
                 true
             }
             (Role::Sender, Phase::Closing(_) | Phase::Final, _) => false,
-            // No FINISH went from here.
+            // Still granted or writing here: a receiver that paused asks so
+            // (it frees the memory at once if not).
+            (Role::Sender, Phase::Open, st) if !st.is_final() => true,
             (Role::Sender, ..) => return None,
         })
     }
@@ -1044,6 +1071,35 @@ impl SessionTable {
         Ok(true)
     }
 
+    /// Receiver, after a pause of its own: asks the sender of every session
+    /// still open here (no FINISH yet) whether it is still open there. The
+    /// sender may have taken the pause for this side's death and ended its
+    /// part; then the session ends here at once, on the answer, instead of
+    /// holding its memory until the deadline. Unlike a FINISH's question,
+    /// the answer lands nothing: `doubt` stays until a FINISH is confirmed.
+    fn probe_after_pause(&mut self, now: Duration) {
+        let keys: Vec<SessionKey> = self
+            .sessions
+            .iter()
+            .filter(|(k, s)| {
+                k.role == Role::Receiver
+                    && s.phase == Phase::Open
+                    && s.doubt
+                    && s.checking.is_none()
+                    && !s.state.is_final()
+                    && s.checks < MAX_CHECKS
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in keys {
+            let Some(s) = self.sessions.get_mut(&key) else { continue };
+            s.checks = s.checks.saturating_add(1);
+            s.probes = s.probes.saturating_add(1);
+            s.checking = Some(now);
+            self.send(&key.peer, key.id, Body::Check { by_sender: false });
+        }
+    }
+
     /// Receiver: the sender's answer to CHECK.
     fn on_confirm(&mut self, from: &str, id: u64, open: bool, now: Duration) {
         let key = SessionKey::new(from, id, Role::Receiver);
@@ -1051,6 +1107,21 @@ impl SessionTable {
             self.ignored += 1;
             return;
         };
+        if s.probes > 0 && matches!(s.phase, Phase::Open | Phase::Confirming) {
+            // The answer to a probe after a pause. It lands nothing: a
+            // FINISH that came since waits for the answer to its own CHECK.
+            s.probes -= 1;
+            if s.phase == Phase::Open {
+                s.checking = None;
+            }
+            if !open {
+                // The sender ended its part (quiet): so do we, now.
+                let why = "the sender had ended the session while this side was paused";
+                let v = verdict(Outcome::Failed, ErrorKind::PeerUnavailable, why);
+                Self::finalize(s, SessionState::from_verdict(&v), now);
+            }
+            return;
+        }
         if s.phase != Phase::Confirming {
             self.ignored += 1;
             return;
@@ -1209,6 +1280,9 @@ impl SessionTable {
         // This side's own pause is not its peers' silence (issue 25).
         self.ran(now);
         let paused = std::mem::take(&mut self.just_paused);
+        if paused {
+            self.probe_after_pause(now);
+        }
         // Receiver deadlines.
         let expired: Vec<SessionKey> = self
             .sessions
@@ -1283,7 +1357,11 @@ impl SessionTable {
                 s.checking = None;
                 s.dirty = true;
             }
+            let probing = self.sessions.get(&key).is_some_and(|s| s.phase == Phase::Open);
             match key.role {
+                // A probe after a pause: the sender's silence is judged by
+                // liveness, as ever.
+                Role::Receiver if probing => {}
                 Role::Receiver => {
                     let why = "the sender did not confirm the finish within the liveness timeout (this side paused)";
                     self.give_up_confirming(&key, why, now);
@@ -1297,6 +1375,11 @@ impl SessionTable {
         // Strangers answered long ago are forgotten.
         let keep = self.limits.liveness_timeout;
         self.strangers.retain(|_, t| now.saturating_sub(*t) < keep);
+        while self.released.front().is_some_and(|(_, t)| now.saturating_sub(*t) >= self.limits.linger) {
+            if let Some((k, _)) = self.released.pop_front() {
+                self.released_set.remove(&k);
+            }
+        }
         // Liveness and heartbeats, for peers with open sessions.
         let mut busy: HashMap<String, bool> = HashMap::new();
         for (k, s) in &self.sessions {
