@@ -22,6 +22,11 @@ const MAX_CAS_ATTEMPTS: u32 = 16;
 /// What the store, its keep-alive task and its watches share.
 pub(crate) struct Shared {
     pub client: Client,
+    /// With several endpoints: a client per member, for reads that try
+    /// another member when one does not answer ([`Shared::read_with_failover`]).
+    pub readers: Vec<Client>,
+    /// The reader that answered last (tried first).
+    pub preferred: std::sync::atomic::AtomicUsize,
     pub config: EtcdConfig,
     pub endpoint: String,
     /// Descriptors this store published, by segment name, with their lease.
@@ -68,8 +73,7 @@ impl Shared {
     ) -> Result<(Option<(SegmentDescriptor, i64)>, i64)> {
         let key = self.config.key_for(name);
         let ctx = self.ctx(op, &key);
-        let mut client = self.client.clone();
-        let resp = bounded(&ctx, self.config.request_timeout, client.get(key.as_bytes(), None)).await?;
+        let resp = self.read_with_failover(&ctx, &key).await?;
         let revision = resp.header().map_or(0, |h| h.revision());
         match resp.kvs().first() {
             None => Ok((None, revision)),
@@ -136,6 +140,51 @@ impl Shared {
             Err(e) => Err(e),
         }
     }
+}
+
+impl Shared {
+    /// A read, tried again on the next member when one does not answer
+    /// (killed, partitioned away, stopped): attempts go to one member each,
+    /// starting with the one that answered last, so a silent member costs
+    /// one attempt, once. Up to [`READ_ATTEMPTS`] attempts, each bounded by
+    /// a share of `request_timeout`, all of them by `request_timeout`.
+    /// Reads only: a read tried twice changes nothing.
+    async fn read_with_failover(&self, ctx: &Ctx<'_>, key: &str) -> Result<etcd_client::GetResponse> {
+        let limit = self.config.request_timeout;
+        let each = (limit / READ_ATTEMPTS).max(Duration::from_millis(100));
+        let until = tokio::time::Instant::now() + limit;
+        let mut attempt = 1;
+        loop {
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            let n = self.readers.len();
+            let first = self.preferred.load(std::sync::atomic::Ordering::Relaxed);
+            let pick = (first + attempt as usize - 1) % n.max(1);
+            let mut client = self.readers.get(pick).unwrap_or(&self.client).clone();
+            match bounded(ctx, each.min(left), client.get(key.as_bytes(), None)).await {
+                Ok(r) => {
+                    if n > 0 {
+                        self.preferred.store(pick, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    return Ok(r);
+                }
+                Err(e) if attempt < READ_ATTEMPTS && left > each && is_unreachable(e.kind()) => {
+                    tracing::debug!(key, attempt, error = %e, "etcd read failed; trying again (another member)");
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Attempts of one read ([`Shared::read_with_failover`]).
+const READ_ATTEMPTS: u32 = 3;
+
+/// The member the call went to did not answer (as opposed to an answer
+/// that refuses).
+fn is_unreachable(kind: ErrorKind) -> bool {
+    matches!(kind, ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset | ErrorKind::Timeout)
 }
 
 /// Runs one etcd call under a time limit, mapping its error with `ctx`.

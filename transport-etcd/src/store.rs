@@ -52,8 +52,26 @@ impl EtcdStore {
         // The client connects lazily; one cheap request proves that a member answers.
         bounded(&ctx, config.connect_timeout, client.status()).await.map_err(|e| unreachable(&ctx, e))?;
 
+        // One client per member for reads that must go around a silent one
+        // (the balanced client keeps picking the member it picked).
+        let mut readers = Vec::new();
+        if config.endpoints.len() > 1 {
+            for ep in &config.endpoints {
+                let options = ConnectOptions::new()
+                    .with_connect_timeout(config.connect_timeout)
+                    .with_timeout(config.request_timeout)
+                    .with_keep_alive(Duration::from_secs(5), config.request_timeout);
+                if let Ok(Ok(c)) =
+                    tokio::time::timeout(config.connect_timeout, Client::connect([ep], Some(options))).await
+                {
+                    readers.push(c);
+                }
+            }
+        }
         let shared = Arc::new(Shared {
             client,
+            readers,
+            preferred: std::sync::atomic::AtomicUsize::new(0),
             config,
             endpoint,
             owned: Mutex::new(HashMap::new()),

@@ -495,3 +495,81 @@ async fn etcd_dying_under_a_store_gives_transient_errors() {
     })
     .await;
 }
+
+/// A TCP relay to `to` that can go silent: while `frozen`, it keeps its
+/// connections open and moves no byte (a member partitioned away, or
+/// stopped, as its clients see it).
+async fn relay(to: String, frozen: std::sync::Arc<std::sync::atomic::AtomicBool>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let target = to.trim_start_matches("http://").to_owned();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = listener.accept().await {
+            let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else { continue };
+            let (ri, wi) = inbound.into_split();
+            let (ro, wo) = outbound.into_split();
+            for (mut r, mut w) in [
+                (
+                    Box::new(ri) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                    Box::new(wo) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+                ),
+                (Box::new(ro), Box::new(wi)),
+            ] {
+                let frozen = frozen.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        while frozen.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => {
+                                while frozen.load(Ordering::SeqCst) {
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                }
+                                if w.write_all(&buf[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    });
+    url
+}
+
+/// One of the store's endpoints goes silent with its connection open (a
+/// member partitioned away or frozen): every read still answers, from the
+/// other endpoint, within the request timeout. (A store whose reads went
+/// round-robin without trying again failed about half of them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_go_on_when_one_endpoint_goes_silent() {
+    let Some(etcd) = Etcd::start().await else { return };
+    bounded(async {
+        let frozen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let silent = relay(etcd.url.clone(), frozen.clone()).await;
+        let cfg = EtcdConfig {
+            request_timeout: Duration::from_secs(3),
+            ..EtcdConfig::with_endpoints([silent.clone(), etcd.url.clone()])
+        };
+        let store = EtcdStore::connect(cfg).await.unwrap();
+        store.put(desc("p", 1)).await.unwrap();
+        for _ in 0..10 {
+            assert!(store.get("p").await.unwrap().is_some()); // both connections in use
+        }
+        frozen.store(true, Ordering::SeqCst);
+        for i in 0..20 {
+            let started = Instant::now();
+            let got = store.get("p").await.unwrap_or_else(|e| panic!("read {i} with {silent} silent: {e}"));
+            assert_eq!(got.map(|d| d.generation), Some(1));
+            assert!(started.elapsed() < Duration::from_secs(3), "read {i} took {:?}", started.elapsed());
+        }
+        frozen.store(false, Ordering::SeqCst);
+        store.close().await.unwrap();
+    })
+    .await;
+}
