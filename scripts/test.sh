@@ -11,6 +11,7 @@
 #   SKIP_RDMA=1 scripts/test.sh  # everything but the RDMA VM (local iteration only)
 #   SKIP_VLLM=1 scripts/test.sh  # everything but the vLLM check (local iteration only)
 #   SKIP_PEERS=1 scripts/test.sh # everything but the real Mooncake / NIXL comparison (local only)
+#   SKIP_CLUSTER=1 scripts/test.sh # everything but the PD cluster in network namespaces (local only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +48,8 @@ suite() {
   step "$title"
   "$script"
 }
+
+suite SKIP_CLUSTER scripts/pd-cluster-tests.sh "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault"
 
 suite SKIP_RDMA scripts/rdma-tests.sh "RDMA tests"
 

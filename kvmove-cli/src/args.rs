@@ -41,6 +41,61 @@ pub enum Command {
     /// rates, latency percentiles, in-flight work, peers and breakers,
     /// refreshed every interval.
     Top(TopArgs),
+    /// One engine of a prefill/decode cluster (`scripts/pd-cluster`): a
+    /// decode grants pages of its KV pool to the prefills that ask; a
+    /// prefill reads `req <id> <decode>` lines on stdin and hands each
+    /// request's KV to that decode in a session. Prints one JSON line per
+    /// session it ends.
+    Pd(PdArgs),
+}
+
+/// The role of a `kvmove pd` engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PdRole {
+    Prefill,
+    Decode,
+}
+
+impl PdRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PdRole::Prefill => "prefill",
+            PdRole::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct PdArgs {
+    /// prefill | decode
+    #[arg(long, value_enum)]
+    pub role: PdRole,
+    /// KV bytes of one request (one decode page), in KiB (1 to 65536)
+    #[arg(long, default_value_t = 256)]
+    pub page_kib: u64,
+    /// Decode: pages in the KV pool (1 to 4096)
+    #[arg(long, default_value_t = 8)]
+    pub pages: usize,
+    /// Prefill: writes per request, layer by layer (1 to 1024)
+    #[arg(long, default_value_t = 4)]
+    pub writes: u32,
+    /// Prefill: milliseconds of simulated compute before each write (the
+    /// layer's forward pass)
+    #[arg(long, default_value_t = 0)]
+    pub compute_ms: u64,
+    /// Decode: milliseconds a page stays in use after its request landed
+    #[arg(long, default_value_t = 50)]
+    pub hold_ms: u64,
+    /// Prefill: a request not ended by then is cancelled; decode: the
+    /// grant's deadline (milliseconds)
+    #[arg(long, default_value_t = 30_000)]
+    pub request_timeout_ms: u64,
+    /// Sessions: a peer silent this long fails its sessions (milliseconds)
+    #[arg(long, default_value_t = 1000)]
+    pub liveness_ms: u64,
+    /// Prefill: requests in flight at most; one more is refused (1 to 4096)
+    #[arg(long, default_value_t = 64)]
+    pub max_inflight: usize,
 }
 
 #[derive(Debug, Args)]

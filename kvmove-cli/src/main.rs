@@ -21,6 +21,7 @@ mod commands;
 mod data;
 mod log;
 mod metrics;
+mod pd;
 mod plan;
 mod report;
 mod run;
@@ -63,7 +64,7 @@ fn main() -> ExitCode {
         }
     };
     let default_filter = match cli.command {
-        Some(Command::Target) => log::TARGET_DEFAULT,
+        Some(Command::Target | Command::Pd(_)) => log::TARGET_DEFAULT,
         _ => log::QUIET_DEFAULT,
     };
     log::init(default_filter, cli.opts.json);
@@ -95,6 +96,7 @@ fn main() -> ExitCode {
             Some(Command::Initiator(a)) => commands::initiator(&settings, &a.target, json).await,
             Some(Command::Config) => commands::config(&settings),
             Some(Command::Handoff(a)) => commands::handoff(&settings, a, json).await,
+            Some(Command::Pd(a)) => pd::run(&settings, a).await,
             Some(Command::Top(a)) => {
                 let (addr, every, count) = (a.url, std::time::Duration::from_millis(a.interval_ms), a.count);
                 tokio::task::spawn_blocking(move || top::run(addr, every, count))
