@@ -646,6 +646,36 @@ fn a_grant_for_a_released_session_is_refused() {
     assert_eq!(s.state(&ks()), None, "the refused grant is not taken as a new one");
 }
 
+/// A peer with nothing open is not heartbeating, so its silence is not
+/// death: a new session with a peer idle for longer than the liveness
+/// timeout (its entry kept by a lingering session) starts its liveness
+/// window fresh instead of failing at the next tick. (A prefill that meets
+/// each of 16 decodes every 4 s failed every session after the first.)
+#[test]
+fn a_new_session_with_a_peer_idle_past_the_liveness_timeout_starts_fresh() {
+    let mut s = SessionTable::new(limits(), 1);
+    let t = Duration::from_millis(10);
+    s.expect("r", ID, t).unwrap();
+    s.cancel(&ks(), None, t).unwrap(); // final and lingering (not released)
+    let mut now = t;
+    for _ in 0..50 {
+        now += Duration::from_millis(100); // ticks as the driver does: no pause
+        s.tick(now);
+    }
+    let next = SessionKey::new("r", ID + 1, Role::Sender);
+    s.expect("r", ID + 1, now).unwrap();
+    now += Duration::from_millis(100);
+    s.tick(now);
+    assert_eq!(s.state(&next), Some(SessionState::Waiting), "judged silent before it could answer");
+    assert_eq!(s.pauses(), 0);
+    // Still silent a liveness timeout later: now it is gone.
+    for _ in 0..12 {
+        now += Duration::from_millis(100);
+        s.tick(now);
+    }
+    assert!(matches!(s.state(&next), Some(SessionState::Failed(e)) if e.kind() == ErrorKind::PeerUnavailable));
+}
+
 /// Freezes before the grant and mid-transfer, for longer than the liveness
 /// timeout, on either side; once thawed, the sender tries to write every
 /// byte and finish. The side that was not frozen gave the session up on

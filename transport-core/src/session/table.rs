@@ -528,7 +528,18 @@ impl SessionTable {
 
     fn insert(&mut self, key: SessionKey, state: SessionState, grant: Option<Grant>, now: Duration) {
         let deadline = grant.as_ref().map(|g| now.saturating_add(g.deadline));
+        // A peer with nothing open here was not heartbeating (nothing asked
+        // it to): its silence counts from this session on, not from the last
+        // message of an earlier one (its entry may have stayed for lingering
+        // sessions), and it is sent a heartbeat at once.
+        let idle = !self.sessions.iter().any(|(k, s)| k.peer == key.peer && !s.state.is_final());
         self.touch_peer(&key.peer, now);
+        if idle {
+            if let Some(p) = self.peers.get_mut(&key.peer) {
+                p.heard = p.heard.max(now);
+                p.beat = None;
+            }
+        }
         self.sessions.insert(
             key,
             Session {
