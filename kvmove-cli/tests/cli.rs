@@ -727,3 +727,95 @@ fn initiator_waits_for_a_busy_target_and_gets_through() {
     assert!(refusals > 0, "the target never answered Busy: the test did not test the retry");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `kvmove pd` process with its stdout lines (JSON events) on a channel.
+struct Pd {
+    child: Guard,
+    events: std::sync::mpsc::Receiver<serde_json::Value>,
+}
+
+impl Pd {
+    fn start(args: &[&str]) -> Pd {
+        let mut child = Command::new(BIN)
+            .arg("pd")
+            .args(args)
+            .args(["--listen", "127.0.0.1:0"])
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kvmove pd");
+        let out = child.stdout.take().unwrap();
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        Pd { child: Guard(child), events }
+    }
+
+    /// The next event named `ev`, skipping others (bounded).
+    fn next(&self, ev: &str) -> serde_json::Value {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let v = self.events.recv_timeout(left).unwrap_or_else(|e| panic!("no '{ev}' event: {e}"));
+            if v["ev"] == ev {
+                return v;
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.child.0.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+}
+
+/// `kvmove pd`: a prefill hands requests to a decode whose pool holds two
+/// pages (so the third request waits for a page), every page is checked
+/// byte for byte on the decode, both ends report the same outcome for
+/// every request, a malformed line is reported and skipped, and the
+/// prefill says goodbye when its stdin ends.
+#[test]
+fn pd_prefill_hands_requests_to_a_decode_and_both_ends_agree() {
+    let small = ["--page-kib", "16", "--hold-ms", "20", "--writes", "4"];
+    let decode = Pd::start(&[&["--role", "decode", "--pages", "2"][..], &small].concat());
+    let ready = decode.next("ready");
+    let segment = ready["segment"].as_str().unwrap().to_owned();
+    assert_eq!(ready["role"], "decode");
+    let mut prefill = Pd::start(&[&["--role", "prefill"][..], &small].concat());
+    prefill.next("ready");
+    prefill.send("req x nowhere");
+    assert_eq!(prefill.next("bad-line")["line"], "req x nowhere");
+    let ids = [11u64, 12, 13, 14, 15];
+    for id in ids {
+        prefill.send(&format!("req {id} {segment}"));
+    }
+    let mut sender: Vec<(u64, String)> = (0..ids.len())
+        .map(|_| {
+            let e = prefill.next("end");
+            (e["id"].as_u64().unwrap(), e["state"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    let mut receiver: Vec<(u64, String)> = (0..ids.len())
+        .map(|_| {
+            let e = decode.next("end");
+            assert_eq!(e["verified"], true, "{e}");
+            (e["id"].as_u64().unwrap(), e["state"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    sender.sort();
+    receiver.sort();
+    assert_eq!(sender, receiver);
+    assert!(sender.iter().all(|(_, st)| st == "landed"), "{sender:?}");
+    assert_eq!(sender.iter().map(|x| x.0).collect::<Vec<_>>(), ids);
+    drop(prefill.child.0.stdin.take());
+    assert_eq!(prefill.next("bye")["why"], "stdin closed");
+}
