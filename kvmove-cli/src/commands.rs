@@ -492,7 +492,7 @@ async fn serve(s: &Settings, plan: &Plan, engine: &Engine, len: u64, json: bool)
 }
 
 /// Waits for Ctrl-C or SIGTERM; names the one that came.
-async fn shutdown_signal() -> &'static str {
+pub(crate) async fn shutdown_signal() -> &'static str {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};

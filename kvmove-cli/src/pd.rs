@@ -23,8 +23,8 @@
 //! `{"ev":"ready",...}` once published. The engine stops on stdin's end or
 //! SIGTERM and prints `{"ev":"bye",...}`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmove::{Access, Buffer, Engine, Error, ErrorKind, MetadataStore, RegionId, TransferRequest};
@@ -35,6 +35,7 @@ use transport_core::Sessions;
 
 use crate::args::{PdArgs, PdRole};
 use crate::commands::Outcome;
+use crate::sessions::{lock, Recent};
 use crate::settings::Settings;
 
 const PREFIX: &str = "kvmove/pd ask ";
@@ -42,14 +43,6 @@ const PREFIX: &str = "kvmove/pd ask ";
 /// Asks a decode keeps queued at most; one over it is dropped (its prefill
 /// asks again).
 const MAX_QUEUED: usize = 4096;
-
-/// Ids a decode remembers having queued or granted (a repeated ask for one
-/// of them is ignored).
-const RECENT: usize = 1 << 16;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 fn config_err(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::Config, msg)
@@ -172,7 +165,7 @@ async fn serve(
         PdRole::Decode => {
             let d = Arc::new(Decode::new(sess.clone(), buf, page, args));
             let task = tokio::spawn(d.clone().listen());
-            let why = stop_signal().await;
+            let why = crate::commands::shutdown_signal().await;
             task.abort();
             why
         }
@@ -191,7 +184,7 @@ async fn serve(
                 peers: Mutex::default(),
             });
             tokio::select! {
-                why = stop_signal() => why,
+                why = crate::commands::shutdown_signal() => why,
                 why = p.clone().requests() => why,
             }
         }
@@ -205,23 +198,6 @@ async fn serve(
     Ok(Outcome::Ok)
 }
 
-async fn stop_signal() -> &'static str {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = term.recv() => return "terminated",
-                _ = tokio::signal::ctrl_c() => return "interrupted",
-            }
-        }
-    }
-    match tokio::signal::ctrl_c().await {
-        Ok(()) => "interrupted",
-        Err(_) => std::future::pending().await,
-    }
-}
-
 // ------------------------------------------------------------------ decode
 
 #[derive(Default)]
@@ -230,8 +206,8 @@ struct Pool {
     free: Vec<u64>,
     /// Asks waiting for a page, oldest first.
     queue: VecDeque<(String, u64)>,
-    recent: VecDeque<(String, u64)>,
-    recent_set: HashSet<(String, u64)>,
+    /// Asks queued or granted already (a repeated ask is ignored).
+    recent: Recent,
 }
 
 struct Decode {
@@ -273,16 +249,10 @@ impl Decode {
                 };
                 let mut p = lock(&self.pool);
                 let k = (n.from, id);
-                if p.recent_set.contains(&k) || p.queue.len() >= MAX_QUEUED {
+                if p.recent.contains(&k) || p.queue.len() >= MAX_QUEUED {
                     continue;
                 }
-                p.recent.push_back(k.clone());
-                p.recent_set.insert(k.clone());
-                while p.recent.len() > RECENT {
-                    if let Some(old) = p.recent.pop_front() {
-                        p.recent_set.remove(&old);
-                    }
-                }
+                p.recent.insert(k.clone());
                 p.queue.push_back(k);
             }
             self.clone().grant_free();
@@ -315,7 +285,7 @@ impl Decode {
             Err(e) => {
                 // Forget the ask so the prefill's next ask is taken.
                 let mut p = lock(&self.pool);
-                p.recent_set.remove(&(peer.clone(), id));
+                p.recent.remove(&(peer.clone(), id));
                 p.free.push(off);
                 drop(p);
                 tracing::warn!(peer = %peer, id, error = %e, "cannot grant");
@@ -516,18 +486,7 @@ impl Prefill {
     }
 
     async fn ask(&self, peer: &str, id: u64) -> kvmove::Result<()> {
-        let until = Instant::now() + Duration::from_secs(5);
-        let mut backoff = Duration::from_millis(2);
-        loop {
-            match self.sess.notify(peer, format!("{PREFIX}{id}").into_bytes()).await {
-                Ok(()) => return Ok(()),
-                Err(e) if e.is_transient() && Instant::now() < until => {
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        crate::sessions::notify(&self.sess, peer, format!("{PREFIX}{id}")).await
     }
 }
 

@@ -54,7 +54,7 @@ pub const DEADLINE_SLACK: Duration = Duration::from_secs(600);
 
 /// Ids of sessions a target granted, kept to refuse a second grant for
 /// the same id (an ask repeated after the session ended).
-const RECENT: usize = 1 << 16;
+pub(crate) const RECENT: usize = 1 << 16;
 
 /// Prefix of the plain notifications of the flow.
 const PREFIX: &str = "kvmove/1 ";
@@ -117,13 +117,13 @@ pub fn deadline(compute: Duration) -> Duration {
     DEADLINE_SLACK.saturating_add(compute)
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Sends a plain notification, retrying transient refusals (a full
 /// inbox) for a few seconds.
-async fn notify(sess: &Sessions, peer: &str, msg: String) -> kvmove::Result<()> {
+pub(crate) async fn notify(sess: &Sessions, peer: &str, msg: String) -> kvmove::Result<()> {
     let until = Instant::now() + Duration::from_secs(5);
     let mut backoff = Duration::from_millis(2);
     loop {
@@ -134,6 +134,40 @@ async fn notify(sess: &Sessions, peer: &str, msg: String) -> kvmove::Result<()> 
                 backoff = (backoff * 2).min(Duration::from_millis(200));
             }
             Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The last [`RECENT`] `(peer, id)` pairs seen, oldest forgotten first:
+/// what a receiver granted (or queued) already, so a repeated ask for it
+/// is ignored.
+#[derive(Default)]
+pub(crate) struct Recent {
+    order: VecDeque<(String, u64)>,
+    set: HashSet<(String, u64)>,
+}
+
+impl Recent {
+    pub(crate) fn contains(&self, k: &(String, u64)) -> bool {
+        self.set.contains(k)
+    }
+
+    /// Remembers `k`, forgetting the oldest beyond [`RECENT`].
+    pub(crate) fn insert(&mut self, k: (String, u64)) {
+        if self.set.insert(k.clone()) {
+            self.order.push_back(k);
+        }
+        while self.order.len() > RECENT {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    /// Forgets `k` (a grant that could not be sent: the next ask is taken).
+    pub(crate) fn remove(&mut self, k: &(String, u64)) {
+        if self.set.remove(k) {
+            self.order.retain(|o| o != k);
         }
     }
 }
@@ -215,8 +249,7 @@ struct Book {
     /// When the target saw each session land, by id (bench: read by the
     /// initiator for the notification delay).
     landed_at: HashMap<u64, Instant>,
-    recent: VecDeque<(String, u64)>,
-    recent_set: HashSet<(String, u64)>,
+    recent: Recent,
 }
 
 struct ReceiverInner {
@@ -314,7 +347,7 @@ impl Receiver {
 async fn grant_loop(inner: Arc<ReceiverInner>, mut rx: mpsc::UnboundedReceiver<(String, u64)>) {
     while let Some((peer, id)) = rx.recv().await {
         let key = SessionKey::new(peer.clone(), id, Role::Receiver);
-        let known = inner.sess.state(&key).is_some() || lock(&inner.book).recent_set.contains(&(peer.clone(), id));
+        let known = inner.sess.state(&key).is_some() || lock(&inner.book).recent.contains(&(peer.clone(), id));
         let Some(((off, len), expected)) = inner.units.grant(id).filter(|_| !known) else {
             lock(&inner.book).counts.ignored_asks += 1;
             tracing::debug!(peer = %peer, id, "ask ignored: no such unit, or granted already");
@@ -330,13 +363,7 @@ async fn grant_loop(inner: Arc<ReceiverInner>, mut rx: mpsc::UnboundedReceiver<(
         {
             let mut b = lock(&inner.book);
             b.counts.granted += 1;
-            b.recent.push_back((peer.clone(), id));
-            b.recent_set.insert((peer, id));
-            while b.recent.len() > RECENT {
-                if let Some(old) = b.recent.pop_front() {
-                    b.recent_set.remove(&old);
-                }
-            }
+            b.recent.insert((peer, id));
         }
         let inner = inner.clone();
         tokio::spawn(async move {
