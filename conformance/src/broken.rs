@@ -17,26 +17,49 @@ use transport_core::{
     SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
-/// A layer that retries *permanent* failures on its own (breaking rule 8:
-/// permanent errors are never retried, and backends do not retry at all).
-/// It resubmits a refused batch, and inside `wait` resubmits every request
-/// that failed permanently, up to `extra` more times.
-pub struct RetriesPermanent {
+/// What a [`BrokenLayer`] breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerBug {
+    /// Retries *permanent* failures on its own (breaking rule 8: permanent
+    /// errors are never retried, and backends do not retry at all). It
+    /// resubmits a refused batch, and inside `wait` resubmits every request
+    /// that failed permanently, up to twice more.
+    RetriesPermanent,
+    /// `notify` reports a session's failure notices (cancel, expiry,
+    /// failure: [`kvmove_policy::session::is_failure_notice`]) delivered
+    /// but drops them, so the peer never learns (breaking rule 13).
+    DropsFailureNotices,
+}
+
+/// A layer over any backend that breaks one rule ([`LayerBug`]) and
+/// forwards everything else unchanged.
+pub struct BrokenLayer {
     inner: Arc<dyn Transport>,
+    bug: LayerBug,
     extra: u32,
     batches: Mutex<HashMap<BatchId, (Vec<TransferRequest>, SubmitOptions)>>,
 }
 
-impl fmt::Debug for RetriesPermanent {
+impl fmt::Debug for BrokenLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RetriesPermanent").field("inner", &self.inner.backend()).field("extra", &self.extra).finish()
+        f.debug_struct("BrokenLayer").field("inner", &self.inner.backend()).field("bug", &self.bug).finish()
     }
 }
 
-impl RetriesPermanent {
-    /// Wraps `inner`, retrying permanent failures twice more.
-    pub fn wrap(inner: Arc<dyn Transport>) -> Arc<dyn Transport> {
-        Arc::new(Self { inner, extra: 2, batches: Mutex::default() })
+impl BrokenLayer {
+    /// Wraps `inner`, adding `bug`.
+    pub fn wrap(inner: Arc<dyn Transport>, bug: LayerBug) -> Arc<dyn Transport> {
+        Arc::new(Self { inner, bug, extra: 2, batches: Mutex::default() })
+    }
+
+    /// [`LayerBug::RetriesPermanent`] over `inner`.
+    pub fn retries_permanent(inner: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        Self::wrap(inner, LayerBug::RetriesPermanent)
+    }
+
+    /// [`LayerBug::DropsFailureNotices`] over `inner`.
+    pub fn drops_failure_notices(inner: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        Self::wrap(inner, LayerBug::DropsFailureNotices)
     }
 
     fn permanent(s: &RequestStatus) -> bool {
@@ -45,7 +68,7 @@ impl RetriesPermanent {
 }
 
 #[async_trait]
-impl Transport for RetriesPermanent {
+impl Transport for BrokenLayer {
     fn backend(&self) -> &str {
         self.inner.backend()
     }
@@ -74,6 +97,9 @@ impl Transport for RetriesPermanent {
         self.inner.segment_descriptor(segment)
     }
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
+        if self.bug != LayerBug::RetriesPermanent {
+            return self.inner.submit(requests, opts).await;
+        }
         let mut tries = 0;
         loop {
             match self.inner.submit(requests.clone(), opts).await {
@@ -117,6 +143,10 @@ impl Transport for RetriesPermanent {
         self.inner.cancel(batch).await
     }
     async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        if self.bug == LayerBug::DropsFailureNotices && kvmove_policy::session::is_failure_notice(&msg) {
+            // The bug: reported delivered, never sent.
+            return Ok(());
+        }
         self.inner.notify(segment, msg).await
     }
     fn take_notifications(&self, max: usize) -> Result<Vec<transport_core::Notification>> {

@@ -91,7 +91,7 @@ pub trait Harness: Send + Sync + 'static {
     /// [`Harness::node`] and [`Harness::restart`]). The default is the
     /// identity. Wrappers let one harness run the suite through a layer: a
     /// benign fault injector (`mock_faulty`), or a deliberately broken layer
-    /// ([`crate::broken::RetriesPermanent`]) to prove the suite fails it.
+    /// ([`crate::broken::BrokenLayer`]) to prove the suite fails it.
     ///
     /// Fault hooks (`kill`, `cut`, `stall`) still receive the unwrapped
     /// [`Node`] data (`name`, `state`), so wrapping never disables them.

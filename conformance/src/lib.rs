@@ -2,7 +2,7 @@
 //! the contract: rules 1 to 13 of `docs/CONTRACT.md`, shown on
 //! [`transport_core::Transport`]. Rules 12 and 13 (sessions: admission is
 //! the receiver's; both ends agree) are checked through
-//! `transport_core::Sessions` running over an `Engine` on the backend.
+//! `kvmove_policy::Sessions` running over an `Engine` on the backend.
 //!
 //! # Running it against a backend: one line
 //!
@@ -48,7 +48,7 @@
 //! [`Harness::wrap`] puts a layer around every transport a harness gives
 //! the suite: `mock_faulty` runs the whole suite through
 //! `transport_mock::FaultyTransport` with no faults planned, and
-//! [`broken::RetriesPermanent`] is a deliberately broken layer. The policy
+//! [`broken::BrokenLayer`] is a deliberately broken layer. The policy
 //! cases put their own `FaultyTransport` *below* that wrapper (see
 //! [`Ctx::node_layered`]), so its counts see every request a wrapper
 //! resends.
@@ -78,9 +78,9 @@
 //! | mock, `cache_broken_endpoint` | `failure::next_transfer_builds_new_endpoint` |
 //! | mock, `write_after_timeout` | `deadline::quiet_after_timeout` |
 //! | mock, `noop_close_segment` | `lifecycle::close_releases_endpoints` |
-//! | [`broken::RetriesPermanent`] around the mock | `policy::permanent_errors_not_retried` |
+//! | [`broken::BrokenLayer`] `RetriesPermanent` around the mock | `policy::permanent_errors_not_retried` |
 //! | mock with 2 ms latency, `notify_before_landing` | `notify::never_overtakes_data` |
-//! | mock, `drop_failure_notices` | `session::receiver_cancels_mid_transfer`, `session::sender_cancels` |
+//! | [`broken::BrokenLayer`] `DropsFailureNotices` around the mock | `session::receiver_cancels_mid_transfer`, `session::sender_cancels` |
 //! | mock, `forget_device_memory` (device regions taken for host memory) | `device_d2d::data::write_lands_exact`: the process dies of SIGSEGV on the fake device's memory, so the test runs it in a child |
 //!
 //! # The cases

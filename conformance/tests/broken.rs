@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use conformance::broken::RetriesPermanent;
+use conformance::broken::BrokenLayer;
 use conformance::mock::MockHarness;
 use conformance::{cases, run_case, Outcome};
 use transport_mock::MockBugs;
@@ -58,17 +58,26 @@ fn notify_before_landing_fails_never_overtakes_data() {
 
 #[test]
 fn dropped_failure_notices_fail_receiver_cancels() {
-    caught(bugs(|b| b.drop_failure_notices = true), "session::receiver_cancels_mid_transfer");
+    caught(
+        MockHarness::wrapped("drops_failure_notices", BrokenLayer::drops_failure_notices),
+        "session::receiver_cancels_mid_transfer",
+    );
 }
 
 #[test]
 fn dropped_failure_notices_fail_sender_cancels() {
-    caught(bugs(|b| b.drop_failure_notices = true), "session::sender_cancels");
+    caught(
+        MockHarness::wrapped("drops_failure_notices", BrokenLayer::drops_failure_notices),
+        "session::sender_cancels",
+    );
 }
 
 #[test]
 fn retries_permanent_fails_permanent_not_retried() {
-    caught(MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap), "policy::permanent_errors_not_retried");
+    caught(
+        MockHarness::wrapped("retries_permanent", BrokenLayer::retries_permanent),
+        "policy::permanent_errors_not_retried",
+    );
 }
 
 /// Set in the child process of `forgotten_device_memory_is_caught`.
@@ -128,9 +137,9 @@ fn survey() {
         ("cache_broken_endpoint", || bugs(|b| b.cache_broken_endpoint = true)),
         ("write_after_timeout", || bugs(|b| b.write_after_timeout = true)),
         ("noop_close_segment", || bugs(|b| b.noop_close_segment = true)),
-        ("retries_permanent", || MockHarness::wrapped("retries_permanent", RetriesPermanent::wrap)),
+        ("retries_permanent", || MockHarness::wrapped("retries_permanent", BrokenLayer::retries_permanent)),
         ("notify_before_landing", || bugs(|b| b.notify_before_landing = true).with_latency(LATENCY)),
-        ("drop_failure_notices", || bugs(|b| b.drop_failure_notices = true)),
+        ("drop_failure_notices", || MockHarness::wrapped("drops_failure_notices", BrokenLayer::drops_failure_notices)),
     ];
     for (name, make) in variants {
         let failed: Vec<String> =

@@ -18,7 +18,8 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::EnvFilter;
 
 /// Default filter of `kvmove target`.
-pub const TARGET_DEFAULT: &str = "warn,kvmove=info,transport_core=info,transport_tcp=info,transport_rdma=info,\
+pub const TARGET_DEFAULT: &str =
+    "warn,kvmove=info,kvmove_policy=info,transport_core=info,transport_tcp=info,transport_rdma=info,\
                                   transport_etcd=info,transport_mock=info";
 /// Default filter of the other commands: nothing.
 pub const QUIET_DEFAULT: &str = "off";

@@ -28,10 +28,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmove::{Access, Buffer, Engine, Error, ErrorKind, MetadataStore, RegionId, TransferRequest};
+use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::Sessions;
 use tokio::io::AsyncBufReadExt;
 use tokio::sync::Semaphore;
-use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
-use transport_core::Sessions;
 
 use crate::args::{PdArgs, PdRole};
 use crate::commands::Outcome;

@@ -1,6 +1,6 @@
 //! The session flow of `bench`, `target` and `initiator` with `--sessions
 //! true`: every transfer unit of a pass is one session (rules 12 and 13,
-//! `transport_core::Sessions`).
+//! `kvmove_policy::Sessions`).
 //!
 //! - A **unit** is the whole plan of a layer pass (written layer by layer,
 //!   one write per layer) or one request of the per-request pass. Its
@@ -29,9 +29,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvmove::{Engine, Error, ErrorKind, SegmentId, TransferRequest};
+use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::Sessions;
 use tokio::sync::mpsc;
-use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
-use transport_core::Sessions;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::plan::Plan;

@@ -170,7 +170,7 @@ pub fn render(addr: SocketAddr, n: u64, now: &Sample, before: &Sample, secs: f64
         }
     }
     // The shared label of peers past the cap, only when it moved bytes.
-    peers.retain(|p| p != transport_core::OTHER_PEER || now.sum("kvmove_bytes_total", &[("peer", p)]) > 0.0);
+    peers.retain(|p| p != kvmove_policy::OTHER_PEER || now.sum("kvmove_bytes_total", &[("peer", p)]) > 0.0);
     if !peers.is_empty() {
         o.push_str(&format!("{:<28} {:>14} {:>14} {:>9}\n", "peer", "write", "read", "breaker"));
         for p in peers {

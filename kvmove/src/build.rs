@@ -2,7 +2,8 @@
 
 use std::sync::{Arc, OnceLock};
 
-use transport_core::{Engine, InProcessStore, MetadataStore, Result, SegmentDescriptor, Transport};
+use kvmove_policy::Engine;
+use transport_core::{InProcessStore, MetadataStore, Result, SegmentDescriptor, Transport};
 
 use crate::config::{BackendKind, EngineConfig, MetadataConfig, MetadataKind};
 

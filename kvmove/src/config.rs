@@ -6,7 +6,7 @@
 //! kind = "tcp"            # "tcp" (default) | "rdma" | "mock"
 //! [backend.tcp]           # options of the TCP backend (transport_tcp::TcpConfig)
 //! lanes = 4
-//! [policy.retry]          # transport_core::PolicyConfig
+//! [policy.retry]          # kvmove_policy::PolicyConfig
 //! max_attempts = 4
 //! [metadata]
 //! kind = "p2p"            # "p2p" (default) | "etcd" | "in-process"
@@ -22,8 +22,9 @@
 use std::fmt;
 use std::path::Path;
 
+use kvmove_policy::PolicyConfig;
 use serde::{Deserialize, Serialize};
-use transport_core::{Error, ErrorKind, PolicyConfig, Result};
+use transport_core::{Error, ErrorKind, Result};
 
 use crate::toml_error;
 

@@ -2,7 +2,8 @@
 //! under a name; others resolve the name, open the address it names and
 //! check that the peer serves the generation the store advertises.
 
-use transport_core::{Engine, Error, ErrorKind, MetadataStore, Result, SegmentDescriptor, SegmentId};
+use kvmove_policy::Engine;
+use transport_core::{Error, ErrorKind, MetadataStore, Result, SegmentDescriptor, SegmentId};
 
 use crate::build::own_descriptor;
 

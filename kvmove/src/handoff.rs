@@ -3,7 +3,7 @@
 //! only some time after a request landed), run two ways:
 //!
 //! - [`Flow::Sessions`]: the decode grants each request when a page is
-//!   free ([`transport_core::Sessions`], rules 12 and 13); the senders wait
+//!   free ([`kvmove_policy::Sessions`], rules 12 and 13); the senders wait
 //!   for the grant with no deadline; the deadline starts at the grant.
 //! - [`Flow::Today`]: the way serving engines' connectors work around a
 //!   transfer engine today: the decode sends the destination in a plain
@@ -19,9 +19,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::{Engine, Sessions};
 use parking_lot::Mutex;
-use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
-use transport_core::{Access, Buffer, Engine, Error, ErrorKind, RegionId, Result, Sessions, TransferRequest};
+use transport_core::{Access, Buffer, Error, ErrorKind, RegionId, Result, TransferRequest};
 
 use crate::config::EngineConfig;
 

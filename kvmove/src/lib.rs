@@ -65,7 +65,8 @@ pub use config::{
     MockOptions, RdmaOptions, TcpOptions,
 };
 pub use directory::{open, publish, resolve};
+pub use kvmove_policy::{Engine, PolicyConfig, Transfer, TransferOutcome};
 pub use transport_core::{
-    Access, Buffer, Engine, Error, ErrorKind, InProcessStore, MemoryRegion, MetadataStore, PolicyConfig, RegionId,
-    RegionInfo, Result, SegmentDescriptor, SegmentId, Transfer, TransferOutcome, TransferRequest, Transport,
+    Access, Buffer, Error, ErrorKind, InProcessStore, MemoryRegion, MetadataStore, RegionId, RegionInfo, Result,
+    SegmentDescriptor, SegmentId, TransferRequest, Transport,
 };

@@ -10,14 +10,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvmove_policy::session::is_session_message;
+use kvmove_policy::{PolicyConfig, Transfer, TransferOutcome};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
-use transport_core::session::is_session_message;
-use transport_core::{
-    Buffer, Error, ErrorKind, Notification, Opcode, PolicyConfig, Result, Transfer, TransferOutcome, MAX_NOTIFY_LEN,
-};
+use transport_core::{Buffer, Error, ErrorKind, Notification, Opcode, Result, MAX_NOTIFY_LEN};
 
 use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
@@ -896,7 +895,7 @@ mod tests {
         bad.extend_from_slice(b"short");
         assert_eq!(TransferNotify::decode(received(bad)).unwrap().name, "10.0.0.1:7000");
         // Session control messages are not notifications.
-        let mut session = transport_core::session::wire::MAGIC.to_vec();
+        let mut session = kvmove_policy::session::wire::MAGIC.to_vec();
         session.resize(22, 0); // a whole session header
         assert_eq!(TransferNotify::decode(received(session)), None);
     }

@@ -10,14 +10,12 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use kvmove_policy::session::SessionLimits;
+use kvmove_policy::{Engine, Sessions, Transfer, TransferOutcome};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use tokio::runtime::Runtime;
-use transport_core::session::SessionLimits;
-use transport_core::{
-    Access, Engine, Error, ErrorKind, MemoryKind, Notification, Opcode, Result, SegmentId, Sessions, Transfer,
-    TransferOutcome, TransferRequest,
-};
+use transport_core::{Access, Error, ErrorKind, MemoryKind, Notification, Opcode, Result, SegmentId, TransferRequest};
 
 use crate::backend;
 use crate::devmem::{self, Want};

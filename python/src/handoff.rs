@@ -1,5 +1,5 @@
 //! Handoff sessions (rules 12, 13) and plain notifications (rule 11) for the
-//! Pythonic API, over the engine's [`transport_core::Sessions`] driver
+//! Pythonic API, over the engine's [`kvmove_policy::Sessions`] driver
 //! (started on first use, once per engine; see [`Core::sessions`]).
 //!
 //! `NativeHandoff` is one side of one session (the receiver that granted,
@@ -11,11 +11,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvmove_policy::session::{Grant, Role, SessionKey, SessionState};
+use kvmove_policy::{Sessions, TransferOutcome};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use tokio::sync::watch;
-use transport_core::session::{Grant, Role, SessionKey, SessionState};
-use transport_core::{Error, ErrorKind, Result, Sessions, TransferOutcome};
+use transport_core::{Error, ErrorKind, Result};
 
 use crate::core::{Core, RawOp};
 use crate::errors::{invalid, to_pyerr};

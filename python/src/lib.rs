@@ -13,7 +13,7 @@
 //!   kind and `is_transient`; the pure-Python package `kvmove` wraps them in
 //!   context managers (`Engine`, `Region`, `Session`, `Batch`).
 //! * `NativeHandoff` / `NativeSessionWrite` ([`handoff`]) are the two sides
-//!   of a handoff session (rules 12, 13) over `transport_core::Sessions`,
+//!   of a handoff session (rules 12, 13) over `kvmove_policy::Sessions`,
 //!   which also carries the Pythonic API's plain notifications (rule 11);
 //!   the Mooncake API's notifications go straight through the transport.
 //! * `NixlXfer` ([`nixl`]) is a transfer of the NIXL-style agent

@@ -5,12 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvmove_policy::session::Grant;
+use kvmove_policy::{PolicyConfig, Transfer, TransferOutcome};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use transport_core::session::Grant;
-use transport_core::{Error, ErrorKind, Opcode, PolicyConfig, Result, SegmentId, Transfer, TransferOutcome};
+use transport_core::{Error, ErrorKind, Opcode, Result, SegmentId};
 
 use crate::backend::{engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};

@@ -17,10 +17,11 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use kvmove_policy::{Sessions, Transfer};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use tokio::sync::watch;
-use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, Sessions, Transfer, TransferRequest};
+use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, TransferRequest};
 
 use crate::core::{check_peer_name, Core, RawOp};
 use crate::errors::to_pyerr;

@@ -3,9 +3,10 @@
 
 use std::cell::RefCell;
 
+use kvmove_policy::TransferOutcome;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
-use transport_core::{BatchState, Error, RequestStatus, TransferOutcome};
+use transport_core::{BatchState, Error, RequestStatus};
 
 use crate::errors::to_pyerr;
 

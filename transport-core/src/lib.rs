@@ -1,6 +1,6 @@
 //! The contract of the transfer engine: one trait every backend implements,
-//! the types it speaks, the error it returns, and the policy layer users
-//! call on top of any backend.
+//! the types it speaks, the error it returns, and the sans-IO machinery
+//! backends share to keep it. This is what a backend author reads.
 //!
 //! # Design
 //!
@@ -12,18 +12,18 @@
 //! `conformance` crate checks it against every backend, and [`lifecycle`]
 //! holds the sans-IO state machines backends share to keep it.
 //!
-//! The handoff between both ends (rules 11 to 13): notifications with a
-//! bounded [`Inbox`] on every backend, and sessions written once above the
-//! backends: the sans-IO [`session::SessionTable`] and its driver
-//! [`Sessions`] (receiver-granted admission, one final state on both sides).
-//!
 //! Backends report; they do not decide. Retrying, deadlines, the per-peer
-//! circuit breaker and backpressure live once in [`Engine`], configured by
-//! one serde [`PolicyConfig`] and driven by a [`Clock`] that tests can fake.
+//! circuit breaker, backpressure and the handoff sessions (rules 8, 12 and
+//! 13) live once in the `kvmove-policy` crate above every backend
+//! (`kvmove_policy::Engine`, `kvmove_policy::Sessions`). A backend crate
+//! depends on this crate and never on that one, so the compiler keeps the
+//! split (`scripts/check-layers` checks the dependency graph). The
+//! notifications sessions ride on (rule 11, a bounded [`Inbox`] on every
+//! backend) are part of the contract and live here.
 //!
-//! The state machines perform no I/O (the drivers, [`Engine`] and
-//! [`Sessions`], only call the [`Transport`]); the crate contains no `unsafe`. Memory enters the
-//! engine through `transport-mem` ([`Buffer`], [`MemoryRegion`]).
+//! The state machines perform no I/O; the crate contains no `unsafe`.
+//! Memory enters the engine through `transport-mem` ([`Buffer`],
+//! [`MemoryRegion`]).
 #![forbid(unsafe_code)]
 
 mod clock;
@@ -33,7 +33,6 @@ mod metadata;
 mod notify;
 mod policy;
 pub mod serde_ms;
-pub mod session;
 mod stats;
 mod transport;
 mod types;
@@ -45,11 +44,7 @@ pub use notify::{
     check_notification, check_received, inbox_full, Inbox, Notification, Refused, DEFAULT_INBOX, MAX_NOTIFY_FROM,
     MAX_NOTIFY_LEN,
 };
-pub use policy::metrics::{MAX_PEER_LABELS, OTHER_PEER};
-pub use policy::{
-    backoff, Admit, BackpressureConfig, Breaker, BreakerConfig, BreakerState, Budget, Charge, DeadlineConfig, Engine,
-    PathStatus, PolicyConfig, Rails, Reservation, RetryConfig, Sessions, Transfer, TransferOutcome, Usage,
-};
+pub use policy::{PathStatus, Rails};
 pub use stats::{Capabilities, ResourceStats};
 pub use transport::{notify_when_completed, Transport};
 pub use transport_mem::{Buffer, DeviceMemory, FakeDevice, MemError, MemoryKind, MemoryRegion};

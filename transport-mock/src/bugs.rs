@@ -29,10 +29,6 @@ pub struct MockBugs {
     /// called, while the batch's bytes are still being copied. Breaks
     /// rule 11.
     pub notify_before_landing: bool,
-    /// `notify` reports a session's failure notices (cancel, expiry,
-    /// failure: `transport_core::session::is_failure_notice`) delivered but
-    /// drops them, so the peer never learns. Breaks rule 13.
-    pub drop_failure_notices: bool,
     /// `register` takes device regions for host memory (their provider
     /// forgotten), so the copies touch device memory directly: on a fake
     /// device the first one kills the process. Breaks rule 9 (memory

@@ -11,7 +11,7 @@ use crate::plan::FaultPlan;
 
 /// Configuration of one [`crate::MockTransport`] (one host on a
 /// [`crate::MockFabric`]). Every field has a default; durations are written
-/// in milliseconds (`*_ms` keys), as in `transport_core::PolicyConfig`.
+/// in milliseconds (`*_ms` keys), as in `kvmove_policy::PolicyConfig`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MockConfig {

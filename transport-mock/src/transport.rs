@@ -307,10 +307,6 @@ impl Transport for MockTransport {
                 Error::new(ErrorKind::ConnectionRefused, "no live mock host has this name").with("segment", &name)
             })?;
             if !peer.stalled() && !self.host.stalled() {
-                if self.host.bugs.drop_failure_notices && transport_core::session::is_failure_notice(&msg) {
-                    // The bug: reported delivered, never queued.
-                    return Ok(());
-                }
                 let n = Notification { from: self.host.name.clone(), msg };
                 return peer.inbox.offer(n).map_err(|r| r.into_error().with("segment", &name));
             }

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{host, Mem};
+use kvmove_policy::{Engine, PolicyConfig, MAX_PEER_LABELS, OTHER_PEER};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
-use transport_core::{Access, Engine, PolicyConfig, TransferRequest, Transport, MAX_PEER_LABELS, OTHER_PEER};
+use transport_core::{Access, TransferRequest, Transport};
 use transport_mock::MockFabric;
 
 /// Runs `f` on a current-thread runtime with `recorder` installed for this
@@ -145,8 +146,8 @@ fn peer_labels_stay_bounded() {
 /// plain notifications sent and received.
 #[test]
 fn sessions_and_notifications_are_counted() {
-    use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
-    use transport_core::Sessions;
+    use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+    use kvmove_policy::Sessions;
 
     let recorder = DebuggingRecorder::new();
     let snap = recorder.snapshotter();

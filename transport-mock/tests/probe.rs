@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{host, run, Mem};
-use transport_core::{Access, Engine, PolicyConfig, Transport};
+use kvmove_policy::{Engine, PolicyConfig};
+use transport_core::{Access, Transport};
 use transport_mock::MockFabric;
 
 #[test]

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use transport_core::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
-use transport_core::{Access, Engine, ErrorKind, PolicyConfig, Sessions, TransferRequest, Transport};
+use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::{Engine, PolicyConfig, Sessions};
+use transport_core::{Access, ErrorKind, TransferRequest, Transport};
 use transport_mock::{MockConfig, MockFabric, MockTransport};
 
 const LEN: usize = 1 << 20;
@@ -41,7 +42,7 @@ fn grant(dst: &Side, len: u64, deadline: Duration) -> Grant {
     Grant { ranges: vec![(dst.mem.addr(), len)], expected: len, deadline }
 }
 
-async fn write_all(p: &Side, d: &Side, id: u64, len: u64) -> transport_core::Result<transport_core::TransferOutcome> {
+async fn write_all(p: &Side, d: &Side, id: u64, len: u64) -> transport_core::Result<kvmove_policy::TransferOutcome> {
     let seg = p.s.segment("d").await.unwrap();
     let reqs = vec![TransferRequest::write(p.region, 0, seg, d.mem.addr(), len)];
     p.s.write("d", id, reqs).await

@@ -122,8 +122,8 @@ async fn latency() -> (f64, f64) {
 /// As [`latency`], through the `Engine` policy layer (budget, breaker,
 /// deadline, retry driver): submit to the outcome.
 async fn latency_engine() -> (f64, f64) {
+    use kvmove_policy::{Engine, PolicyConfig};
     use std::sync::Arc;
-    use transport_core::{Engine, PolicyConfig};
     let (a, b) = (Arc::new(TcpTransport::new(sockets()).await.unwrap()), TcpTransport::new(sockets()).await.unwrap());
     let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();

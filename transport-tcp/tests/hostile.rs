@@ -193,8 +193,8 @@ async fn server_at_its_connection_limit_answers_busy() {
 /// error says how many, over how long.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_retries_a_busy_target_until_a_slot_frees() {
+    use kvmove_policy::{Engine, PolicyConfig, RetryConfig};
     use std::sync::Arc;
-    use transport_core::{Engine, PolicyConfig, RetryConfig};
     tokio::time::timeout(Duration::from_secs(30), async {
         let b = support::node(TcpConfig { max_connections: 1, ..support::test_config() }).await;
         let addr = b.local_addr();

@@ -70,7 +70,7 @@ fn a_probe_of_a_name_that_cannot_be_opened_fails() {
     rt.block_on(async {
         let a = support::node(support::test_config()).await;
         let a: std::sync::Arc<dyn Transport> = std::sync::Arc::new(a);
-        let engine = transport_core::Engine::new(a, transport_core::PolicyConfig::default()).unwrap();
+        let engine = kvmove_policy::Engine::new(a, kvmove_policy::PolicyConfig::default()).unwrap();
         for name in ["not-an-address", "127.0.0.1:notaport"] {
             let e = engine.probe(name).await.expect_err("nothing answered");
             assert!(!e.kind().is_peer_failure(), "{name}: {e}");

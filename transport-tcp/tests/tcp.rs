@@ -320,7 +320,7 @@ async fn probes_give_back_what_they_open() {
         let reserved = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
         reserved.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
         let dead = reserved.local_addr().unwrap().as_socket().unwrap().to_string();
-        let engine = transport_core::Engine::new(a.clone(), transport_core::PolicyConfig::default()).unwrap();
+        let engine = kvmove_policy::Engine::new(a.clone(), kvmove_policy::PolicyConfig::default()).unwrap();
         let before = a.stats();
         for _ in 0..50 {
             engine.probe(&b.local_segment_name()).await.expect("b is alive");

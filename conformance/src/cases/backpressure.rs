@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use transport_core::{BatchState, Engine, ErrorKind, PolicyConfig};
+use kvmove_policy::{Engine, PolicyConfig};
+use transport_core::{BatchState, ErrorKind};
 
 use crate::ctx::{bounded, Ctx};
 use crate::ensure;

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use transport_core::{Engine, PolicyConfig, Transport};
+use kvmove_policy::{Engine, PolicyConfig};
+use transport_core::Transport;
 
 use crate::ctx::Ctx;
 use crate::ensure;

@@ -8,10 +8,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use transport_core::{
-    Access, BatchState, BreakerState, Engine, ErrorKind, ManualClock, PolicyConfig, RetryConfig, TransferRequest,
-    Transport,
-};
+use kvmove_policy::{BreakerState, Engine, PolicyConfig, RetryConfig};
+use transport_core::{Access, BatchState, ErrorKind, ManualClock, TransferRequest, Transport};
 use transport_mock::{FaultPlan, FaultyTransport, RequestFault, RequestMatch};
 
 use crate::ctx::{bounded, expect_quiet, open, Ctx, Pair};

@@ -1,4 +1,4 @@
-//! Sessions (rules 12 and 13), driven by `transport_core::Sessions` over an
+//! Sessions (rules 12 and 13), driven by `kvmove_policy::Sessions` over an
 //! `Engine` on this backend, between a sender ("prefill", writes the KV) and
 //! a receiver ("decode", owns the memory and grants):
 //!
@@ -21,14 +21,14 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::future::join_all;
+use kvmove_policy::session::wire::{decode, unbundle, Body, Message, Outcome, Verdict, MAGIC};
+use kvmove_policy::session::{Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, MAX_GRANT_RANGES};
+use kvmove_policy::{Engine, PolicyConfig, RetryConfig, Sessions, TransferOutcome};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
-use transport_core::session::wire::{decode, unbundle, Body, Message, Outcome, Verdict, MAGIC};
-use transport_core::session::{Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, MAX_GRANT_RANGES};
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, Engine, ErrorKind, MemoryRegion, Notification, PolicyConfig, RegionId,
-    ResourceStats, Result as TResult, RetryConfig, SegmentDescriptor, SegmentId, Sessions, SubmitOptions,
-    TransferOutcome, TransferRequest, Transport, MAX_NOTIFY_LEN,
+    Access, BatchId, BatchStatus, Capabilities, ErrorKind, MemoryRegion, Notification, RegionId, ResourceStats,
+    Result as TResult, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport, MAX_NOTIFY_LEN,
 };
 
 use crate::ctx::{bounded, expect_permanent, expect_quiet, open, settle, Ctx, SETTLE, WAIT_LIMIT};

@@ -2,7 +2,7 @@
 //! sender (prefill) and a receiver (decode), with notifications as the
 //! control channel. This module is sans-IO: the message codec ([`wire`])
 //! and the state table; the driver that does the I/O is
-//! `transport_core::Sessions`, next to the policy layer.
+//! `crate::Sessions`, next to the policy layer.
 
 pub mod wire;
 

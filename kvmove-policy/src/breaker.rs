@@ -80,7 +80,7 @@ impl Breaker {
     }
 
     /// Work to the peer failed because of the peer (see
-    /// [`crate::ErrorKind::is_peer_failure`]).
+    /// [`transport_core::ErrorKind::is_peer_failure`]).
     pub fn on_failure(&mut self, now: Duration, cfg: &BreakerConfig) {
         self.state = match self.state {
             State::Closed { failures } if failures + 1 < cfg.failure_threshold => {

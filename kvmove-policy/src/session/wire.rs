@@ -26,8 +26,8 @@
 
 use std::time::Duration;
 
-use crate::error::ErrorKind;
-use crate::notify::MAX_NOTIFY_LEN;
+use transport_core::ErrorKind;
+use transport_core::MAX_NOTIFY_LEN;
 
 /// Error kinds as they travel (index = code); an unknown code is `Internal`.
 const KINDS: [ErrorKind; 25] = {

@@ -18,10 +18,10 @@ use super::breaker::{Admit, Breaker, BreakerState};
 use super::budget::{Budget, Charge, Reservation, Usage};
 use super::config::PolicyConfig;
 use super::metrics::{EngineMetrics, Stage};
-use crate::clock::{Clock, SystemClock};
-use crate::error::{Error, ErrorKind, Result};
-use crate::transport::Transport;
-use crate::types::{Access, BatchId, BatchState, RegionId, RequestStatus, SegmentId, SubmitOptions, TransferRequest};
+use transport_core::Transport;
+use transport_core::{Access, BatchId, BatchState, RegionId, RequestStatus, SegmentId, SubmitOptions, TransferRequest};
+use transport_core::{Clock, SystemClock};
+use transport_core::{Error, ErrorKind, Result};
 
 /// The user-facing engine: one backend plus the shared policy.
 ///
@@ -439,7 +439,7 @@ impl Engine {
         Self::with_clock(transport, cfg, Arc::new(SystemClock::new()))
     }
 
-    /// An engine with a given clock (a [`crate::ManualClock`] in tests).
+    /// An engine with a given clock (a [`transport_core::ManualClock`] in tests).
     pub fn with_clock(transport: Arc<dyn Transport>, cfg: PolicyConfig, clock: Arc<dyn Clock>) -> Result<Self> {
         cfg.validate()?;
         let budget = Budget::new(cfg.backpressure.clone());

@@ -17,9 +17,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use kvmove_policy::session::wire::{Body, Message};
+use kvmove_policy::session::{Action, Grant, Role, SessionKey, SessionLimits, SessionState, SessionTable};
 use proptest::prelude::*;
-use transport_core::session::wire::{Body, Message};
-use transport_core::session::{Action, Grant, Role, SessionKey, SessionLimits, SessionState, SessionTable};
 use transport_core::ErrorKind;
 
 const ID: u64 = 5;
@@ -783,8 +783,8 @@ fn unclaimed_grants_are_bounded_per_peer_and_in_all() {
     let refused = |s: &mut SessionTable| -> Vec<(String, u64, String)> {
         s.drain_outgoing()
             .into_iter()
-            .filter_map(|(to, bytes)| match transport_core::session::wire::decode(&bytes)?.body {
-                Body::Refuse(v) => Some((to, transport_core::session::wire::decode(&bytes)?.id, v.reason)),
+            .filter_map(|(to, bytes)| match kvmove_policy::session::wire::decode(&bytes)?.body {
+                Body::Refuse(v) => Some((to, kvmove_policy::session::wire::decode(&bytes)?.id, v.reason)),
                 _ => None,
             })
             .collect()

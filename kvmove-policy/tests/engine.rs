@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use kvmove_policy::*;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use transport_core::*;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, ErrorKind, Result};
+use transport_core::{Error, ErrorKind, Result};
 
 /// Everything the policy layer decides, in one place (rule 8).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -61,10 +61,10 @@ pub struct RetryConfig {
     /// Total attempts per request including the first. Default 4; 1 disables retry.
     pub max_attempts: u32,
     /// Backoff before the second attempt. Default 20 ms.
-    #[serde(rename = "initial_backoff_ms", with = "crate::serde_ms")]
+    #[serde(rename = "initial_backoff_ms", with = "transport_core::serde_ms")]
     pub initial_backoff: Duration,
     /// Cap on the backoff. Default 2 s.
-    #[serde(rename = "max_backoff_ms", with = "crate::serde_ms")]
+    #[serde(rename = "max_backoff_ms", with = "transport_core::serde_ms")]
     pub max_backoff: Duration,
     /// Growth factor per attempt. Default 2.0.
     pub multiplier: f64,
@@ -90,11 +90,11 @@ impl Default for RetryConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct DeadlineConfig {
     /// Fixed allowance per attempt (connection setup, round trips). Default 5 s.
-    #[serde(rename = "base_ms", with = "crate::serde_ms")]
+    #[serde(rename = "base_ms", with = "transport_core::serde_ms")]
     pub base: Duration,
     /// Allowance per MiB of the attempt's bytes. Default 50 ms (20 MiB/s
     /// floor, far below any healthy link, so only stalls trip it).
-    #[serde(rename = "per_mib_ms", with = "crate::serde_ms")]
+    #[serde(rename = "per_mib_ms", with = "transport_core::serde_ms")]
     pub per_mib: Duration,
 }
 
@@ -119,7 +119,7 @@ pub struct BreakerConfig {
     /// Consecutive failed attempts to one peer that open its breaker. Default 5.
     pub failure_threshold: u32,
     /// Time an open breaker fails fast before letting one probe through. Default 2 s.
-    #[serde(rename = "cooldown_ms", with = "crate::serde_ms")]
+    #[serde(rename = "cooldown_ms", with = "transport_core::serde_ms")]
     pub cooldown: Duration,
 }
 

@@ -19,8 +19,8 @@ use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 use parking_lot::Mutex;
 
 use super::breaker::BreakerState;
-use crate::error::ErrorKind;
-use crate::types::{BatchState, Opcode, RequestStatus, TransferRequest};
+use transport_core::ErrorKind;
+use transport_core::{BatchState, Opcode, RequestStatus, TransferRequest};
 
 /// Distinct peers that get their own label value.
 pub const MAX_PEER_LABELS: usize = 64;

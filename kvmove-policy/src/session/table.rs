@@ -65,7 +65,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use super::wire::{decode, Body, Grant, Message, Outcome, Verdict, MAX_GRANT_RANGES, MAX_REASON};
-use crate::error::{Error, ErrorKind, Result};
+use transport_core::{Error, ErrorKind, Result};
 
 /// Which side of a session this engine is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

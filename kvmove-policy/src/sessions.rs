@@ -19,13 +19,13 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::engine::{Engine, TransferOutcome};
-use crate::clock::Clock;
-use crate::error::{Error, ErrorKind, Result};
-use crate::notify::{check_notification, Inbox, Notification, DEFAULT_INBOX};
 use crate::session::{
     is_session_message, Action, Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
 };
-use crate::types::{Opcode, SegmentId, TransferRequest};
+use transport_core::Clock;
+use transport_core::{check_notification, Inbox, Notification, DEFAULT_INBOX};
+use transport_core::{Error, ErrorKind, Result};
+use transport_core::{Opcode, SegmentId, TransferRequest};
 
 /// Messages queued toward one peer before older heartbeats are dropped.
 const MAX_QUEUED: usize = 4096;
@@ -42,10 +42,10 @@ const SLOW_DELIVERY: Duration = Duration::from_millis(250);
 /// # Example
 ///
 /// ```no_run
-/// # async fn demo(prefill: transport_core::Sessions, decode: transport_core::Sessions,
+/// # async fn demo(prefill: kvmove_policy::Sessions, decode: kvmove_policy::Sessions,
 /// #               region: transport_core::RegionId, dst_addr: u64) -> transport_core::Result<()> {
 /// use std::time::Duration;
-/// use transport_core::session::Grant;
+/// use kvmove_policy::session::Grant;
 /// use transport_core::TransferRequest;
 ///
 /// let room = 42; // the request's id, known to both sides
@@ -61,8 +61,8 @@ const SLOW_DELIVERY: Duration = Duration::from_millis(250);
 /// let (addr, len) = grant.ranges[0];
 /// prefill.write(&decode_name, room, vec![TransferRequest::write(region, 0, seg, addr, len)]).await?;
 /// prefill.finish(&decode_name, room)?;
-/// let key = transport_core::session::SessionKey::new(decode_name, room, transport_core::session::Role::Sender);
-/// assert!(matches!(prefill.wait(&key).await?, transport_core::session::SessionState::Landed));
+/// let key = kvmove_policy::session::SessionKey::new(decode_name, room, kvmove_policy::session::Role::Sender);
+/// assert!(matches!(prefill.wait(&key).await?, kvmove_policy::session::SessionState::Landed));
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use super::config::BackpressureConfig;
-use crate::error::{Error, ErrorKind, Result};
+use transport_core::{Error, ErrorKind, Result};
 
 /// What one transfer holds against the budget, per peer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
