@@ -120,7 +120,7 @@ trap 'rm -f "$runner"' EXIT
     for f in "${FILTER[@]}"; do printf ' %q' "$f"; done
     echo ' || rc=1'
     # The conformance suite again with two devices per node driven as
-    # rails (transport_core::Rails), cases named rdma_rails2::...
+    # rails (transport_rails::Rails), cases named rdma_rails2::...
     case "$(basename "$b")" in conformance-*)
       printf 'echo "==> %s (two rails per node)"\n' "$(basename "$b")"
       printf 'RDMA_CONFORMANCE_RAILS=2 %q --test-threads=1' "$b"

@@ -1,4 +1,4 @@
-//! The whole conformance suite against `transport_core::Rails`: every node
+//! The whole conformance suite against `transport_rails::Rails`: every node
 //! is two mock hosts (two rails) driven as one transport, paired by index
 //! with its peers' rails. Kill, cut and stall hit both rails of a node (a
 //! rail failure that leaves the other up is what `transport-mock/tests/
@@ -10,9 +10,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use conformance::{Harness, Node, NodeOptions};
-use transport_core::lifecycle::RailsConfig;
-use transport_core::{Rails, Result, Transport};
+use transport_core::{Result, Transport};
 use transport_mock::{MockConfig, MockFabric, MockTransport};
+use transport_rails::Rails;
+use transport_rails::RailsConfig;
 
 const RAILS: usize = 2;
 static NEXT: AtomicUsize = AtomicUsize::new(0);

@@ -87,7 +87,7 @@ fn millis(name: &str, v: u64) -> kvmove::Result<Duration> {
 
 /// `kvmove handoff`: the seed scenario with sessions and today's way.
 pub async fn handoff(s: &Settings, a: &crate::args::HandoffArgs, json: bool) -> kvmove::Result<Outcome> {
-    use kvmove::handoff::{run, Flow, HandoffConfig, HandoffReport};
+    use crate::handoff::{run, Flow, HandoffConfig, HandoffReport};
     let request_bytes = a
         .request_kib
         .checked_mul(1024)

@@ -19,6 +19,7 @@ macro_rules! say {
 mod args;
 mod commands;
 mod data;
+mod handoff;
 mod log;
 mod metrics;
 mod pd;

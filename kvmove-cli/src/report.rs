@@ -338,7 +338,7 @@ fn ms(us: f64) -> String {
     }
 }
 
-fn failures(r: &kvmove::handoff::HandoffReport) -> String {
+fn failures(r: &crate::handoff::HandoffReport) -> String {
     if r.failed.is_empty() {
         return "0".into();
     }
@@ -349,7 +349,7 @@ fn failures(r: &kvmove::handoff::HandoffReport) -> String {
 }
 
 /// The `kvmove handoff` table: one column per flow.
-pub fn handoff_table(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::HandoffReport]) -> String {
+pub fn handoff_table(c: &crate::handoff::HandoffConfig, rs: &[crate::handoff::HandoffReport]) -> String {
     let mut s = format!(
         "handoff: {} senders x {} requests of {}, decode memory for {} at once, each held {} ms after landing\n\n",
         c.senders,
@@ -358,7 +358,7 @@ pub fn handoff_table(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::
         c.decode_pages,
         c.hold.as_millis()
     );
-    type Cell = Box<dyn Fn(&kvmove::handoff::HandoffReport) -> String>;
+    type Cell = Box<dyn Fn(&crate::handoff::HandoffReport) -> String>;
     let rows: Vec<(&str, Cell)> = vec![
         ("requests", Box::new(|r| r.requests.to_string())),
         ("landed, bytes verified", Box::new(|r| r.landed.to_string())),
@@ -404,8 +404,8 @@ pub fn handoff_table(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::
 }
 
 /// The same as one JSON object.
-pub fn handoff_json(c: &kvmove::handoff::HandoffConfig, rs: &[kvmove::handoff::HandoffReport]) -> String {
-    let lat = |l: &kvmove::handoff::Latency| serde_json::json!({"count": l.count, "p50_us": l.p50_us, "p99_us": l.p99_us, "max_us": l.max_us});
+pub fn handoff_json(c: &crate::handoff::HandoffConfig, rs: &[crate::handoff::HandoffReport]) -> String {
+    let lat = |l: &crate::handoff::Latency| serde_json::json!({"count": l.count, "p50_us": l.p50_us, "p99_us": l.p99_us, "max_us": l.max_us});
     let flows: Vec<serde_json::Value> = rs
         .iter()
         .map(|r| {

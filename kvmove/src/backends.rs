@@ -31,7 +31,8 @@ pub fn mock_fabric() -> transport_mock::MockFabric {
 }
 
 /// An RDMA transport on `backend.rdma.device`, or on every device of
-/// `backend.rdma.devices` as rails; with `backend.rdma.tcp_fallback`, a TCP
+/// `backend.rdma.devices` as rails (`transport_rails`, a layer this builder
+/// composes over the devices); with `backend.rdma.tcp_fallback`, a TCP
 /// transport (the `[backend.tcp]` options, on the RDMA listen host, any
 /// port) carries transfers while every rail to a peer is down.
 #[cfg(feature = "rdma")]
@@ -43,7 +44,7 @@ pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
         (true, None) => "the first RDMA device".into(),
     };
     let fallback = if r.tcp_fallback { Some(rdma_fallback(cfg).await?) } else { None };
-    transport_rdma::open(r.clone(), fallback).await.map_err(|e| {
+    let rails = transport_rdma::open_devices(r.clone()).await.map_err(|e| {
         transport_core::Error::new(
             e.kind(),
             format!(
@@ -52,7 +53,8 @@ pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
             ),
         )
         .with("backend", "rdma")
-    })
+    })?;
+    transport_rails::over(rails, fallback, r.rails.clone()).map_err(|e| e.with("backend", "rdma"))
 }
 
 #[cfg(all(feature = "rdma", feature = "tcp"))]

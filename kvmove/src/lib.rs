@@ -52,7 +52,6 @@ mod backends;
 mod build;
 mod config;
 mod directory;
-pub mod handoff;
 mod toml_error;
 
 pub use toml_error::locate as locate_error;

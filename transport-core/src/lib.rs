@@ -31,7 +31,6 @@ mod error;
 pub mod lifecycle;
 mod metadata;
 mod notify;
-mod policy;
 pub mod serde_ms;
 mod stats;
 mod transport;
@@ -44,7 +43,6 @@ pub use notify::{
     check_notification, check_received, inbox_full, Inbox, Notification, Refused, DEFAULT_INBOX, MAX_NOTIFY_FROM,
     MAX_NOTIFY_LEN,
 };
-pub use policy::{PathStatus, Rails};
 pub use stats::{Capabilities, ResourceStats};
 pub use transport::{notify_when_completed, Transport};
 pub use transport_mem::{Buffer, DeviceMemory, FakeDevice, MemError, MemoryKind, MemoryRegion};

@@ -1,4 +1,4 @@
-//! `transport_core::Rails` over mock hosts: a rail lost in the middle of a
+//! `transport_rails::Rails` over mock hosts: a rail lost in the middle of a
 //! batch costs no error, every rail lost moves over the fallback, and
 //! without a fallback it is a transient error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use transport_core::lifecycle::PathState;
-use transport_core::lifecycle::RailsConfig;
 use transport_core::ErrorKind;
-use transport_core::{Access, BatchState, Rails, SubmitOptions, TransferRequest, Transport};
+use transport_core::{Access, BatchState, SubmitOptions, TransferRequest, Transport};
 use transport_mock::{FaultPlan, FaultyTransport, MockConfig, MockFabric, MockTransport, RequestFault};
+use transport_rails::PathState;
+use transport_rails::Rails;
+use transport_rails::RailsConfig;
 
 const LEN: usize = 8 << 20;
 const REQ: u64 = 256 << 10;

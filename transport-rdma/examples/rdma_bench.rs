@@ -21,8 +21,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use transport_core::lifecycle::RailsConfig;
-use transport_core::{Access, BatchId, BatchState, Buffer, Rails, SubmitOptions, TransferRequest, Transport};
+use transport_core::{Access, BatchId, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_rails::Rails;
+use transport_rails::RailsConfig;
 use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;

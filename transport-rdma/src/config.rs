@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use transport_core::lifecycle::{RailsConfig, MAX_RAILS};
 use transport_core::{Error, ErrorKind, Result};
+use transport_rails::{RailsConfig, MAX_RAILS};
 
 /// Most QPs one group may have (a peer asking for more is refused).
 pub(crate) const MAX_QPS_PER_GROUP: usize = 64;

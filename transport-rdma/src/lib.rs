@@ -102,8 +102,9 @@
 //!
 //! # Several devices
 //!
-//! [`open`] takes [`RdmaConfig::devices`] (a list, or `["all"]`) and builds
-//! one transport per device, driven as rails by `transport_core::Rails`:
+//! [`open_devices`] takes [`RdmaConfig::devices`] (a list, or `["all"]`)
+//! and builds one transport per device; the `kvmove` facade drives them as
+//! rails with `transport_rails::Rails` (a layer over any backend):
 //! slices spread over the paths to a peer's rails by what each moves, a
 //! failed rail's slices reposted on the others once that rail's work is
 //! quiet, failing paths paused with backoff, and (with
@@ -136,6 +137,6 @@ const BACKEND: &str = "rdma";
 
 pub use config::RdmaConfig;
 pub use error::VerbsError;
-pub use rails::{open, rail_devices};
+pub use rails::{open_devices, rail_devices};
 pub use transport::{rdma_devices, RdmaTransport};
 pub use verbs::cycles;

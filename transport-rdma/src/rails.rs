@@ -1,11 +1,13 @@
-//! Several devices as one: [`open`] builds one [`RdmaTransport`] per
-//! device of [`RdmaConfig::devices`] and drives them as rails
-//! ([`transport_core::Rails`]: striping, failover without failing the
-//! transfer, an optional fallback).
+//! Several devices: [`open_devices`] builds one [`RdmaTransport`] per
+//! device of [`RdmaConfig::devices`]. Driving them as one (striping,
+//! failover, a fallback) is a layer's work, `transport_rails::Rails`,
+//! which the builder that has the other backends composes over them (the
+//! `kvmove` facade: `transport_rails::over`). This crate only opens the
+//! devices.
 
 use std::sync::Arc;
 
-use transport_core::{Error, ErrorKind, Rails, Result, Transport};
+use transport_core::{Error, ErrorKind, Result, Transport};
 
 use crate::{rdma_devices, RdmaConfig, RdmaTransport};
 
@@ -32,18 +34,14 @@ pub fn rail_devices(cfg: &RdmaConfig) -> Result<Vec<Option<String>>> {
     }
 }
 
-/// The RDMA transport `cfg` describes: one device as a plain
-/// [`RdmaTransport`], several (or one with a `fallback`) as [`Rails`].
-/// `fallback` is used while every rail to a peer is down; pass one only
-/// if `cfg.tcp_fallback` asks for it (builders that have the TCP backend
-/// do). Must be called inside a tokio runtime.
-pub async fn open(cfg: RdmaConfig, fallback: Option<Arc<dyn Transport>>) -> Result<Arc<dyn Transport>> {
+/// One [`RdmaTransport`] per device `cfg` names ([`rail_devices`]), in
+/// that order: rail 0 listens on `cfg.listen` and names the set, the
+/// others listen on the same host, any port. Compose them with
+/// `transport_rails::over(rails, fallback, cfg.rails)`. Must be called
+/// inside a tokio runtime.
+pub async fn open_devices(cfg: RdmaConfig) -> Result<Vec<Arc<dyn Transport>>> {
     cfg.validate()?;
     let devices = rail_devices(&cfg)?;
-    if devices.len() == 1 && fallback.is_none() {
-        let one = RdmaConfig { device: devices.into_iter().next().flatten(), devices: Vec::new(), ..cfg };
-        return Ok(Arc::new(RdmaTransport::new(one).await?));
-    }
     let host = match cfg.listen.rsplit_once(':') {
         Some((h, _)) => h.to_string(),
         None => "127.0.0.1".into(),
@@ -56,8 +54,7 @@ pub async fn open(cfg: RdmaConfig, fallback: Option<Arc<dyn Transport>>) -> Resu
         let t = RdmaTransport::new(rail).await.map_err(|e| e.with("rail", i).with("device", name))?;
         rails.push(Arc::new(t));
     }
-    let t: Arc<dyn Transport> = Rails::new(rails, fallback, cfg.rails.clone())?;
-    Ok(t)
+    Ok(rails)
 }
 
 #[cfg(test)]

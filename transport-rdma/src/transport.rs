@@ -81,14 +81,14 @@ impl RdmaTransport {
     ///
     /// Errors: `Config` when there is no RDMA device (`no RDMA device
     /// found`), the named device does not exist, the GID index is empty, or
-    /// `devices` is set (that is [`crate::open`]'s);
+    /// `devices` is set (that is [`crate::open_devices`]'s);
     /// `ConnectionReset` when the port is down; the failing verb otherwise.
     pub async fn new(cfg: RdmaConfig) -> Result<Self> {
         cfg.validate()?;
         if !cfg.devices.is_empty() {
             return Err(Error::new(
                 ErrorKind::Config,
-                "rdma.devices is for transport_rdma::open (rails); one RdmaTransport drives the one `device`",
+                "rdma.devices is for transport_rdma::open_devices (rails); one RdmaTransport drives the one `device`",
             ));
         }
         let ctx = Context::open(cfg.device.as_deref())?;

@@ -23,7 +23,7 @@
 //! unsupported and those cases are reported ignored, never passed.
 //!
 //! With `RDMA_CONFORMANCE_RAILS=N` (N >= 2) every node is N devices driven
-//! as rails (`transport_rdma::open`, `transport_core::Rails`), the cases
+//! as rails (`transport_rdma::open_devices` under `transport_rails::Rails`), the cases
 //! are named `rdma_railsN::...`, the node's endpoint bound is split over
 //! its rails, and `cut` / `stall` hit every link of the node.
 //!
@@ -43,8 +43,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::Link;
 use conformance::{Harness, Node, NodeOptions};
-use transport_core::lifecycle::RailsConfig;
 use transport_core::{Error, ErrorKind, Result, Transport, DEFAULT_INBOX};
+use transport_rails::RailsConfig;
 use transport_rdma::{rdma_devices, RdmaConfig, RdmaTransport};
 
 #[derive(Debug, Default)]
@@ -154,7 +154,10 @@ async fn make(opts: &NodeOptions, listen: String, links: Vec<Link>, inbox: usize
                 rails: RailsConfig { pause_ms: 300, max_pause_ms: 1_000, ..RailsConfig::default() },
                 ..cfg(&per_rail, listen.clone(), device, inbox)
             };
-            transport_rdma::open(c, None).await
+            match transport_rdma::open_devices(c.clone()).await {
+                Ok(rails) => transport_rails::over(rails, None, c.rails),
+                Err(e) => Err(e),
+            }
         } else {
             RdmaTransport::new(cfg(opts, listen.clone(), device, inbox))
                 .await

@@ -1,4 +1,4 @@
-//! Several devices as one (rails, `transport_core::Rails`) in the
+//! Several devices as one (rails, `transport_rails::Rails`) in the
 //! soft-RoCE VM: a rail's link taken down in the middle of a large batch,
 //! a flapping link, every rail down (a transient error without a fallback;
 //! over TCP with one, then back to RDMA). Each node has two devices of its
@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use transport_core::lifecycle::{PathState, RailsConfig};
-use transport_core::{Access, BatchState, Buffer, Rails, SegmentId, SubmitOptions, TransferRequest, Transport};
+use transport_core::{Access, BatchState, Buffer, SegmentId, SubmitOptions, TransferRequest, Transport};
+use transport_rails::Rails;
+use transport_rails::{PathState, RailsConfig};
 use transport_rdma::{RdmaConfig, RdmaTransport};
 
 const LEN: usize = 32 << 20;

@@ -10,7 +10,7 @@
 //! | 4 bounded endpoints | [`EndpointPool::acquire`] (bound, LRU eviction), [`EndpointPool::reap`] (idle reclaim) |
 //! | 5 terminal means quiet | [`BatchLedger`] (sticky status, reported only when no unit is on the wire) |
 //! | submit's validation, 9 (local checks) | [`validate_batch`] |
-//! | many rails as one (paths, pauses, reposting) | [`PathHealth`], [`pair`], [`RailList`], [`BatchLedger::unit_back`] |
+//! | a layer's reposting (rails: `transport-rails`) | [`BatchLedger::unit_back`] |
 //!
 //! Backends keep the rest of rules 3 and 9 (closing and unregistering make
 //! their work quiet through these machines) and all of 6 and 7 in their I/O.
@@ -18,7 +18,6 @@
 mod ids;
 mod ledger;
 mod pool;
-mod rails;
 mod table;
 mod tasks;
 mod validate;
@@ -26,7 +25,6 @@ mod validate;
 pub use ids::{IdBuildHasher, IdHasher, IdMap};
 pub use ledger::{BatchLedger, EndReason, Progress};
 pub use pool::{Acquire, EndpointId, EndpointPool, EndpointState, PoolCounts};
-pub use rails::{gid_prefix, pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Verdict, MAX_RAILS};
 pub use table::BatchTable;
 pub use tasks::{OwnedTask, TaskGuard, TaskSet};
 pub use validate::{validate_batch, BatchLimits};

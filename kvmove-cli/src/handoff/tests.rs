@@ -1,13 +1,12 @@
-//! The seed scenario over real sockets (TCP on 127.0.0.1): several prefill
+//! The handoff scenario over real sockets (TCP on 127.0.0.1): several prefill
 //! senders, one decode whose memory is saturated. With sessions no request
 //! fails while the decode is busy; the way connectors work today (timeouts
 //! from arrival, no grants) fails many; a killed decode fails every open
 //! session within the liveness timeout.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
 
-use kvmove::handoff::{run, Flow, HandoffConfig};
+use super::{run, Flow, HandoffConfig};
 use kvmove::EngineConfig;
 
 fn rt() -> tokio::runtime::Runtime {

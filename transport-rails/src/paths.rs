@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, ErrorKind, Result};
+use transport_core::{Error, ErrorKind, Result};
 
 /// How local rails pair with a peer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -32,6 +32,14 @@ pub enum Pairing {
     /// Local and peer rails whose GIDs share the 64-bit subnet prefix
     /// (RoCE v2 / IB); an error if no pair does.
     Subnet,
+}
+
+/// How many times one slice may be moved to another path within one
+/// batch (one attempt of the engine) before its request fails with the
+/// last error: `2 x paths + 2`, enough to try every path twice. The one
+/// bound on the layer's reposting (`docs/CONTRACT.md`, rule 8, "Layers").
+pub fn max_moves(paths: usize) -> u32 {
+    u32::try_from(paths).unwrap_or(u32::MAX).saturating_mul(2).saturating_add(2)
 }
 
 /// Options of [`crate::Rails`] (serde; every field has a default).
@@ -322,6 +330,13 @@ pub fn pair(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slice_may_try_every_path_twice_and_the_bound_never_overflows() {
+        assert_eq!(max_moves(1), 4);
+        assert_eq!(max_moves(3), 8);
+        assert_eq!(max_moves(usize::MAX), u32::MAX);
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

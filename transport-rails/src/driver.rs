@@ -1,7 +1,7 @@
 //! [`Rails`]: several transports of one kind, one per NIC ("rails"), as
 //! one [`Transport`], with an optional TCP fallback. The sans-IO parts
 //! (path health, pairing, the advertised rail list) are in
-//! [`crate::lifecycle`]; this is their driver.
+//! [`crate::paths`]; this is their driver.
 //!
 //! * **Names**: the transport's name is its first rail's. The first rail
 //!   advertises every rail (and the fallback) in its descriptor's address
@@ -12,7 +12,7 @@
 //!   descriptor cannot point us at another machine.
 //! * **Segments**: opening a name opens a *control* handle on rail 0 (the
 //!   descriptor, notifications) and one handle per *path*: a local rail
-//!   paired with one of the peer's rails ([`crate::lifecycle::Pairing`]);
+//!   paired with one of the peer's rails ([`crate::Pairing`]);
 //!   with a fallback on both sides, one more path over it.
 //! * **Memory**: `register` registers the memory on every rail (each has
 //!   its own keys); all or nothing.
@@ -55,17 +55,13 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use transport_mem::MemoryRegion;
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::lifecycle::{
-    pair, validate_batch, BatchLedger, BatchLimits, BatchTable, EndReason, Pairing, PathHealth, PathState, Progress,
-    RailList, RailsConfig, TaskSet, Verdict, MAX_RAILS,
+use transport_core::lifecycle::{validate_batch, BatchLedger, BatchLimits, BatchTable, EndReason, Progress, TaskSet};
+use transport_core::{
+    Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, Notification, RegionId, RequestStatus, ResourceStats,
+    Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
-use crate::notify::Notification;
-use crate::stats::{Capabilities, ResourceStats};
-use crate::transport::Transport;
-use crate::types::{
-    Access, BatchId, BatchStatus, RegionId, RequestStatus, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest,
-};
+
+use crate::paths::{max_moves, pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Verdict, MAX_RAILS};
 
 /// How long `close_segment`, `unregister` and `shutdown` wait for the
 /// batch drivers to account for work the rails already made quiet.
@@ -473,7 +469,7 @@ impl Inner {
         }
         let label = path.as_deref().map(|p| self.label(p)).unwrap_or_default();
         let Ok(b) = st.batches.get_mut(id) else { return };
-        let max_tries = 2 * st.segments.get(&sub.seg).map_or(1, |s| s.paths.len()) as u32 + 2;
+        let max_tries = max_moves(st.segments.get(&sub.seg).map_or(1, |s| s.paths.len()));
         let mut progress = Progress::default();
         let mut failed: Option<Error> = None;
         let mut moved = 0;

@@ -24,7 +24,7 @@ use kvmove_policy::{Engine, Sessions};
 use parking_lot::Mutex;
 use transport_core::{Access, Buffer, Error, ErrorKind, RegionId, Result, TransferRequest};
 
-use crate::config::EngineConfig;
+use kvmove::EngineConfig;
 
 /// How the handoff is run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,7 +183,7 @@ struct Node {
 }
 
 async fn node(cfg: &EngineConfig, bytes: usize) -> Result<Node> {
-    let engine = crate::build(cfg).await?;
+    let engine = kvmove::build(cfg).await?;
     let buf = Buffer::new(bytes.max(1)).map_err(|e| Error::new(ErrorKind::ResourceExhausted, e.to_string()))?;
     let region = engine.register(buf.region(), Access::REMOTE_RW)?;
     let name = engine.transport().local_segment_name();
@@ -664,3 +664,6 @@ async fn run_today(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<Nod
     r.elapsed = elapsed;
     Ok(r)
 }
+
+#[cfg(test)]
+mod tests;
