@@ -6,7 +6,8 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::region::{MemError, MemoryRegion};
+use crate::error::MemError;
+use crate::region::MemoryRegion;
 
 /// Alignment of every [`Buffer`]: one page, so RDMA registration pins whole
 /// pages and O_DIRECT-style users are happy.

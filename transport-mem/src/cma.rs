@@ -10,7 +10,8 @@
 //! this process's memory.
 #![allow(unsafe_code)]
 
-use crate::region::{MemError, MemoryRegion};
+use crate::error::MemError;
+use crate::region::MemoryRegion;
 
 /// Bytes a device region's pull passes through host memory at a time.
 const BOUNCE: usize = 1 << 20;

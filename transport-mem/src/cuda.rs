@@ -17,7 +17,7 @@ use std::fmt;
 use cudarc::driver::{result, sys};
 
 use crate::device::{DeviceMemory, DmaBuf};
-use crate::region::MemError;
+use crate::error::MemError;
 
 /// Every CUDA device of this process, through their primary contexts.
 pub struct CudaDevices {

@@ -30,6 +30,8 @@ pub mod cma;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
+mod error;
+mod fake;
 mod pages;
 pub mod providers;
 mod region;
@@ -37,6 +39,8 @@ mod region;
 pub use buffer::Buffer;
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaAlloc, CudaDevices};
-pub use device::{DeviceMemory, DmaBuf, FakeDevice, MemoryKind};
+pub use device::{DeviceMemory, DmaBuf, MemoryKind};
+pub use error::MemError;
+pub use fake::FakeDevice;
 pub use pages::PageBuf;
-pub use region::{MemError, MemoryRegion};
+pub use region::MemoryRegion;

@@ -5,7 +5,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::region::MemError;
+use crate::error::MemError;
 
 /// A private anonymous mapping of `len` bytes, zero-filled by the kernel
 /// and handed back to it (`munmap`) when dropped, whatever the process's
