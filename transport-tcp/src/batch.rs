@@ -18,7 +18,9 @@ use tokio::sync::watch;
 use transport_core::lifecycle::{BatchLedger, EndReason, Progress};
 use transport_core::{BatchStatus, Error, Result, TransferRequest};
 
-use crate::deadlines::{Deadlines, Key};
+use transport_core::lifecycle::DeadlineKey;
+
+use crate::deadlines::Deadlines;
 use crate::regions::Region;
 
 /// One batch.
@@ -31,7 +33,7 @@ pub(crate) struct Batch {
     ledger: Mutex<BatchLedger>,
     terminal: watch::Sender<bool>,
     /// Its entry in the transport's deadline table while it is live.
-    deadline: Mutex<Option<(Weak<Deadlines>, Key)>>,
+    deadline: Mutex<Option<(Weak<Deadlines<Batch>>, DeadlineKey)>>,
     /// Names of the endpoints that carry its slices.
     pub peers: Vec<String>,
 }
@@ -71,12 +73,12 @@ impl Batch {
 
     /// Enters the batch in `deadlines`, due `at` (once, at submit). A batch
     /// already terminal is not entered.
-    pub fn set_deadline(self: &Arc<Self>, deadlines: &Arc<Deadlines>, at: Duration) {
+    pub fn set_deadline(self: &Arc<Self>, deadlines: &Arc<Deadlines<Batch>>, at: Duration) {
         let mut d = self.deadline.lock();
         if self.is_terminal() {
             return;
         }
-        *d = Some((Arc::downgrade(deadlines), deadlines.add(at, self)));
+        *d = Some((Arc::downgrade(deadlines), deadlines.add(at, Arc::downgrade(self))));
         drop(d);
         // Terminal meanwhile (it took the lock after us and found nothing
         // to take out): take it out here.

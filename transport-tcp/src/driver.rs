@@ -18,6 +18,7 @@ use transport_core::{
 
 use crate::batch::Batch;
 use crate::config::TcpConfig;
+use crate::deadlines::Deadlines;
 use crate::endpoint::{Endpoint, EndpointSlots, EndpointUse, Env};
 use crate::lane;
 use crate::pool::Slot;
@@ -52,7 +53,7 @@ pub(crate) struct Inner {
     pub segments: Mutex<HashMap<SegmentId, SegmentEntry>>,
     pub batches: Mutex<BatchTable<Arc<Batch>>>,
     /// Deadlines of live batches, kept by one timer task.
-    pub deadlines: Arc<crate::deadlines::Deadlines>,
+    pub deadlines: Arc<Deadlines<Batch>>,
     pub background: Mutex<Vec<JoinHandle<()>>>,
     pub next_handle: AtomicU64,
     pub shut: AtomicBool,
@@ -343,5 +344,40 @@ impl Drop for AbandonedSubmit {
                 inner.batches.lock().remove(id);
             }
         });
+    }
+}
+
+/// The transport's timer: sleeps until the earliest deadline (or until an
+/// earlier one is entered) and expires what is due, each batch quieted in
+/// a task of its own so one slow quiet never delays another deadline.
+/// Ends with the transport.
+pub(crate) async fn timer(weak: Weak<Inner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let deadlines = inner.deadlines.clone();
+        let earlier = deadlines.earlier.notified();
+        tokio::pin!(earlier);
+        earlier.as_mut().enable();
+        let (due, next) = deadlines.due(inner.slots.now());
+        for (at, batch) in due {
+            let w = weak.clone();
+            inner.env.tasks.spawn(async move {
+                let Some(i) = w.upgrade() else { return };
+                batch.expire(i.slots.now().max(at));
+                i.quiet(&batch).await;
+            });
+        }
+        // `None` also when beyond what the clock can represent: never.
+        let wake = next.and_then(|at| inner.slots.instant(at));
+        drop(inner);
+        match wake {
+            Some(when) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
+                    _ = earlier => {}
+                }
+            }
+            None => earlier.await,
+        }
     }
 }

@@ -86,7 +86,7 @@ impl TcpTransport {
         });
         let accept = tasks.spawn(server.accept_loop(listener));
         let reaper = tasks.spawn(reaper(Arc::downgrade(&inner)));
-        let timer = tasks.spawn(crate::deadlines::timer(Arc::downgrade(&inner)));
+        let timer = tasks.spawn(crate::driver::timer(Arc::downgrade(&inner)));
         inner.background.lock().extend([accept, reaper, timer]);
         tracing::info!(listen = %bound, generation, "tcp transport serving");
         Ok(Self { inner, bound })
