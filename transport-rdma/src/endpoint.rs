@@ -13,6 +13,7 @@ use tokio::net::TcpStream;
 use transport_core::lifecycle::{Acquire, EndpointId};
 use transport_core::{Error, ErrorKind, Result, SegmentId};
 
+use crate::counters::endpoint_event;
 use crate::handshake::{self, Bringup};
 use crate::state::{Endpoint, Inner, QpSlot, Task};
 use crate::verbs::QpTiming;
@@ -188,16 +189,4 @@ async fn watch(weak: std::sync::Weak<Inner>, ep: EndpointId, mut stream: TcpStre
             st.break_endpoint(ep, why, g);
         }
     });
-}
-
-/// Counts endpoint events (`built`, `evicted`, `reclaimed`, `destroyed`)
-/// in the metrics.
-pub(crate) fn endpoint_event(event: &'static str, n: u64) {
-    metrics::counter!("kvmove_endpoints_total", "backend" => "rdma", "event" => event).increment(n);
-    // Live endpoints of every RDMA transport in the process.
-    match event {
-        "built" => metrics::gauge!("kvmove_endpoints_live", "backend" => "rdma").increment(n as f64),
-        "destroyed" => metrics::gauge!("kvmove_endpoints_live", "backend" => "rdma").decrement(n as f64),
-        _ => {}
-    }
 }

@@ -96,9 +96,11 @@
 //! deadlines) -> `endpoint` (pool, builds, side-channel watchers) ->
 //! `handshake` (the one QP bring-up, also used by `server`) ; `notes`
 //! (notification channels) ; `background` (CQ poller and draining, reaper,
-//! async events) ; `work` (the data path over the ledger) -> `state`
-//! (shared state, `Inner::with_state`) ->
-//! `verbs` (all unsafe), `wire`, `config`, `error`.
+//! async events) ; `work` (the data path over the ledger) ; `staging`
+//! (device memory) -> `state` (shared state, `Inner::with_state`) ->
+//! leaves: `ids`, `stage` (the staging path's data), `counters`, `verbs`
+//! (all unsafe), `wire`, `config`, `error`. Imports only point that way
+//! (no module cycle: `scripts/check-layers` checks it).
 //!
 //! # Several devices
 //!
@@ -118,12 +120,15 @@
 
 mod background;
 mod config;
+mod counters;
 mod endpoint;
 mod error;
 mod handshake;
+mod ids;
 mod notes;
 mod rails;
 mod server;
+mod stage;
 mod staging;
 mod state;
 mod submit;

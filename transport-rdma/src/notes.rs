@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 use transport_core::{check_notification, inbox_full, Error, ErrorKind, Result, SegmentId};
 
 use crate::state::{Inner, NoteChannel, Task};
+use crate::wire::Ask;
 use crate::wire::{self, Reply, Request};
 
 /// Notifications a carrier has sent and not yet seen answered; more wait
@@ -33,14 +34,6 @@ const MAX_PIPELINE: usize = 16;
 /// Notifications queued for one carrier before `notify` waits (within its
 /// time limit) for room.
 const ASK_QUEUE: usize = 64;
-
-/// A request for a carrier to send (a notification, or a staging request),
-/// and where the peer's answer goes.
-#[derive(Debug)]
-pub(crate) struct Ask {
-    request: Request,
-    answer: oneshot::Sender<Result<Reply>>,
-}
 
 /// Counts one notification in flight on a channel until dropped.
 struct InFlight(Arc<AtomicUsize>);

@@ -43,140 +43,19 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use transport_core::lifecycle::{EndReason, EndpointId};
 use transport_core::{
-    Access, Buffer, Error, ErrorKind, MemError, MemoryRegion, Opcode, RegionId, Result, SegmentId, TransferRequest,
+    Access, Error, ErrorKind, MemError, MemoryRegion, Opcode, RegionId, Result, SegmentId, TransferRequest,
 };
 
+pub(crate) use crate::counters::count_path;
+pub(crate) use crate::stage::{no_staging, CopyDir, Drive, Lease, MemPath, StageCopy, Staging, STAGED_KEY};
 use crate::state::{Graveyard, Inner, Limits, PeerGroupId, Slice, State, WrRef};
 use crate::verbs::{Pd, Registration, WorkRequest};
 use crate::wire::{Reply, Request};
 
-/// How the NIC reaches a registered region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum MemPath {
-    /// Host memory, `ibv_reg_mr`.
-    Host,
-    /// Device memory through a dma-buf (`ibv_reg_dmabuf_mr`): GPUDirect.
-    DmaBuf,
-    /// Device memory registered by address (a peer-memory module): GPUDirect.
-    PeerMemory,
-    /// Device memory copied through pinned host buffers.
-    Staged,
-}
-
-impl MemPath {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            MemPath::Host => "host",
-            MemPath::DmaBuf => "gpudirect-dmabuf",
-            MemPath::PeerMemory => "gpudirect-peer-memory",
-            MemPath::Staged => "staged",
-        }
-    }
-}
-
-/// The pinned host buffers staged slices pass through.
-#[derive(Debug)]
-pub(crate) struct Staging {
-    /// One registration over all the buffers, `slot_len` bytes each.
-    pub reg: Registration,
-    pub slot_len: u32,
-    slots: u32,
-    pub free: Vec<u32>,
-    /// Endpoints that stopped posting for want of a free buffer.
-    pub waiting: Vec<EndpointId>,
-}
-
-impl Staging {
-    /// `slots` buffers of `slot_len` bytes, registered once; peers may read
-    /// and write them if `remote` (the target's pool).
-    fn new(pd: &Arc<Pd>, slots: u32, slot_len: u32, remote: bool) -> Result<Self> {
-        let len = usize::try_from(u64::from(slots) * u64::from(slot_len))
-            .map_err(|_| Error::new(ErrorKind::Config, "staging buffers do not fit in memory"))?;
-        let buf = Buffer::new(len).map_err(|e| Error::from(e).with("staging_bytes", len))?;
-        let reg = Registration::new(pd, buf.region(), remote, remote)?;
-        Ok(Self { reg, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
-    }
-
-    /// Host memory held.
-    pub(crate) fn bytes(&self) -> u64 {
-        self.reg.mem().len() as u64
-    }
-
-    /// Whether every buffer is free.
-    fn all_back(&self) -> bool {
-        self.free.len() as u64 == u64::from(self.slots)
-    }
-
-    /// Where buffer `slot` starts in the registration.
-    pub(crate) fn offset(&self, slot: u32) -> u64 {
-        u64::from(slot) * u64::from(self.slot_len)
-    }
-
-    /// Buffer `slot`'s first `len` bytes.
-    fn slot_mem(&self, slot: u32, len: u32) -> Result<MemoryRegion> {
-        let off = usize::try_from(self.offset(slot)).map_err(|_| Error::new(ErrorKind::Internal, "staging offset"))?;
-        Ok(self.reg.mem().sub(off, len as usize)?)
-    }
-}
-
-/// Which way a staging copy goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CopyDir {
-    /// Device memory into the buffer, before an RDMA WRITE from it.
-    ToBuffer,
-    /// The buffer into device memory, after an RDMA READ into it.
-    FromBuffer,
-}
-
-/// One copy between a staged region and a staging buffer, run off the lock.
-#[derive(Debug)]
-pub(crate) struct StageCopy {
-    pub dir: CopyDir,
-    pub ep: EndpointId,
-    pub slice: Slice,
-    pub slot: u32,
-    device: MemoryRegion,
-    device_offset: usize,
-    buffer: MemoryRegion,
-}
-
-impl StageCopy {
-    /// A copy for `slice` (of a request whose local region is the staged
-    /// `device`, at `local_offset`) through buffer `slot` of `staging`.
-    pub(crate) fn new(
-        staging: Option<&Staging>,
-        dir: CopyDir,
-        ep: EndpointId,
-        slice: Slice,
-        slot: u32,
-        device: &MemoryRegion,
-        local_offset: u64,
-    ) -> Result<Self> {
-        let staging = staging.ok_or_else(|| Error::new(ErrorKind::Internal, "no staging buffers"))?;
-        let at = local_offset
-            .checked_add(slice.offset)
-            .and_then(|o| usize::try_from(o).ok())
-            .ok_or_else(|| Error::new(ErrorKind::Internal, "staged offset overflows"))?;
-        Ok(Self {
-            dir,
-            ep,
-            slice,
-            slot,
-            device: device.clone(),
-            device_offset: at,
-            buffer: staging.slot_mem(slot, slice.len)?,
-        })
-    }
-
-    fn run(&self) -> Result<()> {
-        let len = self.buffer.len();
-        match self.dir {
-            CopyDir::ToBuffer => self.buffer.copy_from(0, &self.device, self.device_offset, len),
-            CopyDir::FromBuffer => self.device.copy_from(self.device_offset, &self.buffer, 0, len),
-        }
-        .map_err(Error::from)
-    }
-}
+/// Staged slices a driver has in flight at once.
+const WINDOW: usize = 4;
+/// Longest pause between asking a busy peer for a staging buffer again.
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(20);
 
 impl State {
     /// Buffers free again; endpoints waiting for one post now.
@@ -230,7 +109,7 @@ impl State {
             (CopyDir::ToBuffer, Ok(())) => {
                 if let Ok(b) = self.batches.get_mut(c.slice.batch) {
                     let p = b.ledger.unit_back(c.slice.req);
-                    crate::work::wake(b, p);
+                    b.wake(p);
                 }
                 self.free_slots(vec![c.slot], lim, grave);
                 self.after_work(c.ep, lim, grave);
@@ -240,7 +119,7 @@ impl State {
         if let Some(result) = outcome {
             if let Ok(b) = self.batches.get_mut(c.slice.batch) {
                 let p = b.ledger.unit_done(c.slice.req, result);
-                crate::work::wake(b, p);
+                b.wake(p);
             }
             self.free_slots(vec![c.slot], lim, grave);
         }
@@ -256,7 +135,7 @@ impl State {
         for (s, slot) in ready {
             if let Ok(b) = self.batches.get_mut(s.batch) {
                 let p = b.ledger.unit_done(s.req, Err(why.clone()));
-                crate::work::wake(b, p);
+                b.wake(p);
             }
             slots.push(slot);
         }
@@ -351,47 +230,6 @@ impl Inner {
             Err(_) => work(),
         }
     }
-}
-
-/// What a staged slice gets when its region has no staging buffers (a
-/// bug: they live as long as any staged region).
-pub(crate) fn no_staging() -> Error {
-    Error::new(ErrorKind::Internal, "a staged region without staging buffers")
-}
-
-/// Counts a device region registered, by the path it took, in the metrics
-/// (`kvmove_device_regions_total{backend="rdma",path=...}`).
-pub(crate) fn count_path(path: MemPath) {
-    metrics::counter!("kvmove_device_regions_total", "backend" => "rdma", "path" => path.as_str()).increment(1);
-}
-
-/// The descriptor key of a staged region with remote access: it has no
-/// rkey (rkeys are 32 bits); peers reach it through staging buffers.
-pub(crate) const STAGED_KEY: u64 = 1 << 32;
-
-/// Staged slices a driver has in flight at once.
-const WINDOW: usize = 4;
-/// Longest pause between asking a busy peer for a staging buffer again.
-const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(20);
-
-/// A peer's lease on one of this side's remote staging buffers (its
-/// channel's; given back with `unstage` or when the channel closes).
-#[derive(Debug)]
-pub(crate) struct Lease {
-    chan: PeerGroupId,
-    write: bool,
-    addr: u64,
-    len: u32,
-    /// A copy between the buffer and device memory is running.
-    copying: bool,
-}
-
-/// Slices of requests into a peer's staged memory, driven on endpoint `ep`.
-#[derive(Debug)]
-pub(crate) struct Drive {
-    pub seg: SegmentId,
-    pub ep: EndpointId,
-    pub slices: Vec<Slice>,
 }
 
 /// What a driver's work request moves locally.
@@ -709,7 +547,7 @@ impl Inner {
         self.with_state(|st, _| {
             if let Ok(b) = st.batches.get_mut(s.batch) {
                 let p = b.ledger.unit_done(s.req, result);
-                crate::work::wake(b, p);
+                b.wake(p);
             }
         });
     }

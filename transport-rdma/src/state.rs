@@ -27,33 +27,17 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use transport_core::lifecycle::{BatchLedger, BatchTable, EndpointId, EndpointPool, IdBuildHasher, IdMap, TaskSet};
+use transport_core::lifecycle::{
+    BatchLedger, BatchTable, EndpointId, EndpointPool, IdBuildHasher, IdMap, Progress, TaskSet,
+};
 use transport_core::{
     Access, BatchId, Error, ErrorKind, Inbox, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId,
     TransferRequest,
 };
 
 use crate::config::RdmaConfig;
+pub(crate) use crate::ids::{PeerGroupId, Slice, WrId, WrIds};
 use crate::verbs::{CompChannel, Completion, Context, Cq, Pd, PortInfo, Qp, Registration};
-
-/// A work request's id (the `wr_id` the CQ hands back).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct WrId(pub u64);
-
-/// The source of [`WrId`]s: one counter, never reused within a transport.
-#[derive(Debug, Default)]
-pub(crate) struct WrIds(u64);
-
-impl WrIds {
-    pub(crate) fn next(&mut self) -> WrId {
-        self.0 += 1;
-        WrId(self.0)
-    }
-}
-
-/// A QP group a peer holds into this transport (one served side channel).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct PeerGroupId(u64);
 
 /// The device objects shared by everything: released (in this order: CQ,
 /// channel, PD, context, by the `Arc` chain) when the last user drops them.
@@ -73,7 +57,7 @@ pub(crate) struct LocalRegion {
     pub reg: Option<Registration>,
     pub mem: transport_mem::MemoryRegion,
     pub access: Access,
-    pub path: crate::staging::MemPath,
+    pub path: crate::stage::MemPath,
 }
 
 #[derive(Debug)]
@@ -101,7 +85,7 @@ pub(crate) struct NoteChannel {
     /// Tells this channel from its successors.
     pub id: u64,
     /// Notifications for the carrier to send.
-    pub side: tokio::sync::mpsc::Sender<crate::notes::Ask>,
+    pub side: tokio::sync::mpsc::Sender<crate::wire::Ask>,
     /// The carrier: dropping it (close, shutdown, idle) closes the channel.
     pub carrier: Option<Task>,
     /// Last time a notification was handed to it (idle reclaim).
@@ -172,15 +156,6 @@ impl Endpoint {
     }
 }
 
-/// A piece of a request, posted as one work request (one ledger unit).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Slice {
-    pub batch: BatchId,
-    pub req: usize,
-    pub offset: u64,
-    pub len: u32,
-}
-
 /// Where a posted work request is.
 #[derive(Debug)]
 pub(crate) struct WrRef {
@@ -222,6 +197,16 @@ impl Batch {
     pub(crate) fn new(ledger: BatchLedger, targets: Vec<Target>) -> Self {
         Self { ledger, targets, notify: None, deadline: None, orphaned: false }
     }
+
+    /// Wakes the batch's sleeping `wait`s if `p` (what a ledger call
+    /// returned) made it terminal.
+    pub(crate) fn wake(&self, p: Progress) {
+        if p.batch_terminal {
+            if let Some(n) = &self.notify {
+                n.notify_waiters();
+            }
+        }
+    }
 }
 
 /// The QPs peers hold into us, alive while their side channel is open.
@@ -260,9 +245,9 @@ pub(crate) struct Graveyard {
     pub slots: Vec<u32>,
     /// Copies between device memory and staging buffers to run once the
     /// lock is released.
-    pub copies: Vec<crate::staging::StageCopy>,
+    pub copies: Vec<crate::stage::StageCopy>,
     /// Staging drivers to start once the lock is released.
-    pub drives: Vec<crate::staging::Drive>,
+    pub drives: Vec<crate::stage::Drive>,
     /// Drivers' work requests lost with the QPs of `endpoints`: told so
     /// once those are destroyed.
     pub waiters: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
@@ -342,11 +327,11 @@ pub(crate) struct State {
     pub retiring: Vec<Registration>,
     /// Pinned host buffers for staged device memory, while any staged
     /// region is registered.
-    pub staging: Option<crate::staging::Staging>,
+    pub staging: Option<crate::stage::Staging>,
     /// Pinned host buffers peers reach (RDMA) for this side's staged
     /// regions with remote access, and who holds which.
-    pub remote_staging: Option<crate::staging::Staging>,
-    pub leases: HashMap<u32, crate::staging::Lease>,
+    pub remote_staging: Option<crate::stage::Staging>,
+    pub leases: HashMap<u32, crate::stage::Lease>,
     /// Running staging drivers, by id (aborted with the transport).
     pub drivers: HashMap<u64, Task>,
     pub next_driver: u64,
@@ -420,7 +405,7 @@ impl State {
         for &id in dead {
             self.pool.destroyed(id);
         }
-        crate::endpoint::endpoint_event("destroyed", dead.len() as u64);
+        crate::counters::endpoint_event("destroyed", dead.len() as u64);
         if lost.is_empty() {
             return;
         }
@@ -478,7 +463,7 @@ impl State {
                     access: r.access,
                     // Staged regions have no MR: peers reach them through
                     // the staging buffers.
-                    key: r.reg.as_ref().map_or(crate::staging::STAGED_KEY, |reg| u64::from(reg.rkey())),
+                    key: r.reg.as_ref().map_or(crate::stage::STAGED_KEY, |reg| u64::from(reg.rkey())),
                 })
                 .collect(),
         }

@@ -270,6 +270,14 @@ impl<R: AsyncRead + Unpin> Lines<R> {
     }
 }
 
+/// A request for a carrier to send (a notification, or a staging request),
+/// and where the peer's answer goes.
+#[derive(Debug)]
+pub(crate) struct Ask {
+    pub request: Request,
+    pub answer: tokio::sync::oneshot::Sender<transport_core::Result<Reply>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

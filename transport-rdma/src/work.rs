@@ -14,12 +14,12 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use transport_core::lifecycle::{EndReason, EndpointId, Progress};
+use transport_core::lifecycle::{EndReason, EndpointId};
 use transport_core::{BatchId, Error, ErrorKind, Opcode};
 
 use crate::error::completion_error;
-use crate::staging::{CopyDir, StageCopy};
-use crate::state::{Batch, Graveyard, Inner, Limits, PeerGroupId, Slice, State, Target, WrId, WrRef};
+use crate::stage::{no_staging, CopyDir, StageCopy};
+use crate::state::{Graveyard, Inner, Limits, PeerGroupId, Slice, State, Target, WrId, WrRef};
 use crate::verbs::{Completion, WorkRequest};
 
 /// How often [`Inner::settle`] looks again.
@@ -28,20 +28,12 @@ const SETTLE_POLL: Duration = Duration::from_millis(1);
 /// every broken endpoint regardless.
 const SETTLE_GRACE: Duration = Duration::from_millis(100);
 
-pub(crate) fn wake(b: &Batch, p: Progress) {
-    if p.batch_terminal {
-        if let Some(n) = &b.notify {
-            n.notify_waiters();
-        }
-    }
-}
-
 impl State {
     /// Ends request `req` of `batch` early (first decision wins).
     pub(crate) fn end_request(&mut self, batch: BatchId, req: usize, reason: EndReason) {
         if let Ok(b) = self.batches.get_mut(batch) {
             let p = b.ledger.end(req, reason);
-            wake(b, p);
+            b.wake(p);
         }
     }
 
@@ -79,7 +71,7 @@ impl State {
                     Some(_) => b.ledger.unit_done(slice.req, Err(e)),
                     None => b.ledger.end(slice.req, EndReason::Failed(e)),
                 };
-                wake(b, p);
+                b.wake(p);
                 if let (Some(slot), Some(st)) = (filled, self.staging.as_mut()) {
                     st.free.push(slot);
                 }
@@ -93,7 +85,7 @@ impl State {
                     Some(_) => b.ledger.unit_done(slice.req, Err(Error::region_unregistered(spec.local))),
                     None => b.ledger.end(slice.req, EndReason::Failed(Error::region_unregistered(spec.local))),
                 };
-                wake(b, p);
+                b.wake(p);
                 if let (Some(slot), Some(st)) = (filled, self.staging.as_mut()) {
                     st.free.push(slot);
                 }
@@ -105,7 +97,7 @@ impl State {
                 // Ended since its buffer was filled: it goes nowhere.
                 (Some(slot), _) if !b.ledger.is_live(slice.req) => {
                     let p = b.ledger.unit_back(slice.req);
-                    wake(b, p);
+                    b.wake(p);
                     if let Some(st) = self.staging.as_mut() {
                         st.free.push(slot);
                     }
@@ -120,8 +112,8 @@ impl State {
                 }
                 (None, None) => {
                     let Some(staging) = self.staging.as_mut() else {
-                        let p = b.ledger.end(slice.req, EndReason::Failed(crate::staging::no_staging()));
-                        wake(b, p);
+                        let p = b.ledger.end(slice.req, EndReason::Failed(no_staging()));
+                        b.wake(p);
                         continue;
                     };
                     let Some(slot) = staging.free.pop() else {
@@ -146,7 +138,7 @@ impl State {
                             }
                             Err(e) => {
                                 let p = b.ledger.unit_done(slice.req, Err(e));
-                                wake(b, p);
+                                b.wake(p);
                                 staging.free.push(slot);
                             }
                         }
@@ -161,8 +153,8 @@ impl State {
                 // the region.
                 (None, Some(reg), _) => (reg, spec.local_offset + slice.offset),
                 _ => {
-                    let p = b.ledger.unit_done(slice.req, Err(crate::staging::no_staging()));
-                    wake(b, p);
+                    let p = b.ledger.unit_done(slice.req, Err(no_staging()));
+                    b.wake(p);
                     continue;
                 }
             };
@@ -191,7 +183,7 @@ impl State {
                         e
                     };
                     let p = b.ledger.unit_done(slice.req, Err(e.clone()));
-                    wake(b, p);
+                    b.wake(p);
                     if let (Some(slot), Some(st)) = (slot, self.staging.as_mut()) {
                         st.free.push(slot);
                     }
@@ -266,7 +258,7 @@ impl State {
                 Err(e) => {
                     if let Ok(b) = self.batches.get_mut(w.slice.batch) {
                         let p = b.ledger.unit_done(w.slice.req, Err(e));
-                        wake(b, p);
+                        b.wake(p);
                     }
                     self.free_slots(vec![slot], lim, grave);
                 }
@@ -278,7 +270,7 @@ impl State {
                     Some(e) => Err(e.clone()),
                 };
                 let p = b.ledger.unit_done(w.slice.req, result);
-                wake(b, p);
+                b.wake(p);
             }
             if let Some(slot) = w.slot {
                 self.free_slots(vec![slot], lim, grave);
@@ -436,7 +428,7 @@ impl State {
         let clock = self.now();
         let reaped = self.pool.reap(clock, lim.idle_timeout);
         if !reaped.is_empty() {
-            crate::endpoint::endpoint_event("reclaimed", reaped.len() as u64);
+            crate::counters::endpoint_event("reclaimed", reaped.len() as u64);
         }
         doomed.extend(reaped);
         // Idle notification channels are closed too (their carrier is
@@ -493,7 +485,7 @@ impl State {
         for (&id, b) in self.batches.iter_mut() {
             let targets = &b.targets;
             let (_, p) = b.ledger.end_where(reason, |i| targets.get(i).is_some_and(|t| pick(id, t)));
-            wake(b, p);
+            b.wake(p);
         }
         let eps: HashSet<EndpointId> = self
             .wrs
