@@ -21,6 +21,13 @@
 //! notifications sessions ride on (rule 11, a bounded [`Inbox`] on every
 //! backend) are part of the contract and live here.
 //!
+//! This crate cannot name the policy layer (it does not depend on it, and a
+//! backend that depends only on it cannot either):
+//!
+//! ```compile_fail
+//! use kvmove_policy::Engine;
+//! ```
+//!
 //! The state machines perform no I/O; the crate contains no `unsafe`.
 //! Memory enters the engine through `transport-mem` ([`Buffer`],
 //! [`MemoryRegion`]).

@@ -17,6 +17,12 @@
 //! transient peer failure is moved to another path of the *same* attempt,
 //! never retried after the batch is terminal; the Engine's retries stack on
 //! top, and `RailsConfig` bounds the reposts per batch.
+//!
+//! A layer reports, as a backend does; it cannot reach the policy layer:
+//!
+//! ```compile_fail
+//! use kvmove_policy::Engine;
+//! ```
 #![forbid(unsafe_code)]
 
 mod driver;
