@@ -3,98 +3,13 @@
 //! Every child process is bounded in time and killed on the way out.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_kvmove");
-const LIMIT: Duration = Duration::from_secs(60);
-
-/// Small enough for a debug build on two cores: 64 tokens of a 4-layer
-/// llama3-8b (2 MiB per pass).
-const TINY: &[&str] =
-    &["--tokens", "64", "--layers", "4", "--iterations", "1", "--warmup", "0", "--compute-delay-ms", "1"];
-
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Kills the child when dropped, so a failing test leaves nothing behind.
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn run(args: &[&str]) -> Run {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start kvmove");
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let out_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + LIMIT;
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("kvmove {args:?} did not finish within {LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Run { code: status.code(), stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap() }
-}
-
-fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v: Vec<&str> = extra.to_vec();
-    v.extend_from_slice(TINY);
-    v
-}
-
-fn json(r: &Run) -> serde_json::Value {
-    assert_eq!(r.code, Some(0), "stderr: {}", r.stderr);
-    serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout))
-}
-
-/// Each pass moves the whole plan once and verifies every request.
-fn assert_verified(v: &serde_json::Value, passes: u64) {
-    assert_eq!(v["ok"], true, "{v}");
-    assert_eq!(v["mismatched_requests"], 0);
-    let per_pass = v["bytes_per_pass"].as_u64().unwrap();
-    assert_eq!(per_pass, 64 * 4096 * 4, "64 tokens x 4 KiB x 4 layers");
-    assert_eq!(v["verified_bytes"].as_u64().unwrap(), per_pass * passes, "{v}");
-    assert_eq!(v["verified_requests"].as_u64().unwrap(), v["requests_per_pass"].as_u64().unwrap() * passes);
-}
-
-/// A failure is one line on stderr, a non-zero exit and never a panic.
-fn assert_one_line_error(r: &Run, needle: &str) {
-    assert_ne!(r.code, Some(0), "stdout: {}", r.stdout);
-    assert!(!r.stderr.contains("panicked") && !r.stderr.contains("RUST_BACKTRACE"), "{}", r.stderr);
-    let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "one line: {:?}", r.stderr);
-    assert!(lines[0].starts_with("kvmove: error: "), "{}", lines[0]);
-    assert!(lines[0].contains(needle), "{} should mention {needle}", lines[0]);
-}
+use common::*;
 
 #[test]
 fn default_bench_over_tcp_verifies_every_byte() {
@@ -152,55 +67,6 @@ fn table_output_has_the_numbers() {
         assert!(r.stdout.contains(needle), "missing {needle}:\n{}", r.stdout);
     }
     assert!(r.stderr.is_empty(), "no progress bar when not a terminal: {}", r.stderr);
-}
-
-/// Starts `kvmove target` on an ephemeral loopback port and returns it
-/// with the segment name it printed.
-fn start_target(extra: &[&str]) -> (Guard, String) {
-    let (guard, segment, _) = start_target_with(extra, Stdio::null());
-    (guard, segment)
-}
-
-/// [`start_target`], with the target's stderr going to `stderr`; also
-/// returns the target's later stdout lines (its events).
-fn start_target_with(extra: &[&str], stderr: Stdio) -> (Guard, String, std::sync::mpsc::Receiver<String>) {
-    let mut a = vec!["target", "--json", "--listen", "127.0.0.1:0"];
-    a.extend_from_slice(extra);
-    a.extend_from_slice(TINY);
-    let mut cmd = Command::new(BIN);
-    cmd.args(&a).env_remove("RUST_LOG").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
-    let mut child = cmd.spawn().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let guard = Guard(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let line = rx.recv_timeout(Duration::from_secs(30)).expect("target printed its address");
-    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line}"));
-    assert_eq!(v["event"], "ready");
-    (guard, v["segment"].as_str().unwrap().to_owned(), rx)
-}
-
-/// Sends SIGTERM and waits (bounded) for a clean exit.
-fn stop(target: &mut Guard) {
-    assert!(target.0.try_wait().unwrap().is_none(), "target still running");
-    let pid = target.0.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = target.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "target did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(status.success(), "{status}");
 }
 
 #[test]
@@ -394,64 +260,6 @@ fn unknown_model_and_backend_are_one_line() {
     // Not built in ("rebuild with --features rdma") or no device here:
     // either way one line that names RDMA.
     assert_one_line_error(&run(&["--backend", "rdma"]), "rdma");
-}
-
-/// Through a real etcd server (skipped, loudly, where `etcd` is not
-/// installed; the tests build the binary with etcd through the
-/// dev-dependency on `kvmove`): the target publishes
-/// under a logical name, the initiator resolves it, and a name nobody
-/// serves is one clear line.
-#[test]
-fn initiator_resolves_a_target_through_etcd() {
-    let Some(etcd) = start_etcd() else {
-        eprintln!("SKIPPED initiator_resolves_a_target_through_etcd: no `etcd` binary on PATH");
-        return;
-    };
-    let url = etcd.1.clone();
-    let (_target, segment) = start_target(&["--metadata", "etcd", "--etcd-endpoints", &url, "--name", "prefill-7"]);
-    let v = json(&run(&args(&[
-        "initiator",
-        "--target",
-        "prefill-7",
-        "--metadata",
-        "etcd",
-        "--etcd-endpoints",
-        &url,
-        "--json",
-    ])));
-    assert_verified(&v, 3);
-    assert!(v["target"].as_str().unwrap().contains("prefill-7"), "{v}");
-    let _ = segment;
-    let r = run(&args(&["initiator", "--target", "nobody", "--metadata", "etcd", "--etcd-endpoints", &url]));
-    assert_one_line_error(&r, "no target named 'nobody'");
-    let (server, _, dir) = etcd;
-    drop(server);
-    let _ = std::fs::remove_dir_all(dir);
-}
-
-fn start_etcd() -> Option<(Guard, String, std::path::PathBuf)> {
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (client, peer) = (format!("http://127.0.0.1:{}", free()), format!("http://127.0.0.1:{}", free()));
-    let dir = std::env::temp_dir().join(format!("kvmove-cli-etcd-{}", std::process::id()));
-    let child = Command::new("etcd")
-        .args(["--name", "kvmove-cli", "--data-dir"])
-        .arg(dir.join("data"))
-        .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
-        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-        .arg("--initial-cluster")
-        .arg(format!("kvmove-cli={peer}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    let guard = Guard(child);
-    let port: u16 = client.rsplit(':').next().unwrap().parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "etcd did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Some((guard, client, dir))
 }
 
 #[test]

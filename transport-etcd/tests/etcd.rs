@@ -2,9 +2,11 @@
 //!
 //! Each test starts its own `etcd` on loopback (free ports, a temporary data
 //! directory) and kills it at the end, also when the test panics. Where the
-//! binary is missing the tests print `SKIPPED: etcd not installed` and
-//! return, except under `CI=true`, where they fail: CI installs etcd with
-//! `transport-etcd/install-etcd.sh`. `ETCD_BIN` names another binary.
+//! binary is missing every test is reported *ignored* (and the run says
+//! why, once), except under `CI=true`, where that is a failure: CI installs
+//! etcd with `transport-etcd/install-etcd.sh`. `ETCD_BIN` names another
+//! binary. A `harness = false` target (libtest-mimic), so a test that did
+//! not run never counts as passed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::future::Future;
@@ -32,7 +34,7 @@ struct Etcd {
 
 impl Etcd {
     /// Starts etcd and waits (bounded) until it answers. `None`: etcd is not
-    /// installed and this is not CI, so the test is skipped.
+    /// installed (`main` then reports the test ignored and never runs it).
     async fn start() -> Option<Etcd> {
         let bin = etcd_binary()?;
         static SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -132,7 +134,8 @@ impl Drop for Etcd {
     }
 }
 
-/// The etcd binary, or `None` (after a loud skip notice) outside CI.
+/// The etcd binary, or `None` (after a loud notice) outside CI; under
+/// `CI=true` a missing binary is a failure.
 fn etcd_binary() -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     let candidates = std::env::var_os("ETCD_BIN")
@@ -151,7 +154,7 @@ fn etcd_binary() -> Option<PathBuf> {
     // Straight to the process's stderr: libtest captures `eprintln!` of passing tests.
     let _ = writeln!(
         std::io::stderr(),
-        "SKIPPED: etcd not installed (apt-get install etcd-server, or transport-etcd/install-etcd.sh)"
+        "etcd tests IGNORED: etcd not installed (apt-get install etcd-server, or transport-etcd/install-etcd.sh)"
     );
     None
 }
@@ -193,7 +196,6 @@ fn desc(name: &str, generation: u64) -> SegmentDescriptor {
 
 // ---------------------------------------------------------------- cases
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_get_remove_round_trip() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -233,7 +235,6 @@ async fn put_get_remove_round_trip() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_generation_cannot_overwrite() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -264,7 +265,6 @@ async fn stale_generation_cannot_overwrite() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_leave_the_largest_generation() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -290,7 +290,6 @@ async fn racing_writers_leave_the_largest_generation() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_expiry_removes_a_dead_peers_descriptor() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -316,7 +315,6 @@ async fn lease_expiry_removes_a_dead_peers_descriptor() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_revokes_at_once() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -333,7 +331,6 @@ async fn close_revokes_at_once() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_lease_is_replaced_and_descriptor_republished() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -357,7 +354,6 @@ async fn lost_lease_is_replaced_and_descriptor_republished() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watcher_sees_a_restart_as_a_new_generation() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -399,7 +395,6 @@ async fn watcher_sees_a_restart_as_a_new_generation() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watcher_never_goes_back_in_generations() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -422,7 +417,6 @@ async fn watcher_never_goes_back_in_generations() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_bytes_under_our_key_are_a_protocol_error() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -445,7 +439,6 @@ async fn foreign_bytes_under_our_key_are_a_protocol_error() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_etcd_is_a_transient_error_not_a_hang() {
     // Nothing listens on this port.
     let port = free_port();
@@ -466,7 +459,6 @@ async fn unreachable_etcd_is_a_transient_error_not_a_hang() {
     assert_eq!(e.context_value("endpoint"), Some(url.as_str()), "{e}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_dying_under_a_store_gives_transient_errors() {
     let Some(mut etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -546,7 +538,6 @@ async fn relay(to: String, frozen: std::sync::Arc<std::sync::atomic::AtomicBool>
 /// member partitioned away or frozen): every read still answers, from the
 /// other endpoint, within the request timeout. (A store whose reads went
 /// round-robin without trying again failed about half of them.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_go_on_when_one_endpoint_goes_silent() {
     let Some(etcd) = Etcd::start().await else { return };
     bounded(async {
@@ -572,4 +563,52 @@ async fn reads_go_on_when_one_endpoint_goes_silent() {
         store.close().await.unwrap();
     })
     .await;
+}
+
+type Test = fn() -> std::pin::Pin<Box<dyn Future<Output = ()>>>;
+
+fn main() {
+    let args = libtest_mimic::Arguments::from_args();
+    let tests: Vec<(&str, Test)> = vec![
+        ("put_get_remove_round_trip", || Box::pin(put_get_remove_round_trip())),
+        ("stale_generation_cannot_overwrite", || Box::pin(stale_generation_cannot_overwrite())),
+        ("racing_writers_leave_the_largest_generation", || Box::pin(racing_writers_leave_the_largest_generation())),
+        ("lease_expiry_removes_a_dead_peers_descriptor", || Box::pin(lease_expiry_removes_a_dead_peers_descriptor())),
+        ("close_revokes_at_once", || Box::pin(close_revokes_at_once())),
+        ("lost_lease_is_replaced_and_descriptor_republished", || {
+            Box::pin(lost_lease_is_replaced_and_descriptor_republished())
+        }),
+        ("watcher_sees_a_restart_as_a_new_generation", || Box::pin(watcher_sees_a_restart_as_a_new_generation())),
+        ("watcher_never_goes_back_in_generations", || Box::pin(watcher_never_goes_back_in_generations())),
+        ("foreign_bytes_under_our_key_are_a_protocol_error", || {
+            Box::pin(foreign_bytes_under_our_key_are_a_protocol_error())
+        }),
+        ("unreachable_etcd_is_a_transient_error_not_a_hang", || {
+            Box::pin(unreachable_etcd_is_a_transient_error_not_a_hang())
+        }),
+        ("etcd_dying_under_a_store_gives_transient_errors", || {
+            Box::pin(etcd_dying_under_a_store_gives_transient_errors())
+        }),
+        ("reads_go_on_when_one_endpoint_goes_silent", || Box::pin(reads_go_on_when_one_endpoint_goes_silent())),
+    ];
+    let have = etcd_binary().is_some();
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| {
+            libtest_mimic::Trial::test(name, move || {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(|e| libtest_mimic::Failed::from(format!("runtime: {e}")))?;
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(test()))).map_err(|e| {
+                    let msg =
+                        e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+                    libtest_mimic::Failed::from(msg.unwrap_or_else(|| "panicked".into()))
+                })
+            })
+            .with_ignored_flag(!have)
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit()
 }

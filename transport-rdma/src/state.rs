@@ -412,11 +412,8 @@ impl State {
         let err = Error::new(ErrorKind::ConnectionReset, "endpoint destroyed with work in flight");
         for l in lost {
             if let Ok(b) = self.batches.get_mut(l.batch) {
-                if b.ledger.units_lost(l.req, l.n, &err).batch_terminal {
-                    if let Some(n) = &b.notify {
-                        n.notify_waiters();
-                    }
-                }
+                let p = b.ledger.units_lost(l.req, l.n, &err);
+                b.wake(p);
             }
         }
     }
@@ -719,9 +716,18 @@ mod tests {
 
     #[test]
     fn lost_units_of_a_released_batch_are_ignored() {
-        let (mut st, _) = state_with_posted(1);
+        let (mut st, id) = state_with_posted(1);
+        let before = format!("{:?}", st.batches.get(id).unwrap().ledger.status());
+        // A batch released meanwhile (99 was never in the table): its lost
+        // units touch nothing, and the live batch keeps its work on the wire.
         st.after_destroy(&[], &[Lost { batch: BatchId(99), req: 0, n: 1 }]);
         st.after_destroy(&[], &[]);
+        assert_eq!(st.batches.len(), 1);
+        let b = st.batches.get(id).unwrap();
+        assert!(!b.ledger.is_terminal());
+        assert_eq!(b.ledger.on_wire(), 1, "the live batch's work request is still posted");
+        assert_eq!(format!("{:?}", b.ledger.status()), before);
+        assert!(st.any_on_wire(|t| t.spec.local == RegionId(1)));
     }
 
     #[test]
