@@ -75,74 +75,109 @@ pub enum ErrorKind {
     Internal,
 }
 
+/// One row per kind, in the enum's order: everything the project says
+/// about a kind, said once.
+#[derive(Debug)]
+struct Row {
+    kind: ErrorKind,
+    /// Short, stable, lower-case: logs, metrics labels, Python's `.kind`.
+    name: &'static str,
+    /// Retrying the same request later may succeed.
+    transient: bool,
+    /// Counts toward the peer's circuit breaker.
+    peer_failure: bool,
+    /// On the wire (the session messages carry kinds); stable across
+    /// versions. 0 is `Internal`, which an unknown code also reads as.
+    code: u8,
+}
+
+/// Every kind, once. Transient kinds are the peer's or the network's;
+/// of those, backpressure, an open breaker and a refused resource are
+/// local and do not count toward a breaker. The permanent kinds are the
+/// caller's mistake or a final decision.
+const TABLE: [Row; 25] = {
+    use ErrorKind::*;
+    [
+        Row { kind: ConnectionRefused, name: "connection_refused", transient: true, peer_failure: true, code: 1 },
+        Row { kind: ConnectionReset, name: "connection_reset", transient: true, peer_failure: true, code: 2 },
+        Row { kind: HandshakeFailed, name: "handshake_failed", transient: true, peer_failure: true, code: 3 },
+        Row { kind: RetryExceeded, name: "retry_exceeded", transient: true, peer_failure: true, code: 4 },
+        Row { kind: PeerRestarted, name: "peer_restarted", transient: true, peer_failure: true, code: 5 },
+        Row { kind: Backpressure, name: "backpressure", transient: true, peer_failure: false, code: 6 },
+        Row { kind: PeerUnavailable, name: "peer_unavailable", transient: true, peer_failure: false, code: 7 },
+        Row { kind: ResourceExhausted, name: "resource_exhausted", transient: true, peer_failure: false, code: 8 },
+        Row { kind: Timeout, name: "timeout", transient: true, peer_failure: true, code: 9 },
+        Row { kind: Protocol, name: "protocol", transient: true, peer_failure: true, code: 10 },
+        Row { kind: Io, name: "io", transient: true, peer_failure: true, code: 11 },
+        Row { kind: OutOfBounds, name: "out_of_bounds", transient: false, peer_failure: false, code: 12 },
+        Row { kind: Unregistered, name: "unregistered", transient: false, peer_failure: false, code: 13 },
+        Row { kind: AccessDenied, name: "access_denied", transient: false, peer_failure: false, code: 14 },
+        Row { kind: InvalidHandle, name: "invalid_handle", transient: false, peer_failure: false, code: 15 },
+        Row { kind: InvalidRequest, name: "invalid_request", transient: false, peer_failure: false, code: 16 },
+        Row { kind: AlreadyRegistered, name: "already_registered", transient: false, peer_failure: false, code: 17 },
+        Row { kind: Cancelled, name: "cancelled", transient: false, peer_failure: false, code: 18 },
+        Row { kind: Shutdown, name: "shutdown", transient: false, peer_failure: false, code: 19 },
+        Row { kind: Unsupported, name: "unsupported", transient: false, peer_failure: false, code: 20 },
+        Row { kind: Config, name: "config", transient: false, peer_failure: false, code: 21 },
+        Row { kind: AuthFailed, name: "auth_failed", transient: false, peer_failure: false, code: 22 },
+        Row { kind: NotFound, name: "not_found", transient: false, peer_failure: false, code: 23 },
+        Row { kind: OutcomeUnknown, name: "outcome_unknown", transient: false, peer_failure: false, code: 24 },
+        Row { kind: Internal, name: "internal", transient: false, peer_failure: false, code: 0 },
+    ]
+};
+
 impl ErrorKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [ErrorKind; 25] = {
+        let mut all = [ErrorKind::Internal; 25];
+        let mut i = 0;
+        while i < TABLE.len() {
+            all[i] = TABLE[i].kind;
+            i += 1;
+        }
+        all
+    };
+
+    fn row(self) -> &'static Row {
+        // TABLE is in declaration order (a test checks it), so the
+        // discriminant is the index.
+        match TABLE.get(self as usize) {
+            Some(r) if r.kind == self => r,
+            _ => &TABLE[TABLE.len() - 1],
+        }
+    }
+
     /// Whether retrying the same request later may succeed.
     pub fn is_transient(self) -> bool {
-        use ErrorKind::*;
-        matches!(
-            self,
-            ConnectionRefused
-                | ConnectionReset
-                | HandshakeFailed
-                | RetryExceeded
-                | PeerRestarted
-                | Backpressure
-                | PeerUnavailable
-                | ResourceExhausted
-                | Timeout
-                | Protocol
-                | Io
-        )
+        self.row().transient
     }
 
     /// Whether this failure says the peer (or the path to it) is unhealthy,
     /// so it counts toward that peer's circuit breaker. Backpressure and
     /// breaker-open errors are local and do not count.
     pub fn is_peer_failure(self) -> bool {
-        use ErrorKind::*;
-        matches!(
-            self,
-            ConnectionRefused
-                | ConnectionReset
-                | HandshakeFailed
-                | RetryExceeded
-                | PeerRestarted
-                | Timeout
-                | Protocol
-                | Io
-        )
+        self.row().peer_failure
     }
 
     /// A short, stable, lower-case name (for logs, metrics and Python).
     pub fn as_str(self) -> &'static str {
-        use ErrorKind::*;
-        match self {
-            ConnectionRefused => "connection_refused",
-            ConnectionReset => "connection_reset",
-            HandshakeFailed => "handshake_failed",
-            RetryExceeded => "retry_exceeded",
-            PeerRestarted => "peer_restarted",
-            Backpressure => "backpressure",
-            PeerUnavailable => "peer_unavailable",
-            ResourceExhausted => "resource_exhausted",
-            Timeout => "timeout",
-            Protocol => "protocol",
-            Io => "io",
-            OutOfBounds => "out_of_bounds",
-            Unregistered => "unregistered",
-            AccessDenied => "access_denied",
-            InvalidHandle => "invalid_handle",
-            InvalidRequest => "invalid_request",
-            AlreadyRegistered => "already_registered",
-            Cancelled => "cancelled",
-            Shutdown => "shutdown",
-            Unsupported => "unsupported",
-            Config => "config",
-            AuthFailed => "auth_failed",
-            NotFound => "not_found",
-            OutcomeUnknown => "outcome_unknown",
-            Internal => "internal",
-        }
+        self.row().name
+    }
+
+    /// The kind named `name` ([`ErrorKind::as_str`]'s inverse).
+    pub fn from_name(name: &str) -> Option<ErrorKind> {
+        TABLE.iter().find(|r| r.name == name).map(|r| r.kind)
+    }
+
+    /// The kind's stable code on the wire.
+    pub fn code(self) -> u8 {
+        self.row().code
+    }
+
+    /// The kind with wire code `code`; an unknown code (a newer peer's
+    /// kind) is `Internal`.
+    pub fn from_code(code: u8) -> ErrorKind {
+        TABLE.iter().find(|r| r.code == code).map_or(ErrorKind::Internal, |r| r.kind)
     }
 }
 
@@ -354,5 +389,33 @@ mod tests {
         let s = e.to_string();
         assert!(s.contains("peer: 10.0.0.1:7000") && s.contains("request: 3") && s.contains("permanent"), "{s}");
         assert_eq!(e.context_value("request"), Some("3"));
+    }
+
+    #[test]
+    fn the_table_round_trips_every_kind_and_keeps_the_wire_codes() {
+        let mut names = std::collections::HashSet::new();
+        let mut codes = std::collections::HashSet::new();
+        for (i, k) in ErrorKind::ALL.into_iter().enumerate() {
+            assert_eq!(k as usize, i, "TABLE is in declaration order");
+            assert_eq!(ErrorKind::from_name(k.as_str()), Some(k));
+            assert_eq!(ErrorKind::from_code(k.code()), k);
+            assert!(names.insert(k.as_str()) && codes.insert(k.code()), "{k} is in the table once");
+            assert!(!k.is_peer_failure() || k.is_transient(), "{k}: a peer failure is transient");
+        }
+        assert_eq!(ErrorKind::from_name("no_such_kind"), None);
+        assert_eq!(ErrorKind::from_code(200), ErrorKind::Internal, "a newer peer's kind");
+        // Codes that peers already speak (session messages, version 1).
+        let fixed = [
+            (ErrorKind::Internal, 0),
+            (ErrorKind::ConnectionRefused, 1),
+            (ErrorKind::Timeout, 9),
+            (ErrorKind::Io, 11),
+            (ErrorKind::OutOfBounds, 12),
+            (ErrorKind::Cancelled, 18),
+            (ErrorKind::OutcomeUnknown, 24),
+        ];
+        for (k, code) in fixed {
+            assert_eq!(k.code(), code, "{k}");
+        }
     }
 }

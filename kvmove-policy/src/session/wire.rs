@@ -29,46 +29,6 @@ use std::time::Duration;
 use transport_core::ErrorKind;
 use transport_core::MAX_NOTIFY_LEN;
 
-/// Error kinds as they travel (index = code); an unknown code is `Internal`.
-const KINDS: [ErrorKind; 25] = {
-    use ErrorKind::*;
-    [
-        Internal,
-        ConnectionRefused,
-        ConnectionReset,
-        HandshakeFailed,
-        RetryExceeded,
-        PeerRestarted,
-        Backpressure,
-        PeerUnavailable,
-        ResourceExhausted,
-        Timeout,
-        Protocol,
-        Io,
-        OutOfBounds,
-        Unregistered,
-        AccessDenied,
-        InvalidHandle,
-        InvalidRequest,
-        AlreadyRegistered,
-        Cancelled,
-        Shutdown,
-        Unsupported,
-        Config,
-        AuthFailed,
-        NotFound,
-        OutcomeUnknown,
-    ]
-};
-
-fn kind_code(k: ErrorKind) -> u8 {
-    KINDS.iter().position(|&x| x == k).and_then(|i| u8::try_from(i).ok()).unwrap_or(0)
-}
-
-fn kind_of(code: u8) -> ErrorKind {
-    KINDS.get(usize::from(code)).copied().unwrap_or(ErrorKind::Internal)
-}
-
 /// First bytes of every session message.
 pub const MAGIC: [u8; 4] = *b"\0KVS";
 const VERSION: u8 = 1;
@@ -286,7 +246,7 @@ impl Message {
             Body::End(v) | Body::Cancel(v) | Body::Refuse(v) => {
                 let reason = &v.reason;
                 b.push(v.outcome as u8);
-                b.push(kind_code(v.kind));
+                b.push(v.kind.code());
                 let mut r = reason.as_bytes();
                 if r.len() > MAX_REASON {
                     let mut cut = MAX_REASON;
@@ -376,7 +336,7 @@ pub fn decode(msg: &[u8]) -> Option<Message> {
                 4 => Outcome::Expired,
                 _ => return None,
             };
-            let kind = kind_of(r.u8()?);
+            let kind = ErrorKind::from_code(r.u8()?);
             let n = usize::from(r.u16()?);
             if n > MAX_REASON {
                 return None;
