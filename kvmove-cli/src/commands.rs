@@ -7,7 +7,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvmove::{Access, Buffer, Engine, Error, ErrorKind, MetadataKind, MetadataStore, SegmentDescriptor, SegmentId};
 
-use crate::data::Verdict;
+use crate::data::Verification;
 use crate::plan::Plan;
 use crate::report::{self, Report};
 use crate::run::{PassKind, PassResult, Session};
@@ -330,7 +330,7 @@ async fn workload(
     let passes = u64::from(w.warmup) + u64::from(w.iterations);
     let bar = progress(plan.total_bytes.saturating_mul(passes).saturating_mul(kinds.len() as u64), json);
     let mut modes = Vec::new();
-    let mut verdict = Verdict::default();
+    let mut verdict = Verification::default();
     let mut pass_no = 0u64;
     for kind in kinds {
         bar.set_message(kind.name());

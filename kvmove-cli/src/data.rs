@@ -65,15 +65,15 @@ fn hash_range(buf: &Buffer, start: u64, len: u64, scratch: &mut [u8]) -> kvmove:
 
 /// What a verification found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Verdict {
+pub struct Verification {
     pub requests: u64,
     pub bytes: u64,
     pub mismatched: u64,
 }
 
 /// Compares expected and actual checksums request by request.
-pub fn compare<'a>(expected: &[u64], actual: &[u64], reqs: impl Iterator<Item = &'a Req>) -> Verdict {
-    let mut v = Verdict::default();
+pub fn compare<'a>(expected: &[u64], actual: &[u64], reqs: impl Iterator<Item = &'a Req>) -> Verification {
+    let mut v = Verification::default();
     for ((e, a), r) in expected.iter().zip(actual).zip(reqs) {
         if e == a {
             v.requests += 1;

@@ -181,7 +181,7 @@ impl Report {
         workload: &WorkloadConfig,
         plan: &Plan,
         modes: Vec<ModeReport>,
-        verdict: crate::data::Verdict,
+        verdict: crate::data::Verification,
     ) -> Report {
         let tail = |m: &str| modes.iter().find(|r| r.mode == m).and_then(|r| r.tail_ms);
         let overlap_gain = match (tail("all-at-end"), tail("layerwise")) {

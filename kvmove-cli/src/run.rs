@@ -29,7 +29,7 @@ use kvmove::{Buffer, Engine, Error, ErrorKind, RegionId, SegmentId, TransferRequ
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::data::{self, Side, Verdict};
+use crate::data::{self, Side, Verification};
 use crate::plan::{Plan, Req};
 use crate::sessions::{self as flow, Receiver, Sender, Unit, UnitTimes};
 use crate::settings::Op;
@@ -66,7 +66,7 @@ pub struct PassResult {
     pub tail: Option<Duration>,
     /// Start of the first layer's compute to the last byte (layer modes).
     pub end_to_end: Option<Duration>,
-    pub verdict: Verdict,
+    pub verdict: Verification,
     /// With sessions: what each unit's session measured.
     pub units: Vec<UnitTimes>,
     /// With sessions in one process (bench): the initiator's finish to the
@@ -153,7 +153,7 @@ impl Session {
     /// A write into a remote target is read back into a separate buffer
     /// first (unmeasured); the target's memory in this process is read
     /// directly.
-    pub async fn verify(&self, plan: &Plan, expected: &[u64]) -> kvmove::Result<Verdict> {
+    pub async fn verify(&self, plan: &Plan, expected: &[u64]) -> kvmove::Result<Verification> {
         let actual = match (self.op, &self.target_buf, &self.check) {
             (Op::Write, Some(target), _) => data::checksums(target, plan.requests(), Side::Remote)?,
             (Op::Write, None, Some((check, buf))) => {
@@ -266,7 +266,7 @@ impl Session {
             transfer: last_done.saturating_duration_since(first_submit),
             tail: Some(last_done.saturating_duration_since(last_ready)),
             end_to_end: Some(last_done.saturating_duration_since(start)),
-            verdict: Verdict::default(),
+            verdict: Verification::default(),
             units,
             notify_delays: Vec::new(),
         })
@@ -321,7 +321,7 @@ impl Session {
             transfer: last_done.saturating_duration_since(start),
             tail: None,
             end_to_end: None,
-            verdict: Verdict::default(),
+            verdict: Verification::default(),
             units,
             notify_delays: Vec::new(),
         })

@@ -61,7 +61,7 @@ use transport_core::{
     Result, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
 };
 
-use crate::paths::{max_moves, pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Verdict, MAX_RAILS};
+use crate::paths::{max_moves, pair, Pairing, PathHealth, PathState, PathVerdict, RailList, RailsConfig, MAX_RAILS};
 
 /// How long `close_segment`, `unregister` and `shutdown` wait for the
 /// batch drivers to account for work the rails already made quiet.
@@ -542,7 +542,7 @@ impl Inner {
                 Some(_) if last && p.health.state(now) == PathState::Up => p.failures += 1,
                 Some(e) => {
                     p.failures += 1;
-                    if let Verdict::Paused(d) = p.health.failure(now, &self.cfg) {
+                    if let PathVerdict::Paused(d) = p.health.failure(now, &self.cfg) {
                         rail_event("paused");
                         tracing::warn!(path = %label, pause_ms = d.as_millis() as u64, error = %e, "rail path paused");
                     }

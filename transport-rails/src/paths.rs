@@ -136,7 +136,7 @@ pub struct PathHealth {
 
 /// What a reported failure did to the path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum PathVerdict {
     /// Still usable.
     Kept,
     /// Paused for this long.
@@ -196,10 +196,10 @@ impl PathHealth {
     }
 
     /// A failure of the path (a failed sub-batch, a refused submit).
-    pub fn failure(&mut self, now: Duration, cfg: &RailsConfig) -> Verdict {
+    pub fn failure(&mut self, now: Duration, cfg: &RailsConfig) -> PathVerdict {
         match self.state(now) {
             // Failures of work sent before the pause add nothing.
-            PathState::Paused => Verdict::Kept,
+            PathState::Paused => PathVerdict::Kept,
             PathState::Probation => self.pause(now, cfg),
             PathState::Up => {
                 let window = cfg.window();
@@ -210,20 +210,20 @@ impl PathHealth {
                 if self.errors.len() >= cfg.pause_after_errors as usize {
                     self.pause(now, cfg)
                 } else {
-                    Verdict::Kept
+                    PathVerdict::Kept
                 }
             }
         }
     }
 
-    fn pause(&mut self, now: Duration, cfg: &RailsConfig) -> Verdict {
+    fn pause(&mut self, now: Duration, cfg: &RailsConfig) -> PathVerdict {
         let pause = self.next_pause;
         self.paused_until = Some(now.saturating_add(pause));
         self.probation = true;
         self.errors.clear();
         self.pauses += 1;
         self.next_pause = pause.saturating_mul(2).min(Duration::from_millis(cfg.max_pause_ms));
-        Verdict::Paused(pause)
+        PathVerdict::Paused(pause)
     }
 }
 
@@ -350,16 +350,16 @@ mod tests {
     fn three_failures_in_the_window_pause() {
         let c = cfg();
         let mut h = PathHealth::new(&c);
-        assert_eq!(h.failure(ms(0), &c), Verdict::Kept);
-        assert_eq!(h.failure(ms(500), &c), Verdict::Kept);
+        assert_eq!(h.failure(ms(0), &c), PathVerdict::Kept);
+        assert_eq!(h.failure(ms(500), &c), PathVerdict::Kept);
         // The first one left the window: still two.
-        assert_eq!(h.failure(ms(1200), &c), Verdict::Kept);
+        assert_eq!(h.failure(ms(1200), &c), PathVerdict::Kept);
         assert_eq!(h.state(ms(1200)), PathState::Up);
-        assert_eq!(h.failure(ms(1300), &c), Verdict::Paused(ms(100)));
+        assert_eq!(h.failure(ms(1300), &c), PathVerdict::Paused(ms(100)));
         assert_eq!(h.state(ms(1350)), PathState::Paused);
         assert_eq!(h.room(ms(1350), &c), 0);
         // Late failures of work sent before the pause add nothing.
-        assert_eq!(h.failure(ms(1360), &c), Verdict::Kept);
+        assert_eq!(h.failure(ms(1360), &c), PathVerdict::Kept);
         assert_eq!(h.state(ms(1400)), PathState::Probation);
         assert_eq!(h.room(ms(1400), &c), 1);
         assert_eq!(h.pauses(), 1);
@@ -372,9 +372,9 @@ mod tests {
         for t in 0..3 {
             let _ = h.failure(ms(t), &c);
         }
-        assert_eq!(h.failure(ms(200), &c), Verdict::Paused(ms(200)));
-        assert_eq!(h.failure(ms(400), &c), Verdict::Paused(ms(350)), "capped at max_pause_ms");
-        assert_eq!(h.failure(ms(750), &c), Verdict::Paused(ms(350)));
+        assert_eq!(h.failure(ms(200), &c), PathVerdict::Paused(ms(200)));
+        assert_eq!(h.failure(ms(400), &c), PathVerdict::Paused(ms(350)), "capped at max_pause_ms");
+        assert_eq!(h.failure(ms(750), &c), PathVerdict::Paused(ms(350)));
         assert!(!h.success(ms(800), &c), "still paused: a late success of old work takes nothing back");
         assert!(h.success(ms(1100), &c));
         assert_eq!(h.state(ms(1100)), PathState::Up);
