@@ -13,8 +13,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, MemoryRegion, RegionId, RequestStatus, ResourceStats, Result,
-    SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
+    notify_when_completed, BatchId, BatchStatus, Layer, RequestStatus, Result, SegmentId, SubmitOptions,
+    TransferRequest, Transport,
 };
 
 /// What a [`BrokenLayer`] breaks.
@@ -68,34 +68,11 @@ impl BrokenLayer {
 }
 
 #[async_trait]
-impl Transport for BrokenLayer {
-    fn backend(&self) -> &str {
-        self.inner.backend()
+impl Layer for BrokenLayer {
+    fn inner(&self) -> &Arc<dyn Transport> {
+        &self.inner
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn local_segment_name(&self) -> String {
-        self.inner.local_segment_name()
-    }
-    fn local_descriptor(&self) -> Result<SegmentDescriptor> {
-        self.inner.local_descriptor()
-    }
-    fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
-        self.inner.register(mem, access)
-    }
-    async fn unregister(&self, region: RegionId) -> Result<()> {
-        self.inner.unregister(region).await
-    }
-    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        self.inner.open_segment(name).await
-    }
-    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        self.inner.close_segment(segment).await
-    }
-    fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
-        self.inner.segment_descriptor(segment)
-    }
+
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
         if self.bug != LayerBug::RetriesPermanent {
             return self.inner.submit(requests, opts).await;
@@ -113,9 +90,7 @@ impl Transport for BrokenLayer {
             }
         }
     }
-    fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.poll(batch)
-    }
+
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
         let mut status = self.inner.wait(batch).await?;
         let Some((reqs, opts)) = self.batches.lock().get(&batch).cloned() else { return Ok(status) };
@@ -139,9 +114,7 @@ impl Transport for BrokenLayer {
         }
         Ok(BatchStatus::from_requests(status.requests))
     }
-    async fn cancel(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.cancel(batch).await
-    }
+
     async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
         if self.bug == LayerBug::DropsFailureNotices && kvmove_policy::session::is_failure_notice(&msg) {
             // The bug: reported delivered, never sent.
@@ -149,21 +122,21 @@ impl Transport for BrokenLayer {
         }
         self.inner.notify(segment, msg).await
     }
-    fn take_notifications(&self, max: usize) -> Result<Vec<transport_core::Notification>> {
-        self.inner.take_notifications(max)
+
+    /// Through this layer's `wait` and `notify` (so a dropped notice stays
+    /// dropped when it rides on a batch).
+    async fn notify_after(
+        &self,
+        batch: BatchId,
+        segment: SegmentId,
+        msg: Vec<u8>,
+    ) -> Result<(BatchStatus, Option<Result<()>>)> {
+        notify_when_completed(self, batch, segment, msg).await
     }
-    async fn wait_notification(&self) -> Result<()> {
-        self.inner.wait_notification().await
-    }
+
     fn release(&self, batch: BatchId) -> Result<()> {
         self.inner.release(batch)?;
         self.batches.lock().remove(&batch);
         Ok(())
-    }
-    fn stats(&self) -> ResourceStats {
-        self.inner.stats()
-    }
-    async fn shutdown(&self) -> Result<()> {
-        self.inner.shutdown().await
     }
 }

@@ -35,6 +35,7 @@
 
 mod clock;
 mod error;
+mod layer;
 pub mod lifecycle;
 mod metadata;
 mod notify;
@@ -45,6 +46,7 @@ mod types;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
+pub use layer::Layer;
 pub use metadata::{InProcessStore, MetadataStore};
 pub use notify::{
     check_notification, check_received, inbox_full, Inbox, Notification, Refused, DEFAULT_INBOX, MAX_NOTIFY_FROM,

@@ -12,7 +12,8 @@ use crate::types::{
 
 /// A backend that moves bytes between registered local memory and remote
 /// segments. Implemented by the TCP, RDMA and mock backends; wrapped by the
-/// policy layer ([`crate::Engine`]) that users call.
+/// policy layer (`kvmove_policy::Engine`) that users call; a [`Layer`](crate::Layer)
+/// wraps one to change only some methods.
 ///
 /// The contract below is `docs/CONTRACT.md`, its one home; everything else
 /// links to it.
@@ -39,7 +40,7 @@ pub trait Transport: Send + Sync + 'static {
     fn local_descriptor(&self) -> Result<SegmentDescriptor>;
 
     /// Appends `extra` to the `address` of this transport's descriptor as
-    /// peers receive it from then on ([`crate::Rails`] lists its rails
+    /// peers receive it from then on (`transport_rails::Rails` lists its rails
     /// there, so a peer that opens the first rail finds the others). Calling
     /// it again replaces the earlier text. The default is `Unsupported`.
     fn advertise(&self, extra: &str) -> Result<()> {

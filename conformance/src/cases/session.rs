@@ -27,8 +27,8 @@ use kvmove_policy::{Engine, PolicyConfig, RetryConfig, Sessions, TransferOutcome
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use transport_core::{
-    Access, BatchId, BatchStatus, Capabilities, ErrorKind, MemoryRegion, Notification, RegionId, ResourceStats,
-    Result as TResult, SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport, MAX_NOTIFY_LEN,
+    Access, ErrorKind, Layer, Notification, RegionId, ResourceStats, Result as TResult, SegmentId, TransferRequest,
+    Transport, MAX_NOTIFY_LEN,
 };
 
 use crate::ctx::{bounded, expect_permanent, expect_quiet, open, settle, Ctx, SETTLE, WAIT_LIMIT};
@@ -1347,73 +1347,14 @@ impl Tap {
 }
 
 #[async_trait]
-impl Transport for Tap {
-    fn backend(&self) -> &str {
-        self.inner.backend()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn local_segment_name(&self) -> String {
-        self.inner.local_segment_name()
-    }
-    fn local_descriptor(&self) -> TResult<SegmentDescriptor> {
-        self.inner.local_descriptor()
-    }
-    fn register(&self, mem: MemoryRegion, access: Access) -> TResult<RegionId> {
-        self.inner.register(mem, access)
-    }
-    async fn unregister(&self, region: RegionId) -> TResult<()> {
-        self.inner.unregister(region).await
-    }
-    async fn open_segment(&self, name: &str) -> TResult<SegmentId> {
-        self.inner.open_segment(name).await
-    }
-    async fn close_segment(&self, segment: SegmentId) -> TResult<()> {
-        self.inner.close_segment(segment).await
-    }
-    fn segment_descriptor(&self, segment: SegmentId) -> TResult<SegmentDescriptor> {
-        self.inner.segment_descriptor(segment)
-    }
-    async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> TResult<BatchId> {
-        self.inner.submit(requests, opts).await
-    }
-    fn poll(&self, batch: BatchId) -> TResult<BatchStatus> {
-        self.inner.poll(batch)
-    }
-    async fn wait(&self, batch: BatchId) -> TResult<BatchStatus> {
-        self.inner.wait(batch).await
-    }
-    async fn cancel(&self, batch: BatchId) -> TResult<BatchStatus> {
-        self.inner.cancel(batch).await
-    }
-    fn release(&self, batch: BatchId) -> TResult<()> {
-        self.inner.release(batch)
-    }
-    fn stats(&self) -> ResourceStats {
-        self.inner.stats()
-    }
-    async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> TResult<()> {
-        self.inner.notify(segment, msg).await
+impl Layer for Tap {
+    fn inner(&self) -> &Arc<dyn Transport> {
+        &self.inner
     }
     fn take_notifications(&self, max: usize) -> TResult<Vec<Notification>> {
         let got = self.inner.take_notifications(max)?;
         self.seen.lock().extend(got.iter().cloned());
         Ok(got)
-    }
-    async fn wait_notification(&self) -> TResult<()> {
-        self.inner.wait_notification().await
-    }
-    async fn notify_after(
-        &self,
-        batch: BatchId,
-        segment: SegmentId,
-        msg: Vec<u8>,
-    ) -> TResult<(BatchStatus, Option<TResult<()>>)> {
-        self.inner.notify_after(batch, segment, msg).await
-    }
-    async fn shutdown(&self) -> TResult<()> {
-        self.inner.shutdown().await
     }
 }
 
