@@ -4,9 +4,11 @@
 //!
 //! One [`RdmaTransport`] opens one device port (chosen by
 //! [`RdmaConfig::device`], `port`, `gid_index`), allocates one protection
-//! domain and one completion queue, and runs four background tasks: a CQ
+//! domain and one completion queue, and runs five background tasks: a CQ
 //! poller woken by the completion channel, a reaper (idle endpoints, flush
-//! deadlines), the TCP side-channel listener and the async-event handler
+//! deadlines), the batch deadline timer (one for every batch, over the
+//! core's `DeadlineQueue`), the TCP side-channel listener and the
+//! async-event handler
 //! (fed by a small thread that reads and acknowledges the device's async
 //! events at once, so destroying a QP never waits on an unread event).
 //!
@@ -82,7 +84,7 @@
 //!
 //! | rule | kept by |
 //! |---|---|
-//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks, the event thread, deadline / watcher / notification-carrier / peer tasks as `lifecycle::OwnedTask`, uncounted as their owner lets go) |
+//! | 1 every resource is counted | `stats` (endpoints and QPs in `State::endpoints`, posted work in `State::wrs`, tasks in `Inner::tasks`: fixed tasks (among them the one deadline timer over `State::deadlines`, a `lifecycle::DeadlineQueue`), the event thread, watcher / notification-carrier / peer tasks as `lifecycle::OwnedTask`, uncounted as their owner lets go) |
 //! | 2 failure frees | `State::break_endpoint` (QPs to ERROR, `EndpointPool::broken`: never handed out again), `State::after_work` / `State::reap` (destroyed once flushed or after `flush_timeout_ms`), `Inner::on_async_event` (QP, port, CQ, device events) |
 //! | 3 close is real | `close_segment` (`State::end_requests`, `EndpointPool::retire_key`, `State::break_endpoint`, then `Inner::settle` until its endpoints are destroyed; the handle's notification channel goes with it) |
 //! | 4 bounded endpoints | `Inner::endpoint` (`EndpointPool::acquire`: LRU eviction of idle endpoints, bounded wait, `endpoints_exhausted`), `State::reap` (`EndpointPool::reap`), `Inner::with_state` (a place is freed only after its QPs are destroyed) |

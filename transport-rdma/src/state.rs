@@ -28,7 +28,8 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::{
-    BatchLedger, BatchTable, EndpointId, EndpointPool, IdBuildHasher, IdMap, Progress, TaskSet,
+    BatchLedger, BatchTable, DeadlineKey, DeadlineQueue, EndpointId, EndpointPool, IdBuildHasher, IdMap, Progress,
+    TaskSet,
 };
 use transport_core::{
     Access, BatchId, Error, ErrorKind, Inbox, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId,
@@ -186,14 +187,15 @@ pub(crate) struct Batch {
     /// Wakes sleeping `wait`s; made by the first one that sleeps (a batch
     /// finished while its waiter spun never needs one).
     pub notify: Option<Arc<Notify>>,
-    pub deadline: Option<Task>,
+    /// Its place in [`State::deadlines`], if it has a timeout.
+    pub deadline: Option<DeadlineKey>,
     /// Its `submit` was dropped before returning the id: nobody can
     /// release it, so it is removed once terminal ([`State::reap`]).
     pub orphaned: bool,
 }
 
 impl Batch {
-    /// A new batch: no deadline task yet, not orphaned.
+    /// A new batch: no deadline yet, not orphaned.
     pub(crate) fn new(ledger: BatchLedger, targets: Vec<Target>) -> Self {
         Self { ledger, targets, notify: None, deadline: None, orphaned: false }
     }
@@ -235,7 +237,7 @@ pub(crate) struct Graveyard {
     pub endpoints: Vec<(EndpointId, Endpoint)>,
     pub passive: Vec<PassiveConn>,
     pub regions: Vec<Registration>,
-    /// Orphaned batches removed (their deadline tasks end when dropped).
+    /// Orphaned batches removed.
     pub batches: Vec<Batch>,
     /// Units posted on the QPs of `endpoints`: settled (the batch may turn
     /// terminal) only after those QPs are destroyed (rule 5).
@@ -313,6 +315,9 @@ pub(crate) struct State {
     /// Endpoints whose QPs exist (live, or broken and flushing).
     pub endpoints: IdMap<EndpointId, Endpoint>,
     pub batches: BatchTable<Batch>,
+    /// Deadlines of live batches (one timer, `submit::timer`, drains it);
+    /// a batch leaves it when it leaves the table.
+    pub deadlines: DeadlineQueue<BatchId>,
     pub wrs: IdMap<WrId, WrRef>,
     pub wr_ids: WrIds,
     pub passive: HashMap<PeerGroupId, PassiveConn>,
@@ -358,6 +363,7 @@ impl State {
             pool: EndpointPool::with_hasher(max_endpoints),
             endpoints: IdMap::default(),
             batches: BatchTable::new(),
+            deadlines: DeadlineQueue::new(),
             wrs: IdMap::default(),
             wr_ids: WrIds::default(),
             passive: HashMap::new(),
@@ -384,8 +390,17 @@ impl State {
         let done: Vec<BatchId> =
             self.batches.iter().filter(|(_, b)| b.orphaned && b.ledger.is_terminal()).map(|(id, _)| *id).collect();
         for id in done {
-            grave.batches.extend(self.batches.remove(id));
+            grave.batches.extend(self.remove_batch(id));
         }
+    }
+
+    /// Takes batch `id` out of the table and its deadline out of the queue.
+    pub(crate) fn remove_batch(&mut self, id: BatchId) -> Option<Batch> {
+        let b = self.batches.remove(id)?;
+        if let Some(key) = b.deadline {
+            self.deadlines.remove(key);
+        }
+        Some(b)
     }
 
     /// Moves the retiring regions no QP pins any more to the graveyard
@@ -499,6 +514,8 @@ pub(crate) struct Inner {
     pub tasks: TaskSet,
     /// The tasks that run for the transport's whole life.
     pub fixed: Mutex<Vec<JoinHandle<()>>>,
+    /// An earlier deadline entered `State::deadlines` (the timer re-arms).
+    pub earlier_deadline: Arc<Notify>,
     /// Held across polling the CQ and applying what was polled; it holds
     /// the buffer the completions are polled into (no allocation per poll).
     pub cq_lock: Mutex<Vec<Completion>>,

@@ -5,13 +5,12 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use transport_core::lifecycle::{validate_batch, BatchLedger, BatchLimits, EndReason, EndpointId};
 use transport_core::{BatchId, BatchStatus, Error, ErrorKind, Result, SegmentId, SubmitOptions, TransferRequest};
 
 use crate::handshake;
-use crate::state::{Batch, Graveyard, Inner, Slice, State, Target, Task};
+use crate::state::{Batch, Graveyard, Inner, Slice, State, Target};
 
 /// How many times a segment's requests are offered a fresh endpoint when
 /// the one just obtained broke before they were queued on it (a peer
@@ -242,14 +241,18 @@ impl Inner {
     }
 
     /// Creates the batch of `targets` (validated requests with their remote
-    /// keys), with its deadline task if `opts` has a timeout.
-    fn create(self: &Arc<Self>, st: &mut State, targets: Vec<Target>, slice: u64, opts: &SubmitOptions) -> BatchId {
+    /// keys), entered in the deadline queue if `opts` has a timeout (one
+    /// past what the clock holds never comes due).
+    fn create(&self, st: &mut State, targets: Vec<Target>, slice: u64, opts: &SubmitOptions) -> BatchId {
         let ledger = BatchLedger::new(targets.iter().map(|t| t.spec.len.div_ceil(slice)), None);
         let id = st.batches.insert(Batch::new(ledger, targets));
-        if let Some(after) = opts.timeout {
-            let task = Task::spawn(&self.tasks, deadline(Arc::downgrade(self), id, after));
+        if let Some(at) = opts.timeout.and_then(|after| st.now().checked_add(after)) {
+            let (key, earliest) = st.deadlines.add(at, id);
             if let Ok(b) = st.batches.get_mut(id) {
-                b.deadline = Some(task);
+                b.deadline = Some(key);
+            }
+            if earliest {
+                self.earlier_deadline.notify_one();
             }
         }
         id
@@ -322,14 +325,50 @@ impl Drop for Orphan<'_> {
     }
 }
 
-/// Times the batch out after `after`.
-async fn deadline(weak: Weak<Inner>, batch: BatchId, after: Duration) {
-    tokio::time::sleep(after).await;
-    let Some(inner) = weak.upgrade() else { return };
-    inner.with_state(|st, _| {
-        if let Some(me) = st.batches.get_mut(batch).ok().and_then(|b| b.deadline.take()) {
-            me.ending();
+/// The transport's one deadline timer: sleeps until the earliest deadline
+/// in `State::deadlines` (or until an earlier one is entered) and times out
+/// every batch due that is still live, each stopped in a task of its own so
+/// one slow flush never delays another deadline. Ends with the transport.
+pub(crate) async fn timer(weak: Weak<Inner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let signal = inner.earlier_deadline.clone();
+        let earlier = signal.notified();
+        tokio::pin!(earlier);
+        earlier.as_mut().enable();
+        let (due, wake) = {
+            let mut st = inner.state.lock();
+            let now = st.now();
+            let due: Vec<BatchId> = st
+                .deadlines
+                .due(now)
+                .into_iter()
+                .map(|(_, id)| id)
+                .filter(|&id| {
+                    st.batches.get_mut(id).is_ok_and(|b| b.deadline.take().is_some() && !b.ledger.is_terminal())
+                })
+                .collect();
+            // `None` also when beyond what `Instant` holds: never.
+            let wake = st.deadlines.next().and_then(|at| st.epoch.checked_add(at));
+            (due, wake)
+        };
+        for id in due {
+            let w = weak.clone();
+            // Counted while it runs; it holds the transport only weakly.
+            drop(inner.tasks.spawn(async move {
+                let Some(i) = w.upgrade() else { return };
+                let _ = i.stop_batch(id, EndReason::TimedOut).await;
+            }));
         }
-    });
-    let _ = inner.stop_batch(batch, EndReason::TimedOut).await;
+        drop(inner);
+        match wake {
+            Some(when) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
+                    _ = earlier => {}
+                }
+            }
+            None => earlier.await,
+        }
+    }
 }

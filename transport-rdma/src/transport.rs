@@ -130,6 +130,7 @@ impl RdmaTransport {
             state: Mutex::new(state),
             tasks: TaskSet::new(),
             fixed: Mutex::new(Vec::new()),
+            earlier_deadline: Arc::default(),
             cq_lock: Mutex::new(Vec::with_capacity(POLL_BATCH)),
             events_stop: Arc::new(AtomicBool::new(false)),
             events_thread: Mutex::new(None),
@@ -158,6 +159,7 @@ impl RdmaTransport {
             t.spawn(background::poller(weak.clone(), verbs.cq.clone(), verbs.chan.clone())),
             t.spawn(background::reaper(weak.clone())),
             t.spawn(background::on_async_events(weak.clone(), rx)),
+            t.spawn(crate::submit::timer(weak.clone())),
             t.spawn(crate::server::listen(weak, listener)),
         ];
         inner.fixed.lock().extend(fixed);
@@ -187,9 +189,7 @@ impl Drop for RdmaTransport {
         let mut st = self.inner.state.lock();
         st.passive_tasks.clear(); // aborts them
         st.drivers.clear(); // aborts them (each holds the state alive)
-        for (_, b) in st.batches.iter_mut() {
-            b.deadline = None; // aborts it
-        }
+        st.deadlines = transport_core::lifecycle::DeadlineQueue::new();
     }
 }
 
@@ -412,8 +412,12 @@ impl Transport for RdmaTransport {
     }
 
     fn release(&self, batch: BatchId) -> Result<()> {
-        // Dropping the batch aborts (and uncounts) its deadline task.
-        let released = self.inner.state.lock().batches.release(batch, |b| b.ledger.is_terminal())?;
+        let mut st = self.inner.state.lock();
+        let released = st.batches.release(batch, |b| b.ledger.is_terminal())?;
+        if let Some(key) = released.deadline {
+            st.deadlines.remove(key);
+        }
+        drop(st);
         drop(released);
         Ok(())
     }
@@ -496,7 +500,8 @@ impl Transport for RdmaTransport {
         }
         let verbs = inner.with_state(|st, g| {
             st.segments.clear();
-            drop(st.batches.drain()); // aborts their deadline tasks
+            drop(st.batches.drain());
+            st.deadlines = transport_core::lifecycle::DeadlineQueue::new();
             st.wrs.clear();
             g.regions.extend(std::mem::take(&mut st.regions).into_values().filter_map(|r| r.reg));
             g.regions.extend(st.staging.take().map(|s| s.reg));
