@@ -125,6 +125,7 @@
 #![doc = include_str!("../THREAT_MODEL.md")]
 #![forbid(unsafe_code)]
 
+mod admission;
 mod auth;
 mod batch;
 mod bufs;
