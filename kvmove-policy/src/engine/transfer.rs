@@ -1,0 +1,484 @@
+//! A transfer the engine runs: its handle ([`Transfer`]), its outcome,
+//! and the driver task that waits for each attempt and retries what
+//! failed transiently.
+
+use super::*;
+
+/// The final report of a transfer.
+#[derive(Debug, Clone)]
+pub struct TransferOutcome {
+    /// The overall state, derived from `requests` as for a batch.
+    pub state: BatchState,
+    /// One final status per submitted request, in submission order.
+    pub requests: Vec<RequestStatus>,
+    /// Backend submissions made (1 when nothing was retried).
+    pub attempts: u32,
+}
+
+impl TransferOutcome {
+    /// Whether every request completed.
+    pub fn is_success(&self) -> bool {
+        self.state == BatchState::Completed
+    }
+
+    /// The first request error, if any failed.
+    pub fn first_error(&self) -> Option<&Error> {
+        self.requests.iter().find_map(RequestStatus::error)
+    }
+
+    /// `Ok(self)` when every request completed, else the most useful error:
+    /// the first failure, or a `Timeout` / `Cancelled` error.
+    pub fn into_result(self) -> Result<Self> {
+        match self.state {
+            BatchState::Completed => Ok(self),
+            BatchState::Failed => Err(self
+                .first_error()
+                .cloned()
+                .unwrap_or_else(|| Error::new(ErrorKind::Internal, "failed transfer without an error"))),
+            BatchState::TimedOut => Err(Error::new(ErrorKind::Timeout, "transfer deadline passed")
+                .with("attempts", self.attempts)
+                .with("completed", self.requests.iter().filter(|r| r.is_completed()).count())),
+            BatchState::Cancelled => Err(Error::new(ErrorKind::Cancelled, "transfer was cancelled")),
+            BatchState::InProgress => Err(Error::new(ErrorKind::Internal, "outcome reported while in progress")),
+        }
+    }
+}
+
+/// A transfer in flight. Its requests are driven (waited for, retried)
+/// by a background task; this handle observes and controls it. Until that
+/// task is needed, [`Transfer::wait`] waits for the first attempt itself:
+/// a transfer whose first attempt completes is finished by its waiter
+/// with no task and no hand-off (the common case, and most of a small
+/// transfer's cost otherwise). Anything else (a failed request to retry,
+/// a cancel, [`Transfer::poll`], a dropped handle or wait) starts the task,
+/// which takes over where the waiter stopped.
+///
+/// Dropping the handle cancels the transfer: memory a dropped transfer used
+/// is quiet once [`Engine::active_transfers`] no longer counts it.
+#[derive(Debug)]
+pub struct Transfer {
+    pub(super) mode: Arc<parking_lot::Mutex<Mode>>,
+}
+
+#[derive(Debug)]
+pub(super) enum Mode {
+    /// The first attempt is in flight and no task drives it yet.
+    Unstarted(Box<Lazy>),
+    /// The driver task runs (or ran); its outcome comes here.
+    Driven { outcome: watch::Receiver<Option<TransferOutcome>>, cancel: watch::Sender<bool> },
+    /// Finished by its waiter.
+    Done,
+}
+
+impl Mode {
+    /// Takes the unstarted first attempt out (leaving `Done` in its place
+    /// until the caller puts what it makes of it back); `None`, and nothing
+    /// changed, in any other mode.
+    pub(super) fn take_unstarted(&mut self) -> Option<Box<Lazy>> {
+        if !matches!(self, Mode::Unstarted(_)) {
+            return None;
+        }
+        match std::mem::replace(self, Mode::Done) {
+            Mode::Unstarted(lazy) => Some(lazy),
+            _ => None,
+        }
+    }
+}
+
+/// Everything the driver task needs, before it is started.
+pub(super) struct Lazy {
+    pub(super) driver: Driver,
+    pub(super) first: Result<BatchId>,
+    pub(super) reservation: Reservation,
+    pub(super) active: ActiveGuard,
+    pub(super) cancel: watch::Sender<bool>,
+    pub(super) span: tracing::Span,
+    pub(super) handle: tokio::runtime::Handle,
+}
+
+impl fmt::Debug for Lazy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lazy").field("first", &self.first).finish_non_exhaustive()
+    }
+}
+
+impl Lazy {
+    /// Starts the driver task (cancelled at once if `cancel`).
+    pub(super) fn start(self, cancel: bool) -> Mode {
+        let Lazy { driver, first, reservation, active, cancel: cancel_tx, span, handle } = self;
+        if cancel {
+            let _ = cancel_tx.send(true);
+        }
+        let (out_tx, out_rx) = watch::channel(None);
+        handle.spawn(tracing::Instrument::instrument(
+            async move {
+                let inner = driver.inner.clone();
+                let outcome = driver.run(first).await;
+                log_outcome(&outcome);
+                // Budget and the task count are given back before the outcome
+                // is published, so a caller who saw the outcome sees them freed.
+                give_back(&inner, reservation, active);
+                let _ = out_tx.send(Some(outcome));
+            },
+            span,
+        ));
+        Mode::Driven { outcome: out_rx, cancel: cancel_tx }
+    }
+
+    /// Waits for the first attempt's batch (cancel-safe: nothing changes
+    /// until it returns). `true` if every request completed: the transfer
+    /// is then finished by [`Lazy::finish`].
+    pub(super) async fn first_completed(&self) -> bool {
+        let Ok(batch) = &self.first else { return false };
+        let waiting = std::time::Instant::now();
+        let done = match self.driver.inner.transport.wait(*batch).await {
+            Ok(s) => s.state == BatchState::Completed && s.requests.len() == self.driver.requests.len(),
+            Err(_) => false,
+        };
+        // Otherwise the driver takes over and records it.
+        if done {
+            self.driver.inner.metrics.stage(Stage::Complete, waiting.elapsed());
+        }
+        done
+    }
+
+    /// Finishes a transfer whose first attempt completed every request:
+    /// what the driver would do, without it.
+    pub(super) fn finish(self) -> TransferOutcome {
+        let Lazy { driver, first, reservation, active, span, .. } = self;
+        let inner = &driver.inner;
+        if let Ok(batch) = first {
+            if let Err(e) = inner.transport.release(batch) {
+                tracing::debug!(%batch, error = %e, "release after terminal status failed");
+            }
+        }
+        let n = driver.requests.len();
+        let status = vec![RequestStatus::Completed; n];
+        let all: Vec<usize> = (0..n).collect();
+        driver.judge_peers(&all, &status);
+        inner.metrics.transfer_done(
+            &driver.requests,
+            &driver.peer_of,
+            &driver.peers,
+            &status,
+            BatchState::Completed,
+            1,
+            driver.started.elapsed(),
+        );
+        let outcome = TransferOutcome { state: BatchState::Completed, requests: status, attempts: 1 };
+        span.in_scope(|| log_outcome(&outcome));
+        give_back(inner, reservation, active);
+        outcome
+    }
+}
+
+/// Gives a finished transfer's budget and its place in the active count
+/// back, and updates the in-flight gauges.
+pub(super) fn give_back(inner: &Inner, reservation: Reservation, active: ActiveGuard) {
+    drop(reservation);
+    drop(active);
+    let used = inner.budget.used();
+    inner.metrics.inflight(used.bytes, used.requests);
+}
+
+pub(super) fn log_outcome(outcome: &TransferOutcome) {
+    match outcome.first_error() {
+        None if outcome.is_success() => {
+            tracing::debug!(state = ?outcome.state, attempts = outcome.attempts, "transfer ended")
+        }
+        e => tracing::warn!(
+            state = ?outcome.state,
+            attempts = outcome.attempts,
+            error = e.map(ToString::to_string),
+            "transfer ended"
+        ),
+    }
+}
+
+impl Transfer {
+    /// The driver task's outcome channel and cancel switch, the task
+    /// started first if it was not (cancelled at once if `cancel`). `None`
+    /// once finished by a waiter (the handle was consumed then).
+    pub(super) fn driven(
+        &self,
+        cancel: bool,
+    ) -> Option<(watch::Receiver<Option<TransferOutcome>>, watch::Sender<bool>)> {
+        let mut mode = self.mode.lock();
+        if let Some(lazy) = mode.take_unstarted() {
+            *mode = lazy.start(cancel);
+        }
+        match &*mode {
+            Mode::Driven { outcome, cancel: c } => {
+                if cancel {
+                    let _ = c.send(true);
+                }
+                Some((outcome.clone(), c.clone()))
+            }
+            _ => None,
+        }
+    }
+
+    /// The outcome if the transfer has finished; never blocks. (Polling
+    /// hands the transfer to its driver task.)
+    pub fn poll(&self) -> Option<TransferOutcome> {
+        let (outcome, _) = self.driven(false)?;
+        let o = outcome.borrow().clone();
+        o
+    }
+
+    /// Waits for the final outcome. Every request is terminal and quiet
+    /// when this returns.
+    pub async fn wait(self) -> Result<TransferOutcome> {
+        self.wait_or_cancel(std::future::pending()).await
+    }
+
+    /// Waits for the final outcome; if `stop` completes first, cancels
+    /// what has not completed and waits until the transfer is quiet.
+    pub async fn wait_or_cancel(self, stop: impl std::future::Future<Output = ()>) -> Result<TransferOutcome> {
+        tokio::pin!(stop);
+        let mut stopped = false;
+        // The first attempt, waited for here while nothing else drives it.
+        let lazy = self.mode.lock().take_unstarted();
+        if let Some(lazy) = lazy {
+            // Put back at once if this future is dropped while waiting (the
+            // handle's drop then starts the driver, cancelled).
+            let mut guard = Unstarted { transfer: &self, lazy: Some(lazy) };
+            let completed = match guard.lazy.as_deref() {
+                Some(l) => tokio::select! {
+                    c = l.first_completed() => c,
+                    _ = &mut stop => { stopped = true; false }
+                },
+                None => false,
+            };
+            let lazy = guard.lazy.take();
+            drop(guard);
+            if let Some(lazy) = lazy {
+                if completed {
+                    return Ok(lazy.finish());
+                }
+                *self.mode.lock() = lazy.start(stopped);
+            }
+        }
+        let Some((mut outcome, cancel)) = self.driven(false) else {
+            return Err(Error::new(ErrorKind::Internal, "the transfer was already waited for"));
+        };
+        loop {
+            if let Some(o) = outcome.borrow_and_update().clone() {
+                return Ok(o);
+            }
+            tokio::select! {
+                r = outcome.changed() => {
+                    if r.is_err() {
+                        // The driver ended without reporting: only if its
+                        // task was aborted by a runtime shutdown.
+                        return outcome.borrow().clone().ok_or_else(|| {
+                            Error::new(ErrorKind::Shutdown, "the runtime stopped before the transfer finished")
+                        });
+                    }
+                }
+                _ = &mut stop, if !stopped => {
+                    stopped = true;
+                    let _ = cancel.send(true);
+                }
+            }
+        }
+    }
+
+    /// Cancels what has not completed and waits until the transfer is quiet.
+    pub async fn cancel(self) -> Result<TransferOutcome> {
+        let _ = self.driven(true);
+        self.wait().await
+    }
+}
+
+/// A first attempt taken out of its handle while a waiter waits for it:
+/// put back into the handle if the waiter is dropped first.
+pub(super) struct Unstarted<'a> {
+    pub(super) transfer: &'a Transfer,
+    pub(super) lazy: Option<Box<Lazy>>,
+}
+
+impl Drop for Unstarted<'_> {
+    fn drop(&mut self) {
+        if let Some(lazy) = self.lazy.take() {
+            *self.transfer.mode.lock() = Mode::Unstarted(lazy);
+        }
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        let mode = std::mem::replace(&mut *self.mode.lock(), Mode::Done);
+        match mode {
+            // Nobody waits: the driver cancels it and gives everything back.
+            Mode::Unstarted(lazy) => drop(lazy.start(true)),
+            Mode::Driven { outcome, cancel } => {
+                if outcome.borrow().is_none() {
+                    let _ = cancel.send(true);
+                }
+            }
+            Mode::Done => {}
+        }
+    }
+}
+
+/// The task that waits for, and retries, one transfer.
+pub(super) struct Driver {
+    pub(super) inner: Arc<Inner>,
+    pub(super) requests: Vec<TransferRequest>,
+    pub(super) peer_of: Vec<usize>,
+    pub(super) peers: Vec<String>,
+    pub(super) cancel: watch::Receiver<bool>,
+    /// When the transfer was started (its latency in the metrics).
+    pub(super) started: std::time::Instant,
+}
+
+impl Driver {
+    pub(super) fn cancelled(&self) -> bool {
+        *self.cancel.borrow()
+    }
+
+    pub(super) async fn cancel_signal(cancel: &mut watch::Receiver<bool>) {
+        while !*cancel.borrow_and_update() {
+            if cancel.changed().await.is_err() {
+                // The handle is gone without cancelling: keep running.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    pub(super) async fn run(mut self, first: Result<BatchId>) -> TransferOutcome {
+        let max_attempts = self.inner.cfg.retry.max_attempts;
+        let mut status: Vec<RequestStatus> = vec![RequestStatus::Pending; self.requests.len()];
+        let mut todo: Vec<usize> = (0..self.requests.len()).collect();
+        let mut attempts = 1u32;
+        let mut current = first;
+        loop {
+            let results = self.attempt(current, todo.len()).await;
+            self.judge_peers(&todo, &results);
+            let mut retry = Vec::new();
+            for (&idx, st) in todo.iter().zip(results) {
+                let retryable = match &st {
+                    RequestStatus::Failed(e) => e.is_transient() && e.kind() != ErrorKind::PeerUnavailable,
+                    RequestStatus::TimedOut => true,
+                    _ => false,
+                };
+                if retryable && attempts < max_attempts {
+                    retry.push(idx);
+                }
+                status[idx] = st;
+            }
+            if retry.is_empty() {
+                break;
+            }
+            if self.cancelled() {
+                break;
+            }
+            let pause = {
+                let mut rng = self.inner.rng.lock();
+                backoff(&self.inner.cfg.retry, attempts, &mut *rng)
+            };
+            let sleep = self.inner.clock.sleep(pause);
+            let stopped = tokio::select! {
+                _ = sleep => false,
+                _ = Self::cancel_signal(&mut self.cancel) => true,
+            };
+            if stopped {
+                break;
+            }
+            // Requests to peers whose breaker opened meanwhile fail fast.
+            retry.retain(|&idx| match self.inner.admit(&self.peers[self.peer_of[idx]]) {
+                Ok(_) => true,
+                Err(e) => {
+                    status[idx] = RequestStatus::Failed(e);
+                    false
+                }
+            });
+            if retry.is_empty() {
+                break;
+            }
+            todo = retry;
+            attempts += 1;
+            let reqs: Vec<TransferRequest> = todo.iter().map(|&i| self.requests[i]).collect();
+            let opts = self.inner.options(&reqs);
+            tracing::debug!(attempt = attempts, requests = todo.len(), "retrying");
+            let submitting = std::time::Instant::now();
+            current = self.inner.transport.submit(reqs, opts).await;
+            self.inner.metrics.stage(Stage::Submit, submitting.elapsed());
+        }
+        if self.cancelled() {
+            // Work that was waiting for a retry when the caller cancelled.
+            for s in status.iter_mut() {
+                if !s.is_completed() && !matches!(s, RequestStatus::Failed(e) if !e.is_transient()) {
+                    *s = RequestStatus::Cancelled;
+                }
+            }
+        }
+        let state = BatchState::summarize(&status);
+        self.inner.metrics.transfer_done(
+            &self.requests,
+            &self.peer_of,
+            &self.peers,
+            &status,
+            state,
+            attempts,
+            self.started.elapsed(),
+        );
+        TransferOutcome { state, requests: status, attempts }
+    }
+
+    /// Runs one backend batch to a terminal state and returns one status per
+    /// request of `todo`.
+    pub(super) async fn attempt(&mut self, batch: Result<BatchId>, n: usize) -> Vec<RequestStatus> {
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => return vec![RequestStatus::Failed(e); n],
+        };
+        let t = self.inner.transport.clone();
+        let waiting = std::time::Instant::now();
+        let result = tokio::select! {
+            r = t.wait(batch) => r,
+            _ = Self::cancel_signal(&mut self.cancel) => t.cancel(batch).await,
+        };
+        self.inner.metrics.stage(Stage::Complete, waiting.elapsed());
+        if let Err(e) = t.release(batch) {
+            tracing::debug!(%batch, error = %e, "release after terminal status failed");
+        }
+        match result {
+            Ok(s) if s.requests.len() == n && s.is_terminal() => s.requests,
+            Ok(s) => {
+                let e = Error::new(
+                    ErrorKind::Internal,
+                    format!("backend reported {} statuses in state {:?} for {n} requests", s.requests.len(), s.state),
+                )
+                .with("backend", t.backend());
+                vec![RequestStatus::Failed(e); n]
+            }
+            Err(e) => vec![RequestStatus::Failed(e); n],
+        }
+    }
+
+    /// Feeds each peer's breaker with what this attempt said about it.
+    pub(super) fn judge_peers(&self, todo: &[usize], results: &[RequestStatus]) {
+        let mut verdicts: Vec<Option<Verdict>> = vec![None; self.peers.len()];
+        for (&idx, st) in todo.iter().zip(results) {
+            let v = match st {
+                RequestStatus::Completed => Verdict::Healthy,
+                RequestStatus::TimedOut => Verdict::Failed,
+                RequestStatus::Failed(e) if e.kind().is_peer_failure() => Verdict::Failed,
+                _ => Verdict::Unknown,
+            };
+            let slot = &mut verdicts[self.peer_of[idx]];
+            *slot = Some(match (*slot, v) {
+                (Some(Verdict::Failed), _) | (_, Verdict::Failed) => Verdict::Failed,
+                (Some(Verdict::Healthy), _) | (_, Verdict::Healthy) => Verdict::Healthy,
+                _ => Verdict::Unknown,
+            });
+        }
+        for (p, v) in verdicts.into_iter().enumerate() {
+            if let Some(v) = v {
+                self.inner.record(&self.peers[p], v);
+            }
+        }
+    }
+}
