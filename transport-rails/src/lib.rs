@@ -25,14 +25,17 @@
 //! ```
 #![forbid(unsafe_code)]
 
-mod driver;
+mod drive;
+mod layer;
 pub mod paths;
+mod schedule;
+mod state;
 
 use std::sync::Arc;
 
 use transport_core::{Result, Transport};
 
-pub use driver::{PathStatus, Rails};
+pub use layer::{PathStatus, Rails};
 pub use paths::{gid_prefix, Pairing, PathState, RailsConfig, MAX_RAILS};
 
 /// The transport `rails` and `fallback` make: one rail without a fallback

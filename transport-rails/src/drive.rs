@@ -1,0 +1,133 @@
+//! A batch's driver task: plans under the lock ([`Inner::step`]), sends
+//! the sub-batches, accounts for each as it ends, until the batch is
+//! terminal; and the waits that let callers see its work accounted for.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::Notify;
+
+use transport_core::lifecycle::EndReason;
+use transport_core::{BatchId, BatchStatus, Error, ErrorKind, Result, SubmitOptions, TransferRequest};
+
+use crate::state::*;
+
+/// How long `close_segment`, `unregister` and `shutdown` wait for the
+/// batch drivers to account for work the rails already made quiet.
+pub(crate) const SETTLE_LIMIT: Duration = Duration::from_secs(30);
+/// A waiter looks again at least this often.
+pub(crate) const NAP: Duration = Duration::from_millis(20);
+
+impl Inner {
+    /// Fails every live request of a batch that has nothing on the wire
+    /// and nothing queued (never expected; keeps waiters from hanging).
+    pub(crate) fn abandon(&self, id: BatchId) {
+        let mut st = self.state.lock();
+        if let Ok(b) = st.batches.get_mut(id) {
+            let why = EndReason::Failed(Error::new(ErrorKind::Internal, "rails: a batch had nothing left to send"));
+            if b.ledger.end_where(&why, |_| true).1.batch_terminal {
+                b.done.notify_waiters();
+            }
+        }
+    }
+
+    /// Waits (bounded) until `quiet` holds of the state.
+    pub(crate) async fn settle(&self, quiet: impl Fn(&State) -> bool) {
+        let start = Instant::now();
+        while start.elapsed() < SETTLE_LIMIT {
+            let n = self.settled.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if quiet(&self.state.lock()) {
+                return;
+            }
+            let _ = tokio::time::timeout(NAP, n).await;
+        }
+        tracing::warn!("rails: work still unaccounted for after {SETTLE_LIMIT:?}");
+    }
+}
+
+/// The driver of one batch: hands out sub-batches, collects their
+/// outcomes, reposts what a failed path gave back, cancels on stop.
+pub(crate) async fn drive(
+    inner: Arc<Inner>,
+    id: BatchId,
+    reqs: Vec<TransferRequest>,
+    mut queue: VecDeque<Slice>,
+    wake: Arc<Notify>,
+) {
+    type Done = (Sub, BatchId, Result<BatchStatus>);
+    let mut running: FuturesUnordered<futures::future::BoxFuture<'static, Done>> = FuturesUnordered::new();
+    let mut live: HashSet<(usize, BatchId)> = HashSet::new();
+    let mut mine = HashMap::new();
+    let mut cancelled = false;
+    // Distinct segments of the batch: once each waits for room, a step
+    // stops looking at the queue.
+    let segs = reqs.iter().map(|r| r.segment).collect::<HashSet<_>>().len();
+    while let Some(step) = inner.step(id, &reqs, &mut queue, &mut mine, segs) {
+        if step.terminal && running.is_empty() {
+            break;
+        }
+        if step.cancel && !cancelled {
+            cancelled = true;
+            let cancels = live.iter().map(|&(k, bid)| {
+                let t = inner.all[k].clone();
+                async move {
+                    let _ = t.cancel(bid).await;
+                }
+            });
+            futures::future::join_all(cancels).await;
+        }
+        let mut refused = false;
+        for plan in step.plans {
+            let t = inner.all[plan.sub.k].clone();
+            let opts = SubmitOptions { timeout: plan.timeout };
+            if tracing::enabled!(tracing::Level::TRACE) {
+                let slices: Vec<(usize, u64, u64)> = plan.sub.slices.iter().map(|s| (s.req, s.off, s.len)).collect();
+                tracing::trace!(batch = ?id, k = plan.sub.k, path = plan.sub.path, ?slices, "rails: sub-batch out");
+            }
+            match t.submit(plan.requests, opts).await {
+                Ok(bid) => {
+                    live.insert((plan.sub.k, bid));
+                    let sub = plan.sub;
+                    running.push(Box::pin(async move {
+                        let r = t.wait(bid).await;
+                        (sub, bid, r)
+                    }));
+                }
+                Err(e) => {
+                    refused = true;
+                    inner.finish(id, plan.sub, Err(e), &mut queue, &mut mine);
+                }
+            }
+        }
+        if refused {
+            continue;
+        }
+        if running.is_empty() && queue.is_empty() && !step.terminal {
+            // Nothing out and nothing left to send, yet not terminal: a
+            // bookkeeping bug. End it rather than hang its waiters.
+            inner.abandon(id);
+            continue;
+        }
+        let sleep = async {
+            match step.deadline {
+                Some(d) => tokio::time::sleep(d.saturating_sub(inner.now())).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            Some((sub, bid, r)) = running.next(), if !running.is_empty() => {
+                live.remove(&(sub.k, bid));
+                let _ = inner.all[sub.k].release(bid);
+                inner.finish(id, sub, r, &mut queue, &mut mine);
+            }
+            _ = wake.notified() => {}
+            _ = sleep => {}
+            // Slices waiting for room on a path shared with other batches.
+            _ = tokio::time::sleep(NAP), if running.is_empty() && !queue.is_empty() => {}
+        }
+    }
+}

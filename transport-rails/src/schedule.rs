@@ -1,0 +1,411 @@
+//! What a batch's driver does under the lock: hand slices to the path with
+//! the fewest bytes in flight ([`choose`]), and account for a finished
+//! sub-batch (land its slices, or give them back for another path within
+//! the bound of [`crate::paths::max_moves`]). No I/O: the driver sends.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use transport_core::lifecycle::{EndReason, Progress};
+use transport_core::{BatchId, BatchStatus, Error, ErrorKind, RequestStatus, Result, SegmentId, TransferRequest};
+
+use crate::paths::{max_moves, PathState, PathVerdict, RailsConfig};
+use crate::state::*;
+
+impl Inner {
+    /// Decides under the lock what a batch's driver does next: deadline
+    /// and stop, then the sub-batches to hand out.
+    pub(crate) fn step(
+        &self,
+        id: BatchId,
+        reqs: &[TransferRequest],
+        queue: &mut VecDeque<Slice>,
+        mine: &mut HashMap<(SegmentId, usize), usize>,
+        segs: usize,
+    ) -> Option<Step> {
+        let now = self.now();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let b = st.batches.get_mut(id).ok()?;
+        let mut p = b.ledger.expire(now);
+        let expired = b.ledger.deadline().is_some_and(|d| now >= d);
+        let cancel = b.stop || expired;
+        if cancel {
+            p.merge(b.ledger.end_where(&EndReason::Cancelled, |_| true).1);
+        }
+        let mut plans = Vec::new();
+        let mut keep = VecDeque::new();
+        let mut blocked = HashSet::new();
+        let timeout = b.ledger.deadline().map(|d| d.saturating_sub(now));
+        while let Some(slice) = queue.pop_front() {
+            if !b.ledger.is_live(slice.req) {
+                continue; // decided (cancelled, closed, unregistered, failed): dropped
+            }
+            let seg_id = reqs[slice.req].segment;
+            if blocked.contains(&seg_id) {
+                keep.push_back(slice);
+                continue;
+            }
+            let Some(seg) = st.segments.get_mut(&seg_id) else {
+                keep.push_back(slice);
+                continue;
+            };
+            match choose(seg, seg_id, mine, now, &self.cfg) {
+                Choice::Path(pi) => {
+                    let path = &mut seg.paths[pi];
+                    let k = path.k;
+                    let max = self.max_batch[k];
+                    let mut sub = Sub { seg: seg_id, path: pi, k, slices: Vec::new(), bytes: 0 };
+                    let mut requests = Vec::new();
+                    let mut next = Some(slice);
+                    while let Some(mut s) = next.take() {
+                        if !b.ledger.is_live(s.req) {
+                            next = pop_for(queue, seg_id, reqs); // decided: dropped whole
+                            continue;
+                        }
+                        if s.len > self.cfg.slice_size {
+                            let rest = Slice {
+                                req: s.req,
+                                off: s.off + self.cfg.slice_size,
+                                len: s.len - self.cfg.slice_size,
+                                tries: 0,
+                            };
+                            s.len = self.cfg.slice_size;
+                            queue.push_front(rest);
+                        }
+                        let r = &reqs[s.req];
+                        let Some(region) = st.regions.get(&r.local) else {
+                            // Unregistered since: the request was decided.
+                            next = pop_for(queue, seg_id, reqs);
+                            continue;
+                        };
+                        if !b.ledger.start(s.req) {
+                            next = pop_for(queue, seg_id, reqs);
+                            continue;
+                        }
+                        requests.push(TransferRequest {
+                            op: r.op,
+                            local: region.ids[k],
+                            local_offset: r.local_offset + s.off,
+                            segment: path.seg,
+                            remote_addr: r.remote_addr + s.off,
+                            len: s.len,
+                        });
+                        sub.bytes += s.len;
+                        sub.slices.push(s);
+                        if sub.bytes >= self.cfg.chunk_bytes || requests.len() >= max {
+                            break;
+                        }
+                        next = pop_for(queue, seg_id, reqs);
+                    }
+                    if sub.slices.is_empty() {
+                        continue;
+                    }
+                    path.subs += 1;
+                    path.inflight += sub.bytes;
+                    *mine.entry((seg_id, pi)).or_default() += 1;
+                    plans.push(Plan { sub, requests, timeout });
+                }
+                Choice::Wait => {
+                    keep.push_back(slice);
+                    blocked.insert(seg_id);
+                    if blocked.len() >= segs {
+                        break; // every segment waits: leave the rest queued as it is
+                    }
+                }
+                Choice::None(why) => {
+                    p.merge(b.ledger.end(slice.req, EndReason::Failed(why)));
+                }
+            }
+        }
+        while let Some(s) = keep.pop_back() {
+            queue.push_front(s);
+        }
+        let terminal = b.ledger.is_terminal();
+        if p.batch_terminal {
+            b.done.notify_waiters();
+        }
+        if p.finished > 0 {
+            self.settled.notify_waiters();
+        }
+        Some(Step { plans, terminal, cancel, deadline: b.ledger.deadline().filter(|_| !expired) })
+    }
+
+    /// Accounts for a finished (or refused) sub-batch.
+    pub(crate) fn finish(
+        &self,
+        id: BatchId,
+        sub: Sub,
+        outcome: Result<BatchStatus>,
+        queue: &mut VecDeque<Slice>,
+        mine: &mut HashMap<(SegmentId, usize), usize>,
+    ) {
+        let now = self.now();
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        if let Some(n) = mine.get_mut(&(sub.seg, sub.path)) {
+            *n = n.saturating_sub(1);
+        }
+        let mut path = st.segments.get_mut(&sub.seg).and_then(|s| s.paths.get_mut(sub.path));
+        if let Some(p) = path.as_deref_mut() {
+            p.subs = p.subs.saturating_sub(1);
+            p.inflight = p.inflight.saturating_sub(sub.bytes);
+        }
+        let label = path.as_deref().map(|p| self.label(p)).unwrap_or_default();
+        let Ok(b) = st.batches.get_mut(id) else { return };
+        let max_tries = max_moves(st.segments.get(&sub.seg).map_or(1, |s| s.paths.len()));
+        let mut progress = Progress::default();
+        let mut failed: Option<Error> = None;
+        let mut moved = 0;
+        let mut reposted = 0usize;
+        let statuses: Vec<std::result::Result<RequestStatus, Error>> = match outcome {
+            Ok(status) if status.requests.len() == sub.slices.len() => status.requests.into_iter().map(Ok).collect(),
+            Ok(_) => {
+                vec![Err(Error::new(ErrorKind::Internal, "a rail answered for a different batch")); sub.slices.len()]
+            }
+            Err(e) => vec![Err(e); sub.slices.len()],
+        };
+        if tracing::enabled!(tracing::Level::TRACE) {
+            for (s, rs) in sub.slices.iter().zip(&statuses) {
+                tracing::trace!(path = %label, req = s.req, off = s.off, len = s.len, outcome = ?rs, "rails: slice outcome");
+            }
+        }
+        for (mut s, rs) in sub.slices.into_iter().zip(statuses) {
+            let e = match rs {
+                Ok(RequestStatus::Completed) => {
+                    moved += s.len;
+                    progress.merge(b.ledger.unit_done(s.req, Ok(())));
+                    continue;
+                }
+                // Every cancel of ours (cancel, close, shutdown) decides the
+                // request before a rail sees it: a rail that cancelled a
+                // live one did it by itself (it shut down), so it fails over.
+                Ok(RequestStatus::Cancelled) if b.ledger.is_live(s.req) => {
+                    Error::new(ErrorKind::Shutdown, "the rail ended the work by itself (it shut down)")
+                }
+                Ok(RequestStatus::Cancelled) => {
+                    progress.merge(b.ledger.unit_back(s.req));
+                    continue;
+                }
+                Ok(RequestStatus::TimedOut) => {
+                    progress.merge(b.ledger.end(s.req, EndReason::TimedOut));
+                    progress.merge(b.ledger.unit_back(s.req));
+                    continue;
+                }
+                Ok(RequestStatus::Failed(e)) | Err(e) => e,
+                Ok(RequestStatus::Pending) => {
+                    Error::new(ErrorKind::Internal, "a rail reported a pending request as final")
+                }
+            };
+            let e = e.with("path", &label);
+            if transient_path_failure(&e) {
+                failed = Some(e.clone());
+                if b.ledger.is_live(s.req) && s.tries < max_tries {
+                    s.tries += 1;
+                    progress.merge(b.ledger.unit_back(s.req));
+                    queue.push_front(s);
+                    reposted += 1;
+                    continue;
+                }
+            }
+            progress.merge(b.ledger.unit_done(s.req, Err(e)));
+        }
+        // Pausing the last path that is up (with no fallback) helps no one:
+        // every path failing at once is the peer or the whole network,
+        // which the policy layer's breaker handles, not a rail.
+        let last = st.segments.get(&sub.seg).is_some_and(|s| {
+            !s.paths.iter().any(|p| p.fallback)
+                && !s.paths.iter().enumerate().any(|(i, p)| i != sub.path && p.health.state(now) == PathState::Up)
+        });
+        if let Some(e) = &failed {
+            tracing::debug!(path = %label, reposted, error = %e, "rails: a sub-batch failed on its path");
+        }
+        if let Some(p) = st.segments.get_mut(&sub.seg).and_then(|s| s.paths.get_mut(sub.path)) {
+            p.bytes += moved;
+            match failed {
+                Some(_) if last && p.health.state(now) == PathState::Up => p.failures += 1,
+                Some(e) => {
+                    p.failures += 1;
+                    if let PathVerdict::Paused(d) = p.health.failure(now, &self.cfg) {
+                        rail_event("paused");
+                        tracing::warn!(path = %label, pause_ms = d.as_millis() as u64, error = %e, "rail path paused");
+                    }
+                }
+                None if moved > 0 && p.health.success(now, &self.cfg) => {
+                    rail_event("resumed");
+                    tracing::info!(path = %label, "rail path back after its pause");
+                }
+                _ => {}
+            }
+        }
+        if progress.batch_terminal {
+            b.done.notify_waiters();
+        }
+        if progress.finished > 0 {
+            self.settled.notify_waiters();
+        }
+    }
+}
+
+/// The next queued slice for the same segment, if it is at the front.
+pub(crate) fn pop_for(queue: &mut VecDeque<Slice>, seg: SegmentId, reqs: &[TransferRequest]) -> Option<Slice> {
+    match queue.front() {
+        Some(s) if reqs[s.req].segment == seg => queue.pop_front(),
+        _ => None,
+    }
+}
+
+pub(crate) enum Choice {
+    Path(usize),
+    Wait,
+    None(Error),
+}
+
+/// The path for the next sub-batch of a batch to `seg`: a path on
+/// probation (one sub-batch at a time: its probe), else the RDMA path with
+/// room and the fewest bytes in flight while any is up, else the fallback.
+pub(crate) fn choose(
+    seg: &Seg,
+    id: SegmentId,
+    mine: &HashMap<(SegmentId, usize), usize>,
+    now: Duration,
+    cfg: &RailsConfig,
+) -> Choice {
+    let room = |i: usize, p: &Path| {
+        let mine = mine.get(&(id, i)).copied().unwrap_or(0);
+        match p.health.state(now) {
+            PathState::Up => mine < cfg.subs_per_path,
+            PathState::Probation => p.subs == 0,
+            PathState::Paused => false,
+        }
+    };
+    let best = |pick: &dyn Fn(&Path) -> bool| {
+        seg.paths
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| pick(p) && room(*i, p))
+            .min_by_key(|(_, p)| p.inflight)
+            .map(|(i, _)| i)
+    };
+    // A path back from its pause gets one sub-batch, its probe, first.
+    let probation = |p: &Path| !p.fallback && p.health.state(now) == PathState::Probation;
+    if let Some(i) = best(&probation) {
+        return Choice::Path(i);
+    }
+    let up = |p: &Path| !p.fallback && p.health.state(now) == PathState::Up;
+    if seg.paths.iter().any(up) {
+        return best(&up).map_or(Choice::Wait, Choice::Path);
+    }
+    let fallback = |p: &Path| p.fallback && p.health.state(now) != PathState::Paused;
+    if seg.paths.iter().any(fallback) {
+        if let Some(i) = best(&fallback) {
+            if seg.paths[i].subs == 0 && seg.paths[i].bytes == 0 {
+                rail_event("fallback");
+                tracing::warn!(peer = %seg.name, "every RDMA path to the peer is down: moving over the TCP fallback");
+            }
+            return Choice::Path(i);
+        }
+        return Choice::Wait;
+    }
+    if seg.paths.iter().any(|p| p.health.state(now) != PathState::Paused) {
+        return Choice::Wait; // a probe is out
+    }
+    let next = seg.paths.iter().filter_map(|p| p.health.paused_until(now)).min().unwrap_or(now);
+    Choice::None(
+        Error::new(
+            ErrorKind::ConnectionReset,
+            format!(
+                "every path to {} is paused after failures (the next is tried again in {} ms)",
+                seg.name,
+                next.saturating_sub(now).as_millis()
+            ),
+        )
+        .with("segment", id),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::paths::PathHealth;
+
+    fn path(k: usize, fallback: bool, cfg: &RailsConfig) -> Path {
+        Path {
+            k,
+            peer: (!fallback).then_some(k),
+            seg: SegmentId(k as u64 + 10),
+            fallback,
+            health: PathHealth::new(cfg),
+            subs: 0,
+            inflight: 0,
+            bytes: 0,
+            failures: 0,
+        }
+    }
+
+    fn seg(paths: Vec<Path>) -> Seg {
+        Seg { name: "peer".into(), control: SegmentId(1), paths, closing: false }
+    }
+
+    fn pause(p: &mut Path, now: Duration, cfg: &RailsConfig) {
+        for _ in 0..cfg.pause_after_errors {
+            let _ = p.health.failure(now, cfg);
+        }
+    }
+
+    fn picked(c: Choice) -> Option<usize> {
+        match c {
+            Choice::Path(i) => Some(i),
+            Choice::Wait => None,
+            Choice::None(e) => panic!("nothing usable: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_least_loaded_up_path_with_room_is_chosen_and_the_fallback_idles() {
+        let cfg = RailsConfig { subs_per_path: 1, ..RailsConfig::default() };
+        let id = SegmentId(5);
+        let mut s = seg(vec![path(0, false, &cfg), path(1, false, &cfg), path(2, true, &cfg)]);
+        let now = Duration::from_secs(1);
+        let mut mine = HashMap::new();
+        s.paths[0].inflight = 10;
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), Some(1));
+        mine.insert((id, 1), 1);
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), Some(0));
+        mine.insert((id, 0), 1);
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), None, "both full: wait, never the fallback");
+    }
+
+    #[test]
+    fn a_probe_goes_first_and_the_fallback_only_while_no_rail_is_up() {
+        let cfg = RailsConfig { pause_ms: 100, ..RailsConfig::default() };
+        let id = SegmentId(5);
+        let mut s = seg(vec![path(0, false, &cfg), path(1, false, &cfg), path(2, true, &cfg)]);
+        let t0 = Duration::from_secs(1);
+        let mine = HashMap::new();
+        pause(&mut s.paths[0], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg)), Some(1), "paused: skipped");
+        pause(&mut s.paths[1], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg)), Some(2), "no rail up: the fallback");
+        let later = t0 + Duration::from_millis(150);
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(0), "back from its pause: the probe first");
+        s.paths[0].subs = 1;
+        s.paths[1].subs = 1;
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(2), "probes out: the rest over the fallback");
+        let _ = s.paths[1].health.success(later, &cfg);
+        s.paths[1].subs = 0;
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(1), "a rail is back: off the fallback");
+    }
+
+    #[test]
+    fn every_path_paused_without_a_fallback_is_a_transient_error() {
+        let cfg = RailsConfig::default();
+        let mut s = seg(vec![path(0, false, &cfg)]);
+        let now = Duration::from_secs(1);
+        pause(&mut s.paths[0], now, &cfg);
+        match choose(&s, SegmentId(5), &HashMap::new(), now, &cfg) {
+            Choice::None(e) => assert!(e.is_transient(), "{e}"),
+            _ => panic!("a paused path was chosen"),
+        }
+    }
+}

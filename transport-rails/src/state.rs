@@ -1,0 +1,158 @@
+//! The rails' shared state: the rails and their paths, regions, open
+//! segments and batches, behind one lock; small helpers over it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use transport_core::lifecycle::{BatchLedger, BatchLimits, BatchTable, TaskSet};
+use transport_core::{Capabilities, Error, ErrorKind, RegionId, SegmentId, TransferRequest, Transport};
+
+use crate::paths::{PathHealth, RailsConfig};
+
+pub(crate) struct Inner {
+    /// The rails, then the fallback (index `rails.len()`), if any.
+    pub(crate) all: Vec<Arc<dyn Transport>>,
+    pub(crate) rails: usize,
+    pub(crate) cfg: RailsConfig,
+    pub(crate) name: String,
+    pub(crate) epoch: Instant,
+    /// Per transport: the most requests one of its batches may hold.
+    pub(crate) max_batch: Vec<usize>,
+    pub(crate) state: Mutex<State>,
+    pub(crate) tasks: TaskSet,
+    /// Woken whenever a driver accounted for finished work.
+    pub(crate) settled: Notify,
+}
+
+pub(crate) struct State {
+    pub(crate) shutdown: bool,
+    pub(crate) regions: BTreeMap<RegionId, Region>,
+    pub(crate) segments: HashMap<SegmentId, Seg>,
+    pub(crate) batches: BatchTable<Batch>,
+    pub(crate) next_region: u64,
+    pub(crate) next_segment: u64,
+}
+
+pub(crate) struct Region {
+    /// Its id on every transport (rails, then the fallback).
+    pub(crate) ids: Vec<RegionId>,
+    pub(crate) len: u64,
+}
+
+pub(crate) struct Seg {
+    /// The peer's name (as opened).
+    pub(crate) name: String,
+    /// Rail 0's handle used for the descriptor and notifications.
+    pub(crate) control: SegmentId,
+    pub(crate) paths: Vec<Path>,
+    pub(crate) closing: bool,
+}
+
+pub(crate) struct Path {
+    /// Transport index (`rails` for the fallback).
+    pub(crate) k: usize,
+    pub(crate) peer: Option<usize>,
+    pub(crate) seg: SegmentId,
+    pub(crate) fallback: bool,
+    pub(crate) health: PathHealth,
+    /// Sub-batches of every batch in flight on it, and their bytes.
+    pub(crate) subs: usize,
+    pub(crate) inflight: u64,
+    pub(crate) bytes: u64,
+    pub(crate) failures: u64,
+}
+
+pub(crate) struct Batch {
+    pub(crate) ledger: BatchLedger,
+    /// Per request: its segment and local region.
+    pub(crate) targets: Vec<(SegmentId, RegionId)>,
+    pub(crate) wake: Arc<Notify>,
+    pub(crate) done: Arc<Notify>,
+    /// Set by cancel / shutdown: the driver cancels what is on the rails.
+    pub(crate) stop: bool,
+    pub(crate) driver: Option<JoinHandle<()>>,
+}
+
+/// A piece of a request, handed to one path at a time.
+#[derive(Debug, Clone)]
+pub(crate) struct Slice {
+    pub(crate) req: usize,
+    pub(crate) off: u64,
+    pub(crate) len: u64,
+    pub(crate) tries: u32,
+}
+
+/// A sub-batch planned for one path.
+pub(crate) struct Sub {
+    pub(crate) seg: SegmentId,
+    pub(crate) path: usize,
+    pub(crate) k: usize,
+    pub(crate) slices: Vec<Slice>,
+    pub(crate) bytes: u64,
+}
+
+pub(crate) struct Plan {
+    pub(crate) sub: Sub,
+    pub(crate) requests: Vec<TransferRequest>,
+    pub(crate) timeout: Option<Duration>,
+}
+
+/// What a step of a driver decided under the lock.
+pub(crate) struct Step {
+    pub(crate) plans: Vec<Plan>,
+    pub(crate) terminal: bool,
+    /// Cancel what is on the rails (stop or deadline).
+    pub(crate) cancel: bool,
+    pub(crate) deadline: Option<Duration>,
+}
+
+/// Whether a rail's failure is the path's, so its slices may go over
+/// another path: a peer or link failure (not a peer restart: the caller
+/// must re-read the peer), or a rail that shut itself down (a device that
+/// failed for good). When `Rails` itself shuts down its requests are
+/// already decided, so nothing is reposted.
+pub(crate) fn transient_path_failure(e: &Error) -> bool {
+    (e.kind().is_peer_failure() && e.kind() != ErrorKind::PeerRestarted) || e.kind() == ErrorKind::Shutdown
+}
+
+pub(crate) fn rail_event(event: &'static str) {
+    metrics::counter!("kvmove_rail_events_total", "event" => event).increment(1);
+}
+
+impl Inner {
+    pub(crate) fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    pub(crate) fn limits(&self) -> BatchLimits {
+        let caps = self.caps();
+        BatchLimits { max_batch_len: caps.max_batch_len, max_request_len: caps.max_request_len }
+    }
+
+    pub(crate) fn caps(&self) -> Capabilities {
+        let mut c = self.all[0].capabilities();
+        for t in &self.all[1..] {
+            let o = t.capabilities();
+            c.max_endpoints = c.max_endpoints.saturating_add(o.max_endpoints);
+            c.max_request_len = c.max_request_len.min(o.max_request_len);
+            c.read &= o.read;
+            c.write &= o.write;
+            c.device_memory &= o.device_memory;
+            c.device_memory_remote &= o.device_memory_remote;
+        }
+        c
+    }
+
+    pub(crate) fn label(&self, p: &Path) -> String {
+        match p.peer {
+            _ if p.fallback => "tcp fallback".to_string(),
+            Some(j) => format!("rail {} -> peer rail {j}", p.k),
+            None => format!("rail {}", p.k),
+        }
+    }
+}
