@@ -21,6 +21,10 @@
 //! notifications sessions ride on (rule 11, a bounded [`Inbox`] on every
 //! backend) are part of the contract and live here.
 //!
+//! A new backend starts from `transport-core/examples/skeleton.rs`: every
+//! method it writes, with the rules each keeps and the lifecycle machine
+//! that helps, and nothing else.
+//!
 //! This crate cannot name the policy layer (it does not depend on it, and a
 //! backend that depends only on it cannot either):
 //!
