@@ -1,4 +1,5 @@
-//! Time for the policy layer, so tests can drive it with a fake clock.
+//! Time: a driver's origin ([`Epoch`]), and for the policy layer a clock
+//! tests can fake.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -8,6 +9,39 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
+
+/// A driver's time origin: the lifecycle machines take time as the
+/// `Duration` since it (their `now`), and the driver turns those times
+/// back into instants to sleep until. One overflow rule for every driver:
+/// a time past what `Instant` can hold (a caller's huge timeout) is never,
+/// so [`Epoch::instant`] is `None` and the driver does not wake for it; it
+/// never panics (rule 6) and never substitutes another time.
+#[derive(Debug, Clone, Copy)]
+pub struct Epoch(std::time::Instant);
+
+impl Epoch {
+    /// An epoch starting now.
+    pub fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    /// Now on this clock: the time since the epoch.
+    pub fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+
+    /// The instant `at` on this clock; `None`: beyond what `Instant`
+    /// holds, i.e. never.
+    pub fn instant(&self, at: Duration) -> Option<std::time::Instant> {
+        self.0.checked_add(at)
+    }
+
+    /// When something due `after` from now is due on this clock; `None`:
+    /// never.
+    pub fn after(&self, after: Duration) -> Option<Duration> {
+        self.now().checked_add(after)
+    }
+}
 
 /// A monotonic clock and a way to sleep on it.
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
@@ -110,6 +144,17 @@ impl Clock for ManualClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_time_past_what_the_clock_holds_is_never() {
+        let e = Epoch::start();
+        assert!(e
+            .instant(Duration::from_millis(5))
+            .is_some_and(|i| i > std::time::Instant::now() - Duration::from_secs(1)));
+        assert_eq!(e.instant(Duration::MAX), None);
+        assert_eq!(e.after(Duration::MAX), None);
+        assert!(e.after(Duration::from_secs(1)).is_some_and(|d| d >= Duration::from_secs(1)));
+    }
 
     #[tokio::test]
     async fn manual_clock_wakes_in_order() {

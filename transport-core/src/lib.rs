@@ -48,7 +48,7 @@ mod stats;
 mod transport;
 mod types;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, Epoch, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
 pub use layer::Layer;
 pub use metadata::{InProcessStore, MetadataStore};

@@ -258,11 +258,11 @@ impl Transport for MockTransport {
             if status.is_terminal() {
                 return Ok(status);
             }
-            match b.deadline() {
-                Some(at) => {
+            match b.deadline().and_then(|at| self.host.clock.instant(at)) {
+                Some(when) => {
                     tokio::select! {
                         _ = events.changed() => {}
-                        _ = tokio::time::sleep_until(self.host.clock.instant(at)) => {}
+                        _ = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
                     }
                 }
                 None => {

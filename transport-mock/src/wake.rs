@@ -3,10 +3,9 @@
 //! lifecycle core's deadlines and endpoint times are `Duration`s.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio::time::Instant;
+use transport_core::Epoch;
 
 /// One event channel for a whole fabric. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -29,25 +28,5 @@ impl Events {
     }
 }
 
-/// A host's clock: the time since the host started.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Clock(Instant);
-
-impl Clock {
-    pub fn start() -> Self {
-        Self(Instant::now())
-    }
-
-    /// Now, on this clock.
-    pub fn now(&self) -> Duration {
-        self.0.elapsed()
-    }
-
-    /// The instant `at` on this clock, for `sleep_until`. A time past what
-    /// `Instant` can hold (a caller's huge timeout) is a year from the
-    /// start instead of a panic (rule 6).
-    pub fn instant(&self, at: Duration) -> Instant {
-        const FAR: Duration = Duration::from_secs(365 * 24 * 3600);
-        self.0.checked_add(at).or_else(|| self.0.checked_add(FAR)).unwrap_or(self.0)
-    }
-}
+/// A host's clock: the time since the host started (the core's [`Epoch`]).
+pub(crate) type Clock = Epoch;

@@ -111,7 +111,8 @@ async fn wait_and_copy(cx: &Ctx<'_>, endpoint: &mut Option<EndpointUse>, stall: 
         events.borrow_and_update();
         let Step::Wait(until) = step(cx, endpoint, stall, ready_at) else { return true };
         let live = cx.batch.is_live(cx.i, cx.host.clock.now());
-        let deadline = if live { cx.batch.deadline().map(|d| cx.host.clock.instant(d)) } else { None };
+        let deadline =
+            if live { cx.batch.deadline().and_then(|d| cx.host.clock.instant(d)).map(Instant::from_std) } else { None };
         let wake = match (until, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

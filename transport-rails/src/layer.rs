@@ -46,7 +46,7 @@
 //!   ones are taken from every rail.
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use transport_core::Epoch;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
@@ -122,7 +122,7 @@ impl Rails {
                 rails: n,
                 cfg,
                 name,
-                epoch: Instant::now(),
+                epoch: Epoch::start(),
                 max_batch,
                 state: Mutex::new(State {
                     shutdown: false,

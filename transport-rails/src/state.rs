@@ -3,7 +3,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use transport_core::Epoch;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -20,7 +22,7 @@ pub(crate) struct Inner {
     pub(crate) rails: usize,
     pub(crate) cfg: RailsConfig,
     pub(crate) name: String,
-    pub(crate) epoch: Instant,
+    pub(crate) epoch: Epoch,
     /// Per transport: the most requests one of its batches may hold.
     pub(crate) max_batch: Vec<usize>,
     pub(crate) state: Mutex<State>,
@@ -126,7 +128,7 @@ pub(crate) fn rail_event(event: &'static str) {
 
 impl Inner {
     pub(crate) fn now(&self) -> Duration {
-        self.epoch.elapsed()
+        self.epoch.now()
     }
 
     pub(crate) fn limits(&self) -> BatchLimits {

@@ -31,6 +31,7 @@ use transport_core::lifecycle::{
     BatchLedger, BatchTable, DeadlineKey, DeadlineQueue, EndpointId, EndpointPool, IdBuildHasher, IdMap, Progress,
     TaskSet,
 };
+use transport_core::Epoch;
 use transport_core::{
     Access, BatchId, Error, ErrorKind, Inbox, RegionId, RegionInfo, Result, SegmentDescriptor, SegmentId,
     TransferRequest,
@@ -341,7 +342,7 @@ pub(crate) struct State {
     pub drivers: HashMap<u64, Task>,
     pub next_driver: u64,
     /// The pool's clock starts here.
-    pub epoch: Instant,
+    pub epoch: Epoch,
     next_region: u64,
     next_segment: u64,
     next_peer: u64,
@@ -349,11 +350,11 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub(crate) fn new(verbs: Arc<Verbs>, max_endpoints: usize, epoch: Instant) -> Self {
+    pub(crate) fn new(verbs: Arc<Verbs>, max_endpoints: usize, epoch: Epoch) -> Self {
         Self::with_verbs(Some(verbs), max_endpoints, epoch)
     }
 
-    fn with_verbs(verbs: Option<Arc<Verbs>>, max_endpoints: usize, epoch: Instant) -> Self {
+    fn with_verbs(verbs: Option<Arc<Verbs>>, max_endpoints: usize, epoch: Epoch) -> Self {
         Self {
             shutdown: false,
             device_failed: false,
@@ -435,7 +436,7 @@ impl State {
 
     /// Now on the pool's clock.
     pub(crate) fn now(&self) -> Duration {
-        self.epoch.elapsed()
+        self.epoch.now()
     }
 
     pub(crate) fn new_region_id(&mut self) -> RegionId {
@@ -663,7 +664,7 @@ mod tests {
     /// A state without a device, holding one batch of two requests with
     /// `posted` units of request 0 on the wire (request 1 has none).
     fn state_with_posted(posted: u64) -> (State, BatchId) {
-        let mut st = State::with_verbs(None, 4, Instant::now());
+        let mut st = State::with_verbs(None, 4, transport_core::Epoch::start());
         let req = TransferRequest::write(RegionId(1), 0, SegmentId(1), 0x1000, 8);
         let targets = vec![Target { spec: req, rkey: Some(7) }, Target { spec: req, rkey: Some(7) }];
         let ledger = BatchLedger::new([posted, 1], None);

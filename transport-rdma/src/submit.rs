@@ -349,7 +349,7 @@ pub(crate) async fn timer(weak: Weak<Inner>) {
                 })
                 .collect();
             // `None` also when beyond what `Instant` holds: never.
-            let wake = st.deadlines.next().and_then(|at| st.epoch.checked_add(at));
+            let wake = st.deadlines.next().and_then(|at| st.epoch.instant(at));
             (due, wake)
         };
         for id in due {

@@ -115,7 +115,7 @@ impl RdmaTransport {
             idle_timeout: cfg.idle_timeout(),
         };
         let verbs = Arc::new(Verbs { cq, chan, pd, ctx: ctx.clone(), port });
-        let state = State::new(verbs.clone(), cfg.max_endpoints, Instant::now());
+        let state = State::new(verbs.clone(), cfg.max_endpoints, transport_core::Epoch::start());
         let inbox = Inbox::new(cfg.inbox_capacity);
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),

@@ -299,7 +299,7 @@ impl State {
                 if let Some(ep) = self.endpoints.get_mut(&ep_id) {
                     if ep.busy && ep.broken_at.is_none() && ep.idle() {
                         ep.busy = false;
-                        let now = self.epoch.elapsed();
+                        let now = self.epoch.now();
                         self.pool.release(ep_id, now);
                         // Idle now: if it pins an unregistered region, it
                         // goes, so that region's MR is released.

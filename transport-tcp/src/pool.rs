@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use transport_core::lifecycle::{Acquire, EndpointId, EndpointPool, PoolCounts};
+use transport_core::Epoch;
 
 #[derive(Debug)]
 struct State<E> {
@@ -39,7 +40,7 @@ pub(crate) enum Slot<E> {
 #[derive(Debug)]
 pub(crate) struct Slots<E> {
     state: Mutex<State<E>>,
-    origin: Instant,
+    origin: Epoch,
     changed: Notify,
 }
 
@@ -47,20 +48,20 @@ impl<E> Slots<E> {
     pub fn new(max_endpoints: usize) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State { pool: EndpointPool::new(max_endpoints), built: HashMap::new() }),
-            origin: Instant::now(),
+            origin: Epoch::start(),
             changed: Notify::new(),
         })
     }
 
     /// The transport's clock: time since it started.
     pub fn now(&self) -> Duration {
-        self.origin.elapsed()
+        self.origin.now()
     }
 
     /// The instant `at` on the transport's clock (`None`: beyond what the
     /// clock can represent, i.e. never).
     pub fn instant(&self, at: Duration) -> Option<Instant> {
-        self.origin.checked_add(at)
+        self.origin.instant(at)
     }
 
     /// What to do to reach `key` (see [`Acquire`]).
