@@ -408,4 +408,129 @@ mod tests {
             _ => panic!("a paused path was chosen"),
         }
     }
+
+    /// What happens to paths between two choices, drawn at random.
+    #[derive(Debug, Clone)]
+    enum Event {
+        /// Time passes (ms).
+        Wait(u64),
+        /// A sub-batch on path `i` fails / succeeds (and leaves it).
+        Fail(usize),
+        Succeed(usize),
+        /// The batch asks for a path and sends a sub-batch of `bytes` on it.
+        Choose(u64),
+    }
+
+    fn event() -> impl proptest::strategy::Strategy<Value = Event> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0u64..400).prop_map(Event::Wait),
+            (0usize..4).prop_map(Event::Fail),
+            (0usize..4).prop_map(Event::Succeed),
+            (1u64..(1 << 20)).prop_map(Event::Choose),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever happens to the paths, what `choose` picks keeps the
+        /// rules: never a paused path; never more sub-batches of one batch
+        /// on a path than `subs_per_path`, one at a time on probation; the
+        /// fallback never while a rail is up; a probe before any up rail;
+        /// among up rails the least loaded with room; no path at all (an
+        /// error) only when every path is paused; waiting only when nothing
+        /// eligible has room.
+        #[test]
+        fn choices_keep_the_rules_whatever_the_paths_do(
+            rails in 1usize..4,
+            fallback in proptest::bool::ANY,
+            events in proptest::collection::vec(event(), 1..120),
+        ) {
+            let cfg = RailsConfig {
+                subs_per_path: 2,
+                pause_after_errors: 2,
+                pause_ms: 100,
+                max_pause_ms: 400,
+                ..RailsConfig::default()
+            };
+            let id = SegmentId(5);
+            let mut paths: Vec<Path> = (0..rails).map(|k| path(k, false, &cfg)).collect();
+            if fallback {
+                paths.push(path(rails, true, &cfg));
+            }
+            let mut s = seg(paths);
+            let n = s.paths.len();
+            let mut mine: HashMap<(SegmentId, usize), usize> = HashMap::new();
+            let mut now = Duration::from_secs(1);
+            for e in events {
+                match e {
+                    Event::Wait(ms) => now += Duration::from_millis(ms),
+                    Event::Fail(i) | Event::Succeed(i) => {
+                        let i = i % n;
+                        let p = &mut s.paths[i];
+                        if p.subs > 0 {
+                            p.subs -= 1;
+                            p.inflight = p.inflight.saturating_sub(1 << 20);
+                            if let Some(m) = mine.get_mut(&(id, i)) {
+                                *m = m.saturating_sub(1);
+                            }
+                        }
+                        if matches!(e, Event::Fail(_)) {
+                            let _ = p.health.failure(now, &cfg);
+                        } else {
+                            let _ = p.health.success(now, &cfg);
+                        }
+                    }
+                    Event::Choose(bytes) => {
+                        let state = |p: &Path| p.health.state(now);
+                        let has_room = |i: usize, p: &Path| match state(p) {
+                            PathState::Up => mine.get(&(id, i)).copied().unwrap_or(0) < cfg.subs_per_path,
+                            PathState::Probation => p.subs == 0,
+                            PathState::Paused => false,
+                        };
+                        let rail_up = s.paths.iter().any(|p| !p.fallback && state(p) == PathState::Up);
+                        match choose(&s, id, &mine, now, &cfg) {
+                            Choice::Path(i) => {
+                                let p = &s.paths[i];
+                                proptest::prop_assert!(state(p) != PathState::Paused, "a paused path was chosen");
+                                proptest::prop_assert!(has_room(i, p), "path {} had no room", i);
+                                proptest::prop_assert!(!(p.fallback && rail_up), "the fallback while a rail is up");
+                                if !p.fallback && state(p) == PathState::Up {
+                                    let probe_waiting = s.paths.iter().enumerate().any(|(j, q)| {
+                                        !q.fallback && state(q) == PathState::Probation && has_room(j, q)
+                                    });
+                                    proptest::prop_assert!(!probe_waiting, "a probe was due first");
+                                    let least = s
+                                        .paths
+                                        .iter()
+                                        .enumerate()
+                                        .filter(|(j, q)| !q.fallback && state(q) == PathState::Up && has_room(*j, q))
+                                        .map(|(_, q)| q.inflight)
+                                        .min();
+                                    proptest::prop_assert_eq!(Some(p.inflight), least, "not the least loaded");
+                                }
+                                let p = &mut s.paths[i];
+                                p.subs += 1;
+                                p.inflight += bytes;
+                                *mine.entry((id, i)).or_default() += 1;
+                            }
+                            Choice::Wait => {
+                                let eligible = s.paths.iter().enumerate().any(|(j, q)| {
+                                    has_room(j, q) && (!q.fallback || !rail_up)
+                                });
+                                proptest::prop_assert!(!eligible, "waited with an eligible path free");
+                                proptest::prop_assert!(s.paths.iter().any(|q| state(q) != PathState::Paused));
+                            }
+                            Choice::None(e) => {
+                                proptest::prop_assert!(e.is_transient());
+                                proptest::prop_assert!(
+                                    s.paths.iter().all(|q| state(q) == PathState::Paused),
+                                    "gave up with a path not paused"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
