@@ -8,8 +8,7 @@ pub mod wire;
 
 pub use wire::{bundle, is_failure_notice, is_session_message, unbundle, Grant, Outcome, Verdict, MAX_GRANT_RANGES};
 mod table;
+mod types;
 
-pub use table::{
-    check_grant, Action, Outgoing, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
-    MAX_STRANGERS,
-};
+pub use table::{check_grant, SessionTable, MAX_STRANGERS};
+pub use types::{Action, Outgoing, Role, SessionCounts, SessionKey, SessionLimits, SessionState};
