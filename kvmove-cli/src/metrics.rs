@@ -31,6 +31,7 @@ pub fn install(serve: Option<SocketAddr>) -> Result<(), String> {
     };
     let handle = recorder.handle();
     ::metrics::set_global_recorder(recorder).map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    kvmove::describe_metrics();
     // Histogram samples wait in a queue until an upkeep folds them into
     // their summaries: keep that queue short in a long-running command.
     let upkeep = handle.clone();

@@ -431,6 +431,8 @@ fn target_serves_metrics_that_count_the_workload() {
     let bytes = v["verified_bytes"].as_u64().unwrap() as f64;
     let text = scrape(&maddr);
     assert_eq!(metric(&text, r#"kvmove_tcp_served_bytes_total{op="write"}"#), Some(bytes), "{text}");
+    // Every family carries the engine's own description (describe_metrics).
+    assert!(text.contains("# HELP kvmove_tcp_served_bytes_total Bytes this engine's TCP server served"), "{text}");
     // The initiator reads every byte back to verify it.
     assert_eq!(metric(&text, r#"kvmove_tcp_served_bytes_total{op="read"}"#), Some(bytes), "{text}");
     let conns = metric(&text, "kvmove_tcp_connections_total").unwrap_or(0.0);

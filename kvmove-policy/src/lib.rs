@@ -32,5 +32,5 @@ pub use breaker::{Admit, Breaker, BreakerState};
 pub use budget::{Budget, Charge, Reservation, Usage};
 pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig};
 pub use engine::{Engine, Transfer, TransferOutcome};
-pub use metrics::{MAX_PEER_LABELS, OTHER_PEER};
+pub use metrics::{describe_metrics, MAX_PEER_LABELS, OTHER_PEER};
 pub use sessions::Sessions;

@@ -22,6 +22,36 @@ use super::breaker::BreakerState;
 use transport_core::ErrorKind;
 use transport_core::{BatchState, Opcode, RequestStatus, TransferRequest};
 
+/// Gives the installed recorder the description of every metric the
+/// engine and the sessions emit (Prometheus `# HELP`, the Python
+/// collector's documentation). Call once after installing a recorder.
+pub fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_counter!("kvmove_bytes_total", "Bytes of completed requests, by operation and peer.");
+    describe_counter!("kvmove_requests_total", "Requests finished, by operation, peer and final state.");
+    describe_counter!("kvmove_transfers_total", "Transfers (batches) finished, by final state.");
+    describe_counter!("kvmove_retries_total", "Transfer attempts after the first.");
+    describe_counter!("kvmove_errors_total", "Failed requests, by error kind.");
+    describe_counter!("kvmove_breaker_transitions_total", "Circuit breaker transitions, by peer and new state.");
+    describe_gauge!("kvmove_breaker_open", "1 while a peer's circuit breaker is open or half-open, else 0.");
+    describe_gauge!("kvmove_inflight_bytes", "Bytes of the in-flight budget in use.");
+    describe_gauge!("kvmove_inflight_requests", "Requests of the in-flight budget in use.");
+    describe_histogram!("kvmove_transfer_seconds", "Time from a transfer's start to its outcome, by final state.");
+    describe_histogram!(
+        "kvmove_stage_seconds",
+        "Time in each stage of a transfer: budget (queued for the in-flight budget), submit (handing the batch \
+         to the backend), complete (on the wire until every request is terminal)."
+    );
+    describe_counter!("kvmove_sessions_total", "Handoff sessions, each counted once when final, by role and state.");
+    describe_histogram!("kvmove_session_landed_seconds", "Time until a handoff session's data landed, by role.");
+    describe_histogram!("kvmove_session_grant_wait_seconds", "Time a sender waited for the receiver's grant.");
+    describe_counter!(
+        "kvmove_session_pauses_total",
+        "Times this process did not run for a while (a pause): the session engine did not count the gap against any peer."
+    );
+    describe_counter!("kvmove_notifications_total", "Plain notifications, by direction (sent or received).");
+}
+
 /// Distinct peers that get their own label value.
 pub const MAX_PEER_LABELS: usize = 64;
 

@@ -64,6 +64,22 @@ pub use config::{
     MockOptions, RdmaOptions, TcpOptions,
 };
 pub use directory::{open, publish, resolve};
+
+/// Gives the installed `metrics` recorder the description of every metric
+/// kvmove emits: the engine's and the sessions', and those of every backend
+/// built in. Call once, after installing the recorder (the `kvmove`
+/// command and the Python package do).
+pub fn describe_metrics() {
+    kvmove_policy::describe_metrics();
+    transport_core::describe_endpoint_metrics();
+    #[cfg(feature = "tcp")]
+    transport_tcp::describe_metrics();
+    #[cfg(feature = "rdma")]
+    {
+        transport_rdma::describe_metrics();
+        transport_rails::describe_metrics();
+    }
+}
 pub use kvmove_policy::{Engine, PolicyConfig, Transfer, TransferOutcome};
 pub use transport_core::{
     Access, Buffer, Error, ErrorKind, InProcessStore, MemoryRegion, MetadataStore, RegionId, RegionInfo, Result,

@@ -17,36 +17,6 @@ from . import _native
 
 logger = logging.getLogger("kvmove")
 
-# HELP text of the names the engine emits (a description the engine gives
-# with `describe_*!` takes precedence).
-HELP = {
-    "kvmove_bytes_total": "Bytes of completed requests, by operation and peer.",
-    "kvmove_requests_total": "Requests finished, by operation, peer and final state.",
-    "kvmove_transfers_total": "Transfers (batches) finished, by final state.",
-    "kvmove_retries_total": "Transfer attempts after the first.",
-    "kvmove_errors_total": "Failed requests, by error kind.",
-    "kvmove_breaker_transitions_total": "Circuit breaker transitions, by peer and new state.",
-    "kvmove_breaker_open": "1 while a peer's circuit breaker is open or half-open, else 0.",
-    "kvmove_inflight_bytes": "Bytes of the in-flight budget in use.",
-    "kvmove_inflight_requests": "Requests of the in-flight budget in use.",
-    "kvmove_transfer_seconds": "Time from a transfer's start to its outcome, by final state.",
-    "kvmove_stage_seconds": "Time in each stage of a transfer: budget (queued for the in-flight budget), "
-    "submit (handing the batch to the backend), complete (on the wire until every request is terminal).",
-    "kvmove_sessions_total": "Handoff sessions, each counted once when final, by role and state.",
-    "kvmove_session_landed_seconds": "Time until a handoff session's data landed, by role.",
-    "kvmove_session_grant_wait_seconds": "Time a sender waited for the receiver's grant.",
-    "kvmove_notifications_total": "Plain notifications, by direction (sent or received).",
-    "kvmove_endpoints_total": "Endpoint (connection) events of a backend, by backend and event.",
-    "kvmove_endpoints_live": "Endpoints (connections) a backend holds now.",
-    "kvmove_tcp_served_bytes_total": "Bytes this engine's TCP server served to peers, by operation.",
-    "kvmove_tcp_connections_total": "Connections the TCP server accepted.",
-    "kvmove_tcp_connections_refused_total": "Connections the TCP server refused or evicted, by reason.",
-    "kvmove_tcp_same_host_bytes_total": "Of the bytes this engine's TCP server served, those moved by "
-    "same-host copies (process to process, not through the socket), by operation.",
-    "kvmove_tcp_lanes_total": "TCP lanes this engine connected, by path: same_host (bytes moved by "
-    "same-host copies) or socket.",
-}
-
 
 def _labels_key(labels: Dict[str, str]):
     return tuple(sorted(labels.items()))
@@ -129,7 +99,8 @@ class _Collector:
                 logger.warning("kvmove metrics are not exported: %s", e)
             return
         for name, (kind, samples) in families.items():
-            doc = described.get(name) or HELP.get(name) or f"kvmove metric {name}."
+            # The engine describes every name it emits (Rust, `describe_metrics`).
+            doc = described.get(name) or f"kvmove metric {name}."
             if kind == "counter":
                 # A counter family is named without `_total`, its samples
                 # with it (as prometheus_client's CounterMetricFamily).

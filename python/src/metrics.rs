@@ -212,7 +212,7 @@ pub(crate) fn install() -> Result<&'static Store, String> {
     INSTALLED
         .get_or_init(|| {
             let store: &'static Store = STORE.get_or_init(Store::new);
-            metrics::set_global_recorder(store).map(|()| store).map_err(|_| {
+            metrics::set_global_recorder(store).map(|()| kvmove::describe_metrics()).map(|()| store).map_err(|_| {
                 "kvmove metrics are unavailable: another `metrics` recorder was installed in this \
                  process before kvmove's, so the engine's metrics go to that recorder"
                     .to_owned()

@@ -286,6 +286,13 @@ def test_register_prometheus_exposes_the_same_values(pair):
     m = kvmove.metrics()  # nothing moves between the scrape and this
 
     assert text.count("# TYPE kvmove_bytes_total counter") == 1
+    # Descriptions come from the engine (Rust's describe_metrics), one per
+    # family, never the placeholder.
+    assert "# HELP kvmove_bytes_total Bytes of completed requests, by operation and peer." in text
+    assert "# HELP kvmove_tcp_lanes_total TCP lanes this engine connected" in text
+    for line in text.splitlines():
+        if line.startswith("# HELP kvmove_"):
+            assert "kvmove metric kvmove_" not in line, line
     assert types["kvmove_bytes"] == "counter"  # the parser drops `_total`
     assert types["kvmove_inflight_bytes"] == "gauge"
     assert types["kvmove_transfer_seconds"] == "histogram"

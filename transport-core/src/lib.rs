@@ -56,7 +56,7 @@ pub use notify::{
     check_notification, check_received, inbox_full, Inbox, Notification, Refused, DEFAULT_INBOX, MAX_NOTIFY_FROM,
     MAX_NOTIFY_LEN,
 };
-pub use stats::{Capabilities, ResourceStats};
+pub use stats::{describe_endpoint_metrics, Capabilities, ResourceStats};
 pub use transport::{notify_when_completed, Transport};
 pub use transport_mem::{Buffer, DeviceMemory, FakeDevice, MemError, MemoryKind, MemoryRegion};
 pub use types::{

@@ -76,3 +76,14 @@ pub struct ResourceStats {
     /// configuration; freed when no registered region needs it.
     pub staging_bytes: u64,
 }
+
+/// Describes the endpoint metrics every backend emits
+/// (`kvmove_endpoints_total`, `kvmove_endpoints_live`) to the installed
+/// recorder; each backend's `describe_metrics` calls it.
+pub fn describe_endpoint_metrics() {
+    metrics::describe_counter!(
+        "kvmove_endpoints_total",
+        "Endpoint (connection) events of a backend, by backend and event."
+    );
+    metrics::describe_gauge!("kvmove_endpoints_live", "Endpoints (connections) a backend holds now.");
+}

@@ -37,6 +37,7 @@ use transport_core::{Result, Transport};
 
 pub use layer::{PathStatus, Rails};
 pub use paths::{gid_prefix, Pairing, PathState, RailsConfig, MAX_RAILS};
+pub use state::describe_metrics;
 
 /// The transport `rails` and `fallback` make: one rail without a fallback
 /// is itself (no layer in between); anything else is a [`Rails`] over them

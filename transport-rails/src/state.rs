@@ -122,6 +122,15 @@ pub(crate) fn transient_path_failure(e: &Error) -> bool {
     (e.kind().is_peer_failure() && e.kind() != ErrorKind::PeerRestarted) || e.kind() == ErrorKind::Shutdown
 }
 
+/// Describes the rails' metric to the installed recorder.
+pub fn describe_metrics() {
+    metrics::describe_counter!(
+        "kvmove_rail_events_total",
+        "Rail events, by event: paused (a path paused after failures), resumed (a path back after its probe), \
+         fallback (traffic moved over the fallback)."
+    );
+}
+
 pub(crate) fn rail_event(event: &'static str) {
     metrics::counter!("kvmove_rail_events_total", "event" => event).increment(1);
 }

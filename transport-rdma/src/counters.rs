@@ -19,3 +19,13 @@ pub(crate) fn endpoint_event(event: &'static str, n: u64) {
 pub(crate) fn count_path(path: MemPath) {
     metrics::counter!("kvmove_device_regions_total", "backend" => "rdma", "path" => path.as_str()).increment(1);
 }
+
+/// Describes the RDMA backend's metrics (and the endpoint metrics every
+/// backend emits) to the installed recorder. Call once after installing it.
+pub fn describe_metrics() {
+    transport_core::describe_endpoint_metrics();
+    metrics::describe_counter!(
+        "kvmove_device_regions_total",
+        "Device (GPU) regions registered by the RDMA backend, by the path the NIC reaches them by."
+    );
+}

@@ -143,6 +143,7 @@ mod work;
 const BACKEND: &str = "rdma";
 
 pub use config::RdmaConfig;
+pub use counters::describe_metrics;
 pub use error::VerbsError;
 pub use rails::{open_devices, rail_devices};
 pub use transport::{rdma_devices, RdmaTransport};

@@ -155,3 +155,25 @@ pub mod wire {
         Status, WireRegion, HEADER_LEN, MAX_NOTIFY_PAYLOAD, NONCE_LEN, PULL_WRITES, SAME_HOST, VERSION,
     };
 }
+
+/// Describes the TCP backend's metrics (and the endpoint metrics every
+/// backend emits) to the installed recorder. Call once after installing it.
+pub fn describe_metrics() {
+    use metrics::describe_counter;
+    transport_core::describe_endpoint_metrics();
+    describe_counter!("kvmove_tcp_served_bytes_total", "Bytes this engine's TCP server served to peers, by operation.");
+    describe_counter!("kvmove_tcp_connections_total", "Connections the TCP server accepted.");
+    describe_counter!(
+        "kvmove_tcp_connections_refused_total",
+        "Connections the TCP server refused or evicted, by reason."
+    );
+    describe_counter!(
+        "kvmove_tcp_same_host_bytes_total",
+        "Of the bytes this engine's TCP server served, those moved by same-host copies (process to process, \
+         not through the socket), by operation."
+    );
+    describe_counter!(
+        "kvmove_tcp_lanes_total",
+        "TCP lanes this engine connected, by path: same_host (bytes moved by same-host copies) or socket."
+    );
+}
