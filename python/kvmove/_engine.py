@@ -158,41 +158,59 @@ class Region:
         return False
 
 
-class Batch:
-    """A submitted batch of requests."""
+class _Running:
+    """A transfer running in the background (a :class:`Batch`, a
+    :class:`SessionWrite`): ``done``, ``poll`` and ``wait`` over its native
+    handle, the outcome cached once known."""
 
-    def __init__(self, native_batch):
-        self._b = native_batch
+    def __init__(self, native):
+        self._n = native
         self._outcome: Optional[Outcome] = None
 
     @property
     def done(self) -> bool:
-        return self._outcome is not None or self._b.done
+        return self._outcome is not None or self._n.done
 
     def poll(self) -> Optional[Outcome]:
         """The outcome if finished, else None. Never blocks."""
         if self._outcome is None:
-            t = self._b.poll()
+            t = self._n.poll()
             if t is not None:
                 self._outcome = Outcome._from_native(t)
         return self._outcome
 
+    def _refused(self, e: TransferError) -> Optional[Outcome]:
+        """The outcome of a transfer refused as it was to start (``wait``
+        without ``check``), or None to raise ``e``."""
+        return None
+
     def wait(self, timeout: Optional[float] = None, check: bool = True) -> Optional[Outcome]:
         """Waits (GIL released) for the outcome; None if ``timeout`` seconds
-        passed first. With ``check`` (default), a batch that did not
+        passed first. With ``check`` (default), a transfer that did not
         complete raises its error."""
         if self._outcome is None:
-            t = self._b.wait(timeout)
+            try:
+                t = self._n.wait(timeout)
+            except TransferError as e:
+                refused = None if check else self._refused(e)
+                if refused is None:
+                    raise
+                self._outcome = refused
+                return refused
             if t is None:
                 return None
             self._outcome = Outcome._from_native(t)
         return self._outcome.raise_for_status() if check else self._outcome
 
+
+class Batch(_Running):
+    """A submitted batch of requests."""
+
     def cancel(self) -> Outcome:
         """Cancels what has not completed; returns once the batch is quiet
         (its buffers may be reused at once)."""
         if self._outcome is None:
-            self._outcome = Outcome._from_native(self._b.cancel())
+            self._outcome = Outcome._from_native(self._n.cancel())
         return self._outcome
 
     def __enter__(self) -> "Batch":
@@ -348,48 +366,20 @@ SESSION_STATES = ("waiting", "granted", "transferring", "landed", "failed", "can
 FINAL_STATES = frozenset(("landed", "failed", "cancelled", "expired"))
 
 
-class SessionWrite:
+class SessionWrite(_Running):
     """One write of a :class:`SendSession` (e.g. one layer), running in the
-    background."""
+    background. Without ``check``, ``wait`` gives an outcome for a write
+    refused as it was to start (the session had ended): every request
+    ``"cancelled"`` or ``"failed"``, no attempt made."""
 
     def __init__(self, native_write, requests: int):
-        self._w = native_write
+        super().__init__(native_write)
         self._requests = requests
-        self._outcome: Optional[Outcome] = None
 
-    @property
-    def done(self) -> bool:
-        return self._outcome is not None or self._w.done
-
-    def poll(self) -> Optional[Outcome]:
-        """The outcome if finished, else None. Never blocks."""
-        if self._outcome is None:
-            t = self._w.poll()
-            if t is not None:
-                self._outcome = Outcome._from_native(t)
-        return self._outcome
-
-    def wait(self, timeout: Optional[float] = None, check: bool = True) -> Optional[Outcome]:
-        """Waits (GIL released) for the outcome; None if ``timeout`` seconds
-        passed first. With ``check`` (default), a write that did not complete
-        raises its error; without, it is an outcome (a write refused as it
-        was to start, because the session had ended, is one whose requests
-        are all ``"cancelled"`` or ``"failed"`` and that made no attempt)."""
-        if self._outcome is None:
-            try:
-                t = self._w.wait(timeout)
-            except TransferError as e:
-                # Refused when it was to start (the session ended first):
-                # nothing moved. Without ``check`` that is an outcome too.
-                if check:
-                    raise
-                state = "cancelled" if getattr(e, "kind", None) == "cancelled" else "failed"
-                self._outcome = Outcome(state, 0, [RequestResult(state, e)] * self._requests)
-                return self._outcome
-            if t is None:
-                return None
-            self._outcome = Outcome._from_native(t)
-        return self._outcome.raise_for_status() if check else self._outcome
+    def _refused(self, e: TransferError) -> Optional[Outcome]:
+        # Nothing moved: the session ended before the write could start.
+        state = "cancelled" if getattr(e, "kind", None) == "cancelled" else "failed"
+        return Outcome(state, 0, [RequestResult(state, e)] * self._requests)
 
 
 class _Handoff:

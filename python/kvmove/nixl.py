@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import pickle
-import struct
 import threading
 import time
 from enum import Enum
@@ -46,7 +45,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._engine import Engine
-from ._native import TransferError, HAS_RDMA, NixlOps, nixl_desc_rows
+from ._native import (
+    HAS_RDMA,
+    NixlOps,
+    TransferError,
+    named_notification,
+    nixl_desc_rows,
+    read_named_notification,
+)
 
 logger = logging.getLogger("kvmove.nixl")
 
@@ -56,11 +62,6 @@ DEFAULT_COMM_PORT = 8888
 #: The name that marks a local descriptor list in ``prep_xfer_dlist``.
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
 
-#: Largest kvmove notification, in bytes (name header included).
-_MAX_NOTIF = 4096
-#: Header of a notification sent by an agent: magic, then the agent name's
-#: length (u16, little-endian) and the name; the message follows.
-_NOTIF_MAGIC = b"KVNX"
 #: Header of agent metadata; JSON follows.
 _MD_MAGIC = b"KVMOVE-NIXL/1\n"
 
@@ -1337,24 +1338,19 @@ def _notif_bytes(msg) -> bytes:
 
 
 def _encode_notif(name: str, msg: bytes) -> bytes:
-    n = name.encode()
-    wire = _NOTIF_MAGIC + struct.pack("<H", len(n)) + n + msg
-    if len(wire) > _MAX_NOTIF:
-        room = _MAX_NOTIF - len(wire) + len(msg)
-        raise nixlInvalidParamError(f"notification message of {len(msg)} bytes is too long: at most {room} bytes")
-    return wire
+    """A notification named after the sending agent: the engine's one
+    framing of a named notification (the Mooncake API's too)."""
+    try:
+        return named_notification(name, msg)
+    except ValueError as e:
+        raise nixlInvalidParamError(str(e)) from None
 
 
 def _decode_notif(peer: str, wire: bytes) -> Tuple[str, bytes]:
-    h = len(_NOTIF_MAGIC)
-    if wire.startswith(_NOTIF_MAGIC) and len(wire) >= h + 2:
-        (n,) = struct.unpack_from("<H", wire, h)
-        if len(wire) >= h + 2 + n:
-            try:
-                return wire[h + 2 : h + 2 + n].decode(), wire[h + 2 + n :]
-            except UnicodeDecodeError:
-                pass
-    return peer, wire
+    """The sending agent's name and the message; a notification that is
+    not named shows the peer's engine name."""
+    named = read_named_notification(wire)
+    return named if named is not None else (peer, wire)
 
 
 __all__ = [

@@ -16,12 +16,13 @@ use parking_lot::Mutex;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
-use transport_core::{Buffer, Error, ErrorKind, Notification, Opcode, Result, MAX_NOTIFY_LEN};
+use transport_core::{Buffer, Error, ErrorKind, Notification, Opcode, Result};
 
 use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::devmem::Want;
 use crate::errors::invalid;
+use crate::named;
 use crate::outcome::{last_error, log, set_last_error};
 
 /// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
@@ -31,11 +32,6 @@ const OPCODE_WRITE: i64 = 1;
 const ERR_ADDRESS_NOT_REGISTERED: i64 = -3;
 /// Mooncake's return code for memory that overlaps a registered region.
 const ERR_ADDRESS_OVERLAPPED: i64 = -7;
-
-/// First bytes of a Mooncake-style notification on the wire (a plain
-/// rule-11 notification whose message carries the name and the text):
-/// `"\0KVN"`, name length (u16 little-endian), name, message.
-const NOTIFY_MAGIC: [u8; 4] = *b"\0KVN";
 
 /// How long a notification waits for room in a full peer inbox before the
 /// transfer call gives up with -1 (the data itself has landed).
@@ -82,21 +78,10 @@ fn text_arg(what: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
 }
 
 impl TransferNotify {
-    /// The notification's wire message; `InvalidRequest` when it does not fit.
+    /// The notification's wire message (a named notification,
+    /// [`crate::named`]); `InvalidRequest` when it does not fit.
     fn encode(&self) -> Result<Vec<u8>> {
-        let name = self.name.as_bytes();
-        let len = u16::try_from(name.len()).map_err(|_| invalid("notify name too long"))?;
-        let mut v = Vec::with_capacity(6 + name.len() + self.msg.len());
-        v.extend_from_slice(&NOTIFY_MAGIC);
-        v.extend_from_slice(&len.to_le_bytes());
-        v.extend_from_slice(name);
-        v.extend_from_slice(self.msg.as_bytes());
-        if v.len() > MAX_NOTIFY_LEN {
-            return Err(invalid("notify name and msg together exceed the notification size limit")
-                .with("len", v.len())
-                .with("max", MAX_NOTIFY_LEN));
-        }
-        Ok(v)
+        named::encode(self.name.as_bytes(), self.msg.as_bytes())
     }
 
     /// A received notification as Mooncake shows it. One not sent by a
@@ -108,13 +93,8 @@ impl TransferNotify {
             return None;
         }
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        if let Some(rest) = n.msg.strip_prefix(&NOTIFY_MAGIC) {
-            if let Some((len, rest)) = rest.split_first_chunk::<2>() {
-                let len = usize::from(u16::from_le_bytes(*len));
-                if let Some((name, msg)) = (rest.len() >= len).then(|| rest.split_at(len)) {
-                    return Some(Self { name: text(name), msg: text(msg) });
-                }
-            }
+        if let Some((name, msg)) = named::decode(&n.msg) {
+            return Some(Self { name: text(name), msg: text(msg) });
         }
         Some(Self { name: n.from, msg: text(&n.msg) })
     }
@@ -862,6 +842,7 @@ fn policy_from_env() -> Result<Option<PolicyConfig>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use transport_core::MAX_NOTIFY_LEN;
 
     fn received(msg: Vec<u8>) -> Notification {
         Notification { from: "10.0.0.1:7000".into(), msg }
@@ -871,7 +852,7 @@ mod tests {
     fn notify_round_trip() {
         let n = TransferNotify { name: "req-7".into(), msg: "kv ready".into() };
         let wire = n.encode().unwrap();
-        assert!(wire.starts_with(&NOTIFY_MAGIC));
+        assert!(wire.starts_with(&named::MAGIC));
         assert_eq!(TransferNotify::decode(received(wire)), Some(n));
         let empty = TransferNotify::default();
         assert_eq!(TransferNotify::decode(received(empty.encode().unwrap())), Some(empty));
@@ -890,7 +871,7 @@ mod tests {
         let plain = TransferNotify::decode(received(b"hello".to_vec())).unwrap();
         assert_eq!((plain.name.as_str(), plain.msg.as_str()), ("10.0.0.1:7000", "hello"));
         // A name length past the end: not a Mooncake notify, shown as is.
-        let mut bad = NOTIFY_MAGIC.to_vec();
+        let mut bad = named::MAGIC.to_vec();
         bad.extend_from_slice(&100u16.to_le_bytes());
         bad.extend_from_slice(b"short");
         assert_eq!(TransferNotify::decode(received(bad)).unwrap().name, "10.0.0.1:7000");

@@ -20,6 +20,9 @@
 //!   (`kvmove.nixl`): the runtime sends its notification once every request
 //!   completed, so the message never arrives before the data.
 //!
+//! * [`named`] is the one framing of a named notification, for the
+//!   Mooncake API (`TransferNotify`) and the NIXL API alike.
+//!
 //! * [`metrics`] keeps the engine's metrics (emitted through the `metrics`
 //!   facade) in memory for `kvmove.metrics()` and the `prometheus_client`
 //!   collector; the first engine of any API installs it.
@@ -41,6 +44,7 @@ mod errors;
 mod handoff;
 mod hostmem;
 mod metrics;
+mod named;
 mod native;
 mod nixl;
 mod outcome;
@@ -64,6 +68,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devmem::device_providers, m)?)?;
     m.add_function(wrap_pyfunction!(nixl::nixl_desc_rows, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(named::named_notification, m)?)?;
+    m.add_function(wrap_pyfunction!(named::read_named_notification, m)?)?;
+    m.add("MAX_NOTIFY_LEN", transport_core::MAX_NOTIFY_LEN)?;
     m.add("PROTOCOL_ENV", backend::PROTOCOL_ENV)?;
     m.add("HAS_RDMA", backend::has_rdma())?;
     Ok(())
