@@ -46,7 +46,7 @@ impl fmt::Display for MemoryKind {
     }
 }
 
-/// What reaches device memory: a GPU runtime (CUDA) or [`FakeDevice`].
+/// What reaches device memory: a GPU runtime (CUDA) or [`FakeDevice`](crate::FakeDevice).
 ///
 /// Addresses are device addresses as the application holds them (a CUDA
 /// device pointer, `tensor.data_ptr()`); lengths are bytes. Copies are

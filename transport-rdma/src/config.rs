@@ -17,7 +17,7 @@ pub(crate) const MAX_QPS_PER_GROUP: usize = 64;
 pub struct RdmaConfig {
     /// RDMA device name (`mlx5_0`, `rxe0`); `None` takes the first device.
     pub device: Option<String>,
-    /// Several devices as one (rails, [`crate::open`]): their names, or
+    /// Several devices as one (rails, [`crate::open_devices`]): their names, or
     /// `["all"]` for every device whose port is active. Empty (the default)
     /// uses `device` alone. Rail 0 listens on `listen` and names the
     /// transport; the others on the same host, any port. Every rail keeps

@@ -145,7 +145,7 @@ impl Default for SessionLimits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Sender: cancel the session's writes in flight; report each with
-    /// [`SessionTable::end_write`].
+    /// [`SessionTable::end_write`](crate::session::SessionTable::end_write).
     StopWrites(SessionKey),
 }
 
