@@ -3,7 +3,7 @@
 //! # Design
 //!
 //! Two Python APIs share one engine ([`core::Core`]): a backend (TCP or
-//! RDMA, chosen by the `protocol` string) wrapped in `transport_core`'s
+//! RDMA, chosen by the `protocol` string) wrapped in `kvmove_policy`'s
 //! policy layer (retry, deadlines, circuit breaker, backpressure), with its
 //! own small multi-threaded tokio runtime.
 //!
