@@ -1,0 +1,97 @@
+//! The shared state's bookkeeping, without a device.
+
+use super::*;
+
+/// A state without a device, holding one batch of two requests with
+/// `posted` units of request 0 on the wire (request 1 has none).
+fn state_with_posted(posted: u64) -> (State, BatchId) {
+    let mut st = State::with_verbs(None, 4, transport_core::Epoch::start());
+    let req = TransferRequest::write(RegionId(1), 0, SegmentId(1), 0x1000, 8);
+    let targets = vec![Target { spec: req, rkey: Some(7) }, Target { spec: req, rkey: Some(7) }];
+    let ledger = BatchLedger::new([posted, 1], None);
+    let id = st.batches.insert(Batch::new(ledger, targets));
+    let b = st.batches.get_mut(id).unwrap();
+    for _ in 0..posted {
+        assert!(b.ledger.start(0));
+    }
+    assert!(b.ledger.start(1));
+    assert!(!b.ledger.unit_done(1, Ok(())).batch_terminal);
+    (st, id)
+}
+
+#[test]
+fn lost_units_are_counted_per_request() {
+    let mut g = Graveyard::default();
+    let (a, b) = (BatchId(1), BatchId(2));
+    g.lose(a, 0);
+    g.lose(b, 0);
+    g.lose(a, 0);
+    g.lose(a, 1);
+    assert_eq!(
+        g.lost,
+        vec![Lost { batch: a, req: 0, n: 2 }, Lost { batch: b, req: 0, n: 1 }, Lost { batch: a, req: 1, n: 1 }]
+    );
+    assert!(!g.is_empty());
+    g.lost.clear(); // nothing to destroy: dropping it is a no-op
+}
+
+/// Rule 5: work posted on a QP being destroyed keeps its batch
+/// non-terminal (and on the wire for `settle`) until the QP is gone;
+/// only `after_destroy` (run by `with_state` after the graveyard was
+/// dropped) ends it.
+#[test]
+fn lost_work_ends_only_after_the_qp_is_destroyed() {
+    let (mut st, id) = state_with_posted(3);
+    let mut g = Graveyard::default();
+    for _ in 0..3 {
+        g.lose(id, 0);
+    }
+    let lost = std::mem::take(&mut g.lost);
+    let b = st.batches.get(id).unwrap();
+    assert!(!b.ledger.is_terminal());
+    assert_eq!(b.ledger.on_wire(), 3);
+    assert!(st.any_on_wire(|t| t.spec.local == RegionId(1)));
+    drop(g); // where ibv_destroy_qp runs
+    st.after_destroy(&[], &lost);
+    let b = st.batches.get(id).unwrap();
+    assert!(b.ledger.is_terminal());
+    assert_eq!(b.ledger.on_wire(), 0);
+    assert!(b.ledger.status().first_error().is_some());
+    assert!(!st.any_on_wire(|_| true));
+}
+
+#[test]
+fn orphaned_batches_are_removed_once_terminal() {
+    let (mut st, id) = state_with_posted(1);
+    st.batches.get_mut(id).unwrap().orphaned = true;
+    let mut g = Graveyard::default();
+    st.remove_orphans(&mut g);
+    assert_eq!(st.batches.len(), 1, "work still posted: kept");
+    st.after_destroy(&[], &[Lost { batch: id, req: 0, n: 1 }]);
+    st.remove_orphans(&mut g);
+    assert_eq!(st.batches.len(), 0);
+    assert_eq!(g.batches.len(), 1);
+}
+
+#[test]
+fn lost_units_of_a_released_batch_are_ignored() {
+    let (mut st, id) = state_with_posted(1);
+    let before = format!("{:?}", st.batches.get(id).unwrap().ledger.status());
+    // A batch released meanwhile (99 was never in the table): its lost
+    // units touch nothing, and the live batch keeps its work on the wire.
+    st.after_destroy(&[], &[Lost { batch: BatchId(99), req: 0, n: 1 }]);
+    st.after_destroy(&[], &[]);
+    assert_eq!(st.batches.len(), 1);
+    let b = st.batches.get(id).unwrap();
+    assert!(!b.ledger.is_terminal());
+    assert_eq!(b.ledger.on_wire(), 1, "the live batch's work request is still posted");
+    assert_eq!(format!("{:?}", b.ledger.status()), before);
+    assert!(st.any_on_wire(|t| t.spec.local == RegionId(1)));
+}
+
+#[test]
+fn work_request_ids_are_never_reused() {
+    let mut ids = WrIds::default();
+    let a = ids.next();
+    assert_ne!(a, ids.next());
+}
