@@ -12,17 +12,18 @@ use crate::outcome::{CaseError, CaseResult};
 
 const LEN: usize = 64 << 10;
 
-/// The outcome of one transfer attempt: `Ok(true)` completed, `Ok(false)`
-/// failed with a transient error; a permanent error or a hang fails the case.
-async fn attempt(t: &std::sync::Arc<dyn Transport>, req: TransferRequest) -> Result<bool, CaseError> {
+/// The outcome of one transfer attempt: `Ok(None)` completed, `Ok(Some(why))`
+/// failed with a transient error (or timed out); a permanent error or a hang
+/// fails the case.
+async fn attempt(t: &std::sync::Arc<dyn Transport>, req: TransferRequest) -> Result<Option<String>, CaseError> {
     let (state, err) = match run_batch(t, vec![req], SubmitOptions::with_timeout(Duration::from_secs(5))).await? {
         Err(e) => (BatchState::Failed, Some(e)),
         Ok(s) => (s.state, s.first_error().cloned()),
     };
     match (state, err) {
-        (BatchState::Completed, _) => Ok(true),
-        (BatchState::TimedOut, _) => Ok(false),
-        (_, Some(e)) if e.is_transient() => Ok(false),
+        (BatchState::Completed, _) => Ok(None),
+        (BatchState::TimedOut, e) => Ok(Some(format!("timed out ({:?})", e.map(|e| e.to_string())))),
+        (_, Some(e)) if e.is_transient() => Ok(Some(e.to_string())),
         (s, e) => Err(CaseError::Fail(format!(
             "a transfer to a failed or restarted peer must fail with a transient error, got {s:?} {:?}",
             e.map(|e| e.to_string())
@@ -43,7 +44,7 @@ pub async fn failed_endpoint_is_freed(cx: Ctx) -> CaseResult {
     ensure!(live >= idle, "endpoint count went down during a transfer");
     cx.kill(&p.b).await?;
     for _ in 0..3 {
-        ensure!(!attempt(&t, p.write(0, 0, 4096)).await?, "a transfer to a killed peer completed");
+        ensure!(attempt(&t, p.write(0, 0, 4096)).await?.is_some(), "a transfer to a killed peer completed");
     }
     let freed = settle(SETTLE, || t.stats().endpoints <= idle).await;
     ensure!(freed, "after failures to a killed peer {} endpoints are live, {idle} before the first transfer: the broken endpoint was kept (rule 2)", t.stats().endpoints);
@@ -72,11 +73,13 @@ pub async fn next_transfer_builds_new_endpoint(cx: Ctx) -> CaseResult {
     let live = t.stats().endpoints;
     for cut in 0..3 {
         cx.cut(&p.b).await?;
-        if !attempt(&t, p.write(0, 0, 4096)).await? {
-            let ok = attempt(&t, p.write(4096, 4096, 4096)).await?;
+        if let Some(first) = attempt(&t, p.write(0, 0, 4096)).await? {
+            let second = attempt(&t, p.write(4096, 4096, 4096)).await?;
             ensure!(
-                ok,
-                "cut {cut}: the transfer after a failed one failed too: the broken endpoint was reused (rule 2)"
+                second.is_none(),
+                "cut {cut}: the transfer after a failed one failed too: the broken endpoint was reused (rule 2); \
+                 first: {first}; second: {}",
+                second.unwrap_or_default()
             );
         }
         // The broken endpoint's teardown is a task of its own: waited for.
