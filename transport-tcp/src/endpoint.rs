@@ -368,10 +368,15 @@ impl Endpoint {
         if teardown.is_some() {
             return;
         }
-        self.dead.store(true, Ordering::Release);
+        // Retired in the pool first, then marked dead: once anyone can see
+        // the endpoint dead (and fail work on it at once), the pool no
+        // longer hands it out, so the next transfer builds a new endpoint
+        // (rule 2). The other order let a caller, failed at once by the
+        // dead mark, retry onto the same endpoint before the pool heard.
         if let Some(s) = self.slots.upgrade() {
             let _ = s.broken(self.id);
         }
+        self.dead.store(true, Ordering::Release);
         for l in &self.lanes {
             l.pending.lock().dead = true;
         }
