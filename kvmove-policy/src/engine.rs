@@ -18,6 +18,7 @@ use super::breaker::{Admit, Breaker, BreakerState};
 use super::budget::{Budget, Charge, Reservation, Usage};
 use super::config::PolicyConfig;
 use super::metrics::{EngineMetrics, Stage};
+use super::retry::{verdicts, PeerVerdict, Retry, TransferOutcome};
 use transport_core::Transport;
 use transport_core::{Access, BatchId, BatchState, RegionId, RequestStatus, SegmentId, SubmitOptions, TransferRequest};
 use transport_core::{Clock, SystemClock};
@@ -26,8 +27,8 @@ use transport_core::{Error, ErrorKind, Result};
 mod prober;
 mod transfer;
 
+pub use transfer::Transfer;
 use transfer::{Driver, Lazy, Mode};
-pub use transfer::{Transfer, TransferOutcome};
 
 /// The user-facing engine: one backend plus the shared policy.
 ///
@@ -208,9 +209,9 @@ impl Engine {
             attempt += 1;
         };
         match &result {
-            Ok(_) => self.inner.record(name, Verdict::Healthy),
-            Err(e) if e.kind().is_peer_failure() => self.inner.record(name, Verdict::Failed),
-            Err(_) if admit == Admit::Probe => self.inner.record(name, Verdict::Unknown),
+            Ok(_) => self.inner.record(name, PeerVerdict::Healthy),
+            Err(e) if e.kind().is_peer_failure() => self.inner.record(name, PeerVerdict::Failed),
+            Err(_) if admit == Admit::Probe => self.inner.record(name, PeerVerdict::Unknown),
             Err(_) => {}
         }
         let took = self.inner.clock.now().saturating_sub(started);
@@ -358,14 +359,6 @@ impl Drop for ActiveGuard {
     }
 }
 
-/// What one attempt said about a peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
-    Healthy,
-    Failed,
-    Unknown,
-}
-
 /// Per-transfer facts computed once at submit.
 struct Plan {
     peers: Vec<String>,
@@ -445,16 +438,16 @@ impl Inner {
         }
     }
 
-    fn record(self: &Arc<Self>, peer: &str, verdict: Verdict) {
+    fn record(self: &Arc<Self>, peer: &str, verdict: PeerVerdict) {
         let now = self.clock.now();
         let (before, after) = {
             let mut breakers = self.breakers.lock();
             let b = breakers.entry(peer.to_owned()).or_default();
             let before = b.state(now);
             match verdict {
-                Verdict::Healthy => b.on_success(),
-                Verdict::Failed => b.on_failure(now, &self.cfg.breaker),
-                Verdict::Unknown => b.on_abandoned_probe(),
+                PeerVerdict::Healthy => b.on_success(),
+                PeerVerdict::Failed => b.on_failure(now, &self.cfg.breaker),
+                PeerVerdict::Unknown => b.on_abandoned_probe(),
             }
             (before, b.state(now))
         };

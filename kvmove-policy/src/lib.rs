@@ -10,6 +10,8 @@
 //!   backpressure and metrics over any [`transport_core::Transport`],
 //!   configured by one serde [`PolicyConfig`] and driven by a
 //!   [`transport_core::Clock`] that tests can fake.
+//! - [`retry`]: the sans-IO retry decision of one transfer (what is
+//!   retried, when it is over, what each attempt says about each peer).
 //! - [`session`]: the sans-IO session table and its wire format;
 //!   [`Sessions`] is its driver (receiver-granted admission, one final
 //!   state on both sides).
@@ -24,6 +26,7 @@ mod budget;
 mod config;
 mod engine;
 mod metrics;
+pub mod retry;
 pub mod session;
 mod sessions;
 
@@ -31,6 +34,7 @@ pub use backoff::backoff;
 pub use breaker::{Admit, Breaker, BreakerState};
 pub use budget::{Budget, Charge, Reservation, Usage};
 pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig};
-pub use engine::{Engine, Transfer, TransferOutcome};
+pub use engine::{Engine, Transfer};
 pub use metrics::{describe_metrics, MAX_PEER_LABELS, OTHER_PEER};
+pub use retry::TransferOutcome;
 pub use sessions::Sessions;

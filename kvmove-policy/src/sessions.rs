@@ -18,7 +18,8 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::engine::{Engine, TransferOutcome};
+use super::engine::Engine;
+use super::retry::TransferOutcome;
 use crate::session::{
     is_session_message, Action, Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
 };

@@ -80,10 +80,10 @@ impl Inner {
             Err(e) => Err(e),
         };
         match &result {
-            Ok(()) => self.record(name, Verdict::Healthy),
+            Ok(()) => self.record(name, PeerVerdict::Healthy),
             Err(e) if e.kind().is_peer_failure() => {
                 if self.breaker_closed(name) {
-                    self.record(name, Verdict::Failed);
+                    self.record(name, PeerVerdict::Failed);
                 }
             }
             Err(_) => {}
@@ -130,7 +130,7 @@ impl Inner {
 
     pub(super) fn abandon_probes(self: &Arc<Self>, peers: &[String]) {
         for p in peers {
-            self.record(p, Verdict::Unknown);
+            self.record(p, PeerVerdict::Unknown);
         }
     }
 }

@@ -4,46 +4,6 @@
 
 use super::*;
 
-/// The final report of a transfer.
-#[derive(Debug, Clone)]
-pub struct TransferOutcome {
-    /// The overall state, derived from `requests` as for a batch.
-    pub state: BatchState,
-    /// One final status per submitted request, in submission order.
-    pub requests: Vec<RequestStatus>,
-    /// Backend submissions made (1 when nothing was retried).
-    pub attempts: u32,
-}
-
-impl TransferOutcome {
-    /// Whether every request completed.
-    pub fn is_success(&self) -> bool {
-        self.state == BatchState::Completed
-    }
-
-    /// The first request error, if any failed.
-    pub fn first_error(&self) -> Option<&Error> {
-        self.requests.iter().find_map(RequestStatus::error)
-    }
-
-    /// `Ok(self)` when every request completed, else the most useful error:
-    /// the first failure, or a `Timeout` / `Cancelled` error.
-    pub fn into_result(self) -> Result<Self> {
-        match self.state {
-            BatchState::Completed => Ok(self),
-            BatchState::Failed => Err(self
-                .first_error()
-                .cloned()
-                .unwrap_or_else(|| Error::new(ErrorKind::Internal, "failed transfer without an error"))),
-            BatchState::TimedOut => Err(Error::new(ErrorKind::Timeout, "transfer deadline passed")
-                .with("attempts", self.attempts)
-                .with("completed", self.requests.iter().filter(|r| r.is_completed()).count())),
-            BatchState::Cancelled => Err(Error::new(ErrorKind::Cancelled, "transfer was cancelled")),
-            BatchState::InProgress => Err(Error::new(ErrorKind::Internal, "outcome reported while in progress")),
-        }
-    }
-}
-
 /// A transfer in flight. Its requests are driven (waited for, retried)
 /// by a background task; this handle observes and controls it. Until that
 /// task is needed, [`Transfer::wait`] waits for the first attempt itself:
@@ -348,27 +308,12 @@ impl Driver {
     }
 
     pub(super) async fn run(mut self, first: Result<BatchId>) -> TransferOutcome {
-        let max_attempts = self.inner.cfg.retry.max_attempts;
-        let mut status: Vec<RequestStatus> = vec![RequestStatus::Pending; self.requests.len()];
-        let mut todo: Vec<usize> = (0..self.requests.len()).collect();
-        let mut attempts = 1u32;
+        let mut retry = Retry::new(self.requests.len(), self.inner.cfg.retry.max_attempts);
         let mut current = first;
         loop {
-            let results = self.attempt(current, todo.len()).await;
-            self.judge_peers(&todo, &results);
-            let mut retry = Vec::new();
-            for (&idx, st) in todo.iter().zip(results) {
-                let retryable = match &st {
-                    RequestStatus::Failed(e) => e.is_transient() && e.kind() != ErrorKind::PeerUnavailable,
-                    RequestStatus::TimedOut => true,
-                    _ => false,
-                };
-                if retryable && attempts < max_attempts {
-                    retry.push(idx);
-                }
-                status[idx] = st;
-            }
-            if retry.is_empty() {
+            let results = self.attempt(current, retry.current().len()).await;
+            self.judge_peers(retry.current(), &results);
+            if retry.ended(results).is_empty() {
                 break;
             }
             if self.cancelled() {
@@ -376,7 +321,7 @@ impl Driver {
             }
             let pause = {
                 let mut rng = self.inner.rng.lock();
-                backoff(&self.inner.cfg.retry, attempts, &mut *rng)
+                backoff(&self.inner.cfg.retry, retry.attempts(), &mut *rng)
             };
             let sleep = self.inner.clock.sleep(pause);
             let stopped = tokio::select! {
@@ -387,44 +332,35 @@ impl Driver {
                 break;
             }
             // Requests to peers whose breaker opened meanwhile fail fast.
-            retry.retain(|&idx| match self.inner.admit(&self.peers[self.peer_of[idx]]) {
-                Ok(_) => true,
-                Err(e) => {
-                    status[idx] = RequestStatus::Failed(e);
-                    false
+            let chosen: Vec<usize> = retry.chosen().to_vec();
+            for idx in chosen {
+                if let Err(e) = self.inner.admit(&self.peers[self.peer_of[idx]]) {
+                    retry.refuse(idx, e);
                 }
-            });
-            if retry.is_empty() {
-                break;
             }
-            todo = retry;
-            attempts += 1;
+            let Some(todo) = retry.start_next() else { break };
             let reqs: Vec<TransferRequest> = todo.iter().map(|&i| self.requests[i]).collect();
             let opts = self.inner.options(&reqs);
-            tracing::debug!(attempt = attempts, requests = todo.len(), "retrying");
+            tracing::debug!(attempt = retry.attempts(), requests = reqs.len(), "retrying");
             let submitting = std::time::Instant::now();
             current = self.inner.transport.submit(reqs, opts).await;
             self.inner.metrics.stage(Stage::Submit, submitting.elapsed());
         }
         if self.cancelled() {
             // Work that was waiting for a retry when the caller cancelled.
-            for s in status.iter_mut() {
-                if !s.is_completed() && !matches!(s, RequestStatus::Failed(e) if !e.is_transient()) {
-                    *s = RequestStatus::Cancelled;
-                }
-            }
+            retry.cancel();
         }
-        let state = BatchState::summarize(&status);
+        let outcome = retry.finish();
         self.inner.metrics.transfer_done(
             &self.requests,
             &self.peer_of,
             &self.peers,
-            &status,
-            state,
-            attempts,
+            &outcome.requests,
+            outcome.state,
+            outcome.attempts,
             self.started.elapsed(),
         );
-        TransferOutcome { state, requests: status, attempts }
+        outcome
     }
 
     /// Runs one backend batch to a terminal state and returns one status per
@@ -460,22 +396,7 @@ impl Driver {
 
     /// Feeds each peer's breaker with what this attempt said about it.
     pub(super) fn judge_peers(&self, todo: &[usize], results: &[RequestStatus]) {
-        let mut verdicts: Vec<Option<Verdict>> = vec![None; self.peers.len()];
-        for (&idx, st) in todo.iter().zip(results) {
-            let v = match st {
-                RequestStatus::Completed => Verdict::Healthy,
-                RequestStatus::TimedOut => Verdict::Failed,
-                RequestStatus::Failed(e) if e.kind().is_peer_failure() => Verdict::Failed,
-                _ => Verdict::Unknown,
-            };
-            let slot = &mut verdicts[self.peer_of[idx]];
-            *slot = Some(match (*slot, v) {
-                (Some(Verdict::Failed), _) | (_, Verdict::Failed) => Verdict::Failed,
-                (Some(Verdict::Healthy), _) | (_, Verdict::Healthy) => Verdict::Healthy,
-                _ => Verdict::Unknown,
-            });
-        }
-        for (p, v) in verdicts.into_iter().enumerate() {
+        for (p, v) in verdicts(todo, results, &self.peer_of, self.peers.len()).into_iter().enumerate() {
             if let Some(v) = v {
                 self.inner.record(&self.peers[p], v);
             }
