@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ._metrics import serve_metrics_from_env
-from ._native import NativeEngine, TransferError
+from ._native import NativeEngine, TransferError, make_error
 from .devices import memory_of
 
 #: One request: ``(local_addr, remote_addr, length)``.
@@ -99,22 +99,11 @@ class Outcome:
         err = self.error
         if err is not None:
             raise err
-        from ._native import PermanentError, TransientError
-
+        # Built in Rust, as the engine's own errors are: the class,
+        # `.is_transient` and `.is_peer_failure` follow the kind.
         if self.state == "timed_out":
-            e = TransientError(f"transfer deadline passed after {self.attempts} attempt(s)")
-            _fill(e, "timeout", True)
-        else:
-            e = PermanentError(f"transfer {self.state}")
-            _fill(e, "cancelled", False)
-        raise e
-
-
-def _fill(e: TransferError, kind: str, transient: bool) -> None:
-    e.kind = kind
-    e.is_transient = transient
-    e.message = str(e)
-    e.context = {}
+            raise make_error("timeout", f"transfer deadline passed after {self.attempts} attempt(s)")
+        raise make_error("cancelled", f"transfer {self.state}")
 
 
 class Region:

@@ -65,19 +65,17 @@ NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
 #: Header of agent metadata; JSON follows.
 _MD_MAGIC = b"KVMOVE-NIXL/1\n"
 
-_PEER_GONE = frozenset(
-    {
-        "connection_refused",
-        "connection_reset",
-        "handshake_failed",
-        "peer_restarted",
-        "peer_unavailable",
-        "protocol",
-        "invalid_handle",
-        "not_found",
-        "io",
-    }
-)
+# Besides a peer failure (`.is_peer_failure`, from kvmove's one table of
+# error kinds), these mean the remote agent's session is no longer usable
+# (its breaker is open, its handle was closed, its metadata is gone): NIXL
+# reports all of them as a remote disconnect, and the session is forgotten.
+_SESSION_GONE = frozenset({"peer_unavailable", "invalid_handle", "not_found"})
+
+
+def _peer_gone(e: TransferError) -> bool:
+    """Whether ``e`` means the remote agent is gone (NIXL's
+    ``NIXL_ERR_REMOTE_DISCONNECT``)."""
+    return bool(getattr(e, "is_peer_failure", False)) or getattr(e, "kind", None) in _SESSION_GONE
 
 
 # ---- exceptions (the names NIXL's bindings raise) ----
@@ -156,7 +154,7 @@ def _from_kvmove(e: TransferError, doing: str) -> nixlError:
         cls = nixlNotSupportedError
     elif kind == "cancelled":
         cls = nixlCancelledError
-    elif kind in _PEER_GONE:
+    elif _peer_gone(e):
         cls = nixlRemoteDisconnectError
     else:
         cls = nixlBackendError
@@ -1089,7 +1087,7 @@ class nixl_agent:
         try:
             x = eng._native.submit_nixl(session._seg, ops, target if wire is not None else None, wire)
         except TransferError as e:
-            if r is not None and getattr(e, "kind", None) in _PEER_GONE:
+            if r is not None and _peer_gone(e):
                 self._forget_session(r, session)
             raise _from_kvmove(e, f"posting a {handle.op} to agent {handle.remote_agent!r}") from e
         handle._native = x
@@ -1152,7 +1150,7 @@ class nixl_agent:
             return st
         e = x.error()
         r, session = handle._session or (None, None)
-        if r is not None and getattr(e, "kind", None) in _PEER_GONE:
+        if r is not None and _peer_gone(e):
             self._forget_session(r, session)
         raise _from_kvmove(e, f"{handle.op} with agent {handle.remote_agent!r} failed")
 
@@ -1258,7 +1256,7 @@ class nixl_agent:
                         time.sleep(0.005)
                         continue
                     logger.warning("send_notif to agent %r was not delivered: %s", remote_agent_name, e)
-                    if r is not None and getattr(e, "kind", None) in _PEER_GONE:
+                    if r is not None and _peer_gone(e):
                         r.gone = True
                     return
 

@@ -4,119 +4,40 @@
 //! ids > 0). Errors are never raised for transfer failures; the reason is
 //! kept in `last_error()` and logged at debug level on logger `kvmove`.
 //! Wrong argument *types* raise `TypeError`, as with pybind11.
+//!
+//! This file is the one Python class and its one `#[pymethods]` block (pyo3
+//! allows one per class): the API as Mooncake's users see it, call by call.
+//! What the calls share is below it: [`calls`] (running a transfer and its
+//! notification, building operations, opcodes, the policy override) and
+//! [`notify`] (`TransferNotify`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use kvmove_policy::session::is_session_message;
-use kvmove_policy::{PolicyConfig, Transfer, TransferOutcome};
+use kvmove_policy::{Transfer, TransferOutcome};
 use parking_lot::Mutex;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
-use transport_core::{Buffer, Error, ErrorKind, Notification, Opcode, Result};
+use pyo3::types::PyBytes;
+use transport_core::{Buffer, Error, ErrorKind, Opcode, Result};
 
 use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::devmem::Want;
 use crate::errors::invalid;
-use crate::named;
 use crate::outcome::{last_error, log, set_last_error};
 
-/// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
-const OPCODE_READ: i64 = 0;
-const OPCODE_WRITE: i64 = 1;
+mod calls;
+mod notify;
+
+use calls::{ops_from, parse_opcode, policy_from_env, run_sync};
+use notify::notify_arg;
+pub(crate) use notify::TransferNotify;
+
 /// Mooncake's return code for an address that starts no registered region.
 const ERR_ADDRESS_NOT_REGISTERED: i64 = -3;
 /// Mooncake's return code for memory that overlaps a registered region.
 const ERR_ADDRESS_OVERLAPPED: i64 = -7;
-
-/// How long a notification waits for room in a full peer inbox before the
-/// transfer call gives up with -1 (the data itself has landed).
-const NOTIFY_PATIENCE: Duration = Duration::from_secs(5);
-
-/// Mooncake's `TransferNotify`: a `name` and a `msg`, sent to the target of
-/// a transfer once every byte of it has landed, and returned by the
-/// target's `get_notifies()`.
-#[pyclass(module = "kvmove._native", name = "TransferNotify", eq)]
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub(crate) struct TransferNotify {
-    /// The name the sender chose (e.g. a request id).
-    #[pyo3(get, set)]
-    name: String,
-    /// The message text.
-    #[pyo3(get, set)]
-    msg: String,
-}
-
-#[pymethods]
-impl TransferNotify {
-    #[new]
-    #[pyo3(signature = (name = None, msg = None))]
-    fn py_new(name: Option<&Bound<'_, PyAny>>, msg: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        Ok(Self { name: text_arg("name", name)?, msg: text_arg("msg", msg)? })
-    }
-
-    fn __repr__(&self) -> String {
-        format!("TransferNotify(name={:?}, msg={:?})", self.name, self.msg)
-    }
-}
-
-/// A `str`, or `bytes` holding UTF-8 (as pybind11's `std::string`).
-fn text_arg(what: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
-    let Some(v) = v else { return Ok(String::new()) };
-    if let Ok(s) = v.downcast::<PyString>() {
-        return Ok(s.to_str()?.to_owned());
-    }
-    if let Ok(b) = v.downcast::<PyBytes>() {
-        return String::from_utf8(b.as_bytes().to_vec())
-            .map_err(|_| PyTypeError::new_err(format!("TransferNotify.{what}: bytes are not UTF-8")));
-    }
-    Err(PyTypeError::new_err(format!("TransferNotify.{what} must be str or bytes")))
-}
-
-impl TransferNotify {
-    /// The notification's wire message (a named notification,
-    /// [`crate::named`]); `InvalidRequest` when it does not fit.
-    fn encode(&self) -> Result<Vec<u8>> {
-        named::encode(self.name.as_bytes(), self.msg.as_bytes())
-    }
-
-    /// A received notification as Mooncake shows it. One not sent by a
-    /// Mooncake-style `notify` (a plain `kvmove.Engine.notify`) shows the
-    /// sender's session id as its name. Session control messages are not
-    /// notifications: `None`.
-    fn decode(n: Notification) -> Option<Self> {
-        if is_session_message(&n.msg) {
-            return None;
-        }
-        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        if let Some((name, msg)) = named::decode(&n.msg) {
-            return Some(Self { name: text(name), msg: text(msg) });
-        }
-        Some(Self { name: n.from, msg: text(&n.msg) })
-    }
-}
-
-/// The `notify` argument: a `TransferNotify`, or any object with `name` and
-/// `msg` attributes (Mooncake's own class), or None.
-fn notify_arg(notify: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TransferNotify>> {
-    let Some(n) = notify else { return Ok(None) };
-    if n.is_none() {
-        return Ok(None);
-    }
-    if let Ok(t) = n.extract::<TransferNotify>() {
-        return Ok(Some(t));
-    }
-    match (n.getattr("name"), n.getattr("msg")) {
-        (Ok(name), Ok(msg)) => {
-            Ok(Some(TransferNotify { name: text_arg("name", Some(&name))?, msg: text_arg("msg", Some(&msg))? }))
-        }
-        _ => Err(PyTypeError::new_err("notify must be a TransferNotify (with .name and .msg) or None")),
-    }
-}
 
 /// A drop-in for `mooncake.engine.TransferEngine`.
 #[pyclass(module = "kvmove._native", name = "TransferEngine", frozen, subclass)]
@@ -211,51 +132,6 @@ impl MooncakeEngine {
         let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
         self.batches.lock().insert(id, t);
         Ok(id)
-    }
-}
-
-/// Submits, waits, and drops the cached segment if the peer went away.
-/// With `notify`, the message goes to the target once every request
-/// completed (so after every byte landed: rule 5); a transfer that did not
-/// complete sends nothing.
-fn run_sync(core: &Core, target: &str, ops: &[RawOp], notify: Option<Vec<u8>>) -> Result<()> {
-    // Opened also for a call with nothing to move: Mooncake fails one to
-    // a peer it cannot reach.
-    let seg = core.cached_segment(target)?;
-    if !ops.is_empty() {
-        let reqs = core.requests(seg, ops)?;
-        core.transfer(reqs)
-            .and_then(TransferOutcome::into_result)
-            .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
-    }
-    if let Some(msg) = notify {
-        core.notify_segment(seg, msg, NOTIFY_PATIENCE)
-            .map_err(|e| e.with("while", "sending the notification (the data landed)"))
-            .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
-    }
-    Ok(())
-}
-
-fn ops_from(op: Opcode, buffers: &[u64], peers: &[u64], lengths: &[u64]) -> Result<Vec<RawOp>> {
-    if buffers.len() != peers.len() || buffers.len() != lengths.len() {
-        return Err(invalid("buffers, peer_buffer_addresses and lengths have different lengths")
-            .with("buffers", buffers.len())
-            .with("peer_buffer_addresses", peers.len())
-            .with("lengths", lengths.len()));
-    }
-    Ok(buffers
-        .iter()
-        .zip(peers)
-        .zip(lengths)
-        .map(|((&local_addr, &remote_addr), &len)| RawOp { op, local_addr, remote_addr, len })
-        .collect())
-}
-
-fn opcode(code: i64) -> Result<Opcode> {
-    match code {
-        OPCODE_READ => Ok(Opcode::Read),
-        OPCODE_WRITE => Ok(Opcode::Write),
-        _ => Err(invalid("opcode must be TransferOpcode.Read (0) or TransferOpcode.Write (1)").with("opcode", code)),
     }
 }
 
@@ -469,7 +345,7 @@ impl MooncakeEngine {
     ) -> PyResult<i64> {
         let _ = transport_hint;
         let notify = notify_arg(notify)?;
-        let ops = opcode_op(opcode)
+        let ops = parse_opcode(opcode)
             .map(|op| vec![RawOp { op, local_addr: buffer, remote_addr: peer_buffer_address, len: length }]);
         Ok(self.sync(py, "transfer_sync", target_hostname, ops, notify))
     }
@@ -532,7 +408,7 @@ impl MooncakeEngine {
     ) -> PyResult<i64> {
         let _ = transport_hint;
         let notify = notify_arg(notify)?;
-        let ops = opcode_op(opcode).and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
+        let ops = parse_opcode(opcode).and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
         Ok(self.sync(py, "batch_transfer_sync", target_hostname, ops, notify))
     }
 
@@ -583,7 +459,7 @@ impl MooncakeEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let ops = opcode_op(opcode).and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
+        let ops = parse_opcode(opcode).and_then(|op| ops_from(op, &buffers, &peer_buffer_addresses, &lengths));
         self.async_id(py, "batch_transfer_async", target_hostname, ops)
     }
 
@@ -823,61 +699,5 @@ impl MooncakeEngine {
                 0
             }
         }
-    }
-}
-
-fn opcode_op(code: i64) -> Result<Opcode> {
-    opcode(code)
-}
-
-/// A policy override for Mooncake-style engines: the JSON in
-/// `KVMOVE_POLICY` (same keys as the Rust `PolicyConfig`), if set.
-fn policy_from_env() -> Result<Option<PolicyConfig>> {
-    match std::env::var("KVMOVE_POLICY") {
-        Ok(s) if !s.trim().is_empty() => crate::native::parse_policy(&s).map(Some),
-        _ => Ok(None),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use transport_core::MAX_NOTIFY_LEN;
-
-    fn received(msg: Vec<u8>) -> Notification {
-        Notification { from: "10.0.0.1:7000".into(), msg }
-    }
-
-    #[test]
-    fn notify_round_trip() {
-        let n = TransferNotify { name: "req-7".into(), msg: "kv ready".into() };
-        let wire = n.encode().unwrap();
-        assert!(wire.starts_with(&named::MAGIC));
-        assert_eq!(TransferNotify::decode(received(wire)), Some(n));
-        let empty = TransferNotify::default();
-        assert_eq!(TransferNotify::decode(received(empty.encode().unwrap())), Some(empty));
-    }
-
-    #[test]
-    fn notify_size_is_checked_before_sending() {
-        let n = TransferNotify { name: "n".into(), msg: "x".repeat(MAX_NOTIFY_LEN) };
-        assert_eq!(n.encode().unwrap_err().kind(), ErrorKind::InvalidRequest);
-        let n = TransferNotify { name: "n".into(), msg: "x".repeat(MAX_NOTIFY_LEN - 7) };
-        assert_eq!(n.encode().unwrap().len(), MAX_NOTIFY_LEN);
-    }
-
-    #[test]
-    fn plain_and_truncated_messages_show_the_sender() {
-        let plain = TransferNotify::decode(received(b"hello".to_vec())).unwrap();
-        assert_eq!((plain.name.as_str(), plain.msg.as_str()), ("10.0.0.1:7000", "hello"));
-        // A name length past the end: not a Mooncake notify, shown as is.
-        let mut bad = named::MAGIC.to_vec();
-        bad.extend_from_slice(&100u16.to_le_bytes());
-        bad.extend_from_slice(b"short");
-        assert_eq!(TransferNotify::decode(received(bad)).unwrap().name, "10.0.0.1:7000");
-        // Session control messages are not notifications.
-        let mut session = kvmove_policy::session::wire::MAGIC.to_vec();
-        session.resize(22, 0); // a whole session header
-        assert_eq!(TransferNotify::decode(received(session)), None);
     }
 }

@@ -120,3 +120,27 @@ def test_a_busy_target_is_retried_until_a_slot_frees():
                 s.write(me.register(mine).addr, rd.addr, 4096)
             t.join()
             assert (dst == 9).all()
+
+
+def test_error_classes_come_from_the_one_table():
+    """Issue 28, item 4: Python restates no classification; the kinds, and
+    whether each is transient or a peer failure, come from Rust."""
+    from kvmove import _native
+    from kvmove.nixl import _from_kvmove, nixlBackendError, nixlRemoteDisconnectError
+
+    kinds = _native.error_kinds()
+    assert kinds["connection_reset"] == {"transient": True, "peer_failure": True}
+    assert kinds["backpressure"] == {"transient": True, "peer_failure": False}
+    assert kinds["out_of_bounds"] == {"transient": False, "peer_failure": False}
+    assert len(kinds) == 25
+    for name, row in kinds.items():
+        e = _native.make_error(name, "made in a test")
+        assert e.kind == name
+        assert e.is_transient == row["transient"] and e.is_peer_failure == row["peer_failure"]
+        assert isinstance(e, kvmove.TransientError if row["transient"] else kvmove.PermanentError)
+        # NIXL calls every peer failure a remote disconnect.
+        if row["peer_failure"]:
+            assert isinstance(_from_kvmove(e, "test"), nixlRemoteDisconnectError), name
+    assert isinstance(_from_kvmove(_native.make_error("backpressure", "x"), "test"), nixlBackendError)
+    with pytest.raises(ValueError):
+        _native.make_error("no_such_kind", "x")

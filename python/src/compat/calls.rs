@@ -1,0 +1,74 @@
+//! What the Mooncake API's calls share below the Python surface: running
+//! a transfer to its end (and its notification after it), building the
+//! operations from Mooncake's parallel lists, and reading its opcodes and
+//! the policy override.
+
+use std::time::Duration;
+
+use kvmove_policy::{PolicyConfig, TransferOutcome};
+use transport_core::{Opcode, Result};
+
+use crate::core::{Core, RawOp};
+use crate::errors::invalid;
+
+/// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
+const OPCODE_READ: i64 = 0;
+const OPCODE_WRITE: i64 = 1;
+
+/// How long a notification waits for room in a full peer inbox before the
+/// transfer call gives up with -1 (the data itself has landed).
+const NOTIFY_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Submits, waits, and drops the cached segment if the peer went away.
+/// With `notify`, the message goes to the target once every request
+/// completed (so after every byte landed: rule 5); a transfer that did not
+/// complete sends nothing.
+pub(super) fn run_sync(core: &Core, target: &str, ops: &[RawOp], notify: Option<Vec<u8>>) -> Result<()> {
+    // Opened also for a call with nothing to move: Mooncake fails one to
+    // a peer it cannot reach.
+    let seg = core.cached_segment(target)?;
+    if !ops.is_empty() {
+        let reqs = core.requests(seg, ops)?;
+        core.transfer(reqs)
+            .and_then(TransferOutcome::into_result)
+            .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
+    }
+    if let Some(msg) = notify {
+        core.notify_segment(seg, msg, NOTIFY_PATIENCE)
+            .map_err(|e| e.with("while", "sending the notification (the data landed)"))
+            .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
+    }
+    Ok(())
+}
+
+pub(super) fn ops_from(op: Opcode, buffers: &[u64], peers: &[u64], lengths: &[u64]) -> Result<Vec<RawOp>> {
+    if buffers.len() != peers.len() || buffers.len() != lengths.len() {
+        return Err(invalid("buffers, peer_buffer_addresses and lengths have different lengths")
+            .with("buffers", buffers.len())
+            .with("peer_buffer_addresses", peers.len())
+            .with("lengths", lengths.len()));
+    }
+    Ok(buffers
+        .iter()
+        .zip(peers)
+        .zip(lengths)
+        .map(|((&local_addr, &remote_addr), &len)| RawOp { op, local_addr, remote_addr, len })
+        .collect())
+}
+
+pub(super) fn parse_opcode(code: i64) -> Result<Opcode> {
+    match code {
+        OPCODE_READ => Ok(Opcode::Read),
+        OPCODE_WRITE => Ok(Opcode::Write),
+        _ => Err(invalid("opcode must be TransferOpcode.Read (0) or TransferOpcode.Write (1)").with("opcode", code)),
+    }
+}
+
+/// A policy override for Mooncake-style engines: the JSON in
+/// `KVMOVE_POLICY` (same keys as the Rust `PolicyConfig`), if set.
+pub(super) fn policy_from_env() -> Result<Option<PolicyConfig>> {
+    match std::env::var("KVMOVE_POLICY") {
+        Ok(s) if !s.trim().is_empty() => crate::native::parse_policy(&s).map(Some),
+        _ => Ok(None),
+    }
+}
