@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
-use transport_core::lifecycle::{BatchTable, EndReason, EndpointId};
+use transport_core::lifecycle::{reach, BatchTable, EndReason, EndpointId, Reached};
 use transport_core::{
     Access, BatchId, Error, ErrorKind, Inbox, RegionInfo, Result, SegmentDescriptor, SegmentId, TransferRequest,
 };
@@ -21,7 +21,6 @@ use crate::config::TcpConfig;
 use crate::deadlines::Deadlines;
 use crate::endpoint::{Endpoint, EndpointSlots, EndpointUse, Env};
 use crate::lane;
-use crate::pool::Slot;
 use crate::proto::WireRegion;
 use crate::regions::RegionTable;
 use crate::server::Server;
@@ -105,7 +104,7 @@ pub(crate) async fn reaper(inner: Weak<Inner>) {
 }
 
 /// Reports the build of `id` failed unless disarmed: held from
-/// [`Slot::Build`] until the pool hears the outcome, so a build whose
+/// [`Reached::Build`] until the pool hears the outcome, so a build whose
 /// caller stopped waiting gives its slot back (the sockets it had opened
 /// are closed as the connect future is dropped; no lane task exists yet).
 struct BuildGuard<'a> {
@@ -146,50 +145,47 @@ impl Inner {
     /// caller waits up to `connect_timeout`, then gets `ResourceExhausted`.
     pub async fn endpoint(&self, name: &str, addr: SocketAddr) -> Result<(Arc<Endpoint>, EndpointUse)> {
         let key = name.to_owned();
-        let give_up = tokio::time::Instant::now() + self.cfg.connect_timeout;
         loop {
-            self.check_open()?;
-            match self.slots.acquire(&key) {
-                Slot::Use(ep) => {
-                    let using = ep.new_use();
-                    return Ok((ep, using));
-                }
-                Slot::Build(id) => {
-                    // From here until the pool hears `built` or
-                    // `build_failed`, a dropped caller (a timeout around
-                    // submit, a select!, an aborted task) must not leave the
-                    // slot reserved: the guard reports the build failed.
-                    let guard = BuildGuard { slots: &self.slots, id: Some(id) };
-                    let ep = lane::connect(id, name, addr, &self.env, Arc::downgrade(&self.slots)).await?;
-                    guard.disarm();
-                    // No await between connect returning and `built`: the
-                    // endpoint is either handed to the pool or destroyed
-                    // below (its teardown frees the slot).
-                    let using = ep.new_use();
-                    if !self.slots.built(id, &ep) || self.check_open().is_err() {
-                        drop(using);
-                        ep.destroy(Error::shut_down()).await;
-                        self.check_open()?;
-                        continue;
-                    }
-                    return Ok((ep, using));
-                }
-                Slot::Evict(ep) => {
+            let reached = reach(
+                name,
+                self.cfg.max_endpoints,
+                self.cfg.connect_timeout,
+                || {
+                    self.check_open()?;
+                    Ok(self.slots.acquire(&key))
+                },
+                |ep: Arc<Endpoint>| async move {
                     tracing::debug!(peer = %ep.name, "evicting endpoint at the bound");
                     ep.destroy(Error::new(ErrorKind::ConnectionReset, "endpoint evicted")).await;
+                },
+                || self.slots.changed(Duration::from_millis(5)),
+            )
+            .await?;
+            let id = match reached {
+                Reached::Use(ep) => {
+                    let using = ep.new_use();
+                    return Ok((ep, using));
                 }
-                Slot::Building if tokio::time::Instant::now() >= give_up => {
-                    return Err(Error::new(
-                        ErrorKind::ConnectionRefused,
-                        "connect timed out (another caller's connect to the peer)",
-                    )
-                    .with("peer", name));
-                }
-                Slot::Wait | Slot::Full if tokio::time::Instant::now() >= give_up => {
-                    return Err(Error::endpoints_exhausted(name, self.cfg.max_endpoints));
-                }
-                Slot::Building | Slot::Wait | Slot::Full => self.slots.changed(Duration::from_millis(5)).await,
+                Reached::Build(id) => id,
+            };
+            // From here until the pool hears `built` or `build_failed`, a
+            // dropped caller (a timeout around submit, a select!, an aborted
+            // task) must not leave the slot reserved: the guard reports the
+            // build failed.
+            let guard = BuildGuard { slots: &self.slots, id: Some(id) };
+            let ep = lane::connect(id, name, addr, &self.env, Arc::downgrade(&self.slots)).await?;
+            guard.disarm();
+            // No await between connect returning and `built`: the endpoint
+            // is either handed to the pool or destroyed below (its teardown
+            // frees the slot).
+            let using = ep.new_use();
+            if !self.slots.built(id, &ep) || self.check_open().is_err() {
+                drop(using);
+                ep.destroy(Error::shut_down()).await;
+                self.check_open()?;
+                continue;
             }
+            return Ok((ep, using));
         }
     }
 

@@ -23,7 +23,7 @@ use transport_core::{Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
 use crate::config::TcpConfig;
-use crate::pool::{Slots, Use};
+use crate::pool::Slots;
 use crate::proto::WireRegion;
 use crate::samehost::SameHost;
 
@@ -62,7 +62,7 @@ impl Env {
 /// The endpoint slots of a transport.
 pub(crate) type EndpointSlots = Slots<Endpoint>;
 /// One counted use of an endpoint (held by work and its slices).
-pub(crate) type EndpointUse = Arc<Use<Endpoint>>;
+pub(crate) type EndpointUse = Arc<transport_core::lifecycle::EndpointUse<Slots<Endpoint>>>;
 
 /// The requests of one batch routed to one endpoint, and how far the lanes
 /// got in cutting them into slices.
@@ -282,7 +282,7 @@ impl Endpoint {
 
     /// A new counted use of this endpoint.
     pub fn new_use(&self) -> EndpointUse {
-        Use::new(self.slots.clone(), self.id)
+        Arc::new(transport_core::lifecycle::EndpointUse::new(self.slots.clone(), self.id))
     }
 
     /// Whether a started slice of `batch` whose request is no longer live

@@ -7,12 +7,12 @@
 //! the one that builds endpoints (no module cycle).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
-use transport_core::lifecycle::{Acquire, EndpointId, EndpointPool, PoolCounts};
+use transport_core::lifecycle::{Acquire, EndpointId, EndpointPool, Found, PoolCounts, ReleaseUse};
 use transport_core::Epoch;
 
 #[derive(Debug)]
@@ -20,19 +20,6 @@ struct State<E> {
     pool: EndpointPool<String>,
     /// Every built endpoint until it is destroyed (live or dying).
     built: HashMap<EndpointId, Arc<E>>,
-}
-
-/// The pool's decision, with the endpoint when there is one to use or
-/// destroy.
-#[derive(Debug)]
-pub(crate) enum Slot<E> {
-    Use(Arc<E>),
-    Build(EndpointId),
-    Evict(Arc<E>),
-    /// Another caller is building the endpoint to this key.
-    Building,
-    Wait,
-    Full,
 }
 
 /// Endpoint slots, shared by the transport and its endpoints (which hold a
@@ -64,36 +51,36 @@ impl<E> Slots<E> {
         self.origin.instant(at)
     }
 
-    /// What to do to reach `key` (see [`Acquire`]).
-    pub fn acquire(&self, key: &String) -> Slot<E> {
+    /// What to do to reach `key` (see [`Acquire`]), with the endpoint to use
+    /// or destroy, for [`transport_core::lifecycle::reach`].
+    pub fn acquire(&self, key: &String) -> Found<Arc<E>> {
         let now = self.now();
         let mut s = self.state.lock();
         match s.pool.acquire(key, now) {
             Acquire::Use(id) => match s.built.get(&id).cloned() {
-                Some(e) => Slot::Use(e),
+                Some(e) => Found::Use(e),
                 // Live in the pool but not stored: cannot happen; treat as
-                // broken so it is never handed out.
+                // broken so it is never handed out, and ask again.
                 None => {
                     s.pool.release(id, now);
                     let _ = s.pool.broken(id);
                     s.pool.destroyed(id);
-                    Slot::Wait
+                    Found::Again
                 }
             },
-            Acquire::Build(id) => Slot::Build(id),
-            Acquire::Building(_) => Slot::Building,
+            Acquire::Build(id) => Found::Build(id),
+            Acquire::Building(_) => Found::Building,
             Acquire::Evict(id) => match s.built.get(&id).cloned() {
                 Some(e) => {
                     endpoint_event("evicted");
-                    Slot::Evict(e)
+                    Found::Evict(e)
                 }
                 None => {
                     s.pool.destroyed(id);
-                    Slot::Wait
+                    Found::Again
                 }
             },
-            Acquire::Full { busy: 0, .. } => Slot::Wait,
-            Acquire::Full { .. } => Slot::Full,
+            Acquire::Full { .. } => Found::Full,
         }
     }
 
@@ -203,25 +190,9 @@ impl<E> Slots<E> {
     }
 }
 
-/// One use of an endpoint, released when the last holder drops it (the
-/// work it carried ended).
-#[derive(Debug)]
-pub(crate) struct Use<E> {
-    slots: Weak<Slots<E>>,
-    id: EndpointId,
-}
-
-impl<E> Use<E> {
-    pub fn new(slots: Weak<Slots<E>>, id: EndpointId) -> Arc<Self> {
-        Arc::new(Self { slots, id })
-    }
-}
-
-impl<E> Drop for Use<E> {
-    fn drop(&mut self) {
-        if let Some(s) = self.slots.upgrade() {
-            s.release(self.id);
-        }
+impl<E: Send + Sync> ReleaseUse for Slots<E> {
+    fn release_use(&self, id: EndpointId) {
+        self.release(id);
     }
 }
 
@@ -243,7 +214,7 @@ mod tests {
 
     fn build(slots: &Slots<u32>, key: &str) -> EndpointId {
         match slots.acquire(&key.to_owned()) {
-            Slot::Build(id) => id,
+            Found::Build(id) => id,
             other => panic!("expected a build slot, got {other:?}"),
         }
     }
