@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
-use transport_core::lifecycle::{Acquire, EndpointId, EndpointPool};
+use parking_lot::{Mutex, MutexGuard};
+use transport_core::lifecycle::{Acquire, EndpointId, EndpointPool, ReleaseUse};
 use transport_core::{Error, ErrorKind, Result};
 
 use crate::wake::Clock;
@@ -179,23 +179,43 @@ impl Endpoints {
     }
 }
 
-/// One request's use of an endpoint; while it exists the endpoint is busy
-/// (never evicted or reaped). Dropping it releases the use in the pool, so
-/// it must not be dropped while the endpoints lock is held.
-pub(crate) struct EndpointUse {
-    pub link: Arc<Link>,
-    endpoints: Arc<Mutex<Endpoints>>,
+/// A host's endpoints behind their lock, with the host's clock (a released
+/// use is stamped with it).
+#[derive(Debug)]
+pub(crate) struct SharedEndpoints {
+    eps: Mutex<Endpoints>,
     clock: Clock,
 }
 
-impl EndpointUse {
-    pub fn new(link: Arc<Link>, endpoints: Arc<Mutex<Endpoints>>, clock: Clock) -> Self {
-        Self { link, endpoints, clock }
+impl SharedEndpoints {
+    pub fn new(eps: Endpoints, clock: Clock) -> Arc<Self> {
+        Arc::new(Self { eps: Mutex::new(eps), clock })
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Endpoints> {
+        self.eps.lock()
     }
 }
 
-impl Drop for EndpointUse {
-    fn drop(&mut self) {
-        self.endpoints.lock().release(self.link.id, self.clock.now());
+impl ReleaseUse for SharedEndpoints {
+    fn release_use(&self, id: EndpointId) {
+        let now = self.clock.now();
+        self.eps.lock().release(id, now);
+    }
+}
+
+/// One request's use of an endpoint; while it exists the endpoint is busy
+/// (never evicted or reaped). Dropping it releases the use in the pool
+/// (the core's counted use), so it must not be dropped while the endpoints
+/// lock is held.
+pub(crate) struct EndpointUse {
+    pub link: Arc<Link>,
+    _use: transport_core::lifecycle::EndpointUse<SharedEndpoints>,
+}
+
+impl EndpointUse {
+    pub fn new(link: Arc<Link>, endpoints: &Arc<SharedEndpoints>) -> Self {
+        let id = link.id;
+        Self { link, _use: transport_core::lifecycle::EndpointUse::new(Arc::downgrade(endpoints), id) }
     }
 }

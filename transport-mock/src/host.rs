@@ -19,7 +19,7 @@ use transport_core::{
 use crate::batch::{Batch, Planned};
 use crate::bugs::MockBugs;
 use crate::config::MockConfig;
-use crate::endpoint::{EndpointUse, Endpoints, Link, Reach};
+use crate::endpoint::{EndpointUse, Endpoints, Link, Reach, SharedEndpoints};
 use crate::plan::FaultState;
 use crate::region::{RegionState, RegionTable};
 use crate::segment::SegmentEntry;
@@ -45,7 +45,7 @@ pub(crate) struct HostShared {
     stalled: AtomicBool,
     pub regions: Mutex<RegionTable>,
     pub segments: Mutex<HashMap<SegmentId, Arc<SegmentEntry>>>,
-    pub endpoints: Arc<Mutex<Endpoints>>,
+    pub endpoints: Arc<SharedEndpoints>,
     pub batches: Mutex<BatchTable<Arc<Batch>>>,
     pub faults: Mutex<FaultState>,
     /// Notifications received from peers (rule 11), bounded.
@@ -69,7 +69,8 @@ impl HostShared {
         runtime: Handle,
     ) -> Self {
         let faults = Mutex::new(FaultState::new(config.fault_plan.clone()));
-        let endpoints = Arc::new(Mutex::new(Endpoints::new(config.max_endpoints)));
+        let clock = Clock::start();
+        let endpoints = SharedEndpoints::new(Endpoints::new(config.max_endpoints), clock);
         let inbox = Inbox::new(config.inbox_capacity);
         Self {
             name,
@@ -77,7 +78,7 @@ impl HostShared {
             config,
             bugs,
             events,
-            clock: Clock::start(),
+            clock,
             life: Mutex::new(Life::Live),
             stalled: AtomicBool::new(false),
             regions: Mutex::default(),
@@ -236,7 +237,7 @@ impl HostShared {
         let reach =
             self.endpoints.lock().acquire(peer, generation, now, |held| self.faults.lock().on_handshake(peer, held))?;
         Ok(match reach {
-            Reach::Use(link) => Some(EndpointUse::new(link, self.endpoints.clone(), self.clock)),
+            Reach::Use(link) => Some(EndpointUse::new(link, &self.endpoints)),
             Reach::Wait => None,
         })
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use transport_core::lifecycle::{Acquire, EndpointId};
+use transport_core::lifecycle::{reach, Acquire, EndpointId, Found, Reached};
 use transport_core::{Error, ErrorKind, Result, SegmentId};
 
 use crate::counters::endpoint_event;
@@ -41,14 +41,6 @@ impl Drop for Reservation {
     }
 }
 
-/// What the pool said, after the driver did its part under the lock.
-enum Step {
-    Ready(EndpointId),
-    Build(EndpointId, String),
-    Again,
-    Wait,
-}
-
 impl Inner {
     pub(crate) fn timing(&self) -> QpTiming {
         QpTiming { timeout: self.cfg.ack_timeout, retry_cnt: self.cfg.retry_count }
@@ -77,38 +69,46 @@ impl Inner {
             Err(id) => return Ok((id, false)),
         };
         let _guard = lock.lock().await;
-        let start = Instant::now();
-        let (id, name) = loop {
-            let step = self.with_state(|st, g| {
-                if st.shutdown {
-                    return Err(Error::shut_down());
-                }
-                let name = st.segments.get(&seg).ok_or_else(|| Error::unknown_segment(seg))?.desc.name.clone();
-                // Flushed broken endpoints give their places back once
-                // destroyed (when this closure's graveyard is emptied).
-                st.reap(&self.lim, false, g);
-                let now = st.now();
-                Ok(match st.pool.acquire(&seg, now) {
-                    Acquire::Use(id) => Step::Ready(id),
-                    Acquire::Build(id) => Step::Build(id, name),
-                    Acquire::Evict(id) => {
-                        endpoint_event("evicted", 1);
-                        st.destroy_endpoint_now(id, g);
-                        Step::Again
+        // The segment's name as of the last time the pool was asked.
+        let mut name = String::new();
+        let reached = reach(
+            &seg.to_string(),
+            self.cfg.max_endpoints,
+            self.cfg.handshake_timeout(),
+            || {
+                self.with_state(|st, g| {
+                    if st.shutdown {
+                        return Err(Error::shut_down());
                     }
-                    // Busy endpoints go idle when their work completes,
-                    // broken ones when they have flushed, dying ones when
-                    // their QPs are destroyed: wait, bounded.
-                    Acquire::Building(_) | Acquire::Full { .. } => Step::Wait,
+                    name.clone_from(&st.segments.get(&seg).ok_or_else(|| Error::unknown_segment(seg))?.desc.name);
+                    // Flushed broken endpoints give their places back once
+                    // destroyed (when this closure's graveyard is emptied).
+                    st.reap(&self.lim, false, g);
+                    let now = st.now();
+                    Ok(match st.pool.acquire(&seg, now) {
+                        Acquire::Use(id) => Found::Use(id),
+                        Acquire::Build(id) => Found::Build(id),
+                        // Destroyed here, under the lock: ask again.
+                        Acquire::Evict(id) => {
+                            endpoint_event("evicted", 1);
+                            st.destroy_endpoint_now(id, g);
+                            Found::Again
+                        }
+                        // Busy endpoints go idle when their work completes,
+                        // broken ones when they have flushed, dying ones
+                        // when their QPs are destroyed: wait, bounded.
+                        Acquire::Building(_) => Found::Building,
+                        Acquire::Full { .. } => Found::Full,
+                    })
                 })
-            })?;
-            match step {
-                Step::Ready(id) => return Ok((id, false)),
-                Step::Build(id, name) => break (id, name),
-                Step::Again => {}
-                Step::Wait if start.elapsed() < self.cfg.handshake_timeout() => tokio::time::sleep(FULL_RETRY).await,
-                Step::Wait => return Err(Error::endpoints_exhausted(seg, self.cfg.max_endpoints)),
-            }
+            },
+            |_: EndpointId| async {},
+            || tokio::time::sleep(FULL_RETRY),
+        )
+        .await?;
+        let id = match reached {
+            Reached::Use(id) => return Ok((id, false)),
+            Reached::Build(id) => id,
         };
         // Until the build is settled, the place goes back if this future
         // is dropped or the build fails, once the QPs built so far are
