@@ -72,7 +72,7 @@
 //! | 1 every resource is counted | `HostShared::stats` (pool `held`, ledgers' `pending`, `TaskSet::count`), `HostShared::spawn`, `HostShared::teardown` |
 //! | 2 failure frees | `HostShared::endpoint_failed` -> `Endpoints::failed` (`broken` then `destroyed`); the worker's `step` checks the link before every copy |
 //! | 3 close is real | `MockTransport::close_segment` (`HostShared::cancel_segment`, `Endpoints::close_peer`) |
-//! | 4 bounded endpoints | `Endpoints::acquire` (bound, LRU eviction, waits while all are busy), `Endpoints::reap` via the reaper task |
+//! | 4 bounded endpoints | `Endpoints::acquire` (bound, LRU eviction, waits while all are busy: a step of the worker, which cannot await, so not the core's async `reach`), uses counted by the core's `lifecycle::EndpointUse`, `Endpoints::reap` via the reaper task |
 //! | 5 terminal means quiet | `Batch::run_unit` (copy under the batch lock after `ledger.start`), `Batch::cancel`, `Batch::status` (deadline via `expire`) |
 //! | 6 poll never panics | `MockTransport::poll` (ledger snapshot; no unwrap on anything a peer, timer or caller controls) |
 //! | 9 memory is guarded | `HostShared::plan` (`validate_batch`), `move_bytes` (remote region, access, retired memory), `MockTransport::unregister` (`RegionEntry::retire`, `fail_local_users`, `fail_remote_users`) |
