@@ -201,3 +201,117 @@ impl<L: Layer> Transport for L {
         Layer::shutdown(self).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::error::{Error, ErrorKind};
+
+    /// A base transport that refuses everything but `notify_after`, whose
+    /// own version answers at once and counts its calls.
+    #[derive(Default)]
+    struct Base {
+        notified: AtomicUsize,
+    }
+
+    fn no() -> Error {
+        Error::new(ErrorKind::Unsupported, "test base")
+    }
+
+    #[async_trait]
+    impl Transport for Base {
+        fn backend(&self) -> &str {
+            "base"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::new(0)
+        }
+        fn local_segment_name(&self) -> String {
+            "base".into()
+        }
+        fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+            Err(no())
+        }
+        fn register(&self, _: MemoryRegion, _: Access) -> Result<RegionId> {
+            Err(no())
+        }
+        async fn unregister(&self, _: RegionId) -> Result<()> {
+            Err(no())
+        }
+        async fn open_segment(&self, _: &str) -> Result<SegmentId> {
+            Err(no())
+        }
+        async fn close_segment(&self, _: SegmentId) -> Result<()> {
+            Err(no())
+        }
+        fn segment_descriptor(&self, _: SegmentId) -> Result<SegmentDescriptor> {
+            Err(no())
+        }
+        async fn submit(&self, _: Vec<TransferRequest>, _: SubmitOptions) -> Result<BatchId> {
+            Err(no())
+        }
+        fn poll(&self, _: BatchId) -> Result<BatchStatus> {
+            Err(no())
+        }
+        async fn wait(&self, _: BatchId) -> Result<BatchStatus> {
+            Err(no())
+        }
+        async fn cancel(&self, _: BatchId) -> Result<BatchStatus> {
+            Err(no())
+        }
+        fn release(&self, _: BatchId) -> Result<()> {
+            Err(no())
+        }
+        fn stats(&self) -> ResourceStats {
+            ResourceStats::default()
+        }
+        async fn notify(&self, _: SegmentId, _: Vec<u8>) -> Result<()> {
+            Err(no())
+        }
+        fn take_notifications(&self, _: usize) -> Result<Vec<Notification>> {
+            Err(no())
+        }
+        async fn wait_notification(&self) -> Result<()> {
+            Err(no())
+        }
+        async fn notify_after(
+            &self,
+            _: BatchId,
+            _: SegmentId,
+            _: Vec<u8>,
+        ) -> Result<(BatchStatus, Option<Result<()>>)> {
+            self.notified.fetch_add(1, Ordering::Relaxed);
+            Ok((BatchStatus::from_requests(Vec::new()), Some(Ok(()))))
+        }
+        async fn shutdown(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    struct Plain(Arc<dyn Transport>);
+
+    impl Layer for Plain {
+        fn inner(&self) -> &Arc<dyn Transport> {
+            &self.0
+        }
+    }
+
+    #[tokio::test]
+    async fn a_layer_forwards_what_it_does_not_override_notify_after_included() {
+        let base = Arc::new(Base::default());
+        let layered: Arc<dyn Transport> = Arc::new(Plain(Arc::new(Plain(base.clone()))));
+        assert_eq!(layered.backend(), "base");
+        // The inner transport's own `notify_after`, not the trait's default
+        // (which would wait for the batch through `wait`, refused here).
+        let (status, sent) = layered.notify_after(BatchId(1), SegmentId(1), b"m".to_vec()).await.unwrap();
+        assert!(status.requests.is_empty() && matches!(sent, Some(Ok(()))));
+        assert_eq!(base.notified.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            layered.submit(Vec::new(), SubmitOptions::default()).await.unwrap_err().kind(),
+            ErrorKind::Unsupported
+        );
+        layered.shutdown().await.unwrap();
+    }
+}
