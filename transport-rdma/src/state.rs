@@ -395,6 +395,16 @@ impl State {
         }
     }
 
+    /// The caller releases batch `id` (terminal only): it leaves the table
+    /// and its deadline leaves the queue.
+    pub(crate) fn release_batch(&mut self, id: BatchId) -> Result<Batch> {
+        let b = self.batches.release(id, |b| b.ledger.is_terminal())?;
+        if let Some(key) = b.deadline {
+            self.deadlines.remove(key);
+        }
+        Ok(b)
+    }
+
     /// Takes batch `id` out of the table and its deadline out of the queue.
     pub(crate) fn remove_batch(&mut self, id: BatchId) -> Option<Batch> {
         let b = self.batches.remove(id)?;

@@ -413,10 +413,7 @@ impl Transport for RdmaTransport {
 
     fn release(&self, batch: BatchId) -> Result<()> {
         let mut st = self.inner.state.lock();
-        let released = st.batches.release(batch, |b| b.ledger.is_terminal())?;
-        if let Some(key) = released.deadline {
-            st.deadlines.remove(key);
-        }
+        let released = st.release_batch(batch)?;
         drop(st);
         drop(released);
         Ok(())

@@ -95,3 +95,30 @@ fn work_request_ids_are_never_reused() {
     let a = ids.next();
     assert_ne!(a, ids.next());
 }
+
+/// Rule 1 (every resource is counted): a batch with a deadline leaves the
+/// deadline queue when it leaves the table, by release or as an orphan,
+/// so the timer never holds (or wakes for) a batch nobody has.
+#[test]
+fn a_batch_leaves_the_deadline_queue_with_the_table() {
+    let (mut st, id) = state_with_posted(1);
+    let (key, _) = st.deadlines.add(Duration::from_secs(60), id);
+    st.batches.get_mut(id).unwrap().deadline = Some(key);
+    assert_eq!(st.deadlines.len(), 1);
+    // Not terminal yet: the release is refused and nothing moves.
+    assert_eq!(st.release_batch(id).unwrap_err().kind(), ErrorKind::InvalidRequest);
+    assert_eq!(st.deadlines.len(), 1);
+    st.after_destroy(&[], &[Lost { batch: id, req: 0, n: 1 }]);
+    assert!(st.release_batch(id).is_ok());
+    assert!(st.deadlines.is_empty() && st.deadlines.next().is_none());
+    assert_eq!(st.batches.len(), 0);
+
+    let (mut st, id) = state_with_posted(1);
+    let (key, _) = st.deadlines.add(Duration::from_secs(60), id);
+    let b = st.batches.get_mut(id).unwrap();
+    b.deadline = Some(key);
+    b.orphaned = true;
+    st.after_destroy(&[], &[Lost { batch: id, req: 0, n: 1 }]);
+    st.remove_orphans(&mut Graveyard::default());
+    assert!(st.deadlines.is_empty());
+}
