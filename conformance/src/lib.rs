@@ -133,6 +133,7 @@
 //! | `deadline::stalled_transfer_times_out` | 5 | Stall | a stalled batch ends TimedOut within its deadline plus a margin, sticky |
 //! | `deadline::quiet_after_timeout` | 5 | Stall | after a timeout the batch's memory never changes (stalled and resumed) |
 //! | `deadline::cancel_in_flight_ends` | 5 | Stall | cancel of stalled work returns Cancelled promptly; memory quiet after |
+//! | `deadline::timeout_beyond_the_clock_never_fires` | 5 | Stall | a timeout past what the clock holds means never: completes, or stays in progress until cancelled |
 //! | `poll::unknown_batch_ids` | 6 | - | poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic |
 //! | `poll::release_in_progress_refused` | 6 | Stall | release of a batch in progress: InvalidRequest, batch intact |
 //! | `poll::poll_during_faults` | 6 | - | tight polling during cut, stall, cancel and kill: no panic, terminal states sticky |

@@ -113,3 +113,38 @@ pub async fn cancel_in_flight_ends(cx: Ctx) -> CaseResult {
     t.release(b)?;
     Ok(())
 }
+
+/// A timeout beyond what any clock holds (`Duration::MAX`, and one that
+/// overflows when added to now) means "never": such a batch completes as
+/// any other, and a stalled one stays in progress (not `TimedOut` at once,
+/// no panic) until it is cancelled.
+pub async fn timeout_beyond_the_clock_never_fires(cx: Ctx) -> CaseResult {
+    let p = cx.pair(LEN).await?;
+    let t = p.t().clone();
+    for (what, timeout) in [("Duration::MAX", Duration::MAX), ("u64::MAX s - 1", Duration::from_secs(u64::MAX - 1))] {
+        p.local.write(0, &pattern(70, 4096))?;
+        let b = t.submit(vec![p.write(0, 0, 4096)], SubmitOptions::with_timeout(timeout)).await?;
+        let s = bounded("wait", t.wait(b)).await??;
+        ensure!(s.state == BatchState::Completed, "a batch with timeout {what} ended {:?}: {:?}", s.state, s.requests);
+        t.release(b)?;
+    }
+    ensure!(p.remote.snapshot()[..4096] == pattern(70, 4096)[..], "the bytes of a batch with a huge timeout differ");
+    cx.stall(&p.b, true).await?;
+    let b = t.submit(vec![p.write(0, 0, 4096)], SubmitOptions::with_timeout(Duration::MAX)).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let s = t.poll(b)?;
+    ensure!(
+        s.state == BatchState::InProgress,
+        "a stalled batch with timeout Duration::MAX is {:?} after 200 ms",
+        s.state
+    );
+    let s = bounded("cancel", t.cancel(b)).await??;
+    ensure!(
+        matches!(s.state, BatchState::Cancelled | BatchState::Completed),
+        "cancel of a batch with timeout Duration::MAX ended {:?}",
+        s.state
+    );
+    cx.stall(&p.b, false).await?;
+    t.release(b)?;
+    Ok(())
+}

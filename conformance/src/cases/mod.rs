@@ -220,6 +220,12 @@ static CASES: &[Case] = &[
         [Stall],
         "cancel of stalled work returns Cancelled promptly; memory quiet after"
     ),
+    case!(
+        deadline::timeout_beyond_the_clock_never_fires,
+        5,
+        [Stall],
+        "a timeout past what the clock holds means never: completes, or stays in progress until cancelled"
+    ),
     case!(poll::unknown_batch_ids, 6, [], "poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic"),
     case!(
         poll::release_in_progress_refused,
