@@ -41,6 +41,21 @@ impl Epoch {
     pub fn after(&self, after: Duration) -> Option<Duration> {
         self.now().checked_add(after)
     }
+
+    /// Sleeps until `at` on this clock (`None`, or beyond what `Instant`
+    /// holds: never), or until `sooner` completes: a deadline timer's wait
+    /// for the queue's next entry or an earlier one entered meanwhile.
+    pub async fn sleep_until_or(&self, at: Option<Duration>, sooner: impl std::future::Future<Output = ()>) {
+        match at.and_then(|at| self.instant(at)) {
+            Some(when) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
+                    () = sooner => {}
+                }
+            }
+            None => sooner.await,
+        }
+    }
 }
 
 /// A monotonic clock and a way to sleep on it.
@@ -144,6 +159,25 @@ impl Clock for ManualClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_timer_wakes_at_its_time_or_sooner_and_never_past_the_clock() {
+        let e = Epoch::start();
+        // Due soon: wakes then, though `sooner` never completes.
+        let t0 = std::time::Instant::now();
+        e.sleep_until_or(Some(e.now() + Duration::from_millis(30)), std::future::pending()).await;
+        assert!(t0.elapsed() >= Duration::from_millis(25));
+        // Never (nothing due, or past the clock): only `sooner` wakes it.
+        for at in [None, Some(Duration::MAX)] {
+            let woke = tokio::time::timeout(Duration::from_millis(50), e.sleep_until_or(at, std::future::pending()));
+            assert!(woke.await.is_err(), "{at:?} woke up by itself");
+            e.sleep_until_or(at, async {}).await;
+        }
+        // Sooner than the time: `sooner` wins.
+        let t0 = std::time::Instant::now();
+        e.sleep_until_or(Some(e.now() + Duration::from_secs(60)), tokio::time::sleep(Duration::from_millis(10))).await;
+        assert!(t0.elapsed() < Duration::from_secs(30));
+    }
 
     #[test]
     fn a_time_past_what_the_clock_holds_is_never() {

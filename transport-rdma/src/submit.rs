@@ -348,9 +348,7 @@ pub(crate) async fn timer(weak: Weak<Inner>) {
                     st.batches.get_mut(id).is_ok_and(|b| b.deadline.take().is_some() && !b.ledger.is_terminal())
                 })
                 .collect();
-            // `None` also when beyond what `Instant` holds: never.
-            let wake = st.deadlines.next().and_then(|at| st.epoch.instant(at));
-            (due, wake)
+            (due, (st.deadlines.next(), st.epoch))
         };
         for id in due {
             let w = weak.clone();
@@ -361,14 +359,7 @@ pub(crate) async fn timer(weak: Weak<Inner>) {
             }));
         }
         drop(inner);
-        match wake {
-            Some(when) => {
-                tokio::select! {
-                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
-                    _ = earlier => {}
-                }
-            }
-            None => earlier.await,
-        }
+        let (next, epoch) = wake;
+        epoch.sleep_until_or(next, earlier).await;
     }
 }

@@ -363,17 +363,8 @@ pub(crate) async fn timer(weak: Weak<Inner>) {
                 i.quiet(&batch).await;
             });
         }
-        // `None` also when beyond what the clock can represent: never.
-        let wake = next.and_then(|at| inner.slots.instant(at));
+        let epoch = inner.slots.epoch();
         drop(inner);
-        match wake {
-            Some(when) => {
-                tokio::select! {
-                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
-                    _ = earlier => {}
-                }
-            }
-            None => earlier.await,
-        }
+        epoch.sleep_until_or(next, earlier).await;
     }
 }

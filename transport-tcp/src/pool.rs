@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -45,10 +45,9 @@ impl<E> Slots<E> {
         self.origin.now()
     }
 
-    /// The instant `at` on the transport's clock (`None`: beyond what the
-    /// clock can represent, i.e. never).
-    pub fn instant(&self, at: Duration) -> Option<Instant> {
-        self.origin.instant(at)
+    /// The transport's clock.
+    pub fn epoch(&self) -> Epoch {
+        self.origin
     }
 
     /// What to do to reach `key` (see [`Acquire`]), with the endpoint to use
