@@ -1,586 +1,62 @@
-"""A ``nixl_agent`` over kvmove: the calls vLLM's and SGLang's NIXL
-connectors make on ``nixl._api.nixl_agent``, for host memory ("DRAM") and
-device memory ("VRAM", through its provider: see ``kvmove.devices``), over
-kvmove's TCP or RDMA backend (RDMA moves host memory only today).
-
-Opt-in for an unmodified program: put ``python/nixl-shim`` first on
-``PYTHONPATH`` and ``from nixl._api import nixl_agent, nixl_agent_config``
-gets the classes of this module.
-
-How it maps onto kvmove:
-
-* An agent owns one :class:`kvmove.Engine`, started by the first backend
-  (``create_backend``, or the config's ``backends``, default ``["UCX"]``).
-  ``"UCX"`` and ``"KVMOVE"`` run over ``KVMOVE_PROTOCOL`` (``tcp`` unless set;
-  ``rdma`` needs an RDMA build), ``"TCP"`` and ``"RDMA"`` pin the protocol.
-  ``KVMOVE_NIXL_HOST`` is the address (``host`` or ``host:port``) the agent
-  listens on and advertises in its metadata (default ``127.0.0.1``: set it
-  to an address the peers can reach); ``KVMOVE_CONFIG`` names a kvmove TOML
-  config and ``KVMOVE_POLICY`` a JSON policy, as for the Mooncake API.
-* Agent metadata (``get_agent_metadata``) is bytes carrying the agent's
-  name, its engine's session id and its registered regions; the peer loads
-  them with ``add_remote_agent``.
-* Remote descriptors are checked against the regions in the remote agent's
-  metadata when they are prepared, and again by the peer's engine when the
-  transfer runs.
-* A transfer's notification is sent by the engine's runtime once every
-  request completed (see ``python/src/nixl.rs``): it reaches the remote
-  agent after the data, never for a failed transfer. It travels as a kvmove
-  notification that carries the sender's agent name, so ``get_new_notifs``
-  can key it by agent.
-"""
+"""``nixl_agent``: NIXL's agent API, call by call, over one kvmove
+engine (the package's docstring says how it maps). One class, as NIXL's
+is; what it shares with the rest is in the sibling modules."""
 
 from __future__ import annotations
 
-import bisect
 import json
-import logging
 import os
 import pickle
 import threading
 import time
-from enum import Enum
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._engine import Engine
-from ._native import (
-    HAS_RDMA,
-    NixlOps,
-    TransferError,
-    named_notification,
-    nixl_desc_rows,
-    read_named_notification,
+from .._engine import Engine
+from .._native import HAS_RDMA, NixlOps, TransferError
+from ._base import (
+    logger,
+    NIXL_INIT_AGENT,
+    _MD_MAGIC,
+    _peer_gone,
+    nixlError,
+    nixlNotPostedError,
+    nixlInvalidParamError,
+    nixlNotFoundError,
+    nixlMismatchError,
+    nixlNotAllowedError,
+    nixlRepostActiveError,
+    nixlNotSupportedError,
+    nixlRemoteDisconnectError,
+    _SPIN_GAP,
+    _SPIN_WAIT,
+    _from_kvmove,
 )
-
-logger = logging.getLogger("kvmove.nixl")
-
-#: NIXL's default port for its metadata listener (accepted, unused).
-DEFAULT_COMM_PORT = 8888
-
-#: The name that marks a local descriptor list in ``prep_xfer_dlist``.
-NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
-
-#: Header of agent metadata; JSON follows.
-_MD_MAGIC = b"KVMOVE-NIXL/1\n"
-
-# Besides a peer failure (`.is_peer_failure`, from kvmove's one table of
-# error kinds), these mean the remote agent's session is no longer usable
-# (its breaker is open, its handle was closed, its metadata is gone): NIXL
-# reports all of them as a remote disconnect, and the session is forgotten.
-_SESSION_GONE = frozenset({"peer_unavailable", "invalid_handle", "not_found"})
-
-
-def _peer_gone(e: TransferError) -> bool:
-    """Whether ``e`` means the remote agent is gone (NIXL's
-    ``NIXL_ERR_REMOTE_DISCONNECT``)."""
-    return bool(getattr(e, "is_peer_failure", False)) or getattr(e, "kind", None) in _SESSION_GONE
-
-
-# ---- exceptions (the names NIXL's bindings raise) ----
-
-
-class nixlError(RuntimeError):
-    """Base of the errors below. ``.kind`` is the kvmove error kind when a
-    kvmove error caused it, else None."""
-
-    kind: Optional[str] = None
-
-
-class nixlNotPostedError(nixlError):
-    pass
-
-
-class nixlInvalidParamError(nixlError):
-    pass
-
-
-class nixlBackendError(nixlError):
-    pass
-
-
-class nixlNotFoundError(nixlError):
-    pass
-
-
-class nixlMismatchError(nixlError):
-    pass
-
-
-class nixlNotAllowedError(nixlError):
-    pass
-
-
-class nixlRepostActiveError(nixlError):
-    pass
-
-
-class nixlUnknownError(nixlError):
-    pass
-
-
-class nixlNotSupportedError(nixlError):
-    pass
-
-
-class nixlRemoteDisconnectError(nixlError):
-    pass
-
-
-class nixlCancelledError(nixlError):
-    pass
-
-
-class nixlNoTelemetryError(nixlError):
-    pass
-
-
-# Two polls of a transfer closer together than this (seconds) mean the
-# caller spins on it; such a poll waits up to _SPIN_WAIT for the end (the
-# posted transfer's own poll does the same in Rust: NixlXfer.poll).
-_SPIN_GAP = 0.0005
-_SPIN_WAIT = 0.001
-
-
-def _from_kvmove(e: TransferError, doing: str) -> nixlError:
-    """The NIXL-named error for a kvmove error."""
-    kind = getattr(e, "kind", None)
-    if kind in ("out_of_bounds", "unregistered"):
-        cls = nixlNotFoundError
-    elif kind in ("invalid_request", "config"):
-        cls = nixlInvalidParamError
-    elif kind == "unsupported":
-        cls = nixlNotSupportedError
-    elif kind == "cancelled":
-        cls = nixlCancelledError
-    elif _peer_gone(e):
-        cls = nixlRemoteDisconnectError
-    else:
-        cls = nixlBackendError
-    err = cls(f"{doing}: {e}")
-    err.kind = kind
-    return err
-
-
-# ---- configuration ----
-
-
-class nixl_thread_sync_t(Enum):
-    """Accepted for compatibility; kvmove's agent is always thread-safe."""
-
-    NIXL_THREAD_SYNC_NONE = 0
-    NIXL_THREAD_SYNC_STRICT = 1
-    NIXL_THREAD_SYNC_RW = 2
-    NIXL_THREAD_SYNC_DEFAULT = 3
-
-
-#: Opaque backend handle.
-nixl_backend_handle = int
-
-
-class nixl_agent_config:
-    """Agent options, with NIXL's names and defaults. kvmove uses
-    ``backends`` (which backends the agent creates) and
-    ``capture_telemetry`` (kept for reference: telemetry is always
-    available); the progress thread is kvmove's runtime, ``num_threads`` and
-    ``sync_mode`` are accepted and unused, and the metadata listener
-    (``enable_listen_thread``) is not provided."""
-
-    def __init__(
-        self,
-        enable_prog_thread: bool = True,
-        enable_listen_thread: bool = False,
-        listen_port: int = DEFAULT_COMM_PORT,
-        capture_telemetry: bool = False,
-        num_threads: int = 0,
-        backends: Sequence[str] = ("UCX",),
-        sync_mode: Optional[nixl_thread_sync_t] = None,
-    ):
-        if isinstance(backends, str):
-            raise TypeError("backends must be a list of backend names, e.g. [\"UCX\"], not a string")
-        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
-            raise TypeError(f"sync_mode must be a nixl_thread_sync_t, not {type(sync_mode).__name__}")
-        self.backends = list(backends)
-        self.enable_pthread = enable_prog_thread
-        self.enable_listen = enable_listen_thread
-        self.port = listen_port
-        self.capture_telemetry = capture_telemetry
-        self.num_threads = num_threads
-        self.sync_mode = sync_mode
-
-
-# ---- descriptor lists ----
-
-
-_MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
-_OTHER_MEM_TYPES = {"FILE", "BLK", "BLOCK", "OBJ"}
-
-
-def _mem_type(mem_type: Optional[str]) -> str:
-    if mem_type is None:
-        raise nixlInvalidParamError("a memory type is needed with a list of tuples or an array: \"DRAM\" or \"VRAM\"")
-    if mem_type in _MEM_TYPES:
-        return _MEM_TYPES[mem_type]
-    if mem_type in _OTHER_MEM_TYPES:
-        raise nixlNotSupportedError(
-            f"memory type {mem_type!r} is not supported: kvmove's NIXL agent moves host (\"DRAM\") and "
-            "device (\"VRAM\") memory"
-        )
-    raise nixlInvalidParamError(f"unknown memory type {mem_type!r}; kvmove's NIXL agent takes \"DRAM\" or \"VRAM\"")
-
-
-class _DList:
-    """Descriptors ``(addr, len, dev_id)`` of one memory type, held as an
-    ``N x 3`` uint64 array."""
-
-    def __init__(self, mem_type: str, descs: np.ndarray):
-        self.mem_type = mem_type
-        self._descs = descs
-
-    @property
-    def addrs(self) -> np.ndarray:
-        return self._descs[:, 0]
-
-    @property
-    def lens(self) -> np.ndarray:
-        return self._descs[:, 1]
-
-    def __len__(self) -> int:
-        return int(self._descs.shape[0])
-
-    def descCount(self) -> int:
-        return len(self)
-
-    def getType(self) -> str:
-        return self.mem_type
-
-    def __getitem__(self, i: int) -> Tuple[int, int, int]:
-        a, n, d = self._descs[i]
-        return int(a), int(n), int(d)
-
-    def __iter__(self):
-        for i in range(len(self)):
-            yield self[i]
-
-    def __eq__(self, other) -> bool:
-        return (
-            type(other) is type(self)
-            and other.mem_type == self.mem_type
-            and np.array_equal(other._descs, self._descs)
-        )
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.mem_type!r}, {len(self)} descriptors)"
-
-
-class nixlXferDList(_DList):
-    """A transfer descriptor list (``get_xfer_descs``)."""
-
-
-class nixlRegDList(_DList):
-    """A registration descriptor list (``get_reg_descs``)."""
-
-    def trim(self) -> nixlXferDList:
-        """The same ranges as a transfer descriptor list (NIXL's
-        ``nixlRegDList.trim``: NIXL's own examples serialize
-        ``register_memory(...).trim()`` for the peer)."""
-        return nixlXferDList(self.mem_type, self._descs.copy())
-
-
-def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, np.ndarray]:
-    """``(mem_type, N x 3 array)`` from tuples, an ``N x 3`` array, a
-    tensor or a list of tensors."""
-    if isinstance(descs, np.ndarray):
-        mt = _mem_type(mem_type)
-        if descs.ndim != 2 or descs.shape[1] != 3:
-            raise nixlInvalidParamError(f"{what}: a numpy array of descriptors must be N x 3 (addr, len, dev_id)")
-        return mt, descs.astype(np.uint64, copy=True)
-    if _is_tensor(descs):
-        return _tensor_rows([descs], what)
-    if not isinstance(descs, (list, tuple)):
-        raise nixlInvalidParamError(
-            f"{what}: expected a list of tuples, an N x 3 numpy array or tensors, not {type(descs).__name__}"
-        )
-    if len(descs) == 0:
-        return _mem_type(mem_type or "DRAM"), np.zeros((0, 3), dtype=np.uint64)
-    if _is_tensor(descs[0]):
-        return _tensor_rows(descs, what)
-    mt = _mem_type(mem_type)
-    packed = nixl_desc_rows(descs, width)  # None: the loop below says what is wrong
-    if packed is not None:
-        return mt, np.frombuffer(packed, dtype=np.uint64).reshape(-1, 3).copy()
-    rows = []
-    for i, d in enumerate(descs):
-        if not isinstance(d, (tuple, list)) or len(d) not in (3, width):
-            raise nixlInvalidParamError(
-                f"{what}: descriptor {i} must be a tuple (addr, len, dev_id{', meta' if width == 4 else ''})"
-            )
-        try:
-            a, n, dev = int(d[0]), int(d[1]), int(d[2])
-        except (TypeError, ValueError, OverflowError):
-            raise nixlInvalidParamError(f"{what}: descriptor {i} has a non-integer addr, len or dev_id") from None
-        if a < 0 or n < 0 or dev < 0 or a >= 2**64 or n >= 2**64 or dev >= 2**64:
-            raise nixlInvalidParamError(f"{what}: descriptor {i} has a negative or too large value")
-        rows.append((a, n, dev))
-    return mt, np.array(rows, dtype=np.uint64).reshape(-1, 3)
-
-
-def _is_tensor(obj) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
-
-
-def _tensor_rows(tensors, what: str) -> Tuple[str, np.ndarray]:
-    """One row per tensor; CUDA tensors are ``"VRAM"`` with their device
-    index as ``dev_id`` (as NIXL makes them), CPU tensors ``"DRAM"``."""
-    rows = []
-    types = set()
-    for i, t in enumerate(tensors):
-        if not _is_tensor(t):
-            raise nixlInvalidParamError(f"{what}: item {i} is not a tensor")
-        dev = t.get_device()
-        types.add("DRAM" if dev == -1 else "VRAM")
-        if not t.is_contiguous():
-            raise nixlInvalidParamError(f"{what}: tensor {i} is not contiguous")
-        rows.append((t.data_ptr(), t.numel() * t.element_size(), max(dev, 0)))
-    if len(types) > 1:
-        raise nixlInvalidParamError(f"{what}: the tensors are on the CPU and on a GPU; one memory type per list")
-    return types.pop(), np.array(rows, dtype=np.uint64).reshape(-1, 3)
-
-
-# ---- handles ----
-
-
-class nixl_prepped_dlist_handle:
-    """A prepared descriptor list (``prep_xfer_dlist``): local, or of a
-    remote agent. Release with ``release()`` or ``release_dlist_handle``."""
-
-    def __init__(self, agent: "nixl_agent", agent_name: Optional[str], descs: nixlXferDList):
-        self._agent = agent
-        self.agent_name = agent_name  #: None for a local list
-        self.descs = descs
-        self._released = False
-
-    def release(self) -> None:
-        self._released = True
-
-    def __repr__(self) -> str:
-        side = "local" if self.agent_name is None else f"remote {self.agent_name!r}"
-        return f"nixl_prepped_dlist_handle({side}, {len(self.descs)} descriptors, released={self._released})"
-
-
-class nixlXferTelemetry:
-    """Telemetry of a transfer: ``startTime`` (microseconds since the
-    epoch), ``postDuration`` and ``xferDuration`` (microseconds),
-    ``totalBytes``, ``descCount``."""
-
-    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
-
-    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
-        self.startTime = startTime
-        self.postDuration = postDuration
-        self.xferDuration = xferDuration
-        self.totalBytes = totalBytes
-        self.descCount = descCount
-
-    def __repr__(self) -> str:
-        return (
-            f"nixlXferTelemetry(startTime={self.startTime}, postDuration={self.postDuration}, "
-            f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, descCount={self.descCount})"
-        )
-
-
-class nixl_xfer_handle:
-    """A transfer request (``make_prepped_xfer`` / ``initialize_xfer``),
-    posted by ``transfer``. Releasing one still running cancels it."""
-
-    def __init__(self, agent: "nixl_agent", op: str, remote: str, ops: NixlOps, notif: bytes):
-        self._agent = agent
-        self.op = op
-        self.remote_agent = remote
-        self._ops = ops
-        self._notif = notif
-        self._native = None  # the NixlXfer of the last post
-        self._session = None  # the Session it was posted on
-        self._pending = None  # the courier's _Job posting it, until it ran
-        self._polled = float("-inf")  # when check_xfer_state last saw the job pending
-        self._released = False
-        # Posted, and no call has reported its end yet: as in NIXL, a post
-        # is active until transfer() or check_xfer_state() said "DONE" or
-        # raised, even if it finished in the background meanwhile.
-        self._active = False
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        j = self._pending
-        if j is not None:
-            # Not posted if it has not started; if it is posting now, the
-            # courier cancels what it posted (see nixl_agent._post).
-            j.cancelled = True
-        x = self._native
-        if x is not None and x.state() == "PROC":
-            x.cancel()
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # best effort at garbage collection
-            pass
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        st = "not posted" if self._native is None else self._native.state()
-        if self._pending is not None and not self._pending.done():
-            st = "waiting for the connection"
-        return f"nixl_xfer_handle({self.op} {self.remote_agent!r}, {len(self._ops)} descriptors, {st})"
+from ._descs import (
+    nixl_agent_config,
+    _DList,
+    nixlXferDList,
+    nixlRegDList,
+    _rows,
+    _operation,
+    _indices,
+    _agent_name,
+    _notif_bytes,
+    _encode_notif,
+    _decode_notif,
+)
+from ._handles import (
+    nixl_prepped_dlist_handle,
+    nixlXferTelemetry,
+    nixl_xfer_handle,
+    _Remote,
+    _uncovered,
+    _BACKENDS,
+)
 
 
 # ---- the agent ----
-
-
-class _Courier:
-    """The work for one remote agent that may wait on it (opening the
-    connection, posting a transfer before the connection is up, sending a
-    notification), done in order on a thread of its own, so that the calls
-    NIXL makes non-blocking (``transfer``, ``send_notif``,
-    ``make_connection``) return at once and a hung peer stalls only its
-    own work. At most ``LIMIT`` jobs wait."""
-
-    LIMIT = 4096
-
-    def __init__(self, name: str):
-        self._name = name
-        self._jobs: "List" = []
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, job) -> "_Job":
-        j = _Job(job)
-        with self._cv:
-            if self._closed:
-                raise nixlBackendError(f"agent {self._name!r} was removed or the agent closed")
-            if len(self._jobs) >= self.LIMIT:
-                raise nixlBackendError(
-                    f"{self.LIMIT} operations already wait for agent {self._name!r} (it does not answer)"
-                )
-            self._jobs.append(j)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"kvmove-nixl-{self._name}"[:60], daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return j
-
-    def idle(self) -> bool:
-        with self._cv:
-            return not self._jobs
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._closed:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                j = self._jobs[0]
-            j.run()
-            with self._cv:
-                self._jobs.pop(0)
-
-    def close(self) -> None:
-        """Drops the jobs that have not started (each ends with an error)."""
-        with self._cv:
-            self._closed = True
-            dropped, self._jobs = self._jobs[1:], self._jobs[:1]
-            self._cv.notify()
-        for j in dropped:
-            j.drop(nixlBackendError(f"agent {self._name!r} was removed or the agent closed before this ran"))
-
-
-class _Job:
-    """One job of a :class:`_Courier`: done, or failed with an error."""
-
-    def __init__(self, fn):
-        self._fn = fn
-        self._done = threading.Event()
-        self.error: Optional[BaseException] = None
-        self.cancelled = False
-
-    def run(self) -> None:
-        try:
-            if not self.cancelled:
-                self._fn()
-        except BaseException as e:  # kept for the caller's next status call
-            self.error = e
-        finally:
-            self._done.set()
-
-    def drop(self, error: BaseException) -> None:
-        self.error = error
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._done.wait(timeout)
-
-
-class _Remote:
-    """What an agent knows of a remote agent: its metadata, the session
-    opened to it (on first use), and the courier that does the work that
-    may wait on it."""
-
-    def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str, metadata: bytes):
-        self.name = name
-        self.session_id = session_id
-        self.backend = backend
-        self.metadata = metadata
-        #: The last work with it found it gone (NIXL's disconnected peer):
-        #: ``send_notif`` raises until a transfer reconnects.
-        self.gone = False
-        order = sorted(regions)
-        self.starts = np.array([a for a, _ in order], dtype=np.uint64)
-        self.ends = np.array([a + n for a, n in order], dtype=np.uint64)
-        self.session = None
-        self.courier = _Courier(name)
-
-
-_FEW = 8
-
-
-def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> int:
-    """Index of the first range not inside one region, or -1."""
-    if len(addrs) == 0:
-        return -1
-    if len(starts) == 0:
-        return 0
-    if len(addrs) <= _FEW:
-        # A few ranges (a single page, a layer's K and V): plain Python
-        # costs a tenth of numpy's per-call overhead.
-        st, en = starts.tolist(), ends.tolist()
-        for k, (a, n) in enumerate(zip(addrs.tolist(), lens.tolist())):
-            i = bisect.bisect_right(st, a) - 1
-            if i < 0 or a + n > en[i]:
-                return k
-        return -1
-    i = np.searchsorted(starts, addrs, side="right") - 1
-    # A zero-byte range at a region's start, inside it or at its end is
-    # inside (NIXL accepts it; it moves nothing).
-    ok = i >= 0
-    j = np.clip(i, 0, len(starts) - 1)
-    ok &= addrs + lens <= ends[j]
-    ok &= addrs + lens >= addrs  # no wrap-around
-    bad = np.flatnonzero(~ok)
-    return int(bad[0]) if len(bad) else -1
-
-
-_BACKENDS = ("UCX", "KVMOVE", "TCP", "RDMA")
-
 
 
 class nixl_agent:
@@ -1270,7 +746,7 @@ class nixl_agent:
     def metrics(self) -> dict:
         """kvmove's metrics as a dict (not in NIXL's API):
         :func:`kvmove.metrics`, process-wide."""
-        from ._metrics import metrics
+        from .._metrics import metrics
 
         return metrics()
 
@@ -1297,83 +773,3 @@ class nixl_agent:
     def __repr__(self) -> str:
         sid = self._engine.session_id if self._engine is not None else None
         return f"nixl_agent({self.name!r}, session_id={sid!r}, backends={list(self.backends)})"
-
-
-def _operation(op) -> str:
-    if op not in ("READ", "WRITE"):
-        raise nixlInvalidParamError(f"operation must be \"READ\" or \"WRITE\", not {op!r}")
-    return op
-
-
-def _indices(idx, n: int, what: str) -> np.ndarray:
-    try:
-        a = np.asarray(idx)
-    except Exception:
-        raise nixlInvalidParamError(f"{what} must be a list or array of integers") from None
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise nixlInvalidParamError(f"{what} must be a one-dimensional list or array of integers")
-    a = a.astype(np.int64, copy=False)
-    if a.size and (a.min() < 0 or a.max() >= n):
-        bad = int(a[(a < 0) | (a >= n)][0])
-        raise nixlInvalidParamError(f"{what}: index {bad} is outside the prepared list of {n} descriptors")
-    return a
-
-
-def _agent_name(name) -> str:
-    """An agent name as given: ``str``, or ``bytes`` as ``add_remote_agent``
-    returns it."""
-    if isinstance(name, (bytes, bytearray)):
-        return bytes(name).decode("utf-8", "replace")
-    return name
-
-
-def _notif_bytes(msg) -> bytes:
-    if isinstance(msg, str):
-        return msg.encode()
-    if isinstance(msg, (bytes, bytearray, memoryview)):
-        return bytes(msg)
-    raise nixlInvalidParamError(f"a notification message must be bytes or str, not {type(msg).__name__}")
-
-
-def _encode_notif(name: str, msg: bytes) -> bytes:
-    """A notification named after the sending agent: the engine's one
-    framing of a named notification (the Mooncake API's too)."""
-    try:
-        return named_notification(name, msg)
-    except ValueError as e:
-        raise nixlInvalidParamError(str(e)) from None
-
-
-def _decode_notif(peer: str, wire: bytes) -> Tuple[str, bytes]:
-    """The sending agent's name and the message; a notification that is
-    not named shows the peer's engine name."""
-    named = read_named_notification(wire)
-    return named if named is not None else (peer, wire)
-
-
-__all__ = [
-    "DEFAULT_COMM_PORT",
-    "NIXL_INIT_AGENT",
-    "nixl_agent",
-    "nixl_agent_config",
-    "nixl_backend_handle",
-    "nixl_prepped_dlist_handle",
-    "nixl_thread_sync_t",
-    "nixl_xfer_handle",
-    "nixlXferDList",
-    "nixlRegDList",
-    "nixlXferTelemetry",
-    "nixlError",
-    "nixlNotPostedError",
-    "nixlInvalidParamError",
-    "nixlBackendError",
-    "nixlNotFoundError",
-    "nixlMismatchError",
-    "nixlNotAllowedError",
-    "nixlRepostActiveError",
-    "nixlUnknownError",
-    "nixlNotSupportedError",
-    "nixlRemoteDisconnectError",
-    "nixlCancelledError",
-    "nixlNoTelemetryError",
-]

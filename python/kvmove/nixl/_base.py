@@ -1,0 +1,119 @@
+"""The NIXL surface's shared pieces: its logger and constants, the
+exception classes NIXL's bindings raise, and how a kvmove error maps onto
+them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from .._native import TransferError
+
+
+logger = logging.getLogger("kvmove.nixl")
+
+#: NIXL's default port for its metadata listener (accepted, unused).
+DEFAULT_COMM_PORT = 8888
+
+#: The name that marks a local descriptor list in ``prep_xfer_dlist``.
+NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
+
+#: Header of agent metadata; JSON follows.
+_MD_MAGIC = b"KVMOVE-NIXL/1\n"
+
+# Besides a peer failure (`.is_peer_failure`, from kvmove's one table of
+# error kinds), these mean the remote agent's session is no longer usable
+# (its breaker is open, its handle was closed, its metadata is gone): NIXL
+# reports all of them as a remote disconnect, and the session is forgotten.
+_SESSION_GONE = frozenset({"peer_unavailable", "invalid_handle", "not_found"})
+
+
+def _peer_gone(e: TransferError) -> bool:
+    """Whether ``e`` means the remote agent is gone (NIXL's
+    ``NIXL_ERR_REMOTE_DISCONNECT``)."""
+    return bool(getattr(e, "is_peer_failure", False)) or getattr(e, "kind", None) in _SESSION_GONE
+
+
+# ---- exceptions (the names NIXL's bindings raise) ----
+
+
+class nixlError(RuntimeError):
+    """Base of the errors below. ``.kind`` is the kvmove error kind when a
+    kvmove error caused it, else None."""
+
+    kind: Optional[str] = None
+
+
+class nixlNotPostedError(nixlError):
+    pass
+
+
+class nixlInvalidParamError(nixlError):
+    pass
+
+
+class nixlBackendError(nixlError):
+    pass
+
+
+class nixlNotFoundError(nixlError):
+    pass
+
+
+class nixlMismatchError(nixlError):
+    pass
+
+
+class nixlNotAllowedError(nixlError):
+    pass
+
+
+class nixlRepostActiveError(nixlError):
+    pass
+
+
+class nixlUnknownError(nixlError):
+    pass
+
+
+class nixlNotSupportedError(nixlError):
+    pass
+
+
+class nixlRemoteDisconnectError(nixlError):
+    pass
+
+
+class nixlCancelledError(nixlError):
+    pass
+
+
+class nixlNoTelemetryError(nixlError):
+    pass
+
+
+# Two polls of a transfer closer together than this (seconds) mean the
+# caller spins on it; such a poll waits up to _SPIN_WAIT for the end (the
+# posted transfer's own poll does the same in Rust: NixlXfer.poll).
+_SPIN_GAP = 0.0005
+_SPIN_WAIT = 0.001
+
+
+def _from_kvmove(e: TransferError, doing: str) -> nixlError:
+    """The NIXL-named error for a kvmove error."""
+    kind = getattr(e, "kind", None)
+    if kind in ("out_of_bounds", "unregistered"):
+        cls = nixlNotFoundError
+    elif kind in ("invalid_request", "config"):
+        cls = nixlInvalidParamError
+    elif kind == "unsupported":
+        cls = nixlNotSupportedError
+    elif kind == "cancelled":
+        cls = nixlCancelledError
+    elif _peer_gone(e):
+        cls = nixlRemoteDisconnectError
+    else:
+        cls = nixlBackendError
+    err = cls(f"{doing}: {e}")
+    err.kind = kind
+    return err

@@ -1,0 +1,250 @@
+"""The agent's configuration, NIXL's descriptor lists (``nixlXferDList``,
+``nixlRegDList``) and the checks of the arguments the agent's calls take."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._native import named_notification, nixl_desc_rows, read_named_notification
+from ._base import DEFAULT_COMM_PORT, nixlInvalidParamError, nixlNotSupportedError
+
+
+# ---- configuration ----
+
+
+class nixl_thread_sync_t(Enum):
+    """Accepted for compatibility; kvmove's agent is always thread-safe."""
+
+    NIXL_THREAD_SYNC_NONE = 0
+    NIXL_THREAD_SYNC_STRICT = 1
+    NIXL_THREAD_SYNC_RW = 2
+    NIXL_THREAD_SYNC_DEFAULT = 3
+
+
+#: Opaque backend handle.
+nixl_backend_handle = int
+
+
+class nixl_agent_config:
+    """Agent options, with NIXL's names and defaults. kvmove uses
+    ``backends`` (which backends the agent creates) and
+    ``capture_telemetry`` (kept for reference: telemetry is always
+    available); the progress thread is kvmove's runtime, ``num_threads`` and
+    ``sync_mode`` are accepted and unused, and the metadata listener
+    (``enable_listen_thread``) is not provided."""
+
+    def __init__(
+        self,
+        enable_prog_thread: bool = True,
+        enable_listen_thread: bool = False,
+        listen_port: int = DEFAULT_COMM_PORT,
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
+        backends: Sequence[str] = ("UCX",),
+        sync_mode: Optional[nixl_thread_sync_t] = None,
+    ):
+        if isinstance(backends, str):
+            raise TypeError("backends must be a list of backend names, e.g. [\"UCX\"], not a string")
+        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+            raise TypeError(f"sync_mode must be a nixl_thread_sync_t, not {type(sync_mode).__name__}")
+        self.backends = list(backends)
+        self.enable_pthread = enable_prog_thread
+        self.enable_listen = enable_listen_thread
+        self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        self.sync_mode = sync_mode
+
+
+# ---- descriptor lists ----
+
+
+_MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
+_OTHER_MEM_TYPES = {"FILE", "BLK", "BLOCK", "OBJ"}
+
+
+def _mem_type(mem_type: Optional[str]) -> str:
+    if mem_type is None:
+        raise nixlInvalidParamError("a memory type is needed with a list of tuples or an array: \"DRAM\" or \"VRAM\"")
+    if mem_type in _MEM_TYPES:
+        return _MEM_TYPES[mem_type]
+    if mem_type in _OTHER_MEM_TYPES:
+        raise nixlNotSupportedError(
+            f"memory type {mem_type!r} is not supported: kvmove's NIXL agent moves host (\"DRAM\") and "
+            "device (\"VRAM\") memory"
+        )
+    raise nixlInvalidParamError(f"unknown memory type {mem_type!r}; kvmove's NIXL agent takes \"DRAM\" or \"VRAM\"")
+
+
+class _DList:
+    """Descriptors ``(addr, len, dev_id)`` of one memory type, held as an
+    ``N x 3`` uint64 array."""
+
+    def __init__(self, mem_type: str, descs: np.ndarray):
+        self.mem_type = mem_type
+        self._descs = descs
+
+    @property
+    def addrs(self) -> np.ndarray:
+        return self._descs[:, 0]
+
+    @property
+    def lens(self) -> np.ndarray:
+        return self._descs[:, 1]
+
+    def __len__(self) -> int:
+        return int(self._descs.shape[0])
+
+    def descCount(self) -> int:
+        return len(self)
+
+    def getType(self) -> str:
+        return self.mem_type
+
+    def __getitem__(self, i: int) -> Tuple[int, int, int]:
+        a, n, d = self._descs[i]
+        return int(a), int(n), int(d)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other) -> bool:
+        return (
+            type(other) is type(self)
+            and other.mem_type == self.mem_type
+            and np.array_equal(other._descs, self._descs)
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.mem_type!r}, {len(self)} descriptors)"
+
+
+class nixlXferDList(_DList):
+    """A transfer descriptor list (``get_xfer_descs``)."""
+
+
+class nixlRegDList(_DList):
+    """A registration descriptor list (``get_reg_descs``)."""
+
+    def trim(self) -> nixlXferDList:
+        """The same ranges as a transfer descriptor list (NIXL's
+        ``nixlRegDList.trim``: NIXL's own examples serialize
+        ``register_memory(...).trim()`` for the peer)."""
+        return nixlXferDList(self.mem_type, self._descs.copy())
+
+
+def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, np.ndarray]:
+    """``(mem_type, N x 3 array)`` from tuples, an ``N x 3`` array, a
+    tensor or a list of tensors."""
+    if isinstance(descs, np.ndarray):
+        mt = _mem_type(mem_type)
+        if descs.ndim != 2 or descs.shape[1] != 3:
+            raise nixlInvalidParamError(f"{what}: a numpy array of descriptors must be N x 3 (addr, len, dev_id)")
+        return mt, descs.astype(np.uint64, copy=True)
+    if _is_tensor(descs):
+        return _tensor_rows([descs], what)
+    if not isinstance(descs, (list, tuple)):
+        raise nixlInvalidParamError(
+            f"{what}: expected a list of tuples, an N x 3 numpy array or tensors, not {type(descs).__name__}"
+        )
+    if len(descs) == 0:
+        return _mem_type(mem_type or "DRAM"), np.zeros((0, 3), dtype=np.uint64)
+    if _is_tensor(descs[0]):
+        return _tensor_rows(descs, what)
+    mt = _mem_type(mem_type)
+    packed = nixl_desc_rows(descs, width)  # None: the loop below says what is wrong
+    if packed is not None:
+        return mt, np.frombuffer(packed, dtype=np.uint64).reshape(-1, 3).copy()
+    rows = []
+    for i, d in enumerate(descs):
+        if not isinstance(d, (tuple, list)) or len(d) not in (3, width):
+            raise nixlInvalidParamError(
+                f"{what}: descriptor {i} must be a tuple (addr, len, dev_id{', meta' if width == 4 else ''})"
+            )
+        try:
+            a, n, dev = int(d[0]), int(d[1]), int(d[2])
+        except (TypeError, ValueError, OverflowError):
+            raise nixlInvalidParamError(f"{what}: descriptor {i} has a non-integer addr, len or dev_id") from None
+        if a < 0 or n < 0 or dev < 0 or a >= 2**64 or n >= 2**64 or dev >= 2**64:
+            raise nixlInvalidParamError(f"{what}: descriptor {i} has a negative or too large value")
+        rows.append((a, n, dev))
+    return mt, np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+def _is_tensor(obj) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def _tensor_rows(tensors, what: str) -> Tuple[str, np.ndarray]:
+    """One row per tensor; CUDA tensors are ``"VRAM"`` with their device
+    index as ``dev_id`` (as NIXL makes them), CPU tensors ``"DRAM"``."""
+    rows = []
+    types = set()
+    for i, t in enumerate(tensors):
+        if not _is_tensor(t):
+            raise nixlInvalidParamError(f"{what}: item {i} is not a tensor")
+        dev = t.get_device()
+        types.add("DRAM" if dev == -1 else "VRAM")
+        if not t.is_contiguous():
+            raise nixlInvalidParamError(f"{what}: tensor {i} is not contiguous")
+        rows.append((t.data_ptr(), t.numel() * t.element_size(), max(dev, 0)))
+    if len(types) > 1:
+        raise nixlInvalidParamError(f"{what}: the tensors are on the CPU and on a GPU; one memory type per list")
+    return types.pop(), np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+
+def _operation(op) -> str:
+    if op not in ("READ", "WRITE"):
+        raise nixlInvalidParamError(f"operation must be \"READ\" or \"WRITE\", not {op!r}")
+    return op
+
+
+def _indices(idx, n: int, what: str) -> np.ndarray:
+    try:
+        a = np.asarray(idx)
+    except Exception:
+        raise nixlInvalidParamError(f"{what} must be a list or array of integers") from None
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise nixlInvalidParamError(f"{what} must be a one-dimensional list or array of integers")
+    a = a.astype(np.int64, copy=False)
+    if a.size and (a.min() < 0 or a.max() >= n):
+        bad = int(a[(a < 0) | (a >= n)][0])
+        raise nixlInvalidParamError(f"{what}: index {bad} is outside the prepared list of {n} descriptors")
+    return a
+
+
+def _agent_name(name) -> str:
+    """An agent name as given: ``str``, or ``bytes`` as ``add_remote_agent``
+    returns it."""
+    if isinstance(name, (bytes, bytearray)):
+        return bytes(name).decode("utf-8", "replace")
+    return name
+
+
+def _notif_bytes(msg) -> bytes:
+    if isinstance(msg, str):
+        return msg.encode()
+    if isinstance(msg, (bytes, bytearray, memoryview)):
+        return bytes(msg)
+    raise nixlInvalidParamError(f"a notification message must be bytes or str, not {type(msg).__name__}")
+
+
+def _encode_notif(name: str, msg: bytes) -> bytes:
+    """A notification named after the sending agent: the engine's one
+    framing of a named notification (the Mooncake API's too)."""
+    try:
+        return named_notification(name, msg)
+    except ValueError as e:
+        raise nixlInvalidParamError(str(e)) from None
+
+
+def _decode_notif(peer: str, wire: bytes) -> Tuple[str, bytes]:
+    """The sending agent's name and the message; a notification that is
+    not named shows the peer's engine name."""
+    named = read_named_notification(wire)
+    return named if named is not None else (peer, wire)

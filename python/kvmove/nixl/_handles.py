@@ -1,0 +1,249 @@
+"""The handles the agent gives out (prepared lists, transfers, their
+telemetry) and what it keeps per remote agent: the courier thread that
+does the work that may wait on it, and its regions."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .._native import NixlOps
+from ._base import nixlBackendError
+from ._descs import nixlXferDList
+
+
+# ---- handles ----
+
+
+class nixl_prepped_dlist_handle:
+    """A prepared descriptor list (``prep_xfer_dlist``): local, or of a
+    remote agent. Release with ``release()`` or ``release_dlist_handle``."""
+
+    def __init__(self, agent: "nixl_agent", agent_name: Optional[str], descs: nixlXferDList):
+        self._agent = agent
+        self.agent_name = agent_name  #: None for a local list
+        self.descs = descs
+        self._released = False
+
+    def release(self) -> None:
+        self._released = True
+
+    def __repr__(self) -> str:
+        side = "local" if self.agent_name is None else f"remote {self.agent_name!r}"
+        return f"nixl_prepped_dlist_handle({side}, {len(self.descs)} descriptors, released={self._released})"
+
+
+class nixlXferTelemetry:
+    """Telemetry of a transfer: ``startTime`` (microseconds since the
+    epoch), ``postDuration`` and ``xferDuration`` (microseconds),
+    ``totalBytes``, ``descCount``."""
+
+    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
+
+    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
+        self.startTime = startTime
+        self.postDuration = postDuration
+        self.xferDuration = xferDuration
+        self.totalBytes = totalBytes
+        self.descCount = descCount
+
+    def __repr__(self) -> str:
+        return (
+            f"nixlXferTelemetry(startTime={self.startTime}, postDuration={self.postDuration}, "
+            f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, descCount={self.descCount})"
+        )
+
+
+class nixl_xfer_handle:
+    """A transfer request (``make_prepped_xfer`` / ``initialize_xfer``),
+    posted by ``transfer``. Releasing one still running cancels it."""
+
+    def __init__(self, agent: "nixl_agent", op: str, remote: str, ops: NixlOps, notif: bytes):
+        self._agent = agent
+        self.op = op
+        self.remote_agent = remote
+        self._ops = ops
+        self._notif = notif
+        self._native = None  # the NixlXfer of the last post
+        self._session = None  # the Session it was posted on
+        self._pending = None  # the courier's _Job posting it, until it ran
+        self._polled = float("-inf")  # when check_xfer_state last saw the job pending
+        self._released = False
+        # Posted, and no call has reported its end yet: as in NIXL, a post
+        # is active until transfer() or check_xfer_state() said "DONE" or
+        # raised, even if it finished in the background meanwhile.
+        self._active = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        j = self._pending
+        if j is not None:
+            # Not posted if it has not started; if it is posting now, the
+            # courier cancels what it posted (see nixl_agent._post).
+            j.cancelled = True
+        x = self._native
+        if x is not None and x.state() == "PROC":
+            x.cancel()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # best effort at garbage collection
+            pass
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        st = "not posted" if self._native is None else self._native.state()
+        if self._pending is not None and not self._pending.done():
+            st = "waiting for the connection"
+        return f"nixl_xfer_handle({self.op} {self.remote_agent!r}, {len(self._ops)} descriptors, {st})"
+
+
+# ---- what the agent keeps per remote agent ----
+
+
+class _Courier:
+    """The work for one remote agent that may wait on it (opening the
+    connection, posting a transfer before the connection is up, sending a
+    notification), done in order on a thread of its own, so that the calls
+    NIXL makes non-blocking (``transfer``, ``send_notif``,
+    ``make_connection``) return at once and a hung peer stalls only its
+    own work. At most ``LIMIT`` jobs wait."""
+
+    LIMIT = 4096
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: "List" = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, job) -> "_Job":
+        j = _Job(job)
+        with self._cv:
+            if self._closed:
+                raise nixlBackendError(f"agent {self._name!r} was removed or the agent closed")
+            if len(self._jobs) >= self.LIMIT:
+                raise nixlBackendError(
+                    f"{self.LIMIT} operations already wait for agent {self._name!r} (it does not answer)"
+                )
+            self._jobs.append(j)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"kvmove-nixl-{self._name}"[:60], daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return j
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._jobs
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                j = self._jobs[0]
+            j.run()
+            with self._cv:
+                self._jobs.pop(0)
+
+    def close(self) -> None:
+        """Drops the jobs that have not started (each ends with an error)."""
+        with self._cv:
+            self._closed = True
+            dropped, self._jobs = self._jobs[1:], self._jobs[:1]
+            self._cv.notify()
+        for j in dropped:
+            j.drop(nixlBackendError(f"agent {self._name!r} was removed or the agent closed before this ran"))
+
+
+class _Job:
+    """One job of a :class:`_Courier`: done, or failed with an error."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._done = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.cancelled = False
+
+    def run(self) -> None:
+        try:
+            if not self.cancelled:
+                self._fn()
+        except BaseException as e:  # kept for the caller's next status call
+            self.error = e
+        finally:
+            self._done.set()
+
+    def drop(self, error: BaseException) -> None:
+        self.error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+
+class _Remote:
+    """What an agent knows of a remote agent: its metadata, the session
+    opened to it (on first use), and the courier that does the work that
+    may wait on it."""
+
+    def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str, metadata: bytes):
+        self.name = name
+        self.session_id = session_id
+        self.backend = backend
+        self.metadata = metadata
+        #: The last work with it found it gone (NIXL's disconnected peer):
+        #: ``send_notif`` raises until a transfer reconnects.
+        self.gone = False
+        order = sorted(regions)
+        self.starts = np.array([a for a, _ in order], dtype=np.uint64)
+        self.ends = np.array([a + n for a, n in order], dtype=np.uint64)
+        self.session = None
+        self.courier = _Courier(name)
+
+
+_FEW = 8
+
+
+def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> int:
+    """Index of the first range not inside one region, or -1."""
+    if len(addrs) == 0:
+        return -1
+    if len(starts) == 0:
+        return 0
+    if len(addrs) <= _FEW:
+        # A few ranges (a single page, a layer's K and V): plain Python
+        # costs a tenth of numpy's per-call overhead.
+        st, en = starts.tolist(), ends.tolist()
+        for k, (a, n) in enumerate(zip(addrs.tolist(), lens.tolist())):
+            i = bisect.bisect_right(st, a) - 1
+            if i < 0 or a + n > en[i]:
+                return k
+        return -1
+    i = np.searchsorted(starts, addrs, side="right") - 1
+    # A zero-byte range at a region's start, inside it or at its end is
+    # inside (NIXL accepts it; it moves nothing).
+    ok = i >= 0
+    j = np.clip(i, 0, len(starts) - 1)
+    ok &= addrs + lens <= ends[j]
+    ok &= addrs + lens >= addrs  # no wrap-around
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else -1
+
+
+_BACKENDS = ("UCX", "KVMOVE", "TCP", "RDMA")
