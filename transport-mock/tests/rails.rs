@@ -206,3 +206,53 @@ fn a_rail_that_cancels_its_work_by_itself_fails_over() {
         assert!(a.paths(seg).unwrap()[1].failures > 0);
     });
 }
+
+/// A rail that keeps no deadline: it submits every batch without a
+/// timeout, so only the rails' own timer can end a batch at its deadline.
+struct KeepsNoDeadline(Arc<dyn Transport>);
+
+#[async_trait::async_trait]
+impl transport_core::Layer for KeepsNoDeadline {
+    fn inner(&self) -> &Arc<dyn Transport> {
+        &self.0
+    }
+    async fn submit(
+        &self,
+        requests: Vec<TransferRequest>,
+        _opts: SubmitOptions,
+    ) -> transport_core::Result<transport_core::BatchId> {
+        self.0.submit(requests, SubmitOptions::default()).await
+    }
+}
+
+/// Rule 5 through the rails' one deadline timer: over rails that enforce
+/// no deadline, a stalled batch still ends `TimedOut` at its deadline (the
+/// timer wakes its driver, which cancels what is on the rails), and the
+/// memory is quiet after.
+#[test]
+fn the_rails_keep_the_deadline_when_their_rails_keep_none() {
+    run(async {
+        let fabric = MockFabric::new();
+        let deaf = |name: &str| -> Arc<dyn Transport> { Arc::new(KeepsNoDeadline(host(&fabric, name))) };
+        let a = Rails::new(vec![deaf("a.r0"), deaf("a.r1")], None, cfg()).unwrap();
+        let p = pair_with(&fabric, a, false).await;
+        for r in ["b.r0", "b.r1"] {
+            fabric.stall(r, true).unwrap();
+        }
+        let start = std::time::Instant::now();
+        let id = p.a.submit(p.reqs.clone(), SubmitOptions::with_timeout(Duration::from_millis(300))).await.unwrap();
+        let s = tokio::time::timeout(Duration::from_secs(10), p.a.wait(id))
+            .await
+            .expect("a stalled batch over rails without deadlines never ended: the rails' timer did not fire")
+            .unwrap();
+        assert_eq!(s.state, BatchState::TimedOut, "{:?}", s.requests);
+        assert!(start.elapsed() < Duration::from_secs(5), "ended after {:?}", start.elapsed());
+        let before = p.dst.read();
+        for r in ["b.r0", "b.r1"] {
+            fabric.stall(r, false).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(p.dst.read() == before, "memory of a timed-out batch changed after the stall ended");
+        p.a.release(id).unwrap();
+    });
+}

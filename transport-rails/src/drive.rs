@@ -112,12 +112,7 @@ pub(crate) async fn drive(
             inner.abandon(id);
             continue;
         }
-        let sleep = async {
-            match step.deadline {
-                Some(d) => tokio::time::sleep(d.saturating_sub(inner.now())).await,
-                None => std::future::pending().await,
-            }
-        };
+        // The deadline wakes `wake` too (the rails' one timer, `timer`).
         tokio::select! {
             Some((sub, bid, r)) = running.next(), if !running.is_empty() => {
                 live.remove(&(sub.k, bid));
@@ -125,9 +120,37 @@ pub(crate) async fn drive(
                 inner.finish(id, sub, r, &mut queue, &mut mine);
             }
             _ = wake.notified() => {}
-            _ = sleep => {}
             // Slices waiting for room on a path shared with other batches.
             _ = tokio::time::sleep(NAP), if running.is_empty() && !queue.is_empty() => {}
         }
+    }
+}
+
+/// The rails' one deadline timer (rule 5): sleeps until the next deadline
+/// in [`State::deadlines`] (or until an earlier one is entered) and wakes
+/// the driver of every batch whose deadline came; the driver then sees it
+/// expired and cancels what is on the rails. Holds the rails weakly; ends
+/// with them (its handle, `Inner::timer`, aborts it).
+pub(crate) async fn timer(weak: std::sync::Weak<Inner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let signal = inner.earlier.clone();
+        let earlier = signal.notified();
+        tokio::pin!(earlier);
+        earlier.as_mut().enable();
+        let next = {
+            let mut st = inner.state.lock();
+            let due = st.deadlines.due(inner.now());
+            for (_, id) in due {
+                if let Ok(b) = st.batches.get_mut(id) {
+                    b.deadline = None;
+                    b.wake.notify_one();
+                }
+            }
+            st.deadlines.next()
+        };
+        let epoch = inner.epoch;
+        drop(inner);
+        epoch.sleep_until_or(next, earlier).await;
     }
 }

@@ -54,7 +54,9 @@ use serde::Serialize;
 use tokio::sync::Notify;
 use transport_mem::MemoryRegion;
 
-use transport_core::lifecycle::{validate_batch, BatchLedger, BatchTable, EndReason, TaskSet};
+use transport_core::lifecycle::{
+    validate_batch, BatchLedger, BatchTable, DeadlineQueue, EndReason, OwnedTask, TaskSet,
+};
 use transport_core::{
     Access, BatchId, BatchStatus, Capabilities, Error, ErrorKind, Notification, RegionId, ResourceStats, Result,
     SegmentDescriptor, SegmentId, SubmitOptions, TransferRequest, Transport,
@@ -119,26 +121,30 @@ impl Rails {
         all.extend(fallback);
         let max_batch = all.iter().map(|t| t.capabilities().max_batch_len.max(1)).collect();
         let name = list.rails[0].clone();
-        Ok(Arc::new(Self {
-            inner: Arc::new(Inner {
-                all,
-                rails: n,
-                cfg,
-                name,
-                epoch: Epoch::start(),
-                max_batch,
-                state: Mutex::new(State {
-                    shutdown: false,
-                    regions: BTreeMap::new(),
-                    segments: HashMap::new(),
-                    batches: BatchTable::new(),
-                    next_region: 0,
-                    next_segment: 0,
-                }),
-                tasks: TaskSet::new(),
-                settled: Notify::new(),
+        let inner = Arc::new(Inner {
+            all,
+            rails: n,
+            cfg,
+            name,
+            epoch: Epoch::start(),
+            max_batch,
+            state: Mutex::new(State {
+                shutdown: false,
+                regions: BTreeMap::new(),
+                segments: HashMap::new(),
+                batches: BatchTable::new(),
+                deadlines: DeadlineQueue::new(),
+                next_region: 0,
+                next_segment: 0,
             }),
-        }))
+            tasks: TaskSet::new(),
+            settled: Notify::new(),
+            earlier: Arc::new(Notify::new()),
+            timer: Mutex::new(None),
+        });
+        let timer = OwnedTask::spawn(&inner.tasks, crate::drive::timer(Arc::downgrade(&inner)));
+        *inner.timer.lock() = Some(timer);
+        Ok(Arc::new(Self { inner }))
     }
 
     /// The paths of an open segment: their state and what they moved.
@@ -385,7 +391,8 @@ impl Transport for Rails {
         // the queue stays small whatever the request sizes.
         let queue: VecDeque<Slice> =
             requests.iter().enumerate().map(|(i, r)| Slice { req: i, off: 0, len: r.len, tries: 0 }).collect();
-        let deadline = opts.timeout.map(|t| inner.now().saturating_add(t));
+        // `None` also past what the clock holds: never.
+        let deadline = opts.timeout.and_then(|t| inner.epoch.after(t));
         let wake = Arc::new(Notify::new());
         let mut st = inner.state.lock();
         if st.shutdown {
@@ -408,7 +415,17 @@ impl Transport for Rails {
             done: Arc::new(Notify::new()),
             stop: false,
             driver: None,
+            deadline: None,
         });
+        if let Some(at) = deadline {
+            let (key, earliest) = st.deadlines.add(at, id);
+            if let Ok(b) = st.batches.get_mut(id) {
+                b.deadline = Some(key);
+            }
+            if earliest {
+                inner.earlier.notify_one();
+            }
+        }
         let driver = inner.tasks.spawn(drive(inner.clone(), id, requests, queue, wake));
         if let Ok(b) = st.batches.get_mut(id) {
             b.driver = Some(driver);
@@ -461,7 +478,14 @@ impl Transport for Rails {
     }
 
     fn release(&self, batch: BatchId) -> Result<()> {
-        let b = self.inner.state.lock().batches.release(batch, |b| b.ledger.is_terminal())?;
+        let b = {
+            let mut st = self.inner.state.lock();
+            let b = st.batches.release(batch, |b| b.ledger.is_terminal())?;
+            if let Some(key) = b.deadline {
+                st.deadlines.remove(key);
+            }
+            b
+        };
         drop(b); // its driver has ended or is about to (the batch is terminal)
         Ok(())
     }
@@ -530,6 +554,7 @@ impl Transport for Rails {
                 return Ok(());
             }
             st.shutdown = true;
+            st.deadlines = DeadlineQueue::new();
             let mut drivers = Vec::new();
             for (_, b) in st.batches.iter_mut() {
                 b.stop = true;
@@ -539,6 +564,8 @@ impl Transport for Rails {
             }
             drivers
         };
+        // The timer ends here (aborted, uncounted at once).
+        drop(inner.timer.lock().take());
         let results = futures::future::join_all(inner.all.iter().map(|t| t.shutdown())).await;
         for d in drivers {
             if tokio::time::timeout(SETTLE_LIMIT, d).await.is_err() {

@@ -128,7 +128,7 @@ impl Inner {
         if p.finished > 0 {
             self.settled.notify_waiters();
         }
-        Some(Step { plans, terminal, cancel, deadline: b.ledger.deadline().filter(|_| !expired) })
+        Some(Step { plans, terminal, cancel })
     }
 
     /// Accounts for a finished (or refused) sub-batch.

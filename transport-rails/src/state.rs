@@ -11,8 +11,8 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use transport_core::lifecycle::{BatchLedger, BatchLimits, BatchTable, TaskSet};
-use transport_core::{Capabilities, Error, ErrorKind, RegionId, SegmentId, TransferRequest, Transport};
+use transport_core::lifecycle::{BatchLedger, BatchLimits, BatchTable, DeadlineKey, DeadlineQueue, OwnedTask, TaskSet};
+use transport_core::{BatchId, Capabilities, Error, ErrorKind, RegionId, SegmentId, TransferRequest, Transport};
 
 use crate::paths::{PathHealth, RailsConfig};
 
@@ -29,6 +29,11 @@ pub(crate) struct Inner {
     pub(crate) tasks: TaskSet,
     /// Woken whenever a driver accounted for finished work.
     pub(crate) settled: Notify,
+    /// Woken when an earlier deadline enters the queue, and at shutdown.
+    pub(crate) earlier: Arc<Notify>,
+    /// The one deadline timer (`drive::timer`); dropped (aborted) at
+    /// shutdown and with the rails.
+    pub(crate) timer: Mutex<Option<OwnedTask>>,
 }
 
 pub(crate) struct State {
@@ -36,6 +41,9 @@ pub(crate) struct State {
     pub(crate) regions: BTreeMap<RegionId, Region>,
     pub(crate) segments: HashMap<SegmentId, Seg>,
     pub(crate) batches: BatchTable<Batch>,
+    /// The deadlines of live batches: the timer wakes a batch's driver when
+    /// its deadline comes (rule 5), one timer for every batch.
+    pub(crate) deadlines: DeadlineQueue<BatchId>,
     pub(crate) next_region: u64,
     pub(crate) next_segment: u64,
 }
@@ -78,6 +86,8 @@ pub(crate) struct Batch {
     /// Set by cancel / shutdown: the driver cancels what is on the rails.
     pub(crate) stop: bool,
     pub(crate) driver: Option<JoinHandle<()>>,
+    /// Its place in [`State::deadlines`], until the timer took it out.
+    pub(crate) deadline: Option<DeadlineKey>,
 }
 
 /// A piece of a request, handed to one path at a time.
@@ -110,7 +120,6 @@ pub(crate) struct Step {
     pub(crate) terminal: bool,
     /// Cancel what is on the rails (stop or deadline).
     pub(crate) cancel: bool,
-    pub(crate) deadline: Option<Duration>,
 }
 
 /// Whether a rail's failure is the path's, so its slices may go over
