@@ -7,11 +7,11 @@
 //! same lock makes it quiet at once (rule 5): no copy is in progress, and
 //! `start` refuses every later one.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use transport_core::lifecycle::{BatchLedger, EndReason};
+use transport_core::lifecycle::{BatchLedger, DeadlineKey, EndReason};
 use transport_core::{BatchStatus, Error, RequestStatus, Result, TransferRequest};
 
 use crate::region::RegionEntry;
@@ -28,13 +28,15 @@ pub(crate) struct Planned {
 pub(crate) struct Batch {
     pub requests: Vec<Planned>,
     ledger: Mutex<BatchLedger>,
+    /// Its place in the host's deadline queue, once entered.
+    pub deadline_key: OnceLock<DeadlineKey>,
 }
 
 impl Batch {
     /// `deadline` is on the host's clock.
     pub fn new(requests: Vec<Planned>, deadline: Option<Duration>) -> Self {
         let ledger = BatchLedger::new(requests.iter().map(|_| 1), deadline);
-        Self { requests, ledger: Mutex::new(ledger) }
+        Self { requests, ledger: Mutex::new(ledger), deadline_key: OnceLock::new() }
     }
 
     /// The deadline, on the host's clock.
@@ -48,6 +50,12 @@ impl Batch {
         let mut ledger = self.ledger.lock();
         let _ = ledger.expire(now);
         ledger
+    }
+
+    /// Applies the deadline at `now` (the host's deadline timer, when it
+    /// comes due).
+    pub fn expire(&self, now: Duration) {
+        drop(self.at(now));
     }
 
     /// A snapshot at `now`.

@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use transport_core::lifecycle::{validate_batch, BatchLimits, BatchTable, EndReason, TaskSet};
+use transport_core::lifecycle::{validate_batch, BatchLimits, BatchTable, DeadlineQueue, EndReason, TaskSet};
 use transport_core::{
-    Error, ErrorKind, Inbox, RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, TransferRequest,
+    BatchId, Error, ErrorKind, Inbox, RegionId, ResourceStats, Result, SegmentDescriptor, SegmentId, TransferRequest,
 };
 
 use crate::batch::{Batch, Planned};
@@ -47,6 +48,11 @@ pub(crate) struct HostShared {
     pub segments: Mutex<HashMap<SegmentId, Arc<SegmentEntry>>>,
     pub endpoints: Arc<SharedEndpoints>,
     pub batches: Mutex<BatchTable<Arc<Batch>>>,
+    /// The deadlines of its batches, due on [`HostShared::clock`]: one
+    /// timer (`transport::deadline_timer`) expires each when it comes.
+    pub deadlines: Mutex<DeadlineQueue<BatchId>>,
+    /// Woken when an earlier deadline enters the queue.
+    pub earlier: Arc<Notify>,
     pub faults: Mutex<FaultState>,
     /// Notifications received from peers (rule 11), bounded.
     pub inbox: Inbox,
@@ -85,6 +91,8 @@ impl HostShared {
             segments: Mutex::default(),
             endpoints,
             batches: Mutex::default(),
+            deadlines: Mutex::new(DeadlineQueue::new()),
+            earlier: Arc::new(Notify::new()),
             faults,
             inbox,
             advertised: Mutex::default(),
@@ -93,6 +101,28 @@ impl HostShared {
             next_id: AtomicU64::new(1),
             runtime,
         }
+    }
+
+    /// Enters `batch` (id `id`) in the deadline queue if it has a deadline;
+    /// wakes the timer if it is now the first due.
+    pub fn enter_deadline(&self, id: BatchId, batch: &Batch) {
+        let Some(at) = batch.deadline() else { return };
+        let (key, earliest) = self.deadlines.lock().add(at, id);
+        let _ = batch.deadline_key.set(key);
+        if earliest {
+            self.earlier.notify_one();
+        }
+    }
+
+    /// The caller releases batch `id` (terminal only): it leaves the table
+    /// and the deadline queue.
+    pub fn release_batch(&self, id: BatchId) -> Result<()> {
+        let now = self.clock.now();
+        let b = self.batches.lock().release(id, |b| b.is_terminal(now))?;
+        if let Some(&key) = b.deadline_key.get() {
+            self.deadlines.lock().remove(key);
+        }
+        Ok(())
     }
 
     pub fn life(&self) -> Life {
@@ -292,6 +322,7 @@ impl HostShared {
             _ => EndReason::Cancelled,
         };
         let batches = self.batches.lock().drain();
+        *self.deadlines.lock() = DeadlineQueue::new();
         for (_, b) in &batches {
             b.end_where(&end, |_| true);
         }

@@ -54,12 +54,14 @@
 //!   per request: its copy) behind its lock. The copy runs under that lock
 //!   between `start(i)` (refused unless the request is live) and
 //!   `unit_done`, holding the regions' read locks. So cancel, deadlines
-//!   (applied by `expire(now)` on every read), `close_segment` and
+//!   (applied by `expire(now)` on every read, and by the host's one
+//!   deadline timer when they come), `close_segment` and
 //!   `shutdown` are quiet as soon as they decide the request, and
 //!   `unregister` and a kill (which take the region's write lock) return
 //!   only when no copy touches the memory.
 //! - **Waiting** (latency, stalls, a free endpoint slot, `wait`) listens to
-//!   one fabric-wide event channel, bounded by the batch deadline.
+//!   one fabric-wide event channel; the deadline timer bumps it when a
+//!   deadline comes.
 //! - **Counts** ([`transport_core::ResourceStats`]) come from the pool,
 //!   the tables, the ledgers and the `TaskSet`. Shutdown aborts the tasks
 //!   and awaits them; dropping the transport aborts them, and no task holds
@@ -73,7 +75,7 @@
 //! | 2 failure frees | `HostShared::endpoint_failed` -> `Endpoints::failed` (`broken` then `destroyed`); the worker's `step` checks the link before every copy |
 //! | 3 close is real | `MockTransport::close_segment` (`HostShared::cancel_segment`, `Endpoints::close_peer`) |
 //! | 4 bounded endpoints | `Endpoints::acquire` (bound, LRU eviction, waits while all are busy: a step of the worker, which cannot await, so not the core's async `reach`), uses counted by the core's `lifecycle::EndpointUse`, `Endpoints::reap` via the reaper task |
-//! | 5 terminal means quiet | `Batch::run_unit` (copy under the batch lock after `ledger.start`), `Batch::cancel`, `Batch::status` (deadline via `expire`) |
+//! | 5 terminal means quiet | `Batch::run_unit` (copy under the batch lock after `ledger.start`), `Batch::cancel`, `Batch::status` (deadline via `expire`); the host's one deadline timer (`transport::deadline_timer` over a `lifecycle::DeadlineQueue`) expires a batch when its deadline comes and wakes its waiters |
 //! | 6 poll never panics | `MockTransport::poll` (ledger snapshot; no unwrap on anything a peer, timer or caller controls) |
 //! | 9 memory is guarded | `HostShared::plan` (`validate_batch`), `move_bytes` (remote region, access, retired memory), `MockTransport::unregister` (`RegionEntry::retire`, `fail_local_users`, `fail_remote_users`) |
 //!

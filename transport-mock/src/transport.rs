@@ -72,7 +72,8 @@ impl MockTransport {
         inner.add(&host)?;
         let weak = Arc::downgrade(&host);
         let tick = (host.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-        host.spawn(reaper(weak, tick))?;
+        host.spawn(reaper(weak.clone(), tick))?;
+        host.spawn(deadline_timer(weak))?;
         tracing::debug!(name = %host.name, generation = host.generation, "mock host started");
         Ok(Arc::new(Self { host, fabric: fabric.clone() }))
     }
@@ -123,6 +124,40 @@ async fn reaper(host: Weak<HostShared>, tick: Duration) {
             return;
         }
         h.reap();
+    }
+}
+
+/// The host's one deadline timer (rule 5): sleeps until the next deadline
+/// in its queue (or until an earlier one is entered), expires every batch
+/// whose deadline came, and wakes every waiter and worker.
+async fn deadline_timer(host: Weak<HostShared>) {
+    loop {
+        let Some(h) = host.upgrade() else { return };
+        if h.life() != Life::Live {
+            return;
+        }
+        let signal = h.earlier.clone();
+        let earlier = signal.notified();
+        tokio::pin!(earlier);
+        earlier.as_mut().enable();
+        let now = h.clock.now();
+        let (due, next) = {
+            let mut q = h.deadlines.lock();
+            (q.due(now), q.next())
+        };
+        if !due.is_empty() {
+            let batches: Vec<Arc<Batch>> = {
+                let t = h.batches.lock();
+                due.iter().filter_map(|(_, id)| t.get(*id).ok().cloned()).collect()
+            };
+            for b in batches {
+                b.expire(now);
+            }
+            h.events.bump();
+        }
+        let clock = h.clock;
+        drop(h);
+        clock.sleep_until_or(next, earlier).await;
     }
 }
 
@@ -235,11 +270,16 @@ impl Transport for MockTransport {
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {
         self.host.check_live()?;
         let planned = self.host.plan(&requests)?;
-        let deadline = opts.timeout.map(|t| self.host.clock.now().saturating_add(t));
+        // `None` also past what the clock holds: never.
+        let deadline = opts.timeout.and_then(|t| self.host.clock.after(t));
         let batch = Arc::new(Batch::new(planned, deadline));
         let id = self.host.batches.lock().insert(batch.clone());
-        if let Err(e) = self.host.spawn(run_batch(self.fabric.inner.clone(), self.host.clone(), batch)) {
+        self.host.enter_deadline(id, &batch);
+        if let Err(e) = self.host.spawn(run_batch(self.fabric.inner.clone(), self.host.clone(), batch.clone())) {
             self.host.batches.lock().remove(id);
+            if let Some(&key) = batch.deadline_key.get() {
+                self.host.deadlines.lock().remove(key);
+            }
             return Err(e);
         }
         Ok(id)
@@ -258,18 +298,9 @@ impl Transport for MockTransport {
             if status.is_terminal() {
                 return Ok(status);
             }
-            match b.deadline().and_then(|at| self.host.clock.instant(at)) {
-                Some(when) => {
-                    tokio::select! {
-                        _ = events.changed() => {}
-                        _ = tokio::time::sleep_until(tokio::time::Instant::from_std(when)) => {}
-                    }
-                }
-                None => {
-                    if events.changed().await.is_err() {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                }
+            // The deadline timer wakes every waiter when a deadline comes.
+            if events.changed().await.is_err() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
     }
@@ -284,8 +315,7 @@ impl Transport for MockTransport {
 
     fn release(&self, batch: BatchId) -> Result<()> {
         self.host.check_live()?;
-        let now = self.host.clock.now();
-        self.host.batches.lock().release(batch, |b| b.is_terminal(now)).map(drop)
+        self.host.release_batch(batch)
     }
 
     fn stats(&self) -> ResourceStats {

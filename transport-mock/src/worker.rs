@@ -3,7 +3,8 @@
 //! peer and the fault plan allow it.
 //!
 //! A request waits (for latency, a stall, a free endpoint slot) on the
-//! fabric's event channel, bounded by the batch deadline. The copy itself
+//! fabric's event channel, which the host's deadline timer bumps when the
+//! batch's deadline comes. The copy itself
 //! runs under the batch lock as the request's one unit in the ledger
 //! ([`Batch::run_unit`]), holding the regions' read locks while bytes move:
 //! whoever marks a request terminal or retires a region therefore knows no
@@ -110,14 +111,8 @@ async fn wait_and_copy(cx: &Ctx<'_>, endpoint: &mut Option<EndpointUse>, stall: 
     loop {
         events.borrow_and_update();
         let Step::Wait(until) = step(cx, endpoint, stall, ready_at) else { return true };
-        let live = cx.batch.is_live(cx.i, cx.host.clock.now());
-        let deadline =
-            if live { cx.batch.deadline().and_then(|d| cx.host.clock.instant(d)).map(Instant::from_std) } else { None };
-        let wake = match (until, deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        match wake {
+        // A deadline wakes it through the events (the host's deadline timer).
+        match until {
             Some(at) => {
                 tokio::select! {
                     r = events.changed() => if r.is_err() { return false },
