@@ -97,7 +97,11 @@ pub trait Transport: Send + Sync + 'static {
     ///   request index in the error context (`request`).
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId>;
 
-    /// A snapshot of the batch. Never blocks, never panics.
+    /// A snapshot of the batch. Never blocks, never panics (rule 6). A
+    /// backend may apply answers that have already arrived here, on the
+    /// caller's thread and without waiting, so that a caller spinning on
+    /// `poll` sees a small transfer complete with no hand-off between
+    /// threads (it must be called inside the backend's runtime for that).
     fn poll(&self, batch: BatchId) -> Result<BatchStatus>;
 
     /// Waits until the batch is terminal and returns its final status.

@@ -21,6 +21,7 @@ use transport_core::{BatchStatus, Error, Result, TransferRequest};
 use transport_core::lifecycle::DeadlineKey;
 
 use crate::deadlines::Deadlines;
+use crate::endpoint::Endpoint;
 use crate::regions::Region;
 
 /// One batch.
@@ -36,6 +37,9 @@ pub(crate) struct Batch {
     deadline: Mutex<Option<(Weak<Deadlines<Batch>>, DeadlineKey)>>,
     /// Names of the endpoints that carry its slices.
     pub peers: Vec<String>,
+    /// The endpoints its slices went to, for a caller polling it
+    /// ([`Batch::progress`]).
+    carriers: Mutex<Vec<Weak<Endpoint>>>,
 }
 
 impl Batch {
@@ -56,7 +60,27 @@ impl Batch {
             terminal,
             deadline: Mutex::new(None),
             peers,
+            carriers: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Records that some of its slices go to `ep`.
+    pub fn carried_by(&self, ep: &Arc<Endpoint>) {
+        self.carriers.lock().push(Arc::downgrade(ep));
+    }
+
+    /// Reads the answers that have already arrived for it (and for
+    /// whatever shares its endpoints' lanes) on the caller's thread,
+    /// without waiting (see [`Endpoint::progress`]). Must be called inside
+    /// the transport's tokio runtime.
+    pub fn progress(&self) {
+        if self.is_terminal() {
+            return;
+        }
+        let eps: Vec<Arc<Endpoint>> = self.carriers.lock().iter().filter_map(Weak::upgrade).collect();
+        for ep in eps {
+            ep.progress();
+        }
     }
 
     /// Runs `f` on the ledger; wakes waiters when the batch became terminal.

@@ -25,6 +25,7 @@ use crate::batch::Batch;
 use crate::config::TcpConfig;
 use crate::pool::Slots;
 use crate::proto::WireRegion;
+use crate::rx::Rx;
 use crate::samehost::SameHost;
 
 /// What every endpoint of one transport shares: the configuration, the
@@ -171,6 +172,10 @@ pub(crate) struct Lane {
     /// waiting). The teardown takes the socket out once the lane tasks are
     /// joined.
     pub out: Arc<tokio::sync::Mutex<LaneOut>>,
+    /// The lane's receiving side: read by its reader task and by callers
+    /// polling ([`Endpoint::progress`]), one at a time. The teardown takes
+    /// it (waiting for a caller reading) once the lane tasks are joined.
+    pub rx: Mutex<Rx>,
 }
 
 /// A lane's socket (write half) and its staging buffer.
@@ -238,6 +243,7 @@ impl Endpoint {
                     window: Semaphore::new(window),
                     same_host: same_host.get(i).copied().unwrap_or_default(),
                     out: Arc::default(),
+                    rx: Mutex::default(),
                 })
                 .collect(),
             env,
@@ -351,6 +357,26 @@ impl Endpoint {
         drop(removed);
     }
 
+    /// Reads and applies the answers that have already arrived on the
+    /// lanes with work outstanding, on the caller's thread, without
+    /// waiting (see [`crate::rx`]): a lane its reader task (or another
+    /// caller) is reading is skipped. Must be called inside the endpoint's
+    /// tokio runtime (a broken lane starts its teardown).
+    pub fn progress(self: &Arc<Self>) {
+        for (k, lane) in self.lanes.iter().enumerate() {
+            let idle = {
+                let p = lane.pending.lock();
+                p.dead || (p.map.is_empty() && p.notes.is_empty())
+            };
+            if idle {
+                continue;
+            }
+            if let Some(mut rx) = lane.rx.try_lock() {
+                rx.pump(self, k, crate::rx::CALLER_BUDGET);
+            }
+        }
+    }
+
     /// Marks the endpoint broken and destroys it in the background (used
     /// from lane tasks, which cannot join themselves).
     pub fn broke(self: &Arc<Self>, err: Error) {
@@ -408,6 +434,11 @@ impl Endpoint {
         }
         for t in tasks {
             let _ = t.await;
+        }
+        // No caller reads a lane after this (one reading now is waited
+        // for: it holds the lock only while it reads what has arrived).
+        for l in &self.lanes {
+            l.rx.lock().detach();
         }
         // The write halves go last: with the readers gone, each socket is
         // closed (with RST) here, before any slice is failed below. A

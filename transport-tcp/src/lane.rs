@@ -1,4 +1,5 @@
-//! The lanes of an endpoint: connecting them, and the two tasks per lane.
+//! The lanes of an endpoint: connecting them, and the sending side of
+//! each (its answers are read in [`crate::rx`]).
 //!
 //! A few small slices (see [`send_now`]) go onto a free lane's socket from
 //! the submitting task itself, so a small transfer costs no hand-off to a
@@ -9,9 +10,9 @@
 //! ledger to start each one ([`Batch::start`]: a slice of a request that is
 //! no longer live is dropped before it touches memory), copies WRITE
 //! payloads out of local memory into a bounded send buffer and coalesces
-//! small frames into one `write`. The reader matches answers to
-//! outstanding slices by request id, copies READ payloads into local
-//! memory and ends the slice in the ledger. A lane has at most `window`
+//! small frames into one `write`. The reader ([`crate::rx`]) matches
+//! answers to outstanding slices by request id, copies READ payloads into
+//! local memory and ends the slice in the ledger. A lane has at most `window`
 //! slices outstanding. Notifications (rule 11) ride the same lanes: the
 //! writer takes a queued one before any slice and sends it as one NOTIFY
 //! frame (it takes a window place like a slice), and the reader hands its
@@ -22,15 +23,15 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
 use transport_core::lifecycle::EndpointId;
-use transport_core::{inbox_full, Error, ErrorKind, Opcode, Result};
+use transport_core::{Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
-use crate::conn::{self, read_header, status_err};
+use crate::conn;
 use crate::endpoint::{Endpoint, EndpointSlots, Env, Item, Lane, LaneOut, Next, Note, SentNote, Slice, Work};
-use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
+use crate::proto::{FrameType, Header, HEADER_LEN};
 
 /// Bytes a writer gathers before one `write` when slices are small.
 const COALESCE: usize = 256 << 10;
@@ -99,12 +100,15 @@ pub(crate) async fn connect(
             Ok(mut out) => out.w = Some(w),
             Err(_) => return Err(Error::new(ErrorKind::Internal, "a new lane's sending side is in use")),
         }
+        // Read by its reader task, and by callers polling (`crate::rx`).
+        let r = Arc::new(r);
+        lane.rx.lock().attach(r.clone());
         readers.push(r);
     }
     ep.start_tasks(|| {
         let mut tasks = Vec::with_capacity(2 * readers.len());
         for (i, r) in readers.into_iter().enumerate() {
-            tasks.push(env.tasks.spawn(reader(ep.clone(), i, r)));
+            tasks.push(env.tasks.spawn(crate::rx::reader(ep.clone(), i, r)));
             tasks.push(env.tasks.spawn(writer(ep.clone(), i)));
         }
         tasks
@@ -129,29 +133,6 @@ fn copy_out(batch: &Batch, i: usize, off: u64, dst: &mut [u8]) -> Result<()> {
     let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
     let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
     match region.with_live(|m| m.read_at(off, dst)) {
-        Some(r) => r.map_err(Error::from),
-        None => Err(Error::region_unregistered(region.id)),
-    }
-}
-
-/// Copies `src` into request `i`'s local region at `off`.
-fn copy_in(batch: &Batch, i: usize, off: u64, src: &[u8]) -> Result<()> {
-    let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
-    let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
-    match region.with_live(|m| m.write_at(off, src)) {
-        Some(r) => r.map_err(Error::from),
-        None => Err(Error::region_unregistered(region.id)),
-    }
-}
-
-/// Copies `len` bytes at `remote` in process `pid` into request `i`'s
-/// local region at `off` (a same-host READ).
-fn pull_in(batch: &Batch, i: usize, off: u64, len: u64, (pid, remote): (u32, u64)) -> Result<()> {
-    let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
-    let (Ok(off), Ok(len)) = (usize::try_from(off), usize::try_from(len)) else {
-        return Err(Error::new(ErrorKind::OutOfBounds, "local range too large"));
-    };
-    match region.with_live(|m| m.pull_at(off, len, pid, remote)) {
         Some(r) => r.map_err(Error::from),
         None => Err(Error::region_unregistered(region.id)),
     }
@@ -511,139 +492,6 @@ async fn writer(ep: Arc<Endpoint>, lane: usize) {
         }
         if buf.len() > 2 * COALESCE.max(ep.env.cfg.slice_size + HEADER_LEN) {
             *buf = Vec::new();
-        }
-    }
-}
-
-async fn reader(ep: Arc<Endpoint>, lane: usize, r: OwnedReadHalf) {
-    let mut r = BufReader::with_capacity(COALESCE, r);
-    let mut payload: Vec<u8> = Vec::new();
-    let peer = ep.name.clone();
-    loop {
-        let h = match read_header(&mut r, ep.env.cfg.max_frame, &peer).await {
-            Ok(h) => h,
-            Err(e) => return ep.broke(e),
-        };
-        match h.ty {
-            FrameType::WriteAck | FrameType::ReadResp => {}
-            FrameType::NotifyAck => {
-                // No payload (the decoder checked): the note ends here.
-                let note = ep.lanes[lane].pending.lock().notes.remove(&h.id);
-                let Some(note) = note else {
-                    if ep.is_dead() {
-                        return;
-                    }
-                    let err = Error::new(ErrorKind::Protocol, "notification answer to an unknown request id");
-                    return ep.broke(err.with("peer", &peer));
-                };
-                ep.lanes[lane].window.add_permits(1);
-                let result = match h.status {
-                    Status::Ok => Ok(()),
-                    Status::Busy => Err(inbox_full().with("peer", &peer)),
-                    other => Err(status_err(other, &peer)),
-                };
-                let _ = note.reply.send(result);
-                continue;
-            }
-            other => {
-                return ep
-                    .broke(Error::new(ErrorKind::Protocol, format!("unexpected {other:?} frame")).with("peer", &peer))
-            }
-        }
-        let n = h.payload_len as usize;
-        // An answer without payload ends its slice at once (taken out of
-        // the pending map). One with a payload leaves the slice in the map
-        // until the payload is in: whoever quiets an ended request sees it
-        // there and resets the endpoint, which aborts and joins this task,
-        // then ends the slice.
-        let found = {
-            let mut p = ep.lanes[lane].pending.lock();
-            if p.streaming == Some(h.id) {
-                // Answered before it was wholly sent: the writer is still
-                // reading the caller's buffer, so the slice must not end
-                // here; the teardown ends it after joining the writer.
-                drop(p);
-                let err = Error::new(ErrorKind::Protocol, "answer to a WRITE before its payload was sent");
-                return ep.broke(err.with("peer", &peer));
-            }
-            // A same-host READ's answer brings no payload, but the bytes
-            // are copied into local memory below: the slice stays in the
-            // map until then, as for a payload.
-            let copies = h.ty == FrameType::ReadResp && h.flags & SAME_HOST != 0 && h.status == Status::Ok;
-            let info = |s: &Slice| (s.batch.clone(), s.req, s.local_off, s.len, s.op, (s.same_host, s.remote));
-            if n == 0 && !copies {
-                p.map.remove(&h.id).map(|s| (info(&s), Some(s)))
-            } else {
-                p.map.get(&h.id).map(|s| (info(s), None))
-            }
-        };
-        let Some(((batch, req, local_off, slice_len, op, (same, remote)), taken)) = found else {
-            if ep.is_dead() {
-                return;
-            }
-            return ep.broke(Error::new(ErrorKind::Protocol, "answer to an unknown request id").with("peer", &peer));
-        };
-        let expected = if op == Opcode::Write { FrameType::WriteAck } else { FrameType::ReadResp };
-        // A READ answer carries exactly the slice (or nothing, with an
-        // error status); anything else is a protocol error, so a peer can
-        // never make the copy below leave the slice's range.
-        // A same-host answer comes only to a same-host READ, also for the
-        // whole slice, and without payload. A same-host READ may still be
-        // answered with its bytes (the peer's region is device memory).
-        let answered_same = h.flags & SAME_HOST != 0;
-        let ok_len = h.status != Status::Ok
-            || h.ty != FrameType::ReadResp
-            || (h.len == slice_len && n as u64 == if answered_same { 0 } else { h.len });
-        let ok_same = h.ty != FrameType::ReadResp || !answered_same || same;
-        if h.ty != expected || !ok_len || !ok_same {
-            let err = Error::new(ErrorKind::Protocol, "mismatched answer").with("peer", &peer);
-            if let Some(s) = taken {
-                s.batch.slice_done(s.req, Err(err.clone()));
-            }
-            return ep.broke(err);
-        }
-        // Stream a READ's payload into local memory chunk by chunk; a copy
-        // error (the region was unregistered) drains the rest. A read error
-        // breaks the endpoint, whose teardown ends the slice.
-        let mut result = if h.status != Status::Ok { Err(status_err(h.status, &peer)) } else { Ok(()) };
-        let same = same && (op == Opcode::Write || answered_same);
-        if result.is_ok() && same {
-            if op == Opcode::Read {
-                result = match ep.lanes[lane].same_host.read_from {
-                    Some(pid) => pull_in(&batch, req, local_off, slice_len, (pid, remote)),
-                    None => {
-                        Err(Error::new(ErrorKind::Internal, "a same-host READ on a lane without the peer's process"))
-                    }
-                };
-            }
-            if result.is_ok() {
-                ep.env.same_host_bytes.fetch_add(slice_len, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
-        let mut done = 0usize;
-        while done < n {
-            let k = (n - done).min(STREAM);
-            if payload.len() < k {
-                payload.resize(k, 0);
-            }
-            if let Err(e) = r.read_exact(&mut payload[..k]).await {
-                return ep.broke(Error::from(e).with("peer", &peer));
-            }
-            if result.is_ok() && op == Opcode::Read {
-                result = copy_in(&batch, req, local_off + done as u64, &payload[..k]);
-            }
-            done += k;
-        }
-        let s = match taken {
-            Some(s) => Some(s),
-            None => ep.lanes[lane].pending.lock().map.remove(&h.id),
-        };
-        ep.lanes[lane].window.add_permits(1);
-        if let Some(s) = s {
-            s.batch.slice_done(s.req, result);
-        }
-        if payload.len() > 2 * ep.env.cfg.slice_size {
-            payload = Vec::new();
         }
     }
 }

@@ -138,6 +138,7 @@ mod lane;
 mod pool;
 mod proto;
 mod regions;
+mod rx;
 mod samehost;
 mod server;
 mod transport;
