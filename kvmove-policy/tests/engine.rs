@@ -320,6 +320,40 @@ async fn a_waiter_finishes_a_completed_first_attempt_and_frees_everything() {
     }
 }
 
+/// `progress` says whether the first attempt has ended without starting
+/// the driver task (nothing releases the batch until the waiter finishes
+/// the transfer), and says so only when it has.
+#[tokio::test]
+async fn progress_reports_the_first_attempt_without_starting_the_driver() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 4))).await.unwrap();
+    assert!(tr.progress(), "the first attempt completed at submit");
+    // A driver task, had one started, would release the batch meanwhile.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert_eq!(t.stats().batches, 1, "no driver released the batch");
+    assert_eq!(e.active_transfers(), 1);
+    let out = with_timeout(tr.wait()).await.unwrap();
+    assert!(out.is_success());
+    assert_eq!(out.attempts, 1);
+    assert_eq!((t.stats().batches, e.active_transfers()), (0, 0));
+
+    let gate = Arc::new(Notify::new());
+    let t = Scripted::gated(gate.clone());
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 2))).await.unwrap();
+    assert!(!tr.progress(), "gated: the first attempt is still running");
+    let waiting = tokio::spawn(tr.wait());
+    with_timeout(async {
+        while !waiting.is_finished() {
+            gate.notify_waiters();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+    assert!(with_timeout(waiting).await.unwrap().unwrap().is_success());
+}
+
 /// A wait dropped while the first attempt is in flight (no driver task
 /// yet) cancels the transfer like a dropped handle: the driver starts,
 /// cancels, and gives budget, count and batch back.

@@ -186,6 +186,30 @@ impl Transfer {
         o
     }
 
+    /// Makes what progress the transport can on the caller's thread, never
+    /// waiting, and says whether the outcome is ready ([`Transfer::wait`]
+    /// then returns without sleeping). Unlike [`Transfer::poll`] it never
+    /// starts the driver task, so a caller may spin on it for a few
+    /// microseconds before it waits: a small transfer whose answer arrives
+    /// meanwhile completes on the caller's thread (the transport applies
+    /// it in its `poll`, docs/CONTRACT.md rule 6), with no hand-off
+    /// between threads. Call it inside the engine's runtime context.
+    pub fn progress(&self) -> bool {
+        let first = {
+            let mode = self.mode.lock();
+            match &*mode {
+                Mode::Unstarted(lazy) => match &lazy.first {
+                    Ok(batch) => (lazy.driver.inner.transport.clone(), *batch),
+                    Err(_) => return true,
+                },
+                Mode::Driven { outcome, .. } => return outcome.borrow().is_some(),
+                Mode::Done => return true,
+            }
+        };
+        let (transport, batch) = first;
+        transport.poll(batch).map_or(true, |s| s.state.is_terminal())
+    }
+
     /// Waits for the final outcome. Every request is terminal and quiet
     /// when this returns.
     pub async fn wait(self) -> Result<TransferOutcome> {
