@@ -143,7 +143,7 @@ async fn deadline_timer(host: Weak<HostShared>) {
         let now = h.clock.now();
         let (due, next) = {
             let mut q = h.deadlines.lock();
-            (q.due(now), q.next())
+            (q.due(now), q.arm())
         };
         if !due.is_empty() {
             let batches: Vec<Arc<Batch>> = {

@@ -147,7 +147,7 @@ pub(crate) async fn timer(weak: std::sync::Weak<Inner>) {
                     b.wake.notify_one();
                 }
             }
-            st.deadlines.next()
+            st.deadlines.arm()
         };
         let epoch = inner.epoch;
         drop(inner);

@@ -348,7 +348,7 @@ pub(crate) async fn timer(weak: Weak<Inner>) {
                     st.batches.get_mut(id).is_ok_and(|b| b.deadline.take().is_some() && !b.ledger.is_terminal())
                 })
                 .collect();
-            (due, (st.deadlines.next(), st.epoch))
+            (due, (st.deadlines.arm(), st.epoch))
         };
         for id in due {
             let w = weak.clone();

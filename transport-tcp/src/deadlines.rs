@@ -57,7 +57,7 @@ impl<T> Deadlines<T> {
     pub fn due(&self, now: Duration) -> (Vec<(Duration, Arc<T>)>, Option<Duration>) {
         let mut q = self.queue.lock();
         let due = q.due(now).into_iter().filter_map(|(at, w)| w.upgrade().map(|b| (at, b))).collect();
-        (due, q.next())
+        (due, q.arm())
     }
 }
 

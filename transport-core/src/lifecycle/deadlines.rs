@@ -8,7 +8,9 @@
 //! Times are offsets on the driver's clock (`Duration` since its epoch, as
 //! everywhere in [`crate::lifecycle`]). The queue never sleeps and never
 //! reads a clock: the driver asks [`DeadlineQueue::due`] with the time it
-//! read and sleeps until [`DeadlineQueue::next`].
+//! read and sleeps until [`DeadlineQueue::arm`] (which it records, so a
+//! later entry needs no wake-up: one transfer after another, each taken
+//! out before the next comes in, wakes the timer once, not each time).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -33,11 +35,14 @@ impl DeadlineKey {
 pub struct DeadlineQueue<T> {
     by_time: BTreeMap<DeadlineKey, T>,
     seq: u64,
+    /// When the driver's timer wakes next, as it last said ([`Self::arm`]);
+    /// `None`: it sleeps with no deadline (or has not slept yet).
+    armed: Option<Duration>,
 }
 
 impl<T> Default for DeadlineQueue<T> {
     fn default() -> Self {
-        Self { by_time: BTreeMap::new(), seq: 0 }
+        Self { by_time: BTreeMap::new(), seq: 0, armed: None }
     }
 }
 
@@ -48,12 +53,14 @@ impl<T> DeadlineQueue<T> {
     }
 
     /// Enters `item`, due `at`. Returns its key (to [`Self::remove`] it)
-    /// and whether it is now the earliest entry: a timer sleeping until
-    /// the old earliest must wake and re-arm.
+    /// and whether the timer must wake and re-arm: the entry is now the
+    /// earliest and due before the time the timer sleeps until. (Due at
+    /// or after it, the timer finds it when it wakes then.)
     pub fn add(&mut self, at: Duration, item: T) -> (DeadlineKey, bool) {
         let key = DeadlineKey { at, seq: self.seq };
         self.seq = self.seq.wrapping_add(1);
-        let earliest = self.by_time.keys().next().is_none_or(|k| *k > key);
+        let earliest =
+            self.by_time.keys().next().is_none_or(|k| *k > key) && self.armed.is_none_or(|armed| at < armed);
         self.by_time.insert(key, item);
         (key, earliest)
     }
@@ -81,6 +88,14 @@ impl<T> DeadlineQueue<T> {
     /// When the earliest entry is due; `None` when the queue is empty.
     pub fn next(&self) -> Option<Duration> {
         self.by_time.keys().next().map(|k| k.at)
+    }
+
+    /// When the earliest entry is due ([`Self::next`]), recorded as the
+    /// time the driver's timer now sleeps until: the timer calls this once
+    /// it took what was due, then sleeps until the answer.
+    pub fn arm(&mut self) -> Option<Duration> {
+        self.armed = self.next();
+        self.armed
     }
 
     /// Entries in the queue.
@@ -116,6 +131,31 @@ mod tests {
         assert_eq!(q.next(), Some(ms(20)));
         assert_eq!(q.due(ms(30)), vec![(ms(20), 'c'), (ms(30), 'a')]);
         assert_eq!((q.next(), q.len(), q.is_empty()), (None, 0, true));
+    }
+
+    /// One entry after another, each taken out before the next comes in
+    /// (transfers one at a time): the timer is woken for the first only;
+    /// it wakes at that time anyway and re-arms for the next. An entry
+    /// due before the armed time still wakes it.
+    #[test]
+    fn entries_due_after_the_armed_time_need_no_wake_up() {
+        let mut q = DeadlineQueue::new();
+        let (k, wake) = q.add(ms(100), 'a');
+        assert!(wake, "the timer sleeps with no deadline");
+        assert_eq!(q.arm(), Some(ms(100)));
+        q.remove(k);
+        for (i, at) in [110, 120, 130].into_iter().enumerate() {
+            let (k, wake) = q.add(ms(at), char::from(b'b' + i as u8));
+            assert!(!wake, "due at {at} ms, after the armed 100 ms");
+            q.remove(k);
+        }
+        assert!(q.due(ms(100)).is_empty(), "the stale wake-up finds nothing");
+        assert_eq!(q.arm(), None);
+        let (_, wake) = q.add(ms(140), 'x');
+        assert!(wake, "the timer sleeps with no deadline again");
+        assert_eq!(q.arm(), Some(ms(140)));
+        let (_, wake) = q.add(ms(90), 'y');
+        assert!(wake, "due before the armed time");
     }
 
     #[test]
