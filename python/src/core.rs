@@ -45,6 +45,24 @@ pub(crate) struct Core {
     closed: AtomicBool,
     /// Turns true when [`Core::close`] begins: wakes every blocking wait.
     closing: tokio::sync::watch::Sender<bool>,
+    /// How long [`Core::transfer`] polls before it sleeps.
+    spin: Duration,
+}
+
+/// How long [`Core::transfer`] polls before it sleeps: 50 us, or
+/// `KVMOVE_SPIN_US` microseconds (0: it never polls; at most 10 ms). A
+/// value that is not such a number is refused (the engine does not start).
+fn spin_time() -> Result<Duration> {
+    const DEFAULT_US: u64 = 50;
+    const MAX_US: u64 = 10_000;
+    let Ok(v) = std::env::var("KVMOVE_SPIN_US") else { return Ok(Duration::from_micros(DEFAULT_US)) };
+    match v.trim().parse::<u64>() {
+        Ok(us) if us <= MAX_US => Ok(Duration::from_micros(us)),
+        _ => Err(Error::new(
+            ErrorKind::Config,
+            format!("KVMOVE_SPIN_US={v:?}: expected a number of microseconds from 0 to {MAX_US}"),
+        )),
+    }
 }
 
 /// Worker threads of each engine's runtime: the data path is I/O-bound
@@ -57,6 +75,7 @@ impl Core {
     /// The first engine of the process installs the in-memory metrics
     /// recorder (`kvmove.metrics()` reports it if that failed).
     pub(crate) fn start(cfg: &kvmove::EngineConfig) -> Result<Self> {
+        let spin = spin_time()?;
         let _ = crate::metrics::install();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(WORKER_THREADS)
@@ -76,6 +95,7 @@ impl Core {
             sessions: Mutex::new(None),
             closed: AtomicBool::new(false),
             closing: tokio::sync::watch::channel(false).0,
+            spin,
         })
     }
 
@@ -462,9 +482,23 @@ impl Core {
         self.rt.block_on(t.cancel())
     }
 
-    /// Submits and waits.
+    /// Submits and waits: first by polling for at most `KVMOVE_SPIN_US` (50 us) on
+    /// this thread (the transport applies the answers that arrived as it
+    /// polls, docs/CONTRACT.md rule 6), so a small transfer whose answer
+    /// comes within microseconds completes here without a hand-off from a
+    /// runtime thread; then asleep. Between polls the thread yields, so a
+    /// thread this CPU should run meanwhile (the peer's, on a small
+    /// machine) is not kept waiting by the spin.
     pub(crate) fn transfer(&self, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
         let t = self.submit(requests)?;
+        let spin = self.spin;
+        if !spin.is_zero() {
+            let _in_rt = self.rt.enter();
+            let start = Instant::now();
+            while !t.progress() && start.elapsed() < spin {
+                std::thread::yield_now();
+            }
+        }
         self.wait(t)
     }
 

@@ -178,6 +178,31 @@ def test_backend_chosen_by_config(tmp_path):
     assert info.value.kind == "unsupported"
 
 
+def test_small_writes_with_and_without_polling_and_a_bad_spin_refused(monkeypatch):
+    """`KVMOVE_SPIN_US`: how long a transfer polls on the caller's thread
+    before it sleeps (0: it never polls); the bytes land either way, and a
+    value that is not a number of microseconds from 0 to 10000 is refused
+    when the engine starts."""
+    for spin in ("0", "50", "10000"):
+        monkeypatch.setenv("KVMOVE_SPIN_US", spin)
+        with kvmove.Engine() as a, kvmove.Engine() as b:
+            src = np.random.default_rng(int(spin)).integers(0, 256, 64 * 4096, dtype=np.uint8)
+            dst = np.zeros_like(src)
+            with a.register(src) as rs, b.register(dst) as rd, a.connect(b.session_id) as s:
+                for i in range(64):
+                    assert s.write(rs.at(i * 4096), rd.at(i * 4096), 4096).ok
+                back = np.zeros_like(src)
+                with a.register(back) as rb:
+                    for i in range(64):
+                        assert s.read(rb.at(i * 4096), rd.at(i * 4096), 4096).ok
+            assert np.array_equal(dst, src) and np.array_equal(back, src), f"KVMOVE_SPIN_US={spin}"
+    for bad in ("-1", "ten", "10001", "1.5"):
+        monkeypatch.setenv("KVMOVE_SPIN_US", bad)
+        with pytest.raises(kvmove.PermanentError) as info:
+            kvmove.Engine()
+        assert info.value.kind == "config" and "KVMOVE_SPIN_US" in str(info.value), bad
+
+
 def test_mooncake_engine_reads_kvmove_config(tmp_path, monkeypatch):
     cfg = tmp_path / "kvmove.toml"
     cfg.write_text("[backend.tcp]\nlanes = 2\n")
