@@ -58,7 +58,8 @@ fn polls_complete_small_batches_on_the_callers_thread() {
         b.register(dst.region(), Access::REMOTE_RW).unwrap();
         let seg = init_rt.block_on(a.open_segment(&b.local_segment_name())).unwrap();
 
-        let writes = (0..PAGES).map(|j| TransferRequest::write(l, j * PAGE, seg, dst.addr() + j * PAGE, PAGE)).collect();
+        let writes =
+            (0..PAGES).map(|j| TransferRequest::write(l, j * PAGE, seg, dst.addr() + j * PAGE, PAGE)).collect();
         let id = init_rt.block_on(a.submit(writes, SubmitOptions::default())).unwrap();
         let (s, _) = spin(&init_rt, &a, id);
         assert_eq!(s.state, BatchState::Completed, "writes (same_host {same_host}): {:?}", s.first_error());
@@ -67,7 +68,8 @@ fn polls_complete_small_batches_on_the_callers_thread() {
 
         // Read back in reverse page order: 192 KiB of answers, more than
         // one poll reads when they come through the sockets.
-        let reads = (0..PAGES).map(|j| TransferRequest::read(lb, j * PAGE, seg, dst.addr() + j * PAGE, PAGE)).rev().collect();
+        let reads =
+            (0..PAGES).map(|j| TransferRequest::read(lb, j * PAGE, seg, dst.addr() + j * PAGE, PAGE)).rev().collect();
         let id = init_rt.block_on(a.submit(reads, SubmitOptions::default())).unwrap();
         let (s, polls) = spin(&init_rt, &a, id);
         assert_eq!(s.state, BatchState::Completed, "reads (same_host {same_host}): {:?}", s.first_error());

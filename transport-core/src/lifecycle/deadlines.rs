@@ -59,8 +59,7 @@ impl<T> DeadlineQueue<T> {
     pub fn add(&mut self, at: Duration, item: T) -> (DeadlineKey, bool) {
         let key = DeadlineKey { at, seq: self.seq };
         self.seq = self.seq.wrapping_add(1);
-        let earliest =
-            self.by_time.keys().next().is_none_or(|k| *k > key) && self.armed.is_none_or(|armed| at < armed);
+        let earliest = self.by_time.keys().next().is_none_or(|k| *k > key) && self.armed.is_none_or(|armed| at < armed);
         self.by_time.insert(key, item);
         (key, earliest)
     }
