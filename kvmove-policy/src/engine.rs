@@ -27,7 +27,7 @@ use transport_core::{Error, ErrorKind, Result};
 mod prober;
 mod transfer;
 
-pub use transfer::Transfer;
+pub use transfer::{Probe, Transfer};
 use transfer::{Driver, Lazy, Mode};
 
 /// The user-facing engine: one backend plus the shared policy.

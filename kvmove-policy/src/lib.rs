@@ -34,7 +34,7 @@ pub use backoff::backoff;
 pub use breaker::{Admit, Breaker, BreakerState};
 pub use budget::{Budget, Charge, Reservation, Usage};
 pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig};
-pub use engine::{Engine, Transfer};
+pub use engine::{Engine, Probe, Transfer};
 pub use metrics::{describe_metrics, MAX_PEER_LABELS, OTHER_PEER};
 pub use retry::TransferOutcome;
 pub use sessions::Sessions;

@@ -329,6 +329,8 @@ async fn progress_reports_the_first_attempt_without_starting_the_driver() {
     let e = Engine::new(t.clone(), fast_policy()).unwrap();
     let tr = with_timeout(e.submit(reqs(1, 4))).await.unwrap();
     assert!(tr.progress(), "the first attempt completed at submit");
+    let probe = tr.probe();
+    assert!(probe.completed(), "a probe sees the first attempt completed");
     // A driver task, had one started, would release the batch meanwhile.
     tokio::time::sleep(Duration::from_millis(30)).await;
     assert_eq!(t.stats().batches, 1, "no driver released the batch");
@@ -337,12 +339,21 @@ async fn progress_reports_the_first_attempt_without_starting_the_driver() {
     assert!(out.is_success());
     assert_eq!(out.attempts, 1);
     assert_eq!((t.stats().batches, e.active_transfers()), (0, 0));
+    assert!(!probe.completed(), "the handle is gone: its owner knows");
+
+    let t = Scripted::new(|_, _| failed(ErrorKind::AccessDenied));
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 2))).await.unwrap();
+    assert!(tr.progress(), "the first attempt failed at submit: it ended");
+    assert!(!tr.probe().completed(), "ended, but not completed");
+    assert_eq!(with_timeout(tr.wait()).await.unwrap().state, BatchState::Failed);
 
     let gate = Arc::new(Notify::new());
     let t = Scripted::gated(gate.clone());
     let e = Engine::new(t.clone(), fast_policy()).unwrap();
     let tr = with_timeout(e.submit(reqs(1, 2))).await.unwrap();
     assert!(!tr.progress(), "gated: the first attempt is still running");
+    assert!(!tr.probe().completed());
     let waiting = tokio::spawn(tr.wait());
     with_timeout(async {
         while !waiting.is_finished() {

@@ -9,6 +9,12 @@
 //! peer's inbox), so a notification is never seen before its data, never
 //! sent for a failed or cancelled batch, and never depends on Python
 //! polling the handle.
+//!
+//! A caller polling a running transfer makes progress itself: the answers
+//! that have arrived are applied on its thread (docs/CONTRACT.md rule 6),
+//! and a transfer without a notification whose first attempt completed
+//! every request turns `DONE` right there, with no hand-off to the task
+//! (which still finishes it: the same outcome, reported once).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,7 +23,8 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvmove_policy::{Sessions, Transfer};
+use kvmove_policy::{Probe, Sessions, Transfer};
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use tokio::sync::watch;
@@ -205,7 +212,6 @@ pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Op
 
 /// One NIXL transfer: running, or finished with an optional error.
 #[pyclass(module = "kvmove._native", name = "NixlXfer", frozen)]
-#[derive(Debug)]
 pub(crate) struct NixlXfer {
     core: Arc<Core>,
     shared: Arc<Shared>,
@@ -213,6 +219,36 @@ pub(crate) struct NixlXfer {
     start_unix_us: u64,
     bytes: u64,
     descs: u64,
+    /// Progress on the caller's thread, for a transfer without a
+    /// notification that the caller's thread submitted.
+    probe: Option<Probe>,
+    /// The task that finishes the transfer, until it is started (or run by
+    /// a caller's poll that saw the transfer complete).
+    task: Mutex<Option<Task>>,
+}
+
+/// The future that waits for a transfer, sends its notification and
+/// reports its end.
+type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl std::fmt::Debug for NixlXfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlXfer")
+            .field("state", &state_of(&self.finished()))
+            .field("bytes", &self.bytes)
+            .field("descs", &self.descs)
+            .field("task_started", &self.task.lock().is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for NixlXfer {
+    /// A handle dropped while its task was not started: the task runs on
+    /// (dropping never cancels: `release_xfer_handle` cancels a running
+    /// transfer itself first).
+    fn drop(&mut self) {
+        self.start_task();
+    }
 }
 
 impl NixlXfer {
@@ -259,12 +295,18 @@ impl NixlXfer {
             Some(f) => core.block_on(std::future::poll_fn(|cx| Poll::Ready(f.as_mut().poll(cx)))),
             None => Poll::Pending,
         };
+        if first.is_ready() {
+            shared.post_us.store(micros(started.elapsed()).max(1), Ordering::Relaxed);
+        }
         if let Poll::Ready(Err(e)) = &first {
             // Refused at once: the caller's next look says so.
-            shared.post_us.store(micros(started.elapsed()), Ordering::Relaxed);
             shared.finish(Some(e.clone()));
         }
-        core.spawn(async move {
+        let probe = match (&first, &notify) {
+            (Poll::Ready(Ok(t)), None) => Some(t.probe()),
+            _ => None,
+        };
+        let task: Task = Box::pin(async move {
             let stopped = |mut rx: watch::Receiver<bool>| async move {
                 if rx.wait_for(|s| *s).await.is_err() {
                     // The handle is gone without a cancel: let it run.
@@ -283,7 +325,13 @@ impl NixlXfer {
                     }
                 }),
             };
-            reporter.0.post_us.store(micros(started.elapsed()), Ordering::Relaxed);
+            // Accepted here unless the caller's thread saw it accepted.
+            let _ = reporter.0.post_us.compare_exchange(
+                0,
+                micros(started.elapsed()).max(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
             let mut r = match transfer {
                 None => Ok(()),
                 Some(Ok(t)) => match t.wait_or_cancel(stopped(stop_rx)).await {
@@ -297,11 +345,54 @@ impl NixlXfer {
             }
             reporter.0.finish(r.err());
         });
-        Ok(Self { core: core.clone(), shared, stop, start_unix_us, bytes, descs })
+        // Submitted from here and nothing to send after it: the caller's
+        // polls may finish it (see `progress`), and the task is started
+        // only if they do not.
+        let task = match probe {
+            Some(_) => Some(task),
+            None => {
+                core.spawn(task);
+                None
+            }
+        };
+        Ok(Self { core: core.clone(), shared, stop, start_unix_us, bytes, descs, probe, task: Mutex::new(task) })
+    }
+
+    /// Starts the task that finishes the transfer, unless it runs (or ran)
+    /// already.
+    fn start_task(&self) {
+        let task = self.task.lock().take();
+        if let Some(task) = task {
+            self.core.spawn(task);
+        }
     }
 
     fn finished(&self) -> Option<Finished> {
         self.shared.done.borrow().clone()
+    }
+
+    /// Applies the answers that have arrived, on the caller's thread (GIL
+    /// released), and if that completed the transfer, finishes it here:
+    /// its task, not started yet, runs on this thread (it finds the
+    /// transfer ended, gives its budget back and reports `DONE`), or, if it
+    /// runs already, the end is reported at once. Then, for a caller
+    /// spinning on this handle (`yield_cpu`), gives the CPU up once: on a
+    /// machine with few CPUs the threads that answer it may need this one.
+    fn progress(&self, py: Python<'_>, yield_cpu: bool) {
+        let Some(probe) = &self.probe else { return };
+        py.allow_threads(|| {
+            if !self.core.in_rt(|| probe.completed()) {
+                if yield_cpu {
+                    std::thread::yield_now();
+                }
+                return;
+            }
+            let task = self.task.lock().take();
+            match task {
+                Some(task) => self.core.block_on(task),
+                None => self.shared.finish(None),
+            }
+        });
     }
 }
 
@@ -318,6 +409,7 @@ impl NixlXfer {
     /// `"PROC"` while running, `"DONE"` once every request completed and
     /// the notification (if any) is in the peer's inbox, else `"ERR"`.
     fn state(&self) -> &'static str {
+        self.start_task();
         state_of(&self.finished())
     }
 
@@ -331,12 +423,16 @@ impl NixlXfer {
     /// transfers in between (a serving engine's step over its pending
     /// handles) or polls 500 us apart or more never waits.
     fn poll(&self, py: Python<'_>, may_wait: bool) -> &'static str {
-        let st = self.state();
-        if st != "PROC" || !may_wait {
-            return st;
+        if self.finished().is_none() {
+            self.progress(py, may_wait);
         }
+        let st = state_of(&self.finished());
         let age = self.shared.started.elapsed();
-        if age < SPIN_FREE {
+        if st != "PROC" || !may_wait || age >= SPIN_FREE {
+            // Not finished by this caller's spin (soon): the task does it.
+            self.start_task();
+        }
+        if st != "PROC" || !may_wait || age < SPIN_FREE {
             return st;
         }
         let now = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
@@ -370,6 +466,7 @@ impl NixlXfer {
     /// the end; returns the state then.
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<&'static str> {
+        self.start_task();
         let r = py.allow_threads(|| {
             let limit = timeout_arg(timeout)?;
             let mut rx = self.shared.done.subscribe();
@@ -390,6 +487,7 @@ impl NixlXfer {
     /// transfer is quiet; returns the final state (`"DONE"` if it had
     /// completed already).
     fn cancel(&self, py: Python<'_>) -> &'static str {
+        self.start_task();
         let _ = self.stop.send(true);
         let mut rx = self.shared.done.subscribe();
         let core = &self.core;

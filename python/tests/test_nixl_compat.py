@@ -2,6 +2,7 @@
 notifications never seen before their data, the opt-in ``nixl`` stand-in
 for unmodified programs, and the README's compatibility table."""
 
+import json
 import os
 import pickle
 import subprocess
@@ -336,6 +337,42 @@ assert np.array_equal(src, dst)
 prefill.close(); decode.close()
 print("ok")
 """
+
+
+def test_posts_land_and_end_without_being_polled(monkeypatch):
+    """A post the caller's polls may finish themselves (submitted at once,
+    no notification) starts no task until a poll, a wait or its handle's
+    drop needs one. Such posts left unpolled must never starve the next
+    ones: with room for two in flight per peer, eight unpolled posts all
+    land, then each reports DONE; a handle dropped unpolled lands too."""
+    monkeypatch.setenv("KVMOVE_POLICY", json.dumps({"backpressure": {"per_peer_inflight_requests": 2}}))
+    a, b = nixl_agent("PA"), nixl_agent("PB")
+    try:
+        n, page = 8, 4096
+        src = np.random.default_rng(5).integers(0, 256, n * page, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        b.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        a.add_remote_agent(b.get_agent_metadata())
+        a.make_connection("PB")
+
+        def post(i):
+            local = a.get_xfer_descs([(src.ctypes.data + i * page, page, 0)], "DRAM")
+            remote = a.get_xfer_descs([(dst.ctypes.data + i * page, page, 0)], "DRAM")
+            h = a.initialize_xfer("WRITE", local, remote, "PB", b"")
+            assert a.transfer(h) == "PROC"
+            return h
+
+        handles = [post(i) for i in range(n - 1)]
+        post(n - 1)  # dropped at once, never polled
+        assert wait_until(lambda: np.array_equal(src, dst), timeout=10), "every post landed"
+        for h in handles:
+            assert wait_state(a, h) == "DONE"
+            assert a.get_xfer_telemetry(h).postDuration > 0
+            a.release_xfer_handle(h)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_unmodified_nixl_import_gets_kvmove(tmp_path):

@@ -187,27 +187,23 @@ impl Transfer {
     }
 
     /// Makes what progress the transport can on the caller's thread, never
-    /// waiting, and says whether the outcome is ready ([`Transfer::wait`]
-    /// then returns without sleeping). Unlike [`Transfer::poll`] it never
-    /// starts the driver task, so a caller may spin on it for a few
-    /// microseconds before it waits: a small transfer whose answer arrives
-    /// meanwhile completes on the caller's thread (the transport applies
-    /// it in its `poll`, docs/CONTRACT.md rule 6), with no hand-off
-    /// between threads. Call it inside the engine's runtime context.
+    /// waiting, and says whether the first attempt (or the transfer) has
+    /// ended: [`Transfer::wait`] then returns without sleeping if it
+    /// completed. Unlike [`Transfer::poll`] it never starts the driver
+    /// task, so a caller may spin on it for a few microseconds before it
+    /// waits: a small transfer whose answer arrives meanwhile completes on
+    /// the caller's thread (the transport applies it in its `poll`,
+    /// docs/CONTRACT.md rule 6), with no hand-off between threads. Call it
+    /// inside the engine's runtime context.
     pub fn progress(&self) -> bool {
-        let first = {
-            let mode = self.mode.lock();
-            match &*mode {
-                Mode::Unstarted(lazy) => match &lazy.first {
-                    Ok(batch) => (lazy.driver.inner.transport.clone(), *batch),
-                    Err(_) => return true,
-                },
-                Mode::Driven { outcome, .. } => return outcome.borrow().is_some(),
-                Mode::Done => return true,
-            }
-        };
-        let (transport, batch) = first;
-        transport.poll(batch).map_or(true, |s| s.state.is_terminal())
+        look(&self.mode) != Look::Running
+    }
+
+    /// A handle that makes the same progress as [`Transfer::progress`]
+    /// while another owner (a task waiting for the transfer) holds the
+    /// transfer itself.
+    pub fn probe(&self) -> Probe {
+        Probe { mode: Arc::downgrade(&self.mode) }
     }
 
     /// Waits for the final outcome. Every request is terminal and quiet
@@ -272,6 +268,62 @@ impl Transfer {
     pub async fn cancel(self) -> Result<TransferOutcome> {
         let _ = self.driven(true);
         self.wait().await
+    }
+}
+
+/// Progress on a transfer from outside its handle: see [`Transfer::probe`].
+#[derive(Debug, Clone)]
+pub struct Probe {
+    mode: std::sync::Weak<parking_lot::Mutex<Mode>>,
+}
+
+impl Probe {
+    /// Makes what progress the transport can on the caller's thread, never
+    /// waiting (as [`Transfer::progress`]), and says whether the transfer
+    /// is known to have completed every request: its first attempt did, or
+    /// its outcome is a success. `false` while it runs, when it ended
+    /// otherwise, or once its handle was dropped or finished by a waiter
+    /// (its owner knows then).
+    pub fn completed(&self) -> bool {
+        let Some(mode) = self.mode.upgrade() else { return false };
+        look(&mode) == Look::Completed
+    }
+}
+
+/// What [`look`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Look {
+    Running,
+    /// Every request completed (the first attempt, or the outcome).
+    Completed,
+    /// Ended otherwise, or finished by a waiter.
+    Ended,
+}
+
+/// Polls the first attempt's batch (the transport makes progress on the
+/// caller's thread there), or reads the driver's outcome.
+fn look(mode: &parking_lot::Mutex<Mode>) -> Look {
+    let (transport, batch, n) = {
+        let mode = mode.lock();
+        match &*mode {
+            Mode::Unstarted(lazy) => match &lazy.first {
+                Ok(batch) => (lazy.driver.inner.transport.clone(), *batch, lazy.driver.requests.len()),
+                Err(_) => return Look::Ended,
+            },
+            Mode::Driven { outcome, .. } => {
+                return match &*outcome.borrow() {
+                    None => Look::Running,
+                    Some(o) if o.is_success() => Look::Completed,
+                    Some(_) => Look::Ended,
+                }
+            }
+            Mode::Done => return Look::Ended,
+        }
+    };
+    match transport.poll(batch) {
+        Ok(s) if s.state == BatchState::Completed && s.requests.len() == n => Look::Completed,
+        Ok(s) if !s.state.is_terminal() => Look::Running,
+        _ => Look::Ended,
     }
 }
 
