@@ -21,7 +21,6 @@ use transport_core::{BatchStatus, Error, Result, TransferRequest};
 use transport_core::lifecycle::DeadlineKey;
 
 use crate::deadlines::Deadlines;
-use crate::endpoint::Endpoint;
 use crate::regions::Region;
 
 /// One batch.
@@ -39,7 +38,15 @@ pub(crate) struct Batch {
     pub peers: Vec<String>,
     /// The endpoints its slices went to, for a caller polling it
     /// ([`Batch::progress`]).
-    carriers: Mutex<Vec<Weak<Endpoint>>>,
+    carriers: Mutex<Vec<Weak<dyn Carrier>>>,
+}
+
+/// What carries a batch's slices (an endpoint): it can apply their
+/// answers on the caller's thread.
+pub(crate) trait Carrier: Send + Sync {
+    /// Reads and applies what has already arrived, without waiting. Must
+    /// be called inside the transport's tokio runtime.
+    fn progress(self: Arc<Self>);
 }
 
 impl Batch {
@@ -65,19 +72,19 @@ impl Batch {
     }
 
     /// Records that some of its slices go to `ep`.
-    pub fn carried_by(&self, ep: &Arc<Endpoint>) {
-        self.carriers.lock().push(Arc::downgrade(ep));
+    pub fn carried_by(&self, ep: Weak<dyn Carrier>) {
+        self.carriers.lock().push(ep);
     }
 
     /// Reads the answers that have already arrived for it (and for
     /// whatever shares its endpoints' lanes) on the caller's thread,
-    /// without waiting (see [`Endpoint::progress`]). Must be called inside
+    /// without waiting (see [`Carrier::progress`]). Must be called inside
     /// the transport's tokio runtime.
     pub fn progress(&self) {
         if self.is_terminal() {
             return;
         }
-        let eps: Vec<Arc<Endpoint>> = self.carriers.lock().iter().filter_map(Weak::upgrade).collect();
+        let eps: Vec<Arc<dyn Carrier>> = self.carriers.lock().iter().filter_map(Weak::upgrade).collect();
         for ep in eps {
             ep.progress();
         }

@@ -25,7 +25,6 @@ use crate::batch::Batch;
 use crate::config::TcpConfig;
 use crate::pool::Slots;
 use crate::proto::WireRegion;
-use crate::rx::Rx;
 use crate::samehost::SameHost;
 
 /// What every endpoint of one transport shares: the configuration, the
@@ -176,6 +175,53 @@ pub(crate) struct Lane {
     /// polling ([`Endpoint::progress`]), one at a time. The teardown takes
     /// it (waiting for a caller reading) once the lane tasks are joined.
     pub rx: Mutex<Rx>,
+}
+
+/// A slice answer whose payload is still arriving (see [`Rx`]).
+#[derive(Debug)]
+pub(crate) struct Body {
+    pub id: u64,
+    pub batch: Arc<Batch>,
+    pub req: usize,
+    pub local_off: u64,
+    /// The payload goes into local memory (a READ that is still fine).
+    pub copy: bool,
+    pub len: usize,
+    pub done: usize,
+    pub result: Result<()>,
+}
+
+/// The reading state of one lane: its socket's read half, the bytes read
+/// and not yet applied, and the answer whose payload is still arriving.
+/// Read and applied by `crate::rx` (the lane's reader task, or a caller
+/// polling); defined here, with the lane, so the endpoint needs nothing of
+/// the reading itself.
+#[derive(Debug, Default)]
+pub(crate) struct Rx {
+    /// `None` until the lane is connected, and again once torn down.
+    pub sock: Option<Arc<tokio::net::tcp::OwnedReadHalf>>,
+    pub buf: Vec<u8>,
+    /// Unread bytes are `buf[lo..hi]`.
+    pub lo: usize,
+    pub hi: usize,
+    pub body: Option<Body>,
+    pub stopped: bool,
+}
+
+impl Rx {
+    /// Starts reading `sock` (a new lane).
+    pub fn attach(&mut self, sock: Arc<tokio::net::tcp::OwnedReadHalf>) {
+        self.sock = Some(sock);
+    }
+
+    /// Stops reading for good and lets go of the socket (the teardown,
+    /// once the reader task is joined).
+    pub fn detach(&mut self) {
+        self.stopped = true;
+        self.sock = None;
+        self.body = None;
+        self.buf = Vec::new();
+    }
 }
 
 /// A lane's socket (write half) and its staging buffer.
@@ -355,26 +401,6 @@ impl Endpoint {
             out
         };
         drop(removed);
-    }
-
-    /// Reads and applies the answers that have already arrived on the
-    /// lanes with work outstanding, on the caller's thread, without
-    /// waiting (see [`crate::rx`]): a lane its reader task (or another
-    /// caller) is reading is skipped. Must be called inside the endpoint's
-    /// tokio runtime (a broken lane starts its teardown).
-    pub fn progress(self: &Arc<Self>) {
-        for (k, lane) in self.lanes.iter().enumerate() {
-            let idle = {
-                let p = lane.pending.lock();
-                p.dead || (p.map.is_empty() && p.notes.is_empty())
-            };
-            if idle {
-                continue;
-            }
-            if let Some(mut rx) = lane.rx.try_lock() {
-                rx.pump(self, k, crate::rx::CALLER_BUDGET);
-            }
-        }
     }
 
     /// Marks the endpoint broken and destroys it in the background (used

@@ -4,7 +4,7 @@
 //!
 //! Two parties read a lane, never at once (its [`Rx`] is behind a lock):
 //! the lane's reader task, woken by the runtime when the socket has bytes,
-//! and a caller's thread polling its own batch ([`crate::endpoint::Endpoint::progress`]),
+//! and a caller's thread polling its own batch ([`Carrier::progress`]),
 //! which reads what has already arrived without waiting. The second is
 //! what makes a small transfer finish on the thread that waits for it,
 //! with no wake-up of a runtime thread in between (as UCX progresses on
@@ -26,9 +26,9 @@ use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use transport_core::{inbox_full, Error, ErrorKind, Opcode, Result};
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Carrier};
 use crate::conn::{proto_err, status_err};
-use crate::endpoint::{Endpoint, Slice};
+use crate::endpoint::{Body, Endpoint, Rx, Slice};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
 
 /// The reading buffer's size: also the largest piece of a READ payload
@@ -36,10 +36,32 @@ use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
 const BUF: usize = 256 << 10;
 /// Bytes a caller's thread reads in one [`Rx::pump`] at most: enough for
 /// the answers of a small batch, little enough that a poll stays short.
-pub(crate) const CALLER_BUDGET: usize = 64 << 10;
+const CALLER_BUDGET: usize = 64 << 10;
 /// Bytes the reader task reads before it yields to the runtime's other
 /// tasks.
 const TASK_BUDGET: usize = 4 << 20;
+
+impl Carrier for Endpoint {
+    /// Reads and applies the answers that have already arrived on the
+    /// lanes with work outstanding, on the caller's thread, without
+    /// waiting: a lane its reader task (or another caller) is reading is
+    /// skipped. Must be called inside the endpoint's tokio runtime (a
+    /// broken lane starts its teardown).
+    fn progress(self: Arc<Self>) {
+        for (k, lane) in self.lanes.iter().enumerate() {
+            let idle = {
+                let p = lane.pending.lock();
+                p.dead || (p.map.is_empty() && p.notes.is_empty())
+            };
+            if idle {
+                continue;
+            }
+            if let Some(mut rx) = lane.rx.try_lock() {
+                rx.pump(&self, k, CALLER_BUDGET);
+            }
+        }
+    }
+}
 
 /// What a [`Rx::pump`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,48 +82,7 @@ enum Stop {
     Broke(Error),
 }
 
-/// A slice answer whose payload is still arriving.
-#[derive(Debug)]
-struct Body {
-    id: u64,
-    batch: Arc<Batch>,
-    req: usize,
-    local_off: u64,
-    /// The payload goes into local memory (a READ that is still fine).
-    copy: bool,
-    len: usize,
-    done: usize,
-    result: Result<()>,
-}
-
-/// The reading state of one lane.
-#[derive(Debug, Default)]
-pub(crate) struct Rx {
-    /// `None` until the lane is connected, and again once torn down.
-    sock: Option<Arc<OwnedReadHalf>>,
-    buf: Vec<u8>,
-    /// Unread bytes are `buf[lo..hi]`.
-    lo: usize,
-    hi: usize,
-    body: Option<Body>,
-    stopped: bool,
-}
-
 impl Rx {
-    /// Starts reading `sock` (a new lane).
-    pub fn attach(&mut self, sock: Arc<OwnedReadHalf>) {
-        self.sock = Some(sock);
-    }
-
-    /// Stops reading for good and lets go of the socket (the teardown,
-    /// once the reader task is joined).
-    pub fn detach(&mut self) {
-        self.stopped = true;
-        self.sock = None;
-        self.body = None;
-        self.buf = Vec::new();
-    }
-
     /// Reads what the socket has, up to about `budget` bytes, and applies
     /// every whole frame (and every arrived piece of a payload). Never
     /// waits. A broken lane destroys its endpoint here, so this must run

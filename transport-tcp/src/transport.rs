@@ -274,7 +274,7 @@ impl Transport for TcpTransport {
                 continue;
             }
             let generation = ep.generation;
-            batch.carried_by(&ep);
+            batch.carried_by(Arc::downgrade(&ep) as std::sync::Weak<dyn crate::batch::Carrier>);
             // Few small slices go out from here at once; the rest is queued
             // for the lanes' writers.
             if let Some(work) = crate::lane::send_now(&ep, Work::new(batch.clone(), idx, generation, using)) {
