@@ -27,8 +27,8 @@ use transport_core::{Error, ErrorKind, Result};
 mod prober;
 mod transfer;
 
-pub use transfer::{Probe, Transfer};
 use transfer::{Driver, Lazy, Mode};
+pub use transfer::{Probe, Transfer};
 
 /// The user-facing engine: one backend plus the shared policy.
 ///

@@ -11,10 +11,11 @@
 //! polling the handle.
 //!
 //! A caller polling a running transfer makes progress itself: the answers
-//! that have arrived are applied on its thread (docs/CONTRACT.md rule 6),
-//! and a transfer without a notification whose first attempt completed
-//! every request turns `DONE` right there, with no hand-off to the task
-//! (which still finishes it: the same outcome, reported once).
+//! that have arrived are applied on its thread (docs/CONTRACT.md rule 6).
+//! A transfer submitted at once and without a notification starts no task
+//! until a poll, a wait, a cancel or the handle's drop needs one: the poll
+//! that sees it completed runs its task's work on the polling thread and
+//! reports `DONE` there, with no hand-off to a runtime thread.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -121,7 +121,8 @@ impl Rx {
     /// Reads once into the buffer: the bytes read, `None` if the socket
     /// has none now.
     fn fill(&mut self, peer: &str) -> Result<Option<usize>, Stop> {
-        let Some(sock) = self.sock.as_ref() else { return Err(Stop::Quiet) };
+        // Not connected yet: nothing to read (torn down: `stopped` is set).
+        let Some(sock) = self.sock.as_ref() else { return Ok(None) };
         // `apply` left less than a header unread: move it to the front.
         if self.lo > 0 {
             self.buf.copy_within(self.lo..self.hi, 0);
