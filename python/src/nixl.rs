@@ -429,11 +429,13 @@ impl NixlXfer {
         }
         let st = state_of(&self.finished());
         let age = self.shared.started.elapsed();
-        if st != "PROC" || !may_wait || age >= SPIN_FREE {
-            // Not finished by this caller's spin (soon): the task does it.
-            self.start_task();
+        if st == "PROC" && may_wait && age < SPIN_FREE {
+            // A caller spinning on it, early: its next poll may finish it.
+            return st;
         }
-        if st != "PROC" || !may_wait || age < SPIN_FREE {
+        // Not finished by this caller's spin (soon): the task does it.
+        self.start_task();
+        if st != "PROC" || !may_wait {
             return st;
         }
         let now = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);

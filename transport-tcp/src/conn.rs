@@ -75,7 +75,7 @@ pub(crate) fn status_err(s: Status, peer: &str) -> Error {
 }
 
 /// Reads and validates one frame header.
-pub(crate) async fn read_header<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize, peer: &str) -> Result<Header> {
+async fn read_header<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize, peer: &str) -> Result<Header> {
     let mut b = [0u8; HEADER_LEN];
     r.read_exact(&mut b).await.map_err(|e| Error::from(e).with("peer", peer))?;
     Header::decode(&b, max_frame).map_err(|e| proto_err(e, peer))

@@ -172,7 +172,7 @@ pub(crate) struct Lane {
     /// joined.
     pub out: Arc<tokio::sync::Mutex<LaneOut>>,
     /// The lane's receiving side: read by its reader task and by callers
-    /// polling ([`Endpoint::progress`]), one at a time. The teardown takes
+    /// polling (`crate::batch::Carrier::progress`), one at a time. The teardown takes
     /// it (waiting for a caller reading) once the lane tasks are joined.
     pub rx: Mutex<Rx>,
 }
