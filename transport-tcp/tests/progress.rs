@@ -11,9 +11,17 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use support::fake_peer::{self, FakePeer, Script};
 use support::{node, test_config};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 use tokio::runtime::{Builder, Runtime};
-use transport_core::{Access, BatchId, BatchState, BatchStatus, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_core::{
+    Access, BatchId, BatchState, BatchStatus, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport,
+};
+use transport_tcp::wire::{FrameType, Header};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const PAGE: u64 = 4096;
@@ -79,4 +87,61 @@ fn polls_complete_small_batches_on_the_callers_thread() {
         init_rt.block_on(a.shutdown()).unwrap();
         target_rt.block_on(b.shutdown()).unwrap();
     }
+}
+
+/// Rule 6 on the caller's thread: a peer whose READ answer does not match
+/// the slice (one byte short) is read by the polling caller (the
+/// initiator's runtime is not driven while it polls, so no task reads
+/// it). Polls never panic and never block; the endpoint breaks, and once
+/// its teardown runs the batch ends failed with a protocol error.
+#[test]
+fn a_malformed_answer_read_by_a_polling_caller_fails_the_batch() {
+    let script: Script = Arc::new(|mut s: TcpStream| {
+        Box::pin(async move {
+            while let Some(h) = fake_peer::next_request(&mut s).await {
+                if h.ty != FrameType::Read {
+                    return;
+                }
+                let mut r = Header::new(FrameType::ReadResp);
+                r.id = h.id;
+                r.len = h.len - 1;
+                r.payload_len = (h.len - 1) as u32;
+                let bytes = vec![0x5au8; (h.len - 1) as usize];
+                if s.write_all(&r.encode()).await.is_err() || s.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+        })
+    });
+    let peer_rt = Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let init_rt = Builder::new_current_thread().enable_all().build().unwrap();
+    let peer = peer_rt.block_on(FakePeer::start(script));
+    let a = init_rt.block_on(node(test_config()));
+    let dst = Buffer::new(PAGE as usize).unwrap();
+    let l = a.register(dst.region(), Access::LOCAL).unwrap();
+    let seg = init_rt.block_on(a.open_segment(&peer.name())).unwrap();
+    let r = TransferRequest::read(l, 0, seg, fake_peer::REGION.addr, PAGE);
+    let id = init_rt.block_on(a.submit(vec![r], SubmitOptions::default())).unwrap();
+    let tasks = a.stats().tasks;
+    {
+        // Long enough for the answer to arrive and be read here.
+        let _in_rt = init_rt.enter();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(300) {
+            let s = a.poll(id).unwrap();
+            assert!(!s.state.is_terminal() || s.state == BatchState::Failed, "{s:?}");
+            std::thread::yield_now();
+        }
+    }
+    assert_eq!(a.stats().tasks, tasks + 1, "the polls read the answer and started the endpoint's teardown");
+    // The broken endpoint's teardown (spawned by the caller's poll) runs
+    // once the runtime is driven again.
+    let s = init_rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), a.wait(id)).await });
+    let s = s.expect("the batch ends").unwrap();
+    assert_eq!(s.state, BatchState::Failed);
+    assert_eq!(s.first_error().map(|e| e.kind()), Some(ErrorKind::Protocol), "{s:?}");
+    assert!(dst.to_vec().iter().all(|&b| b == 0), "no byte of the mismatched answer was copied");
+    a.release(id).unwrap();
+    init_rt.block_on(a.shutdown()).unwrap();
+    drop(peer_rt);
 }
