@@ -15,7 +15,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says how much disk is left: a full run needs about 12 GB more
+# than the checkout (with .ci/run's settings), most of it the vLLM virtualenv.
+step() { printf '\n==> %s   [disk: %s free]\n' "$*" "$(df -h --output=avail . | tail -1 | tr -d ' ')"; }
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -62,6 +64,12 @@ if [ -x scripts/python-tests.sh ]; then
 fi
 
 suite SKIP_PEERS scripts/compat-diff.sh "the same calls on the real Mooncake and NIXL (PyPI) and on kvmove's stand-ins"
+
+# In CI, the debug build is not needed past this point (the vLLM check
+# builds its wheel in release) and its disk goes to the vLLM virtualenv.
+if [ "${CI:-}" = true ]; then
+  rm -rf "${CARGO_TARGET_DIR:-target}/debug"
+fi
 
 suite SKIP_VLLM scripts/vllm-tests.sh "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)"
 
