@@ -145,34 +145,110 @@ fn words(b: &[u8], what: &str) -> Result<Vec<u64>> {
 
 #[pymethods]
 impl NixlOps {
-    /// `local`, `remote`, `lens`: the pairs' local addresses, remote
-    /// addresses and lengths, each packed as native-endian `u64`s, all of
-    /// one count.
-    #[new]
-    fn new(py: Python<'_>, write: bool, local: &[u8], remote: &[u8], lens: &[u8]) -> PyResult<Self> {
-        let r = (|| {
-            let (l, r, n) = (words(local, "local")?, words(remote, "remote")?, words(lens, "lens")?);
-            if l.len() != r.len() || l.len() != n.len() {
-                return Err(Error::new(
-                    ErrorKind::InvalidRequest,
-                    format!("{} local addresses, {} remote addresses, {} lengths", l.len(), r.len(), n.len()),
-                ));
-            }
-            let op = if write { Opcode::Write } else { Opcode::Read };
-            let ops = l
-                .iter()
-                .zip(&r)
-                .zip(&n)
-                .filter(|(_, &len)| len != 0)
-                .map(|((&local_addr, &remote_addr), &len)| RawOp { op, local_addr, remote_addr, len })
-                .collect();
-            Ok(Self { ops, count: l.len() })
-        })();
-        r.map_err(|e| to_pyerr(py, &e))
+    /// The pairs of a handle from two descriptor lists, each packed as
+    /// rows of native-endian `u64`s `(addr, len, dev_id)`: pair `k` is
+    /// local row `local_idx[k]` with remote row `remote_idx[k]` (indices
+    /// packed as `u64`s), or without indices local row `k` with remote row
+    /// `k`. Returns the handle's pairs and -1, or nothing and the first
+    /// pair whose two lengths differ (the caller says so in its terms).
+    #[staticmethod]
+    #[pyo3(signature = (write, local, remote, local_idx=None, remote_idx=None))]
+    fn pairs(
+        py: Python<'_>,
+        write: bool,
+        local: &[u8],
+        remote: &[u8],
+        local_idx: Option<&[u8]>,
+        remote_idx: Option<&[u8]>,
+    ) -> PyResult<(Option<Self>, i64)> {
+        let r = pair_rows(write, local, remote, local_idx, remote_idx);
+        match r {
+            Ok(Ok(ops)) => Ok((Some(ops), -1)),
+            Ok(Err(k)) => Ok((None, i64::try_from(k).unwrap_or(i64::MAX))),
+            Err(e) => Err(to_pyerr(py, &e)),
+        }
     }
 
     fn __len__(&self) -> usize {
         self.count
+    }
+}
+
+/// Rows `(addr, len, dev_id)` packed in `b`.
+fn rows(b: &[u8], what: &str) -> Result<Vec<u64>> {
+    let w = words(b, what)?;
+    if !w.len().is_multiple_of(3) {
+        return Err(Error::new(ErrorKind::InvalidRequest, format!("{what}: {} words is not rows of 3", w.len())));
+    }
+    Ok(w)
+}
+
+/// Row numbers: `idx`'s words, each below `n`, or `0..n`.
+fn picks(idx: Option<&[u8]>, n: usize, what: &str) -> Result<Vec<usize>> {
+    let Some(idx) = idx else { return Ok((0..n).collect()) };
+    words(idx, what)?
+        .into_iter()
+        .map(|i| {
+            usize::try_from(i)
+                .ok()
+                .filter(|&i| i < n)
+                .ok_or_else(|| Error::new(ErrorKind::InvalidRequest, format!("{what}: index {i} is not below {n}")))
+        })
+        .collect()
+}
+
+/// [`NixlOps::pairs`]: `Ok(Err(k))` when pair `k`'s lengths differ.
+fn pair_rows(
+    write: bool,
+    local: &[u8],
+    remote: &[u8],
+    local_idx: Option<&[u8]>,
+    remote_idx: Option<&[u8]>,
+) -> Result<std::result::Result<NixlOps, usize>> {
+    let (l, r) = (rows(local, "local")?, rows(remote, "remote")?);
+    let (li, ri) = (picks(local_idx, l.len() / 3, "local")?, picks(remote_idx, r.len() / 3, "remote")?);
+    if li.len() != ri.len() {
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("{} local descriptors, {} remote descriptors", li.len(), ri.len()),
+        ));
+    }
+    let op = if write { Opcode::Write } else { Opcode::Read };
+    let mut ops = Vec::with_capacity(li.len());
+    for (k, (&a, &b)) in li.iter().zip(&ri).enumerate() {
+        let (local_addr, len, remote_addr, rlen) = (l[a * 3], l[a * 3 + 1], r[b * 3], r[b * 3 + 1]);
+        if len != rlen {
+            return Ok(Err(k));
+        }
+        if len != 0 {
+            ops.push(RawOp { op, local_addr, remote_addr, len });
+        }
+    }
+    Ok(Ok(NixlOps { ops, count: li.len() }))
+}
+
+/// The first descriptor (rows packed as in [`NixlOps::pairs`]) that is not
+/// inside one region, or -1. Regions are given by their starts, sorted,
+/// and their ends (each packed as `u64`s); a descriptor belongs to the
+/// last region starting at or before it. A zero-length descriptor at a
+/// region's end is inside; one whose end wraps around is not.
+#[pyfunction]
+pub(crate) fn nixl_uncovered(py: Python<'_>, starts: &[u8], ends: &[u8], descs: &[u8]) -> PyResult<i64> {
+    let r = (|| {
+        let (s, e, d) = (words(starts, "starts")?, words(ends, "ends")?, rows(descs, "descs")?);
+        if s.len() != e.len() {
+            return Err(Error::new(ErrorKind::InvalidRequest, "as many region starts as ends are needed"));
+        }
+        Ok(d.chunks_exact(3).position(|row| {
+            let (a, n) = (row[0], row[1]);
+            let i = s.partition_point(|&st| st <= a);
+            i == 0 || a.checked_add(n).is_none_or(|end| end > e[i - 1])
+        }))
+    })();
+    match r {
+        Ok(Some(k)) => Ok(i64::try_from(k).unwrap_or(i64::MAX)),
+        Ok(None) => Ok(-1),
+        Err(e) => Err(to_pyerr(py, &e)),
     }
 }
 
@@ -185,6 +261,14 @@ impl NixlOps {
 #[pyfunction]
 pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Option<Bound<'py, PyBytes>> {
     fn item(d: &Bound<'_, PyAny>, width: usize) -> Option<[u64; 3]> {
+        // A plain tuple (what callers build): its items read directly.
+        if let Ok(t) = d.downcast_exact::<PyTuple>() {
+            if t.len() != 3 && t.len() != width {
+                return None;
+            }
+            let at = |i: usize| t.get_borrowed_item(i).ok()?.extract::<u64>().ok();
+            return Some([at(0)?, at(1)?, at(2)?]);
+        }
         let at = |i: usize| d.get_item(i).ok()?.extract::<u64>().ok();
         if !(d.is_instance_of::<PyTuple>() || d.is_instance_of::<PyList>()) {
             return None;

@@ -231,29 +231,39 @@ def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
     assert _rows([(p, 16, 0)], "DRAM", "x", 3)[1].flags.writeable
 
 
-def test_bounds_check_of_few_and_many_descriptors_agree():
-    """A few descriptors are checked against the registered regions in
-    plain Python, many with numpy: the same answer for the same ranges."""
-    from kvmove.nixl import _FEW, _uncovered
+def test_bounds_check_agrees_with_a_plain_reading_of_the_rule():
+    """The bounds check (one call into Rust) against a plain Python reading
+    of the rule: a descriptor belongs to the last region starting at or
+    before it and must end inside it; a zero-length one at a region's end
+    is inside, one whose end passes 2^64 is not. Edges, an empty region,
+    one up to the top of the address space; the first bad index counts."""
+    import bisect
+
+    from kvmove.nixl import _uncovered
+
+    def plain(starts, ends, rows):
+        for k, (a, n, _) in enumerate(rows):
+            i = bisect.bisect_right(starts, a) - 1
+            if i < 0 or a + n >= 2**64 or a + n > ends[i]:
+                return k
+        return -1
 
     rng = np.random.default_rng(5)
-    starts = np.array([1000, 5000, 9000], dtype=np.uint64)
-    ends = np.array([2000, 5000, 2**64 - 1], dtype=np.uint64)  # an empty region, one up to the top
+    starts, ends = [1000, 5000, 9000], [2000, 5000, 2**64 - 1]
     edges = [0, 999, 1000, 1500, 1999, 2000, 2001, 4999, 5000, 5001, 8999, 9000, 2**64 - 2, 2**64 - 1]
+    seen = set()
     for _ in range(3000):
-        k = int(rng.integers(1, _FEW + 1))
-        addrs = np.array([edges[int(j)] for j in rng.integers(0, len(edges), k)], dtype=np.uint64)
-        lens = np.array([int(x) for x in rng.choice([0, 1, 500, 1000, 2**63], k)], dtype=np.uint64)
-        few = _uncovered(starts, ends, addrs, lens)
-        # The same ranges after enough covered ones to take the numpy path.
-        pad = _FEW + 1
-        many = _uncovered(
-            starts,
-            ends,
-            np.concatenate([np.full(pad, 1000, dtype=np.uint64), addrs]),
-            np.concatenate([np.full(pad, 10, dtype=np.uint64), lens]),
-        )
-        assert (few, many) == (few, -1 if few < 0 else few + pad), (addrs.tolist(), lens.tolist())
+        k = int(rng.integers(1, 40))
+        rows = [(edges[int(j)], int(n), 0) for j, n in zip(rng.integers(0, len(edges), k), rng.choice([0, 1, 500, 1000, 2**63], k))]
+        want = plain(starts, ends, rows)
+        got = _uncovered(np.array(starts, dtype=np.uint64), np.array(ends, dtype=np.uint64), np.array(rows, dtype=np.uint64))
+        assert got == want, rows
+        seen.add(want >= 0)
+    assert seen == {True, False}
+    # No regions: the first descriptor is outside; no descriptors: none is.
+    empty = np.zeros(0, dtype=np.uint64)
+    assert _uncovered(empty, empty, np.array([(1, 1, 0)], dtype=np.uint64)) == 0
+    assert _uncovered(np.array(starts, dtype=np.uint64), np.array(ends, dtype=np.uint64), np.zeros((0, 3), dtype=np.uint64)) == -1
 
 
 def test_handles_notifications_and_loopback(pair):
@@ -303,6 +313,44 @@ def test_handles_notifications_and_loopback(pair):
         got = dict(b.update_notifs())
         time.sleep(0.001)
     assert got == {"A": [b"text is sent as UTF-8", b"\x00binary"]}
+
+
+def test_pairs_by_index_and_lengths_that_differ(pair):
+    """``make_prepped_xfer`` pairs local descriptor ``li[k]`` with remote
+    descriptor ``ri[k]`` (indices repeated and out of order),
+    ``initialize_xfer`` pairs them in order, and zero-length pairs move
+    nothing; a pair whose two lengths differ is refused before anything
+    moves, naming the pair and both lengths."""
+    a, b = pair
+    # Every page different, no byte zero.
+    src = (np.arange(1 << 14) // 7 % 251 + 1).astype(np.uint8)
+    dst = np.zeros(1 << 14, dtype=np.uint8)
+    a.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    b.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    peer = a.add_remote_agent(b.get_agent_metadata())
+    page = 1024
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", [(src.ctypes.data + i * page, page, 0) for i in range(16)], "DRAM")
+    rdescs = [(dst.ctypes.data + i * page, page, 0) for i in range(15)] + [(dst.ctypes.data, 0, 0)]
+    remote = a.prep_xfer_dlist(peer, rdescs, "DRAM")
+    li, ri = [3, 0, 7, 3], [1, 9, 4, 12]
+    h = a.make_prepped_xfer("WRITE", local, li, remote, ri)
+    assert a.transfer(h) in ("PROC", "DONE") and wait_state(a, h) == "DONE"
+    want = np.zeros_like(dst)
+    for l, r in zip(li, ri):
+        want[r * page : (r + 1) * page] = src[l * page : (l + 1) * page]
+    assert np.array_equal(dst, want)
+    with pytest.raises(nixlInvalidParamError, match="descriptor pair 2: local length 1024 != remote length 0"):
+        a.make_prepped_xfer("WRITE", local, [1, 2, 5], remote, [1, 2, 15])
+    # In order, with a zero-length pair at the end.
+    dst[:] = 0
+    ld = a.get_xfer_descs([(src.ctypes.data + page, page, 0), (src.ctypes.data, 0, 0)], "DRAM")
+    rd = a.get_xfer_descs([(dst.ctypes.data, page, 0), (dst.ctypes.data + page, 0, 0)], "DRAM")
+    h = a.initialize_xfer("WRITE", ld, rd, peer)
+    assert a.transfer(h) in ("PROC", "DONE") and wait_state(a, h) == "DONE"
+    assert np.array_equal(dst[:page], src[page : 2 * page]) and not dst[page:].any()
+    bad = a.get_xfer_descs([(dst.ctypes.data, page, 0), (dst.ctypes.data + page, 8, 0)], "DRAM")
+    with pytest.raises(nixlInvalidParamError, match="descriptor pair 1: local length 0 != remote length 8"):
+        a.initialize_xfer("WRITE", ld, bad, peer)
 
 
 UNMODIFIED_CLIENT = """

@@ -83,8 +83,8 @@ from ._handles import (  # noqa: F401
     _Courier,
     _Job,
     _Remote,
-    _FEW,
     _uncovered,
+    _packed,
     _BACKENDS,
 )
 from ._agent import (  # noqa: F401

@@ -52,6 +52,7 @@ from ._handles import (
     nixl_xfer_handle,
     _Remote,
     _uncovered,
+    _packed,
     _BACKENDS,
 )
 
@@ -329,7 +330,7 @@ class nixl_agent:
         if descs is None:
             return True
         d = self.get_xfer_descs(descs, "DRAM" if not isinstance(descs, _DList) else None)
-        return _uncovered(r.starts, r.ends, d.addrs, d.lens) < 0
+        return _uncovered(r.starts, r.ends, d) < 0
 
     def make_connection(self, remote_agent: str, backends: Sequence[str] = ()) -> None:
         """Starts opening the session to ``remote_agent`` now rather than
@@ -403,7 +404,7 @@ class nixl_agent:
         if agent_name in (NIXL_INIT_AGENT, ""):
             with self._lock:
                 starts, ends = self._local_bounds()
-            bad = _uncovered(starts, ends, descs.addrs, descs.lens)
+            bad = _uncovered(starts, ends, descs)
             if bad >= 0:
                 a, n, _ = descs[bad]
                 raise nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
@@ -419,7 +420,7 @@ class nixl_agent:
         else:
             r = self._remote(agent_name)
             starts, ends = r.starts, r.ends
-        bad = _uncovered(starts, ends, descs.addrs, descs.lens)
+        bad = _uncovered(starts, ends, descs)
         if bad >= 0:
             a, n, _ = descs[bad]
             raise nixlNotFoundError(
@@ -464,9 +465,7 @@ class nixl_agent:
         ri = _indices(remote_indices, len(remote_xfer_side.descs), "remote_indices")
         if len(li) != len(ri):
             raise nixlInvalidParamError(f"{len(li)} local indices but {len(ri)} remote indices")
-        la, ll = local_xfer_side.descs.addrs[li], local_xfer_side.descs.lens[li]
-        ra, rl = remote_xfer_side.descs.addrs[ri], remote_xfer_side.descs.lens[ri]
-        return self._new_xfer(op, la, ll, ra, rl, remote_xfer_side.agent_name, notif_msg)
+        return self._new_xfer(op, local_xfer_side.descs, li, remote_xfer_side.descs, ri, remote_xfer_side.agent_name, notif_msg)
 
     def initialize_xfer(
         self,
@@ -488,30 +487,30 @@ class nixl_agent:
             raise nixlInvalidParamError(f"{len(ld)} local descriptors but {len(rd)} remote descriptors")
         with self._lock:
             starts, ends = self._local_bounds()
-        bad = _uncovered(starts, ends, ld.addrs, ld.lens)
+        bad = _uncovered(starts, ends, ld)
         if bad >= 0:
             a, n, _ = ld[bad]
             raise nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
         self._check_remote_descs(remote_agent, rd, "")
-        return self._new_xfer(op, ld.addrs, ld.lens, rd.addrs, rd.lens, remote_agent, notif_msg)
+        return self._new_xfer(op, ld, None, rd, None, remote_agent, notif_msg)
 
-    def _new_xfer(self, op, la, ll, ra, rl, remote: str, notif_msg) -> nixl_xfer_handle:
-        if len(la) == 0:
+    def _new_xfer(self, op, ld: _DList, li, rd: _DList, ri, remote: str, notif_msg) -> nixl_xfer_handle:
+        """A handle pairing local descriptor ``li[k]`` with remote descriptor
+        ``ri[k]`` (checked index arrays), or without indices ``k`` with
+        ``k``: the pairs go to Rust in one call."""
+        if (len(ld) if li is None else len(li)) == 0:
             raise nixlInvalidParamError("a transfer needs at least one descriptor")
-        mismatch = np.flatnonzero(ll != rl)
-        if len(mismatch):
-            i = int(mismatch[0])
-            raise nixlInvalidParamError(
-                f"descriptor pair {i}: local length {int(ll[i])} != remote length {int(rl[i])}"
-            )
+        idx = () if li is None else (_packed(li), _packed(ri))
+        try:
+            ops, bad = NixlOps.pairs(op == "WRITE", _packed(ld._descs), _packed(rd._descs), *idx)
+        except TransferError as e:
+            raise _from_kvmove(e, "preparing the transfer") from e
+        if ops is None:
+            (_, ll, _), (_, rl, _) = (ld[bad], rd[bad]) if li is None else (ld[int(li[bad])], rd[int(ri[bad])])
+            raise nixlInvalidParamError(f"descriptor pair {bad}: local length {ll} != remote length {rl}")
         notif = _notif_bytes(notif_msg)
         remote = _agent_name(remote)
         self._target(remote)  # the remote agent must be known now
-        words = [np.ascontiguousarray(a, dtype=np.uint64).tobytes() for a in (la, ra, ll)]
-        try:
-            ops = NixlOps(op == "WRITE", *words)
-        except TransferError as e:
-            raise _from_kvmove(e, "preparing the transfer") from e
         return nixl_xfer_handle(self, op, remote, ops, notif)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:

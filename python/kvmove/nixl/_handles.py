@@ -4,15 +4,14 @@ does the work that may wait on it, and its regions."""
 
 from __future__ import annotations
 
-import bisect
 import threading
 from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .._native import NixlOps
+from .._native import NixlOps, nixl_uncovered
 from ._base import nixlBackendError
-from ._descs import nixlXferDList
+from ._descs import _DList, nixlXferDList
 
 
 # ---- handles ----
@@ -217,33 +216,16 @@ class _Remote:
         self.courier = _Courier(name)
 
 
-_FEW = 8
+def _uncovered(starts: np.ndarray, ends: np.ndarray, descs) -> int:
+    """Index of the first descriptor of ``descs`` (a descriptor list or an
+    ``N x 3`` uint64 array) not inside one region, or -1; one call into
+    Rust, whatever the count."""
+    rows = descs._descs if isinstance(descs, _DList) else descs
+    return nixl_uncovered(_packed(starts), _packed(ends), _packed(rows))
 
 
-def _uncovered(starts: np.ndarray, ends: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> int:
-    """Index of the first range not inside one region, or -1."""
-    if len(addrs) == 0:
-        return -1
-    if len(starts) == 0:
-        return 0
-    if len(addrs) <= _FEW:
-        # A few ranges (a single page, a layer's K and V): plain Python
-        # costs a tenth of numpy's per-call overhead.
-        st, en = starts.tolist(), ends.tolist()
-        for k, (a, n) in enumerate(zip(addrs.tolist(), lens.tolist())):
-            i = bisect.bisect_right(st, a) - 1
-            if i < 0 or a + n > en[i]:
-                return k
-        return -1
-    i = np.searchsorted(starts, addrs, side="right") - 1
-    # A zero-byte range at a region's start, inside it or at its end is
-    # inside (NIXL accepts it; it moves nothing).
-    ok = i >= 0
-    j = np.clip(i, 0, len(starts) - 1)
-    ok &= addrs + lens <= ends[j]
-    ok &= addrs + lens >= addrs  # no wrap-around
-    bad = np.flatnonzero(~ok)
-    return int(bad[0]) if len(bad) else -1
+def _packed(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype=np.uint64).tobytes()
 
 
 _BACKENDS = ("UCX", "KVMOVE", "TCP", "RDMA")
