@@ -365,6 +365,65 @@ async fn progress_reports_the_first_attempt_without_starting_the_driver() {
     assert!(with_timeout(waiting).await.unwrap().unwrap().is_success());
 }
 
+/// `try_finish` finishes a first attempt that completed on the caller's
+/// thread (batch released and budget given back before it returns, with
+/// no driver task), hands one that did not to the driver, and returns the
+/// driver's outcome once there is one; `finished` waits for that outcome
+/// without taking the handle, so a wait with a limit can give up and wait
+/// again.
+#[tokio::test]
+async fn try_finish_finishes_here_or_hands_over_and_finished_keeps_the_handle() {
+    // Completed at submit: finished by the first call (this runtime runs
+    // one thread, so a driver task could not have run before it returns).
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 4))).await.unwrap();
+    let out = tr.try_finish().expect("the first attempt completed: finished here");
+    assert!(out.is_success() && out.attempts == 1, "{out:?}");
+    assert_eq!((t.stats().batches, e.active_transfers()), (0, 0), "released and given back already");
+    assert_eq!(e.inflight(), Usage::default());
+    assert!(tr.try_finish().is_none(), "finished by its caller: nothing more to say");
+    drop(tr);
+
+    // A transient failure: the driver retries; `finished` brings its outcome.
+    let t = Scripted::new(|r, n| {
+        if r.remote_addr == 1001 && n == 1 {
+            failed(ErrorKind::ConnectionReset)
+        } else {
+            RequestStatus::Completed
+        }
+    });
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 3))).await.unwrap();
+    assert!(tr.try_finish().is_none(), "the first attempt failed: handed to the driver");
+    let out = with_timeout(tr.finished()).await.expect("the driver's outcome");
+    assert!(out.is_success() && out.attempts == 2, "{out:?}");
+    assert_eq!(tr.try_finish().map(|o| o.attempts), Some(2));
+    assert_eq!(t.submissions(1001), 2);
+
+    // Running: a `finished` that gives up leaves the handle as it was.
+    let gate = Arc::new(Notify::new());
+    let t = Scripted::gated(gate.clone());
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let tr = with_timeout(e.submit(reqs(1, 2))).await.unwrap();
+    assert!(tr.try_finish().is_none(), "gated: still running");
+    assert!(tokio::time::timeout(Duration::from_millis(30), tr.finished()).await.is_err());
+    assert_eq!(e.active_transfers(), 1, "giving up on `finished` cancels nothing");
+    let out = with_timeout(async {
+        let f = tr.finished();
+        tokio::pin!(f);
+        loop {
+            gate.notify_waiters();
+            tokio::select! {
+                o = &mut f => break o,
+                _ = tokio::time::sleep(Duration::from_millis(2)) => {}
+            }
+        }
+    })
+    .await;
+    assert!(out.is_some_and(|o| o.is_success()));
+}
+
 /// A wait dropped while the first attempt is in flight (no driver task
 /// yet) cancels the transfer like a dropped handle: the driver starts,
 /// cancels, and gives budget, count and batch back.

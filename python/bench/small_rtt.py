@@ -3,7 +3,8 @@ Python with no thread hop).
 
     python bench/small_rtt.py [--rounds 3] [--n 2000]
 
-For each API (``kvmove.Engine``, kvmove's Mooncake API) a target process
+For each API (``kvmove.Engine``'s ``Session.write``, the same engine's
+``Session.submit`` then ``Batch.wait``, kvmove's Mooncake API) a target process
 registers 1 MiB and an initiator process writes one 4 KiB page ``n`` times,
 each from submit to done, on loopback TCP. Reports p50 / p99 in
 microseconds and the context switches per write of each process (all its
@@ -47,7 +48,7 @@ def ctx_of(pid):
 
 def side(api):
     buf = np.zeros(SIZE, dtype=np.uint8)
-    if api == "engine":
+    if api in ("engine", "batch"):
         import kvmove
 
         e = kvmove.Engine()
@@ -75,6 +76,11 @@ def serve(api, role):
 
         def one():
             s.write(base, raddr, PAGE)
+    elif api == "batch":
+        s = obj.connect(peer)
+
+        def one():
+            s.submit([(base, raddr, PAGE)]).wait()
     else:
 
         def one():
@@ -129,7 +135,7 @@ def main():
     print(f"load: {open('/proc/loadavg').read().split()[:3]}")
     res = {}
     for r in range(a.rounds):
-        for api in ("engine", "mooncake"):
+        for api in ("engine", "batch", "mooncake"):
             o = run(api, a.n)
             res.setdefault(api, []).append(o)
             print(f"round {r}: {api:8s} p50 {o['p50']:6.1f} p99 {o['p99']:7.1f} us, "

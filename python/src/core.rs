@@ -104,6 +104,12 @@ impl Core {
         self.rt.block_on(f)
     }
 
+    /// How long a blocking wait polls on the caller's thread before it
+    /// sleeps (`KVMOVE_SPIN_US`, see [`Core::transfer`]).
+    pub(crate) fn spin(&self) -> Duration {
+        self.spin
+    }
+
     /// Runs `f` inside the engine's runtime context (for synchronous calls
     /// of the session driver, which may spawn its sending tasks).
     pub(crate) fn in_rt<T>(&self, f: impl FnOnce() -> T) -> T {

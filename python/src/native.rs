@@ -374,9 +374,14 @@ pub(crate) struct NativeBatch {
 }
 
 impl NativeBatch {
-    fn try_finish(&self) -> Option<TransferOutcome> {
+    /// The outcome if finished. With `here`, progress is made on this
+    /// thread first and a first attempt that completed is finished here,
+    /// without the engine's driver task (`Transfer::try_finish`); without,
+    /// the driver is started if it was not (`Transfer::poll`).
+    fn try_finish(&self, here: bool) -> Option<TransferOutcome> {
         let mut slot = self.slot.lock();
         let o = match &*slot {
+            Slot::Running(t) if here => self.core.in_rt(|| t.try_finish())?,
             Slot::Running(t) => t.poll()?,
             Slot::Cancelling => return None,
             Slot::Done(o) => return Some(o.clone()),
@@ -390,7 +395,7 @@ impl NativeBatch {
 impl NativeBatch {
     /// The outcome tuple if finished, else None. Never blocks.
     fn poll(&self, py: Python<'_>) -> PyResult<Option<PyObject>> {
-        self.try_finish().map(|o| outcome_to_py(py, &o)).transpose()
+        self.try_finish(true).map(|o| outcome_to_py(py, &o)).transpose()
     }
 
     /// Waits (GIL released) up to `timeout` seconds (None = no limit);
@@ -406,20 +411,51 @@ impl NativeBatch {
         };
         let o = py.allow_threads(|| {
             let start = std::time::Instant::now();
-            let mut pause = Duration::from_micros(10);
+            // First on this thread, for at most KVMOVE_SPIN_US (and never
+            // past the limit), yielding between polls, as a blocking
+            // write does: a batch that completes meanwhile is finished here,
+            // with no hand-off between threads.
+            let spin = limit.map_or(self.core.spin(), |l| l.min(self.core.spin()));
             loop {
-                if let Some(o) = self.try_finish() {
+                if let Some(o) = self.try_finish(true) {
+                    return Some(o);
+                }
+                if start.elapsed() >= spin {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            // Then asleep until the outcome comes or the limit passes.
+            loop {
+                if let Some(o) = self.try_finish(false) {
                     return Some(o);
                 }
                 let left = match limit {
                     Some(l) => match l.checked_sub(start.elapsed()) {
-                        Some(left) if !left.is_zero() => left,
+                        Some(left) if !left.is_zero() => Some(left),
                         _ => return None,
                     },
-                    None => pause,
+                    None => None,
                 };
-                std::thread::sleep(pause.min(left));
-                pause = (pause * 2).min(Duration::from_micros(200));
+                let outcome = match &*self.slot.lock() {
+                    Slot::Running(t) => Some(t.finished()),
+                    _ => None,
+                };
+                let woke = match outcome {
+                    Some(f) => self.core.block_on(async {
+                        match left {
+                            Some(l) => tokio::time::timeout(l, f).await.ok().flatten(),
+                            None => f.await,
+                        }
+                    }),
+                    None => None,
+                };
+                if woke.is_none() {
+                    // Another thread is cancelling it (its outcome comes
+                    // shortly), or the runtime stopped.
+                    let pause = Duration::from_micros(100);
+                    std::thread::sleep(left.map_or(pause, |l| l.min(pause)));
+                }
             }
         });
         o.map(|o| outcome_to_py(py, &o)).transpose()
@@ -449,7 +485,7 @@ impl NativeBatch {
             // Finished already, or another thread is cancelling it: wait for
             // that thread to record the outcome.
             None => py.allow_threads(|| loop {
-                if let Some(o) = self.try_finish() {
+                if let Some(o) = self.try_finish(false) {
                     break o;
                 }
                 std::thread::sleep(Duration::from_micros(100));
@@ -461,6 +497,6 @@ impl NativeBatch {
     /// Whether the batch is finished.
     #[getter]
     fn done(&self) -> bool {
-        self.try_finish().is_some()
+        self.try_finish(true).is_some()
     }
 }

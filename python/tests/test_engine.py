@@ -195,7 +195,17 @@ def test_small_writes_with_and_without_polling_and_a_bad_spin_refused(monkeypatc
                 with a.register(back) as rb:
                     for i in range(64):
                         assert s.read(rb.at(i * 4096), rd.at(i * 4096), 4096).ok
+                # Session.submit + Batch.wait: the same polling, then asleep;
+                # a wait that gives up at once leaves the batch to a later one.
+                again = np.zeros_like(src)
+                with b.register(again) as rg:
+                    for i in range(64):
+                        batch = s.submit([(rs.at(i * 4096), rg.at(i * 4096), 4096)])
+                        first = batch.wait(timeout=0) if i % 2 else None
+                        out = batch.wait()
+                        assert out.ok and (first is None or first is out) and batch.done
             assert np.array_equal(dst, src) and np.array_equal(back, src), f"KVMOVE_SPIN_US={spin}"
+            assert np.array_equal(again, src), f"KVMOVE_SPIN_US={spin}"
     for bad in ("-1", "ten", "10001", "1.5"):
         monkeypatch.setenv("KVMOVE_SPIN_US", bad)
         with pytest.raises(kvmove.PermanentError) as info:

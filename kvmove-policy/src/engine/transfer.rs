@@ -2,6 +2,8 @@
 //! and the driver task that waits for each attempt and retries what
 //! failed transiently.
 
+use futures::FutureExt;
+
 use super::*;
 
 /// A transfer in flight. Its requests are driven (waited for, retried)
@@ -197,6 +199,46 @@ impl Transfer {
     /// inside the engine's runtime context.
     pub fn progress(&self) -> bool {
         look(&self.mode) != Look::Running
+    }
+
+    /// The outcome if the transfer has ended, after making what progress
+    /// the transport can on the caller's thread (as [`Transfer::progress`]);
+    /// never blocks. A first attempt that completed is finished here, as
+    /// [`Transfer::wait`] would finish it, with no driver task; one that
+    /// did not starts the driver (as [`Transfer::poll`] does), whose outcome
+    /// a later call returns. `None` while the transfer runs, and once a
+    /// waiter finished it. Call it inside the engine's runtime context.
+    pub fn try_finish(&self) -> Option<TransferOutcome> {
+        match look(&self.mode) {
+            Look::Running => None,
+            Look::Completed | Look::Ended => {
+                let lazy = self.mode.lock().take_unstarted();
+                if let Some(lazy) = lazy {
+                    if lazy.first_completed().now_or_never() == Some(true) {
+                        return Some(lazy.finish());
+                    }
+                    *self.mode.lock() = lazy.start(false);
+                }
+                self.poll()
+            }
+        }
+    }
+
+    /// Resolves to the outcome once the transfer has one, without taking
+    /// the handle (the driver task is started, as by [`Transfer::poll`]):
+    /// for a caller that waits with a limit and keeps the handle if the
+    /// limit passes first. `None` once a waiter finished the transfer, or
+    /// if the runtime stopped first.
+    pub fn finished(&self) -> impl std::future::Future<Output = Option<TransferOutcome>> + Send + 'static {
+        let outcome = self.driven(false).map(|(o, _)| o);
+        async move {
+            let mut outcome = outcome?;
+            let seen = match outcome.wait_for(Option::is_some).await {
+                Ok(o) => (*o).clone(),
+                Err(_) => None,
+            };
+            seen.or_else(|| outcome.borrow().clone())
+        }
     }
 
     /// A handle that makes the same progress as [`Transfer::progress`]
