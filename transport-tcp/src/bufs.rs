@@ -226,6 +226,14 @@ mod tests {
         assert_eq!(r.buffered(), 90, "release keeps unread bytes");
         assert_eq!(r.take_buffered(30), &data[10..40], "taken in place, at most what was asked");
         assert_eq!(r.buffered(), 60);
+        let mut more = [0u8; 61];
+        assert!(!r.read_buffered(&mut more), "61 bytes are not buffered");
+        assert_eq!((r.buffered(), more), (60, [0u8; 61]), "nothing taken");
+        let mut few = [0u8; 5];
+        assert!(r.read_buffered(&mut few));
+        assert_eq!(&few[..], &data[40..45]);
+        assert_eq!(r.buffered(), 55);
+        r.pos -= 5;
         let mut b = [0u8; 60];
         r.read_exact(&mut b).await.unwrap();
         assert_eq!(&b[..], &data[40..100]);
@@ -303,6 +311,18 @@ impl PooledReader {
             Some(b) => &b[start..start + n],
             None => &[],
         }
+    }
+
+    /// Fills `dst` from the bytes already buffered if they are enough
+    /// (`true`); otherwise takes nothing (`false`). Never waits.
+    pub fn read_buffered(&mut self, dst: &mut [u8]) -> bool {
+        let Some(b) = &self.buf else { return dst.is_empty() };
+        if self.end - self.pos < dst.len() {
+            return false;
+        }
+        dst.copy_from_slice(&b[self.pos..self.pos + dst.len()]);
+        self.pos += dst.len();
+        true
     }
 
     /// Fills `dst` (an `UnexpectedEof` error if the peer closes first).

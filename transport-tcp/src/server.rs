@@ -400,6 +400,16 @@ impl Server {
         }
     }
 
+    /// Fills `dst` from the connection: from bytes already read when they
+    /// are enough (the common case for a burst of small frames: no timer is
+    /// armed), else by a wait bounded as [`Server::idle`] bounds it.
+    async fn read(&self, r: &mut PooledReader, dst: &mut [u8]) -> Result<(), Close> {
+        if r.read_buffered(dst) {
+            return Ok(());
+        }
+        self.idle(r.read_exact(dst)).await
+    }
+
     /// Writes `out` and empties it, whether or not the write succeeded (so
     /// no byte is ever sent twice).
     async fn flush(w: &mut OwnedWriteHalf, out: &mut OutBuf) -> std::io::Result<()> {
@@ -467,7 +477,7 @@ impl Server {
                 r.release();
             }
             let mut b = [0u8; HEADER_LEN];
-            self.idle(r.read_exact(&mut b)).await?;
+            self.read(r, &mut b).await?;
             let h = Header::decode(&b, self.cfg.max_frame).map_err(|e| Close::Proto(e.to_string()))?;
             match h.ty {
                 FrameType::DescReq => {
@@ -501,7 +511,7 @@ impl Server {
                         return Err(Close::Proto("same-host WRITE from a client that was not verified".into()));
                     };
                     let mut src = [0u8; 8];
-                    self.idle(r.read_exact(&mut src)).await?;
+                    self.read(r, &mut src).await?;
                     r.check_reset()?;
                     let status = if h.generation != self.generation {
                         Err(Status::StaleGeneration)
@@ -668,7 +678,7 @@ impl Server {
                     if note.len() < n {
                         note.resize(n, 0);
                     }
-                    self.idle(r.read_exact(&mut note[..n])).await?;
+                    self.read(r, &mut note[..n]).await?;
                     let status = if h.generation != self.generation {
                         Status::StaleGeneration
                     } else {
