@@ -87,6 +87,62 @@ impl MemoryRegion {
     }
 }
 
+/// Ranges one `process_vm_readv` call takes at most (the kernel's
+/// `UIO_MAXIOV` for either side).
+pub const PULL_MANY_MAX: usize = 1024;
+
+impl MemoryRegion {
+    /// Several same-host copies into this region, one kernel call for all
+    /// of them where it can: entry `k` copies `len` bytes at address
+    /// `remote` of process `pid` to `offset`, and its result goes to
+    /// `out[k]` (`out` is cleared first). Each range is checked as
+    /// [`MemoryRegion::pull_at`] checks it; if the combined call copies
+    /// less than all (a source the kernel refuses), every entry is copied
+    /// again on its own, so each gets its own result. Device memory, or
+    /// more than [`PULL_MANY_MAX`] entries: one [`MemoryRegion::pull_at`]
+    /// per entry.
+    pub fn pull_many(&self, pid: u32, entries: &[(usize, usize, u64)], out: &mut Vec<Result<(), MemError>>) {
+        out.clear();
+        out.extend(entries.iter().map(|&(offset, len, _)| self.check(offset as u64, len as u64)));
+        let one_by_one = |out: &mut Vec<Result<(), MemError>>| {
+            for (r, &(offset, len, remote)) in out.iter_mut().zip(entries) {
+                if r.is_ok() {
+                    *r = self.pull_at(offset, len, pid, remote);
+                }
+            }
+        };
+        if self.provider().is_some() || entries.len() > PULL_MANY_MAX {
+            return one_by_one(out);
+        }
+        let Ok(id) = libc::pid_t::try_from(pid) else { return one_by_one(out) };
+        let mut local = Vec::with_capacity(entries.len());
+        let mut remote = Vec::with_capacity(entries.len());
+        let mut total = 0usize;
+        for (r, &(offset, len, from)) in out.iter().zip(entries) {
+            if r.is_err() || len == 0 {
+                continue;
+            }
+            local.push(libc::iovec { iov_base: (self.addr() as usize + offset) as *mut libc::c_void, iov_len: len });
+            remote.push(libc::iovec { iov_base: from as usize as *mut libc::c_void, iov_len: len });
+            total = total.saturating_add(len);
+        }
+        if local.is_empty() {
+            return;
+        }
+        // SAFETY: every local iovec is a range of this live host region that
+        // `check` bounded (the constructor's guarantee, as in `pull_at`);
+        // the kernel writes them as a DMA engine would. The remote iovecs
+        // are only read, in the other process, and checked by the kernel.
+        // At most PULL_MANY_MAX of each (the kernel's limit).
+        let n = unsafe {
+            libc::process_vm_readv(id, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+        };
+        if usize::try_from(n).ok() != Some(total) {
+            one_by_one(out);
+        }
+    }
+}
+
 /// The inode of the TCP socket of this network namespace whose own
 /// address is `sock` and whose peer is `peer`, looked up by the kernel
 /// (`sock_diag`, an exact lookup, not a dump of every socket). `Ok(None)`
@@ -234,6 +290,33 @@ mod tests {
         let mut b = [0u8; 4];
         read_process(me, src.addr() + 1, &mut b).unwrap();
         assert_eq!(b, [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn many_pulls_in_one_call_each_with_its_own_result() {
+        let src = Buffer::from_slice(&(0..=250u8).cycle().take(20_000).collect::<Vec<_>>()).unwrap();
+        let s = src.addr();
+        let me = std::process::id();
+        let mut out = Vec::new();
+        // Scattered, out of order, one empty: all copied by one call.
+        let dst = Buffer::new(20_000).unwrap();
+        let all = [(8192, 4096, s), (0, 100, s + 9000), (5000, 0, s), (100, 3000, s + 17_000)];
+        dst.region().pull_many(me, &all, &mut out);
+        assert!(out.iter().all(Result::is_ok), "{out:?}");
+        let (d, v) = (dst.to_vec(), src.to_vec());
+        assert_eq!((&d[8192..12288], &d[0..100], &d[100..3100]), (&v[..4096], &v[9000..9100], &v[17_000..]));
+        assert!(d[3100..8192].iter().chain(&d[12288..]).all(|&b| b == 0), "nothing else written");
+        // A range outside the region and a source the kernel refuses: those
+        // two fail, each with its own error; the others land.
+        let dst = Buffer::new(20_000).unwrap();
+        let mixed = [(0, 4096, s), (19_000, 4096, s), (4096, 16, 8), (8192, 4096, s + 4096)];
+        dst.region().pull_many(me, &mixed, &mut out);
+        assert!(out[0].is_ok() && out[3].is_ok(), "{out:?}");
+        assert!(matches!(out[1], Err(MemError::OutOfBounds { .. })), "{out:?}");
+        assert!(matches!(out[2], Err(MemError::ProcessCopy { .. })), "{out:?}");
+        let d = dst.to_vec();
+        assert_eq!((&d[..4096], &d[8192..12288]), (&v[..4096], &v[4096..8192]));
+        assert!(d[4096..8192].iter().all(|&b| b == 0));
     }
 
     #[test]

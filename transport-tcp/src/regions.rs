@@ -58,11 +58,37 @@ impl Region {
         let len = usize::try_from(len).map_err(|_| Status::OutOfBounds)?;
         match self.with_live(|m| m.pull_at(off as usize, len, pid, src)) {
             None => Err(Status::Unregistered),
-            Some(Err(MemError::DeviceCopy { .. })) => Err(Status::DeviceCopy),
-            Some(Err(MemError::ProcessCopy { .. })) => Err(Status::SourceCopy),
-            Some(Err(_)) => Err(Status::OutOfBounds),
-            Some(Ok(())) => Ok(()),
+            Some(r) => r.map_err(pull_status),
         }
+    }
+
+    /// Several same-host WRITEs into this region, each `(addr, len, src)`
+    /// as for [`Region::pull_abs`], with one kernel call where it can
+    /// (`MemoryRegion::pull_many`): one result per entry, in order.
+    pub fn pull_many_abs(&self, pid: u32, entries: &[(u64, u64, u64)]) -> Vec<std::result::Result<(), Status>> {
+        let base = self.mem.addr();
+        let rel: Vec<Option<(usize, usize, u64)>> = entries
+            .iter()
+            .map(|&(addr, len, src)| {
+                let off = usize::try_from(addr.checked_sub(base)?).ok()?;
+                Some((off, usize::try_from(len).ok()?, src))
+            })
+            .collect();
+        let valid: Vec<(usize, usize, u64)> = rel.iter().flatten().copied().collect();
+        let mut copied = Vec::with_capacity(valid.len());
+        if self.with_live(|m| m.pull_many(pid, &valid, &mut copied)).is_none() {
+            return vec![Err(Status::Unregistered); entries.len()];
+        }
+        let mut copied = copied.into_iter();
+        rel.iter()
+            .map(|r| match r {
+                None => Err(Status::OutOfBounds),
+                Some(_) => copied
+                    .next()
+                    .unwrap_or(Err(MemError::OutOfBounds { offset: 0, len: 0, region_len: 0 }))
+                    .map_err(pull_status),
+            })
+            .collect()
     }
 
     /// Copies `src` to the absolute address `addr`.
@@ -74,6 +100,15 @@ impl Region {
             Some(Err(_)) => Err(Status::OutOfBounds),
             Some(Ok(())) => Ok(()),
         }
+    }
+}
+
+/// The status a failed same-host copy is answered with.
+fn pull_status(e: MemError) -> Status {
+    match e {
+        MemError::DeviceCopy { .. } => Status::DeviceCopy,
+        MemError::ProcessCopy { .. } => Status::SourceCopy,
+        _ => Status::OutOfBounds,
     }
 }
 

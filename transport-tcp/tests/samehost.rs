@@ -273,6 +273,41 @@ async fn a_client_that_names_another_process_is_not_believed() {
         pull_write(&mut s, generation, mem.addr() + (1 << 20) - 10, 4096, src.addr()).await;
         let (h, _) = next_frame(&mut s, WAIT).await.expect("an answer");
         assert_eq!((h.ty, h.status), (FrameType::WriteAck, Status::OutOfBounds));
+        // Several in one burst (the server copies those it has in hand
+        // together): each is answered on its own, by id, and only the good
+        // ones land.
+        let many = Buffer::from_slice(&pattern(9, 8 * 4096)).unwrap();
+        let at = |k: u64| mem.addr() + (64 << 10) + k * 4096;
+        let frames: Vec<(u64, u64, u64, Status)> = vec![
+            (10, at(1), 8, Status::SourceCopy),
+            (11, at(0), many.addr(), Status::Ok),
+            (12, at(2), many.addr() + 2 * 4096, Status::Ok),
+            (13, mem.addr() + (1 << 20) - 10, many.addr(), Status::OutOfBounds),
+            (14, at(4), many.addr() + 4 * 4096, Status::Ok),
+            (15, at(5), many.addr() + 5 * 4096, Status::Ok),
+        ];
+        let mut burst = Vec::new();
+        for &(id, addr, from, _) in &frames {
+            let mut h = Header::new(FrameType::Write);
+            (h.flags, h.id, h.addr, h.len, h.generation, h.payload_len) = (SAME_HOST, id, addr, 4096, generation, 8);
+            burst.extend_from_slice(&h.encode());
+            burst.extend_from_slice(&from.to_le_bytes());
+        }
+        s.write_all(&burst).await.unwrap();
+        let mut answered = std::collections::HashMap::new();
+        for _ in &frames {
+            let (h, _) = next_frame(&mut s, WAIT).await.expect("an answer");
+            assert_eq!(h.ty, FrameType::WriteAck);
+            answered.insert(h.id, h.status);
+        }
+        let got = mem.to_vec();
+        for &(id, _, _, want) in &frames {
+            assert_eq!(answered.get(&id), Some(&want), "frame {id}");
+        }
+        for k in 0..6usize {
+            let (dst, src) = (&got[(64 << 10) + k * 4096..][..4096], &many.to_vec()[k * 4096..][..4096]);
+            assert_eq!(dst == src, [0, 2, 4, 5].contains(&k), "page {k}");
+        }
         a.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
     })
