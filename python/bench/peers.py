@@ -52,7 +52,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
+# No linear algebra here: numpy's BLAS worker threads would only spin on
+# the CPUs the engines share (seen in profiles); the processes started from
+# this file inherit the setting.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 from lineproc import LineProc
 
