@@ -30,6 +30,8 @@ use crate::batch::{Batch, Carrier};
 use crate::conn::{proto_err, status_err};
 use crate::endpoint::{Body, Endpoint, Rx, Slice};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
+use crate::regions::Region;
+use transport_mem::cma::PULL_MANY_MAX;
 
 /// The reading buffer's size: also the largest piece of a READ payload
 /// copied into local memory at once.
@@ -153,8 +155,17 @@ impl Rx {
     }
 
     /// Applies what is buffered: payload bytes of the frame in progress,
-    /// then whole frames, until less than a header is left.
+    /// then whole frames, until less than a header is left. The copies of
+    /// consecutive same-host READ answers into one local region are made
+    /// together ([`Pulls`]), all before this returns.
     fn apply(&mut self, ep: &Arc<Endpoint>, lane: usize) -> Result<(), Stop> {
+        let mut pulls = Pulls::default();
+        let r = self.apply_frames(ep, lane, &mut pulls);
+        pulls.land(ep, lane);
+        r
+    }
+
+    fn apply_frames(&mut self, ep: &Arc<Endpoint>, lane: usize, pulls: &mut Pulls) -> Result<(), Stop> {
         loop {
             if let Some(body) = self.body.as_mut() {
                 let k = (self.hi - self.lo).min(body.len - body.done);
@@ -182,14 +193,87 @@ impl Rx {
             b.copy_from_slice(bytes);
             self.lo += HEADER_LEN;
             let h = Header::decode(&b, ep.env.cfg.max_frame).map_err(|e| Stop::Broke(proto_err(e, &ep.name)))?;
-            self.body = frame(ep, lane, &h)?;
+            match frame(ep, lane, &h)? {
+                Answer::Done => {}
+                Answer::Body(b) => {
+                    // Payload bytes go in after the copies before them.
+                    pulls.land(ep, lane);
+                    self.body = Some(b);
+                }
+                Answer::Pull { id, region, pid, entry } => {
+                    if !pulls.takes(&region, pid) {
+                        pulls.land(ep, lane);
+                    }
+                    pulls.add(region, pid, entry, id);
+                }
+            }
         }
+    }
+}
+
+/// What one answer's header leaves to do.
+enum Answer {
+    /// Applied (its slice or notification ended).
+    Done,
+    /// Its payload follows.
+    Body(Body),
+    /// A same-host READ answered: `entry` (`(local offset, len, address
+    /// in process `pid`)`) is to be copied into `region`, then slice `id`
+    /// ends.
+    Pull { id: u64, region: Arc<Region>, pid: u32, entry: (usize, usize, u64) },
+}
+
+/// Same-host READ answers whose copies are not made yet: consecutive ones
+/// into one local region, copied from the peer's process by one kernel
+/// call ([`Pulls::land`], `MemoryRegion::pull_many`); each slice stays in
+/// its lane's pending map until its copy is done.
+#[derive(Default)]
+struct Pulls {
+    region: Option<Arc<Region>>,
+    pid: u32,
+    entries: Vec<(usize, usize, u64)>,
+    ids: Vec<u64>,
+}
+
+impl Pulls {
+    /// Whether a copy from `pid` into `region` may join those gathered.
+    fn takes(&self, region: &Arc<Region>, pid: u32) -> bool {
+        self.entries.len() < PULL_MANY_MAX
+            && self.region.as_ref().is_none_or(|r| Arc::ptr_eq(r, region) && self.pid == pid)
+    }
+
+    fn add(&mut self, region: Arc<Region>, pid: u32, entry: (usize, usize, u64), id: u64) {
+        self.region = Some(region);
+        self.pid = pid;
+        self.entries.push(entry);
+        self.ids.push(id);
+    }
+
+    /// Makes the gathered copies and ends their slices.
+    fn land(&mut self, ep: &Endpoint, lane: usize) {
+        let Some(region) = self.region.take() else { return };
+        let mut copied = Vec::with_capacity(self.entries.len());
+        let live = region.with_live(|m| m.pull_many(self.pid, &self.entries, &mut copied)).is_some();
+        let mut copied = copied.into_iter();
+        for (&(_, len, _), &id) in self.entries.iter().zip(&self.ids) {
+            let result = match (live, copied.next()) {
+                (true, Some(r)) => r.map_err(Error::from),
+                (true, None) => Err(Error::new(ErrorKind::Internal, "a same-host copy without its result")),
+                (false, _) => Err(Error::region_unregistered(region.id)),
+            };
+            if result.is_ok() {
+                ep.env.same_host_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            end_slice(ep, lane, id, None, result);
+        }
+        self.entries.clear();
+        self.ids.clear();
     }
 }
 
 /// Applies one answer's header: ends its slice (or notification) at once,
 /// or returns the slice whose payload follows.
-fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Option<Body>, Stop> {
+fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Answer, Stop> {
     let peer = &ep.name;
     let broke = |kind, msg: &str| Stop::Broke(Error::new(kind, msg.to_owned()).with("peer", peer));
     match h.ty {
@@ -210,7 +294,7 @@ fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Option<Body>, St
                 other => Err(status_err(other, peer)),
             };
             let _ = note.reply.send(result);
-            return Ok(None);
+            return Ok(Answer::Done);
         }
         other => return Err(broke(ErrorKind::Protocol, &format!("unexpected {other:?} frame"))),
     }
@@ -267,22 +351,22 @@ fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Option<Body>, St
     let same = same && (op == Opcode::Write || answered_same);
     if result.is_ok() && same {
         if op == Opcode::Read {
-            result = match ep.lanes[lane].same_host.read_from {
-                Some(pid) => pull_in(&batch, req, local_off, slice_len, (pid, remote)),
-                None => Err(Error::new(ErrorKind::Internal, "a same-host READ on a lane without the peer's process")),
-            };
-        }
-        if result.is_ok() {
+            // The copy is made with those of the answers next to it.
+            match pull_of(ep, lane, h.id, (&batch, req, local_off, slice_len), remote) {
+                Ok(pull) => return Ok(pull),
+                Err(e) => result = Err(e),
+            }
+        } else {
             ep.env.same_host_bytes.fetch_add(slice_len, std::sync::atomic::Ordering::Relaxed);
         }
     }
     if n == 0 {
         end_slice(ep, lane, h.id, taken, result);
-        return Ok(None);
+        return Ok(Answer::Done);
     }
     // A read error or a copy error (the region was unregistered) drains
     // the rest of the payload; a broken lane's teardown ends the slice.
-    Ok(Some(Body { id: h.id, batch, req, local_off, copy: op == Opcode::Read, len: n, done: 0, result }))
+    Ok(Answer::Body(Body { id: h.id, batch, req, local_off, copy: op == Opcode::Read, len: n, done: 0, result }))
 }
 
 /// Ends slice `id` of `lane` with `result` (taken out of the pending map
@@ -308,17 +392,24 @@ fn copy_in(batch: &Batch, i: usize, off: u64, src: &[u8]) -> Result<()> {
     }
 }
 
-/// Copies `len` bytes at `remote` in process `pid` into request `i`'s
-/// local region at `off` (a same-host READ).
-fn pull_in(batch: &Batch, i: usize, off: u64, len: u64, (pid, remote): (u32, u64)) -> Result<()> {
+/// The copy of same-host READ slice `id` (request `i` of `batch`, `len`
+/// bytes at `off` of its local region) from `remote` in the peer's
+/// process, as an [`Answer::Pull`].
+fn pull_of(
+    ep: &Endpoint,
+    lane: usize,
+    id: u64,
+    (batch, i, off, len): (&Batch, usize, u64, u64),
+    remote: u64,
+) -> Result<Answer> {
+    let Some(pid) = ep.lanes[lane].same_host.read_from else {
+        return Err(Error::new(ErrorKind::Internal, "a same-host READ on a lane without the peer's process"));
+    };
     let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
     let (Ok(off), Ok(len)) = (usize::try_from(off), usize::try_from(len)) else {
         return Err(Error::new(ErrorKind::OutOfBounds, "local range too large"));
     };
-    match region.with_live(|m| m.pull_at(off, len, pid, remote)) {
-        Some(r) => r.map_err(Error::from),
-        None => Err(Error::region_unregistered(region.id)),
-    }
+    Ok(Answer::Pull { id, region: region.clone(), pid, entry: (off, len, remote) })
 }
 
 /// A lane's reader task: waits until the socket has bytes, then reads and
