@@ -18,6 +18,7 @@
 //! reader task and then takes this lock (so waits for a caller reading)
 //! before it ends the slice. Once stopped, an `Rx` never reads again.
 
+use std::collections::HashSet;
 use std::io::Read;
 use std::sync::Arc;
 
@@ -193,6 +194,13 @@ impl Rx {
             b.copy_from_slice(bytes);
             self.lo += HEADER_LEN;
             let h = Header::decode(&b, ep.env.cfg.max_frame).map_err(|e| Stop::Broke(proto_err(e, &ep.name)))?;
+            if pulls.holds(h.id) {
+                // Its slice is still pending (its copy is not made yet), so
+                // the answer would be taken for it: a second answer to one
+                // request is a protocol error, as it is once a slice ended.
+                let e = Error::new(ErrorKind::Protocol, "a second answer to one request").with("peer", &ep.name);
+                return Err(Stop::Broke(e));
+            }
             match frame(ep, lane, &h)? {
                 Answer::Done => {}
                 Answer::Body(b) => {
@@ -233,6 +241,8 @@ struct Pulls {
     pid: u32,
     entries: Vec<(usize, usize, u64)>,
     ids: Vec<u64>,
+    /// `ids`, to find a second answer to one of them.
+    pending: HashSet<u64>,
 }
 
 impl Pulls {
@@ -247,6 +257,12 @@ impl Pulls {
         self.pid = pid;
         self.entries.push(entry);
         self.ids.push(id);
+        self.pending.insert(id);
+    }
+
+    /// Whether slice `id`'s copy is gathered and not made yet.
+    fn holds(&self, id: u64) -> bool {
+        self.pending.contains(&id)
     }
 
     /// Makes the gathered copies and ends their slices.
@@ -268,6 +284,7 @@ impl Pulls {
         }
         self.entries.clear();
         self.ids.clear();
+        self.pending.clear();
     }
 }
 

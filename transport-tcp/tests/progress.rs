@@ -21,7 +21,7 @@ use tokio::runtime::{Builder, Runtime};
 use transport_core::{
     Access, BatchId, BatchState, BatchStatus, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport,
 };
-use transport_tcp::wire::{FrameType, Header};
+use transport_tcp::wire::{FrameType, Header, WireRegion, SAME_HOST};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 const PAGE: u64 = 4096;
@@ -144,4 +144,55 @@ fn a_malformed_answer_read_by_a_polling_caller_fails_the_batch() {
     a.release(id).unwrap();
     init_rt.block_on(a.shutdown()).unwrap();
     drop(peer_rt);
+}
+
+/// Rule 5 with same-host READ answers copied together (a burst's copies
+/// are made after its frames are read): a second answer to a request
+/// whose copy is gathered but not made yet, here its bytes sent right
+/// behind a same-host answer, is a protocol error and is never applied.
+/// The request completes with the bytes its first answer named, and nothing
+/// is written into its memory afterwards.
+#[test]
+fn a_second_answer_behind_a_same_host_one_is_never_applied() {
+    // The fake peer's memory is this process's: its same-host answers name
+    // `src`, which the initiator copies from.
+    let src = Buffer::from_slice(&pattern(7, PAGE as usize)).unwrap();
+    let region = WireRegion { addr: src.addr(), len: PAGE, read: true, write: true };
+    let script: Script = Arc::new(move |mut s: TcpStream| {
+        Box::pin(async move {
+            while let Some(h) = fake_peer::next_request_on(&mut s, region).await {
+                if h.ty != FrameType::Read {
+                    return;
+                }
+                let mut same = Header::new(FrameType::ReadResp);
+                (same.id, same.len, same.flags) = (h.id, h.len, SAME_HOST);
+                let mut again = Header::new(FrameType::ReadResp);
+                (again.id, again.len, again.payload_len) = (h.id, h.len, h.len as u32);
+                let mut burst = same.encode().to_vec();
+                burst.extend_from_slice(&again.encode());
+                burst.extend(std::iter::repeat_n(0x5au8, h.len as usize));
+                if s.write_all(&burst).await.is_err() {
+                    return;
+                }
+            }
+        })
+    });
+    let rt = Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let peer = FakePeer::start_on(script, true).await;
+        let a = node(test_config()).await;
+        let dst = Buffer::new(PAGE as usize).unwrap();
+        let l = a.register(dst.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&peer.name()).await.unwrap();
+        let r = TransferRequest::read(l, 0, seg, src.addr(), PAGE);
+        let id = a.submit(vec![r], SubmitOptions::default()).await.unwrap();
+        let s = tokio::time::timeout(Duration::from_secs(10), a.wait(id)).await.expect("the read ends").unwrap();
+        assert_eq!(s.state, BatchState::Completed, "{s:?}");
+        assert_eq!(a.same_host_bytes(), PAGE, "the first answer was a same-host copy");
+        // The second answer breaks the lane; give it time to be read.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(dst.to_vec(), src.to_vec(), "nothing written after the request completed");
+        a.release(id).unwrap();
+        a.shutdown().await.unwrap();
+    });
 }
