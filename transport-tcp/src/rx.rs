@@ -18,7 +18,6 @@
 //! reader task and then takes this lock (so waits for a caller reading)
 //! before it ends the slice. Once stopped, an `Rx` never reads again.
 
-use std::collections::HashSet;
 use std::io::Read;
 use std::sync::Arc;
 
@@ -162,8 +161,8 @@ impl Rx {
     fn apply(&mut self, ep: &Arc<Endpoint>, lane: usize) -> Result<(), Stop> {
         let mut pulls = Pulls::default();
         let r = self.apply_frames(ep, lane, &mut pulls);
-        pulls.land(ep, lane);
-        r
+        let landed = pulls.land(ep, lane);
+        r.and(landed)
     }
 
     fn apply_frames(&mut self, ep: &Arc<Endpoint>, lane: usize, pulls: &mut Pulls) -> Result<(), Stop> {
@@ -194,23 +193,20 @@ impl Rx {
             b.copy_from_slice(bytes);
             self.lo += HEADER_LEN;
             let h = Header::decode(&b, ep.env.cfg.max_frame).map_err(|e| Stop::Broke(proto_err(e, &ep.name)))?;
-            if pulls.holds(h.id) {
-                // Its slice is still pending (its copy is not made yet), so
-                // the answer would be taken for it: a second answer to one
-                // request is a protocol error, as it is once a slice ended.
-                let e = Error::new(ErrorKind::Protocol, "a second answer to one request").with("peer", &ep.name);
-                return Err(Stop::Broke(e));
+            let same_host_ok =
+                h.ty == FrameType::ReadResp && h.flags & SAME_HOST != 0 && h.status == Status::Ok && h.payload_len == 0;
+            if !same_host_ok {
+                // Any other answer is applied after the copies gathered
+                // before it, whose slices then have ended: a second answer
+                // to one of them is one to an unknown request.
+                pulls.land(ep, lane)?;
             }
             match frame(ep, lane, &h)? {
                 Answer::Done => {}
-                Answer::Body(b) => {
-                    // Payload bytes go in after the copies before them.
-                    pulls.land(ep, lane);
-                    self.body = Some(b);
-                }
+                Answer::Body(b) => self.body = Some(b),
                 Answer::Pull { id, region, pid, entry } => {
                     if !pulls.takes(&region, pid) {
-                        pulls.land(ep, lane);
+                        pulls.land(ep, lane)?;
                     }
                     pulls.add(region, pid, entry, id);
                 }
@@ -241,8 +237,6 @@ struct Pulls {
     pid: u32,
     entries: Vec<(usize, usize, u64)>,
     ids: Vec<u64>,
-    /// `ids`, to find a second answer to one of them.
-    pending: HashSet<u64>,
 }
 
 impl Pulls {
@@ -257,34 +251,40 @@ impl Pulls {
         self.pid = pid;
         self.entries.push(entry);
         self.ids.push(id);
-        self.pending.insert(id);
     }
 
-    /// Whether slice `id`'s copy is gathered and not made yet.
-    fn holds(&self, id: u64) -> bool {
-        self.pending.contains(&id)
-    }
-
-    /// Makes the gathered copies and ends their slices.
-    fn land(&mut self, ep: &Endpoint, lane: usize) {
-        let Some(region) = self.region.take() else { return };
+    /// Makes the gathered copies and ends their slices. Two same-host
+    /// answers to one request in the group (both copies were made, into
+    /// its own range, before either ended it) are a protocol error: the
+    /// second ends nothing and gives no window place back.
+    fn land(&mut self, ep: &Endpoint, lane: usize) -> Result<(), Stop> {
+        let Some(region) = self.region.take() else { return Ok(()) };
         let mut copied = Vec::with_capacity(self.entries.len());
         let live = region.with_live(|m| m.pull_many(self.pid, &self.entries, &mut copied)).is_some();
         let mut copied = copied.into_iter();
+        let mut dup = false;
         for (&(_, len, _), &id) in self.entries.iter().zip(&self.ids) {
             let result = match (live, copied.next()) {
                 (true, Some(r)) => r.map_err(Error::from),
                 (true, None) => Err(Error::new(ErrorKind::Internal, "a same-host copy without its result")),
                 (false, _) => Err(Error::region_unregistered(region.id)),
             };
+            let Some(slice) = ep.lanes[lane].pending.lock().map.remove(&id) else {
+                dup = true;
+                continue;
+            };
             if result.is_ok() {
                 ep.env.same_host_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
             }
-            end_slice(ep, lane, id, None, result);
+            end_slice(ep, lane, id, Some(slice), result);
         }
         self.entries.clear();
         self.ids.clear();
-        self.pending.clear();
+        if dup {
+            let e = Error::new(ErrorKind::Protocol, "two answers to one request").with("peer", &ep.name);
+            return Err(Stop::Broke(e));
+        }
+        Ok(())
     }
 }
 

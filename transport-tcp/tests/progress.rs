@@ -148,12 +148,20 @@ fn a_malformed_answer_read_by_a_polling_caller_fails_the_batch() {
 
 /// Rule 5 with same-host READ answers copied together (a burst's copies
 /// are made after its frames are read): a second answer to a request
-/// whose copy is gathered but not made yet, here its bytes sent right
-/// behind a same-host answer, is a protocol error and is never applied.
-/// The request completes with the bytes its first answer named, and nothing
-/// is written into its memory afterwards.
+/// whose copy is gathered but not made yet is a protocol error and is
+/// never applied, whether it brings bytes (written after the request
+/// completed, otherwise) or is another same-host answer (ending the request
+/// twice). The request completes with the bytes its first answer named,
+/// nothing is written into its memory afterwards, and the endpoint is
+/// torn down.
 #[test]
 fn a_second_answer_behind_a_same_host_one_is_never_applied() {
+    for with_bytes in [true, false] {
+        second_answer(with_bytes);
+    }
+}
+
+fn second_answer(with_bytes: bool) {
     // The fake peer's memory is this process's: its same-host answers name
     // `src`, which the initiator copies from.
     let src = Buffer::from_slice(&pattern(7, PAGE as usize)).unwrap();
@@ -166,11 +174,15 @@ fn a_second_answer_behind_a_same_host_one_is_never_applied() {
                 }
                 let mut same = Header::new(FrameType::ReadResp);
                 (same.id, same.len, same.flags) = (h.id, h.len, SAME_HOST);
-                let mut again = Header::new(FrameType::ReadResp);
-                (again.id, again.len, again.payload_len) = (h.id, h.len, h.len as u32);
                 let mut burst = same.encode().to_vec();
-                burst.extend_from_slice(&again.encode());
-                burst.extend(std::iter::repeat_n(0x5au8, h.len as usize));
+                if with_bytes {
+                    let mut again = Header::new(FrameType::ReadResp);
+                    (again.id, again.len, again.payload_len) = (h.id, h.len, h.len as u32);
+                    burst.extend_from_slice(&again.encode());
+                    burst.extend(std::iter::repeat_n(0x5au8, h.len as usize));
+                } else {
+                    burst.extend_from_slice(&same.encode());
+                }
                 if s.write_all(&burst).await.is_err() {
                     return;
                 }
@@ -184,13 +196,17 @@ fn a_second_answer_behind_a_same_host_one_is_never_applied() {
         let dst = Buffer::new(PAGE as usize).unwrap();
         let l = a.register(dst.region(), Access::LOCAL).unwrap();
         let seg = a.open_segment(&peer.name()).await.unwrap();
+        assert_eq!(a.stats().endpoints, 1);
         let r = TransferRequest::read(l, 0, seg, src.addr(), PAGE);
         let id = a.submit(vec![r], SubmitOptions::default()).await.unwrap();
         let s = tokio::time::timeout(Duration::from_secs(10), a.wait(id)).await.expect("the read ends").unwrap();
         assert_eq!(s.state, BatchState::Completed, "{s:?}");
         assert_eq!(a.same_host_bytes(), PAGE, "the first answer was a same-host copy");
-        // The second answer breaks the lane; give it time to be read.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let start = Instant::now();
+        while a.stats().endpoints > 0 && start.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(a.stats().endpoints, 0, "the second answer broke the endpoint (with_bytes {with_bytes})");
         assert_eq!(dst.to_vec(), src.to_vec(), "nothing written after the request completed");
         a.release(id).unwrap();
         a.shutdown().await.unwrap();
