@@ -160,19 +160,23 @@ fn failed(kind: ErrorKind) -> RequestStatus {
     RequestStatus::Failed(Error::new(kind, "scripted"))
 }
 
+/// The script where request 1001's first submission is reset and every
+/// other submission completes.
+fn reset_once_at_1001(r: &TransferRequest, n: u32) -> RequestStatus {
+    if r.remote_addr == 1001 && n == 1 {
+        failed(ErrorKind::ConnectionReset)
+    } else {
+        RequestStatus::Completed
+    }
+}
+
 async fn with_timeout<T>(f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(10), f).await.expect("test timed out")
 }
 
 #[tokio::test]
 async fn only_failed_transient_requests_are_retried() {
-    let t = Scripted::new(|r, n| {
-        if r.remote_addr == 1001 && n == 1 {
-            failed(ErrorKind::ConnectionReset)
-        } else {
-            RequestStatus::Completed
-        }
-    });
+    let t = Scripted::new(reset_once_at_1001);
     let e = Engine::new(t.clone(), fast_policy()).unwrap();
     let out = with_timeout(e.transfer(reqs(7, 3))).await.unwrap();
     assert!(out.is_success(), "{out:?}");
@@ -386,13 +390,7 @@ async fn try_finish_finishes_here_or_hands_over_and_finished_keeps_the_handle() 
     drop(tr);
 
     // A transient failure: the driver retries; `finished` brings its outcome.
-    let t = Scripted::new(|r, n| {
-        if r.remote_addr == 1001 && n == 1 {
-            failed(ErrorKind::ConnectionReset)
-        } else {
-            RequestStatus::Completed
-        }
-    });
+    let t = Scripted::new(reset_once_at_1001);
     let e = Engine::new(t.clone(), fast_policy()).unwrap();
     let tr = with_timeout(e.submit(reqs(1, 3))).await.unwrap();
     assert!(tr.try_finish().is_none(), "the first attempt failed: handed to the driver");

@@ -441,20 +441,22 @@ impl NativeBatch {
                     Slot::Running(t) => Some(t.finished()),
                     _ => None,
                 };
-                let woke = match outcome {
-                    Some(f) => self.core.block_on(async {
-                        match left {
-                            Some(l) => tokio::time::timeout(l, f).await.ok().flatten(),
-                            None => f.await,
+                let pause = Duration::from_micros(100);
+                match (outcome, left) {
+                    // Asleep until the outcome, or the limit (then the
+                    // loop returns at once).
+                    (Some(f), Some(l)) => {
+                        let _ = self.core.block_on(async move { tokio::time::timeout(l, f).await });
+                    }
+                    (Some(f), None) => {
+                        if self.core.block_on(f).is_none() {
+                            // The runtime stopped: no outcome will come.
+                            std::thread::sleep(pause);
                         }
-                    }),
-                    None => None,
-                };
-                if woke.is_none() {
-                    // Another thread is cancelling it (its outcome comes
-                    // shortly), or the runtime stopped.
-                    let pause = Duration::from_micros(100);
-                    std::thread::sleep(left.map_or(pause, |l| l.min(pause)));
+                    }
+                    // Another thread is cancelling it: its outcome comes
+                    // shortly.
+                    (None, left) => std::thread::sleep(left.map_or(pause, |l| l.min(pause))),
                 }
             }
         });

@@ -103,15 +103,7 @@ async fn handshake(s: &mut TcpStream, same_host: bool) -> Option<()> {
 /// Reads the next header on `s`, answering DESC_REQs on the way. `None`
 /// once the connection is gone.
 pub async fn next_request(s: &mut TcpStream) -> Option<Header> {
-    loop {
-        let mut b = [0u8; HEADER_LEN];
-        s.read_exact(&mut b).await.ok()?;
-        let h = Header::decode(&b, 64 << 20).ok()?;
-        if h.ty != FrameType::DescReq {
-            return Some(h);
-        }
-        send_desc(s, h.id).await?;
-    }
+    next_request_on(s, REGION).await
 }
 
 /// As [`next_request`], describing `region` as the peer's memory.
@@ -135,14 +127,10 @@ pub async fn answer_desc(s: &mut TcpStream) -> Option<()> {
     if h.ty != FrameType::DescReq {
         return None;
     }
-    send_desc(s, h.id).await
+    send_desc_of(s, h.id, REGION).await
 }
 
-/// Sends the fake peer's descriptor as the answer to request `id`.
-async fn send_desc(s: &mut TcpStream, id: u64) -> Option<()> {
-    send_desc_of(s, id, REGION).await
-}
-
+/// Sends a descriptor of `region` as the answer to request `id`.
 async fn send_desc_of(s: &mut TcpStream, id: u64, region: WireRegion) -> Option<()> {
     let regions = encode_regions(&[region]);
     let mut a = Header::new(FrameType::DescResp);
