@@ -260,16 +260,25 @@ pub(crate) fn nixl_uncovered(py: Python<'_>, starts: &[u8], ends: &[u8], descs: 
 /// says what is wrong, so the two never disagree on what is accepted.
 #[pyfunction]
 pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Option<Bound<'py, PyBytes>> {
+    /// A non-negative integer below 2^64. CPython reads a C `long` digit
+    /// by digit, but a `long long` through its generic byte conversion
+    /// (3.11: most of this function's time), so `i64` is tried first.
+    fn word(v: &Bound<'_, PyAny>) -> Option<u64> {
+        match v.extract::<i64>() {
+            Ok(x) => u64::try_from(x).ok(),
+            Err(_) => v.extract::<u64>().ok(),
+        }
+    }
     fn item(d: &Bound<'_, PyAny>, width: usize) -> Option<[u64; 3]> {
         // A plain tuple (what callers build): its items read directly.
         if let Ok(t) = d.downcast_exact::<PyTuple>() {
             if t.len() != 3 && t.len() != width {
                 return None;
             }
-            let at = |i: usize| t.get_borrowed_item(i).ok()?.extract::<u64>().ok();
+            let at = |i: usize| t.get_borrowed_item(i).ok().and_then(|v| word(&v));
             return Some([at(0)?, at(1)?, at(2)?]);
         }
-        let at = |i: usize| d.get_item(i).ok()?.extract::<u64>().ok();
+        let at = |i: usize| d.get_item(i).ok().and_then(|v| word(&v));
         if !(d.is_instance_of::<PyTuple>() || d.is_instance_of::<PyList>()) {
             return None;
         }
@@ -287,9 +296,21 @@ pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Op
         _ => return None,
     };
     let mut out = Vec::with_capacity(n.checked_mul(24)?);
-    for d in descs.try_iter().ok()? {
-        for v in item(&d.ok()?, width)? {
+    let mut push = |d: &Bound<'py, PyAny>| -> Option<()> {
+        for v in item(d, width)? {
             out.extend_from_slice(&v.to_ne_bytes());
+        }
+        Some(())
+    };
+    // A plain list (what callers build) is read by index, with no
+    // iterator object; anything else through its iterator.
+    if let Ok(l) = descs.downcast_exact::<PyList>() {
+        for d in l.iter() {
+            push(&d)?;
+        }
+    } else {
+        for d in descs.try_iter().ok()? {
+            push(&d.ok()?)?;
         }
     }
     Some(PyBytes::new(descs.py(), &out))

@@ -204,6 +204,10 @@ def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
     numpy_ints = [tuple(np.uint64(v) for v in d) for d in many[:2]]
     assert list(a.get_xfer_descs(numpy_ints, "DRAM")) == many[:2]
     assert _native.nixl_desc_rows(numpy_ints, 3) is not None
+    # The whole range of a u64, on both sides of 2^63 (read two ways).
+    top = [(2**64 - 1, 2**63, 2**63 - 1), (2**63, 0, 1)]
+    assert list(a.get_xfer_descs(top, "DRAM")) == top
+    assert _native.nixl_desc_rows(top, 3) is not None
     # Taken by the Python path only, with the same result as before.
     for odd in ([(p, 16.0, 0)], [(p, True, 0)], [(p, "16", 0)]):
         assert _native.nixl_desc_rows(odd, 3) is None or odd[0][1] is True
