@@ -1,40 +1,67 @@
 //! The CUDA provider: device memory of NVIDIA GPUs, reached through the
-//! CUDA driver API (`libcuda`), loaded when first asked for, so a build
-//! with the `cuda` feature runs on machines without a driver or a GPU
-//! (there [`CudaDevices::open`] answers `None`).
+//! CUDA driver API (`libcuda`), loaded at run time, so a build with the
+//! `cuda` feature runs on machines without a driver or a GPU (there
+//! [`CudaDevices::open`] answers `None`).
 //!
 //! Pointers are classified as CUDA classifies them
 //! (`cuPointerGetAttribute`): device memory (`cudaMalloc`, the caching
-//! allocators of torch and friends) is this provider's; managed and pinned
-//! host memory is host memory the process reads directly, and is left to
-//! the host path. Copies are synchronous `cuMemcpy` calls in the device's
-//! primary context (the one the CUDA runtime, and so torch, uses).
+//! allocators of torch and friends, including their expandable segments,
+//! which are several mappings back to back) is this provider's; managed
+//! memory and pinned host memory are host memory the process reads
+//! directly, and are left to the host path.
+//!
+//! Nothing is asked of the driver before it is needed. A device's primary
+//! context (the one the CUDA runtime, and so torch, uses) is retained the
+//! first time memory of that device is copied, never for devices this
+//! process does not touch; a pointer is looked up in a context that is
+//! already current or already active. Every call pushes the context it
+//! needs and pops it after, so the caller's current context (torch's
+//! current device) is left as it was. Copies run on a non-blocking stream
+//! of this provider's (never the legacy default stream, which would wait
+//! for the application's kernels) and return once the stream has finished
+//! them: once a copy returns, its bytes are in place.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::fmt;
+use std::sync::OnceLock;
 
 use cudarc::driver::{result, sys};
 
 use crate::device::{DeviceMemory, DmaBuf};
 use crate::error::MemError;
 
-/// Every CUDA device of this process, through their primary contexts.
-pub struct CudaDevices {
-    /// `(device, primary context)` by ordinal.
-    ctxs: Vec<(sys::CUdevice, sys::CUcontext)>,
+/// A device's retained primary context and the stream copies run on.
+#[derive(Clone, Copy)]
+struct Ctx {
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
 }
 
-// SAFETY: a CUDA context handle may be used from any thread (the driver
-// API is thread-safe; each call makes the context current on the calling
-// thread first). The handles are only passed to the driver.
+/// One CUDA device: its handle, and its context once first used.
+struct Device {
+    dev: sys::CUdevice,
+    ctx: OnceLock<Result<Ctx, String>>,
+}
+
+/// Every CUDA device of this process, through their primary contexts.
+pub struct CudaDevices {
+    devices: Vec<Device>,
+    /// `cuDriverGetVersion` (12020 for CUDA 12.2).
+    driver: i32,
+}
+
+// SAFETY: CUDA context and stream handles may be used from any thread (the
+// driver API is thread-safe; every use here pushes the context on the
+// calling thread first and pops it after). The handles are only passed to
+// the driver, and each is made once (`OnceLock`) and released in `Drop`.
 unsafe impl Send for CudaDevices {}
 // SAFETY: as for `Send`: shared use only hands the handles to the driver.
 unsafe impl Sync for CudaDevices {}
 
 impl fmt::Debug for CudaDevices {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaDevices").field("devices", &self.ctxs.len()).finish()
+        f.debug_struct("CudaDevices").field("devices", &self.devices.len()).field("driver", &self.driver).finish()
     }
 }
 
@@ -42,10 +69,56 @@ fn failed(device: u32, what: &str, e: impl fmt::Display) -> MemError {
     MemError::DeviceCopy { device, why: format!("{what}: {e}") }
 }
 
+/// The context pushed by [`CudaDevices::enter`], popped on drop (so the
+/// caller's current context is current again).
+struct Pushed(bool);
+
+impl Drop for Pushed {
+    fn drop(&mut self) {
+        if self.0 {
+            let mut popped: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: pops the context this guard pushed on this thread
+            // (guards are dropped in reverse order of their pushes); the
+            // driver writes the popped handle into `popped`.
+            let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        }
+    }
+}
+
+/// Whether the CUDA driver library is already loaded in this process.
+/// Device memory cannot exist in a process that has not loaded it, so the
+/// process-wide lookup ([`crate::providers::find`]) starts CUDA only then,
+/// and never starts the driver (or makes contexts) in a process that
+/// moves host memory only.
+pub fn driver_loaded() -> bool {
+    [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
+        // SAFETY: `RTLD_NOLOAD` only looks the library up among those
+        // already loaded (no constructor runs); a handle it returns holds
+        // one more reference, given back at once.
+        unsafe {
+            let h = libc::dlopen(name.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
+            if h.is_null() {
+                return false;
+            }
+            libc::dlclose(h);
+            true
+        }
+    })
+}
+
+/// The memory type CUDA reports for device memory.
+const DEVICE: u32 = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+
+/// At most this many mappings back to back make one device range (an
+/// expandable segment of torch's allocator maps 2 MiB or 20 MiB pages).
+const MAX_SEGMENTS: usize = 1 << 16;
+
 impl CudaDevices {
     /// The CUDA devices of this machine: `Ok(None)` where there is no
     /// driver library or no device (the usual case on a CPU machine), an
-    /// error where the driver is present but refuses to start.
+    /// error where the driver is present but refuses to start. Loads the
+    /// driver (tests and benchmarks allocate through it); no context is
+    /// made yet.
     pub fn open() -> Result<Option<CudaDevices>, MemError> {
         // SAFETY: only tries to dlopen the driver library by its usual
         // names; no symbol is called.
@@ -60,48 +133,151 @@ impl CudaDevices {
             }
             return Err(failed(0, "cuInit", format_args!("{e:?}")));
         }
+        let mut driver = 0;
+        // SAFETY: the driver writes its version into `driver`.
+        let r = unsafe { sys::cuDriverGetVersion(&mut driver) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(failed(0, "cuDriverGetVersion", format_args!("{r:?}")));
+        }
         let n = result::device::get_count().map_err(|e| failed(0, "cuDeviceGetCount", format_args!("{e:?}")))?;
-        let mut ctxs = Vec::new();
+        let mut devices = Vec::new();
         for i in 0..n.max(0) {
             let dev = result::device::get(i).map_err(|e| failed(i as u32, "cuDeviceGet", format_args!("{e:?}")))?;
-            // SAFETY: `dev` is a device handle the driver just returned;
-            // the retained primary context is released in `Drop`.
-            let ctx = unsafe { result::primary_ctx::retain(dev) }
-                .map_err(|e| failed(i as u32, "cuDevicePrimaryCtxRetain", format_args!("{e:?}")))?;
-            ctxs.push((dev, ctx));
+            devices.push(Device { dev, ctx: OnceLock::new() });
         }
-        Ok((!ctxs.is_empty()).then_some(CudaDevices { ctxs }))
+        Ok((!devices.is_empty()).then_some(CudaDevices { devices, driver }))
     }
 
     /// How many devices.
     pub fn count(&self) -> usize {
-        self.ctxs.len()
+        self.devices.len()
     }
 
-    /// Makes device `d`'s primary context current on this thread.
-    fn enter(&self, d: u32) -> Result<(), MemError> {
-        let (_, ctx) = *self.ctxs.get(d as usize).ok_or_else(|| failed(d, "no such CUDA device", d))?;
-        // SAFETY: `ctx` is a primary context retained in `open` and not yet
-        // released (that happens in `Drop`, after every use).
-        unsafe { result::ctx::set_current(ctx) }.map_err(|e| failed(d, "cuCtxSetCurrent", format_args!("{e:?}")))
+    /// Device `d`'s primary context (retained on first use) and this
+    /// provider's stream in it.
+    fn ctx(&self, d: u32) -> Result<Ctx, MemError> {
+        let dev = self.devices.get(d as usize).ok_or_else(|| failed(d, "no such CUDA device", d))?;
+        let made = dev.ctx.get_or_init(|| {
+            // SAFETY: `dev.dev` is a device handle from `cuDeviceGet`; the
+            // retain is released once, in `Drop`.
+            let ctx = unsafe { result::primary_ctx::retain(dev.dev) }
+                .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+            let stream = (|| {
+                // SAFETY: `ctx` was just retained; pushed for the stream's
+                // creation and popped at once.
+                unsafe { sys::cuCtxPushCurrent_v2(ctx) }.result()?;
+                let _pop = Pushed(true);
+                result::stream::create(result::stream::StreamKind::NonBlocking)
+            })();
+            match stream {
+                Ok(stream) => Ok(Ctx { ctx, stream }),
+                Err(e) => {
+                    // SAFETY: gives back the retain just made (nothing else
+                    // holds `ctx`: it was not stored).
+                    let _ = unsafe { result::primary_ctx::release(dev.dev) };
+                    Err(format!("cuStreamCreate: {e:?}"))
+                }
+            }
+        });
+        made.clone().map_err(|why| failed(d, "starting CUDA", why))
     }
 
-    /// One attribute of the pointer `addr` (an integer attribute).
+    /// Makes device `d`'s primary context current on this thread until the
+    /// guard drops; the stream to copy on.
+    fn enter(&self, d: u32) -> Result<(Pushed, sys::CUstream), MemError> {
+        let c = self.ctx(d)?;
+        if result::ctx::get_current().ok().flatten() == Some(c.ctx) {
+            return Ok((Pushed(false), c.stream));
+        }
+        // SAFETY: `c.ctx` is retained until `Drop`, after every use.
+        unsafe { sys::cuCtxPushCurrent_v2(c.ctx) }
+            .result()
+            .map_err(|e| failed(d, "cuCtxPushCurrent", format_args!("{e:?}")))?;
+        Ok((Pushed(true), c.stream))
+    }
+
+    /// A context to look pointers up in, if this thread has none: one
+    /// already active (made by the application, or by this provider), so
+    /// looking a pointer up never makes a context. `None` with no context
+    /// anywhere: then no device memory exists to find.
+    fn lookup_ctx(&self) -> Option<Pushed> {
+        if result::ctx::get_current().ok().flatten().is_some() {
+            return Some(Pushed(false));
+        }
+        let active = self.devices.iter().position(|dev| {
+            if dev.ctx.get().is_some_and(Result::is_ok) {
+                return true;
+            }
+            let (mut flags, mut active) = (0u32, 0i32);
+            // SAFETY: the driver writes the primary context's flags and
+            // whether it is active into the two locals.
+            let r = unsafe { sys::cuDevicePrimaryCtxGetState(dev.dev, &mut flags, &mut active) };
+            r == sys::CUresult::CUDA_SUCCESS && active != 0
+        })?;
+        self.enter(u32::try_from(active).ok()?).ok().map(|(p, _)| p)
+    }
+
+    /// One attribute of the pointer `addr` (an integer attribute), looked
+    /// up in the context current on this thread.
     fn attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
         let mut v: u32 = 0;
-        // SAFETY: the driver writes one 32-bit value (the memory type and
-        // the device ordinal are `unsigned int`s) into `v`, which lives
-        // across the call; `addr` is only looked up, never dereferenced.
+        // SAFETY: the driver writes one 32-bit value (the memory type, the
+        // device ordinal and the managed flag are `unsigned int`s) into
+        // `v`, which lives across the call; `addr` is only looked up,
+        // never dereferenced.
         let r = unsafe { sys::cuPointerGetAttribute(std::ptr::from_mut(&mut v).cast::<c_void>(), attr, addr) };
         (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+    }
+
+    /// The device of the (not managed) device memory at `addr`, looked up
+    /// in the current context.
+    fn device_at(addr: u64) -> Option<u32> {
+        use sys::CUpointer_attribute as A;
+        if Self::attribute(addr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)? != DEVICE {
+            return None;
+        }
+        if Self::attribute(addr, A::CU_POINTER_ATTRIBUTE_IS_MANAGED).unwrap_or(0) != 0 {
+            return None; // the host reads managed memory itself
+        }
+        Self::attribute(addr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+    }
+
+    /// The allocation (or mapping) holding `addr`: its base and end.
+    fn allocation(addr: u64) -> Option<(u64, u64)> {
+        let (mut base, mut size) = (0 as sys::CUdeviceptr, 0usize);
+        // SAFETY: the driver writes the allocation's base and size into the
+        // two locals; `addr` is only looked up.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(())?;
+        Some((base, base.checked_add(u64::try_from(size).ok()?)?))
+    }
+
+    /// The device of the device memory at `addr`, for a copy.
+    fn device_for_copy(&self, addr: u64) -> Result<u32, MemError> {
+        let _ctx = self.lookup_ctx();
+        Self::device_at(addr).ok_or_else(|| MemError::NotDeviceMemory { addr, len: 0, provider: "cuda".into() })
+    }
+
+    /// Runs `copy` on device `d`'s stream and waits for the stream.
+    fn copy_on(
+        &self,
+        d: u32,
+        what: &str,
+        copy: impl FnOnce(sys::CUstream) -> Result<(), result::DriverError>,
+    ) -> Result<(), MemError> {
+        let (_pushed, stream) = self.enter(d)?;
+        copy(stream).map_err(|e| failed(d, what, format_args!("{e:?}")))?;
+        // SAFETY: `stream` is this provider's, alive until `Drop`.
+        unsafe { result::stream::synchronize(stream) }
+            .map_err(|e| failed(d, "cuStreamSynchronize", format_args!("{e:?}")))
     }
 
     /// `len` bytes of device memory on device `d` (`cuMemAlloc`), freed
     /// when the returned allocation drops: for tests and benchmarks.
     pub fn alloc(self: &std::sync::Arc<Self>, d: u32, len: usize) -> Result<CudaAlloc, MemError> {
-        self.enter(d)?;
-        // SAFETY: a fresh allocation in the current context; freed once in
-        // `CudaAlloc::drop`.
+        let _pushed = self.enter(d)?;
+        // SAFETY: a fresh allocation in device `d`'s primary context; freed
+        // once in `CudaAlloc::drop`.
         let ptr = unsafe { result::malloc_sync(len) }.map_err(|_| MemError::AllocFailed { len })?;
         Ok(CudaAlloc { devices: self.clone(), device: d, ptr, len })
     }
@@ -109,9 +285,19 @@ impl CudaDevices {
 
 impl Drop for CudaDevices {
     fn drop(&mut self) {
-        for (dev, _) in &self.ctxs {
-            // SAFETY: releases the retain made in `open`, once.
-            let _ = unsafe { result::primary_ctx::release(*dev) };
+        for dev in &self.devices {
+            if let Some(Ok(c)) = dev.ctx.get() {
+                // SAFETY: the stream was made in `c.ctx`, which is pushed
+                // for its destruction; then the retain made in `ctx` is
+                // given back, once.
+                unsafe {
+                    if sys::cuCtxPushCurrent_v2(c.ctx) == sys::CUresult::CUDA_SUCCESS {
+                        let _pop = Pushed(true);
+                        let _ = result::stream::destroy(c.stream);
+                    }
+                    let _ = result::primary_ctx::release(dev.dev);
+                }
+            }
         }
     }
 }
@@ -123,64 +309,83 @@ impl DeviceMemory for CudaDevices {
 
     fn device_of(&self, addr: u64, len: u64) -> Option<u32> {
         let end = addr.checked_add(len).filter(|_| len > 0)?;
-        let kind = Self::attribute(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?;
-        if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-            return None;
+        let _ctx = self.lookup_ctx()?;
+        let d = Self::device_at(addr)?;
+        // The whole range must be device memory of `d`: one allocation, or
+        // mappings of `d` back to back (an expandable segment).
+        let mut at = addr;
+        for _ in 0..MAX_SEGMENTS {
+            let (_, seg_end) = Self::allocation(at)?;
+            if end <= seg_end {
+                return Some(d);
+            }
+            at = seg_end;
+            if Self::device_at(at)? != d {
+                return None;
+            }
         }
-        let d = Self::attribute(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?;
-        self.enter(d).ok()?;
-        let (mut base, mut size) = (0 as sys::CUdeviceptr, 0usize);
-        // SAFETY: the driver writes the allocation's base and size into the
-        // two locals; `addr` is only looked up.
-        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return None;
-        }
-        // The whole range must lie in the one allocation holding `addr`.
-        (end <= base.checked_add(size as u64)?).then_some(d)
+        None
     }
 
     fn copy_to_host(&self, src: u64, dst: &mut [u8]) -> Result<(), MemError> {
-        let d = Self::attribute(src, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0);
-        self.enter(d)?;
+        let d = self.device_for_copy(src)?;
         // SAFETY: `src .. src + dst.len()` is device memory of a registered
-        // region (its owner keeps it allocated, the region's contract);
-        // the driver writes `dst.len()` bytes into `dst`.
-        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| failed(d, "cuMemcpyDtoH", format_args!("{e:?}")))
+        // region (its owner keeps it allocated, the region's contract); the
+        // driver writes `dst.len()` bytes into `dst`, which outlives the
+        // copy (`copy_on` waits for the stream).
+        self.copy_on(d, "cuMemcpyDtoHAsync", |s| unsafe { result::memcpy_dtoh_async(dst, src, s) })
     }
 
     fn copy_from_host(&self, src: &[u8], dst: u64) -> Result<(), MemError> {
-        let d = Self::attribute(dst, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0);
-        self.enter(d)?;
-        // SAFETY: as in `copy_to_host`, the other way.
-        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| failed(d, "cuMemcpyHtoD", format_args!("{e:?}")))
+        let d = self.device_for_copy(dst)?;
+        // SAFETY: as in `copy_to_host`, the other way: `src` is read until
+        // the stream is done.
+        self.copy_on(d, "cuMemcpyHtoDAsync", |s| unsafe { result::memcpy_htod_async(dst, src, s) })
     }
 
     fn copy_on_device(&self, dst: u64, src: u64, len: usize) -> Result<(), MemError> {
-        let d = Self::attribute(dst, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0);
-        self.enter(d)?;
+        let n = len as u64;
+        let overlap = dst < src.saturating_add(n) && src < dst.saturating_add(n);
+        if overlap {
+            // cuMemcpy is no memmove: overlapping ranges go through the host.
+            let mut bounce = vec![0u8; len];
+            self.copy_to_host(src, &mut bounce)?;
+            return self.copy_from_host(&bounce, dst);
+        }
+        let d = self.device_for_copy(dst)?;
         // SAFETY: both ranges are device memory of registered regions
-        // (unified addressing: any context copies between devices).
-        unsafe { result::memcpy_dtod_sync(dst, src, len) }.map_err(|e| failed(d, "cuMemcpyDtoD", format_args!("{e:?}")))
+        // (unified addressing: any context copies between devices), and
+        // they do not overlap.
+        self.copy_on(d, "cuMemcpyDtoDAsync", |s| unsafe { result::memcpy_dtod_async(dst, src, len, s) })
     }
 
     /// `cuMemGetHandleForAddressRange` with `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`
-    /// over the host pages holding the range (CUDA 11.7+, a driver and
-    /// kernel with dma-buf support); `None` where the driver answers that
-    /// it is not supported.
+    /// over the host pages holding the range (a driver of CUDA 11.7 or
+    /// later, and a kernel with dma-buf support); `None` where that is not
+    /// possible: an older driver, pages that reach past the allocation,
+    /// or a driver that answers that it does not support it.
     fn export_dmabuf(&self, addr: u64, len: u64) -> Result<Option<DmaBuf>, MemError> {
-        let d = Self::attribute(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0);
-        self.enter(d)?;
-        let pg = 4096u64;
+        if self.driver < 11070 {
+            return Ok(None); // no cuMemGetHandleForAddressRange
+        }
+        let d = self.device_for_copy(addr)?;
+        let (_pushed, _) = self.enter(d)?;
+        // SAFETY: `sysconf` only reads a system setting.
+        let pg = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0).unwrap_or(4096);
         let start = addr / pg * pg;
         let end = addr.checked_add(len).and_then(|e| e.checked_add(pg - 1)).ok_or(MemError::BadRange { addr, len })?
             / pg
             * pg;
+        match Self::allocation(addr) {
+            Some((base, alloc_end)) if base <= start && end <= alloc_end => {}
+            _ => return Ok(None), // the pages run past the allocation
+        }
         let size = usize::try_from(end - start).map_err(|_| MemError::BadRange { addr, len })?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: the driver writes one file descriptor into `fd`; the
         // range is device memory of a registered region (kept allocated by
-        // its owner, the region's contract) and is only looked up.
+        // its owner, the region's contract) and is only looked up. The
+        // symbol exists: the driver is 11.7 or later (checked above).
         let r = unsafe {
             sys::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
@@ -235,7 +440,7 @@ impl CudaAlloc {
 
 impl Drop for CudaAlloc {
     fn drop(&mut self) {
-        if self.devices.enter(self.device).is_ok() {
+        if let Ok(_pushed) = self.devices.enter(self.device) {
             // SAFETY: frees the allocation made in `CudaDevices::alloc`,
             // once; whoever registered it unregistered it first (the
             // region's contract).
@@ -305,6 +510,53 @@ mod tests {
         r.read_at(4096, &mut back[..4096]).unwrap();
         assert!(back[..4096] == bytes[..4096]);
         drop(r);
+    }
+
+    /// A thread that never touched CUDA (a tokio worker, a Python thread)
+    /// finds and copies device memory, and whatever context the caller
+    /// had current is current again after each call.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: scripts/gpu-tests.sh"]
+    fn cuda_works_from_a_fresh_thread_and_leaves_its_context_alone() {
+        let cuda = devices();
+        let a = cuda.alloc(0, 1 << 16).unwrap();
+        let addr = a.addr();
+        let c = cuda.clone();
+        std::thread::spawn(move || {
+            assert_eq!(result::ctx::get_current().unwrap(), None, "a fresh thread has no context");
+            assert_eq!(c.device_of(addr, 1 << 16), Some(0));
+            let bytes: Vec<u8> = (0..1u32 << 16).map(|i| (i * 13 + 1) as u8).collect();
+            c.copy_from_host(&bytes, addr).unwrap();
+            let mut back = vec![0u8; 1 << 16];
+            c.copy_to_host(addr, &mut back).unwrap();
+            assert!(back == bytes);
+            assert_eq!(result::ctx::get_current().unwrap(), None, "the pushed context was popped");
+        })
+        .join()
+        .unwrap();
+        assert!(cuda.export_dmabuf(addr, 4096).is_ok(), "an export is made or refused, never an error");
+        drop(a);
+    }
+
+    /// Overlapping copies on the device move the bytes as `memmove` does
+    /// (`cuMemcpy` alone does not promise that).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: scripts/gpu-tests.sh"]
+    fn overlapping_device_copies_are_memmoves() {
+        let cuda = devices();
+        let n = 1 << 16;
+        let a = cuda.alloc(0, n).unwrap();
+        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
+        for (dst, src) in [(100usize, 0usize), (0, 100)] {
+            cuda.copy_from_host(&bytes, a.addr()).unwrap();
+            let len = n - 100;
+            cuda.copy_on_device(a.addr() + dst as u64, a.addr() + src as u64, len).unwrap();
+            let mut want = bytes.clone();
+            want.copy_within(src..src + len, dst);
+            let mut back = vec![0u8; n];
+            cuda.copy_to_host(a.addr(), &mut back).unwrap();
+            assert!(back == want, "overlapping copy {src} -> {dst}");
+        }
     }
 
     fn driver_files_present() -> bool {

@@ -5,9 +5,9 @@
 //!
 //! Providers are asked in the order they were installed; the first that
 //! claims the whole range ([`DeviceMemory::device_of`]) owns it. With the
-//! `cuda` feature, the first lookup also looks for the CUDA driver and
-//! installs [`crate::CudaDevices`] where a driver and a device are present
-//! (once per process); tests install [`crate::FakeDevice`]s.
+//! `cuda` feature, the first lookup after the application loaded the CUDA
+//! driver installs [`crate::CudaDevices`] where a device is present (once
+//! per process); tests install [`crate::FakeDevice`]s.
 
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -48,17 +48,22 @@ pub fn cuda_problem() -> Option<&'static str> {
 
 static CUDA: OnceLock<Result<(), String>> = OnceLock::new();
 
-/// Looks for CUDA once per process (with the `cuda` feature).
+/// Starts CUDA once per process (with the `cuda` feature), and only once
+/// the driver library is loaded (by the application's CUDA runtime, torch
+/// say): before that no device memory can exist, and a process that moves
+/// host memory only never starts the driver or makes a context.
 fn cuda_once() {
-    CUDA.get_or_init(|| {
-        #[cfg(feature = "cuda")]
-        match crate::cuda::CudaDevices::open() {
-            Ok(Some(d)) => install(Arc::new(d)),
-            Ok(None) => {}
-            Err(e) => return Err(e.to_string()),
-        }
-        Ok(())
-    });
+    #[cfg(feature = "cuda")]
+    if CUDA.get().is_none() && crate::cuda::driver_loaded() {
+        CUDA.get_or_init(|| match crate::cuda::CudaDevices::open() {
+            Ok(Some(d)) => {
+                install(Arc::new(d));
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        });
+    }
 }
 
 /// Names of the installed providers, in the order they are asked.
