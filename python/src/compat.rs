@@ -26,6 +26,7 @@ use crate::core::{Core, RawOp};
 use crate::devmem::Want;
 use crate::errors::invalid;
 use crate::outcome::{last_error, log, set_last_error};
+use crate::words::Words;
 
 mod calls;
 mod notify;
@@ -359,9 +360,9 @@ impl MooncakeEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<u64>,
-        peer_buffer_addresses: Vec<u64>,
-        lengths: Vec<u64>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
         notify: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<i64> {
@@ -378,9 +379,9 @@ impl MooncakeEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<u64>,
-        peer_buffer_addresses: Vec<u64>,
-        lengths: Vec<u64>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
         notify: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<i64> {
@@ -399,9 +400,9 @@ impl MooncakeEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<u64>,
-        peer_buffer_addresses: Vec<u64>,
-        lengths: Vec<u64>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         opcode: i64,
         notify: Option<&Bound<'_, PyAny>>,
         transport_hint: &str,
@@ -419,9 +420,9 @@ impl MooncakeEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<u64>,
-        peer_buffer_addresses: Vec<u64>,
-        lengths: Vec<u64>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
@@ -435,9 +436,9 @@ impl MooncakeEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<u64>,
-        peer_buffer_addresses: Vec<u64>,
-        lengths: Vec<u64>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
@@ -452,9 +453,9 @@ impl MooncakeEngine {
         &self,
         py: Python<'_>,
         target_hostname: &str,
-        buffers: Vec<u64>,
-        peer_buffer_addresses: Vec<u64>,
-        lengths: Vec<u64>,
+        buffers: Words,
+        peer_buffer_addresses: Words,
+        lengths: Words,
         opcode: i64,
         transport_hint: &str,
     ) -> u64 {

@@ -49,6 +49,7 @@ mod native;
 mod nixl;
 mod outcome;
 mod regions;
+mod words;
 
 use pyo3::prelude::*;
 

@@ -20,6 +20,7 @@ use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, grant_tuple, timeout_arg, GrantTuple, NativeHandoff};
 use crate::nixl::{NixlOps, NixlXfer};
 use crate::outcome::outcome_to_py;
+use crate::words::Word;
 
 /// Parses a JSON policy (keys of the Rust `PolicyConfig`).
 pub(crate) fn parse_policy(json: &str) -> Result<PolicyConfig> {
@@ -40,11 +41,13 @@ pub(crate) struct NativeEngine {
 }
 
 /// `(local_addr, remote_addr, length)`, all of one direction.
-type PairTuple = (u64, u64, u64);
+type PairTuple = (Word, Word, Word);
 
 fn raw_pairs(write: bool, ops: &[PairTuple]) -> Vec<RawOp> {
     let op = if write { Opcode::Write } else { Opcode::Read };
-    ops.iter().map(|&(local_addr, remote_addr, len)| RawOp { op, local_addr, remote_addr, len }).collect()
+    ops.iter()
+        .map(|&(Word(local_addr), Word(remote_addr), Word(len))| RawOp { op, local_addr, remote_addr, len })
+        .collect()
 }
 
 impl NativeEngine {
