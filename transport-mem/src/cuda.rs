@@ -24,24 +24,37 @@
 
 use std::ffi::c_void;
 use std::fmt;
-use std::sync::OnceLock;
+use std::marker::PhantomData;
+use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{result, sys};
 
 use crate::device::{DeviceMemory, DmaBuf};
 use crate::error::MemError;
 
-/// A device's retained primary context and the stream copies run on.
-#[derive(Clone, Copy)]
-struct Ctx {
-    ctx: sys::CUcontext,
-    stream: sys::CUstream,
-}
-
-/// One CUDA device: its handle, and its context once first used.
+/// One CUDA device: its handle, and once first used its retained primary
+/// context and the streams copies run on.
 struct Device {
     dev: sys::CUdevice,
-    ctx: OnceLock<Result<Ctx, String>>,
+    state: Mutex<DevState>,
+}
+
+impl Device {
+    /// Its state (a panic elsewhere while it was held leaves it usable:
+    /// every change is one assignment or push).
+    fn state(&self) -> MutexGuard<'_, DevState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[derive(Default)]
+struct DevState {
+    /// Retained on first use (a failure is not remembered: the next use
+    /// tries again).
+    ctx: Option<sys::CUcontext>,
+    /// Streams not in use: each copy takes one (or makes one), so copies
+    /// of several threads run side by side, and gives it back after.
+    idle: Vec<sys::CUstream>,
 }
 
 /// Every CUDA device of this process, through their primary contexts.
@@ -54,7 +67,8 @@ pub struct CudaDevices {
 // SAFETY: CUDA context and stream handles may be used from any thread (the
 // driver API is thread-safe; every use here pushes the context on the
 // calling thread first and pops it after). The handles are only passed to
-// the driver, and each is made once (`OnceLock`) and released in `Drop`.
+// the driver; a context is retained once (under its device's lock), a
+// stream is used by one copy at a time, and both are released in `Drop`.
 unsafe impl Send for CudaDevices {}
 // SAFETY: as for `Send`: shared use only hands the handles to the driver.
 unsafe impl Sync for CudaDevices {}
@@ -70,8 +84,19 @@ fn failed(device: u32, what: &str, e: impl fmt::Display) -> MemError {
 }
 
 /// The context pushed by [`CudaDevices::enter`], popped on drop (so the
-/// caller's current context is current again).
-struct Pushed(bool);
+/// caller's current context is current again). Not `Send`: it is popped
+/// on the thread that pushed it.
+struct Pushed(bool, PhantomData<*const ()>);
+
+impl Pushed {
+    fn popped_on_drop() -> Pushed {
+        Pushed(true, PhantomData)
+    }
+
+    fn nothing() -> Pushed {
+        Pushed(false, PhantomData)
+    }
+}
 
 impl Drop for Pushed {
     fn drop(&mut self) {
@@ -113,6 +138,16 @@ const DEVICE: u32 = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
 /// expandable segment of torch's allocator maps 2 MiB or 20 MiB pages).
 const MAX_SEGMENTS: usize = 1 << 16;
 
+/// Overlapping device copies whose ranges are at least this far apart go
+/// device to device in pieces of that distance; closer ones through a
+/// host buffer of at most [`BOUNCE`] bytes.
+const DIRECT_GAP: u64 = 1 << 20;
+const BOUNCE: u64 = 4 << 20;
+
+/// The oldest driver this provider calls (CUDA 11.0: the `_v2` primary
+/// context calls cudarc binds).
+const MIN_DRIVER: i32 = 11000;
+
 impl CudaDevices {
     /// The CUDA devices of this machine: `Ok(None)` where there is no
     /// driver library or no device (the usual case on a CPU machine), an
@@ -139,11 +174,15 @@ impl CudaDevices {
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(failed(0, "cuDriverGetVersion", format_args!("{r:?}")));
         }
+        if driver < MIN_DRIVER {
+            let why = format_args!("version {driver}, {MIN_DRIVER} or later needed");
+            return Err(failed(0, "the CUDA driver is too old", why));
+        }
         let n = result::device::get_count().map_err(|e| failed(0, "cuDeviceGetCount", format_args!("{e:?}")))?;
         let mut devices = Vec::new();
         for i in 0..n.max(0) {
             let dev = result::device::get(i).map_err(|e| failed(i as u32, "cuDeviceGet", format_args!("{e:?}")))?;
-            devices.push(Device { dev, ctx: OnceLock::new() });
+            devices.push(Device { dev, state: Mutex::new(DevState::default()) });
         }
         Ok((!devices.is_empty()).then_some(CudaDevices { devices, driver }))
     }
@@ -153,47 +192,33 @@ impl CudaDevices {
         self.devices.len()
     }
 
-    /// Device `d`'s primary context (retained on first use) and this
-    /// provider's stream in it.
-    fn ctx(&self, d: u32) -> Result<Ctx, MemError> {
+    /// Device `d` and its primary context, retained on first use.
+    fn ctx(&self, d: u32) -> Result<(&Device, sys::CUcontext), MemError> {
         let dev = self.devices.get(d as usize).ok_or_else(|| failed(d, "no such CUDA device", d))?;
-        let made = dev.ctx.get_or_init(|| {
-            // SAFETY: `dev.dev` is a device handle from `cuDeviceGet`; the
-            // retain is released once, in `Drop`.
-            let ctx = unsafe { result::primary_ctx::retain(dev.dev) }
-                .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
-            let stream = (|| {
-                // SAFETY: `ctx` was just retained; pushed for the stream's
-                // creation and popped at once.
-                unsafe { sys::cuCtxPushCurrent_v2(ctx) }.result()?;
-                let _pop = Pushed(true);
-                result::stream::create(result::stream::StreamKind::NonBlocking)
-            })();
-            match stream {
-                Ok(stream) => Ok(Ctx { ctx, stream }),
-                Err(e) => {
-                    // SAFETY: gives back the retain just made (nothing else
-                    // holds `ctx`: it was not stored).
-                    let _ = unsafe { result::primary_ctx::release(dev.dev) };
-                    Err(format!("cuStreamCreate: {e:?}"))
-                }
-            }
-        });
-        made.clone().map_err(|why| failed(d, "starting CUDA", why))
+        let mut st = dev.state();
+        if let Some(ctx) = st.ctx {
+            return Ok((dev, ctx));
+        }
+        // SAFETY: `dev.dev` is a device handle from `cuDeviceGet`; the
+        // retain is released once, in `Drop`.
+        let ctx = unsafe { result::primary_ctx::retain(dev.dev) }
+            .map_err(|e| failed(d, "cuDevicePrimaryCtxRetain", format_args!("{e:?}")))?;
+        st.ctx = Some(ctx);
+        Ok((dev, ctx))
     }
 
     /// Makes device `d`'s primary context current on this thread until the
-    /// guard drops; the stream to copy on.
-    fn enter(&self, d: u32) -> Result<(Pushed, sys::CUstream), MemError> {
-        let c = self.ctx(d)?;
-        if result::ctx::get_current().ok().flatten() == Some(c.ctx) {
-            return Ok((Pushed(false), c.stream));
+    /// guard drops.
+    fn enter(&self, d: u32) -> Result<Pushed, MemError> {
+        let (_, ctx) = self.ctx(d)?;
+        if result::ctx::get_current().ok().flatten() == Some(ctx) {
+            return Ok(Pushed::nothing());
         }
-        // SAFETY: `c.ctx` is retained until `Drop`, after every use.
-        unsafe { sys::cuCtxPushCurrent_v2(c.ctx) }
+        // SAFETY: `ctx` is retained until `Drop`, after every use.
+        unsafe { sys::cuCtxPushCurrent_v2(ctx) }
             .result()
             .map_err(|e| failed(d, "cuCtxPushCurrent", format_args!("{e:?}")))?;
-        Ok((Pushed(true), c.stream))
+        Ok(Pushed::popped_on_drop())
     }
 
     /// A context to look pointers up in, if this thread has none: one
@@ -202,10 +227,10 @@ impl CudaDevices {
     /// anywhere: then no device memory exists to find.
     fn lookup_ctx(&self) -> Option<Pushed> {
         if result::ctx::get_current().ok().flatten().is_some() {
-            return Some(Pushed(false));
+            return Some(Pushed::nothing());
         }
         let active = self.devices.iter().position(|dev| {
-            if dev.ctx.get().is_some_and(Result::is_ok) {
+            if dev.state().ctx.is_some() {
                 return true;
             }
             let (mut flags, mut active) = (0u32, 0i32);
@@ -214,7 +239,7 @@ impl CudaDevices {
             let r = unsafe { sys::cuDevicePrimaryCtxGetState(dev.dev, &mut flags, &mut active) };
             r == sys::CUresult::CUDA_SUCCESS && active != 0
         })?;
-        self.enter(u32::try_from(active).ok()?).ok().map(|(p, _)| p)
+        self.enter(u32::try_from(active).ok()?).ok()
     }
 
     /// One attribute of the pointer `addr` (an integer attribute), looked
@@ -252,24 +277,87 @@ impl CudaDevices {
         Some((base, base.checked_add(u64::try_from(size).ok()?)?))
     }
 
-    /// The device of the device memory at `addr`, for a copy.
+    /// The device of the device memory at `addr`, for a copy. Looked up
+    /// with no context current too (memory of a context that is not a
+    /// primary one: the lookup makes no context).
     fn device_for_copy(&self, addr: u64) -> Result<u32, MemError> {
         let _ctx = self.lookup_ctx();
         Self::device_at(addr).ok_or_else(|| MemError::NotDeviceMemory { addr, len: 0, provider: "cuda".into() })
     }
 
-    /// Runs `copy` on device `d`'s stream and waits for the stream.
+    /// Whether `addr` is memory mapped through CUDA's virtual memory
+    /// management (`cuMemMap`: what an expandable segment is made of).
+    fn mapped(addr: u64) -> bool {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: the driver writes one handle into `h` (and takes a
+        // reference on it, given back at once); `addr` is only looked up.
+        unsafe {
+            if sys::cuMemRetainAllocationHandle(&mut h, addr as *mut c_void) != sys::CUresult::CUDA_SUCCESS {
+                return false;
+            }
+            let _ = sys::cuMemRelease(h);
+        }
+        true
+    }
+
+    /// Runs `copy` on one of device `d`'s streams (taken for this copy
+    /// alone) and waits for it.
     fn copy_on(
         &self,
         d: u32,
         what: &str,
         copy: impl FnOnce(sys::CUstream) -> Result<(), result::DriverError>,
     ) -> Result<(), MemError> {
-        let (_pushed, stream) = self.enter(d)?;
-        copy(stream).map_err(|e| failed(d, what, format_args!("{e:?}")))?;
-        // SAFETY: `stream` is this provider's, alive until `Drop`.
-        unsafe { result::stream::synchronize(stream) }
-            .map_err(|e| failed(d, "cuStreamSynchronize", format_args!("{e:?}")))
+        let _pushed = self.enter(d)?;
+        let (dev, _) = self.ctx(d)?;
+        let taken = dev.state().idle.pop();
+        let stream = match taken {
+            Some(s) => s,
+            None => result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| failed(d, "cuStreamCreate", format_args!("{e:?}")))?,
+        };
+        let r = copy(stream).map_err(|e| failed(d, what, format_args!("{e:?}"))).and_then(|()| {
+            // SAFETY: `stream` is this copy's, made in `d`'s context.
+            unsafe { result::stream::synchronize(stream) }
+                .map_err(|e| failed(d, "cuStreamSynchronize", format_args!("{e:?}")))
+        });
+        // Waited for (or failed, when the context is unusable anyway):
+        // nothing of this copy is left for a next one to wait behind.
+        dev.state().idle.push(stream);
+        r
+    }
+
+    /// `len` bytes from `src` to `dst` on the device where the two ranges
+    /// overlap, as `memmove` does: in pieces no longer than the distance
+    /// between them (device to device), or, for ranges closer than
+    /// [`DIRECT_GAP`], through a host buffer of at most [`BOUNCE`] bytes;
+    /// first to last when `dst` is below `src`, last to first otherwise.
+    fn move_on_device(&self, dst: u64, src: u64, len: u64) -> Result<(), MemError> {
+        let gap = dst.abs_diff(src);
+        if gap == 0 {
+            return Ok(());
+        }
+        let direct = gap >= DIRECT_GAP;
+        let piece = if direct { gap } else { BOUNCE }.min(len);
+        let mut bounce = if direct { Vec::new() } else { vec![0u8; piece as usize] };
+        let mut done = 0u64;
+        while done < len {
+            let n = piece.min(len - done);
+            let off = if dst < src { done } else { len - done - n };
+            let (s, t) = (src + off, dst + off);
+            if direct {
+                let d = self.device_for_copy(t)?;
+                // SAFETY: both pieces are device memory of registered
+                // regions, and `n <= gap`: they do not overlap.
+                self.copy_on(d, "cuMemcpyDtoDAsync", |st| unsafe { result::memcpy_dtod_async(t, s, n as usize, st) })?;
+            } else {
+                let b = &mut bounce[..n as usize];
+                self.copy_to_host(s, b)?;
+                self.copy_from_host(b, t)?;
+            }
+            done += n;
+        }
+        Ok(())
     }
 
     /// `len` bytes of device memory on device `d` (`cuMemAlloc`), freed
@@ -286,17 +374,19 @@ impl CudaDevices {
 impl Drop for CudaDevices {
     fn drop(&mut self) {
         for dev in &self.devices {
-            if let Some(Ok(c)) = dev.ctx.get() {
-                // SAFETY: the stream was made in `c.ctx`, which is pushed
-                // for its destruction; then the retain made in `ctx` is
-                // given back, once.
-                unsafe {
-                    if sys::cuCtxPushCurrent_v2(c.ctx) == sys::CUresult::CUDA_SUCCESS {
-                        let _pop = Pushed(true);
-                        let _ = result::stream::destroy(c.stream);
+            let st = std::mem::take(&mut *dev.state());
+            let Some(ctx) = st.ctx else { continue };
+            // SAFETY: the streams were made in `ctx`, which is pushed for
+            // their destruction (no copy runs: `self` is being dropped);
+            // then the retain made in `ctx()` is given back, once.
+            unsafe {
+                if sys::cuCtxPushCurrent_v2(ctx) == sys::CUresult::CUDA_SUCCESS {
+                    let _pop = Pushed::popped_on_drop();
+                    for s in st.idle {
+                        let _ = result::stream::destroy(s);
                     }
-                    let _ = result::primary_ctx::release(dev.dev);
                 }
+                let _ = result::primary_ctx::release(dev.dev);
             }
         }
     }
@@ -309,20 +399,26 @@ impl DeviceMemory for CudaDevices {
 
     fn device_of(&self, addr: u64, len: u64) -> Option<u32> {
         let end = addr.checked_add(len).filter(|_| len > 0)?;
-        let _ctx = self.lookup_ctx()?;
-        let d = Self::device_at(addr)?;
+        let d = {
+            let _ctx = self.lookup_ctx();
+            Self::device_at(addr)?
+        };
+        // Ranges are looked up in the device's own context.
+        let _pushed = self.enter(d).ok()?;
         // The whole range must be device memory of `d`: one allocation, or
-        // mappings of `d` back to back (an expandable segment).
+        // mappings of `d` back to back (an expandable segment: both sides
+        // of every boundary crossed are mapped memory; two allocations that
+        // merely lie side by side are not one range).
         let mut at = addr;
         for _ in 0..MAX_SEGMENTS {
             let (_, seg_end) = Self::allocation(at)?;
             if end <= seg_end {
                 return Some(d);
             }
-            at = seg_end;
-            if Self::device_at(at)? != d {
+            if !(Self::mapped(at) && Self::mapped(seg_end) && Self::device_at(seg_end)? == d) {
                 return None;
             }
+            at = seg_end;
         }
         None
     }
@@ -347,10 +443,8 @@ impl DeviceMemory for CudaDevices {
         let n = len as u64;
         let overlap = dst < src.saturating_add(n) && src < dst.saturating_add(n);
         if overlap {
-            // cuMemcpy is no memmove: overlapping ranges go through the host.
-            let mut bounce = vec![0u8; len];
-            self.copy_to_host(src, &mut bounce)?;
-            return self.copy_from_host(&bounce, dst);
+            // cuMemcpy is no memmove.
+            return self.move_on_device(dst, src, n);
         }
         let d = self.device_for_copy(dst)?;
         // SAFETY: both ranges are device memory of registered regions
@@ -369,7 +463,7 @@ impl DeviceMemory for CudaDevices {
             return Ok(None); // no cuMemGetHandleForAddressRange
         }
         let d = self.device_for_copy(addr)?;
-        let (_pushed, _) = self.enter(d)?;
+        let _pushed = self.enter(d)?;
         // SAFETY: `sysconf` only reads a system setting.
         let pg = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0).unwrap_or(4096);
         let start = addr / pg * pg;
@@ -544,12 +638,15 @@ mod tests {
     #[ignore = "needs an NVIDIA GPU: scripts/gpu-tests.sh"]
     fn overlapping_device_copies_are_memmoves() {
         let cuda = devices();
-        let n = 1 << 16;
+        let n = 4 << 20;
         let a = cuda.alloc(0, n).unwrap();
-        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
-        for (dst, src) in [(100usize, 0usize), (0, 100)] {
+        let bytes: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4093) as u8).collect();
+        // Close (through the host) and far apart (device to device, in
+        // pieces of the distance), both ways.
+        let far = 1536 << 10;
+        for (dst, src) in [(100usize, 0usize), (0, 100), (far, 0), (0, far)] {
             cuda.copy_from_host(&bytes, a.addr()).unwrap();
-            let len = n - 100;
+            let len = n - dst.max(src);
             cuda.copy_on_device(a.addr() + dst as u64, a.addr() + src as u64, len).unwrap();
             let mut want = bytes.clone();
             want.copy_within(src..src + len, dst);
