@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 use transport_core::{Access, Error, ErrorKind, RegionId, Result};
+use transport_mem::cma::PULL_MANY_MAX;
 use transport_mem::{MemError, MemoryRegion};
 
 use crate::proto::{Status, WireRegion};
@@ -62,35 +63,6 @@ impl Region {
         }
     }
 
-    /// Several same-host WRITEs into this region, each `(addr, len, src)`
-    /// as for [`Region::pull_abs`], with one kernel call where it can
-    /// (`MemoryRegion::pull_many`): one result per entry, in order.
-    pub fn pull_many_abs(&self, pid: u32, entries: &[(u64, u64, u64)]) -> Vec<std::result::Result<(), Status>> {
-        let base = self.mem.addr();
-        let rel: Vec<Option<(usize, usize, u64)>> = entries
-            .iter()
-            .map(|&(addr, len, src)| {
-                let off = usize::try_from(addr.checked_sub(base)?).ok()?;
-                Some((off, usize::try_from(len).ok()?, src))
-            })
-            .collect();
-        let valid: Vec<(usize, usize, u64)> = rel.iter().flatten().copied().collect();
-        let mut copied = Vec::with_capacity(valid.len());
-        if self.with_live(|m| m.pull_many(pid, &valid, &mut copied)).is_none() {
-            return vec![Err(Status::Unregistered); entries.len()];
-        }
-        let mut copied = copied.into_iter();
-        rel.iter()
-            .map(|r| match r {
-                None => Err(Status::OutOfBounds),
-                Some(_) => copied
-                    .next()
-                    .unwrap_or(Err(MemError::OutOfBounds { offset: 0, len: 0, region_len: 0 }))
-                    .map_err(pull_status),
-            })
-            .collect()
-    }
-
     /// Copies `src` to the absolute address `addr`.
     pub fn write_abs(&self, addr: u64, src: &[u8]) -> std::result::Result<(), Status> {
         let off = addr.checked_sub(self.mem.addr()).ok_or(Status::OutOfBounds)?;
@@ -103,8 +75,65 @@ impl Region {
     }
 }
 
+/// Same-host copies gathered to be made by one kernel call
+/// (`MemoryRegion::pull_many`): consecutive ones into host memory of one
+/// region, all from one process. The target gathers the WRITEs it has in
+/// hand, the initiator the READ answers; each side says when they are
+/// made ([`Gathered::copy`]) and what a result means to it.
+#[derive(Debug, Default)]
+pub(crate) struct Gathered {
+    region: Option<Arc<Region>>,
+    pid: u32,
+    /// `(offset in the region, len, address in process pid)` of each.
+    entries: Vec<(usize, usize, u64)>,
+    ids: Vec<u64>,
+}
+
+/// One gathered copy's result: `Err(None)` when its region was
+/// unregistered first (nothing was copied).
+pub(crate) type Pulled = std::result::Result<(), Option<MemError>>;
+
+impl Gathered {
+    /// Whether a copy from `pid` into `region` may join those gathered.
+    pub fn takes(&self, region: &Arc<Region>, pid: u32) -> bool {
+        self.entries.len() < PULL_MANY_MAX
+            && self.region.as_ref().is_none_or(|r| Arc::ptr_eq(r, region) && self.pid == pid)
+    }
+
+    /// Adds copy `id`: `len` bytes at `src` in process `pid` to `offset`
+    /// in `region` (after [`Gathered::takes`] said yes).
+    pub fn add(&mut self, region: Arc<Region>, pid: u32, (offset, len, src): (usize, usize, u64), id: u64) {
+        self.region = Some(region);
+        self.pid = pid;
+        self.entries.push((offset, len, src));
+        self.ids.push(id);
+    }
+
+    /// Makes the gathered copies (one kernel call where it can) and puts
+    /// `(id, len, result)` of each into `out`, in the order they were
+    /// added; then holds none. Returns the region they went into.
+    pub fn copy(&mut self, out: &mut Vec<(u64, usize, Pulled)>) -> Option<Arc<Region>> {
+        let region = self.region.take()?;
+        let mut copied = Vec::with_capacity(self.entries.len());
+        let live = region.with_live(|m| m.pull_many(self.pid, &self.entries, &mut copied)).is_some();
+        let mut copied = copied.into_iter();
+        for (&(_, len, _), &id) in self.entries.iter().zip(&self.ids) {
+            let result = match (live, copied.next()) {
+                (true, Some(r)) => r.map_err(Some),
+                // `pull_many` gives one result per entry; never taken.
+                (true, None) => Err(Some(MemError::OutOfBounds { offset: 0, len: len as u64, region_len: 0 })),
+                (false, _) => Err(None),
+            };
+            out.push((id, len, result));
+        }
+        self.entries.clear();
+        self.ids.clear();
+        Some(region)
+    }
+}
+
 /// The status a failed same-host copy is answered with.
-fn pull_status(e: MemError) -> Status {
+pub(crate) fn pull_status(e: MemError) -> Status {
     match e {
         MemError::DeviceCopy { .. } => Status::DeviceCopy,
         MemError::ProcessCopy { .. } => Status::SourceCopy,

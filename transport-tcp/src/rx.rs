@@ -30,8 +30,7 @@ use crate::batch::{Batch, Carrier};
 use crate::conn::{proto_err, status_err};
 use crate::endpoint::{Body, Endpoint, Rx, Slice};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
-use crate::regions::Region;
-use transport_mem::cma::PULL_MANY_MAX;
+use crate::regions::{Gathered, Region};
 
 /// The reading buffer's size: also the largest piece of a READ payload
 /// copied into local memory at once.
@@ -157,15 +156,15 @@ impl Rx {
     /// Applies what is buffered: payload bytes of the frame in progress,
     /// then whole frames, until less than a header is left. The copies of
     /// consecutive same-host READ answers into one local region are made
-    /// together ([`Pulls`]), all before this returns.
+    /// together ([`land`]), all before this returns.
     fn apply(&mut self, ep: &Arc<Endpoint>, lane: usize) -> Result<(), Stop> {
-        let mut pulls = Pulls::default();
+        let mut pulls = Gathered::default();
         let r = self.apply_frames(ep, lane, &mut pulls);
-        let landed = pulls.land(ep, lane);
+        let landed = land(&mut pulls, ep, lane);
         r.and(landed)
     }
 
-    fn apply_frames(&mut self, ep: &Arc<Endpoint>, lane: usize, pulls: &mut Pulls) -> Result<(), Stop> {
+    fn apply_frames(&mut self, ep: &Arc<Endpoint>, lane: usize, pulls: &mut Gathered) -> Result<(), Stop> {
         loop {
             if let Some(body) = self.body.as_mut() {
                 let k = (self.hi - self.lo).min(body.len - body.done);
@@ -199,14 +198,14 @@ impl Rx {
                 // Any other answer is applied after the copies gathered
                 // before it, whose slices then have ended: a second answer
                 // to one of them is one to an unknown request.
-                pulls.land(ep, lane)?;
+                land(pulls, ep, lane)?;
             }
             match frame(ep, lane, &h)? {
                 Answer::Done => {}
                 Answer::Body(b) => self.body = Some(b),
                 Answer::Pull { id, region, pid, entry } => {
                     if !pulls.takes(&region, pid) {
-                        pulls.land(ep, lane)?;
+                        land(pulls, ep, lane)?;
                     }
                     pulls.add(region, pid, entry, id);
                 }
@@ -227,65 +226,33 @@ enum Answer {
     Pull { id: u64, region: Arc<Region>, pid: u32, entry: (usize, usize, u64) },
 }
 
-/// Same-host READ answers whose copies are not made yet: consecutive ones
-/// into one local region, copied from the peer's process by one kernel
-/// call ([`Pulls::land`], `MemoryRegion::pull_many`); each slice stays in
-/// its lane's pending map until its copy is done.
-#[derive(Default)]
-struct Pulls {
-    region: Option<Arc<Region>>,
-    pid: u32,
-    entries: Vec<(usize, usize, u64)>,
-    ids: Vec<u64>,
-}
-
-impl Pulls {
-    /// Whether a copy from `pid` into `region` may join those gathered.
-    fn takes(&self, region: &Arc<Region>, pid: u32) -> bool {
-        self.entries.len() < PULL_MANY_MAX
-            && self.region.as_ref().is_none_or(|r| Arc::ptr_eq(r, region) && self.pid == pid)
-    }
-
-    fn add(&mut self, region: Arc<Region>, pid: u32, entry: (usize, usize, u64), id: u64) {
-        self.region = Some(region);
-        self.pid = pid;
-        self.entries.push(entry);
-        self.ids.push(id);
-    }
-
-    /// Makes the gathered copies and ends their slices. Two same-host
-    /// answers to one request in the group (both copies were made, into
-    /// its own range, before either ended it) are a protocol error: the
-    /// second ends nothing and gives no window place back.
-    fn land(&mut self, ep: &Endpoint, lane: usize) -> Result<(), Stop> {
-        let Some(region) = self.region.take() else { return Ok(()) };
-        let mut copied = Vec::with_capacity(self.entries.len());
-        let live = region.with_live(|m| m.pull_many(self.pid, &self.entries, &mut copied)).is_some();
-        let mut copied = copied.into_iter();
-        let mut dup = false;
-        for (&(_, len, _), &id) in self.entries.iter().zip(&self.ids) {
-            let result = match (live, copied.next()) {
-                (true, Some(r)) => r.map_err(Error::from),
-                (true, None) => Err(Error::new(ErrorKind::Internal, "a same-host copy without its result")),
-                (false, _) => Err(Error::region_unregistered(region.id)),
-            };
-            let Some(slice) = ep.lanes[lane].pending.lock().map.remove(&id) else {
-                dup = true;
-                continue;
-            };
-            if result.is_ok() {
-                ep.env.same_host_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-            }
-            end_slice(ep, lane, id, Some(slice), result);
+/// Makes the copies of the same-host READ answers gathered in `pulls`
+/// (consecutive ones into one local region, from the peer's process, one
+/// kernel call) and ends their slices; each slice stayed in its lane's
+/// pending map until its copy was made. Two same-host answers to one
+/// request in the group (both copies were made, into its own range, before
+/// either ended it) are a protocol error: the second ends nothing and
+/// gives no window place back.
+fn land(pulls: &mut Gathered, ep: &Endpoint, lane: usize) -> Result<(), Stop> {
+    let mut landed = Vec::new();
+    let Some(region) = pulls.copy(&mut landed) else { return Ok(()) };
+    let mut dup = false;
+    for (id, len, result) in landed {
+        let result = result.map_err(|e| e.map_or_else(|| Error::region_unregistered(region.id), Error::from));
+        let Some(slice) = ep.lanes[lane].pending.lock().map.remove(&id) else {
+            dup = true;
+            continue;
+        };
+        if result.is_ok() {
+            ep.env.same_host_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
         }
-        self.entries.clear();
-        self.ids.clear();
-        if dup {
-            let e = Error::new(ErrorKind::Protocol, "two answers to one request").with("peer", &ep.name);
-            return Err(Stop::Broke(e));
-        }
-        Ok(())
+        end_slice(ep, lane, id, Some(slice), result);
     }
+    if dup {
+        let e = Error::new(ErrorKind::Protocol, "two answers to one request").with("peer", &ep.name);
+        return Err(Stop::Broke(e));
+    }
+    Ok(())
 }
 
 /// Applies one answer's header: ends its slice (or notification) at once,

@@ -23,9 +23,8 @@ use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
-use crate::regions::{Region, RegionTable};
+use crate::regions::{pull_status, Gathered, Pulled, RegionTable};
 use crate::samehost;
-use transport_mem::cma::PULL_MANY_MAX;
 
 /// A connection's output buffer: answers gathered before one `write`. A
 /// READ answer up to `STREAM` fits in it whole.
@@ -59,34 +58,6 @@ pub const IDLE_CONNECTION_BOUND: usize = 48 << 10;
 const MAX_REFUSING: usize = 64;
 /// How long a refused connection is given to take its `Busy` answer.
 const REFUSE_WAIT: Duration = Duration::from_secs(1);
-
-/// Same-host WRITEs read and checked, not yet copied: consecutive frames
-/// into host memory of one region, copied by one kernel call
-/// ([`Server::land`]) before the connection reads its socket again or
-/// serves any other frame, then answered in order. Whatever a connection
-/// has read before a reset is applied, as for one frame at a time.
-#[derive(Debug, Default)]
-struct Pulls {
-    region: Option<Arc<Region>>,
-    pid: u32,
-    /// `(addr, len, src)` of each.
-    entries: Vec<(u64, u64, u64)>,
-    ids: Vec<u64>,
-}
-
-impl Pulls {
-    /// Whether a copy into `region` may join those gathered.
-    fn takes(&self, region: &Arc<Region>) -> bool {
-        self.entries.len() < PULL_MANY_MAX && self.region.as_ref().is_none_or(|r| Arc::ptr_eq(r, region))
-    }
-
-    fn add(&mut self, region: Arc<Region>, pid: u32, entry: (u64, u64, u64), id: u64) {
-        self.region = Some(region);
-        self.pid = pid;
-        self.entries.push(entry);
-        self.ids.push(id);
-    }
-}
 
 /// Bytes a connection served and has not yet added to the metrics: summed
 /// per burst of frames and reported when the connection has nothing in
@@ -430,24 +401,21 @@ impl Server {
     }
 
     /// Copies the same-host WRITEs gathered in `p` (one kernel call) and
-    /// answers each, in order.
+    /// answers each, in order. `landed` is room for the results, kept
+    /// between calls.
     async fn land(
         &self,
-        p: &mut Pulls,
+        p: &mut Gathered,
+        landed: &mut Vec<(u64, usize, Pulled)>,
         w: &mut OwnedWriteHalf,
         out: &mut OutBuf,
         served: &mut Served,
     ) -> Result<(), Close> {
-        let Some(region) = p.region.take() else { return Ok(()) };
-        let results = region.pull_many_abs(p.pid, &p.entries);
-        let entries = std::mem::take(&mut p.entries);
-        let ids = std::mem::take(&mut p.ids);
-        for ((&(_, len, _), id), status) in entries.iter().zip(ids).zip(results) {
-            self.write_ack(w, out, served, id, len, status).await?;
+        let _ = p.copy(landed);
+        for (id, len, result) in landed.drain(..) {
+            let status = result.map_err(|e| e.map_or(Status::Unregistered, pull_status));
+            self.write_ack(w, out, served, id, len as u64, status).await?;
         }
-        // The vectors' room is kept for the next ones.
-        p.entries = entries;
-        p.entries.clear();
         Ok(())
     }
 
@@ -538,12 +506,19 @@ impl Server {
     ) -> Result<std::convert::Infallible, Close> {
         let mut note: Vec<u8> = Vec::new();
         let mut served = Served::default();
-        let mut pulls = Pulls::default();
+        // Same-host WRITEs read and checked, not yet copied: consecutive
+        // ones into host memory of one region are copied by one kernel
+        // call (`land`) before the connection reads its socket again or
+        // serves any other frame, then answered in order. Whatever a
+        // connection has read before a reset is applied, as for one frame
+        // at a time.
+        let mut pulls = Gathered::default();
+        let mut landed = Vec::new();
         loop {
             if r.buffered() < HEADER_LEN {
                 // The next frame is not all in hand: the socket is read
                 // next, so the checked copies are made (and answered) now.
-                self.land(&mut pulls, w, out, &mut served).await?;
+                self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
             }
             if r.buffered() == 0 {
                 served.report();
@@ -560,7 +535,7 @@ impl Server {
             let h = Header::decode(&b, self.cfg.max_frame).map_err(|e| Close::Proto(e.to_string()))?;
             if h.ty != FrameType::Write || h.flags & proto::SAME_HOST == 0 {
                 // Every other frame is served after the copies before it.
-                self.land(&mut pulls, w, out, &mut served).await?;
+                self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
             }
             match h.ty {
                 FrameType::DescReq => {
@@ -591,13 +566,13 @@ impl Server {
                     // bytes, a reset already behind the frame means the
                     // client gave up on it: nothing is copied. Consecutive
                     // ones into host memory of one region, all in hand, are
-                    // copied together by one kernel call (`Pulls`).
+                    // copied together by one kernel call (`Gathered`).
                     let Some(pid) = same.pull_from else {
                         return Err(Close::Proto("same-host WRITE from a client that was not verified".into()));
                     };
                     let mut src = [0u8; 8];
                     if r.buffered() < src.len() {
-                        self.land(&mut pulls, w, out, &mut served).await?;
+                        self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                     }
                     self.read(r, &mut src).await?;
                     r.check_reset()?;
@@ -609,13 +584,16 @@ impl Server {
                     };
                     match status {
                         Ok(region) if region.mem.provider().is_none() => {
-                            if !pulls.takes(&region) {
-                                self.land(&mut pulls, w, out, &mut served).await?;
+                            // Inside the region (`remote` checked it).
+                            let offset = usize::try_from(h.addr - region.mem.addr()).unwrap_or(usize::MAX);
+                            let len = usize::try_from(h.len).unwrap_or(usize::MAX);
+                            if !pulls.takes(&region, pid) {
+                                self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                             }
-                            pulls.add(region, pid, (h.addr, h.len, src), h.id);
+                            pulls.add(region, pid, (offset, len, src), h.id);
                         }
                         status => {
-                            self.land(&mut pulls, w, out, &mut served).await?;
+                            self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                             let status = status.and_then(|region| region.pull_abs(h.addr, h.len, pid, src));
                             self.write_ack(w, out, &mut served, h.id, h.len, status).await?;
                         }
