@@ -584,8 +584,13 @@ impl Server {
                     };
                     match status {
                         Ok(region) if region.mem.provider().is_none() => {
-                            // Inside the region (`remote` checked it).
-                            let offset = usize::try_from(h.addr - region.mem.addr()).unwrap_or(usize::MAX);
+                            // Inside the region (`remote` checked it); a
+                            // range that were not fails its bounds check.
+                            let offset = h
+                                .addr
+                                .checked_sub(region.mem.addr())
+                                .and_then(|o| usize::try_from(o).ok())
+                                .unwrap_or(usize::MAX);
                             let len = usize::try_from(h.len).unwrap_or(usize::MAX);
                             if !pulls.takes(&region, pid) {
                                 self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
