@@ -266,12 +266,13 @@ pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Op
         v.extract::<Word>().ok().map(|w| w.0)
     }
     fn item(d: &Bound<'_, PyAny>, width: usize) -> Option<[u64; 3]> {
-        // A plain tuple (what callers build): its items read directly.
+        // A plain tuple (what callers build): its items read in place.
         if let Ok(t) = d.downcast_exact::<PyTuple>() {
-            if t.len() != 3 && t.len() != width {
+            let items = t.as_slice();
+            if items.len() != 3 && items.len() != width {
                 return None;
             }
-            let at = |i: usize| t.get_borrowed_item(i).ok().and_then(|v| word(&v));
+            let at = |i: usize| items.get(i).and_then(word);
             return Some([at(0)?, at(1)?, at(2)?]);
         }
         let at = |i: usize| d.get_item(i).ok().and_then(|v| word(&v));

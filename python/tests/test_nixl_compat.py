@@ -159,15 +159,27 @@ def test_descriptor_inputs_and_registration(pair):
         a.get_reg_descs([(p, 16, 0, "")], "FILE")
     assert a.get_reg_descs([(p, 16, 0, "")], "cuda").getType() == "VRAM"
 
+    def loopback_xfer():
+        x = a.get_xfer_descs([(p, 16, 0)], "DRAM"), a.get_xfer_descs([(p + 64, 16, 0)], "DRAM")
+        a.release_xfer_handle(a.initialize_xfer("WRITE", *x, a.name))
+
+    # Checked against what is registered at each call (the bounds an agent
+    # keeps are made again whenever a registration comes or goes).
+    with pytest.raises(nixlNotFoundError, match="not inside registered memory"):
+        loopback_xfer()
     before = a._engine.stats()["registered"]
     a.register_memory(r, backends=["UCX"])
     assert a._engine.stats()["registered"] == before + 1
+    loopback_xfer()
     with pytest.raises(nixlError):
         a.register_memory([(p + 100, 16, 0, "")], "DRAM")  # overlaps
     with pytest.raises(nixlNotFoundError):
         a.register_memory(r, backends=["LIBFABRIC"])
+    loopback_xfer()
     a.deregister_memory(r)
     assert a._engine.stats()["registered"] == before
+    with pytest.raises(nixlNotFoundError, match="not inside registered memory"):
+        loopback_xfer()
     with pytest.raises(nixlNotFoundError):
         a.deregister_memory(r)
 

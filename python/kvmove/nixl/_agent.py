@@ -81,6 +81,7 @@ class nixl_agent:
         self.backend_mems: Dict[str, List[str]] = {}
         self.backend_options: Dict[str, Dict[str, str]] = {}
         self._regions: Dict[int, object] = {}  # addr -> kvmove Region
+        self._bounds: Optional[Tuple[bytes, bytes]] = None  # _local_bounds, until _regions changes
         self._remotes: Dict[str, _Remote] = {}
         self._self_session = None  # loopback transfers
         self.notifs: Dict[str, List[bytes]] = {}
@@ -228,14 +229,17 @@ class nixl_agent:
                         raise nixlInvalidParamError(f"descriptor at {addr:#x} has length 0")
                     kind = "host" if descs.mem_type == "DRAM" else f"device:{dev}"
                     self._regions[addr] = eng.register_address(addr, length, kind)
+                    self._bounds = None
                     done.append(addr)
             except TransferError as e:
                 for a in done:
                     self._regions.pop(a).unregister()
+                self._bounds = None
                 raise _from_kvmove(e, "register_memory") from e
             except nixlError:
                 for a in done:
                     self._regions.pop(a).unregister()
+                self._bounds = None
                 raise
         return descs
 
@@ -250,14 +254,21 @@ class nixl_agent:
             if missing:
                 raise nixlNotFoundError(f"deregister_memory: {missing[0]:#x} is not a registered region's start")
             for a, _, _ in descs:
+                self._bounds = None
                 try:
                     self._regions.pop(a).unregister()
                 except TransferError as e:
                     raise _from_kvmove(e, "deregister_memory") from e
 
-    def _local_bounds(self) -> Tuple[np.ndarray, np.ndarray]:
-        order = sorted((r.addr, r.addr + r.length) for r in self._regions.values())
-        return (np.array([s for s, _ in order], dtype=np.uint64), np.array([e for _, e in order], dtype=np.uint64))
+    def _local_bounds(self) -> Tuple[bytes, bytes]:
+        """Starts and ends of the registered regions, in order, packed
+        (``_uncovered`` takes them); made again only after ``_regions``
+        changed. Call with ``_lock`` held."""
+        if self._bounds is None:
+            order = sorted((r.addr, r.addr + r.length) for r in self._regions.values())
+            self._bounds = (_packed(np.array([s for s, _ in order], dtype=np.uint64)),
+                            _packed(np.array([e for _, e in order], dtype=np.uint64)))  # fmt: skip
+        return self._bounds
 
     # ---- metadata ----
 
@@ -502,7 +513,7 @@ class nixl_agent:
             raise nixlInvalidParamError("a transfer needs at least one descriptor")
         idx = () if li is None else (_packed(li), _packed(ri))
         try:
-            ops, bad = NixlOps.pairs(op == "WRITE", _packed(ld._descs), _packed(rd._descs), *idx)
+            ops, bad = NixlOps.pairs(op == "WRITE", ld._packed_rows(), rd._packed_rows(), *idx)
         except TransferError as e:
             raise _from_kvmove(e, "preparing the transfer") from e
         if ops is None:
@@ -756,6 +767,7 @@ class nixl_agent:
             eng, self._engine = self._engine, None
             self._self_session = None
             self._regions.clear()
+            self._bounds = None
             remotes = list(self._remotes.values())
             self._remotes.clear()
         for r in remotes:

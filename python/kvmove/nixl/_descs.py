@@ -87,6 +87,18 @@ class _DList:
         self.mem_type = mem_type
         self._descs = descs
 
+    def _packed_rows(self) -> bytes:
+        """The rows as native-endian ``u64``s, made once (a list is not
+        changed after it is made; ``trim`` copies)."""
+        raw = self.__dict__.get("_raw")
+        if raw is None:
+            raw = self.__dict__["_raw"] = np.ascontiguousarray(self._descs, dtype=np.uint64).tobytes()
+        return raw
+
+    def __getstate__(self):
+        # The packed rows are made again where needed, not pickled.
+        return {k: v for k, v in self.__dict__.items() if k != "_raw"}
+
     @property
     def addrs(self) -> np.ndarray:
         return self._descs[:, 0]

@@ -210,21 +210,25 @@ class _Remote:
         #: ``send_notif`` raises until a transfer reconnects.
         self.gone = False
         order = sorted(regions)
-        self.starts = np.array([a for a, _ in order], dtype=np.uint64)
-        self.ends = np.array([a + n for a, n in order], dtype=np.uint64)
+        # Packed once (``_uncovered`` takes them as they are).
+        self.starts = _packed(np.array([a for a, _ in order], dtype=np.uint64))
+        self.ends = _packed(np.array([a + n for a, n in order], dtype=np.uint64))
         self.session = None
         self.courier = _Courier(name)
 
 
-def _uncovered(starts: np.ndarray, ends: np.ndarray, descs) -> int:
+def _uncovered(starts, ends, descs) -> int:
     """Index of the first descriptor of ``descs`` (a descriptor list or an
     ``N x 3`` uint64 array) not inside one region, or -1; one call into
-    Rust, whatever the count."""
-    rows = descs._descs if isinstance(descs, _DList) else descs
+    Rust, whatever the count. Starts and ends are arrays or packed."""
+    rows = descs._packed_rows() if isinstance(descs, _DList) else descs
     return nixl_uncovered(_packed(starts), _packed(ends), _packed(rows))
 
 
-def _packed(a: np.ndarray) -> bytes:
+def _packed(a) -> bytes:
+    """``a`` as native-endian ``u64``s (bytes are taken as packed)."""
+    if isinstance(a, bytes):
+        return a
     return np.ascontiguousarray(a, dtype=np.uint64).tobytes()
 
 
