@@ -30,28 +30,50 @@ struct Etcd {
     child: Child,
     dir: PathBuf,
     url: String,
+    /// The member name, unique to this server.
+    name: String,
 }
 
 impl Etcd {
     /// Starts etcd and waits (bounded) until it answers. `None`: etcd is not
     /// installed (`main` then reports the test ignored and never runs it).
+    ///
+    /// Ports come from `bind(0)` and are free only until etcd binds them, so
+    /// two starts at once could pick the same port: one etcd then fails to
+    /// bind, and its test could find the *other* test's etcd answering on
+    /// that port (etcd serves its client API on the peer port too) and lose
+    /// it when that test kills its server. So starts in this process go one
+    /// at a time, a server counts as ready only when it names itself as this
+    /// member on this URL, and a start that lost a port to another process
+    /// tries again with fresh ports.
     async fn start() -> Option<Etcd> {
         let bin = etcd_binary()?;
+        static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _serial = ONE_AT_A_TIME.lock().await;
+        let mut failures = Vec::new();
+        for _ in 0..5 {
+            let mut etcd = Etcd::spawn(&bin);
+            match etcd.wait_ready().await {
+                Ok(()) => return Some(etcd),
+                Err(why) => failures.push(why),
+            }
+        }
+        panic!("etcd did not start in 5 tries:\n{}", failures.join("\n----\n"));
+    }
+
+    fn spawn(bin: &std::path::Path) -> Etcd {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "kvmove-etcd-test-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::SeqCst)
-        ));
+        let name = format!("kvmove-etcd-test-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst));
+        let dir = std::env::temp_dir().join(&name);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let (client_port, peer_port) = (free_port(), free_port());
         let url = format!("http://127.0.0.1:{client_port}");
         let peer = format!("http://127.0.0.1:{peer_port}");
         let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
-        let child = Command::new(&bin)
+        let child = Command::new(bin)
             .arg("--name")
-            .arg("kvmove-test")
+            .arg(&name)
             .arg("--data-dir")
             .arg(dir.join("data"))
             .arg("--listen-client-urls")
@@ -63,39 +85,58 @@ impl Etcd {
             .arg("--initial-advertise-peer-urls")
             .arg(&peer)
             .arg("--initial-cluster")
-            .arg(format!("kvmove-test={peer}"))
+            .arg(format!("{name}={peer}"))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
-        let mut etcd = Etcd { child, dir, url };
-        etcd.wait_ready().await;
-        Some(etcd)
+        Etcd { child, dir, url, name }
     }
 
-    async fn wait_ready(&mut self) {
+    /// Waits (bounded) until this server answers on its URL as itself. An
+    /// `Err` (with the reason and the server's log) when it exited or never
+    /// did; the server is then gone.
+    async fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("etcd exited during start ({status}); its log:\n{}", self.log());
+                return Err(format!("etcd at {} exited during start ({status}); its log:\n{}", self.url, self.log()));
             }
-            let cfg = EtcdConfig {
-                connect_timeout: Duration::from_millis(500),
-                request_timeout: Duration::from_millis(500),
-                ..EtcdConfig::with_endpoints([self.url.clone()])
-            };
-            match EtcdStore::connect(cfg).await {
-                Ok(store) => {
-                    store.close().await.unwrap();
-                    return;
-                }
+            match self.answers_as_itself().await {
+                Ok(()) => return Ok(()),
                 Err(e) if Instant::now() > deadline => {
-                    panic!("etcd at {} not ready within 20 s: {e}; its log:\n{}", self.url, self.log())
+                    self.kill();
+                    return Err(format!("etcd at {} not ready within 20 s: {e}; its log:\n{}", self.url, self.log()));
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
+    }
+
+    /// Whether the server on `url` is this one (its member list names this
+    /// member with this client URL), and an `EtcdStore` can use it.
+    async fn answers_as_itself(&self) -> Result<(), String> {
+        let connect = etcd_client::Client::connect([self.url.as_str()], None);
+        let mut raw = tokio::time::timeout(Duration::from_millis(500), connect)
+            .await
+            .map_err(|_| "connect timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        let members = tokio::time::timeout(Duration::from_millis(500), raw.member_list())
+            .await
+            .map_err(|_| "member list timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        let ours = members.members().iter().any(|m| m.name() == self.name && m.client_urls().contains(&self.url));
+        if !ours {
+            return Err(format!("another server answers on {}: {:?}", self.url, members.members()));
+        }
+        let cfg = EtcdConfig {
+            connect_timeout: Duration::from_millis(500),
+            request_timeout: Duration::from_millis(500),
+            ..EtcdConfig::with_endpoints([self.url.clone()])
+        };
+        let store = EtcdStore::connect(cfg).await.map_err(|e| e.to_string())?;
+        store.close().await.map_err(|e| e.to_string())
     }
 
     fn log(&self) -> String {
