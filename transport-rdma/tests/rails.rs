@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use transport_core::{Access, BatchState, Buffer, SegmentId, SubmitOptions, TransferRequest, Transport};
 use transport_rails::Rails;
-use transport_rails::{PathState, RailsConfig};
+use transport_rails::{PathState, PathStatus, RailsConfig};
 use transport_rdma::{RdmaConfig, RdmaTransport};
 
 const LEN: usize = 32 << 20;
@@ -145,7 +145,18 @@ fn rail_link_down_mid_batch_completes_byte_exact() {
         p.dst.fill(0);
         let t0 = Instant::now();
         let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
-        tokio::time::sleep(clean / 5).await;
+        // The link goes down once a tenth of the batch has moved (by the
+        // paths' byte counts, not by a time measured from an earlier batch,
+        // which a loaded machine makes wrong).
+        let total = |ps: &[PathStatus]| ps.iter().map(|x| x.bytes).sum::<u64>();
+        let at_submit = total(&before);
+        let watch = Instant::now();
+        while total(&p.a.paths(p.seg).unwrap()) - at_submit < (LEN / 10) as u64
+            && !p.a.poll(b).unwrap().is_terminal()
+            && watch.elapsed() < Duration::from_secs(30)
+        {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
         common::ip_link(&links[0].netdev, false).unwrap();
         let moved = p.a.paths(p.seg).unwrap();
         assert!(!p.a.poll(b).unwrap().is_terminal(), "the batch ended before the link went down");
