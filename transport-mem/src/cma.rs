@@ -5,9 +5,10 @@
 //! The kernel allows it when the caller may trace the other process
 //! (`PTRACE_MODE_ATTACH_REALCREDS`: same user and the other process
 //! dumpable, or `CAP_SYS_PTRACE`; Yama's `ptrace_scope` may restrict it
-//! further). Only reads are offered: every byte a process receives this way
-//! it copies itself, into memory it checked, so a peer never writes into
-//! this process's memory.
+//! further). Only reads are offered here: every byte a process receives
+//! this way it copies itself, into memory it checked. The one way a peer
+//! writes into this process is a direct write through a window this
+//! process granted and can close ([`crate::window`]).
 #![allow(unsafe_code)]
 
 use crate::error::MemError;

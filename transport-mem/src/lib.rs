@@ -35,6 +35,7 @@ mod fake;
 mod pages;
 pub mod providers;
 mod region;
+pub mod window;
 
 pub use buffer::Buffer;
 #[cfg(feature = "cuda")]

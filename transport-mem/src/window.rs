@@ -1,0 +1,577 @@
+//! Direct same-host writes: a target's consent, shared with one initiator
+//! process, that lets the initiator copy a WRITE's bytes straight into the
+//! target's memory (`process_vm_writev`, one kernel copy, no round trip).
+//!
+//! The consent is a *window*: a small memory file (`memfd`) that the target
+//! creates for one connection and the initiator maps (it takes the file
+//! with `pidfd_getfd`, which the kernel allows only where it would also
+//! allow the copy itself: ptrace rights over the target). It holds:
+//!
+//! - the ranges the target lets this initiator write (one entry per
+//!   registered region that allows remote writes), each open or closed;
+//! - whether the window is alive (the target retires it when the
+//!   connection ends or the engine closes);
+//! - the initiator's *write counter*, odd while it is inside a direct
+//!   write, and the bytes it wrote (for the target's metrics).
+//!
+//! **Why a write never lands after unregister returns.** The initiator
+//! makes the counter odd, then reads the window (alive, an open entry
+//! holding the whole range), copies, and makes the counter even. The
+//! target closes the entry (or retires the window), then reads the
+//! counter. All four accesses are sequentially consistent, so at least one
+//! side sees the other: either the initiator finds the entry closed and
+//! copies nothing, or the target finds the counter odd and waits until it
+//! moves on ([`WindowOwner::writing`]) or the initiator's process is gone
+//! ([`WindowOwner::writer_exited`]). Only then does the region count as
+//! unregistered. A writer frozen inside a write (SIGSTOP, a debugger) holds
+//! that wait; the window is the few microseconds of one copy.
+//!
+//! The target never trusts what the initiator can write here: it reads
+//! only the counter, as a number. The initiator checks the file before it
+//! maps it (size, seals that stop the target from shrinking it under the
+//! mapping, magic, the handshake's nonce), reads the entry count only
+//! once, and bounds every index by it. Both processes are the same user's
+//! (or one has ptrace rights over the other), so neither can do through a
+//! window what it could not do to the other process anyway.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::region::MemoryRegion;
+
+/// "KVMWIN01", little-endian.
+const MAGIC: u64 = u64::from_le_bytes(*b"KVMWIN01");
+/// Words before the first entry: magic, nonce (4), entries, alive,
+/// counter, high-water mark, bytes written, reserved.
+const HEADER_WORDS: usize = 16;
+const W_MAGIC: usize = 0;
+const W_NONCE: usize = 1;
+const W_ENTRIES: usize = 5;
+const W_ALIVE: usize = 6;
+const W_COUNTER: usize = 7;
+const W_HIGH: usize = 8;
+const W_WRITTEN: usize = 9;
+/// Words per entry: state, address, length, reserved.
+const ENTRY_WORDS: usize = 4;
+/// An entry's state word while it may be written.
+const OPEN: u64 = 1;
+/// Entries a window holds at most (a region beyond them is written the
+/// usual way, through its target).
+pub const WINDOW_ENTRIES: usize = 1024;
+/// Bytes of a window's nonce (the handshake's).
+pub const WINDOW_NONCE_LEN: usize = 32;
+
+fn words_for(entries: usize) -> usize {
+    HEADER_WORDS + entries * ENTRY_WORDS
+}
+
+/// A shared mapping of a window file, unmapped on drop.
+#[derive(Debug)]
+struct Map {
+    base: NonNull<AtomicU64>,
+    words: usize,
+}
+
+// SAFETY: the mapping is only ever accessed through `AtomicU64`s, which
+// are `Sync`; the pointer itself is never handed out.
+unsafe impl Send for Map {}
+// SAFETY: as above.
+unsafe impl Sync for Map {}
+
+impl Map {
+    /// Maps `words` words of `fd`, shared, readable and writable; the
+    /// mapping is not inherited by a child process (a fork's copy of the
+    /// initiator must not write as it).
+    fn new(fd: &OwnedFd, words: usize) -> io::Result<Map> {
+        let bytes = words.checked_mul(8).ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a fresh shared mapping of a file this process holds; no
+        // existing memory is affected. The result is checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let map =
+            Map { base: NonNull::new(p.cast()).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?, words };
+        // SAFETY: `p .. p + bytes` is the mapping just made; advice changes
+        // only what a fork inherits.
+        if unsafe { libc::madvise(p, bytes, libc::MADV_DONTFORK) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(map)
+    }
+
+    /// Word `i`; `i` is always below `words` (the callers bound it by an
+    /// entry count they checked against the mapping's size).
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < self.words, "window word {i} outside the mapping");
+        // SAFETY: in bounds (above); the mapping is page-aligned, so every
+        // word is 8-byte aligned; it lives as long as `self`; both
+        // processes access it only atomically.
+        unsafe { &*self.base.as_ptr().add(i) }
+    }
+}
+
+impl Drop for Map {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made; no reference into
+        // it outlives `self` (they borrow it).
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.words * 8);
+        }
+    }
+}
+
+fn entry(i: usize) -> usize {
+    HEADER_WORDS + i * ENTRY_WORDS
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: a plain system call with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = libc::c_int::try_from(fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
+    let fd = cvt(fd)?;
+    // SAFETY: the kernel just gave this descriptor to us alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether the process behind `pidfd` has exited (its pidfd is readable).
+fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents != 0
+}
+
+/// The target's side of one window.
+#[derive(Debug)]
+pub struct WindowOwner {
+    map: Map,
+    fd: OwnedFd,
+    entries: usize,
+    /// The writer's process (verified by the caller), to learn it exited.
+    writer: OwnedFd,
+    /// Of the bytes the writer says it wrote, those already taken.
+    taken: AtomicU64,
+}
+
+impl WindowOwner {
+    /// A window of `entries` entries (at most [`WINDOW_ENTRIES`]), all
+    /// closed, alive, for the process `writer` (whose identity the caller
+    /// verified), carrying `nonce`.
+    pub fn create(nonce: &[u8; WINDOW_NONCE_LEN], entries: usize, writer: u32) -> io::Result<WindowOwner> {
+        if entries == 0 || entries > WINDOW_ENTRIES {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        let writer = pidfd_open(writer)?;
+        let words = words_for(entries);
+        // SAFETY: a NUL-terminated name; the flags are plain bits.
+        let fd =
+            cvt(unsafe { libc::memfd_create(c"kvmove-window".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) })?;
+        // SAFETY: the kernel just gave this descriptor to us alone.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let bytes = libc::off_t::try_from(words * 8).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: plain calls on the descriptor we own.
+        cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), bytes) })?;
+        // The size is final: the initiator checks these seals, so it knows
+        // its mapping can never lose its pages.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: as above.
+        cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) })?;
+        let map = Map::new(&fd, words)?;
+        for (k, chunk) in nonce.chunks_exact(8).enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(chunk);
+            map.word(W_NONCE + k).store(u64::from_le_bytes(w), Ordering::Relaxed);
+        }
+        map.word(W_ENTRIES).store(entries as u64, Ordering::Relaxed);
+        map.word(W_ALIVE).store(1, Ordering::Relaxed);
+        map.word(W_MAGIC).store(MAGIC, Ordering::Release);
+        Ok(WindowOwner { map, fd, entries, writer, taken: AtomicU64::new(0) })
+    }
+
+    /// The window file's descriptor in this process (the initiator takes a
+    /// copy of it with `pidfd_getfd`).
+    pub fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// Entries this window holds.
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
+
+    /// Lets the writer write `addr .. addr + len` through entry `slot`,
+    /// which must be closed (never written meanwhile by a writer: the
+    /// caller waited for [`WindowOwner::writing`] after closing it). False
+    /// when the window has no such entry.
+    pub fn open(&self, slot: usize, addr: u64, len: u64) -> bool {
+        if slot >= self.entries {
+            return false;
+        }
+        let e = entry(slot);
+        self.map.word(e + 1).store(addr, Ordering::Relaxed);
+        self.map.word(e + 2).store(len, Ordering::Relaxed);
+        self.map.word(e).store(OPEN, Ordering::SeqCst);
+        self.map.word(W_HIGH).fetch_max(slot as u64 + 1, Ordering::SeqCst);
+        true
+    }
+
+    /// Closes entry `slot`: a write that has not read it open yet never
+    /// will. Then [`WindowOwner::writing`] says whether one that did may
+    /// still be copying.
+    pub fn close(&self, slot: usize) {
+        if slot < self.entries {
+            self.map.word(entry(slot)).store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// Closes the whole window, for good (the connection ended, or the
+    /// engine is closing); [`WindowOwner::writing`] as for `close`.
+    pub fn retire(&self) {
+        self.map.word(W_ALIVE).store(0, Ordering::SeqCst);
+    }
+
+    /// Whether the window was retired.
+    pub fn is_retired(&self) -> bool {
+        self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0
+    }
+
+    /// The writer's counter if it is inside a write (odd): a later value
+    /// different from it means that write is over.
+    pub fn writing(&self) -> Option<u64> {
+        let c = self.map.word(W_COUNTER).load(Ordering::SeqCst);
+        (c % 2 == 1).then_some(c)
+    }
+
+    /// The bytes the writer wrote since the last call, as it counts them
+    /// (for metrics only: a number the writer controls, never trusted
+    /// for anything else; a count that goes back gives 0).
+    pub fn take_written(&self) -> u64 {
+        let now = self.map.word(W_WRITTEN).load(Ordering::Relaxed);
+        match self.taken.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| (now > t).then_some(now)) {
+            Ok(before) => now - before,
+            Err(_) => 0,
+        }
+    }
+
+    /// Whether the writer's process has exited (it can write no more).
+    pub fn writer_exited(&self) -> bool {
+        exited(&self.writer)
+    }
+}
+
+impl Drop for WindowOwner {
+    fn drop(&mut self) {
+        // The writer keeps its own mapping: it must find the window dead.
+        self.retire();
+    }
+}
+
+/// Why a direct write did not happen. Either way nothing was written that
+/// the target did not allow, and the caller writes the bytes the usual
+/// way (through the target), which reports any real error.
+#[derive(Debug)]
+pub enum Declined {
+    /// The window does not (or no longer) allow this range, or the source
+    /// is not host memory of this process.
+    NotAllowed,
+    /// The copy failed or was short (the target is gone, or its memory
+    /// is not mapped there).
+    Copy(io::Error),
+}
+
+/// The initiator's side of one window.
+#[derive(Debug)]
+pub struct WindowView {
+    map: Map,
+    entries: usize,
+    /// The target's process.
+    pid: libc::pid_t,
+    target: OwnedFd,
+    /// This process (a forked child never writes through the window).
+    me: u32,
+    /// One write at a time, so the counter's parity means "inside a write".
+    one: Mutex<()>,
+    /// The entry the last write went through (looked at first).
+    last: AtomicUsize,
+}
+
+impl WindowView {
+    /// Maps window file `fd` of process `pid` (the target, whose identity
+    /// the caller verified) and checks it: sealed against shrinking, as
+    /// large as its entry count says, the right magic and `nonce`.
+    pub fn attach(pid: u32, fd: i32, nonce: &[u8; WINDOW_NONCE_LEN]) -> io::Result<WindowView> {
+        let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, format!("not a kvmove window: {why}"));
+        let target = pidfd_open(pid)?;
+        let pid_t = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        // SAFETY: a plain system call with integer arguments; the kernel
+        // checks ptrace rights over the target.
+        let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, target.as_raw_fd(), fd, 0) };
+        let got = cvt(libc::c_int::try_from(got).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?)?;
+        // SAFETY: the kernel just gave this descriptor to us alone.
+        let file = unsafe { OwnedFd::from_raw_fd(got) };
+        // SAFETY: plain calls on the descriptor we own.
+        let seals = cvt(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) })?;
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(bad("not sealed against shrinking"));
+        }
+        // SAFETY: a zeroed stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `st` is written by the kernel.
+        cvt(unsafe { libc::fstat(file.as_raw_fd(), &mut st) })?;
+        let size = usize::try_from(st.st_size).map_err(|_| bad("size"))?;
+        if size < words_for(1) * 8 || size > words_for(WINDOW_ENTRIES) * 8 || size % 8 != 0 {
+            return Err(bad("size"));
+        }
+        let map = Map::new(&file, size / 8)?;
+        if map.word(W_MAGIC).load(Ordering::Acquire) != MAGIC {
+            return Err(bad("magic"));
+        }
+        for (k, chunk) in nonce.chunks_exact(8).enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(chunk);
+            if map.word(W_NONCE + k).load(Ordering::Relaxed) != u64::from_le_bytes(w) {
+                return Err(bad("another connection's window"));
+            }
+        }
+        // Read once; every index below is bounded by this checked copy.
+        let entries = usize::try_from(map.word(W_ENTRIES).load(Ordering::Relaxed)).map_err(|_| bad("entries"))?;
+        if entries == 0 || words_for(entries) != size / 8 {
+            return Err(bad("entry count does not match the size"));
+        }
+        Ok(WindowView {
+            map,
+            entries,
+            pid: pid_t,
+            target,
+            me: std::process::id(),
+            one: Mutex::new(()),
+            last: AtomicUsize::new(0),
+        })
+    }
+
+    /// Whether the target retired the window (or the target exited).
+    pub fn is_retired(&self) -> bool {
+        self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || exited(&self.target)
+    }
+
+    /// Copies `len` bytes at `offset` in the host region `src` of this
+    /// process to `dst` in the target, if the window allows the whole
+    /// range now; see the module documentation for why the target can
+    /// rely on it. Returns once the bytes are in the target's memory.
+    pub fn write(&self, src: &MemoryRegion, offset: usize, len: usize, dst: u64) -> Result<(), Declined> {
+        if len == 0 || src.provider().is_some() || src.check(offset as u64, len as u64).is_err() {
+            return Err(Declined::NotAllowed);
+        }
+        let end = dst.checked_add(len as u64).ok_or(Declined::NotAllowed)?;
+        if std::process::id() != self.me {
+            return Err(Declined::NotAllowed);
+        }
+        let _one = self.one.lock().unwrap_or_else(|p| p.into_inner());
+        let counter = self.map.word(W_COUNTER);
+        counter.fetch_add(1, Ordering::SeqCst);
+        // Even again however this returns.
+        struct Even<'a>(&'a AtomicU64);
+        impl Drop for Even<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let _even = Even(counter);
+        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || exited(&self.target) {
+            return Err(Declined::NotAllowed);
+        }
+        if !self.find(dst, end) {
+            return Err(Declined::NotAllowed);
+        }
+        let from = (src.addr() as usize).wrapping_add(offset);
+        let lv = libc::iovec { iov_base: from as *mut libc::c_void, iov_len: len };
+        let rv = libc::iovec { iov_base: dst as usize as *mut libc::c_void, iov_len: len };
+        // SAFETY: the local iovec is a range of the live host region `src`
+        // that `check` bounded (its constructor's guarantee), and it is
+        // only read. The remote range is in another process, allowed by
+        // its window (above), and the kernel checks it there.
+        let n = unsafe { libc::process_vm_writev(self.pid, &lv, 1, &rv, 1, 0) };
+        match usize::try_from(n) {
+            Ok(n) if n == len => {
+                self.map.word(W_WRITTEN).fetch_add(len as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(_) => Err(Declined::Copy(io::Error::new(io::ErrorKind::WriteZero, "short copy"))),
+            Err(_) => Err(Declined::Copy(io::Error::last_os_error())),
+        }
+    }
+
+    /// Whether an open entry holds `dst .. end`, read after the counter
+    /// went odd.
+    fn find(&self, dst: u64, end: u64) -> bool {
+        let holds = |i: usize| {
+            let e = entry(i);
+            if self.map.word(e).load(Ordering::SeqCst) != OPEN {
+                return false;
+            }
+            let (a, l) = (self.map.word(e + 1).load(Ordering::Relaxed), self.map.word(e + 2).load(Ordering::Relaxed));
+            a <= dst && a.checked_add(l).is_some_and(|stop| end <= stop)
+        };
+        let last = self.last.load(Ordering::Relaxed);
+        if last < self.entries && holds(last) {
+            return true;
+        }
+        let high = usize::try_from(self.map.word(W_HIGH).load(Ordering::SeqCst)).unwrap_or(usize::MAX);
+        for i in 0..high.min(self.entries) {
+            if holds(i) {
+                self.last.store(i, Ordering::Relaxed);
+                return true;
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nonce(b: u8) -> [u8; WINDOW_NONCE_LEN] {
+        [b; WINDOW_NONCE_LEN]
+    }
+
+    /// Rule 9 (only what the target allows is written): a window in this
+    /// process writes exactly the open ranges, and nothing once closed or
+    /// retired.
+    #[test]
+    fn writes_only_open_ranges() {
+        let dst = crate::Buffer::new(8192).unwrap();
+        let src = crate::Buffer::new(4096).unwrap();
+        src.region().write_at(0, &[7u8; 4096]).unwrap();
+        let me = std::process::id();
+        let owner = WindowOwner::create(&nonce(1), 4, me).unwrap();
+        let view = WindowView::attach(me, owner.raw_fd(), &nonce(1)).unwrap();
+        let base = dst.region().addr();
+        // Nothing open yet.
+        assert!(matches!(view.write(&src.region(), 0, 4096, base), Err(Declined::NotAllowed)));
+        assert!(owner.open(2, base, 4096));
+        view.write(&src.region(), 0, 4096, base).unwrap();
+        assert_eq!(owner.take_written(), 4096);
+        assert_eq!(owner.take_written(), 0, "taken once");
+        let mut got = vec![0u8; 8192];
+        dst.region().read_at(0, &mut got).unwrap();
+        assert_eq!(&got[..4096], &[7u8; 4096][..]);
+        assert_eq!(&got[4096..], &[0u8; 4096][..]);
+        // A range past the entry's end, or wrapping, is refused.
+        assert!(matches!(view.write(&src.region(), 0, 4096, base + 1), Err(Declined::NotAllowed)));
+        assert!(matches!(view.write(&src.region(), 0, 16, u64::MAX - 8), Err(Declined::NotAllowed)));
+        assert_eq!(owner.writing(), None);
+        owner.close(2);
+        assert!(matches!(view.write(&src.region(), 0, 4096, base), Err(Declined::NotAllowed)));
+        assert!(owner.open(0, base, 8192));
+        view.write(&src.region(), 0, 4096, base + 4096).unwrap();
+        owner.retire();
+        assert!(view.is_retired());
+        assert!(matches!(view.write(&src.region(), 0, 4096, base), Err(Declined::NotAllowed)));
+        assert!(!owner.open(4, base, 1), "entries beyond the window");
+    }
+
+    #[test]
+    fn attach_checks_the_window() {
+        let me = std::process::id();
+        let owner = WindowOwner::create(&nonce(1), 1, me).unwrap();
+        let e = WindowView::attach(me, owner.raw_fd(), &nonce(2)).unwrap_err();
+        assert!(e.to_string().contains("another connection"), "{e}");
+        // Not a window: a plain file without seals.
+        let f = std::fs::File::open("/proc/self/stat").unwrap();
+        assert!(WindowView::attach(me, f.as_raw_fd(), &nonce(1)).is_err());
+        assert!(WindowView::attach(me, 987_654, &nonce(1)).is_err());
+        assert!(WindowOwner::create(&nonce(1), WINDOW_ENTRIES + 1, me).is_err());
+    }
+
+    /// A writer stopped inside a write (its counter odd) is waited for
+    /// until its process exits; a count that goes back is taken as 0.
+    #[test]
+    fn a_writer_that_exited_writes_no_more() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let owner = WindowOwner::create(&nonce(4), 1, child.id()).unwrap();
+        owner.map.word(W_COUNTER).store(7, Ordering::SeqCst);
+        assert_eq!(owner.writing(), Some(7));
+        assert!(!owner.writer_exited());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(owner.writer_exited());
+        owner.map.word(W_WRITTEN).store(100, Ordering::SeqCst);
+        assert_eq!(owner.take_written(), 100);
+        owner.map.word(W_WRITTEN).store(40, Ordering::SeqCst);
+        assert_eq!(owner.take_written(), 0);
+    }
+
+    /// The handshake of `close` and the counter: a writer that saw the
+    /// entry open is seen by the owner as writing until it is done, and one
+    /// that comes after the close copies nothing.
+    #[test]
+    fn a_close_waits_for_the_write_that_saw_it_open() {
+        let me = std::process::id();
+        let owner = WindowOwner::create(&nonce(3), 2, me).unwrap();
+        let view = WindowView::attach(me, owner.raw_fd(), &nonce(3)).unwrap();
+        let dst = crate::Buffer::new(1 << 20).unwrap();
+        let src = crate::Buffer::new(1 << 20).unwrap();
+        src.region().write_at(0, &vec![9u8; 1 << 20]).unwrap();
+        owner.open(1, dst.region().addr(), 1 << 20);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        // Stops the writer also when an assertion below fails (the scope
+        // joins it before the panic goes on).
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut n = 0u32;
+                while !stop.load(Ordering::Relaxed) && n < 1_000_000 {
+                    let _ = view.write(&src.region(), 0, 1 << 20, dst.region().addr());
+                    n += 1;
+                }
+            });
+            let _stop = Stop(&stop);
+            for _ in 0..200 {
+                owner.close(1);
+                // From here on, nothing may land: zero the destination once
+                // the write that may have seen the entry open is over.
+                if let Some(c) = owner.writing() {
+                    while owner.map.word(W_COUNTER).load(Ordering::SeqCst) == c {
+                        std::hint::spin_loop();
+                    }
+                }
+                dst.region().write_at(0, &vec![0u8; 1 << 20]).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(200));
+                let mut got = vec![1u8; 1 << 20];
+                dst.region().read_at(0, &mut got).unwrap();
+                assert!(got.iter().all(|&b| b == 0), "a write landed after the close was quiet");
+                owner.open(1, dst.region().addr(), 1 << 20);
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        });
+    }
+}
