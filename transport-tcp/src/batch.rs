@@ -152,6 +152,12 @@ impl Batch {
         let _ = self.apply(|l| l.unit_done(i, result));
     }
 
+    /// A started slice of request `i` was not sent after all and may be
+    /// started again (a direct write the peer's window declined).
+    pub fn slice_back(&self, i: usize) {
+        let _ = self.apply(|l| l.unit_back(i));
+    }
+
     /// Ends request `i` with `reason` (first decision wins).
     pub fn end_one(&self, i: usize, reason: EndReason) {
         let _ = self.apply(|l| l.end(i, reason));

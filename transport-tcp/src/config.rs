@@ -158,6 +158,16 @@ pub struct TcpConfig {
     /// check of the peer's identity passes; otherwise the lane carries
     /// the bytes itself, as it does with this set to false. Default true.
     pub same_host: bool,
+    /// Direct same-host writes (with `same_host`): a small WRITE to a
+    /// same-host peer that offers it is copied by the submitting thread
+    /// straight into the peer's memory (`process_vm_writev`), with no
+    /// frame and no round trip. The peer offers a window per connection
+    /// listing the ranges it allows (its regions that allow remote
+    /// writes); its `unregister` closes the range and waits until no
+    /// direct write that saw it open is still copying
+    /// (`transport_mem::window`). As a server, false offers no window; as
+    /// a client, false uses none. Default true.
+    pub direct_writes: bool,
 }
 
 impl Default for TcpConfig {
@@ -186,6 +196,7 @@ impl Default for TcpConfig {
             inbox_capacity: transport_core::DEFAULT_INBOX,
             drain_timeout: Duration::from_millis(250),
             same_host: true,
+            direct_writes: true,
         }
     }
 }

@@ -2,11 +2,13 @@
 //! frame I/O helpers shared by both sides.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use socket2::{SockRef, TcpKeepalive};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use transport_core::{Error, ErrorKind, Result};
+use transport_mem::window::{WindowView, WINDOW_NONCE_LEN};
 
 use crate::auth::{self, Role};
 use crate::config::TcpConfig;
@@ -108,6 +110,9 @@ pub(crate) struct Hello {
     pub generation: u64,
     /// What the lane may move by same-host copies.
     pub same_host: SameHost,
+    /// The server's window of direct writes, if it offered one and it
+    /// checked out.
+    pub direct: Option<Arc<WindowView>>,
 }
 
 /// Connects one lane: TCP connect, options, handshake (version, optional
@@ -195,7 +200,30 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
             );
         }
     }
-    Ok(Hello { generation: h.generation, same_host })
+    let direct = if r.flags & proto::DIRECT_WRITES != 0 { attach_window(cfg, same_host, &r, &sn, peer) } else { None };
+    Ok(Hello { generation: h.generation, same_host, direct })
+}
+
+/// The direct-write window a READY offered, mapped: only from a server
+/// whose process this side verified (`same.read_from`), with direct writes
+/// configured. A window that does not check out is logged and not used
+/// (the lane's writes go through the server).
+fn attach_window(cfg: &TcpConfig, same: SameHost, ready: &Header, sn: &[u8], peer: &str) -> Option<Arc<WindowView>> {
+    if !(cfg.same_host && cfg.direct_writes) {
+        return None;
+    }
+    let pid = same.read_from?;
+    let nonce: &[u8; WINDOW_NONCE_LEN] = sn.try_into().ok()?;
+    let attached = i32::try_from(ready.id)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "descriptor number out of range"))
+        .and_then(|fd| WindowView::attach(pid, fd, nonce));
+    match attached {
+        Ok(v) => Some(Arc::new(v)),
+        Err(e) => {
+            tracing::info!(peer, pid, "the peer's direct-write window is not used ({e}): writes go through the peer");
+            None
+        }
+    }
 }
 
 /// What a CHALLENGE allows by same-host copies: writes if the server

@@ -26,6 +26,7 @@ use crate::config::TcpConfig;
 use crate::pool::Slots;
 use crate::proto::WireRegion;
 use crate::samehost::SameHost;
+use transport_mem::window::WindowView;
 
 /// What every endpoint of one transport shares: the configuration, the
 /// counted tasks, the socket count and the request id source.
@@ -38,6 +39,9 @@ pub(crate) struct Env {
     /// Bytes this side's requests moved by same-host copies (answered
     /// writes the peer copied, reads copied here).
     pub same_host_bytes: AtomicU64,
+    /// Of those, the bytes this side wrote directly into peers' memory
+    /// (`lane::write_direct`).
+    pub direct_bytes: AtomicU64,
     /// Request ids: unique per transport, never reused, so a late answer
     /// can never be taken for another slice's.
     next_id: AtomicU64,
@@ -50,6 +54,7 @@ impl Env {
             tasks,
             lanes: AtomicUsize::new(0),
             same_host_bytes: AtomicU64::new(0),
+            direct_bytes: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
         })
     }
@@ -165,6 +170,9 @@ pub(crate) struct Lane {
     pub window: Semaphore,
     /// What this lane moves by same-host copies (agreed at its handshake).
     pub same_host: SameHost,
+    /// The peer's window of direct writes for this lane's connection
+    /// (offered at its handshake), used by `lane::write_direct`.
+    pub direct: Option<Arc<WindowView>>,
     /// The lane's sending side. Whoever holds it is the only one putting
     /// bytes on the socket: the writer task (across its writes), or a
     /// submit sending small work at once (`lane::send_now`, without
@@ -272,7 +280,7 @@ impl Endpoint {
         name: &str,
         addr: SocketAddr,
         peer: (u64, Vec<WireRegion>),
-        same_host: &[SameHost],
+        same_host: &[(SameHost, Option<Arc<WindowView>>)],
         env: Arc<Env>,
         slots: Weak<EndpointSlots>,
     ) -> Arc<Self> {
@@ -287,7 +295,8 @@ impl Endpoint {
                 .map(|i| Lane {
                     pending: Mutex::new(Pending::default()),
                     window: Semaphore::new(window),
-                    same_host: same_host.get(i).copied().unwrap_or_default(),
+                    same_host: same_host.get(i).map(|s| s.0).unwrap_or_default(),
+                    direct: same_host.get(i).and_then(|s| s.1.clone()),
                     out: Arc::default(),
                     rx: Mutex::default(),
                 })

@@ -56,7 +56,7 @@ pub(crate) async fn connect(
     let mut same_host = Vec::with_capacity(cfg.lanes);
     for i in 0..cfg.lanes {
         let (mut s, hello) = conn::connect(addr, cfg, name).await?;
-        same_host.push(hello.same_host);
+        same_host.push((hello.same_host, hello.direct.clone()));
         if i == 0 {
             let (g, r) = conn::fetch_regions(&mut s, cfg, env.next_id(), name).await?;
             if g != hello.generation {
@@ -72,12 +72,14 @@ pub(crate) async fn connect(
         }
         streams.push(s);
     }
-    let agreed = same_host.iter().filter(|s| s.writes && s.read_from.is_some()).count();
+    let agreed = same_host.iter().filter(|(s, _)| s.writes && s.read_from.is_some()).count();
+    let direct = same_host.iter().filter(|(_, d)| d.is_some()).count();
     if cfg.same_host {
         tracing::info!(
             peer = name,
             lanes = same_host.len(),
             same_host_lanes = agreed,
+            direct_write_lanes = direct,
             "endpoint connected ({})",
             if agreed == same_host.len() {
                 "same-host copies"
@@ -327,6 +329,79 @@ async fn stream_payload(
         done += n as u64;
     }
     Ok(())
+}
+
+/// Most requests one submit writes directly.
+const DIRECT_MAX_REQS: usize = 64;
+/// Most bytes one submit writes directly (the submitting thread copies
+/// them; larger work goes through the lanes, where the peer gathers its
+/// copies).
+const DIRECT_MAX_BYTES: u64 = 1 << 20;
+
+/// Writes the WRITEs of `work` straight into the peer's memory on the
+/// submitting thread, when the peer offered a direct-write window on a
+/// lane (`transport_mem::window`) and the work is small (at most
+/// [`DIRECT_MAX_REQS`] requests and [`DIRECT_MAX_BYTES`] bytes, each
+/// request one slice of host memory). Each request so written is
+/// complete when this returns: its bytes are in the peer's memory (rule
+/// 11's order holds: a notification sent later finds them there). What the
+/// window declines (a range it does not allow now, a failed copy) and
+/// every READ is given back to go the usual way, which reports any real
+/// error; `None` when nothing is left.
+pub(crate) fn write_direct(ep: &Arc<Endpoint>, mut work: Work) -> Option<Work> {
+    if work.idx.len() > DIRECT_MAX_REQS || ep.is_dead() {
+        return Some(work);
+    }
+    let Some(view) = ep.lanes.iter().find_map(|l| l.direct.as_ref().filter(|v| !v.is_retired())) else {
+        return Some(work);
+    };
+    let slice = ep.env.cfg.slice_size as u64;
+    let mut bytes = 0u64;
+    for &i in &work.idx {
+        let Some(r) = work.batch.reqs.get(i as usize) else { return Some(work) };
+        if r.op == Opcode::Write {
+            bytes = bytes.saturating_add(r.len);
+        }
+    }
+    if bytes > DIRECT_MAX_BYTES {
+        return Some(work);
+    }
+    let batch = work.batch.clone();
+    let mut written = 0u64;
+    work.idx.retain(|&k| {
+        let i = k as usize;
+        let (Some(r), Some(local)) = (batch.reqs.get(i), batch.locals.get(i)) else { return true };
+        if r.op != Opcode::Write || r.len == 0 || r.len > slice || local.mem.provider().is_some() {
+            return true;
+        }
+        let (Ok(off), Ok(len)) = (usize::try_from(r.local_offset), usize::try_from(r.len)) else { return true };
+        // The ledger decides: a request that is not live is not touched
+        // (and needs nothing more).
+        if !batch.start(i) {
+            return false;
+        }
+        match local.with_live(|m| view.write(m, off, len, r.remote_addr)) {
+            Some(Ok(())) => {
+                written += r.len;
+                batch.slice_done(i, Ok(()));
+                false
+            }
+            None => {
+                batch.slice_done(i, Err(Error::region_unregistered(local.id)));
+                false
+            }
+            Some(Err(_declined)) => {
+                batch.slice_back(i);
+                true
+            }
+        }
+    });
+    if written > 0 {
+        ep.env.same_host_bytes.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
+        ep.env.direct_bytes.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
+        metrics::counter!("kvmove_tcp_direct_write_bytes_total").increment(written);
+    }
+    (!work.idx.is_empty()).then_some(work)
 }
 
 /// Sends the slices of `work` at once from the submitting task, when they

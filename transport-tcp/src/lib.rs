@@ -90,7 +90,16 @@
 //! a WRITE's bytes from the client's source into its region, the client
 //! copies a READ's bytes from the server's region into its destination
 //! (`process_vm_readv`; `samehost.rs` says how each side verifies the other
-//! process). Each side writes only its own memory, after its own checks.
+//! process). Each side writes only its own memory, after its own checks,
+//! except for *direct writes* (`TcpConfig::direct_writes`): a small WRITE
+//! (at most 64 requests and 1 MiB per submit, each request one slice of
+//! host memory) is copied by the submitting thread straight into the
+//! server's memory (`process_vm_writev`), with no frame and no answer, where
+//! the server granted that range in the connection's window
+//! (`transport_mem::window`; the server closes a range and waits for
+//! writes that saw it open before `unregister` returns). Such a request is
+//! complete when `submit` returns. The server's served-bytes metrics count
+//! direct writes as the clients report them, at most a second late.
 //! The rules above hold with one difference for WRITE sources: the peer's
 //! copy reads them until it answers. Ending a request waits
 //! `drain_timeout` for those answers, so normally the source is no longer
@@ -172,6 +181,10 @@ pub fn describe_metrics() {
         "kvmove_tcp_same_host_bytes_total",
         "Of the bytes this engine's TCP server served, those moved by same-host copies (process to process, \
          not through the socket), by operation."
+    );
+    describe_counter!(
+        "kvmove_tcp_direct_write_bytes_total",
+        "Bytes this engine wrote straight into same-host peers' memory (direct writes, no round trip)."
     );
     describe_counter!(
         "kvmove_tcp_lanes_total",

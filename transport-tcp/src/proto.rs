@@ -8,7 +8,8 @@
 //!   1     1   frame type (FrameType)
 //!   2     1   status (Status) in answers, 0 in requests (else refused)
 //!   3     1   flags (CHALLENGE: bit 0 = authentication required;
-//!             bit 1 SAME_HOST and bit 2 PULL_WRITES: below)
+//!             bit 1 SAME_HOST and bit 2 PULL_WRITES: below; READY:
+//!             bit 3 DIRECT_WRITES)
 //!   4     4   payload length (bytes after the header), <= max_frame
 //!             (NOTIFY: 2..=MAX_NOTIFY_PAYLOAD, whatever max_frame)
 //!   8     8   request id (unique per transport, never reused)
@@ -32,6 +33,10 @@
 //! the address of the source bytes in the client (the server copies them
 //! from there). A READ with SAME_HOST is answered by a READ_RESP with
 //! SAME_HOST and no payload (the client copies the bytes from the server).
+//! A READY with DIRECT_WRITES (sent only to a verified same-host client)
+//! carries in its request-id field the descriptor number, in the server,
+//! of a window file that lets the client copy small WRITEs straight into
+//! the server's memory (`transport_mem::window`).
 //!
 //! A NOTIFY payload (rule 11) is the sender's name and the message:
 //!
@@ -56,6 +61,11 @@ pub const SAME_HOST: u8 = 2;
 /// Flag bit 2 (CHALLENGE): the server verified the client's process, so
 /// WRITEs with [`SAME_HOST`] are served.
 pub const PULL_WRITES: u8 = 4;
+
+/// Flag bit 3 (READY): the server offers a window of direct writes to
+/// this client; the READY's request-id field is the window file's
+/// descriptor number in the server (`transport_mem::window`).
+pub const DIRECT_WRITES: u8 = 8;
 
 /// Protocol version carried in HELLO; a server refuses any other.
 pub const VERSION: u16 = 1;

@@ -4,10 +4,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 use transport_core::{Access, Error, ErrorKind, RegionId, Result};
 use transport_mem::cma::PULL_MANY_MAX;
+use transport_mem::window::{WindowOwner, WINDOW_ENTRIES, WINDOW_NONCE_LEN};
 use transport_mem::{MemError, MemoryRegion};
 
 use crate::proto::{Status, WireRegion};
@@ -22,6 +24,9 @@ pub(crate) struct Region {
     /// takes it exclusively to flip it, so once that returns no copy runs
     /// and none starts.
     gate: RwLock<bool>,
+    /// Its entry in the direct-write windows offered to same-host peers
+    /// (host memory that allows remote writes, while entries are left).
+    slot: Option<usize>,
 }
 
 impl Region {
@@ -145,6 +150,117 @@ pub(crate) fn pull_status(e: MemError) -> Status {
 struct Tables {
     by_id: HashMap<RegionId, Arc<Region>>,
     by_addr: BTreeMap<u64, Arc<Region>>,
+    /// The direct-write windows offered to same-host clients, live or
+    /// retired; a retired one is forgotten once no write of its client
+    /// can be inside it ([`Tables::forget_quiet_windows`]).
+    windows: Vec<Arc<WindowOwner>>,
+    /// Which window entries regions hold (index = entry).
+    slots: Vec<bool>,
+}
+
+impl Tables {
+    /// A free window entry, taken; `None` when all are held.
+    fn take_slot(&mut self) -> Option<usize> {
+        match self.slots.iter().position(|used| !used) {
+            Some(k) => {
+                self.slots[k] = true;
+                Some(k)
+            }
+            None if self.slots.len() < WINDOW_ENTRIES => {
+                self.slots.push(true);
+                Some(self.slots.len() - 1)
+            }
+            None => None,
+        }
+    }
+
+    /// Forgets retired windows that no write of their client is inside:
+    /// any later write finds them retired (`transport_mem::window`).
+    fn forget_quiet_windows(&mut self) {
+        let mut written = 0u64;
+        self.windows.retain(|w| {
+            let keep = !(w.is_retired() && (w.writing().is_none() || w.writer_exited()));
+            if !keep {
+                written = written.saturating_add(w.take_written());
+            }
+            keep
+        });
+        count_direct(written);
+    }
+}
+
+/// Retires its window when the connection it was offered on ends (and
+/// lets the table forget it, with its file, unless its client is inside a
+/// write right then: then a later look does).
+#[derive(Debug)]
+pub(crate) struct WindowGuard {
+    window: Arc<WindowOwner>,
+    table: std::sync::Weak<RegionTable>,
+}
+
+impl WindowGuard {
+    /// The window file's descriptor number in this process.
+    pub fn raw_fd(&self) -> i32 {
+        self.window.raw_fd()
+    }
+}
+
+impl Drop for WindowGuard {
+    fn drop(&mut self) {
+        self.window.retire();
+        if let Some(t) = self.table.upgrade() {
+            report_direct(&t);
+            t.inner.write().forget_quiet_windows();
+        }
+    }
+}
+
+/// Adds the bytes same-host clients wrote directly into this process
+/// since the last call to the served-bytes metrics (as WRITEs, moved by
+/// same-host copies), as the clients count them. Called whenever a
+/// connection's served bytes are reported, at unregister, when a window
+/// is retired, and at least once a second (the transport's reaper), so
+/// the metrics lag a direct write by at most that.
+pub(crate) fn report_direct(t: &RegionTable) {
+    count_direct(t.inner.read().windows.iter().map(|w| w.take_written()).fold(0, u64::saturating_add));
+}
+
+fn count_direct(n: u64) {
+    if n > 0 {
+        metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "write").increment(n);
+        metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => "write").increment(n);
+    }
+}
+
+/// Returns once no direct write that may have seen a range open before
+/// `windows` closed it (or were retired) is still copying: each client's
+/// write counter moved on, or its process exited. A write takes
+/// microseconds; a client frozen inside one (stopped, under a debugger)
+/// holds this until it resumes or exits, with a warning every 5 s.
+pub(crate) async fn quiet(windows: &[Arc<WindowOwner>]) {
+    const SPIN: Duration = Duration::from_micros(200);
+    const WARN_EVERY: Duration = Duration::from_secs(5);
+    for w in windows {
+        let Some(c) = w.writing() else { continue };
+        let started = Instant::now();
+        let mut warn_at = WARN_EVERY;
+        while w.writing() == Some(c) && !w.writer_exited() {
+            let waited = started.elapsed();
+            if waited < SPIN {
+                tokio::task::yield_now().await;
+                continue;
+            }
+            if waited >= warn_at {
+                tracing::warn!(
+                    waited_s = waited.as_secs(),
+                    "a same-host peer is stopped inside a direct write into this process: unregistering waits \
+                     until it resumes or exits"
+                );
+                warn_at += WARN_EVERY;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    }
 }
 
 /// All live registrations of one transport.
@@ -164,10 +280,72 @@ impl RegionTable {
                     .with("region", prev.id));
             }
         }
-        let r = Arc::new(Region { id, mem, access, gate: RwLock::new(true) });
+        let slot = if access.remote_write && mem.provider().is_none() { t.take_slot() } else { None };
+        let r = Arc::new(Region { id, mem, access, gate: RwLock::new(true), slot });
+        if let Some(k) = slot {
+            for w in &t.windows {
+                w.open(k, r.mem.addr(), r.mem.len() as u64);
+            }
+        }
         t.by_addr.insert(start, r.clone());
         t.by_id.insert(id, r);
         Ok(())
+    }
+
+    /// A direct-write window for the client process `writer` (verified),
+    /// carrying the handshake's `nonce`, with every region that allows
+    /// remote writes open in it. Retired when the guard drops.
+    pub fn add_window(self: &Arc<Self>, nonce: &[u8; WINDOW_NONCE_LEN], writer: u32) -> std::io::Result<WindowGuard> {
+        let w = Arc::new(WindowOwner::create(nonce, WINDOW_ENTRIES, writer)?);
+        let mut t = self.inner.write();
+        t.forget_quiet_windows();
+        for r in t.by_id.values() {
+            if let Some(k) = r.slot {
+                w.open(k, r.mem.addr(), r.mem.len() as u64);
+            }
+        }
+        t.windows.push(w.clone());
+        Ok(WindowGuard { window: w, table: Arc::downgrade(self) })
+    }
+
+    /// Closes `r`'s entry in every window (after `remove`); returns the
+    /// windows to wait for ([`quiet`]) before `r` counts as unregistered
+    /// and [`RegionTable::release_slot`] may give its entry to another.
+    pub fn close_direct(&self, r: &Region) -> Vec<Arc<WindowOwner>> {
+        let Some(k) = r.slot else { return Vec::new() };
+        let t = self.inner.read();
+        for w in &t.windows {
+            w.close(k);
+        }
+        t.windows.clone()
+    }
+
+    /// Frees `r`'s window entry, once [`quiet`] returned for the windows
+    /// `close_direct` gave.
+    pub fn release_slot(&self, r: &Region) {
+        let Some(k) = r.slot else { return };
+        report_direct(self);
+        let mut t = self.inner.write();
+        if let Some(used) = t.slots.get_mut(k) {
+            *used = false;
+        }
+        t.forget_quiet_windows();
+    }
+
+    /// Retires every window (the engine is closing); returns them, to
+    /// wait for ([`quiet`]), then [`RegionTable::forget_windows`].
+    pub fn retire_windows(&self) -> Vec<Arc<WindowOwner>> {
+        let t = self.inner.read();
+        for w in &t.windows {
+            w.retire();
+        }
+        t.windows.clone()
+    }
+
+    /// Forgets the retired windows no write is inside (their files close).
+    pub fn forget_windows(&self) {
+        report_direct(self);
+        self.inner.write().forget_quiet_windows();
     }
 
     /// Removes a region from the table (it may still be live until killed).

@@ -14,9 +14,12 @@
 //!   source range as for any READ and answers READ_RESP `Ok` without the
 //!   bytes; the client pulls them from the server into its destination.
 //!
-//! So every region is still checked by its owner (rule 9), the kernel is
-//! the only one writing across processes, and a peer never writes into
-//! this process's memory.
+//! So every region is still checked by its owner (rule 9), and the kernel
+//! is the only one writing across processes. Through the lanes a peer
+//! never writes into this process's memory; the one exception is a direct
+//! write (`TcpConfig::direct_writes`), which a client makes only into the
+//! ranges this server's window for its connection holds open
+//! (`transport_mem::window`, `RegionTable::add_window`).
 //!
 //! **Who the peer is.** A process that claims a pid is believed only after
 //! two checks, both at the handshake: (1) the kernel's socket table of this

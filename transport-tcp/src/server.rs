@@ -23,7 +23,7 @@ use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
-use crate::regions::{pull_status, Gathered, Pulled, RegionTable};
+use crate::regions::{pull_status, Gathered, Pulled, RegionTable, WindowGuard};
 use crate::samehost;
 
 /// A connection's output buffer: answers gathered before one `write`. A
@@ -273,7 +273,10 @@ impl Server {
 
     /// The handshake; on success, what the connection may do by same-host
     /// copies.
-    async fn handshake(&self, s: &mut TcpStream, slot: &mut Slot) -> Result<Peer, Close> {
+    /// The handshake; with a verified same-host client, also the window of
+    /// direct writes offered to it (retired when the guard drops, that is
+    /// when the connection ends).
+    async fn handshake(&self, s: &mut TcpStream, slot: &mut Slot) -> Result<(Peer, Option<WindowGuard>), Close> {
         let mut b = [0u8; HEADER_LEN];
         s.read_exact(&mut b).await?;
         let h = Header::decode(&b, 2 + NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
@@ -335,8 +338,22 @@ impl Server {
             let _ = write_frame(s, e, &[]).await;
             return Err(Close::Proto(format!("refused after the handshake (answered Busy): {why}")));
         }
-        write_frame(s, Header::new(FrameType::Ready), &answer).await?;
-        Ok(peer)
+        let mut ready = Header::new(FrameType::Ready);
+        let mut window = None;
+        if let Some(pid) = peer.pull_from.filter(|_| self.cfg.direct_writes) {
+            match self.regions.add_window(&sn, pid) {
+                Ok(w) => {
+                    ready.flags |= proto::DIRECT_WRITES;
+                    ready.id = u64::from(w.raw_fd().unsigned_abs());
+                    window = Some(w);
+                }
+                Err(e) => {
+                    tracing::info!(pid, "no direct-write window for this peer ({e}): its writes come through here")
+                }
+            }
+        }
+        write_frame(s, ready, &answer).await?;
+        Ok((peer, window))
     }
 
     /// Serves one connection; `slot` counts it (in its handshake, then
@@ -354,13 +371,14 @@ impl Server {
             let _ = tokio::time::timeout(REFUSE_WAIT, write_frame(&mut s, e, &[])).await;
             return Err(Close::Io(std::io::Error::other("handshake slot taken by a newcomer (answered Busy)")));
         };
-        let same = handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
+        let (same, _window) = handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
         if let Ok(peer) = s.peer_addr() {
             tracing::info!(
                 %peer,
                 authenticated = self.cfg.secret.is_some(),
                 same_host_writes = same.pull_from.is_some(),
                 same_host_reads = same.reads,
+                direct_writes = _window.is_some(),
                 "peer connected"
             );
             metrics::counter!("kvmove_tcp_connections_total").increment(1);
@@ -522,6 +540,7 @@ impl Server {
             }
             if r.buffered() == 0 {
                 served.report();
+                crate::regions::report_direct(&self.regions);
                 if !out.is_empty() {
                     self.idle(Self::flush(w, out)).await?;
                 }

@@ -115,6 +115,13 @@ impl TcpTransport {
     pub fn same_host_bytes(&self) -> u64 {
         self.inner.env.same_host_bytes.load(Ordering::Relaxed)
     }
+
+    /// Of [`TcpTransport::same_host_bytes`], the bytes this transport's
+    /// requests wrote straight into peers' memory (see
+    /// [`TcpConfig::direct_writes`]).
+    pub fn direct_write_bytes(&self) -> u64 {
+        self.inner.env.direct_bytes.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for TcpTransport {
@@ -126,6 +133,10 @@ impl Drop for TcpTransport {
             h.abort();
         }
         i.server.abort_all();
+        // Same-host peers find their windows retired from now on; a write
+        // already inside one is over within microseconds (not waited for
+        // here: a drop cannot wait on another process; `shutdown` does).
+        let _ = i.regions.retire_windows();
         if tokio::runtime::Handle::try_current().is_ok() {
             for ep in i.slots.retire_all() {
                 ep.begin_destroy(Error::new(ErrorKind::Shutdown, "transport dropped"));
@@ -177,6 +188,11 @@ impl Transport for TcpTransport {
     async fn unregister(&self, region: RegionId) -> Result<()> {
         let i = &self.inner;
         let r = i.regions.remove(region).ok_or_else(|| Error::unknown_region(region))?;
+        // Same-host peers' direct writes into it stop first: its range is
+        // closed in their windows, and a write that saw it open is waited
+        // for.
+        crate::regions::quiet(&i.regions.close_direct(&r)).await;
+        i.regions.release_slot(&r);
         // Peers' copies into or out of it stop here (the gate waits for a
         // running one); then local requests using it are ended and quieted.
         r.kill();
@@ -277,7 +293,8 @@ impl Transport for TcpTransport {
             batch.carried_by(Arc::downgrade(&ep) as std::sync::Weak<dyn crate::batch::Carrier>);
             // Few small slices go out from here at once; the rest is queued
             // for the lanes' writers.
-            if let Some(work) = crate::lane::send_now(&ep, Work::new(batch.clone(), idx, generation, using)) {
+            let work = crate::lane::write_direct(&ep, Work::new(batch.clone(), idx, generation, using));
+            if let Some(work) = work.and_then(|w| crate::lane::send_now(&ep, w)) {
                 ep.enqueue(work);
             }
         }
@@ -405,6 +422,9 @@ impl Transport for TcpTransport {
             let _ = h.await;
         }
         i.server.close_all().await;
+        // No same-host peer writes directly into this process any more.
+        crate::regions::quiet(&i.regions.retire_windows()).await;
+        i.regions.forget_windows();
         for id in i.regions.ids() {
             if let Some(r) = i.regions.remove(id) {
                 r.kill();

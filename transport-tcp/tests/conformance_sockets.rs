@@ -4,4 +4,4 @@
 
 mod support;
 
-conformance::conformance_main!(|| support::harness::TcpHarness::new(false));
+conformance::conformance_main!(|| support::harness::TcpHarness::new(support::harness::Path::Sockets));

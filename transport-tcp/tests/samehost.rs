@@ -2,7 +2,9 @@
 //! bytes move by process-to-process copies, not through the sockets; a
 //! peer with them off is served through the sockets; a client that names
 //! another process is never believed; a process killed mid-batch ends the
-//! batch and a restarted one is reached again.
+//! batch and a restarted one is reached again; small writes go straight
+//! into the peer's memory, and never once the peer unregistered the
+//! region.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test and benchmark code: a failure should panic
 
 mod support;
@@ -317,8 +319,8 @@ async fn a_client_that_names_another_process_is_not_believed() {
 
 /// The conformance harness's topology (`support/harness.rs`: every node
 /// behind a loopback fault proxy of this process) moves its bytes by
-/// same-host copies, so the `tcp` conformance run exercises them (and
-/// `tcp_sockets`, with them off, the socket path).
+/// same-host copies, so the `tcp` and `tcp_pull` conformance runs exercise
+/// them (and `tcp_sockets`, with them off, the socket path).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_behind_the_fault_proxy_use_same_host_copies() {
     tokio::time::timeout(Duration::from_secs(30), async {
@@ -339,6 +341,114 @@ async fn nodes_behind_the_fault_proxy_use_same_host_copies() {
             a.shutdown().await.unwrap();
             b.shutdown().await.unwrap();
         }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Direct writes (`TcpConfig::direct_writes`): small WRITEs to a same-host
+/// peer process are copied straight into its memory by the submitting
+/// thread, every byte where it belongs; work over the direct bound still
+/// goes through the lanes (the peer copies it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_writes_go_straight_into_the_peers_memory() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let peer = Peer::start("127.0.0.1:0", true);
+        let a = node(test_config()).await;
+        let seg = a.open_segment(&peer.name).await.unwrap();
+        let src = Buffer::from_slice(&pattern(9, 1 << 20)).unwrap();
+        let sl = a.register(src.region(), Access::LOCAL).unwrap();
+        let mut want = start_pattern(LEN);
+        let mut direct = 0;
+        for (k, size) in [1usize, 4096, 65537].into_iter().enumerate() {
+            let (from, to) = (k * 7, k * 8191 + 3);
+            let s =
+                run(&a, vec![TransferRequest::write(sl, from as u64, seg, peer.region + to as u64, size as u64)]).await;
+            assert_eq!(s.state, BatchState::Completed, "{size}: {:?}", s.first_error());
+            want[to..to + size].copy_from_slice(&src.to_vec()[from..from + size]);
+            direct += size as u64;
+            assert_eq!(a.direct_write_bytes(), direct, "{size} bytes went straight into the peer");
+        }
+        let reqs: Vec<_> = (0..16u64)
+            .map(|k| TransferRequest::write(sl, k * 4096, seg, peer.region + (1 << 20) + k * 4100, 4096))
+            .collect();
+        let s = run(&a, reqs).await;
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        for k in 0..16usize {
+            let to = (1 << 20) + k * 4100;
+            want[to..to + 4096].copy_from_slice(&src.to_vec()[k * 4096..(k + 1) * 4096]);
+        }
+        direct += 16 * 4096;
+        assert_eq!(a.direct_write_bytes(), direct, "a batch of 16 small writes went straight into the peer");
+        // Over the bound (4 MiB in one batch): through the lanes.
+        let before = a.same_host_bytes();
+        let reqs: Vec<_> = (0..4u64)
+            .map(|k| TransferRequest::write(sl, 0, seg, peer.region + (4 << 20) + (k << 20), 1 << 20))
+            .collect();
+        let s = run(&a, reqs).await;
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        for k in 0..4usize {
+            let to = (4 << 20) + (k << 20);
+            want[to..to + (1 << 20)].copy_from_slice(&src.to_vec());
+        }
+        assert_eq!(a.direct_write_bytes(), direct, "large work is not written directly");
+        assert_eq!(a.same_host_bytes() - before, 4 << 20, "large work is copied by the peer");
+        let back = Buffer::new(LEN).unwrap();
+        let bl = a.register(back.region(), Access::LOCAL).unwrap();
+        let s = run(&a, vec![TransferRequest::read(bl, 0, seg, peer.region, LEN as u64)]).await;
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        assert!(back.to_vec() == want, "every written byte is where it belongs, and no other byte changed");
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Rule 9 with direct writes: once the target's `unregister` returns, no
+/// direct write lands in the region, not even one racing it, and later
+/// writes to it fail (the target refuses them) without touching it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_direct_write_lands_once_the_target_unregistered() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let target = node(test_config()).await;
+        let a = std::sync::Arc::new(node(test_config()).await);
+        let dst = Buffer::new(1 << 20).unwrap();
+        let src = Buffer::from_slice(&[0xA5u8; 4096]).unwrap();
+        let sl = a.register(src.region(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&target.local_segment_name()).await.unwrap();
+        let mut refused = 0;
+        for round in 0..20u64 {
+            let r = target.register(dst.region(), Access::REMOTE_RW).unwrap();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let writer = {
+                let (a, stop, to) = (a.clone(), stop.clone(), dst.addr());
+                tokio::spawn(async move {
+                    let mut failed = 0u32;
+                    for k in 0..100_000u64 {
+                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
+                        }
+                        let w = TransferRequest::write(sl, 0, seg, to + (k % 256) * 4096, 4096);
+                        if run(&a, vec![w]).await.state != BatchState::Completed {
+                            failed += 1;
+                        }
+                    }
+                    failed
+                })
+            };
+            tokio::time::sleep(Duration::from_micros(300 + 100 * round)).await;
+            target.unregister(r).await.unwrap();
+            // From here on nothing may land in it: writes still coming fail.
+            dst.fill(0);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            refused += writer.await.unwrap();
+            assert!(dst.to_vec().iter().all(|&b| b == 0), "round {round}: a write landed after unregister returned");
+        }
+        assert!(a.direct_write_bytes() > 0, "the writes went straight into the target while it was registered");
+        assert!(refused > 0, "writes after the unregister failed");
+        a.shutdown().await.unwrap();
+        target.shutdown().await.unwrap();
     })
     .await
     .expect("test timed out");

@@ -3,6 +3,11 @@
 //! `cut` and `stall` are real socket faults; `kill` resets every connection
 //! and stops the listener abruptly, then drops the node; `restart` starts a
 //! new node (new generation) behind a proxy on the same address.
+//!
+//! With direct same-host writes on (the default configuration), small
+//! writes never touch a socket, so no proxy can stall them (as no network
+//! fault stalls a copy within one host): that harness says it cannot stall,
+//! and the cases that need a stall run against the other two paths.
 
 use std::any::Any;
 use std::net::SocketAddr;
@@ -15,21 +20,29 @@ use conformance::{Harness, Node, NodeOptions};
 use transport_core::{Error, ErrorKind, Result, Transport};
 use transport_tcp::{TcpConfig, TcpTransport};
 
+/// Where the nodes' bytes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// The default configuration: same-host copies and direct writes.
+    Direct,
+    /// Same-host copies, no direct writes: every byte is copied by the
+    /// side it lands on, after a frame through the proxy.
+    Pull,
+    /// `same_host = false`: every byte through the sockets.
+    Sockets,
+}
+
 /// One per case: remembers the ports of its nodes, so its OS probe counts
 /// only this case's sockets (cases run in parallel in one process).
-#[derive(Default)]
 pub struct TcpHarness {
     ports: parking_lot::Mutex<Vec<u16>>,
-    /// `TcpConfig::same_host` of every node.
-    same_host: bool,
+    path: Path,
 }
 
 impl TcpHarness {
-    /// Nodes with `same_host` as given (the default, true, moves the bytes
-    /// of these loopback lanes by same-host copies; false, through the
-    /// sockets).
-    pub fn new(same_host: bool) -> Self {
-        Self { ports: parking_lot::Mutex::default(), same_host }
+    /// Nodes whose bytes go by `path`.
+    pub fn new(path: Path) -> Self {
+        Self { ports: parking_lot::Mutex::default(), path }
     }
 }
 
@@ -61,7 +74,8 @@ async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr, inbox: Opt
         idle_timeout: opts.idle_timeout,
         connect_timeout: Duration::from_secs(2),
         inbox_capacity: inbox.unwrap_or(transport_core::DEFAULT_INBOX),
-        same_host: h.same_host,
+        same_host: h.path != Path::Sockets,
+        direct_writes: h.path == Path::Direct,
         ..TcpConfig::default()
     };
     let t = Arc::new(TcpTransport::new(cfg).await?);
@@ -75,10 +89,10 @@ async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr, inbox: Opt
 #[async_trait]
 impl Harness for TcpHarness {
     fn backend(&self) -> &str {
-        if self.same_host {
-            "tcp"
-        } else {
-            "tcp_sockets"
+        match self.path {
+            Path::Direct => "tcp",
+            Path::Pull => "tcp_pull",
+            Path::Sockets => "tcp_sockets",
         }
     }
 
@@ -112,6 +126,9 @@ impl Harness for TcpHarness {
     }
 
     async fn stall(&self, to: &Node, on: bool) -> Result<bool> {
+        if self.path == Path::Direct {
+            return Ok(false);
+        }
         state(to)?.proxy.stall(on);
         Ok(true)
     }
