@@ -1,6 +1,6 @@
 //! Direct same-host writes: a target's consent, shared with one initiator
 //! process, that lets the initiator copy a WRITE's bytes straight into the
-//! target's memory (`process_vm_writev`, one kernel copy, no round trip).
+//! target's memory (one kernel copy, no round trip).
 //!
 //! The consent is a *window*: a small memory file (`memfd`) that the target
 //! creates for one connection and the initiator maps (it takes the file
@@ -26,8 +26,18 @@
 //! unregistered. A writer frozen inside a write (SIGSTOP, a debugger) holds
 //! that wait; the window is the few microseconds of one copy.
 //!
+//! The copy goes through the target's `/proc/<pid>/mem`, opened once when
+//! the window is attached: that file stays bound to the address space the
+//! target had then, so once the target exits or replaces its program
+//! (`exec`), or its pid names another process, a write fails instead of
+//! landing elsewhere. (`process_vm_writev` names the target by pid at
+//! every call.) A forked child of the initiator never writes through the
+//! window (the mapping is not inherited, and a `pthread_atfork` handler
+//! tells the copied structures so).
+//!
 //! The target never trusts what the initiator can write here: it reads
-//! only the counter, as a number. The initiator checks the file before it
+//! only the counter, as a number (and a byte count, for metrics); whether
+//! the window is retired it keeps in its own memory. The initiator checks the file before it
 //! maps it (size, seals that stop the target from shrinking it under the
 //! mapping, magic, the handshake's nonce), reads the entry count only
 //! once, and bounds every index by it. Both processes are the same user's
@@ -38,7 +48,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::region::MemoryRegion;
@@ -70,10 +80,43 @@ fn words_for(entries: usize) -> usize {
 }
 
 /// A shared mapping of a window file, unmapped on drop.
+///
+/// The mapping is not inherited across `fork` (`MADV_DONTFORK`), while the
+/// struct is (a copy of this process's memory). So every use first asks
+/// [`Map::here`]: in a forked child the window is treated as retired and
+/// never touched, and its drop unmaps nothing.
 #[derive(Debug)]
 struct Map {
     base: NonNull<AtomicU64>,
     words: usize,
+    /// [`forks`] when it was mapped: a different value means this is a
+    /// forked child's copy.
+    forks: u64,
+}
+
+/// What a window's words read as in a process that does not map it.
+static ABSENT: AtomicU64 = AtomicU64::new(0);
+
+/// How many `fork`s this process is removed from the one it started as:
+/// raised in every child (a `pthread_atfork` handler), so a check costs one
+/// load instead of a `getpid`.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn in_forked_child() {
+    // Async-signal-safe: one atomic add.
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// [`FORKS`] now, with the handler installed (once).
+fn forks() -> io::Result<u64> {
+    static HOOK: std::sync::OnceLock<libc::c_int> = std::sync::OnceLock::new();
+    // SAFETY: registers a child handler that only touches an atomic; the
+    // other two handlers are absent.
+    let rc = *HOOK.get_or_init(|| unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) });
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(FORKS.load(Ordering::Relaxed))
 }
 
 // SAFETY: the mapping is only ever accessed through `AtomicU64`s, which
@@ -103,8 +146,16 @@ impl Map {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let map =
-            Map { base: NonNull::new(p.cast()).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?, words };
+        let base = NonNull::new(p.cast()).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
+        let forks = match forks() {
+            Ok(n) => n,
+            Err(e) => {
+                // SAFETY: unmaps the mapping just made, never used.
+                unsafe { libc::munmap(p, bytes) };
+                return Err(e);
+            }
+        };
+        let map = Map { base, words, forks };
         // SAFETY: `p .. p + bytes` is the mapping just made; advice changes
         // only what a fork inherits.
         if unsafe { libc::madvise(p, bytes, libc::MADV_DONTFORK) } != 0 {
@@ -113,21 +164,38 @@ impl Map {
         Ok(map)
     }
 
+    /// Whether this process made the mapping (not a forked child).
+    fn here(&self) -> bool {
+        FORKS.load(Ordering::Relaxed) == self.forks
+    }
+
     /// Word `i`; `i` is always below `words` (the callers bound it by an
-    /// entry count they checked against the mapping's size).
+    /// entry count they checked against the mapping's size). In a forked
+    /// child, a word of no window (always 0: retired, not writing): the
+    /// public methods check [`Map::here`] first, this is the backstop.
     fn word(&self, i: usize) -> &AtomicU64 {
         assert!(i < self.words, "window word {i} outside the mapping");
+        if !self.here() {
+            return &ABSENT;
+        }
         // SAFETY: in bounds (above); the mapping is page-aligned, so every
-        // word is 8-byte aligned; it lives as long as `self`; both
-        // processes access it only atomically.
+        // word is 8-byte aligned; it lives as long as `self` in the process
+        // that made it (checked above); both processes access it only
+        // atomically.
         unsafe { &*self.base.as_ptr().add(i) }
     }
 }
 
 impl Drop for Map {
     fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping `new` made; no reference into
-        // it outlives `self` (they borrow it).
+        if !self.here() {
+            // A forked child has no such mapping: nothing to unmap, and the
+            // address may hold something else of the child's.
+            return;
+        }
+        // SAFETY: unmaps exactly the mapping `new` made, in the process
+        // that made it; no reference into it outlives `self` (they borrow
+        // it).
         unsafe {
             libc::munmap(self.base.as_ptr().cast(), self.words * 8);
         }
@@ -174,6 +242,11 @@ pub struct WindowOwner {
     writer: OwnedFd,
     /// Of the bytes the writer says it wrote, those already taken.
     taken: AtomicU64,
+    /// Retired (this process's own record: the shared word is the
+    /// writer's to read, never trusted back).
+    retired: AtomicBool,
+    /// The writer's counter when the window was retired.
+    retired_at: AtomicU64,
 }
 
 impl WindowOwner {
@@ -208,7 +281,15 @@ impl WindowOwner {
         map.word(W_ENTRIES).store(entries as u64, Ordering::Relaxed);
         map.word(W_ALIVE).store(1, Ordering::Relaxed);
         map.word(W_MAGIC).store(MAGIC, Ordering::Release);
-        Ok(WindowOwner { map, fd, entries, writer, taken: AtomicU64::new(0) })
+        Ok(WindowOwner {
+            map,
+            fd,
+            entries,
+            writer,
+            taken: AtomicU64::new(0),
+            retired: AtomicBool::new(false),
+            retired_at: AtomicU64::new(0),
+        })
     }
 
     /// The window file's descriptor in this process (the initiator takes a
@@ -225,9 +306,9 @@ impl WindowOwner {
     /// Lets the writer write `addr .. addr + len` through entry `slot`,
     /// which must be closed (never written meanwhile by a writer: the
     /// caller waited for [`WindowOwner::writing`] after closing it). False
-    /// when the window has no such entry.
+    /// when the window has no such entry (or this is a forked child).
     pub fn open(&self, slot: usize, addr: u64, len: u64) -> bool {
-        if slot >= self.entries {
+        if slot >= self.entries || !self.map.here() {
             return false;
         }
         let e = entry(slot);
@@ -242,27 +323,49 @@ impl WindowOwner {
     /// will. Then [`WindowOwner::writing`] says whether one that did may
     /// still be copying.
     pub fn close(&self, slot: usize) {
-        if slot < self.entries {
+        if slot < self.entries && self.map.here() {
             self.map.word(entry(slot)).store(0, Ordering::SeqCst);
         }
     }
 
     /// Closes the whole window, for good (the connection ended, or the
-    /// engine is closing); [`WindowOwner::writing`] as for `close`.
+    /// engine is closing); [`WindowOwner::is_quiet`] says when no write
+    /// that saw it alive is still copying.
     pub fn retire(&self) {
+        if !self.map.here() {
+            return;
+        }
         self.map.word(W_ALIVE).store(0, Ordering::SeqCst);
+        if !self.retired.swap(true, Ordering::SeqCst) {
+            self.retired_at.store(self.map.word(W_COUNTER).load(Ordering::SeqCst), Ordering::SeqCst);
+        }
     }
 
-    /// Whether the window was retired.
+    /// Whether the window was retired (this process's record).
     pub fn is_retired(&self) -> bool {
-        self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0
+        self.retired.load(Ordering::SeqCst)
+    }
+
+    /// Whether the window is retired and no write that saw it alive can
+    /// still be copying: the writer was not inside a write when it was
+    /// retired, or has left that write since, or exited. (In a forked
+    /// child, which has no window: true.)
+    pub fn is_quiet(&self) -> bool {
+        if !self.map.here() {
+            return true;
+        }
+        if !self.is_retired() {
+            return false;
+        }
+        let at = self.retired_at.load(Ordering::SeqCst);
+        at.is_multiple_of(2) || self.map.word(W_COUNTER).load(Ordering::SeqCst) != at || self.writer_exited()
     }
 
     /// The writer's counter if it is inside a write (odd): a later value
     /// different from it means that write is over.
     pub fn writing(&self) -> Option<u64> {
         let c = self.map.word(W_COUNTER).load(Ordering::SeqCst);
-        (c % 2 == 1).then_some(c)
+        (!c.is_multiple_of(2)).then_some(c)
     }
 
     /// The bytes the writer wrote since the last call, as it counts them
@@ -297,8 +400,8 @@ pub enum Declined {
     /// The window does not (or no longer) allow this range, or the source
     /// is not host memory of this process.
     NotAllowed,
-    /// The copy failed or was short (the target is gone, or its memory
-    /// is not mapped there).
+    /// The copy failed or was short (the target exited or replaced its
+    /// program, or its memory is not mapped there).
     Copy(io::Error),
 }
 
@@ -307,11 +410,11 @@ pub enum Declined {
 pub struct WindowView {
     map: Map,
     entries: usize,
-    /// The target's process.
-    pid: libc::pid_t,
-    target: OwnedFd,
-    /// This process (a forked child never writes through the window).
-    me: u32,
+    /// The target's memory (`/proc/<pid>/mem`), opened once: it stays
+    /// bound to the address space the target had then, so after the
+    /// target exits or `exec`s (or its pid is reused) a write through it
+    /// fails instead of landing in another program.
+    mem: std::fs::File,
     /// One write at a time, so the counter's parity means "inside a write".
     one: Mutex<()>,
     /// The entry the last write went through (looked at first).
@@ -325,13 +428,18 @@ impl WindowView {
     pub fn attach(pid: u32, fd: i32, nonce: &[u8; WINDOW_NONCE_LEN]) -> io::Result<WindowView> {
         let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, format!("not a kvmove window: {why}"));
         let target = pidfd_open(pid)?;
-        let pid_t = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem"))?;
         // SAFETY: a plain system call with integer arguments; the kernel
         // checks ptrace rights over the target.
         let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, target.as_raw_fd(), fd, 0) };
         let got = cvt(libc::c_int::try_from(got).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?)?;
         // SAFETY: the kernel just gave this descriptor to us alone.
         let file = unsafe { OwnedFd::from_raw_fd(got) };
+        // The pid named the process of the pidfd until now: the memory
+        // file and the window are that process's.
+        if exited(&target) {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
         // SAFETY: plain calls on the descriptor we own.
         let seals = cvt(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) })?;
         if seals & libc::F_SEAL_SHRINK == 0 {
@@ -361,20 +469,13 @@ impl WindowView {
         if entries == 0 || words_for(entries) != size / 8 {
             return Err(bad("entry count does not match the size"));
         }
-        Ok(WindowView {
-            map,
-            entries,
-            pid: pid_t,
-            target,
-            me: std::process::id(),
-            one: Mutex::new(()),
-            last: AtomicUsize::new(0),
-        })
+        Ok(WindowView { map, entries, mem, one: Mutex::new(()), last: AtomicUsize::new(0) })
     }
 
-    /// Whether the target retired the window (or the target exited).
+    /// Whether the target retired the window (or this is a forked child,
+    /// which never writes through it).
     pub fn is_retired(&self) -> bool {
-        self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || exited(&self.target)
+        !self.map.here() || self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0
     }
 
     /// Copies `len` bytes at `offset` in the host region `src` of this
@@ -386,7 +487,7 @@ impl WindowView {
             return Err(Declined::NotAllowed);
         }
         let end = dst.checked_add(len as u64).ok_or(Declined::NotAllowed)?;
-        if std::process::id() != self.me {
+        if !self.map.here() {
             return Err(Declined::NotAllowed);
         }
         let _one = self.one.lock().unwrap_or_else(|p| p.into_inner());
@@ -400,20 +501,17 @@ impl WindowView {
             }
         }
         let _even = Even(counter);
-        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || exited(&self.target) {
+        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(dst, end) {
             return Err(Declined::NotAllowed);
         }
-        if !self.find(dst, end) {
-            return Err(Declined::NotAllowed);
-        }
-        let from = (src.addr() as usize).wrapping_add(offset);
-        let lv = libc::iovec { iov_base: from as *mut libc::c_void, iov_len: len };
-        let rv = libc::iovec { iov_base: dst as usize as *mut libc::c_void, iov_len: len };
-        // SAFETY: the local iovec is a range of the live host region `src`
-        // that `check` bounded (its constructor's guarantee), and it is
-        // only read. The remote range is in another process, allowed by
-        // its window (above), and the kernel checks it there.
-        let n = unsafe { libc::process_vm_writev(self.pid, &lv, 1, &rv, 1, 0) };
+        let at = libc::off_t::try_from(dst).map_err(|_| Declined::NotAllowed)?;
+        let from = (src.addr() as usize).wrapping_add(offset) as *const libc::c_void;
+        // SAFETY: the source is a range of the live host region `src` that
+        // `check` bounded (its constructor's guarantee), and it is only
+        // read. The destination is in the target's address space (the
+        // memory file's), allowed by its window (above); the kernel checks
+        // it there.
+        let n = unsafe { libc::pwrite(self.mem.as_raw_fd(), from, len, at) };
         match usize::try_from(n) {
             Ok(n) if n == len => {
                 self.map.word(W_WRITTEN).fetch_add(len as u64, Ordering::Relaxed);
@@ -523,6 +621,40 @@ mod tests {
         assert_eq!(owner.take_written(), 100);
         owner.map.word(W_WRITTEN).store(40, Ordering::SeqCst);
         assert_eq!(owner.take_written(), 0);
+    }
+
+    /// A forked child of the initiator finds the window retired and writes
+    /// nothing; the parent goes on writing.
+    #[test]
+    fn a_forked_child_never_writes_through_the_window() {
+        let me = std::process::id();
+        let owner = WindowOwner::create(&nonce(5), 1, me).unwrap();
+        let view = WindowView::attach(me, owner.raw_fd(), &nonce(5)).unwrap();
+        let (dst, src) = (crate::Buffer::new(4096).unwrap(), crate::Buffer::from_slice(&[3u8; 4096]).unwrap());
+        owner.open(0, dst.region().addr(), 4096);
+        let region = src.region();
+        // SAFETY: (test) the child only reads atomics, makes one failed
+        // call, drops what it copied (no unmapping) and exits at once.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            let ok = view.is_retired()
+                && matches!(view.write(&region, 0, 4096, dst.region().addr()), Err(Declined::NotAllowed));
+            drop(view);
+            // SAFETY: (test) leaves the child without running the parent's
+            // test harness.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: (test) waits for the child just made.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status}");
+        assert_eq!(dst.to_vec(), vec![0u8; 4096], "the child wrote nothing");
+        assert!(!view.is_retired());
+        view.write(&region, 0, 4096, dst.region().addr()).unwrap();
+        assert_eq!(dst.to_vec(), vec![3u8; 4096]);
+        owner.retire();
+        assert!(owner.is_quiet(), "retired with no write inside");
     }
 
     /// The handshake of `close` and the counter: a writer that saw the

@@ -160,7 +160,7 @@ pub struct TcpConfig {
     pub same_host: bool,
     /// Direct same-host writes (with `same_host`): a small WRITE to a
     /// same-host peer that offers it is copied by the submitting thread
-    /// straight into the peer's memory (`process_vm_writev`), with no
+    /// straight into the peer's memory (one kernel copy), with no
     /// frame and no round trip. The peer offers a window per connection
     /// listing the ranges it allows (its regions that allow remote
     /// writes); its `unregister` closes the range and waits until no

@@ -96,7 +96,7 @@ pub(crate) async fn reaper(inner: Weak<Inner>) {
         };
         tokio::time::sleep(tick).await;
         let Some(i) = inner.upgrade() else { return };
-        crate::regions::report_direct(&i.regions);
+        i.regions.tidy();
         for ep in i.slots.reap(i.cfg.idle_timeout) {
             tracing::debug!(peer = %ep.name, "reclaiming idle endpoint");
             ep.destroy(Error::new(ErrorKind::ConnectionReset, "idle endpoint reclaimed")).await;

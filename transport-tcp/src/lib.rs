@@ -94,7 +94,7 @@
 //! except for *direct writes* (`TcpConfig::direct_writes`): a small WRITE
 //! (at most 64 requests and 1 MiB per submit, each request one slice of
 //! host memory) is copied by the submitting thread straight into the
-//! server's memory (`process_vm_writev`), with no frame and no answer, where
+//! server's memory (one kernel copy), with no frame and no answer, where
 //! the server granted that range in the connection's window
 //! (`transport_mem::window`; the server closes a range and waits for
 //! writes that saw it open before `unregister` returns). Such a request is

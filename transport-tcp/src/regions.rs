@@ -151,11 +151,15 @@ struct Tables {
     by_id: HashMap<RegionId, Arc<Region>>,
     by_addr: BTreeMap<u64, Arc<Region>>,
     /// The direct-write windows offered to same-host clients, live or
-    /// retired; a retired one is forgotten once no write of its client
-    /// can be inside it ([`Tables::forget_quiet_windows`]).
+    /// retired; a retired one is forgotten once no write that saw it alive
+    /// can still be copying ([`WindowOwner::is_quiet`]).
     windows: Vec<Arc<WindowOwner>>,
     /// Which window entries regions hold (index = entry).
     slots: Vec<bool>,
+    /// Entries of unregistered regions whose unregister stopped waiting
+    /// (its caller went away) before the writes that saw them open were
+    /// over: freed by [`Tables::tidy`] once they are.
+    closing: Vec<Closing>,
 }
 
 impl Tables {
@@ -174,18 +178,54 @@ impl Tables {
         }
     }
 
-    /// Forgets retired windows that no write of their client is inside:
-    /// any later write finds them retired (`transport_mem::window`).
-    fn forget_quiet_windows(&mut self) {
+    fn free_slot(&mut self, k: usize) {
+        if let Some(used) = self.slots.get_mut(k) {
+            *used = false;
+        }
+    }
+
+    /// Frees the entries whose closing is over and forgets the retired
+    /// windows that are quiet (their files close; any later write of their
+    /// client finds them retired), counting what those clients wrote.
+    fn tidy(&mut self) {
+        let mut quiet = Vec::new();
+        self.closing.retain(|c| {
+            let over = c.is_quiet();
+            if over {
+                quiet.push(c.slot);
+            }
+            !over
+        });
+        for k in quiet {
+            self.free_slot(k);
+        }
         let mut written = 0u64;
         self.windows.retain(|w| {
-            let keep = !(w.is_retired() && (w.writing().is_none() || w.writer_exited()));
+            let keep = !w.is_quiet();
             if !keep {
                 written = written.saturating_add(w.take_written());
             }
             keep
         });
         count_direct(written);
+    }
+}
+
+/// A region's window entry, closed in every window, with what each
+/// window's client was doing right after: the entry may go to another
+/// region once each write then under way is over.
+#[derive(Debug)]
+pub(crate) struct Closing {
+    slot: usize,
+    seen: Vec<(Arc<WindowOwner>, Option<u64>)>,
+}
+
+impl Closing {
+    /// Whether no write that may have seen the entry open is still
+    /// copying: each client's counter moved on from the odd value seen
+    /// (a later write finds the entry closed), or its process exited.
+    fn is_quiet(&self) -> bool {
+        self.seen.iter().all(|(w, seen)| seen.is_none_or(|c| w.writing() != Some(c)) || w.writer_exited())
     }
 }
 
@@ -209,8 +249,7 @@ impl Drop for WindowGuard {
     fn drop(&mut self) {
         self.window.retire();
         if let Some(t) = self.table.upgrade() {
-            report_direct(&t);
-            t.inner.write().forget_quiet_windows();
+            t.tidy();
         }
     }
 }
@@ -232,33 +271,46 @@ fn count_direct(n: u64) {
     }
 }
 
-/// Returns once no direct write that may have seen a range open before
-/// `windows` closed it (or were retired) is still copying: each client's
-/// write counter moved on, or its process exited. A write takes
-/// microseconds; a client frozen inside one (stopped, under a debugger)
-/// holds this until it resumes or exits, with a warning every 5 s.
-pub(crate) async fn quiet(windows: &[Arc<WindowOwner>]) {
+/// Returns once `done()` holds: at once for a write of microseconds,
+/// yielding first, then sleeping 200 us at a time. A same-host client
+/// frozen inside a direct write (stopped, under a debugger) holds it until
+/// it resumes or exits, with a warning every 5 s naming `what` waits.
+async fn wait_quiet(what: &str, mut done: impl FnMut() -> bool) {
     const SPIN: Duration = Duration::from_micros(200);
     const WARN_EVERY: Duration = Duration::from_secs(5);
-    for w in windows {
-        let Some(c) = w.writing() else { continue };
-        let started = Instant::now();
-        let mut warn_at = WARN_EVERY;
-        while w.writing() == Some(c) && !w.writer_exited() {
-            let waited = started.elapsed();
-            if waited < SPIN {
-                tokio::task::yield_now().await;
-                continue;
-            }
-            if waited >= warn_at {
-                tracing::warn!(
-                    waited_s = waited.as_secs(),
-                    "a same-host peer is stopped inside a direct write into this process: unregistering waits \
-                     until it resumes or exits"
-                );
-                warn_at += WARN_EVERY;
-            }
-            tokio::time::sleep(Duration::from_micros(200)).await;
+    let started = Instant::now();
+    let mut warn_at = WARN_EVERY;
+    while !done() {
+        let waited = started.elapsed();
+        if waited < SPIN {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        if waited >= warn_at {
+            tracing::warn!(
+                waited_s = waited.as_secs(),
+                "a same-host peer is stopped inside a direct write into this process: {what} waits until it \
+                 resumes or exits"
+            );
+            warn_at += WARN_EVERY;
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+/// Puts a closing that its unregister stopped waiting for into the
+/// table's list (see [`Tables::closing`]).
+struct Unfinished<'a> {
+    table: &'a RegionTable,
+    closing: Option<Closing>,
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.closing.take() {
+            let mut t = self.table.inner.write();
+            t.closing.push(c);
+            t.tidy();
         }
     }
 }
@@ -298,7 +350,7 @@ impl RegionTable {
     pub fn add_window(self: &Arc<Self>, nonce: &[u8; WINDOW_NONCE_LEN], writer: u32) -> std::io::Result<WindowGuard> {
         let w = Arc::new(WindowOwner::create(nonce, WINDOW_ENTRIES, writer)?);
         let mut t = self.inner.write();
-        t.forget_quiet_windows();
+        t.tidy();
         for r in t.by_id.values() {
             if let Some(k) = r.slot {
                 w.open(k, r.mem.addr(), r.mem.len() as u64);
@@ -308,44 +360,62 @@ impl RegionTable {
         Ok(WindowGuard { window: w, table: Arc::downgrade(self) })
     }
 
-    /// Closes `r`'s entry in every window (after `remove`); returns the
-    /// windows to wait for ([`quiet`]) before `r` counts as unregistered
-    /// and [`RegionTable::release_slot`] may give its entry to another.
-    pub fn close_direct(&self, r: &Region) -> Vec<Arc<WindowOwner>> {
-        let Some(k) = r.slot else { return Vec::new() };
-        let t = self.inner.read();
-        for w in &t.windows {
-            w.close(k);
-        }
-        t.windows.clone()
-    }
-
-    /// Frees `r`'s window entry, once [`quiet`] returned for the windows
-    /// `close_direct` gave.
-    pub fn release_slot(&self, r: &Region) {
-        let Some(k) = r.slot else { return };
-        report_direct(self);
+    /// Stops direct writes into `r` (after `remove`): closes its entry in
+    /// every window and returns once no write that saw it open is still
+    /// copying; then its entry may go to another region. If the caller
+    /// stops waiting, the entry is freed later, once that holds.
+    pub async fn close_direct(&self, r: &Region) {
+        let Some(slot) = r.slot else { return };
+        let seen = {
+            let t = self.inner.read();
+            for w in &t.windows {
+                w.close(slot);
+            }
+            // Read after every close: a write that read the entry open is
+            // inside now, or over.
+            t.windows.iter().map(|w| (w.clone(), w.writing())).collect()
+        };
+        let mut pending = Unfinished { table: self, closing: Some(Closing { slot, seen }) };
+        wait_quiet("unregistering", || pending.closing.as_ref().is_none_or(Closing::is_quiet)).await;
+        pending.closing = None;
         let mut t = self.inner.write();
-        if let Some(used) = t.slots.get_mut(k) {
-            *used = false;
-        }
-        t.forget_quiet_windows();
+        t.free_slot(slot);
+        drop(t);
+        self.tidy();
     }
 
-    /// Retires every window (the engine is closing); returns them, to
-    /// wait for ([`quiet`]), then [`RegionTable::forget_windows`].
-    pub fn retire_windows(&self) -> Vec<Arc<WindowOwner>> {
-        let t = self.inner.read();
-        for w in &t.windows {
+    /// Counts what clients wrote directly, frees entries whose closing is
+    /// over and forgets retired windows that are quiet.
+    pub fn tidy(&self) {
+        report_direct(self);
+        self.inner.write().tidy();
+    }
+
+    /// Retires every window (the engine is closing): from here on no
+    /// client starts a direct write into this process.
+    pub fn retire_windows(&self) {
+        for w in &self.inner.read().windows {
             w.retire();
         }
-        t.windows.clone()
     }
 
-    /// Forgets the retired windows no write is inside (their files close).
-    pub fn forget_windows(&self) {
-        report_direct(self);
-        self.inner.write().forget_quiet_windows();
+    /// Whether every window is retired and quiet (no write that saw it
+    /// alive is still copying).
+    pub fn windows_quiet(&self) -> bool {
+        self.inner.read().windows.iter().all(|w| w.is_quiet())
+    }
+
+    /// After [`RegionTable::retire_windows`]: returns once every window is
+    /// quiet, then forgets them.
+    pub async fn quiet_windows(&self) {
+        wait_quiet("closing the engine", || self.windows_quiet()).await;
+        self.tidy();
+    }
+
+    /// The regions direct writes could reach (host memory that allows
+    /// remote writes, with a window entry).
+    pub fn directly_writable(&self) -> Vec<Arc<Region>> {
+        self.inner.read().by_id.values().filter(|r| r.slot.is_some()).cloned().collect()
     }
 
     /// Removes a region from the table (it may still be live until killed).

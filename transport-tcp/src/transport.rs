@@ -133,10 +133,27 @@ impl Drop for TcpTransport {
             h.abort();
         }
         i.server.abort_all();
-        // Same-host peers find their windows retired from now on; a write
-        // already inside one is over within microseconds (not waited for
-        // here: a drop cannot wait on another process; `shutdown` does).
-        let _ = i.regions.retire_windows();
+        // Same-host peers find their windows retired from now on. A direct
+        // write that saw one alive is over within microseconds: waited for
+        // here (bounded, a drop cannot wait on another process for long).
+        // If a peer is frozen inside one, the memory it may still write is
+        // never freed (its regions are leaked) rather than reused.
+        i.regions.retire_windows();
+        let until = std::time::Instant::now() + Duration::from_secs(1);
+        while !i.regions.windows_quiet() {
+            if std::time::Instant::now() >= until {
+                let kept = i.regions.directly_writable();
+                tracing::error!(
+                    regions = kept.len(),
+                    "transport dropped while a same-host peer is stopped inside a direct write: its regions are \
+                     kept (leaked) so the write cannot land in freed memory; memory it does not own (registered \
+                     from a raw address) must not be freed while that peer lives (call shutdown, which waits)"
+                );
+                std::mem::forget(kept);
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
         if tokio::runtime::Handle::try_current().is_ok() {
             for ep in i.slots.retire_all() {
                 ep.begin_destroy(Error::new(ErrorKind::Shutdown, "transport dropped"));
@@ -188,14 +205,12 @@ impl Transport for TcpTransport {
     async fn unregister(&self, region: RegionId) -> Result<()> {
         let i = &self.inner;
         let r = i.regions.remove(region).ok_or_else(|| Error::unknown_region(region))?;
-        // Same-host peers' direct writes into it stop first: its range is
-        // closed in their windows, and a write that saw it open is waited
-        // for.
-        crate::regions::quiet(&i.regions.close_direct(&r)).await;
-        i.regions.release_slot(&r);
         // Peers' copies into or out of it stop here (the gate waits for a
-        // running one); then local requests using it are ended and quieted.
+        // running one); so do same-host peers' direct writes (its range is
+        // closed in their windows, and a write that saw it open is waited
+        // for); then local requests using it are ended and quieted.
         r.kill();
+        i.regions.close_direct(&r).await;
         for b in i.running() {
             if b.reqs.iter().any(|q| q.local == region) {
                 let reason = EndReason::Failed(Error::region_unregistered(region));
@@ -423,8 +438,8 @@ impl Transport for TcpTransport {
         }
         i.server.close_all().await;
         // No same-host peer writes directly into this process any more.
-        crate::regions::quiet(&i.regions.retire_windows()).await;
-        i.regions.forget_windows();
+        i.regions.retire_windows();
+        i.regions.quiet_windows().await;
         for id in i.regions.ids() {
             if let Some(r) = i.regions.remove(id) {
                 r.kill();
