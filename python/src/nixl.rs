@@ -516,6 +516,13 @@ impl NixlXfer {
         state_of(&self.finished())
     }
 
+    /// Whether the transfer ended in an error already (a post refused at
+    /// once). Unlike [`NixlXfer::state`] it starts nothing: a post that a
+    /// caller's poll may still finish on its own thread is left to it.
+    fn refused(&self) -> bool {
+        matches!(self.finished(), Some(Finished { error: Some(_), .. }))
+    }
+
     /// [`NixlXfer::state`] for a caller that polls in a loop: once the
     /// transfer is 250 us old, a poll that comes within 500 us of its
     /// previous one, with `may_wait` (the agent's last poll was of this

@@ -555,8 +555,10 @@ class nixl_agent:
             handle._active = True
             # Failed already: raise as check_xfer_state does. Done already:
             # still "PROC" (check_xfer_state reports the end), so whether a
-            # post is active never depends on how fast it was.
-            if handle._native.state() == "ERR":
+            # post is active never depends on how fast it was. (`refused`
+            # starts no task: the caller's first poll finishes a post that
+            # completed here, on its own thread.)
+            if handle._native.refused():
                 return self.check_xfer_state(handle)
             return "PROC"
         # Not connected yet, or work for this peer still waits: the courier
