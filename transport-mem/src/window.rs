@@ -202,6 +202,17 @@ impl Drop for Map {
     }
 }
 
+/// The nonce as the four words the window holds it in.
+fn nonce_words(nonce: &[u8; WINDOW_NONCE_LEN]) -> [u64; WINDOW_NONCE_LEN / 8] {
+    let mut words = [0u64; WINDOW_NONCE_LEN / 8];
+    for (w, chunk) in words.iter_mut().zip(nonce.chunks_exact(8)) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(chunk);
+        *w = u64::from_le_bytes(b);
+    }
+    words
+}
+
 fn entry(i: usize) -> usize {
     HEADER_WORDS + i * ENTRY_WORDS
 }
@@ -273,10 +284,8 @@ impl WindowOwner {
         // SAFETY: as above.
         cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) })?;
         let map = Map::new(&fd, words)?;
-        for (k, chunk) in nonce.chunks_exact(8).enumerate() {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(chunk);
-            map.word(W_NONCE + k).store(u64::from_le_bytes(w), Ordering::Relaxed);
+        for (k, w) in nonce_words(nonce).into_iter().enumerate() {
+            map.word(W_NONCE + k).store(w, Ordering::Relaxed);
         }
         map.word(W_ENTRIES).store(entries as u64, Ordering::Relaxed);
         map.word(W_ALIVE).store(1, Ordering::Relaxed);
@@ -296,11 +305,6 @@ impl WindowOwner {
     /// copy of it with `pidfd_getfd`).
     pub fn raw_fd(&self) -> i32 {
         self.fd.as_raw_fd()
-    }
-
-    /// Entries this window holds.
-    pub fn entries(&self) -> usize {
-        self.entries
     }
 
     /// Lets the writer write `addr .. addr + len` through entry `slot`,
@@ -457,10 +461,8 @@ impl WindowView {
         if map.word(W_MAGIC).load(Ordering::Acquire) != MAGIC {
             return Err(bad("magic"));
         }
-        for (k, chunk) in nonce.chunks_exact(8).enumerate() {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(chunk);
-            if map.word(W_NONCE + k).load(Ordering::Relaxed) != u64::from_le_bytes(w) {
+        for (k, w) in nonce_words(nonce).into_iter().enumerate() {
+            if map.word(W_NONCE + k).load(Ordering::Relaxed) != w {
                 return Err(bad("another connection's window"));
             }
         }

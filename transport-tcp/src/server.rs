@@ -371,14 +371,15 @@ impl Server {
             let _ = tokio::time::timeout(REFUSE_WAIT, write_frame(&mut s, e, &[])).await;
             return Err(Close::Io(std::io::Error::other("handshake slot taken by a newcomer (answered Busy)")));
         };
-        let (same, _window) = handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
+        // `window` is held until this returns: its drop retires the window.
+        let (same, window) = handshake.map_err(|_| Close::Proto("handshake timed out".into()))??;
         if let Ok(peer) = s.peer_addr() {
             tracing::info!(
                 %peer,
                 authenticated = self.cfg.secret.is_some(),
                 same_host_writes = same.pull_from.is_some(),
                 same_host_reads = same.reads,
-                direct_writes = _window.is_some(),
+                direct_writes = window.is_some(),
                 "peer connected"
             );
             metrics::counter!("kvmove_tcp_connections_total").increment(1);
