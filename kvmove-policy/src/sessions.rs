@@ -88,6 +88,9 @@ struct Inner {
     /// Wakes the waiters of one session.
     waiters: Mutex<HashMap<SessionKey, watch::Sender<u64>>>,
     plain: Inbox,
+    /// Held while the transport's inbox is read and applied
+    /// ([`tasks::read_inbox`]): one reader at a time.
+    reading: Mutex<()>,
     peers: Mutex<HashMap<String, PeerLink>>,
     writes: Mutex<HashMap<SessionKey, watch::Sender<bool>>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -182,6 +185,7 @@ impl Sessions {
             held: watch::channel(false).0,
             waiters: Mutex::default(),
             plain: Inbox::new(DEFAULT_INBOX),
+            reading: Mutex::new(()),
             peers: Mutex::default(),
             writes: Mutex::default(),
             tasks: Mutex::default(),

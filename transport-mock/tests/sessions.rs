@@ -206,3 +206,46 @@ fn a_plain_notification_in_flight_keeps_its_segment() {
         assert_eq!(p.t.stats().segments, 1);
     });
 }
+
+/// A transport whose notifications are never announced: `wait_notification`
+/// never returns, as for a reader task a busy runtime does not run. What
+/// arrives waits in the inbox for whoever takes it.
+struct Unannounced(Arc<dyn Transport>);
+
+#[async_trait::async_trait]
+impl transport_core::Layer for Unannounced {
+    fn inner(&self) -> &Arc<dyn Transport> {
+        &self.0
+    }
+    async fn wait_notification(&self) -> transport_core::Result<()> {
+        std::future::pending().await
+    }
+}
+
+/// Rule 13, liveness: the session timer reads the messages waiting in the
+/// inbox before it judges a peer silent, so a late reader (a starved
+/// runtime worker; an RDMA CI run failed `session::sender_cancels` with a
+/// live receiver "silent past the liveness timeout") never fails a session
+/// whose peer is talking. Here the reader is never woken at all: the grant
+/// arrives and the session outlives many liveness timeouts.
+#[test]
+fn a_late_reader_never_makes_a_live_peer_silent() {
+    run(async {
+        let fabric = MockFabric::new();
+        let inner =
+            MockTransport::new(&fabric, MockConfig { name: Some("p".into()), ..MockConfig::default() }).unwrap();
+        let t: Arc<dyn Transport> = Arc::new(Unannounced(inner));
+        let p = Sessions::start(Engine::new(t, PolicyConfig::default()).unwrap(), limits()).unwrap();
+        let d = side(&fabric, "d", MockConfig::default(), 2);
+        p.expect("d", 1).unwrap();
+        d.s.grant("p", 1, grant(&d, 4096, Duration::from_secs(30))).await.unwrap();
+        let g = tokio::time::timeout(Duration::from_secs(5), p.wait_grant("d", 1)).await;
+        assert!(matches!(g, Ok(Ok(_))), "the grant was never read: {g:?}");
+        // Three liveness timeouts of heartbeats read only by the timer.
+        tokio::time::sleep(limits().liveness_timeout * 3).await;
+        let ks = SessionKey::new("d", 1, Role::Sender);
+        let kr = SessionKey::new("p", 1, Role::Receiver);
+        assert_eq!(p.state(&ks), Some(SessionState::Granted));
+        assert_eq!(d.s.state(&kr), Some(SessionState::Granted));
+    });
+}

@@ -83,8 +83,27 @@ pub(super) async fn read_loop(weak: std::sync::Weak<Inner>) {
         if !running(&weak).await {
             return;
         }
-        let Ok(batch) = transport.take_notifications(TAKE_BATCH) else { return };
         let Some(inner) = weak.upgrade() else { return };
+        if !read_inbox(&inner) {
+            return;
+        }
+    }
+}
+
+/// Takes what the transport's inbox holds (up to [`TAKE_BATCH`]) and
+/// applies it: session messages to the table, the others to the plain
+/// inbox. `false` once the transport refuses (shut down). The reader task
+/// calls it when woken, and the timer before each tick, so a peer is never
+/// judged silent while its messages wait unread (the reader may be late on
+/// a busy runtime). One caller at a time, so messages apply in the order
+/// they arrived.
+pub(super) fn read_inbox(inner: &Arc<Inner>) -> bool {
+    let open = {
+        let _one = inner.reading.lock();
+        let Ok(batch) = inner.engine.transport().take_notifications(TAKE_BATCH) else { return false };
+        if batch.is_empty() {
+            return true;
+        }
         let now = inner.clock.now();
         {
             let mut t = inner.table.lock();
@@ -100,8 +119,10 @@ pub(super) async fn read_loop(weak: std::sync::Weak<Inner>) {
                 inner.dropped_plain.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        inner.pump();
-    }
+        true
+    };
+    inner.pump();
+    open
 }
 
 pub(super) async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
@@ -120,6 +141,9 @@ pub(super) async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
             tracing::debug!(late_ms = late.as_millis() as u64, "session timer ran late");
         }
         let Some(inner) = weak.upgrade() else { return };
+        // What peers sent is read before they are judged (a transport
+        // that refuses is the reader's to notice; the timer goes on).
+        let _ = read_inbox(&inner);
         let now = inner.clock.now();
         let paused = {
             let mut t = inner.table.lock();
