@@ -197,7 +197,7 @@ pub async fn peer_killed(cx: Ctx) -> CaseResult {
 // frozen_side
 
 /// A freeze past the liveness timeout: the peer gives the frozen side up.
-const FREEZE: Duration = Duration::from_millis(3000);
+const FREEZE: Duration = Duration::from_millis(4000);
 /// A freeze the frozen side notices (a quarter of the liveness timeout or
 /// more) and its peer forgives (under the liveness timeout).
 const BRIEF: Duration = Duration::from_millis(1000);
