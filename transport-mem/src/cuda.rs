@@ -499,6 +499,30 @@ impl DeviceMemory for CudaDevices {
         let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         Ok(Some(DmaBuf { fd, offset: addr - start }))
     }
+
+    /// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE` (pinned for
+    /// every context, so any device's copies use it), made in device 0's
+    /// primary context. `Ok(false)` when the driver refuses (the memory
+    /// is then plain pageable memory, still usable).
+    unsafe fn pin_host(&self, addr: u64, len: usize) -> Result<bool, MemError> {
+        if self.devices.is_empty() || len == 0 {
+            return Ok(false);
+        }
+        let _pushed = self.enter(0)?;
+        // SAFETY: the caller promises `addr .. addr + len` is host memory
+        // of this process that stays mapped until `unpin_host`; the driver
+        // only page-locks it.
+        let r = unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        Ok(r == sys::CUresult::CUDA_SUCCESS)
+    }
+
+    /// `cuMemHostUnregister`, in the context `pin_host` used.
+    unsafe fn unpin_host(&self, addr: u64) {
+        let Ok(_pushed) = self.enter(0) else { return };
+        // SAFETY: the caller promises `addr` was registered by `pin_host`
+        // and that no copy uses it now.
+        let _ = unsafe { sys::cuMemHostUnregister(addr as *mut c_void) };
+    }
 }
 
 /// Device memory from [`CudaDevices::alloc`], freed on drop.

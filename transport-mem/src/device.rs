@@ -75,6 +75,34 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         self.copy_from_host(&bounce, dst)
     }
 
+    /// Pins (page-locks) `len` bytes of host memory at `addr` for this
+    /// provider's copies (CUDA: `cuMemHostRegister`), so copies between it
+    /// and the device run at full speed. `Ok(true)`: pinned, to be undone
+    /// by [`DeviceMemory::unpin_host`]. `Ok(false)`: not pinned (the
+    /// provider has no such thing); the memory is usable all the same. The
+    /// default pins nothing. Safe wrappers: [`crate::PinnedBuf`].
+    ///
+    /// # Safety
+    ///
+    /// `addr .. addr + len` is host memory of this process that stays
+    /// mapped until `unpin_host(addr)` has returned (when this returned
+    /// `Ok(true)`).
+    unsafe fn pin_host(&self, addr: u64, len: usize) -> Result<bool, MemError> {
+        let _ = (addr, len);
+        Ok(false)
+    }
+
+    /// Undoes [`DeviceMemory::pin_host`] of the memory at `addr`. The
+    /// default does nothing.
+    ///
+    /// # Safety
+    ///
+    /// `addr` was pinned by this provider (`pin_host` returned `Ok(true)`)
+    /// and not unpinned since; no copy of this provider uses the memory.
+    unsafe fn unpin_host(&self, addr: u64) {
+        let _ = addr;
+    }
+
     /// A dma-buf exporting `addr .. addr + len`, for a NIC to reach the
     /// memory directly (GPUDirect RDMA through `ibv_reg_dmabuf_mr`), or
     /// `Ok(None)` where the provider, driver or device cannot export it.

@@ -1,10 +1,11 @@
 //! [`FakeDevice`]: device memory for tests that faults on any host access.
 #![allow(unsafe_code)]
 
+use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use crate::device::DeviceMemory;
 use crate::error::MemError;
@@ -13,7 +14,9 @@ use crate::region::MemoryRegion;
 /// Device memory for tests: a `memfd` mapped twice, `PROT_NONE` at the
 /// "device" addresses handed out (any host access there is a fault) and
 /// read-write in a second mapping only the provider uses for its copies.
-/// Copies can be made to fail ([`FakeDevice::fail_copies`]).
+/// Copies can be made to fail ([`FakeDevice::fail_copies`]), slow
+/// ([`FakeDevice::delay_copies`]) or wait ([`FakeDevice::hold_copies`]);
+/// host memory it pins is recorded ([`FakeDevice::pinned`]).
 pub struct FakeDevice {
     device: u32,
     /// The inaccessible view: what users see as device addresses.
@@ -28,7 +31,33 @@ pub struct FakeDevice {
     /// How long each copy takes, in microseconds (0: at once).
     delay_us: AtomicU64,
     copies: AtomicU64,
+    /// Copies running now, and the most seen at once.
+    running: Mutex<Running>,
+    /// Signalled when copies are released or one ends.
+    changed: Condvar,
+    /// Host ranges pinned and not yet unpinned: address to length.
+    pins: Mutex<HashMap<u64, usize>>,
     _fd: OwnedFd,
+}
+
+/// Copies running on a fake device.
+#[derive(Debug, Default)]
+struct Running {
+    now: u64,
+    most: u64,
+    /// Copies wait until released ([`FakeDevice::hold_copies`]).
+    held: bool,
+}
+
+/// One copy running (counted in [`FakeDevice::in_flight`] until dropped).
+struct Busy<'a>(&'a FakeDevice);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        let mut r = self.0.running();
+        r.now = r.now.saturating_sub(1);
+        self.0.changed.notify_all();
+    }
 }
 
 impl fmt::Debug for FakeDevice {
@@ -92,6 +121,9 @@ impl FakeDevice {
             failing: AtomicU64::new(0),
             delay_us: AtomicU64::new(0),
             copies: AtomicU64::new(0),
+            running: Mutex::new(Running::default()),
+            changed: Condvar::new(),
+            pins: Mutex::new(HashMap::new()),
             _fd: fd,
         })
     }
@@ -135,6 +167,66 @@ impl FakeDevice {
     pub fn delay_copies(&self, delay: std::time::Duration) {
         let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
         self.delay_us.store(us, Ordering::SeqCst);
+    }
+
+    /// Copies started from now on wait (counted as in flight) until
+    /// [`FakeDevice::release_copies`]: lets a test keep a copy running
+    /// for as long as it needs, without timing.
+    pub fn hold_copies(&self) {
+        self.running().held = true;
+    }
+
+    /// Lets held copies (and later ones) run.
+    pub fn release_copies(&self) {
+        self.running().held = false;
+        self.changed.notify_all();
+    }
+
+    /// Copies running now (held ones included).
+    pub fn in_flight(&self) -> u64 {
+        self.running().now
+    }
+
+    /// The most copies that ran at once since the device was made.
+    pub fn max_in_flight(&self) -> u64 {
+        self.running().most
+    }
+
+    /// Waits until `n` copies run at once, at most `limit`; whether they did.
+    /// For tests that hold copies and then look at what is in flight.
+    pub fn wait_in_flight(&self, n: u64, limit: std::time::Duration) -> bool {
+        let end = std::time::Instant::now() + limit;
+        let mut r = self.running();
+        while r.now < n {
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            r = self.changed.wait_timeout(r, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+
+    /// Host ranges pinned through this device and not yet unpinned.
+    pub fn pinned(&self) -> usize {
+        self.pins.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, Running> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts a copy as running, once no hold stops it.
+    fn busy(&self) -> Busy<'_> {
+        let mut r = self.running();
+        r.now += 1;
+        r.most = r.most.max(r.now);
+        // Wakes a test waiting for copies in flight.
+        self.changed.notify_all();
+        while r.held {
+            r = self.changed.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+        Busy(self)
     }
 
     /// Injected failures not yet used by a copy.
@@ -181,6 +273,7 @@ impl DeviceMemory for FakeDevice {
     }
 
     fn copy_to_host(&self, src: u64, dst: &mut [u8]) -> Result<(), MemError> {
+        let _busy = self.busy();
         let from = self.shadow_of(src, dst.len())?;
         // SAFETY: `from .. from + dst.len()` lies inside the provider's
         // read-write mapping (checked by `shadow_of`), which lives as long
@@ -190,6 +283,7 @@ impl DeviceMemory for FakeDevice {
     }
 
     fn copy_from_host(&self, src: &[u8], dst: u64) -> Result<(), MemError> {
+        let _busy = self.busy();
         let to = self.shadow_of(dst, src.len())?;
         // SAFETY: as in `copy_to_host`, the other way; `ptr::copy` allows
         // a source that aliases the mapping.
@@ -198,12 +292,28 @@ impl DeviceMemory for FakeDevice {
     }
 
     fn copy_on_device(&self, dst: u64, src: u64, len: usize) -> Result<(), MemError> {
+        let _busy = self.busy();
         let from = self.shadow_of(src, len)?;
         let to = self.shadow_of(dst, len)?;
         // SAFETY: both ranges lie inside the provider's mapping (checked);
         // `ptr::copy` allows overlap.
         unsafe { std::ptr::copy(from as usize as *const u8, to as usize as *mut u8, len) };
         Ok(())
+    }
+
+    /// Records the range (nothing is locked: the fake device's copies do
+    /// not need it); a range pinned twice is an error, as with CUDA.
+    unsafe fn pin_host(&self, addr: u64, len: usize) -> Result<bool, MemError> {
+        let mut pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+        if pins.contains_key(&addr) {
+            return Err(MemError::DeviceCopy { device: self.device, why: "host memory pinned twice".into() });
+        }
+        pins.insert(addr, len);
+        Ok(true)
+    }
+
+    unsafe fn unpin_host(&self, addr: u64) {
+        self.pins.lock().unwrap_or_else(|e| e.into_inner()).remove(&addr);
     }
 }
 
@@ -297,6 +407,43 @@ mod tests {
         let mut b = [0u8; 3];
         r.read_at(0, &mut b).unwrap();
         assert_eq!(b, [1, 2, 3]);
+    }
+
+    #[test]
+    fn held_copies_wait_and_are_counted() {
+        let dev = device(1 << 16);
+        let r = region(&dev, 4096);
+        dev.hold_copies();
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || r2.write_at(0, &[9; 8]));
+        assert!(dev.wait_in_flight(1, std::time::Duration::from_secs(10)));
+        assert_eq!(dev.in_flight(), 1);
+        assert!(!t.is_finished(), "a held copy does not end");
+        dev.release_copies();
+        t.join().unwrap().unwrap();
+        assert_eq!(dev.in_flight(), 0);
+        assert_eq!(dev.max_in_flight(), 1);
+        let mut b = [0u8; 8];
+        r.read_at(0, &mut b).unwrap();
+        assert_eq!(b, [9; 8]);
+    }
+
+    #[test]
+    fn pins_are_recorded_until_undone() {
+        let dev = device(1 << 16);
+        let p: Arc<dyn DeviceMemory> = dev.clone();
+        let mut a = crate::PinnedBuf::new(8192, Some(&p)).unwrap();
+        let b = crate::PinnedBuf::new(4096, Some(&p)).unwrap();
+        let c = crate::PinnedBuf::new(4096, None).unwrap();
+        assert!(a.pinned() && b.pinned() && !c.pinned());
+        assert_eq!(dev.pinned(), 2);
+        a[8191] = 1;
+        assert_eq!((a.len(), a[8191]), (8192, 1));
+        drop(a);
+        assert_eq!(dev.pinned(), 1);
+        drop(b);
+        drop(c);
+        assert_eq!(dev.pinned(), 0);
     }
 
     /// The one property the fake device exists for: the host cannot touch

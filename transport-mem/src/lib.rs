@@ -43,5 +43,5 @@ pub use cuda::{CudaAlloc, CudaDevices};
 pub use device::{DeviceMemory, DmaBuf, MemoryKind};
 pub use error::MemError;
 pub use fake::FakeDevice;
-pub use pages::PageBuf;
+pub use pages::{PageBuf, PinnedBuf};
 pub use region::MemoryRegion;

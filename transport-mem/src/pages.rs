@@ -4,7 +4,9 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
+use crate::device::DeviceMemory;
 use crate::error::MemError;
 
 /// A private anonymous mapping of `len` bytes, zero-filled by the kernel
@@ -104,6 +106,77 @@ impl fmt::Debug for PageBuf {
             .field("addr", &format_args!("{:#x}", self.ptr.as_ptr() as usize))
             .field("len", &self.len)
             .finish()
+    }
+}
+
+/// A [`PageBuf`] pinned for a device provider's copies
+/// ([`DeviceMemory::pin_host`]) while it lives, and unpinned before its
+/// pages are unmapped: a staging buffer between a socket and device memory.
+pub struct PinnedBuf {
+    buf: PageBuf,
+    /// The provider that pinned it (`None`: not pinned).
+    pinned_by: Option<Arc<dyn DeviceMemory>>,
+}
+
+impl PinnedBuf {
+    /// Maps `len` zeroed bytes and pins them through `provider` (when
+    /// given). A provider that does not pin leaves the buffer unpinned;
+    /// one that fails to pin gives its error (the pages are unmapped).
+    pub fn new(len: usize, provider: Option<&Arc<dyn DeviceMemory>>) -> Result<Self, MemError> {
+        let buf = PageBuf::new(len)?;
+        let Some(p) = provider else { return Ok(Self { buf, pinned_by: None }) };
+        let addr = buf.ptr.as_ptr() as u64;
+        // SAFETY: `addr .. addr + len` is the mapping `buf` owns; it stays
+        // mapped until `drop` has unpinned it (the field is dropped after
+        // `Drop::drop` runs).
+        let pinned = unsafe { p.pin_host(addr, len) }?;
+        Ok(Self { buf, pinned_by: pinned.then(|| p.clone()) })
+    }
+
+    /// Whether a provider pinned it.
+    pub fn pinned(&self) -> bool {
+        self.pinned_by.is_some()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether it has no byte.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+}
+
+impl Deref for PinnedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl DerefMut for PinnedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+impl fmt::Debug for PinnedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuf").field("len", &self.buf.len()).field("pinned", &self.pinned()).finish()
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        if let Some(p) = self.pinned_by.take() {
+            // SAFETY: this provider pinned exactly this mapping in `new`
+            // and nothing unpinned it since; the pages are unmapped only
+            // after this (when `buf` drops), and no copy can still use
+            // them (copies borrow the buffer, so none outlives it).
+            unsafe { p.unpin_host(self.buf.ptr.as_ptr() as u64) };
+        }
     }
 }
 
