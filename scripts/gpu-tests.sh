@@ -73,6 +73,8 @@ step "CUDA provider tests (transport-mem --features cuda, GPU tests included)"
 
 step "device_bench --cuda: 64 MiB writes over TCP on loopback, host->host vs device->device"
 "$dir/device_bench" 3 --cuda
+step "device_bench --cuda --staging=16: the same through pinned staging buffers (TcpConfig::staging_buffers)"
+"$dir/device_bench" 3 --cuda --staging=16
 
 venv=${KVMOVE_PY_VENV:-${CARGO_TARGET_DIR:-$root/target}/python-venv}
 if [ -x "$venv/bin/pytest" ]; then

@@ -4,7 +4,16 @@
 //! runtime copies over PCIe), alternated in rounds in one run on loopback.
 //! Prints each round and the ratio of the medians.
 //!
-//! `cargo run --release -p transport-tcp --example device_bench [ROUNDS]`
+//! `cargo run --release -p transport-tcp --example device_bench [ROUNDS] [--slow[=US]] [--staging=N]`
+//!
+//! `--staging=N` moves device memory through N staging buffers
+//! (`TcpConfig::staging_buffers`; default 0, off).
+//!
+//! With `--slow` each fake device copy takes at least US microseconds
+//! (default 100): TCP copies device memory in chunks of at most 256 KiB,
+//! so 100 us a copy is about 2.6 GB/s, a copy that costs about as much as
+//! the loopback wire. It shows how much of the copy time the pipelining
+//! hides (without overlap the device->device rate would be about half).
 //!
 //! With `--cuda` (built with `--features cuda`, on a machine with an
 //! NVIDIA GPU) the device memory is real GPU memory (`cuMemAlloc`, two
@@ -56,9 +65,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// GPUs, with whatever keeps the GPU memory allocated.
 type Keep = Box<dyn std::any::Any>;
 
-fn fake_regions() -> (MemoryRegion, MemoryRegion, &'static str, Keep) {
+fn fake_regions() -> (MemoryRegion, MemoryRegion, &'static str, Keep, Vec<Arc<FakeDevice>>) {
     let (da, db) = (Arc::new(FakeDevice::new(0, LEN).unwrap()), Arc::new(FakeDevice::new(1, LEN).unwrap()));
-    (FakeDevice::region(&da, LEN).unwrap(), FakeDevice::region(&db, LEN).unwrap(), "fake devices", Box::new(()))
+    let (ra, rb) = (FakeDevice::region(&da, LEN).unwrap(), FakeDevice::region(&db, LEN).unwrap());
+    (ra, rb, "fake devices", Box::new(()), vec![da, db])
 }
 
 #[cfg(feature = "cuda")]
@@ -101,17 +111,35 @@ fn cuda_regions() -> (MemoryRegion, MemoryRegion, &'static str, Keep) {
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // `--staging=N`: device memory through N staging buffers (default 0,
+    // off: copied by the socket tasks into and out of their own buffers).
+    let staging = args.iter().find_map(|a| a.strip_prefix("--staging=")?.parse().ok()).unwrap_or(0);
+    let cfg = TcpConfig { staging_buffers: staging, ..TcpConfig::default() };
     let use_cuda = args.iter().any(|a| a == "--cuda");
     let rounds: usize =
         args.iter().find(|a| !a.starts_with("--")).and_then(|s| s.parse().ok()).unwrap_or(5).clamp(1, 50);
-    let (a, b) = (
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-        TcpTransport::new(TcpConfig::default()).await.unwrap(),
-    );
+    let (a, b) = (TcpTransport::new(cfg.clone()).await.unwrap(), TcpTransport::new(cfg.clone()).await.unwrap());
     let (hs, hd) = (Buffer::new(LEN).unwrap(), Buffer::new(LEN).unwrap());
     hs.fill(7);
-    let (ds, dd, devices, keep) = if use_cuda { cuda_regions() } else { fake_regions() };
+    let slow: Option<u64> = args.iter().find_map(|a| {
+        let rest = a.strip_prefix("--slow")?;
+        Some(rest.strip_prefix('=').and_then(|us| us.parse().ok()).unwrap_or(100))
+    });
+    let (ds, dd, mut devices, keep, fakes) = if use_cuda {
+        let (x, y, what, keep) = cuda_regions();
+        (x, y, what.to_string(), keep, Vec::new())
+    } else {
+        let (x, y, what, keep, fakes) = fake_regions();
+        (x, y, what.to_string(), keep, fakes)
+    };
     ds.write_at(0, &vec![7u8; LEN]).unwrap();
+    if let Some(us) = slow {
+        for d in &fakes {
+            d.delay_copies(Duration::from_micros(us));
+        }
+        devices = format!("{devices}, each copy >= {us} us");
+    }
+    devices = format!("{devices}, staging_buffers {staging}");
     let (mut host, mut dev) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let h = gbps(&a, &b, hs.region(), hd.region()).await;
@@ -120,9 +148,17 @@ async fn main() {
         host.push(h);
         dev.push(d);
     }
+    for d in &fakes {
+        d.delay_copies(Duration::ZERO);
+    }
     assert!(dd.to_vec() == vec![7u8; LEN], "the device bytes differ");
     let (h, d) = (median(host), median(dev));
-    println!("64 MiB writes over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s, device->device ({devices}) {d:.2} Gbit/s, ratio {:.2}", d / h);
+    println!(
+        "64 MiB writes over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s ({:.2} GB/s), device->device ({devices}) {d:.2} Gbit/s ({:.2} GB/s), ratio {:.2}",
+        h / 8.0,
+        d / 8.0,
+        d / h
+    );
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
     drop((ds, dd, keep));

@@ -168,6 +168,17 @@ pub struct TcpConfig {
     /// (`transport_mem::window`). As a server, false offers no window; as
     /// a client, false uses none. Default true.
     pub direct_writes: bool,
+    /// Host staging buffers (256 KiB each) for device memory: with them,
+    /// device copies go through them, on tokio's blocking pool, overlapped
+    /// with the sockets. Mapped (and pinned by the device's provider, CUDA:
+    /// `cuMemHostRegister`) when the first device region is registered,
+    /// freed when the last one is unregistered. Half serve this side's
+    /// requests, half the peers'. 0 (the default) or 2..=1024. At 0 a
+    /// device slice is copied by the task doing its socket I/O, into and
+    /// out of that task's own buffers: on fake devices on 2 cores that is
+    /// faster (the thread hand-off per 256 KiB chunk costs more than the
+    /// overlap wins); on a GPU, pinned buffers should win, not yet measured.
+    pub staging_buffers: usize,
 }
 
 impl Default for TcpConfig {
@@ -197,6 +208,7 @@ impl Default for TcpConfig {
             drain_timeout: Duration::from_millis(250),
             same_host: true,
             direct_writes: true,
+            staging_buffers: 0,
         }
     }
 }
@@ -210,6 +222,9 @@ impl TcpConfig {
         }
         if self.slice_size < 4096 || self.slice_size > (64 << 20) {
             return bad("slice_size", "must be 4 KiB..=64 MiB");
+        }
+        if self.staging_buffers == 1 || self.staging_buffers > 1024 {
+            return bad("staging_buffers", "must be 0 (off) or 2..=1024");
         }
         if self.window == 0 || self.window > 4096 {
             return bad("window", "must be 1..=4096");

@@ -26,6 +26,7 @@ use crate::config::TcpConfig;
 use crate::pool::Slots;
 use crate::proto::WireRegion;
 use crate::samehost::SameHost;
+use crate::staging::{Count, Staging};
 use transport_mem::window::WindowView;
 
 /// What every endpoint of one transport shares: the configuration, the
@@ -45,13 +46,16 @@ pub(crate) struct Env {
     /// Request ids: unique per transport, never reused, so a late answer
     /// can never be taken for another slice's.
     next_id: AtomicU64,
+    /// Host buffers for device copies (shared with the server).
+    pub staging: Arc<Staging>,
 }
 
 impl Env {
-    pub fn new(cfg: Arc<TcpConfig>, tasks: TaskSet) -> Arc<Self> {
+    pub fn new(cfg: Arc<TcpConfig>, tasks: TaskSet, staging: Arc<Staging>) -> Arc<Self> {
         Arc::new(Self {
             cfg,
             tasks,
+            staging,
             lanes: AtomicUsize::new(0),
             same_host_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
@@ -270,6 +274,9 @@ pub(crate) struct Endpoint {
     /// The teardown task, once started; awaiting it means the endpoint is
     /// destroyed and the task itself is gone (no longer counted).
     teardown: Mutex<Option<Shared<BoxFuture<'static, ()>>>>,
+    /// Device copies of its lanes running on the blocking pool: the
+    /// teardown waits for them before it ends any slice.
+    pub copies: Arc<Count>,
 }
 
 impl Endpoint {
@@ -304,6 +311,7 @@ impl Endpoint {
             env,
             slots,
             tasks: Mutex::new(LaneTasks::default()),
+            copies: Arc::default(),
             queue: Mutex::new(VecDeque::new()),
             notes: Mutex::new(VecDeque::new()),
             notify: Notify::new(),
@@ -470,6 +478,9 @@ impl Endpoint {
         for t in tasks {
             let _ = t.await;
         }
+        // A device copy the aborted tasks started runs on: its slice
+        // ends only after it (terminal means quiet).
+        self.copies.quiet().await;
         // No caller reads a lane after this (one reading now is waited
         // for: it holds the lock only while it reads what has arrived).
         for l in &self.lanes {

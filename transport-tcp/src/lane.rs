@@ -32,6 +32,8 @@ use crate::batch::Batch;
 use crate::conn;
 use crate::endpoint::{Endpoint, EndpointSlots, Env, Item, Lane, LaneOut, Next, Note, SentNote, Slice, Work};
 use crate::proto::{FrameType, Header, HEADER_LEN};
+use crate::regions::Region;
+use crate::staging::{copied, copy_off, Side, STAGE};
 
 /// Bytes a writer gathers before one `write` when slices are small.
 const COALESCE: usize = 256 << 10;
@@ -127,7 +129,20 @@ enum Staged {
     /// The whole frame is in the send buffer.
     Inline,
     /// The header is in the send buffer; the payload is to be streamed.
-    Stream { batch: Arc<Batch>, req: usize, local_off: u64, len: u64 },
+    Stream(Streamed),
+}
+
+/// A WRITE whose payload is streamed after its header.
+struct Streamed {
+    batch: Arc<Batch>,
+    req: usize,
+    local_off: u64,
+    len: u64,
+    /// Its request id, and where its frame starts in the send buffer.
+    id: u64,
+    start: usize,
+    /// The local region is device memory: copied through staging buffers.
+    device: bool,
 }
 
 /// Copies `dst.len()` bytes of request `i`'s local region from `off`.
@@ -165,7 +180,10 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
     let id = ep.env.next_id();
     let write = req.op == Opcode::Write;
     let same = same_host_slice(ep, lane, &batch, i, write);
-    let stream = write && !same && len > STREAM as u64;
+    // With staging on, device memory is always streamed: its copies run
+    // off the runtime.
+    let device = ep.env.staging.enabled() && batch.locals.get(i).is_some_and(|r| r.mem.provider().is_some());
+    let stream = write && !same && (len > STREAM as u64 || device);
     {
         // Started and recorded as outstanding under the lane's lock, so
         // whoever quiets an ended request sees every started slice.
@@ -236,7 +254,7 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
     buf[start..start + HEADER_LEN].copy_from_slice(&h.encode());
     *used = start + frame_len;
     if stream {
-        Staged::Stream { batch, req: i, local_off, len }
+        Staged::Stream(Streamed { batch, req: i, local_off, len, id, start, device })
     } else {
         Staged::Inline
     }
@@ -304,7 +322,7 @@ async fn stream_payload(
     buf: &mut Vec<u8>,
     used: usize,
     chunk: &mut Vec<u8>,
-    (batch, req, local_off, len): (Arc<Batch>, usize, u64, u64),
+    Streamed { batch, req, local_off, len, .. }: Streamed,
 ) -> Result<()> {
     // The frames gathered so far go out with the first chunk of the
     // streamed payload (one `write`, no tiny header segment).
@@ -329,6 +347,120 @@ async fn stream_payload(
         done += n as u64;
     }
     Ok(())
+}
+
+/// Copies `n` bytes of `region` at `off` into the front of a staging
+/// buffer (run on the blocking pool by [`copy_off`]).
+fn chunk_out(region: Arc<Region>, off: u64, n: usize) -> impl FnOnce(&mut [u8]) -> Result<()> + Send + 'static {
+    move |dst| {
+        let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
+        let dst = dst.get_mut(..n).ok_or_else(|| Error::new(ErrorKind::Internal, "chunk larger than a buffer"))?;
+        match region.with_live(|m| m.read_at(off, dst)) {
+            Some(r) => r.map_err(Error::from),
+            None => Err(Error::region_unregistered(region.id)),
+        }
+    }
+}
+
+/// Ends streamed slice `id` before any byte of its frame went out: it
+/// fails with `err`, and the frames gathered before it (`frames`) are
+/// sent on their own.
+async fn unsend(ep: &Endpoint, lane: usize, w: &mut OwnedWriteHalf, frames: &[u8], id: u64, err: Error) -> Result<()> {
+    let s = {
+        let mut p = ep.lanes[lane].pending.lock();
+        p.streaming = None;
+        p.map.remove(&id)
+    };
+    ep.lanes[lane].window.add_permits(1);
+    if let Some(s) = s {
+        s.batch.slice_done(s.req, Err(err));
+    }
+    if !frames.is_empty() {
+        w.write_all(frames).await.map_err(Error::from)?;
+    }
+    Ok(())
+}
+
+/// Writes a streamed slice of device memory (see [`Staged::Stream`]) after
+/// the frames in `buf`: its chunks are copied into staging buffers on the
+/// blocking pool, the copy of the next chunk running while this one is
+/// sent (when a second buffer is free). A first chunk that cannot be
+/// copied ends the slice with the copy's error before its frame goes out
+/// (the connection goes on); a later one breaks the connection (`Err`), as
+/// half a frame is on the wire. Every copy started is counted in the
+/// endpoint's `copies` (the teardown waits for them), so no copy runs once
+/// the slice has ended.
+async fn stream_device(ep: &Endpoint, lane: usize, w: &mut OwnedWriteHalf, buf: &[u8], s: Streamed) -> Result<()> {
+    let Streamed { batch, req, local_off, len, id, start, .. } = s;
+    let frames = buf.get(..start).unwrap_or_default();
+    let staging = &ep.env.staging;
+    let region = match batch.locals.get(req) {
+        Some(r) => r.clone(),
+        None => {
+            return unsend(ep, lane, w, frames, id, Error::new(ErrorKind::Internal, "request without a region")).await
+        }
+    };
+    let cancelled = || Error::new(ErrorKind::Cancelled, "request ended while its slice was sent");
+    let first = match staging.acquire(Side::Initiator).await {
+        Ok(b) => b,
+        Err(e) => return unsend(ep, lane, w, frames, id, e).await,
+    };
+    let mut spare = staging.try_acquire(Side::Initiator);
+    if !batch.is_live(req) {
+        return unsend(ep, lane, w, frames, id, cancelled()).await;
+    }
+    let n0 = len.min(STAGE as u64) as usize;
+    let mut cur = match copied(copy_off(first, &ep.copies, chunk_out(region.clone(), local_off, n0))).await? {
+        (b, Ok(())) => b,
+        (_, Err(e)) => return unsend(ep, lane, w, frames, id, e).await,
+    };
+    let mut head = Some(buf);
+    let mut done = 0u64;
+    loop {
+        let n = (len - done).min(STAGE as u64) as usize;
+        let next_at = done + n as u64;
+        let last = next_at >= len;
+        if last {
+            // Copied out of local memory: the peer may answer now.
+            ep.lanes[lane].pending.lock().streaming = None;
+        }
+        let m = (len - next_at.min(len)).min(STAGE as u64) as usize;
+        let next = match spare.take() {
+            Some(b) if !last => {
+                if !batch.is_live(req) {
+                    return Err(cancelled());
+                }
+                Some(copy_off(b, &ep.copies, chunk_out(region.clone(), local_off + next_at, m)))
+            }
+            other => {
+                spare = other;
+                None
+            }
+        };
+        if let Some(h) = head.take() {
+            w.write_all(h).await.map_err(Error::from)?;
+        }
+        w.write_all(cur.get(..n).unwrap_or_default()).await.map_err(Error::from)?;
+        done = next_at;
+        if last {
+            return Ok(());
+        }
+        let (b, r) = match next {
+            Some(h) => {
+                let got = copied(h).await?;
+                spare = Some(cur);
+                got
+            }
+            None => {
+                if !batch.is_live(req) {
+                    return Err(cancelled());
+                }
+                copied(copy_off(cur, &ep.copies, chunk_out(region.clone(), local_off + done, m))).await?
+            }
+        };
+        r?;
+        cur = b;
+    }
 }
 
 /// Most requests one submit writes directly.
@@ -426,6 +558,13 @@ pub(crate) fn send_now(ep: &Arc<Endpoint>, work: Work) -> Option<Work> {
         if r.len == 0 || r.len > slice || r.len > STREAM as u64 {
             return Some(work);
         }
+        // With staging on, a device write's copy runs off the runtime, from
+        // a lane task, never on the submitting thread.
+        let device =
+            ep.env.staging.enabled() && work.batch.locals.get(i as usize).is_some_and(|l| l.mem.provider().is_some());
+        if r.op == Opcode::Write && device {
+            return Some(work);
+        }
         if r.op == Opcode::Write {
             inline += r.len;
         }
@@ -457,7 +596,7 @@ pub(crate) fn send_now(ep: &Arc<Endpoint>, work: Work) -> Option<Work> {
         match stage(ep, k, next, buf, &mut used) {
             Staged::Inline => {}
             // Never streamed (filtered above); not sent either way.
-            Staged::Skipped | Staged::NotLive(..) | Staged::Stream { .. } => lane.window.add_permits(1),
+            Staged::Skipped | Staged::NotLive(..) | Staged::Stream(_) => lane.window.add_permits(1),
         }
     }
     let mut sent = 0;
@@ -536,9 +675,9 @@ async fn writer(ep: Arc<Endpoint>, lane: usize) {
                     ep.skip_rest(&batch, req);
                 }
                 Staged::Inline => staged += 1,
-                Staged::Stream { batch, req, local_off, len } => {
+                Staged::Stream(s) => {
                     staged += 1;
-                    streamed = Some((batch, req, local_off, len));
+                    streamed = Some(s);
                 }
             }
             if streamed.is_some() || used >= COALESCE {
@@ -559,7 +698,12 @@ async fn writer(ep: Arc<Endpoint>, lane: usize) {
             }
             continue;
         };
-        if let Err(e) = stream_payload(&ep.lanes[lane], w, buf, used, &mut chunk, streamed).await {
+        let sent = if streamed.device {
+            stream_device(&ep, lane, w, &buf[..used], streamed).await
+        } else {
+            stream_payload(&ep.lanes[lane], w, buf, used, &mut chunk, streamed).await
+        };
+        if let Err(e) = sent {
             // Half a frame may be on the wire: the connection cannot
             // continue (and the peer never applies bytes after the reset).
             // The slice ends when the endpoint is destroyed.

@@ -150,6 +150,7 @@ mod regions;
 mod rx;
 mod samehost;
 mod server;
+mod staging;
 mod transport;
 
 pub use config::TcpConfig;

@@ -4,7 +4,7 @@
 //! against the regions registered as remotely accessible, and anything
 //! malformed closes that connection only.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,8 +23,10 @@ use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use crate::regions::Region;
 use crate::regions::{pull_status, Gathered, Pulled, RegionTable, WindowGuard};
 use crate::samehost;
+use crate::staging::{copied, copy_off, Copying, Count, Lease, Side, Staging, STAGE};
 
 /// A connection's output buffer: answers gathered before one `write`. A
 /// READ answer up to `STREAM` fits in it whole.
@@ -123,6 +125,11 @@ pub(crate) struct Server {
     /// Read and staging buffers (`STREAM` each): lent to a connection's
     /// reader while it holds unread bytes, and for the time of one WRITE.
     chunk_bufs: Arc<BufPool>,
+    /// Host buffers for copies into and out of device regions (the
+    /// transport's, [`Side::Target`]).
+    staging: Arc<Staging>,
+    /// Device copies running for connections (close waits for them).
+    copies: Arc<Count>,
 }
 
 /// Why a connection is closed (logged; never crashes the server).
@@ -145,6 +152,7 @@ impl Server {
         generation: u64,
         tasks: TaskSet,
         inbox: Arc<Inbox>,
+        staging: Arc<Staging>,
     ) -> Arc<Self> {
         Arc::new(Self {
             cfg,
@@ -158,6 +166,8 @@ impl Server {
             next_conn: AtomicU64::new(0),
             out_bufs: BufPool::new(OUT_BUF, POOLED),
             chunk_bufs: BufPool::new(STREAM, 2 * POOLED),
+            staging,
+            copies: Arc::default(),
         })
     }
 
@@ -259,6 +269,8 @@ impl Server {
         for h in conns {
             let _ = h.await;
         }
+        // Device copies the aborted connections started run on.
+        self.copies.quiet().await;
     }
 
     /// Aborts every connection task without waiting (drop).
@@ -510,6 +522,131 @@ impl Server {
         }
     }
 
+    /// Receives a WRITE's payload of `n` bytes into device region `region`
+    /// at `addr`: each chunk is read into a staging buffer (`first`, and a
+    /// second when one is free) and copied to the device on the blocking
+    /// pool, at most two copies running, the next chunk read meanwhile.
+    /// Returns once every copy is over: `Err` with the first copy's
+    /// failure (the rest of the payload is still read, not copied).
+    /// `Err(Close)` when the connection fails; copies still running then
+    /// are counted in `copies` (close waits for them).
+    async fn receive_device(
+        &self,
+        r: &mut PooledReader,
+        region: Arc<Region>,
+        addr: u64,
+        n: usize,
+        first: Lease,
+    ) -> Result<std::result::Result<(), Status>, Close> {
+        let mut free = vec![first];
+        if n > STAGE {
+            free.extend(self.staging.try_acquire(Side::Target));
+        }
+        let mut running: VecDeque<Copying<std::result::Result<(), Status>>> = VecDeque::new();
+        let mut status = Ok(());
+        let mut done = 0usize;
+        while done < n {
+            let mut buf = match free.pop() {
+                Some(b) => b,
+                None => {
+                    let Some(h) = running.pop_front() else {
+                        return Err(Close::Proto("no staging buffer for a device write".into()));
+                    };
+                    let (b, got) = copied(h).await.map_err(|e| Close::Proto(e.to_string()))?;
+                    status = status.and(got);
+                    b
+                }
+            };
+            let k = (n - done).min(buf.len());
+            let at = addr + done as u64;
+            // Applied only once wholly in hand, and not if a reset is
+            // behind it (as for host memory).
+            self.read(r, &mut buf[..k]).await?;
+            r.check_reset()?;
+            if status.is_ok() {
+                let region = region.clone();
+                running.push_back(copy_off(buf, &self.copies, move |b: &mut [u8]| region.write_abs(at, &b[..k])));
+            } else {
+                free.push(buf);
+            }
+            done += k;
+        }
+        while let Some(h) = running.pop_front() {
+            let (_, got) = copied(h).await.map_err(|e| Close::Proto(e.to_string()))?;
+            status = status.and(got);
+        }
+        Ok(status)
+    }
+
+    /// Answers a READ of `n` bytes of device region `region` at `addr`
+    /// (`a` its answer's header): each chunk is copied into a staging
+    /// buffer on the blocking pool, the next one while this one is sent
+    /// (when a second buffer is free). A first chunk that cannot be copied
+    /// is answered with its status; a later one closes the connection
+    /// (half an answer is on the wire).
+    async fn answer_device(
+        &self,
+        w: &mut OwnedWriteHalf,
+        out: &mut OutBuf,
+        (region, addr, n): (Arc<Region>, u64, usize),
+        mut a: Header,
+        first: Lease,
+    ) -> Result<(), Close> {
+        let mut spare = if n > STAGE { self.staging.try_acquire(Side::Target) } else { None };
+        let chunk = |at: u64, k: usize| {
+            let region = region.clone();
+            move |b: &mut [u8]| region.read_abs(at, &mut b[..k])
+        };
+        let k0 = n.min(STAGE);
+        let (mut cur, got) =
+            copied(copy_off(first, &self.copies, chunk(addr, k0))).await.map_err(|e| Close::Proto(e.to_string()))?;
+        if let Err(status) = got {
+            a.status = status;
+            a.len = 0;
+            a.payload_len = 0;
+            self.room(w, out, HEADER_LEN).await?;
+            out.push(&a.encode())?;
+            return Ok(());
+        }
+        self.room(w, out, HEADER_LEN).await?;
+        out.push(&a.encode())?;
+        let mut done = 0usize;
+        loop {
+            let k = (n - done).min(STAGE);
+            let next_at = done + k;
+            let m = (n - next_at).min(STAGE);
+            let next = match spare.take() {
+                Some(b) if next_at < n => Some(copy_off(b, &self.copies, chunk(addr + next_at as u64, m))),
+                other => {
+                    spare = other;
+                    None
+                }
+            };
+            // The answers gathered and this header go out first.
+            if !out.is_empty() {
+                self.idle(Self::flush(w, out)).await?;
+            }
+            self.idle(w.write_all(&cur[..k])).await?;
+            done = next_at;
+            if done >= n {
+                return Ok(());
+            }
+            let (b, got) = match next {
+                Some(h) => {
+                    let got = copied(h).await;
+                    spare = Some(cur);
+                    got
+                }
+                None => copied(copy_off(cur, &self.copies, chunk(addr + done as u64, m))).await,
+            }
+            .map_err(|e| Close::Proto(e.to_string()))?;
+            if got.is_err() {
+                return Err(Close::Proto("a device copy failed while a read was answered".into()));
+            }
+            cur = b;
+        }
+    }
+
     /// Serves requests until the connection ends (always with an error:
     /// a close by the peer is an `UnexpectedEof`). Answers are gathered in
     /// `out`; what is left there on return was never sent. Scratch buffers
@@ -644,37 +781,49 @@ impl Server {
                     // reader already holds is applied from its buffer; the
                     // staging buffer is borrowed only otherwise (never for
                     // a small frame that came in one read).
-                    let mut staging = None;
-                    let mut done = 0usize;
-                    while done < n {
-                        let at = h.addr + done as u64;
-                        let whole = (n - done).min(self.chunk_bufs.size());
-                        if r.buffered() >= whole {
+                    // Into device memory: through the transport's staging
+                    // buffers, the copies on the blocking pool.
+                    let lease = match &status {
+                        Ok(region) if region.mem.provider().is_some() => self.staging.acquire(Side::Target).await.ok(),
+                        _ => None,
+                    };
+                    if let (Some(first), Ok(region)) = (lease, &status) {
+                        if let Err(s) = self.receive_device(r, region.clone(), h.addr, n, first).await? {
+                            status = Err(s);
+                        }
+                    } else {
+                        let mut staging = None;
+                        let mut done = 0usize;
+                        while done < n {
+                            let at = h.addr + done as u64;
+                            let whole = (n - done).min(self.chunk_bufs.size());
+                            if r.buffered() >= whole {
+                                r.check_reset()?;
+                                let chunk = r.take_buffered(whole);
+                                if let Ok(region) = &status {
+                                    if let Err(s) = region.write_abs(at, chunk) {
+                                        status = Err(s);
+                                    }
+                                }
+                                done += chunk.len();
+                                continue;
+                            }
+                            let buf = match &mut staging {
+                                Some(b) => b,
+                                None => staging.insert(self.chunk_bufs.take()?),
+                            };
+                            let k = (n - done).min(buf.len());
+                            self.idle(r.read_exact(&mut buf[..k])).await?;
                             r.check_reset()?;
-                            let chunk = r.take_buffered(whole);
                             if let Ok(region) = &status {
-                                if let Err(s) = region.write_abs(at, chunk) {
+                                if let Err(s) = region.write_abs(at, &buf[..k]) {
                                     status = Err(s);
                                 }
                             }
-                            done += chunk.len();
-                            continue;
+                            done += k;
                         }
-                        let buf = match &mut staging {
-                            Some(b) => b,
-                            None => staging.insert(self.chunk_bufs.take()?),
-                        };
-                        let k = (n - done).min(buf.len());
-                        self.idle(r.read_exact(&mut buf[..k])).await?;
-                        r.check_reset()?;
-                        if let Ok(region) = &status {
-                            if let Err(s) = region.write_abs(at, &buf[..k]) {
-                                status = Err(s);
-                            }
-                        }
-                        done += k;
+                        drop(staging);
                     }
-                    drop(staging);
                     if status.is_ok() {
                         served.write = served.write.saturating_add(h.len);
                     }
@@ -723,6 +872,12 @@ impl Server {
                     let n = h.len as usize;
                     a.len = h.len;
                     a.payload_len = n as u32;
+                    if region.mem.provider().is_some() {
+                        if let Ok(first) = self.staging.acquire(Side::Target).await {
+                            self.answer_device(w, out, (region, h.addr, n), a, first).await?;
+                            continue;
+                        }
+                    }
                     if n <= STREAM {
                         self.room(w, out, HEADER_LEN + n).await?;
                         let start = out.len();

@@ -26,6 +26,7 @@ use crate::endpoint::{EndpointSlots, Env, Note, Work};
 use crate::proto;
 use crate::regions::RegionTable;
 use crate::server::Server;
+use crate::staging::Staging;
 
 /// Largest batch accepted.
 const MAX_BATCH: usize = 1 << 20;
@@ -67,12 +68,14 @@ impl TcpTransport {
         let regions = Arc::new(RegionTable::default());
         let generation = transport_core::fresh_generation();
         let inbox = Arc::new(Inbox::new(cfg.inbox_capacity));
-        let server = Server::new(cfg.clone(), regions.clone(), generation, tasks.clone(), inbox.clone());
+        let staging = Arc::new(Staging::new(cfg.staging_buffers));
+        let server =
+            Server::new(cfg.clone(), regions.clone(), generation, tasks.clone(), inbox.clone(), staging.clone());
         let inner = Arc::new(Inner {
             cfg: cfg.clone(),
             local_name: cfg.advertise.clone().unwrap_or_else(|| bound.to_string()),
             generation,
-            env: Env::new(cfg.clone(), tasks.clone()),
+            env: Env::new(cfg.clone(), tasks.clone(), staging),
             regions,
             server: server.clone(),
             inbox,
@@ -198,7 +201,17 @@ impl Transport for TcpTransport {
     fn register(&self, mem: MemoryRegion, access: Access) -> Result<RegionId> {
         self.inner.check_open()?;
         let id = RegionId(self.inner.handle());
-        self.inner.regions.insert(id, mem, access)?;
+        // A device region needs the staging buffers (the first maps them).
+        let provider = mem.provider().cloned();
+        if let Some(p) = &provider {
+            self.inner.env.staging.device_added(p)?;
+        }
+        if let Err(e) = self.inner.regions.insert(id, mem, access) {
+            if provider.is_some() {
+                self.inner.env.staging.device_removed();
+            }
+            return Err(e);
+        }
         Ok(id)
     }
 
@@ -210,6 +223,9 @@ impl Transport for TcpTransport {
         // closed in their windows, and a write that saw it open is waited
         // for); then local requests using it are ended and quieted.
         r.kill();
+        if r.mem.provider().is_some() {
+            i.env.staging.device_removed();
+        }
         i.regions.close_direct(&r).await;
         for b in i.running() {
             if b.reqs.iter().any(|q| q.local == region) {
@@ -364,9 +380,9 @@ impl Transport for TcpTransport {
             inflight: usize::try_from(inflight).unwrap_or(usize::MAX),
             tasks: i.env.tasks.count(),
             notifications: i.inbox.len(),
-            // No staging pool: a device slice is copied by its provider
-            // into or out of the lane's own frame buffer.
-            staging_bytes: 0,
+            // Mapped while a device region is registered (and until every
+            // buffer on loan is back).
+            staging_bytes: i.env.staging.bytes() as u64,
         }
     }
 
@@ -437,6 +453,8 @@ impl Transport for TcpTransport {
             let _ = h.await;
         }
         i.server.close_all().await;
+        // Device copies of aborted connections run on: waited for.
+        i.env.staging.quiet().await;
         // No same-host peer writes directly into this process any more.
         i.regions.retire_windows();
         i.regions.quiet_windows().await;
@@ -445,6 +463,7 @@ impl Transport for TcpTransport {
                 r.kill();
             }
         }
+        i.env.staging.close();
         i.segments.lock().clear();
         for (_, b) in i.batches.lock().drain() {
             b.forget_deadline();

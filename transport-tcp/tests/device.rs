@@ -1,0 +1,212 @@
+//! Device memory over real loopback sockets, on fake devices: large
+//! transfers are byte-exact, the staging buffers come and go with the
+//! device regions (every pin undone), a held device copy keeps its batch
+//! from being reported terminal, and the target's copies overlap.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{node, run, test_config};
+use transport_core::{Access, BatchState, Buffer, FakeDevice, MemoryRegion, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::{TcpConfig, TcpTransport};
+
+/// The tests' configuration with staging on (it is off by default).
+fn staged() -> TcpConfig {
+    TcpConfig { staging_buffers: 16, ..test_config() }
+}
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// One staging buffer (the transport's `STAGE`).
+const STAGE: u64 = 256 << 10;
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8).collect()
+}
+
+fn device(index: u32, cap: usize) -> Arc<FakeDevice> {
+    Arc::new(FakeDevice::new(index, cap).unwrap())
+}
+
+/// A region of `len` bytes on `dev` holding `pattern(seed)`.
+fn filled(dev: &Arc<FakeDevice>, len: usize, seed: u64) -> (MemoryRegion, Vec<u8>) {
+    let r = FakeDevice::region(dev, len).unwrap();
+    let bytes = pattern(seed, len);
+    r.write_at(0, &bytes).unwrap();
+    (r, bytes)
+}
+
+/// Waits (bounded) until `f` holds; whether it did.
+async fn eventually(mut f: impl FnMut() -> bool) -> bool {
+    for _ in 0..2000 {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    f()
+}
+
+/// Holds `dev`'s copies until dropped, so a failing test lets them go
+/// (and ends) instead of waiting for them forever at the runtime's end.
+struct Held(Arc<FakeDevice>);
+
+impl Held {
+    fn new(dev: &Arc<FakeDevice>) -> Self {
+        dev.hold_copies();
+        Held(dev.clone())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.release_copies();
+    }
+}
+
+fn staging(t: &TcpTransport) -> u64 {
+    t.stats().staging_bytes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_device_to_device_transfers_are_byte_exact_and_staging_comes_and_goes() {
+    tokio::time::timeout(LIMIT, async {
+        const LEN: usize = 64 << 20;
+        let cfg = staged();
+        let bound = cfg.staging_buffers as u64 * STAGE;
+        let (a, b) = (node(cfg.clone()).await, node(cfg).await);
+        let (da, db) = (device(0, 2 * LEN + (1 << 20)), device(1, LEN + (1 << 20)));
+        assert_eq!((staging(&a), staging(&b)), (0, 0), "no device region, no staging buffer");
+        let (src, bytes) = filled(&da, LEN, 1);
+        let dst = FakeDevice::region(&db, LEN).unwrap();
+        let l = a.register(src.clone(), Access::LOCAL).unwrap();
+        let r = b.register(dst.clone(), Access::REMOTE_RW).unwrap();
+        for t in [&a, &b] {
+            let s = staging(t);
+            assert!(s > 0 && s <= bound, "staging bytes {s} while a device region is registered (bound {bound})");
+        }
+        assert!(da.pinned() > 0 && db.pinned() > 0, "the staging buffers are pinned through the providers");
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        const PART: u64 = 16 << 20;
+        let reqs = (0..LEN as u64 / PART)
+            .map(|k| TransferRequest::write(l, k * PART, seg, dst.addr() + k * PART, PART))
+            .collect();
+        let s = run(&a, reqs).await;
+        assert_eq!(s.state, BatchState::Completed, "write: {:?}", s.first_error());
+        assert!(dst.to_vec() == bytes, "device to device write: the target's bytes differ");
+        // And back, into a second device region of the initiator.
+        let back = FakeDevice::region(&da, LEN).unwrap();
+        let bl = a.register(back.clone(), Access::LOCAL).unwrap();
+        let reqs = (0..LEN as u64 / PART)
+            .map(|k| TransferRequest::read(bl, k * PART, seg, dst.addr() + k * PART, PART))
+            .collect();
+        let s = run(&a, reqs).await;
+        assert_eq!(s.state, BatchState::Completed, "read: {:?}", s.first_error());
+        assert!(back.to_vec() == bytes, "device to device read: the local bytes differ");
+        assert_eq!((da.in_flight(), db.in_flight()), (0, 0), "no copy runs once the batches ended");
+        // The last device region of each side takes the buffers with it.
+        a.unregister(l).await.unwrap();
+        assert!(staging(&a) > 0, "one device region is still registered");
+        a.unregister(bl).await.unwrap();
+        b.unregister(r).await.unwrap();
+        assert!(eventually(|| staging(&a) == 0 && staging(&b) == 0).await, "staging bytes stay after unregister");
+        assert!(eventually(|| da.pinned() == 0 && db.pinned() == 0).await, "a pin was not undone");
+        // Registered again, the buffers come back; close frees them.
+        let l = a.register(src, Access::LOCAL).unwrap();
+        assert!(staging(&a) > 0);
+        let s = run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
+        assert_ne!(s.state, BatchState::Completed, "the target's region is gone");
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+        assert_eq!((staging(&a), staging(&b)), (0, 0));
+        assert_eq!((da.pinned(), db.pinned()), (0, 0), "every pin is undone after close");
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A batch whose initiator-side device copy is held is not reported
+/// terminal (by cancel, nor by its deadline) until the copy is over: no
+/// copy out of the caller's memory runs after the terminal report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_device_copy_keeps_its_batch_from_ending() {
+    tokio::time::timeout(LIMIT, async {
+        let cfg = TcpConfig { drain_timeout: Duration::from_millis(20), ..staged() };
+        let (a, b) = (Arc::new(node(cfg.clone()).await), node(cfg).await);
+        let da = device(0, 4 << 20);
+        let (src, _) = filled(&da, 1 << 20, 2);
+        let dst = Buffer::new(1 << 20).unwrap();
+        let l = a.register(src, Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        for deadline in [false, true] {
+            let held = Held::new(&da);
+            let opts = if deadline {
+                SubmitOptions::with_timeout(Duration::from_millis(30))
+            } else {
+                SubmitOptions::default()
+            };
+            let id = a.submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20)], opts).await.unwrap();
+            assert!(eventually(|| da.in_flight() > 0).await, "the initiator's copy never started");
+            let t = a.clone();
+            let ended = tokio::spawn(async move {
+                if deadline {
+                    t.wait(id).await
+                } else {
+                    t.cancel(id).await
+                }
+            });
+            // Well past the deadline and the drain timeout: still not over.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(!ended.is_finished(), "reported terminal while a device copy runs (deadline: {deadline})");
+            assert!(!a.poll(id).unwrap().is_terminal());
+            drop(held);
+            let s = ended.await.unwrap().unwrap();
+            assert!(s.is_terminal(), "{:?}", s.state);
+            assert_eq!(da.in_flight(), 0, "a copy runs after the terminal report");
+            a.release(id).unwrap();
+        }
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// The target copies a WRITE's chunks into device memory off the
+/// runtime, two at a time per connection, while it reads the next: with
+/// its copies held, two are in flight at once (never more), and the write
+/// completes byte-exact once they are let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_device_copies_overlap_two_per_connection() {
+    tokio::time::timeout(LIMIT, async {
+        const LEN: usize = 2 << 20;
+        let cfg = TcpConfig { lanes: 1, ..staged() };
+        let (a, b) = (node(cfg.clone()).await, node(cfg).await);
+        let (da, db) = (device(0, LEN), device(1, LEN));
+        let (src, bytes) = filled(&da, LEN, 3);
+        let dst = FakeDevice::region(&db, LEN).unwrap();
+        let l = a.register(src, Access::LOCAL).unwrap();
+        b.register(dst.clone(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let held = Held::new(&db);
+        let id = a
+            .submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), LEN as u64)], SubmitOptions::default())
+            .await
+            .unwrap();
+        assert!(eventually(|| db.in_flight() >= 2).await, "the target never ran two copies at once");
+        assert!(!a.poll(id).unwrap().is_terminal(), "answered before its copies ended");
+        drop(held);
+        let s = tokio::time::timeout(Duration::from_secs(30), a.wait(id)).await.unwrap().unwrap();
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        a.release(id).unwrap();
+        assert!(dst.to_vec() == bytes, "the target's device bytes differ");
+        assert_eq!(db.max_in_flight(), 2, "at most two copies per connection");
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
