@@ -9,7 +9,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{node, run, test_config};
+use support::{eventually, node, run, test_config};
 use transport_core::{Access, BatchState, Buffer, FakeDevice, MemoryRegion, SubmitOptions, TransferRequest, Transport};
 use transport_tcp::{TcpConfig, TcpTransport};
 
@@ -36,17 +36,6 @@ fn filled(dev: &Arc<FakeDevice>, len: usize, seed: u64) -> (MemoryRegion, Vec<u8
     let bytes = pattern(seed, len);
     r.write_at(0, &bytes).unwrap();
     (r, bytes)
-}
-
-/// Waits (bounded) until `f` holds; whether it did.
-async fn eventually(mut f: impl FnMut() -> bool) -> bool {
-    for _ in 0..2000 {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    f()
 }
 
 /// Holds `dev`'s copies until dropped, so a failing test lets them go

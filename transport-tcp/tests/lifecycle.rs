@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use support::fake_peer::{self, FakePeer, Script};
 use support::proxy::FaultProxy;
-use support::{node, test_config};
+use support::{eventually, node, test_config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
@@ -22,17 +22,6 @@ use transport_tcp::wire::{FrameType, Header, Status};
 use transport_tcp::TcpConfig;
 
 const LIMIT: Duration = Duration::from_secs(30);
-
-/// Waits (bounded) until `f` holds; returns whether it did.
-async fn eventually(mut f: impl FnMut() -> bool) -> bool {
-    for _ in 0..250 {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    f()
-}
 
 /// A caller that stops waiting while its endpoint is being built (the
 /// peer accepts TCP but never answers the handshake) gives the slot back:

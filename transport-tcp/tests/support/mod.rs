@@ -12,6 +12,17 @@ use std::time::Duration;
 use transport_core::{BatchStatus, SubmitOptions, TransferRequest, Transport};
 use transport_tcp::{TcpConfig, TcpTransport};
 
+/// Waits (at most 10 s) until `f` holds; returns whether it did.
+pub async fn eventually(mut f: impl FnMut() -> bool) -> bool {
+    for _ in 0..2000 {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    f()
+}
+
 /// Submits `reqs`, waits (at most 30 s) for the batch to end, releases it
 /// and returns its final status.
 pub async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> BatchStatus {
