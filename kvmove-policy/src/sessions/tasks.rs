@@ -98,7 +98,7 @@ pub(super) async fn read_loop(weak: std::sync::Weak<Inner>) {
 /// a busy runtime). One caller at a time, so messages apply in the order
 /// they arrived.
 pub(super) fn read_inbox(inner: &Arc<Inner>) -> bool {
-    let open = {
+    {
         let _one = inner.reading.lock();
         let Ok(batch) = inner.engine.transport().take_notifications(TAKE_BATCH) else { return false };
         if batch.is_empty() {
@@ -119,10 +119,9 @@ pub(super) fn read_inbox(inner: &Arc<Inner>) -> bool {
                 inner.dropped_plain.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        true
-    };
+    }
     inner.pump();
-    open
+    true
 }
 
 pub(super) async fn tick_loop(weak: std::sync::Weak<Inner>, every: Duration) {
