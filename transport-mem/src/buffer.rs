@@ -6,6 +6,7 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use crate::device::DeviceMemory;
 use crate::error::MemError;
 use crate::region::MemoryRegion;
 
@@ -25,6 +26,9 @@ pub struct Buffer {
 pub(crate) struct Allocation {
     ptr: NonNull<u8>,
     layout: Layout,
+    /// The provider that pinned the allocation ([`Buffer::pinned`]),
+    /// unpinned before it is freed.
+    pinned_by: Option<Arc<dyn DeviceMemory>>,
 }
 
 // SAFETY: the allocation is plain bytes with no thread affinity; all access
@@ -34,9 +38,30 @@ unsafe impl Send for Allocation {}
 // SAFETY: as above; `&Allocation` only exposes the address.
 unsafe impl Sync for Allocation {}
 
+impl Allocation {
+    /// `len` zeroed bytes aligned to a page, not pinned.
+    fn new(len: usize) -> Result<Self, MemError> {
+        if len == 0 {
+            return Err(MemError::ZeroLength);
+        }
+        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| MemError::AllocFailed { len })?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(MemError::AllocFailed { len })?;
+        Ok(Self { ptr, layout, pinned_by: None })
+    }
+}
+
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` in `Buffer::new`
+        if let Some(p) = self.pinned_by.take() {
+            // SAFETY: this provider pinned exactly this allocation in
+            // `Buffer::pinned` and nothing unpinned it since; it is freed
+            // only below, after this returns. This is the last owner, so
+            // no region (hence no copy) of it is left.
+            unsafe { p.unpin_host(self.ptr.as_ptr() as u64) };
+        }
+        // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` in `Allocation::new`
         // and is freed exactly once, here, when the last owner drops.
         unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
     }
@@ -49,14 +74,30 @@ impl Buffer {
     /// [`MemError::AllocFailed`] when the allocator refuses (the caller can
     /// retry with less).
     pub fn new(len: usize) -> Result<Self, MemError> {
-        if len == 0 {
-            return Err(MemError::ZeroLength);
+        Ok(Self { inner: Arc::new(Allocation::new(len)?) })
+    }
+
+    /// [`Buffer::new`], pinned for `provider`'s copies
+    /// ([`DeviceMemory::pin_host`]) until the last clone and region of it
+    /// are gone (unpinned before it is freed): host memory that staged
+    /// device copies go through. A provider that does not pin leaves it
+    /// unpinned ([`Buffer::is_pinned`]); one that fails to pin gives its
+    /// error (the memory is freed).
+    pub fn pinned(len: usize, provider: &Arc<dyn DeviceMemory>) -> Result<Self, MemError> {
+        let mut a = Allocation::new(len)?;
+        // SAFETY: `a` alone owns `ptr .. ptr + len` (just allocated); it
+        // is freed only in `Allocation::drop`, which first unpins it once
+        // `pinned_by` is set (right below, with nothing in between that
+        // can fail).
+        if unsafe { provider.pin_host(a.ptr.as_ptr() as u64, len) }? {
+            a.pinned_by = Some(provider.clone());
         }
-        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| MemError::AllocFailed { len })?;
-        // SAFETY: `layout` has a non-zero size (checked above).
-        let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or(MemError::AllocFailed { len })?;
-        Ok(Self { inner: Arc::new(Allocation { ptr, layout }) })
+        Ok(Self { inner: Arc::new(a) })
+    }
+
+    /// Whether a provider pinned it ([`Buffer::pinned`]).
+    pub fn is_pinned(&self) -> bool {
+        self.inner.pinned_by.is_some()
     }
 
     /// Allocates a buffer holding a copy of `bytes`.
@@ -127,6 +168,22 @@ mod tests {
     #[test]
     fn zero_length_is_an_error() {
         assert!(matches!(Buffer::new(0), Err(MemError::ZeroLength)));
+    }
+
+    #[test]
+    fn pinned_until_the_last_region_is_gone() {
+        let dev = Arc::new(crate::FakeDevice::new(0, 4096).unwrap());
+        let provider: Arc<dyn DeviceMemory> = dev.clone();
+        let b = Buffer::pinned(10_000, &provider).unwrap();
+        assert!(b.is_pinned());
+        assert_eq!(dev.pinned(), 1);
+        let r = b.region();
+        drop(b);
+        assert_eq!(dev.pinned(), 1, "unpinned while a region of it lives");
+        r.write_at(0, b"still here").unwrap();
+        drop(r);
+        assert_eq!(dev.pinned(), 0);
+        assert!(!Buffer::new(10).unwrap().is_pinned());
     }
 
     #[test]

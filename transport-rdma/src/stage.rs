@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use transport_core::lifecycle::EndpointId;
-use transport_core::{Buffer, Error, ErrorKind, MemoryRegion, Result, SegmentId};
+use transport_core::{Buffer, DeviceMemory, Error, ErrorKind, MemoryRegion, Result, SegmentId};
 
 use crate::ids::{PeerGroupId, Slice};
 use crate::verbs::{Pd, Registration};
@@ -50,11 +50,29 @@ pub(crate) struct Staging {
 
 impl Staging {
     /// `slots` buffers of `slot_len` bytes, registered once; peers may read
-    /// and write them if `remote` (the target's pool).
-    pub(crate) fn new(pd: &Arc<Pd>, slots: u32, slot_len: u32, remote: bool) -> Result<Self> {
+    /// and write them if `remote` (the target's pool). Pinned for
+    /// `provider`'s copies (the device of the staged region that made the
+    /// pool: CUDA copies from pinned memory at full speed), or unpinned
+    /// where that provider refuses (logged).
+    pub(crate) fn new(
+        pd: &Arc<Pd>,
+        slots: u32,
+        slot_len: u32,
+        remote: bool,
+        provider: Option<&Arc<dyn DeviceMemory>>,
+    ) -> Result<Self> {
         let len = usize::try_from(u64::from(slots) * u64::from(slot_len))
             .map_err(|_| Error::new(ErrorKind::Config, "staging buffers do not fit in memory"))?;
-        let buf = Buffer::new(len).map_err(|e| Error::from(e).with("staging_bytes", len))?;
+        let pinned = provider.map(|p| (p, Buffer::pinned(len, p)));
+        let buf = match pinned {
+            Some((_, Ok(b))) => Ok(b),
+            Some((p, Err(e))) => {
+                tracing::info!(provider = p.name(), error = %e, "rdma: staging buffers not pinned for device copies");
+                Buffer::new(len)
+            }
+            None => Buffer::new(len),
+        }
+        .map_err(|e| Error::from(e).with("staging_bytes", len))?;
         let reg = Registration::new(pd, buf.region(), remote, remote)?;
         Ok(Self { reg, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
     }

@@ -204,13 +204,15 @@ pub(crate) fn register_device(
 
 impl Inner {
     /// The staging buffers, made with the first staged region (and the
-    /// pool peers reach, with the first one they may reach).
-    pub(crate) fn ensure_staging(&self, st: &mut State, pd: &Arc<Pd>, remote: bool) -> Result<()> {
+    /// pool peers reach, with the first one they may reach), pinned for
+    /// that region's provider.
+    pub(crate) fn ensure_staging(&self, st: &mut State, pd: &Arc<Pd>, mem: &MemoryRegion, remote: bool) -> Result<()> {
+        let (slots, len, provider) = (self.cfg.staging_buffers, self.cfg.slice_size, mem.provider());
         if st.staging.is_none() {
-            st.staging = Some(Staging::new(pd, self.cfg.staging_buffers, self.cfg.slice_size, false)?);
+            st.staging = Some(Staging::new(pd, slots, len, false, provider)?);
         }
         if remote && st.remote_staging.is_none() {
-            st.remote_staging = Some(Staging::new(pd, self.cfg.staging_buffers, self.cfg.slice_size, true)?);
+            st.remote_staging = Some(Staging::new(pd, slots, len, true, provider)?);
         }
         Ok(())
     }

@@ -249,7 +249,7 @@ impl Transport for RdmaTransport {
         let (reg, path) = if mem.kind().is_device() {
             let (reg, path) = staging::register_device(&pd, &mem, access)?;
             if path == MemPath::Staged {
-                self.inner.ensure_staging(&mut st, &pd, access.is_remote())?;
+                self.inner.ensure_staging(&mut st, &pd, &mem, access.is_remote())?;
             }
             (reg, path)
         } else {

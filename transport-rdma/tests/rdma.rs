@@ -704,8 +704,9 @@ fn random_mixed_batches_are_byte_exact() {
 /// the initiator's side and on the target's: transfers of many more slices
 /// than buffers are byte-exact both ways, device to host, host to device
 /// and device to device, the buffers are counted in `staging_bytes` and
-/// freed (MRs included) with the last staged region, and a cancel that
-/// lands while slow copies run is quiet from its terminal report on.
+/// freed (MRs included) with the last staged region, pinned for the
+/// device's copies while they live, and a cancel that lands while slow
+/// copies run is quiet from its terminal report on.
 fn staged_device_memory_is_byte_exact_and_bounded() {
     run("staged_device_memory_is_byte_exact_and_bounded", 120, async {
         use transport_core::FakeDevice;
@@ -723,6 +724,7 @@ fn staged_device_memory_is_byte_exact_and_bounded() {
         assert_eq!(client.stats().staging_bytes, 0);
         let did = client.register(dmem.clone(), Access::LOCAL).unwrap();
         assert_eq!(client.stats().staging_bytes, 3 * (64 << 10));
+        assert_eq!(dev.pinned(), 1, "the staging pool is pinned for the device's copies");
         let remote = Buffer::new(LEN).unwrap();
         let rid = server.register(remote.region(), Access::REMOTE_RW).unwrap();
         let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
@@ -774,6 +776,7 @@ fn staged_device_memory_is_byte_exact_and_bounded() {
         let before_t = server.stats();
         let tid = server.register(tmem.clone(), Access::REMOTE_RW).unwrap();
         assert_eq!(server.stats().staging_bytes, 2 * 3 * (64 << 10));
+        assert_eq!(sdev.pinned(), 2, "both of the target's pools pinned for its device");
         let seg2 = client.open_segment(&server.local_segment_name()).await.unwrap();
         let host = buffer_with(LEN, 9);
         let hid = client.register(host.region(), Access::LOCAL).unwrap();
@@ -814,6 +817,9 @@ fn staged_device_memory_is_byte_exact_and_bounded() {
             "kernel objects {:?} back to {base_mrs:?} (the staging MR deregistered)",
             my_counts()
         );
+        // Unpinned once their MRs are gone (a QP may keep an MR a while).
+        let unpinned = || dev.pinned() == 0 && sdev.pinned() == 0;
+        assert!(eventually(Duration::from_secs(5), unpinned).await, "pinned: {} and {}", dev.pinned(), sdev.pinned());
         client.shutdown().await.unwrap();
         server.shutdown().await.unwrap();
     });
