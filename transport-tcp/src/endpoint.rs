@@ -201,6 +201,9 @@ pub(crate) struct Body {
     pub len: usize,
     pub done: usize,
     pub result: Result<()>,
+    /// A READ into device memory with staging on: its bytes go through
+    /// staging buffers, copied into the device off the reader.
+    pub staged: Option<crate::rx::StagedRead>,
 }
 
 /// The reading state of one lane: its socket's read half, the bytes read

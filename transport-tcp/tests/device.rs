@@ -199,3 +199,72 @@ async fn target_device_copies_overlap_two_per_connection() {
     .await
     .expect("test timed out");
 }
+
+/// The initiator's READ into device memory goes through staging buffers
+/// too: with its device's copies held, several copies of one slice are in
+/// flight at once (the lane's reader goes on reading while they run, where
+/// an unstaged copy would hold the reader), the batch is not reported
+/// terminal (done, cancelled or past its deadline) while one runs, and
+/// the bytes are exact once they are let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initiator_reads_into_device_memory_off_the_reader() {
+    tokio::time::timeout(LIMIT, async {
+        const LEN: usize = 2 << 20;
+        let cfg = TcpConfig { lanes: 1, drain_timeout: Duration::from_millis(20), ..staged() };
+        let (a, b) = (Arc::new(node(cfg.clone()).await), node(cfg).await);
+        let da = device(0, 4 * LEN);
+        let src = Buffer::from_slice(&pattern(4, LEN)).unwrap();
+        let dst = FakeDevice::region(&da, LEN).unwrap();
+        let l = a.register(dst.clone(), Access::LOCAL).unwrap();
+        b.register(src.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let read = vec![TransferRequest::read(l, 0, seg, src.addr(), LEN as u64)];
+
+        let held = Held::new(&da);
+        let id = a.submit(read.clone(), SubmitOptions::default()).await.unwrap();
+        assert!(eventually(|| da.in_flight() >= 2).await, "never two copies at once: {}", da.in_flight());
+        assert!(!a.poll(id).unwrap().is_terminal(), "reported done before its copies ended");
+        drop(held);
+        let s = tokio::time::timeout(Duration::from_secs(30), a.wait(id)).await.unwrap().unwrap();
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        a.release(id).unwrap();
+        assert!(dst.to_vec() == src.to_vec(), "the device bytes differ");
+        let most = da.max_in_flight();
+        assert!(most <= cfg_initiator_half(), "{most} copies at once, more than the initiator's buffers");
+
+        for deadline in [false, true] {
+            let held = Held::new(&da);
+            let opts = if deadline {
+                SubmitOptions::with_timeout(Duration::from_millis(30))
+            } else {
+                SubmitOptions::default()
+            };
+            let id = a.submit(read.clone(), opts).await.unwrap();
+            assert!(eventually(|| da.in_flight() > 0).await, "no copy started");
+            let t = a.clone();
+            let ended = tokio::spawn(async move {
+                if deadline {
+                    t.wait(id).await
+                } else {
+                    t.cancel(id).await
+                }
+            });
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(!ended.is_finished(), "reported terminal while a device copy runs (deadline: {deadline})");
+            drop(held);
+            let s = ended.await.unwrap().unwrap();
+            assert!(s.is_terminal(), "{:?}", s.state);
+            assert_eq!(da.in_flight(), 0, "a copy runs after the terminal report");
+            a.release(id).unwrap();
+        }
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// The buffers `staged()` gives this side's own requests (half of them).
+fn cfg_initiator_half() -> u64 {
+    staged().staging_buffers as u64 / 2
+}
