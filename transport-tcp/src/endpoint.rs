@@ -126,6 +126,9 @@ pub(crate) struct Slice {
     pub remote: u64,
     /// Sent as a same-host copy (no payload either way).
     pub same_host: bool,
+    /// Answered, its bytes still being copied into device memory (a
+    /// staged READ): any further answer to it is a protocol error.
+    pub landing: bool,
     /// Keeps the endpoint counted as in use until the slice ends.
     pub _using: EndpointUse,
 }

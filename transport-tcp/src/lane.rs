@@ -206,6 +206,7 @@ fn stage(ep: &Endpoint, lane: usize, n: Next, buf: &mut Vec<u8>, used: &mut usiz
             op: req.op,
             remote: addr,
             same_host: same,
+            landing: false,
             _using: using,
         };
         p.map.insert(id, slice);

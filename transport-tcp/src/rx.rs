@@ -304,6 +304,10 @@ fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Answer, Stop> {
         // copied into local memory below: the slice stays in the map until
         // then, as for a payload.
         let copies = h.ty == FrameType::ReadResp && h.flags & SAME_HOST != 0 && h.status == Status::Ok;
+        if p.map.get(&h.id).is_some_and(|s| s.landing) {
+            drop(p);
+            return Err(broke(ErrorKind::Protocol, "two answers to one request"));
+        }
         let info = |s: &Slice| (s.batch.clone(), s.req, s.local_off, s.len, s.op, (s.same_host, s.remote));
         if n == 0 && !copies {
             p.map.remove(&h.id).map(|s| (info(&s), Some(s)))
@@ -435,6 +439,9 @@ fn finish(ep: &Arc<Endpoint>, lane: usize, b: Body) {
     if copies.is_empty() {
         end_slice(ep, lane, id, None, result);
         return;
+    }
+    if let Some(s) = ep.lanes[lane].pending.lock().map.get_mut(&id) {
+        s.landing = true;
     }
     let ep = ep.clone();
     tokio::spawn(async move {

@@ -1,7 +1,9 @@
 //! Device memory over real loopback sockets, on fake devices: large
 //! transfers are byte-exact, the staging buffers come and go with the
 //! device regions (every pin undone), a held device copy keeps its batch
-//! from being reported terminal, and the target's copies overlap.
+//! from being reported terminal, the target's copies overlap, the
+//! initiator's READ copies run off its reader, and a peer answering a
+//! staged READ twice gets none of its second answer's bytes in.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure should panic
 
 mod support;
@@ -9,8 +11,12 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use support::fake_peer::{self, FakePeer, Script};
 use support::{eventually, node, run, test_config};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 use transport_core::{Access, BatchState, Buffer, FakeDevice, MemoryRegion, SubmitOptions, TransferRequest, Transport};
+use transport_tcp::wire::{FrameType, Header};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 /// The tests' configuration with staging on (it is off by default).
@@ -259,6 +265,59 @@ async fn initiator_reads_into_device_memory_off_the_reader() {
         }
         a.shutdown().await.unwrap();
         b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Rule 9 against a peer that answers one staged READ twice: the second
+/// answer comes while the first one's bytes are still being copied into
+/// device memory (its slice not ended yet). It is a protocol error that
+/// breaks the endpoint, and none of its bytes reach the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_answer_to_a_staged_read_is_never_copied() {
+    tokio::time::timeout(LIMIT, async {
+        const LEN: u64 = 64 << 10;
+        let script: Script = Arc::new(|mut s: TcpStream| {
+            Box::pin(async move {
+                while let Some(h) = fake_peer::next_request(&mut s).await {
+                    if h.ty != FrameType::Read {
+                        return;
+                    }
+                    let mut burst = Vec::new();
+                    for fill in [pattern(5, h.len as usize), vec![0x5a; h.len as usize]] {
+                        let mut r = Header::new(FrameType::ReadResp);
+                        (r.id, r.len, r.payload_len) = (h.id, h.len, h.len as u32);
+                        burst.extend_from_slice(&r.encode());
+                        burst.extend_from_slice(&fill);
+                    }
+                    if s.write_all(&burst).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        });
+        let peer = FakePeer::start(script).await;
+        let a = node(TcpConfig { lanes: 1, ..staged() }).await;
+        let da = device(0, 1 << 20);
+        let dst = FakeDevice::region(&da, LEN as usize).unwrap();
+        let l = a.register(dst.clone(), Access::LOCAL).unwrap();
+        let seg = a.open_segment(&peer.name()).await.unwrap();
+        assert_eq!(a.stats().endpoints, 1);
+        let held = Held::new(&da);
+        let r = TransferRequest::read(l, 0, seg, fake_peer::REGION.addr, LEN);
+        let id = a.submit(vec![r], SubmitOptions::default()).await.unwrap();
+        assert!(eventually(|| da.in_flight() > 0).await, "the first answer's copy never started");
+        // The second answer is read meanwhile and breaks the endpoint,
+        // whose teardown waits for the copy.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(held);
+        let s = tokio::time::timeout(Duration::from_secs(10), a.wait(id)).await.expect("the read ends").unwrap();
+        assert!(s.is_terminal(), "{s:?}");
+        assert!(eventually(|| a.stats().endpoints == 0).await, "the second answer did not break the endpoint");
+        assert!(dst.to_vec() == pattern(5, LEN as usize), "the device holds other bytes than the first answer's");
+        a.release(id).unwrap();
+        a.shutdown().await.unwrap();
     })
     .await
     .expect("test timed out");
