@@ -75,6 +75,9 @@ step "device_bench --cuda: 64 MiB writes over TCP on loopback, host->host vs dev
 "$dir/device_bench" 3 --cuda
 step "device_bench --cuda --staging=16: the same through pinned staging buffers (TcpConfig::staging_buffers)"
 "$dir/device_bench" 3 --cuda --staging=16
+step "device_bench --cuda --read, unstaged and --staging=16: 64 MiB reads into device memory"
+"$dir/device_bench" 3 --cuda --read
+"$dir/device_bench" 3 --cuda --read --staging=16
 
 venv=${KVMOVE_PY_VENV:-${CARGO_TARGET_DIR:-$root/target}/python-venv}
 if [ -x "$venv/bin/pytest" ]; then

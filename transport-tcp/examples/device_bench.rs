@@ -4,7 +4,10 @@
 //! runtime copies over PCIe), alternated in rounds in one run on loopback.
 //! Prints each round and the ratio of the medians.
 //!
-//! `cargo run --release -p transport-tcp --example device_bench [ROUNDS] [--slow[=US]] [--staging=N]`
+//! `cargo run --release -p transport-tcp --example device_bench [ROUNDS] [--slow[=US]] [--staging=N] [--read]`
+//!
+//! `--read` measures 64 MiB reads instead (the initiator reads the
+//! target's memory into its own).
 //!
 //! `--staging=N` moves device memory through N staging buffers
 //! (`TcpConfig::staging_buffers`; default 0, off).
@@ -30,12 +33,15 @@ use transport_tcp::{TcpConfig, TcpTransport};
 const LEN: usize = 64 << 20;
 const PART: u64 = 16 << 20;
 
-async fn gbps(a: &TcpTransport, b: &TcpTransport, src: MemoryRegion, dst: MemoryRegion) -> f64 {
-    let l = a.register(src, Access::LOCAL).unwrap();
-    let r = b.register(dst.clone(), Access::REMOTE_RW).unwrap();
+/// `a` writes its `local` into `b`'s `remote` (or, with `read`, reads
+/// `b`'s `remote` into its `local`) for 2 s: Gbit/s.
+async fn gbps(a: &TcpTransport, b: &TcpTransport, local: MemoryRegion, remote: MemoryRegion, read: bool) -> f64 {
+    let l = a.register(local, Access::LOCAL).unwrap();
+    let r = b.register(remote.clone(), Access::REMOTE_RW).unwrap();
     let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let op = if read { TransferRequest::read } else { TransferRequest::write };
     let reqs: Vec<TransferRequest> =
-        (0..LEN as u64 / PART).map(|k| TransferRequest::write(l, k * PART, seg, dst.addr() + k * PART, PART)).collect();
+        (0..LEN as u64 / PART).map(|k| op(l, k * PART, seg, remote.addr() + k * PART, PART)).collect();
     let run = |reqs: Vec<TransferRequest>| async move {
         let id = a.submit(reqs, SubmitOptions::default()).await.unwrap();
         let s = a.wait(id).await.unwrap();
@@ -116,6 +122,7 @@ async fn main() {
     let staging = args.iter().find_map(|a| a.strip_prefix("--staging=")?.parse().ok()).unwrap_or(0);
     let cfg = TcpConfig { staging_buffers: staging, ..TcpConfig::default() };
     let use_cuda = args.iter().any(|a| a == "--cuda");
+    let read = args.iter().any(|a| a == "--read");
     let rounds: usize =
         args.iter().find(|a| !a.starts_with("--")).and_then(|s| s.parse().ok()).unwrap_or(5).clamp(1, 50);
     let (a, b) = (TcpTransport::new(cfg.clone()).await.unwrap(), TcpTransport::new(cfg.clone()).await.unwrap());
@@ -142,8 +149,12 @@ async fn main() {
     devices = format!("{devices}, staging_buffers {staging}");
     let (mut host, mut dev) = (Vec::new(), Vec::new());
     for round in 0..rounds {
-        let h = gbps(&a, &b, hs.region(), hd.region()).await;
-        let d = gbps(&a, &b, ds.clone(), dd.clone()).await;
+        // Either way the bytes go from `hs` / `ds` into `hd` / `dd`.
+        let (h, d) = if read {
+            (gbps(&a, &b, hd.region(), hs.region(), true).await, gbps(&a, &b, dd.clone(), ds.clone(), true).await)
+        } else {
+            (gbps(&a, &b, hs.region(), hd.region(), false).await, gbps(&a, &b, ds.clone(), dd.clone(), false).await)
+        };
         println!("round {round}: host->host {h:.2} Gbit/s, device->device {d:.2} Gbit/s");
         host.push(h);
         dev.push(d);
@@ -154,7 +165,8 @@ async fn main() {
     assert!(dd.to_vec() == vec![7u8; LEN], "the device bytes differ");
     let (h, d) = (median(host), median(dev));
     println!(
-        "64 MiB writes over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s ({:.2} GB/s), device->device ({devices}) {d:.2} Gbit/s ({:.2} GB/s), ratio {:.2}",
+        "64 MiB {} over TCP on loopback, median of {rounds} rounds: host->host {h:.2} Gbit/s ({:.2} GB/s), device->device ({devices}) {d:.2} Gbit/s ({:.2} GB/s), ratio {:.2}",
+        if read { "reads" } else { "writes" },
         h / 8.0,
         d / 8.0,
         d / h
