@@ -2,7 +2,10 @@
 //! host-to-host against device-to-device, both ends on fake devices
 //! (`FakeDevice`: the provider copies through its own mapping, as a GPU
 //! runtime copies over PCIe), alternated in rounds in one run on loopback.
-//! Prints each round and the ratio of the medians.
+//! Both go through the sockets (`same_host = false`: the two transports
+//! share this process, where host memory would otherwise move by
+//! same-host copies, a path device memory never takes). Prints each round
+//! and the ratio of the medians.
 //!
 //! `cargo run --release -p transport-tcp --example device_bench [ROUNDS] [--slow[=US]] [--staging=N] [--read]`
 //!
@@ -120,7 +123,10 @@ async fn main() {
     // `--staging=N`: device memory through N staging buffers (default 0,
     // off: copied by the socket tasks into and out of their own buffers).
     let staging = args.iter().find_map(|a| a.strip_prefix("--staging=")?.parse().ok()).unwrap_or(0);
-    let cfg = TcpConfig { staging_buffers: staging, ..TcpConfig::default() };
+    // Every byte through the sockets: both transports run in this one
+    // process, where host memory would otherwise go by same-host copies
+    // (`same_host`), which device memory never takes.
+    let cfg = TcpConfig { staging_buffers: staging, same_host: false, ..TcpConfig::default() };
     let use_cuda = args.iter().any(|a| a == "--cuda");
     let read = args.iter().any(|a| a == "--read");
     let rounds: usize =
@@ -171,6 +177,7 @@ async fn main() {
         d / 8.0,
         d / h
     );
+    assert_eq!(a.same_host_bytes(), 0, "host memory went by same-host copies, not through the sockets");
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
     drop((ds, dd, keep));
