@@ -168,7 +168,7 @@ pub struct TcpConfig {
     /// (`transport_mem::window`). As a server, false offers no window; as
     /// a client, false uses none. Default true.
     pub direct_writes: bool,
-    /// Host staging buffers (256 KiB each) for device memory: with them,
+    /// Host staging buffers (1 MiB each) for device memory: with them,
     /// device copies go through them, on tokio's blocking pool, overlapped
     /// with the sockets. Mapped (and pinned by the device's provider, CUDA:
     /// `cuMemHostRegister`) when the first device region is registered,
@@ -176,8 +176,9 @@ pub struct TcpConfig {
     /// requests, half the peers'. 0 (the default) or 2..=1024. At 0 a
     /// device slice is copied by the task doing its socket I/O, into and
     /// out of that task's own buffers: on fake devices on 2 cores that is
-    /// faster (the thread hand-off per 256 KiB chunk costs more than the
-    /// overlap wins); on a GPU, pinned buffers should win, not yet measured.
+    /// somewhat faster (a thread hand-off per 1 MiB chunk, on cores the
+    /// sockets already use); on a GPU, pinned buffers should win, not yet
+    /// measured.
     pub staging_buffers: usize,
 }
 

@@ -26,7 +26,7 @@ fn staged() -> TcpConfig {
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// One staging buffer (the transport's `STAGE`).
-const STAGE: u64 = 256 << 10;
+const STAGE: u64 = 1 << 20;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i as u64).wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8).collect()
@@ -177,8 +177,9 @@ async fn a_held_device_copy_keeps_its_batch_from_ending() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_device_copies_overlap_two_per_connection() {
     tokio::time::timeout(LIMIT, async {
-        const LEN: usize = 2 << 20;
-        let cfg = TcpConfig { lanes: 1, ..staged() };
+        // One slice of four staging buffers' worth.
+        const LEN: usize = 4 * STAGE as usize;
+        let cfg = TcpConfig { lanes: 1, slice_size: LEN, max_frame: LEN, ..staged() };
         let (a, b) = (node(cfg.clone()).await, node(cfg).await);
         let (da, db) = (device(0, LEN), device(1, LEN));
         let (src, bytes) = filled(&da, LEN, 3);
