@@ -492,6 +492,10 @@ impl Endpoint {
         for l in &self.lanes {
             l.rx.lock().detach();
         }
+        // A caller's poll that was reading a lane may have started a device
+        // copy (a staged READ) before the lane was detached: none starts
+        // now, and the slices end only after those too.
+        self.copies.quiet().await;
         // The write halves go last: with the readers gone, each socket is
         // closed (with RST) here, before any slice is failed below. A
         // submit sending at once holds a lane's side only briefly and never
