@@ -206,7 +206,7 @@ pub(crate) struct Body {
     pub result: Result<()>,
     /// A READ into device memory with staging on: its bytes go through
     /// staging buffers, copied into the device off the reader.
-    pub staged: Option<crate::rx::StagedRead>,
+    pub staged: Option<crate::staging::StagedRead>,
 }
 
 /// The reading state of one lane: its socket's read half, the bytes read

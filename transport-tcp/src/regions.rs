@@ -41,6 +41,16 @@ impl Region {
         }
     }
 
+    /// Copies `src` into the region at offset `off`, if it is still
+    /// registered (this side's own memory: the errors are the request's).
+    pub fn write_live(&self, off: u64, src: &[u8]) -> Result<()> {
+        let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
+        match self.with_live(|m| m.write_at(off, src)) {
+            Some(r) => r.map_err(Error::from),
+            None => Err(Error::region_unregistered(self.id)),
+        }
+    }
+
     /// Marks the region dead, waiting for running copies to finish.
     pub fn kill(&self) {
         *self.gate.write() = false;

@@ -31,7 +31,7 @@ use crate::conn::{proto_err, status_err};
 use crate::endpoint::{Body, Endpoint, Rx, Slice};
 use crate::proto::{FrameType, Header, Status, HEADER_LEN, SAME_HOST};
 use crate::regions::{Gathered, Region};
-use crate::staging::{copied, copy_off, Copying, Lease, Side};
+use crate::staging::{copied, StagedRead};
 
 /// The reading buffer's size: also the largest piece of a READ payload
 /// copied into local memory at once.
@@ -176,7 +176,7 @@ impl Rx {
                     let off = body.local_off.saturating_add(body.done as u64);
                     let src = &self.buf[self.lo..self.lo + k];
                     body.result = match body.staged.as_mut() {
-                        Some(s) => s.feed(ep, off, src),
+                        Some(s) => s.feed(&ep.env.staging, &ep.copies, off, src),
                         None => copy_in(&body.batch, body.req, off, src),
                     };
                 }
@@ -367,60 +367,6 @@ fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Answer, Stop> {
     Ok(Answer::Body(Body { id: h.id, batch, req, local_off, copy, len: n, done: 0, result, staged }))
 }
 
-/// A READ payload on its way into device memory through staging buffers
-/// (staging on): its bytes are gathered into a buffer, and each full
-/// buffer is copied into the device on the blocking pool while the reader
-/// goes on. With no buffer free, a piece is copied at once, unstaged, so
-/// the reader never waits for one. Every copy is counted in the endpoint's
-/// `copies` (the teardown waits for them).
-#[derive(Debug)]
-pub(crate) struct StagedRead {
-    region: Arc<Region>,
-    /// The buffer being filled, the local offset of its first byte and
-    /// how many bytes it holds.
-    filling: Option<(Lease, u64, usize)>,
-    copies: Vec<Copying<Result<()>>>,
-}
-
-impl StagedRead {
-    fn new(region: Arc<Region>) -> Self {
-        Self { region, filling: None, copies: Vec::new() }
-    }
-
-    /// Takes the payload's bytes `src`, which go at local offset `off`.
-    fn feed(&mut self, ep: &Endpoint, mut off: u64, mut src: &[u8]) -> Result<()> {
-        while !src.is_empty() {
-            // The buffer's first byte goes at `start` and the payload
-            // arrives in order, so `off` is `start + filled`.
-            let (lease, _, filled) = match self.filling.as_mut() {
-                Some(f) => f,
-                None => match ep.env.staging.try_acquire(Side::Initiator) {
-                    Some(l) => self.filling.insert((l, off, 0)),
-                    None => return write_region(&self.region, off, src),
-                },
-            };
-            let n = (lease.len() - *filled).min(src.len());
-            lease[*filled..*filled + n].copy_from_slice(&src[..n]);
-            *filled += n;
-            let full = *filled == lease.len();
-            off = off.saturating_add(n as u64);
-            src = &src[n..];
-            if full {
-                self.flush(ep);
-            }
-        }
-        Ok(())
-    }
-
-    /// Starts the copy of the buffer being filled, if any.
-    fn flush(&mut self, ep: &Endpoint) {
-        if let Some((lease, start, n)) = self.filling.take() {
-            let region = self.region.clone();
-            self.copies.push(copy_off(lease, &ep.copies, move |b| write_region(&region, start, &b[..n])));
-        }
-    }
-}
-
 /// Ends an answer whose payload is wholly in. A READ staged into device
 /// memory ends once its copies have: its slice stays in the pending map
 /// until then (so whoever quiets its request resets the endpoint, whose
@@ -430,9 +376,9 @@ fn finish(ep: &Arc<Endpoint>, lane: usize, b: Body) {
     let copies = match staged {
         Some(mut s) => {
             if result.is_ok() {
-                s.flush(ep);
+                s.flush(&ep.copies);
             }
-            s.copies
+            s.into_copies()
         }
         None => Vec::new(),
     };
@@ -472,16 +418,7 @@ fn end_slice(ep: &Endpoint, lane: usize, id: u64, taken: Option<Slice>, result: 
 /// Copies `src` into request `i`'s local region at `off`.
 fn copy_in(batch: &Batch, i: usize, off: u64, src: &[u8]) -> Result<()> {
     let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
-    write_region(region, off, src)
-}
-
-/// Copies `src` into `region` at `off`, if it is still registered.
-fn write_region(region: &Region, off: u64, src: &[u8]) -> Result<()> {
-    let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
-    match region.with_live(|m| m.write_at(off, src)) {
-        Some(r) => r.map_err(Error::from),
-        None => Err(Error::region_unregistered(region.id)),
-    }
+    region.write_live(off, src)
 }
 
 /// The copy of same-host READ slice `id` (request `i` of `batch`, `len`

@@ -24,6 +24,8 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use transport_core::{Error, ErrorKind, Result};
 use transport_mem::{DeviceMemory, PinnedBuf};
 
+use crate::regions::Region;
+
 /// Bytes of one staging buffer: one device copy each. At 256 KiB the
 /// hand-off per chunk cost a quarter of the throughput on 2 cores
 /// (`device_bench --staging=16`: 0.76-0.77x of host-to-host against
@@ -284,4 +286,64 @@ pub(crate) type Copying<R> = tokio::task::JoinHandle<(Lease, R)>;
 /// copy's task panicked or was cancelled (the runtime shuts down).
 pub(crate) async fn copied<R>(h: Copying<R>) -> Result<(Lease, R)> {
     h.await.map_err(|e| Error::new(ErrorKind::Internal, "a device copy task failed").with("reason", e.to_string()))
+}
+
+/// A READ payload on its way into device memory through staging buffers
+/// (staging on): its bytes are gathered into a buffer, and each full
+/// buffer is copied into the device on the blocking pool while the reader
+/// goes on. With no buffer free, a piece is copied at once, unstaged, so
+/// the reader never waits for one. Every copy is counted in the endpoint's
+/// `copies` (the teardown waits for them).
+#[derive(Debug)]
+pub(crate) struct StagedRead {
+    region: Arc<Region>,
+    /// The buffer being filled, the local offset of its first byte and
+    /// how many bytes it holds.
+    filling: Option<(Lease, u64, usize)>,
+    copies: Vec<Copying<Result<()>>>,
+}
+
+impl StagedRead {
+    pub fn new(region: Arc<Region>) -> Self {
+        Self { region, filling: None, copies: Vec::new() }
+    }
+
+    /// Takes the payload's bytes `src`, which go at local offset `off`:
+    /// buffers from `staging`, copies counted in `count`.
+    pub fn feed(&mut self, staging: &Staging, count: &Arc<Count>, mut off: u64, mut src: &[u8]) -> Result<()> {
+        while !src.is_empty() {
+            // The buffer's first byte goes at `start` and the payload
+            // arrives in order, so `off` is `start + filled`.
+            let (lease, _, filled) = match self.filling.as_mut() {
+                Some(f) => f,
+                None => match staging.try_acquire(Side::Initiator) {
+                    Some(l) => self.filling.insert((l, off, 0)),
+                    None => return self.region.write_live(off, src),
+                },
+            };
+            let n = (lease.len() - *filled).min(src.len());
+            lease[*filled..*filled + n].copy_from_slice(&src[..n]);
+            *filled += n;
+            let full = *filled == lease.len();
+            off = off.saturating_add(n as u64);
+            src = &src[n..];
+            if full {
+                self.flush(count);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the copy of the buffer being filled, if any.
+    pub fn flush(&mut self, count: &Arc<Count>) {
+        if let Some((lease, start, n)) = self.filling.take() {
+            let region = self.region.clone();
+            self.copies.push(copy_off(lease, count, move |b| region.write_live(start, &b[..n])));
+        }
+    }
+
+    /// The copies started, to wait for.
+    pub fn into_copies(self) -> Vec<Copying<Result<()>>> {
+        self.copies
+    }
 }
