@@ -65,6 +65,36 @@ fn staging(t: &TcpTransport) -> u64 {
     t.stats().staging_bytes
 }
 
+/// Submits `reqs` with `dev`'s copies held, then cancels the batch (and
+/// again, lets its 30 ms deadline pass): it is not reported terminal while
+/// a copy is held, and no copy runs once it is.
+async fn ends_only_after_held_copies(a: &Arc<TcpTransport>, dev: &Arc<FakeDevice>, reqs: &[TransferRequest]) {
+    for deadline in [false, true] {
+        let held = Held::new(dev);
+        let opts =
+            if deadline { SubmitOptions::with_timeout(Duration::from_millis(30)) } else { SubmitOptions::default() };
+        let id = a.submit(reqs.to_vec(), opts).await.unwrap();
+        assert!(eventually(|| dev.in_flight() > 0).await, "no device copy started");
+        let t = a.clone();
+        let ended = tokio::spawn(async move {
+            if deadline {
+                t.wait(id).await
+            } else {
+                t.cancel(id).await
+            }
+        });
+        // Well past the deadline and the drain timeout: still not over.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!ended.is_finished(), "reported terminal while a device copy runs (deadline: {deadline})");
+        assert!(!a.poll(id).unwrap().is_terminal());
+        drop(held);
+        let s = ended.await.unwrap().unwrap();
+        assert!(s.is_terminal(), "{:?}", s.state);
+        assert_eq!(dev.in_flight(), 0, "a copy runs after the terminal report");
+        a.release(id).unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_device_to_device_transfers_are_byte_exact_and_staging_comes_and_goes() {
     tokio::time::timeout(LIMIT, async {
@@ -136,33 +166,8 @@ async fn a_held_device_copy_keeps_its_batch_from_ending() {
         let l = a.register(src, Access::LOCAL).unwrap();
         b.register(dst.region(), Access::REMOTE_RW).unwrap();
         let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-        for deadline in [false, true] {
-            let held = Held::new(&da);
-            let opts = if deadline {
-                SubmitOptions::with_timeout(Duration::from_millis(30))
-            } else {
-                SubmitOptions::default()
-            };
-            let id = a.submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20)], opts).await.unwrap();
-            assert!(eventually(|| da.in_flight() > 0).await, "the initiator's copy never started");
-            let t = a.clone();
-            let ended = tokio::spawn(async move {
-                if deadline {
-                    t.wait(id).await
-                } else {
-                    t.cancel(id).await
-                }
-            });
-            // Well past the deadline and the drain timeout: still not over.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            assert!(!ended.is_finished(), "reported terminal while a device copy runs (deadline: {deadline})");
-            assert!(!a.poll(id).unwrap().is_terminal());
-            drop(held);
-            let s = ended.await.unwrap().unwrap();
-            assert!(s.is_terminal(), "{:?}", s.state);
-            assert_eq!(da.in_flight(), 0, "a copy runs after the terminal report");
-            a.release(id).unwrap();
-        }
+        let write = vec![TransferRequest::write(l, 0, seg, dst.addr(), 1 << 20)];
+        ends_only_after_held_copies(&a, &da, &write).await;
         a.shutdown().await.unwrap();
         b.shutdown().await.unwrap();
     })
@@ -239,31 +244,7 @@ async fn initiator_reads_into_device_memory_off_the_reader() {
         let most = da.max_in_flight();
         assert!(most <= cfg_initiator_half(), "{most} copies at once, more than the initiator's buffers");
 
-        for deadline in [false, true] {
-            let held = Held::new(&da);
-            let opts = if deadline {
-                SubmitOptions::with_timeout(Duration::from_millis(30))
-            } else {
-                SubmitOptions::default()
-            };
-            let id = a.submit(read.clone(), opts).await.unwrap();
-            assert!(eventually(|| da.in_flight() > 0).await, "no copy started");
-            let t = a.clone();
-            let ended = tokio::spawn(async move {
-                if deadline {
-                    t.wait(id).await
-                } else {
-                    t.cancel(id).await
-                }
-            });
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            assert!(!ended.is_finished(), "reported terminal while a device copy runs (deadline: {deadline})");
-            drop(held);
-            let s = ended.await.unwrap().unwrap();
-            assert!(s.is_terminal(), "{:?}", s.state);
-            assert_eq!(da.in_flight(), 0, "a copy runs after the terminal report");
-            a.release(id).unwrap();
-        }
+        ends_only_after_held_copies(&a, &da, &read).await;
         a.shutdown().await.unwrap();
         b.shutdown().await.unwrap();
     })
