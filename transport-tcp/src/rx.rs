@@ -304,15 +304,29 @@ fn frame(ep: &Arc<Endpoint>, lane: usize, h: &Header) -> Result<Answer, Stop> {
         // copied into local memory below: the slice stays in the map until
         // then, as for a payload.
         let copies = h.ty == FrameType::ReadResp && h.flags & SAME_HOST != 0 && h.status == Status::Ok;
-        if p.map.get(&h.id).is_some_and(|s| s.landing) {
-            drop(p);
-            return Err(broke(ErrorKind::Protocol, "two answers to one request"));
-        }
         let info = |s: &Slice| (s.batch.clone(), s.req, s.local_off, s.len, s.op, (s.same_host, s.remote));
-        if n == 0 && !copies {
-            p.map.remove(&h.id).map(|s| (info(&s), Some(s)))
+        // A slice whose staged copies still run (`landing`) was answered
+        // already: another answer is a protocol error, and it stays put.
+        let found = if n == 0 && !copies {
+            match p.map.remove(&h.id) {
+                Some(s) if s.landing => {
+                    p.map.insert(h.id, s);
+                    None
+                }
+                s => Some(s.map(|s| (info(&s), Some(s)))),
+            }
         } else {
-            p.map.get(&h.id).map(|s| (info(s), None))
+            match p.map.get(&h.id).map(|s| (s.landing, info(s))) {
+                Some((true, _)) => None,
+                s => Some(s.map(|(_, i)| (i, None))),
+            }
+        };
+        match found {
+            Some(found) => found,
+            None => {
+                drop(p);
+                return Err(broke(ErrorKind::Protocol, "two answers to one request"));
+            }
         }
     };
     let Some(((batch, req, local_off, slice_len, op, (same, remote)), taken)) = found else {
