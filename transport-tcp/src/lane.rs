@@ -148,11 +148,7 @@ struct Streamed {
 /// Copies `dst.len()` bytes of request `i`'s local region from `off`.
 fn copy_out(batch: &Batch, i: usize, off: u64, dst: &mut [u8]) -> Result<()> {
     let region = batch.locals.get(i).ok_or_else(|| Error::new(ErrorKind::Internal, "request without a region"))?;
-    let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
-    match region.with_live(|m| m.read_at(off, dst)) {
-        Some(r) => r.map_err(Error::from),
-        None => Err(Error::region_unregistered(region.id)),
-    }
+    region.read_live(off, dst)
 }
 
 /// Whether request `i`'s slice goes as a same-host copy on `lane`: the
@@ -354,12 +350,8 @@ async fn stream_payload(
 /// buffer (run on the blocking pool by [`copy_off`]).
 fn chunk_out(region: Arc<Region>, off: u64, n: usize) -> impl FnOnce(&mut [u8]) -> Result<()> + Send + 'static {
     move |dst| {
-        let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
         let dst = dst.get_mut(..n).ok_or_else(|| Error::new(ErrorKind::Internal, "chunk larger than a buffer"))?;
-        match region.with_live(|m| m.read_at(off, dst)) {
-            Some(r) => r.map_err(Error::from),
-            None => Err(Error::region_unregistered(region.id)),
-        }
+        region.read_live(off, dst)
     }
 }
 

@@ -44,8 +44,20 @@ impl Region {
     /// Copies `src` into the region at offset `off`, if it is still
     /// registered (this side's own memory: the errors are the request's).
     pub fn write_live(&self, off: u64, src: &[u8]) -> Result<()> {
+        self.local(off, |m, off| m.write_at(off, src))
+    }
+
+    /// Copies `dst.len()` bytes of the region at offset `off` into `dst`,
+    /// as [`Region::write_live`] the other way.
+    pub fn read_live(&self, off: u64, dst: &mut [u8]) -> Result<()> {
+        self.local(off, |m, off| m.read_at(off, dst))
+    }
+
+    /// Runs copy `f` at offset `off` of this side's own region while it is
+    /// registered, with the request's errors.
+    fn local(&self, off: u64, f: impl FnOnce(&MemoryRegion, usize) -> std::result::Result<(), MemError>) -> Result<()> {
         let off = usize::try_from(off).map_err(|_| Error::new(ErrorKind::OutOfBounds, "local offset too large"))?;
-        match self.with_live(|m| m.write_at(off, src)) {
+        match self.with_live(|m| f(m, off)) {
             Some(r) => r.map_err(Error::from),
             None => Err(Error::region_unregistered(self.id)),
         }
