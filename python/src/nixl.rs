@@ -32,7 +32,7 @@ use tokio::sync::watch;
 use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, TransferRequest};
 
 use crate::core::{check_peer_name, Core, RawOp};
-use crate::errors::to_pyerr;
+use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, timeout_arg};
 use crate::words::Word;
 
@@ -150,10 +150,21 @@ impl NixlOps {
     /// rows of native-endian `u64`s `(addr, len, dev_id)`: pair `k` is
     /// local row `local_idx[k]` with remote row `remote_idx[k]` (indices
     /// packed as `u64`s), or without indices local row `k` with remote row
-    /// `k`. Returns the handle's pairs and -1, or nothing and the first
-    /// pair whose two lengths differ (the caller says so in its terms).
+    /// `k`. With a side's region starts and ends (packed as for
+    /// [`nixl_uncovered`]), every row of that side's list is checked to lie
+    /// inside one region first, the local list before the remote one, so a
+    /// handle made from fresh lists costs one call.
+    ///
+    /// Returns `(pairs, -1, "")`, or nothing, the first row (or pair) that
+    /// failed and which check: `"local"` or `"remote"` (a row outside the
+    /// side's regions) or `"length"` (a pair whose two lengths differ); the
+    /// caller says so in its terms.
     #[staticmethod]
-    #[pyo3(signature = (write, local, remote, local_idx=None, remote_idx=None))]
+    #[pyo3(signature = (
+        write, local, remote, local_idx=None, remote_idx=None,
+        local_starts=None, local_ends=None, remote_starts=None, remote_ends=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn pairs(
         py: Python<'_>,
         write: bool,
@@ -161,11 +172,30 @@ impl NixlOps {
         remote: &[u8],
         local_idx: Option<&[u8]>,
         remote_idx: Option<&[u8]>,
-    ) -> PyResult<(Option<Self>, i64)> {
-        let r = pair_rows(write, local, remote, local_idx, remote_idx);
+        local_starts: Option<&[u8]>,
+        local_ends: Option<&[u8]>,
+        remote_starts: Option<&[u8]>,
+        remote_ends: Option<&[u8]>,
+    ) -> PyResult<(Option<Self>, i64, &'static str)> {
+        let r = (|| {
+            let (l, r) = (Rows::new(local, "local")?, Rows::new(remote, "remote")?);
+            for (what, d, starts, ends) in
+                [("local", l, local_starts, local_ends), ("remote", r, remote_starts, remote_ends)]
+            {
+                let bounds = match (starts, ends) {
+                    (Some(s), Some(e)) => Some(Bounds::new(s, e)?),
+                    (None, None) => None,
+                    _ => return Err(invalid("a side's region starts and ends go together")),
+                };
+                if let Some(k) = bounds.and_then(|b| b.first_outside(d)) {
+                    return Ok(Err((k, what)));
+                }
+            }
+            Ok(pair_rows(write, l, r, local_idx, remote_idx)?.map_err(|k| (k, "length")))
+        })();
         match r {
-            Ok(Ok(ops)) => Ok((Some(ops), -1)),
-            Ok(Err(k)) => Ok((None, i64::try_from(k).unwrap_or(i64::MAX))),
+            Ok(Ok(ops)) => Ok((Some(ops), -1, "")),
+            Ok(Err((k, what))) => Ok((None, i64::try_from(k).unwrap_or(i64::MAX), what)),
             Err(e) => Err(to_pyerr(py, &e)),
         }
     }
@@ -175,57 +205,118 @@ impl NixlOps {
     }
 }
 
-/// Rows `(addr, len, dev_id)` packed in `b`.
-fn rows(b: &[u8], what: &str) -> Result<Vec<u64>> {
-    let w = words(b, what)?;
-    if !w.len().is_multiple_of(3) {
-        return Err(Error::new(ErrorKind::InvalidRequest, format!("{what}: {} words is not rows of 3", w.len())));
+/// Rows `(addr, len, dev_id)` packed in `b` as native-endian `u64`s, read
+/// in place.
+#[derive(Clone, Copy)]
+struct Rows<'a>(&'a [u8]);
+
+impl<'a> Rows<'a> {
+    const ROW: usize = 24;
+
+    fn new(b: &'a [u8], what: &str) -> Result<Self> {
+        if !b.len().is_multiple_of(Self::ROW) {
+            return Err(invalid(format!("{what}: {} bytes is not rows of 3 u64", b.len())));
+        }
+        Ok(Self(b))
     }
-    Ok(w)
+
+    fn len(self) -> usize {
+        self.0.len() / Self::ROW
+    }
+
+    /// `(addr, len)` of every row, in order.
+    fn iter(self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        self.0.chunks_exact(Self::ROW).map(|c| (word_at(c, 0), word_at(c, 8)))
+    }
+
+    /// `(addr, len)` of row `i` (below [`Rows::len`]).
+    fn get(self, i: usize) -> (u64, u64) {
+        self.0.chunks_exact(Self::ROW).nth(i).map_or((0, 0), |c| (word_at(c, 0), word_at(c, 8)))
+    }
 }
 
-/// Row numbers: `idx`'s words, each below `n`, or `0..n`.
-fn picks(idx: Option<&[u8]>, n: usize, what: &str) -> Result<Vec<usize>> {
-    let Some(idx) = idx else { return Ok((0..n).collect()) };
+/// The native-endian `u64` at `at` in `c` (0 past its end).
+fn word_at(c: &[u8], at: usize) -> u64 {
+    c.get(at..at + 8).and_then(|w| <[u8; 8]>::try_from(w).ok()).map_or(0, u64::from_ne_bytes)
+}
+
+/// Row numbers: `idx`'s words, each below `n`; `None` without indices
+/// (row `k` for pair `k`).
+fn picks(idx: Option<&[u8]>, n: usize, what: &str) -> Result<Option<Vec<usize>>> {
+    let Some(idx) = idx else { return Ok(None) };
     words(idx, what)?
         .into_iter()
         .map(|i| {
             usize::try_from(i)
                 .ok()
                 .filter(|&i| i < n)
-                .ok_or_else(|| Error::new(ErrorKind::InvalidRequest, format!("{what}: index {i} is not below {n}")))
+                .ok_or_else(|| invalid(format!("{what}: index {i} is not below {n}")))
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 /// [`NixlOps::pairs`]: `Ok(Err(k))` when pair `k`'s lengths differ.
 fn pair_rows(
     write: bool,
-    local: &[u8],
-    remote: &[u8],
+    l: Rows<'_>,
+    r: Rows<'_>,
     local_idx: Option<&[u8]>,
     remote_idx: Option<&[u8]>,
 ) -> Result<std::result::Result<NixlOps, usize>> {
-    let (l, r) = (rows(local, "local")?, rows(remote, "remote")?);
-    let (li, ri) = (picks(local_idx, l.len() / 3, "local")?, picks(remote_idx, r.len() / 3, "remote")?);
-    if li.len() != ri.len() {
-        return Err(Error::new(
-            ErrorKind::InvalidRequest,
-            format!("{} local descriptors, {} remote descriptors", li.len(), ri.len()),
-        ));
+    let (li, ri) = (picks(local_idx, l.len(), "local")?, picks(remote_idx, r.len(), "remote")?);
+    let count = |p: &Option<Vec<usize>>, rows: Rows<'_>| p.as_ref().map_or(rows.len(), Vec::len);
+    let n = count(&li, l);
+    if n != count(&ri, r) {
+        return Err(invalid(format!("{n} local descriptors, {} remote descriptors", count(&ri, r))));
     }
     let op = if write { Opcode::Write } else { Opcode::Read };
-    let mut ops = Vec::with_capacity(li.len());
-    for (k, (&a, &b)) in li.iter().zip(&ri).enumerate() {
-        let (local_addr, len, remote_addr, rlen) = (l[a * 3], l[a * 3 + 1], r[b * 3], r[b * 3 + 1]);
+    let mut ops = Vec::with_capacity(n);
+    let mut push = |k: usize, (local_addr, len): (u64, u64), (remote_addr, rlen): (u64, u64)| {
         if len != rlen {
-            return Ok(Err(k));
+            return Err(k);
         }
         if len != 0 {
             ops.push(RawOp { op, local_addr, remote_addr, len });
         }
+        Ok(())
+    };
+    let pushed = match (&li, &ri) {
+        // In order: both lists read straight through.
+        (None, None) => l.iter().zip(r.iter()).enumerate().try_for_each(|(k, (a, b))| push(k, a, b)),
+        _ => (0..n).try_for_each(|k| {
+            let pick = |p: &Option<Vec<usize>>| p.as_ref().map_or(k, |v| v[k]);
+            push(k, l.get(pick(&li)), r.get(pick(&ri)))
+        }),
+    };
+    Ok(pushed.map(|()| NixlOps { ops, count: n }))
+}
+
+/// Registered regions as their sorted starts and their ends.
+struct Bounds {
+    starts: Vec<u64>,
+    ends: Vec<u64>,
+}
+
+impl Bounds {
+    fn new(starts: &[u8], ends: &[u8]) -> Result<Self> {
+        let (starts, ends) = (words(starts, "starts")?, words(ends, "ends")?);
+        if starts.len() != ends.len() {
+            return Err(invalid("as many region starts as ends are needed"));
+        }
+        Ok(Self { starts, ends })
     }
-    Ok(Ok(NixlOps { ops, count: li.len() }))
+
+    /// The first row `(addr, len, dev_id)` of `d` that is not inside one
+    /// region: a row belongs to the last region starting at or before it;
+    /// a zero-length row at a region's end is inside; one whose end wraps
+    /// around is not.
+    fn first_outside(&self, d: Rows<'_>) -> Option<usize> {
+        d.iter().position(|(a, n)| {
+            let i = self.starts.partition_point(|&st| st <= a);
+            i == 0 || a.checked_add(n).is_none_or(|end| end > self.ends[i - 1])
+        })
+    }
 }
 
 /// The first descriptor (rows packed as in [`NixlOps::pairs`]) that is not
@@ -235,17 +326,7 @@ fn pair_rows(
 /// region's end is inside; one whose end wraps around is not.
 #[pyfunction]
 pub(crate) fn nixl_uncovered(py: Python<'_>, starts: &[u8], ends: &[u8], descs: &[u8]) -> PyResult<i64> {
-    let r = (|| {
-        let (s, e, d) = (words(starts, "starts")?, words(ends, "ends")?, rows(descs, "descs")?);
-        if s.len() != e.len() {
-            return Err(Error::new(ErrorKind::InvalidRequest, "as many region starts as ends are needed"));
-        }
-        Ok(d.chunks_exact(3).position(|row| {
-            let (a, n) = (row[0], row[1]);
-            let i = s.partition_point(|&st| st <= a);
-            i == 0 || a.checked_add(n).is_none_or(|end| end > e[i - 1])
-        }))
-    })();
+    let r = (|| Ok(Bounds::new(starts, ends)?.first_outside(Rows::new(descs, "descs")?)))();
     match r {
         Ok(Some(k)) => Ok(i64::try_from(k).unwrap_or(i64::MAX)),
         Ok(None) => Ok(-1),

@@ -244,7 +244,9 @@ def test_descriptor_lists_read_in_rust_and_in_python_agree(pair):
     # Registration lists may carry a fourth item; transfer lists may not.
     assert _native.nixl_desc_rows([(p, 16, 0, "meta")], 4) is not None
     assert list(a.get_reg_descs([(p, 16, 0, "meta")], "DRAM")) == [(p, 16, 0)]
-    assert _rows([(p, 16, 0)], "DRAM", "x", 3)[1].flags.writeable
+    # Rows are kept as Rust takes them: native-endian u64s, row after row.
+    assert _rows([(p, 16, 0)], "DRAM", "x", 3)[1] == np.array([(p, 16, 0)], dtype=np.uint64).tobytes()
+    assert list(fast.addrs[:2]) == [p, p + 4096] and list(fast.lens[-1:]) == [4096]
 
 
 def test_bounds_check_agrees_with_a_plain_reading_of_the_rule():
@@ -367,6 +369,45 @@ def test_pairs_by_index_and_lengths_that_differ(pair):
     bad = a.get_xfer_descs([(dst.ctypes.data, page, 0), (dst.ctypes.data + page, 8, 0)], "DRAM")
     with pytest.raises(nixlInvalidParamError, match="descriptor pair 1: local length 0 != remote length 8"):
         a.initialize_xfer("WRITE", ld, bad, peer)
+
+
+def test_initialize_xfer_checks_both_lists_before_pairing(pair):
+    """``initialize_xfer`` checks every local descriptor against this
+    agent's registrations, then every remote one against the remote
+    agent's, then the pairs' lengths (all in the one call into Rust that
+    pairs them): the first failure is the one reported, named by its index,
+    and nothing moves."""
+    a, b = pair
+    src = (np.arange(1 << 12) % 251 + 1).astype(np.uint8)
+    dst = np.zeros(1 << 12, dtype=np.uint8)
+    a.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    b.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    peer = a.add_remote_agent(b.get_agent_metadata())
+    s, d = src.ctypes.data, dst.ctypes.data
+
+    def xfer(local, remote):
+        return a.initialize_xfer("WRITE", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"), peer)
+
+    good_l = [(s, 32, 0), (s + 64, 64, 0), (s + 4032, 64, 0)]
+    good_r = [(d, 32, 0), (d + 64, 64, 0), (d + 4032, 64, 0)]
+    # Local row 2 ends one byte past the region; remote row 1 starts at the
+    # remote region's end with one byte; pair 0's lengths differ.
+    out_l = good_l[:2] + [(s + 4033, 64, 0)]
+    out_r = good_r[:1] + [(d + 4096, 1, 0), good_r[2]]
+    short_l = [(s, 16, 0)] + good_l[1:]
+    with pytest.raises(nixlNotFoundError, match=rf"^local descriptor 2 \({s + 4033:#x}, 64 bytes\)"):
+        xfer(out_l, out_r)
+    with pytest.raises(nixlNotFoundError, match=rf"^remote descriptor 1 \({d + 4096:#x}, 1 bytes\) is not inside memory agent"):
+        xfer(short_l, out_r)
+    with pytest.raises(nixlInvalidParamError, match="descriptor pair 0: local length 16 != remote length 32"):
+        xfer(short_l, good_r)
+    assert not dst.any()
+    h = xfer(good_l, good_r)
+    assert a.transfer(h) in ("PROC", "DONE") and wait_state(a, h) == "DONE"
+    want = np.zeros_like(dst)
+    for (la, n, _), (ra, _, _) in zip(good_l, good_r):
+        want[ra - d : ra - d + n] = src[la - s : la - s + n]
+    assert np.array_equal(dst, want)
 
 
 UNMODIFIED_CLIENT = """

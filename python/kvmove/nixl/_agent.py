@@ -188,7 +188,7 @@ class nixl_agent:
         if isinstance(descs, nixlRegDList):
             raise nixlInvalidParamError("a registration list was given where a transfer list is needed")
         mt, rows = _rows(descs, mem_type, "get_xfer_descs", 3)
-        return nixlXferDList(mt, rows)
+        return nixlXferDList(mt, raw=rows)
 
     def get_reg_descs(self, descs, mem_type: Optional[str] = None) -> nixlRegDList:
         """A registration descriptor list from ``(addr, len, dev_id, meta)``
@@ -198,7 +198,7 @@ class nixl_agent:
         if isinstance(descs, nixlXferDList):
             raise nixlInvalidParamError("a transfer list was given where a registration list is needed")
         mt, rows = _rows(descs, mem_type, "get_reg_descs", 4)
-        return nixlRegDList(mt, rows)
+        return nixlRegDList(mt, raw=rows)
 
     def get_serialized_descs(self, descs) -> bytes:
         return pickle.dumps(descs)
@@ -423,14 +423,18 @@ class nixl_agent:
         self._check_remote_descs(agent_name, descs, "")
         return nixl_prepped_dlist_handle(self, agent_name, descs)
 
-    def _check_remote_descs(self, agent_name: str, descs: _DList, what: str) -> None:
+    def _remote_bounds(self, agent_name: str) -> Tuple[bytes, bytes]:
+        """The starts and ends (packed) of the memory a remote agent
+        registered, as its metadata says (this agent's own: loopback)."""
         agent_name = _agent_name(agent_name)
         if agent_name == self.name and agent_name not in self._remotes:
             with self._lock:
-                starts, ends = self._local_bounds()
-        else:
-            r = self._remote(agent_name)
-            starts, ends = r.starts, r.ends
+                return self._local_bounds()
+        r = self._remote(agent_name)
+        return r.starts, r.ends
+
+    def _check_remote_descs(self, agent_name: str, descs: _DList, what: str) -> None:
+        starts, ends = self._remote_bounds(agent_name)
         bad = _uncovered(starts, ends, descs)
         if bad >= 0:
             a, n, _ = descs[bad]
@@ -497,25 +501,34 @@ class nixl_agent:
         if len(ld) != len(rd):
             raise nixlInvalidParamError(f"{len(ld)} local descriptors but {len(rd)} remote descriptors")
         with self._lock:
-            starts, ends = self._local_bounds()
-        bad = _uncovered(starts, ends, ld)
-        if bad >= 0:
-            a, n, _ = ld[bad]
-            raise nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
-        self._check_remote_descs(remote_agent, rd, "")
-        return self._new_xfer(op, ld, None, rd, None, remote_agent, notif_msg)
+            bounds = self._local_bounds()
+        # Both lists are checked against the registrations in the same call
+        # into Rust that pairs them.
+        bounds += self._remote_bounds(remote_agent)
+        return self._new_xfer(op, ld, None, rd, None, remote_agent, notif_msg, bounds)
 
-    def _new_xfer(self, op, ld: _DList, li, rd: _DList, ri, remote: str, notif_msg) -> nixl_xfer_handle:
+    def _new_xfer(self, op, ld: _DList, li, rd: _DList, ri, remote: str, notif_msg, bounds=()) -> nixl_xfer_handle:
         """A handle pairing local descriptor ``li[k]`` with remote descriptor
         ``ri[k]`` (checked index arrays), or without indices ``k`` with
-        ``k``: the pairs go to Rust in one call."""
+        ``k``: the pairs go to Rust in one call, which with ``bounds``
+        (local starts and ends, remote starts and ends) first checks that
+        every descriptor of each list lies in that side's memory."""
         if (len(ld) if li is None else len(li)) == 0:
             raise nixlInvalidParamError("a transfer needs at least one descriptor")
-        idx = () if li is None else (_packed(li), _packed(ri))
+        idx = (None, None) if li is None else (_packed(li), _packed(ri))
         try:
-            ops, bad = NixlOps.pairs(op == "WRITE", ld._packed_rows(), rd._packed_rows(), *idx)
+            ops, bad, what = NixlOps.pairs(op == "WRITE", ld._packed_rows(), rd._packed_rows(), *idx, *bounds)
         except TransferError as e:
             raise _from_kvmove(e, "preparing the transfer") from e
+        if what == "local":
+            a, n, _ = ld[bad]
+            raise nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
+        if what == "remote":
+            a, n, _ = rd[bad]
+            raise nixlNotFoundError(
+                f"remote descriptor {bad} ({a:#x}, {n} bytes) is not inside memory agent "
+                f"{_agent_name(remote)!r} registered"
+            )
         if ops is None:
             (_, ll, _), (_, rl, _) = (ld[bad], rd[bad]) if li is None else (ld[int(li[bad])], rd[int(ri[bad])])
             raise nixlInvalidParamError(f"descriptor pair {bad}: local length {ll} != remote length {rl}")

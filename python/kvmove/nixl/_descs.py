@@ -80,24 +80,34 @@ def _mem_type(mem_type: Optional[str]) -> str:
 
 
 class _DList:
-    """Descriptors ``(addr, len, dev_id)`` of one memory type, held as an
-    ``N x 3`` uint64 array."""
+    """Descriptors ``(addr, len, dev_id)`` of one memory type, held as
+    rows of native-endian ``u64``s, packed (what Rust takes, made once: a
+    list is not changed after it is made; ``trim`` copies); an ``N x 3``
+    array of them is made only when asked for."""
 
-    def __init__(self, mem_type: str, descs: np.ndarray):
+    def __init__(self, mem_type: str, descs: Optional[np.ndarray] = None, raw: Optional[bytes] = None):
         self.mem_type = mem_type
-        self._descs = descs
+        if raw is None:
+            raw = np.ascontiguousarray(descs, dtype=np.uint64).reshape(-1, 3).tobytes()
+        self._raw = raw
 
     def _packed_rows(self) -> bytes:
-        """The rows as native-endian ``u64``s, made once (a list is not
-        changed after it is made; ``trim`` copies)."""
-        raw = self.__dict__.get("_raw")
-        if raw is None:
-            raw = self.__dict__["_raw"] = np.ascontiguousarray(self._descs, dtype=np.uint64).tobytes()
-        return raw
+        return self._raw
+
+    @property
+    def _descs(self) -> np.ndarray:
+        """The rows as a read-only ``N x 3`` uint64 array."""
+        a = self.__dict__.get("_array")
+        if a is None:
+            a = self.__dict__["_array"] = np.frombuffer(self._raw, dtype=np.uint64).reshape(-1, 3)
+        return a
 
     def __getstate__(self):
-        # The packed rows are made again where needed, not pickled.
-        return {k: v for k, v in self.__dict__.items() if k != "_raw"}
+        # Pickled as before the rows were kept packed: an array.
+        return {"mem_type": self.mem_type, "_descs": np.array(self._descs)}
+
+    def __setstate__(self, state):
+        self.__init__(state["mem_type"], state["_descs"])
 
     @property
     def addrs(self) -> np.ndarray:
@@ -108,7 +118,7 @@ class _DList:
         return self._descs[:, 1]
 
     def __len__(self) -> int:
-        return int(self._descs.shape[0])
+        return len(self._raw) // 24
 
     def descCount(self) -> int:
         return len(self)
@@ -125,11 +135,7 @@ class _DList:
             yield self[i]
 
     def __eq__(self, other) -> bool:
-        return (
-            type(other) is type(self)
-            and other.mem_type == self.mem_type
-            and np.array_equal(other._descs, self._descs)
-        )
+        return type(other) is type(self) and other.mem_type == self.mem_type and other._raw == self._raw
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.mem_type!r}, {len(self)} descriptors)"
@@ -146,17 +152,17 @@ class nixlRegDList(_DList):
         """The same ranges as a transfer descriptor list (NIXL's
         ``nixlRegDList.trim``: NIXL's own examples serialize
         ``register_memory(...).trim()`` for the peer)."""
-        return nixlXferDList(self.mem_type, self._descs.copy())
+        return nixlXferDList(self.mem_type, raw=self._raw)
 
 
-def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, np.ndarray]:
-    """``(mem_type, N x 3 array)`` from tuples, an ``N x 3`` array, a
-    tensor or a list of tensors."""
+def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, bytes]:
+    """``(mem_type, rows packed as native-endian u64s)`` from tuples, an
+    ``N x 3`` array, a tensor or a list of tensors."""
     if isinstance(descs, np.ndarray):
         mt = _mem_type(mem_type)
         if descs.ndim != 2 or descs.shape[1] != 3:
             raise nixlInvalidParamError(f"{what}: a numpy array of descriptors must be N x 3 (addr, len, dev_id)")
-        return mt, descs.astype(np.uint64, copy=True)
+        return mt, np.ascontiguousarray(descs, dtype=np.uint64).tobytes()
     if _is_tensor(descs):
         return _tensor_rows([descs], what)
     if not isinstance(descs, (list, tuple)):
@@ -164,13 +170,13 @@ def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, n
             f"{what}: expected a list of tuples, an N x 3 numpy array or tensors, not {type(descs).__name__}"
         )
     if len(descs) == 0:
-        return _mem_type(mem_type or "DRAM"), np.zeros((0, 3), dtype=np.uint64)
+        return _mem_type(mem_type or "DRAM"), b""
     if _is_tensor(descs[0]):
         return _tensor_rows(descs, what)
     mt = _mem_type(mem_type)
     packed = nixl_desc_rows(descs, width)  # None: the loop below says what is wrong
     if packed is not None:
-        return mt, np.frombuffer(packed, dtype=np.uint64).reshape(-1, 3).copy()
+        return mt, packed
     rows = []
     for i, d in enumerate(descs):
         if not isinstance(d, (tuple, list)) or len(d) not in (3, width):
@@ -184,14 +190,14 @@ def _rows(descs, mem_type: Optional[str], what: str, width: int) -> Tuple[str, n
         if a < 0 or n < 0 or dev < 0 or a >= 2**64 or n >= 2**64 or dev >= 2**64:
             raise nixlInvalidParamError(f"{what}: descriptor {i} has a negative or too large value")
         rows.append((a, n, dev))
-    return mt, np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    return mt, np.array(rows, dtype=np.uint64).tobytes()
 
 
 def _is_tensor(obj) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
 
 
-def _tensor_rows(tensors, what: str) -> Tuple[str, np.ndarray]:
+def _tensor_rows(tensors, what: str) -> Tuple[str, bytes]:
     """One row per tensor; CUDA tensors are ``"VRAM"`` with their device
     index as ``dev_id`` (as NIXL makes them), CPU tensors ``"DRAM"``."""
     rows = []
@@ -206,7 +212,7 @@ def _tensor_rows(tensors, what: str) -> Tuple[str, np.ndarray]:
         rows.append((t.data_ptr(), t.numel() * t.element_size(), max(dev, 0)))
     if len(types) > 1:
         raise nixlInvalidParamError(f"{what}: the tensors are on the CPU and on a GPU; one memory type per list")
-    return types.pop(), np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    return types.pop(), np.array(rows, dtype=np.uint64).tobytes()
 
 
 
