@@ -68,7 +68,7 @@ from lineproc import LineProc
 
 SIZE = 64 << 20
 WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
-REPEAT = 5
+REPEAT = 20
 RTT_N = 300
 SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl", "kvmove", "kvmove-tcp"]
 
