@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._engine import Engine
-from .._native import HAS_RDMA, NixlOps, TransferError
+from .._native import HAS_RDMA, NixlOps, TransferError, nixl_desc_rows
 from ._base import (
     logger,
     NIXL_INIT_AGENT,
@@ -34,6 +34,7 @@ from ._base import (
     _from_kvmove,
 )
 from ._descs import (
+    _MEM_TYPES,
     nixl_agent_config,
     _DList,
     nixlXferDList,
@@ -183,6 +184,12 @@ class nixl_agent:
     def get_xfer_descs(self, descs, mem_type: Optional[str] = None) -> nixlXferDList:
         """A transfer descriptor list from ``(addr, len, dev_id)`` tuples, an
         ``N x 3`` array, a CPU tensor or a list of CPU tensors."""
+        if type(descs) is list and mem_type in _MEM_TYPES:
+            # What callers build, a list of tuples, read in one call (a list
+            # of anything else comes back None and takes the path below).
+            packed = nixl_desc_rows(descs, 3)
+            if packed is not None:
+                return nixlXferDList(_MEM_TYPES[mem_type], raw=packed)
         if isinstance(descs, nixlXferDList):
             return descs
         if isinstance(descs, nixlRegDList):
@@ -555,10 +562,12 @@ class nixl_agent:
             )
         handle._pending = None
         notif = _notif_bytes(notif_msg) if notif_msg else handle._notif
-        target = self._target(handle.remote_agent)
-        self._need_engine()
         with self._lock:
             r = self._remotes.get(handle.remote_agent)
+        # A known remote agent's session id, else loopback's (or an unknown
+        # agent: raises).
+        target = r.session_id if r is not None else self._target(handle.remote_agent)
+        self._need_engine()
         wire = _encode_notif(self.name, notif) if notif else None
         ops = handle._ops
         handle._native = None
