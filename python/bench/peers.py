@@ -37,6 +37,12 @@ Systems:
   (``[backend.tcp] same_host = false``): every byte through the sockets, as
   between two hosts.
 
+``--interleave`` starts every named system at once and alternates them
+batch by batch instead (no bytes verified, no rtt): the way to compare two
+APIs over one engine, e.g. ``--interleave --systems kvmove-nixl,kvmove``,
+on a machine whose speed drifts between rounds. (Not with NIXL's UCX
+systems: their idle processes keep CPUs busy.)
+
 Rounds alternate the systems (each round runs every system once, in
 order); the table gives min / median / max over the rounds and, per round,
 the ratio of each kvmove API to its peer: same-host path to same-host
@@ -270,6 +276,16 @@ def serve(system):
                 dt = time.perf_counter() - t
                 best = dt if best is None else min(best, dt)
             say({"seconds": best, "prep": prep})
+        elif c == "prep":
+            # --interleave: the batch made ready (and run once, a warm-up),
+            # then timed one run at a time ("once").
+            ready = e.prepare(cmd["op"], cmd["page"], cmd["n"])
+            ready()
+            say({"ok": True})
+        elif c == "once":
+            t = time.perf_counter()
+            ready()
+            say({"seconds": time.perf_counter() - t})
         elif c == "rtt":
             lat = []
             run = e.prepare("write", 4096, 1)
@@ -325,17 +341,54 @@ def run_system(system, verify):
         target.stop()
 
 
+def interleave(systems, rounds):
+    """Every system's two processes up at once; per workload, one batch of
+    each system in turn, ``rounds`` x ``REPEAT`` times, so a change in the
+    machine's speed (other guests, frequency) falls on all of them alike.
+    Prints best and median GB/s and the ratio of each system's median to the
+    last system's, taken batch by batch."""
+    procs = {}
+    try:
+        for s in systems:
+            target, init = Proc(s), Proc(s)
+            procs[s] = (target, init)
+            init.ask(cmd="connect", info=target.ready)
+        print("\n| workload | " + " | ".join(f"{s} best / median GB/s" for s in systems) + " | median ratio to " + systems[-1] + " |")
+        print("|---|" + "---|" * (len(systems) + 1))
+        for name, page, n in WORKLOADS:
+            for op in ("write", "read"):
+                for s in systems:
+                    procs[s][1].ask(cmd="prep", op=op, page=page, n=n)
+                secs = {s: [] for s in systems}
+                for _ in range(rounds * REPEAT):
+                    for s in systems:
+                        secs[s].append(procs[s][1].ask(cmd="once")["seconds"])
+                gbs = {s: page * n / statistics.median(v) / 1e9 for s, v in secs.items()}
+                best = {s: page * n / min(v) / 1e9 for s, v in secs.items()}
+                cells = [f"{best[s]:.3g} / {gbs[s]:.3g}" for s in systems]
+                ratios = " ".join(f"{gbs[s] / gbs[systems[-1]]:.2f}" for s in systems[:-1])
+                print(f"| {op} {name} | " + " | ".join(cells) + f" | {ratios} |", flush=True)
+    finally:
+        for target, init in procs.values():
+            init.stop()
+            target.stop()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--serve")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json")
+    ap.add_argument("--interleave", action="store_true", help="alternate the systems batch by batch (see interleave)")
     a = ap.parse_args()
     if a.serve:
         serve(a.serve)
         return
     systems = a.systems.split(",")
+    if a.interleave:
+        interleave(systems, a.rounds)
+        return
     rounds = []
     for r in range(a.rounds):
         got = {}
