@@ -244,6 +244,7 @@ def serve(system):
         out.flush()
 
     say({"ready": e.info()})
+    ready = None  # the batch "prep" made ready, for "once"
     for line in sys.stdin:
         cmd = json.loads(line)
         c = cmd["cmd"]
@@ -283,6 +284,8 @@ def serve(system):
             ready()
             say({"ok": True})
         elif c == "once":
+            if ready is None:
+                raise SystemExit("'once' before 'prep'")
             t = time.perf_counter()
             ready()
             say({"seconds": time.perf_counter() - t})
@@ -323,10 +326,10 @@ def run_system(system, verify):
                     src, dst = (init, target) if op == "write" else (target, init)
                     src.ask(cmd="fill", seed=len(res) + 3)
                     dst.ask(cmd="zero")
-                got = init.ask(cmd="batch", op=op, page=page, n=n)
-                res[f"{op} {name}"] = nbytes / got["seconds"] / 1e9
+                timed = init.ask(cmd="batch", op=op, page=page, n=n)
+                res[f"{op} {name}"] = nbytes / timed["seconds"] / 1e9
                 if op == "write" and name == WORKLOADS[-1][0]:
-                    res[f"prep us {op} {name}"] = got["prep"] * 1e6
+                    res[f"prep us {op} {name}"] = timed["prep"] * 1e6
                 if verify:
                     want = src.ask(cmd="digest", len=nbytes)["digest"]
                     got = dst.ask(cmd="digest", len=nbytes)["digest"]
