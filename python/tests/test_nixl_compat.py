@@ -359,6 +359,28 @@ def test_pairs_by_index_and_lengths_that_differ(pair):
     assert np.array_equal(dst, want)
     with pytest.raises(nixlInvalidParamError, match="descriptor pair 2: local length 1024 != remote length 0"):
         a.make_prepped_xfer("WRITE", local, [1, 2, 5], remote, [1, 2, 15])
+    # Integer arrays (vLLM's connector passes them) go to Rust unchecked:
+    # the same pairs, and the same refusals in the same words.
+    for dt_l, dt_r in ((np.int64, np.int32), (np.uint64, np.int16)):
+        dst[:] = 0
+        li2, ri2 = np.array([5, 2, 11, 5], dtype=dt_l), np.array([3, 14, 0, 8], dtype=dt_r)
+        h = a.make_prepped_xfer("WRITE", local, li2, remote, ri2)
+        assert a.transfer(h) in ("PROC", "DONE") and wait_state(a, h) == "DONE"
+        want[:] = 0
+        for l, r in zip(li2.tolist(), ri2.tolist()):
+            want[r * page : (r + 1) * page] = src[l * page : (l + 1) * page]
+        assert np.array_equal(dst, want)
+    arr = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    with pytest.raises(nixlInvalidParamError, match="descriptor pair 2: local length 1024 != remote length 0"):
+        a.make_prepped_xfer("WRITE", local, arr(1, 2, 5), remote, arr(1, 2, 15))
+    with pytest.raises(nixlInvalidParamError, match="remote_indices: index 16 is outside the prepared list of 16"):
+        a.make_prepped_xfer("WRITE", local, arr(1, 2), remote, arr(1, 16))
+    with pytest.raises(nixlInvalidParamError, match="local_indices: index -1 is outside the prepared list of 16"):
+        a.make_prepped_xfer("WRITE", local, arr(1, -1), remote, arr(1, 2))
+    with pytest.raises(nixlInvalidParamError, match="2 local indices but 3 remote indices"):
+        a.make_prepped_xfer("WRITE", local, arr(1, 2), remote, arr(1, 2, 3))
+    with pytest.raises(nixlInvalidParamError, match="at least one descriptor"):
+        a.make_prepped_xfer("WRITE", local, arr(), remote, arr())
     # In order, with a zero-length pair at the end.
     dst[:] = 0
     ld = a.get_xfer_descs([(src.ctypes.data + page, page, 0), (src.ctypes.data, 0, 0)], "DRAM")

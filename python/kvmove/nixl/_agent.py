@@ -58,6 +58,20 @@ from ._handles import (
 )
 
 
+class _IndexRefused(Exception):
+    """Rust refused an index of an unchecked index array (out of range):
+    the checked path then says which, in NIXL's words."""
+
+
+def _index_words(idx) -> Optional[bytes]:
+    """A one-dimensional numpy array of integers as native-endian ``u64``
+    words for Rust to check (a negative index becomes one too large, which
+    it refuses); None for anything else."""
+    if type(idx) is np.ndarray and idx.ndim == 1 and idx.dtype.kind in "iu":
+        return np.ascontiguousarray(idx, dtype=np.int64 if idx.dtype.kind == "i" else np.uint64).tobytes()
+    return None
+
+
 # ---- the agent ----
 
 
@@ -483,11 +497,21 @@ class nixl_agent:
             raise nixlInvalidParamError("local_xfer_side was prepared for a remote agent (use NIXL_INIT_AGENT)")
         if remote_xfer_side.agent_name is None:
             raise nixlInvalidParamError("remote_xfer_side was prepared as local (use the remote agent's name)")
-        li = _indices(local_indices, len(local_xfer_side.descs), "local_indices")
-        ri = _indices(remote_indices, len(remote_xfer_side.descs), "remote_indices")
+        ld, rd, remote = local_xfer_side.descs, remote_xfer_side.descs, remote_xfer_side.agent_name
+        # Integer arrays (what vLLM's connector passes) go to Rust as they
+        # are, and Rust checks each index; an index it refuses, or anything
+        # else given, takes the checked path, which says what is wrong.
+        li, ri = _index_words(local_indices), _index_words(remote_indices)
+        if li is not None and ri is not None and len(li) == len(ri):
+            try:
+                return self._new_xfer(op, ld, li, rd, ri, remote, notif_msg)
+            except _IndexRefused:
+                pass
+        li = _indices(local_indices, len(ld), "local_indices")
+        ri = _indices(remote_indices, len(rd), "remote_indices")
         if len(li) != len(ri):
             raise nixlInvalidParamError(f"{len(li)} local indices but {len(ri)} remote indices")
-        return self._new_xfer(op, local_xfer_side.descs, li, remote_xfer_side.descs, ri, remote_xfer_side.agent_name, notif_msg)
+        return self._new_xfer(op, ld, li, rd, ri, remote, notif_msg)
 
     def initialize_xfer(
         self,
@@ -516,16 +540,22 @@ class nixl_agent:
 
     def _new_xfer(self, op, ld: _DList, li, rd: _DList, ri, remote: str, notif_msg, bounds=()) -> nixl_xfer_handle:
         """A handle pairing local descriptor ``li[k]`` with remote descriptor
-        ``ri[k]`` (checked index arrays), or without indices ``k`` with
-        ``k``: the pairs go to Rust in one call, which with ``bounds``
-        (local starts and ends, remote starts and ends) first checks that
-        every descriptor of each list lies in that side's memory."""
-        if (len(ld) if li is None else len(li)) == 0:
+        ``ri[k]``, or without indices ``k`` with ``k``: the pairs go to Rust
+        in one call, which with ``bounds`` (local starts and ends, remote
+        starts and ends) first checks that every descriptor of each list
+        lies in that side's memory. Indices are checked arrays, or words
+        packed by ``_index_words`` (unchecked: one Rust refuses raises
+        ``_IndexRefused``)."""
+        unchecked = isinstance(li, bytes)
+        count = len(ld) if li is None else len(li) // 8 if unchecked else len(li)
+        if count == 0:
             raise nixlInvalidParamError("a transfer needs at least one descriptor")
         idx = (None, None) if li is None else (_packed(li), _packed(ri))
         try:
             ops, bad, what = NixlOps.pairs(op == "WRITE", ld._packed_rows(), rd._packed_rows(), *idx, *bounds)
         except TransferError as e:
+            if unchecked:
+                raise _IndexRefused() from e
             raise _from_kvmove(e, "preparing the transfer") from e
         if what == "local":
             a, n, _ = ld[bad]
@@ -537,6 +567,8 @@ class nixl_agent:
                 f"{_agent_name(remote)!r} registered"
             )
         if ops is None:
+            if unchecked:
+                li, ri = np.frombuffer(li, dtype=np.uint64), np.frombuffer(ri, dtype=np.uint64)
             (_, ll, _), (_, rl, _) = (ld[bad], rd[bad]) if li is None else (ld[int(li[bad])], rd[int(ri[bad])])
             raise nixlInvalidParamError(f"descriptor pair {bad}: local length {ll} != remote length {rl}")
         notif = _notif_bytes(notif_msg)
