@@ -44,6 +44,14 @@ SIZE = 1 << 20
 PAGE = 4096
 STEP_TIMEOUT = 60
 
+#: What ``posted_twice`` returns when no post stayed in progress.
+ENDED_FIRST = "the first post ended before the second call"
+
+#: (api, step): what the real library's outcome contains when the step
+#: could not test what it is about there (timing); kvmove's outcome is
+#: then not compared.
+INCONCLUSIVE = {("nixl", "posting a handle in progress again"): ENDED_FIRST}
+
 #: (api, step): (real outcome, kvmove outcome, why kvmove differs on purpose).
 DELIBERATE = {
     ("mooncake", "read into unregistered local memory"): (
@@ -358,9 +366,11 @@ def nixl_steps(s, phase, info):
         def posted_twice():
             # The step is about a post still in progress. A post that ended
             # before the second call (the real UCX may finish a same-host
-            # copy at once: seen once in CI, repost answered 'PROC') does
-            # not test that: such a try is repeated, up to 5 times.
-            for _ in range(5):
+            # copy at once: seen in CI, once in 5 tries and once in all 5)
+            # does not test that: such a try is repeated, up to 20 times,
+            # and if every one ended first the step is inconclusive
+            # (INCONCLUSIVE).
+            for _ in range(20):
                 h = a.initialize_xfer("WRITE", loc(0, SIZE // 2), rem(0, SIZE // 2), s.remote, b"")
                 a.transfer(h)
                 try:
@@ -373,7 +383,7 @@ def nixl_steps(s, phase, info):
                     a.release_xfer_handle(h)
                 if isinstance(again, Exception):
                     raise again
-            return "the first post ended before the second call, 5 times"
+            return f"{ENDED_FIRST}, 20 times"
 
         def unposted_state():
             h = a.initialize_xfer("WRITE", loc(0, PAGE), rem(0, PAGE), s.remote, b"")
@@ -581,6 +591,8 @@ def main():
             else:
                 ok = r == k
                 verdict = "same" if ok else "DIFFERENT"
+                if not ok and INCONCLUSIVE.get((api, name), "\0") in r:
+                    ok, verdict = True, "inconclusive: the real library's timing kept it from testing this"
             if not ok:
                 bad += 1
             if args.verbose or not ok:
