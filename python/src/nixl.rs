@@ -320,10 +320,8 @@ impl Bounds {
 }
 
 /// The first descriptor (rows packed as in [`NixlOps::pairs`]) that is not
-/// inside one region, or -1. Regions are given by their starts, sorted,
-/// and their ends (each packed as `u64`s); a descriptor belongs to the
-/// last region starting at or before it. A zero-length descriptor at a
-/// region's end is inside; one whose end wraps around is not.
+/// inside one region ([`Bounds::first_outside`]), or -1. Regions are given
+/// by their starts, sorted, and their ends (each packed as `u64`s).
 #[pyfunction]
 pub(crate) fn nixl_uncovered(py: Python<'_>, starts: &[u8], ends: &[u8], descs: &[u8]) -> PyResult<i64> {
     let r = (|| Ok(Bounds::new(starts, ends)?.first_outside(Rows::new(descs, "descs")?)))();

@@ -72,6 +72,15 @@ def _index_words(idx) -> Optional[bytes]:
     return None
 
 
+def _outside(side: str, descs: _DList, bad: int, agent: str) -> nixlNotFoundError:
+    """The error for descriptor ``bad`` of a ``"local"`` or ``"remote"``
+    list that is not inside registered memory (the remote ``agent``'s)."""
+    a, n, _ = descs[bad]
+    if side == "local":
+        return nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
+    return nixlNotFoundError(f"remote descriptor {bad} ({a:#x}, {n} bytes) is not inside memory agent {agent!r} registered")
+
+
 # ---- the agent ----
 
 
@@ -436,13 +445,14 @@ class nixl_agent:
         if agent_name in (NIXL_INIT_AGENT, ""):
             with self._lock:
                 starts, ends = self._local_bounds()
-            bad = _uncovered(starts, ends, descs)
-            if bad >= 0:
-                a, n, _ = descs[bad]
-                raise nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
-            return nixl_prepped_dlist_handle(self, None, descs)
-        self._check_remote_descs(agent_name, descs, "")
-        return nixl_prepped_dlist_handle(self, agent_name, descs)
+            side, owner = "local", None
+        else:
+            starts, ends = self._remote_bounds(agent_name)
+            side, owner = "remote", agent_name
+        bad = _uncovered(starts, ends, descs)
+        if bad >= 0:
+            raise _outside(side, descs, bad, agent_name)
+        return nixl_prepped_dlist_handle(self, owner, descs)
 
     def _remote_bounds(self, agent_name: str) -> Tuple[bytes, bytes]:
         """The starts and ends (packed) of the memory a remote agent
@@ -453,15 +463,6 @@ class nixl_agent:
                 return self._local_bounds()
         r = self._remote(agent_name)
         return r.starts, r.ends
-
-    def _check_remote_descs(self, agent_name: str, descs: _DList, what: str) -> None:
-        starts, ends = self._remote_bounds(agent_name)
-        bad = _uncovered(starts, ends, descs)
-        if bad >= 0:
-            a, n, _ = descs[bad]
-            raise nixlNotFoundError(
-                f"{what}remote descriptor {bad} ({a:#x}, {n} bytes) is not inside memory agent {agent_name!r} registered"
-            )
 
     def _target(self, agent_name: str) -> str:
         """The session id of a transfer's remote side."""
@@ -557,15 +558,8 @@ class nixl_agent:
             if unchecked:
                 raise _IndexRefused() from e
             raise _from_kvmove(e, "preparing the transfer") from e
-        if what == "local":
-            a, n, _ = ld[bad]
-            raise nixlNotFoundError(f"local descriptor {bad} ({a:#x}, {n} bytes) is not inside registered memory")
-        if what == "remote":
-            a, n, _ = rd[bad]
-            raise nixlNotFoundError(
-                f"remote descriptor {bad} ({a:#x}, {n} bytes) is not inside memory agent "
-                f"{_agent_name(remote)!r} registered"
-            )
+        if what in ("local", "remote"):
+            raise _outside(what, ld if what == "local" else rd, bad, _agent_name(remote))
         if ops is None:
             if unchecked:
                 li, ri = np.frombuffer(li, dtype=np.uint64), np.frombuffer(ri, dtype=np.uint64)
