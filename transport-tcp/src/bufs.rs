@@ -207,6 +207,42 @@ mod tests {
         assert_eq!(p.idle(), 1);
     }
 
+    /// `poll_until` reads the socket itself: bytes sent while it polls are
+    /// caught; when none come it gives up at the deadline holding no
+    /// buffer; a closed peer ends it at once, and the next read reports
+    /// the end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_polling_reader_catches_bytes_and_holds_nothing_otherwise() {
+        use std::io::Write;
+        use std::time::{Duration, Instant};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let (rd, _wr) = tokio::net::TcpStream::from_std(s).unwrap().into_split();
+        let pool = BufPool::new(4096, 4);
+        let mut r = PooledReader::new(rd, pool.clone());
+        let t = Instant::now();
+        assert!(!r.poll_until(t + Duration::from_millis(20)).unwrap(), "nothing was sent");
+        assert!(t.elapsed() >= Duration::from_millis(20), "polled until the deadline");
+        assert_eq!((r.buffered(), pool.idle()), (0, 1), "the buffer went back to the pool");
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            c.write_all(b"hello").unwrap();
+            c
+        });
+        assert!(r.poll_until(Instant::now() + Duration::from_secs(10)).unwrap(), "sent while polling");
+        let mut got = [0u8; 5];
+        assert!(r.read_buffered(&mut got));
+        assert_eq!(&got, b"hello");
+        drop(sender.join().unwrap());
+        let t = Instant::now();
+        assert!(!r.poll_until(t + Duration::from_secs(10)).unwrap(), "the peer closed");
+        assert!(t.elapsed() < Duration::from_secs(5), "a closed peer ends the polling at once");
+        let e = r.read_exact(&mut got).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
     #[tokio::test]
     async fn pooled_reader_borrows_only_while_bytes_are_buffered() {
         use tokio::io::AsyncWriteExt;
@@ -348,6 +384,44 @@ impl PooledReader {
             }
         }
         Ok(())
+    }
+
+    /// Reads what the socket has without waiting, and tries again
+    /// (yielding the CPU between tries) until `until`: whether bytes were
+    /// read. The socket is read directly, not through the runtime's
+    /// readiness, which only a reactor thread woken by the kernel would
+    /// update: the point is that no thread sleeps. Holds no buffer when
+    /// nothing came. The end of the stream is left for the next read to
+    /// report (it reads 0 again); an error is returned.
+    pub fn poll_until(&mut self, until: std::time::Instant) -> std::io::Result<bool> {
+        if self.pos < self.end {
+            return Ok(true);
+        }
+        let mut b = match self.buf.take() {
+            Some(b) => b,
+            None => self.pool.take()?,
+        };
+        let stream: &tokio::net::TcpStream = self.sock.as_ref();
+        let sock = socket2::SockRef::from(stream);
+        loop {
+            match std::io::Read::read(&mut &*sock, &mut b) {
+                Ok(0) => return Ok(false),
+                Ok(n) => {
+                    self.buf = Some(b);
+                    self.pos = 0;
+                    self.end = n;
+                    self.unchecked = true;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+            if std::time::Instant::now() >= until {
+                return Ok(false);
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Waits until the socket is readable (holding no buffer), then reads

@@ -22,6 +22,9 @@ pub const HANDSHAKE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
 pub const SERVER_IDLE_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
     Duration::from_millis(10)..=Duration::from_secs(7 * 86400);
 
+/// What `server_poll_us` may be: 0 (off)..=1000 us.
+pub const SERVER_POLL_US_RANGE: std::ops::RangeInclusive<u32> = 0..=1000;
+
 /// What `drain_timeout` may be: 0..=60 s.
 pub const DRAIN_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> = Duration::ZERO..=Duration::from_secs(60);
 
@@ -180,6 +183,18 @@ pub struct TcpConfig {
     /// sockets already use); on a GPU, pinned buffers should win, not yet
     /// measured.
     pub staging_buffers: usize,
+    /// Microseconds a server connection reads its socket directly, without
+    /// sleeping, for the next request after it sent its answers (as UCX's
+    /// threads progress without sleeping), before it waits on the runtime
+    /// as usual. Waking a sleeping thread costs tens of microseconds where
+    /// idle CPUs halt (most VMs); a request that comes within the window is
+    /// served without that wake. Only a connection whose last request came
+    /// within the window polls, one connection of a server at a time, and
+    /// only in a multi-thread runtime with at least two workers: the
+    /// worker it runs on is busy for at most this long per answer (it
+    /// yields the CPU between reads). Must be within
+    /// [`SERVER_POLL_US_RANGE`]; 0 turns it off. Default 100.
+    pub server_poll_us: u32,
 }
 
 impl Default for TcpConfig {
@@ -210,6 +225,7 @@ impl Default for TcpConfig {
             same_host: true,
             direct_writes: true,
             staging_buffers: 0,
+            server_poll_us: 100,
         }
     }
 }
@@ -226,6 +242,9 @@ impl TcpConfig {
         }
         if self.staging_buffers == 1 || self.staging_buffers > 1024 {
             return bad("staging_buffers", "must be 0 (off) or 2..=1024");
+        }
+        if !SERVER_POLL_US_RANGE.contains(&self.server_poll_us) {
+            return bad("server_poll_us", &format!("{} us is outside 0..=1000 (0: off)", self.server_poll_us));
         }
         if self.window == 0 || self.window > 4096 {
             return bad("window", "must be 1..=4096");
@@ -326,6 +345,11 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.message().contains("inbox_capacity"), "{e}");
         TcpConfig { inbox_capacity: 1, ..TcpConfig::default() }.validate().unwrap();
+        let e = TcpConfig { server_poll_us: 1001, ..TcpConfig::default() }.validate().unwrap_err();
+        assert!(e.message().contains("server_poll_us") && e.message().contains("1001 us"), "{e}");
+        for us in [0, 1000] {
+            TcpConfig { server_poll_us: us, ..TcpConfig::default() }.validate().unwrap();
+        }
     }
 
     #[test]

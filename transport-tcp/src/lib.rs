@@ -138,6 +138,7 @@ mod admission;
 mod auth;
 mod batch;
 mod bufs;
+mod busypoll;
 mod config;
 mod conn;
 mod deadlines;

@@ -20,6 +20,7 @@ use transport_core::{check_received, Inbox, Notification, Refused};
 use crate::admission::{refusal_label, Admit, Counts, Slot};
 use crate::auth::{self, Role};
 use crate::bufs::{BufPool, OutBuf, PooledReader};
+use crate::busypoll::BusyPoll;
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
 use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
@@ -130,6 +131,9 @@ pub(crate) struct Server {
     staging: Arc<Staging>,
     /// Device copies running for connections (close waits for them).
     copies: Arc<Count>,
+    /// Which connection may poll for its next request instead of sleeping
+    /// (`server_poll_us`).
+    busy: BusyPoll,
 }
 
 /// Why a connection is closed (logged; never crashes the server).
@@ -155,6 +159,7 @@ impl Server {
         staging: Arc<Staging>,
     ) -> Arc<Self> {
         Arc::new(Self {
+            busy: BusyPoll::new(cfg.server_poll_us),
             cfg,
             regions,
             generation,
@@ -670,12 +675,19 @@ impl Server {
         // at a time.
         let mut pulls = Gathered::default();
         let mut landed = Vec::new();
+        // Polling for the next request (`server_poll_us`): allowed by the
+        // runtime, and `hot` while requests come within the window.
+        let may_poll = self.busy.allowed();
+        let mut hot = false;
         loop {
             if r.buffered() < HEADER_LEN {
                 // The next frame is not all in hand: the socket is read
                 // next, so the checked copies are made (and answered) now.
                 self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
             }
+            // When the connection started waiting for this request (if it
+            // polled or may have).
+            let mut idle_from = None;
             if r.buffered() == 0 {
                 served.report();
                 crate::regions::report_direct(&self.regions);
@@ -686,9 +698,21 @@ impl Server {
                 // waits for its next request.
                 out.release();
                 r.release();
+                if may_poll {
+                    let from = std::time::Instant::now();
+                    if let Some((_turn, until)) = self.busy.turn(hot, from) {
+                        let caught = r.poll_until(until)?;
+                        let result = if caught { "caught" } else { "missed" };
+                        metrics::counter!("kvmove_tcp_server_polls_total", "result" => result).increment(1);
+                    }
+                    idle_from = Some(from);
+                }
             }
             let mut b = [0u8; HEADER_LEN];
             self.read(r, &mut b).await?;
+            if let Some(from) = idle_from {
+                hot = self.busy.is_short(from.elapsed());
+            }
             let h = Header::decode(&b, self.cfg.max_frame).map_err(|e| Close::Proto(e.to_string()))?;
             if h.ty != FrameType::Write || h.flags & proto::SAME_HOST == 0 {
                 // Every other frame is served after the copies before it.

@@ -61,6 +61,64 @@ fn endpoints_connections_and_served_bytes_are_counted() {
     assert_eq!(get("kvmove_tcp_connections_total{}"), 4, "{got:?}");
 }
 
+/// `server_poll_us`: a server connection answering one small write after
+/// another polls for the next request and catches it (counted as
+/// `caught`); with 0 it never polls. A multi-thread runtime (a
+/// current-thread one never polls), so the counters go to a global
+/// recorder.
+#[test]
+fn a_server_polls_for_back_to_back_requests_and_never_when_off() {
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    recorder.install().expect("the only global recorder of this test binary");
+    let polls = || {
+        let mut n = std::collections::HashMap::new();
+        for (k, _, _, v) in snap.snapshot().into_vec() {
+            if let (DebugValue::Counter(c), "kvmove_tcp_server_polls_total") = (v, k.key().name()) {
+                for l in k.key().labels() {
+                    *n.entry(l.value().to_owned()).or_insert(0u64) += c;
+                }
+            }
+        }
+        (n.get("caught").copied().unwrap_or(0), n.get("missed").copied().unwrap_or(0))
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let writes = |poll_us: u32| {
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), async {
+                let a = support::node(support::test_config()).await;
+                let b = support::node(transport_tcp::TcpConfig {
+                    server_poll_us: poll_us,
+                    same_host: false,
+                    ..support::test_config()
+                })
+                .await;
+                let src = Buffer::from_slice(&[7u8; 4096]).unwrap();
+                let dst = Buffer::new(4096).unwrap();
+                let l = a.register(src.region(), Access::LOCAL).unwrap();
+                b.register(dst.region(), Access::REMOTE_RW).unwrap();
+                let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+                for _ in 0..200 {
+                    let st = support::run(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
+                    assert!(st.first_error().is_none(), "{:?}", st.first_error());
+                }
+                assert_eq!(dst.to_vec(), vec![7u8; 4096]);
+                a.shutdown().await.unwrap();
+                b.shutdown().await.unwrap();
+            })
+            .await
+            .expect("test timed out");
+        })
+    };
+    writes(0);
+    assert_eq!(polls(), (0, 0), "off: no connection polls");
+    // A window far above a loopback round trip, so a loaded machine still
+    // sends the next request within it.
+    writes(1000);
+    let (caught, missed) = polls();
+    assert!(caught >= 10, "{caught} requests caught while polling ({missed} missed) of 200");
+}
+
 /// `Engine::probe` (issue 16): a segment name that cannot even be
 /// resolved is not a live peer (only the peer's own refusal of the read
 /// counts as an answer).
