@@ -26,8 +26,11 @@ fn rss_kib(field: &str) -> u64 {
 /// The configuration measured: the socket path (both ends are this one
 /// process, where same-host copies would otherwise carry the bytes; they
 /// are measured between processes by `python/bench/peers.py`).
+/// `TCP_BENCH_POLL_US` sets `server_poll_us` (to compare with it off).
 fn sockets() -> TcpConfig {
-    TcpConfig { same_host: false, ..TcpConfig::default() }
+    let d = TcpConfig::default();
+    let server_poll_us = std::env::var("TCP_BENCH_POLL_US").map_or(d.server_poll_us, |v| v.parse().expect("a number"));
+    TcpConfig { same_host: false, server_poll_us, ..d }
 }
 
 async fn batch(t: &TcpTransport, reqs: Vec<TransferRequest>) {

@@ -223,7 +223,7 @@ mod tests {
         let pool = BufPool::new(4096, 4);
         let mut r = PooledReader::new(rd, pool.clone());
         let t = Instant::now();
-        assert!(!r.poll_until(t + Duration::from_millis(20)).unwrap(), "nothing was sent");
+        assert!(!r.poll_until(t + Duration::from_millis(20)).await.unwrap(), "nothing was sent");
         assert!(t.elapsed() >= Duration::from_millis(20), "polled until the deadline");
         assert_eq!((r.buffered(), pool.idle()), (0, 1), "the buffer went back to the pool");
         let sender = std::thread::spawn(move || {
@@ -231,13 +231,13 @@ mod tests {
             c.write_all(b"hello").unwrap();
             c
         });
-        assert!(r.poll_until(Instant::now() + Duration::from_secs(10)).unwrap(), "sent while polling");
+        assert!(r.poll_until(Instant::now() + Duration::from_secs(10)).await.unwrap(), "sent while polling");
         let mut got = [0u8; 5];
         assert!(r.read_buffered(&mut got));
         assert_eq!(&got, b"hello");
         drop(sender.join().unwrap());
         let t = Instant::now();
-        assert!(!r.poll_until(t + Duration::from_secs(10)).unwrap(), "the peer closed");
+        assert!(!r.poll_until(t + Duration::from_secs(10)).await.unwrap(), "the peer closed");
         assert!(t.elapsed() < Duration::from_secs(5), "a closed peer ends the polling at once");
         let e = r.read_exact(&mut got).await.unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
@@ -386,14 +386,16 @@ impl PooledReader {
         Ok(())
     }
 
-    /// Reads what the socket has without waiting, and tries again
-    /// (yielding the CPU between tries) until `until`: whether bytes were
-    /// read. The socket is read directly, not through the runtime's
-    /// readiness, which only a reactor thread woken by the kernel would
-    /// update: the point is that no thread sleeps. Holds no buffer when
-    /// nothing came. The end of the stream is left for the next read to
-    /// report (it reads 0 again); an error is returned.
-    pub fn poll_until(&mut self, until: std::time::Instant) -> std::io::Result<bool> {
+    /// Reads what the socket has without waiting for the runtime to report
+    /// it readable, and tries again until `until`: whether bytes were read.
+    /// The socket is read directly, not through the runtime's readiness,
+    /// which only a reactor thread woken by the kernel would update: the
+    /// point is that no thread sleeps. Between reads the task yields to
+    /// the runtime, so the worker runs its other tasks and polls for I/O
+    /// meanwhile. Holds no buffer when nothing came. The end of the stream
+    /// is left for the next read to report (it reads 0 again); an error is
+    /// returned.
+    pub async fn poll_until(&mut self, until: std::time::Instant) -> std::io::Result<bool> {
         if self.pos < self.end {
             return Ok(true);
         }
@@ -401,10 +403,9 @@ impl PooledReader {
             Some(b) => b,
             None => self.pool.take()?,
         };
-        let stream: &tokio::net::TcpStream = self.sock.as_ref();
-        let sock = socket2::SockRef::from(stream);
         loop {
-            match std::io::Read::read(&mut &*sock, &mut b) {
+            let stream: &tokio::net::TcpStream = self.sock.as_ref();
+            match std::io::Read::read(&mut &*socket2::SockRef::from(stream), &mut b) {
                 Ok(0) => return Ok(false),
                 Ok(n) => {
                     self.buf = Some(b);
@@ -420,7 +421,7 @@ impl PooledReader {
             if std::time::Instant::now() >= until {
                 return Ok(false);
             }
-            std::thread::yield_now();
+            tokio::task::yield_now().await;
         }
     }
 

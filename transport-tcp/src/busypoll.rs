@@ -9,11 +9,17 @@
 //! within the window reads its socket directly for up to the window
 //! before it waits as usual ([`crate::bufs::PooledReader::poll_until`]).
 //!
+//! The polling task yields to the runtime between reads, so its worker
+//! runs other tasks and polls for I/O meanwhile: a blocking spin (tried)
+//! left a runtime with its other worker asleep on a condition variable
+//! and nobody reading I/O, and the next request, sent by a task of the
+//! same process, waited for the spin to end.
+//!
 //! Bounds: one connection of a server polls at a time (the others wait as
 //! usual), only a connection whose previous request came within the
 //! window ("hot": a connection idle for longer never polls), and only in a
-//! multi-thread runtime with at least two workers, so the runtime always
-//! has a worker for everything else.
+//! multi-thread runtime with at least two workers (a current-thread
+//! runtime would spin its only thread).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};

@@ -190,10 +190,11 @@ pub struct TcpConfig {
     /// idle CPUs halt (most VMs); a request that comes within the window is
     /// served without that wake. Only a connection whose last request came
     /// within the window polls, one connection of a server at a time, and
-    /// only in a multi-thread runtime with at least two workers: the
-    /// worker it runs on is busy for at most this long per answer (it
-    /// yields the CPU between reads). Must be within
-    /// [`SERVER_POLL_US_RANGE`]; 0 turns it off. Default 100.
+    /// only in a multi-thread runtime with at least two workers; between
+    /// reads it yields to the runtime, whose other tasks and I/O go on
+    /// meanwhile. The cost is CPU: a worker kept awake for up to this long
+    /// after each answer. Must be within [`SERVER_POLL_US_RANGE`]; 0 turns
+    /// it off. Default 100.
     pub server_poll_us: u32,
 }
 
