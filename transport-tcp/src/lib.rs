@@ -192,4 +192,9 @@ pub fn describe_metrics() {
         "kvmove_tcp_lanes_total",
         "TCP lanes this engine connected, by path: same_host (bytes moved by same-host copies) or socket."
     );
+    describe_counter!(
+        "kvmove_tcp_server_polls_total",
+        "Times a server connection polled its socket for the next request instead of sleeping \
+         (server_poll_us), by result: caught (the request came within the window) or missed."
+    );
 }
