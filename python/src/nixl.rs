@@ -155,10 +155,12 @@ impl NixlOps {
     /// inside one region first, the local list before the remote one, so a
     /// handle made from fresh lists costs one call.
     ///
-    /// Returns `(pairs, -1, "")`, or nothing, the first row (or pair) that
-    /// failed and which check: `"local"` or `"remote"` (a row outside the
-    /// side's regions) or `"length"` (a pair whose two lengths differ); the
-    /// caller says so in its terms.
+    /// Returns `(pairs, -1, "")`, or nothing, the first row (pair, or
+    /// index) that failed and which check: `"local"` or `"remote"` (a row
+    /// outside the side's regions), `"local_index"` or `"remote_index"`
+    /// (an index not below its list's length; every local index is checked
+    /// before the remote ones) or `"length"` (a pair whose two lengths
+    /// differ); the caller says so in its terms.
     #[staticmethod]
     #[pyo3(signature = (
         write, local, remote, local_idx=None, remote_idx=None,
@@ -191,7 +193,7 @@ impl NixlOps {
                     return Ok(Err((k, what)));
                 }
             }
-            Ok(pair_rows(write, l, r, local_idx, remote_idx)?.map_err(|k| (k, "length")))
+            pair_rows(write, l, r, local_idx, remote_idx)
         })();
         match r {
             Ok(Ok(ops)) => Ok((Some(ops), -1, "")),
@@ -241,30 +243,40 @@ fn word_at(c: &[u8], at: usize) -> u64 {
 }
 
 /// Row numbers: `idx`'s words, each below `n`; `None` without indices
-/// (row `k` for pair `k`).
-fn picks(idx: Option<&[u8]>, n: usize, what: &str) -> Result<Option<Vec<usize>>> {
-    let Some(idx) = idx else { return Ok(None) };
-    words(idx, what)?
-        .into_iter()
-        .map(|i| {
-            usize::try_from(i)
-                .ok()
-                .filter(|&i| i < n)
-                .ok_or_else(|| invalid(format!("{what}: index {i} is not below {n}")))
-        })
-        .collect::<Result<Vec<_>>>()
-        .map(Some)
+/// (row `k` for pair `k`); `Ok(Err(k))` when word `k` (the first) is not
+/// below `n`.
+fn picks(idx: Option<&[u8]>, n: usize, what: &str) -> Result<std::result::Result<Option<Vec<usize>>, usize>> {
+    let Some(idx) = idx else { return Ok(Ok(None)) };
+    let w = words(idx, what)?;
+    let mut rows = Vec::with_capacity(w.len());
+    for (k, i) in w.into_iter().enumerate() {
+        match usize::try_from(i).ok().filter(|&i| i < n) {
+            Some(i) => rows.push(i),
+            None => return Ok(Err(k)),
+        }
+    }
+    Ok(Ok(Some(rows)))
 }
 
-/// [`NixlOps::pairs`]: `Ok(Err(k))` when pair `k`'s lengths differ.
+/// [`NixlOps::pairs`]: `Ok(Err((k, what)))` when index `k` of a side's
+/// indices is out of range (`"local_index"`, `"remote_index"`; every
+/// local index is checked before the remote ones), or pair `k`'s lengths
+/// differ (`"length"`).
 fn pair_rows(
     write: bool,
     l: Rows<'_>,
     r: Rows<'_>,
     local_idx: Option<&[u8]>,
     remote_idx: Option<&[u8]>,
-) -> Result<std::result::Result<NixlOps, usize>> {
-    let (li, ri) = (picks(local_idx, l.len(), "local")?, picks(remote_idx, r.len(), "remote")?);
+) -> Result<std::result::Result<NixlOps, (usize, &'static str)>> {
+    let li = match picks(local_idx, l.len(), "local")? {
+        Ok(p) => p,
+        Err(k) => return Ok(Err((k, "local_index"))),
+    };
+    let ri = match picks(remote_idx, r.len(), "remote")? {
+        Ok(p) => p,
+        Err(k) => return Ok(Err((k, "remote_index"))),
+    };
     let count = |p: &Option<Vec<usize>>, rows: Rows<'_>| p.as_ref().map_or(rows.len(), Vec::len);
     let n = count(&li, l);
     if n != count(&ri, r) {
@@ -289,7 +301,7 @@ fn pair_rows(
             push(k, l.get(pick(&li)), r.get(pick(&ri)))
         }),
     };
-    Ok(pushed.map(|()| NixlOps { ops, count: n }))
+    Ok(pushed.map(|()| NixlOps { ops, count: n }).map_err(|k| (k, "length")))
 }
 
 /// Registered regions as their sorted starts and their ends.

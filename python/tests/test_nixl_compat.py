@@ -377,6 +377,13 @@ def test_pairs_by_index_and_lengths_that_differ(pair):
         a.make_prepped_xfer("WRITE", local, arr(1, 2), remote, arr(1, 16))
     with pytest.raises(nixlInvalidParamError, match="local_indices: index -1 is outside the prepared list of 16"):
         a.make_prepped_xfer("WRITE", local, arr(1, -1), remote, arr(1, 2))
+    # Every local index is checked before the remote ones (as NIXL's own
+    # check reads them), and an index is named by its value as given.
+    with pytest.raises(nixlInvalidParamError, match="local_indices: index 17 is outside the prepared list of 16"):
+        a.make_prepped_xfer("WRITE", local, arr(1, 17), remote, arr(99, 2))
+    huge = np.array([1, 2**64 - 1], dtype=np.uint64)
+    with pytest.raises(nixlInvalidParamError, match=f"remote_indices: index {2**64 - 1} is outside"):
+        a.make_prepped_xfer("WRITE", local, arr(1, 2), remote, huge)
     with pytest.raises(nixlInvalidParamError, match="2 local indices but 3 remote indices"):
         a.make_prepped_xfer("WRITE", local, arr(1, 2), remote, arr(1, 2, 3))
     with pytest.raises(nixlInvalidParamError, match="at least one descriptor"):

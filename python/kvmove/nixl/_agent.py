@@ -42,6 +42,7 @@ from ._descs import (
     _rows,
     _operation,
     _indices,
+    _index_outside,
     _agent_name,
     _notif_bytes,
     _encode_notif,
@@ -58,15 +59,10 @@ from ._handles import (
 )
 
 
-class _IndexRefused(Exception):
-    """Rust refused an index of an unchecked index array (out of range):
-    the checked path then says which, in NIXL's words."""
-
-
 def _index_words(idx) -> Optional[bytes]:
     """A one-dimensional numpy array of integers as native-endian ``u64``
     words for Rust to check (a negative index becomes one too large, which
-    it refuses); None for anything else."""
+    it refuses, naming its position); None for anything else."""
     if type(idx) is np.ndarray and idx.ndim == 1 and idx.dtype.kind in "iu":
         return np.ascontiguousarray(idx, dtype=np.int64 if idx.dtype.kind == "i" else np.uint64).tobytes()
     return None
@@ -500,14 +496,11 @@ class nixl_agent:
             raise nixlInvalidParamError("remote_xfer_side was prepared as local (use the remote agent's name)")
         ld, rd, remote = local_xfer_side.descs, remote_xfer_side.descs, remote_xfer_side.agent_name
         # Integer arrays (what vLLM's connector passes) go to Rust as they
-        # are, and Rust checks each index; an index it refuses, or anything
-        # else given, takes the checked path, which says what is wrong.
+        # are, and Rust checks each index; anything else given takes the
+        # checked path, which says what is wrong.
         li, ri = _index_words(local_indices), _index_words(remote_indices)
         if li is not None and ri is not None and len(li) == len(ri):
-            try:
-                return self._new_xfer(op, ld, li, rd, ri, remote, notif_msg)
-            except _IndexRefused:
-                pass
+            return self._new_xfer(op, ld, li, rd, ri, remote, notif_msg, given=(local_indices, remote_indices))
         li = _indices(local_indices, len(ld), "local_indices")
         ri = _indices(remote_indices, len(rd), "remote_indices")
         if len(li) != len(ri):
@@ -539,14 +532,17 @@ class nixl_agent:
         bounds += self._remote_bounds(remote_agent)
         return self._new_xfer(op, ld, None, rd, None, remote_agent, notif_msg, bounds)
 
-    def _new_xfer(self, op, ld: _DList, li, rd: _DList, ri, remote: str, notif_msg, bounds=()) -> nixl_xfer_handle:
+    def _new_xfer(
+        self, op, ld: _DList, li, rd: _DList, ri, remote: str, notif_msg, bounds=(), given=None
+    ) -> nixl_xfer_handle:
         """A handle pairing local descriptor ``li[k]`` with remote descriptor
         ``ri[k]``, or without indices ``k`` with ``k``: the pairs go to Rust
         in one call, which with ``bounds`` (local starts and ends, remote
         starts and ends) first checks that every descriptor of each list
         lies in that side's memory. Indices are checked arrays, or words
-        packed by ``_index_words`` (unchecked: one Rust refuses raises
-        ``_IndexRefused``)."""
+        packed by ``_index_words`` from the arrays ``given`` (local,
+        remote), which Rust checks; an index it refuses is named from
+        them."""
         unchecked = isinstance(li, bytes)
         count = len(ld) if li is None else len(li) // 8 if unchecked else len(li)
         if count == 0:
@@ -555,14 +551,16 @@ class nixl_agent:
         try:
             ops, bad, what = NixlOps.pairs(op == "WRITE", ld._packed_rows(), rd._packed_rows(), *idx, *bounds)
         except TransferError as e:
-            if unchecked:
-                raise _IndexRefused() from e
             raise _from_kvmove(e, "preparing the transfer") from e
         if what in ("local", "remote"):
             raise _outside(what, ld if what == "local" else rd, bad, _agent_name(remote))
+        if what in ("local_index", "remote_index"):
+            side = what[: -len("_index")]
+            picked = given[0] if side == "local" else given[1]
+            raise _index_outside(f"{side}_indices", int(picked[bad]), len(ld) if side == "local" else len(rd))
         if ops is None:
             if unchecked:
-                li, ri = np.frombuffer(li, dtype=np.uint64), np.frombuffer(ri, dtype=np.uint64)
+                li, ri = given
             (_, ll, _), (_, rl, _) = (ld[bad], rd[bad]) if li is None else (ld[int(li[bad])], rd[int(ri[bad])])
             raise nixlInvalidParamError(f"descriptor pair {bad}: local length {ll} != remote length {rl}")
         notif = _notif_bytes(notif_msg)

@@ -231,9 +231,14 @@ def _indices(idx, n: int, what: str) -> np.ndarray:
         raise nixlInvalidParamError(f"{what} must be a one-dimensional list or array of integers")
     a = a.astype(np.int64, copy=False)
     if a.size and (a.min() < 0 or a.max() >= n):
-        bad = int(a[(a < 0) | (a >= n)][0])
-        raise nixlInvalidParamError(f"{what}: index {bad} is outside the prepared list of {n} descriptors")
+        raise _index_outside(what, int(a[(a < 0) | (a >= n)][0]), n)
     return a
+
+
+def _index_outside(what: str, bad: int, n: int) -> nixlInvalidParamError:
+    """The error for index ``bad`` of ``what`` (``"local_indices"``...),
+    outside a prepared list of ``n`` descriptors."""
+    return nixlInvalidParamError(f"{what}: index {bad} is outside the prepared list of {n} descriptors")
 
 
 def _agent_name(name) -> str:
