@@ -68,6 +68,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<devmem::PyFakeDevice>()?;
     m.add_function(wrap_pyfunction!(devmem::device_providers, m)?)?;
     m.add_function(wrap_pyfunction!(nixl::nixl_desc_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(nixl::nixl_index_words, m)?)?;
     m.add_function(wrap_pyfunction!(nixl::nixl_uncovered, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(named::named_notification, m)?)?;

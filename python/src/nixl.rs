@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use kvmove_policy::{Probe, Sessions, Transfer};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 use tokio::sync::watch;
 use transport_core::{check_notification, Error, ErrorKind, Opcode, Result, TransferRequest};
 
@@ -402,6 +402,22 @@ pub(crate) fn nixl_desc_rows<'py>(descs: &Bound<'py, PyAny>, width: usize) -> Op
         }
     }
     Some(PyBytes::new(descs.py(), &out))
+}
+
+/// The NIXL agent's index lists, fast path: a plain list of plain
+/// non-negative `int`s below 2^64 as native-endian `u64` words, for
+/// [`NixlOps::pairs`] to check against the prepared lists. `None` for
+/// anything else (a negative index, a `bool`, a numpy scalar): the
+/// caller's checked path then reads it and says what is wrong.
+#[pyfunction]
+pub(crate) fn nixl_index_words<'py>(idx: &Bound<'py, PyAny>) -> Option<Bound<'py, PyBytes>> {
+    let l = idx.downcast_exact::<PyList>().ok()?;
+    let mut out = Vec::with_capacity(l.len().checked_mul(8)?);
+    for v in l.iter() {
+        let w = v.downcast_exact::<PyInt>().ok()?.extract::<Word>().ok()?;
+        out.extend_from_slice(&w.0.to_ne_bytes());
+    }
+    Some(PyBytes::new(idx.py(), &out))
 }
 
 /// One NIXL transfer: running, or finished with an optional error.

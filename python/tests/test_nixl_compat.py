@@ -333,7 +333,7 @@ def test_handles_notifications_and_loopback(pair):
     assert got == {"A": [b"text is sent as UTF-8", b"\x00binary"]}
 
 
-def test_pairs_by_index_and_lengths_that_differ(pair):
+def test_pairs_by_index_and_lengths_that_differ(pair, monkeypatch):
     """``make_prepped_xfer`` pairs local descriptor ``li[k]`` with remote
     descriptor ``ri[k]`` (indices repeated and out of order),
     ``initialize_xfer`` pairs them in order, and zero-length pairs move
@@ -370,6 +370,27 @@ def test_pairs_by_index_and_lengths_that_differ(pair):
         for l, r in zip(li2.tolist(), ri2.tolist()):
             want[r * page : (r + 1) * page] = src[l * page : (l + 1) * page]
         assert np.array_equal(dst, want)
+    # Lists of ints go to Rust as words too, never through the checked
+    # Python path (here made to fail); a list holding a numpy integer
+    # takes that path: the same pairs either way.
+    import kvmove.nixl._agent as agent_mod
+
+    checked = agent_mod._indices
+    for li3, ri3 in (([5, 2, 11, 5], [3, 14, 0, 8]), ([5, np.int64(2), 11, 5], [3, 14, 0, 8])):
+        fast = all(type(i) is int for i in li3 + ri3)
+        if fast:
+            monkeypatch.setattr(agent_mod, "_indices", lambda *a: pytest.fail("a list of ints took the checked path"))
+        dst[:] = 0
+        h = a.make_prepped_xfer("WRITE", local, li3, remote, ri3)
+        monkeypatch.setattr(agent_mod, "_indices", checked)
+        assert a.transfer(h) in ("PROC", "DONE") and wait_state(a, h) == "DONE"
+        assert np.array_equal(dst, want)
+    with pytest.raises(nixlInvalidParamError, match="local_indices: index -1 is outside the prepared list of 16"):
+        a.make_prepped_xfer("WRITE", local, [1, -1], remote, [1, 2])
+    with pytest.raises(nixlInvalidParamError, match="remote_indices: index 16 is outside the prepared list of 16"):
+        a.make_prepped_xfer("WRITE", local, [1, 2], remote, [1, 16])
+    with pytest.raises(nixlInvalidParamError, match="descriptor pair 2: local length 1024 != remote length 0"):
+        a.make_prepped_xfer("WRITE", local, [1, 2, 5], remote, [1, 2, 15])
     arr = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     with pytest.raises(nixlInvalidParamError, match="descriptor pair 2: local length 1024 != remote length 0"):
         a.make_prepped_xfer("WRITE", local, arr(1, 2, 5), remote, arr(1, 2, 15))

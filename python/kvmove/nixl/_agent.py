@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._engine import Engine
-from .._native import HAS_RDMA, NixlOps, TransferError, nixl_desc_rows
+from .._native import HAS_RDMA, NixlOps, TransferError, nixl_desc_rows, nixl_index_words
 from ._base import (
     logger,
     NIXL_INIT_AGENT,
@@ -60,11 +60,14 @@ from ._handles import (
 
 
 def _index_words(idx) -> Optional[bytes]:
-    """A one-dimensional numpy array of integers as native-endian ``u64``
-    words for Rust to check (a negative index becomes one too large, which
-    it refuses, naming its position); None for anything else."""
+    """A one-dimensional numpy array of integers, or a plain list of plain
+    non-negative ``int``s, as native-endian ``u64`` words for Rust to check
+    (an array's negative index becomes one too large, which it refuses,
+    naming its position); None for anything else."""
     if type(idx) is np.ndarray and idx.ndim == 1 and idx.dtype.kind in "iu":
         return np.ascontiguousarray(idx, dtype=np.int64 if idx.dtype.kind == "i" else np.uint64).tobytes()
+    if type(idx) is list:
+        return nixl_index_words(idx)
     return None
 
 
@@ -495,9 +498,9 @@ class nixl_agent:
         if remote_xfer_side.agent_name is None:
             raise nixlInvalidParamError("remote_xfer_side was prepared as local (use the remote agent's name)")
         ld, rd, remote = local_xfer_side.descs, remote_xfer_side.descs, remote_xfer_side.agent_name
-        # Integer arrays (what vLLM's connector passes) go to Rust as they
-        # are, and Rust checks each index; anything else given takes the
-        # checked path, which says what is wrong.
+        # Integer arrays (what vLLM's connector passes) and lists of ints go
+        # to Rust as words, and Rust checks each index; anything else given
+        # takes the checked path, which says what is wrong.
         li, ri = _index_words(local_indices), _index_words(remote_indices)
         if li is not None and ri is not None and len(li) == len(ri):
             return self._new_xfer(op, ld, li, rd, ri, remote, notif_msg, given=(local_indices, remote_indices))
