@@ -15,6 +15,10 @@
 //! * [`PageBuf`]: scratch memory mapped from the kernel and unmapped on
 //!   drop, for buffers whose pages must go back to the OS after a burst.
 //!
+//! It also holds the one socket call the transports make that no safe
+//! crate offers ([`sock::set_recv_lowat`]), so that their crates stay free
+//! of `unsafe`.
+//!
 //! Every access goes through [`MemoryRegion::read_at`] / [`MemoryRegion::write_at`]
 //! which check offset, length and overflow before touching a byte, so a
 //! wrong request from a peer becomes an error, never a stray write.
@@ -35,6 +39,7 @@ mod fake;
 mod pages;
 pub mod providers;
 mod region;
+pub mod sock;
 pub mod window;
 
 pub use buffer::Buffer;
