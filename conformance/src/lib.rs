@@ -136,6 +136,7 @@
 //! | `deadline::timeout_beyond_the_clock_never_fires` | 5 | Stall | a timeout past what the clock holds means never: completes, or stays in progress until cancelled |
 //! | `poll::unknown_batch_ids` | 6 | - | poll/wait/cancel/release of unknown or random ids: InvalidHandle, no panic |
 //! | `poll::release_in_progress_refused` | 6 | Stall | release of a batch in progress: InvalidRequest, batch intact |
+//! | `poll::polling_hint_loses_nothing` | 6 | - | answers that arrive under the polling hint, with nobody polling, are applied once it ends |
 //! | `poll::poll_during_faults` | 6 | - | tight polling during cut, stall, cancel and kill: no panic, terminal states sticky |
 //! | `errors::peer_failures_are_transient` | 7 | Kill | a killed peer gives transient peer-failure errors |
 //! | `policy::transient_failures_are_retried` | 8 | - | transient failures are retried with backoff and recover |

@@ -492,18 +492,16 @@ impl Core {
     /// this thread (the transport applies the answers that arrived as it
     /// polls, docs/CONTRACT.md rule 6), so a small transfer whose answer
     /// comes within microseconds completes here without a hand-off from a
-    /// runtime thread; then asleep. Between polls the thread yields, so a
-    /// thread this CPU should run meanwhile (the peer's, on a small
-    /// machine) is not kept waiting by the spin.
+    /// runtime thread (nor, while it polls, a wake of one by the kernel:
+    /// `Transfer::spin` tells the transport); then asleep. Between polls
+    /// the thread yields, so a thread this CPU should run meanwhile (the
+    /// peer's, on a small machine) is not kept waiting by the spin.
     pub(crate) fn transfer(&self, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
         let t = self.submit(requests)?;
         let spin = self.spin;
         if !spin.is_zero() {
             let _in_rt = self.rt.enter();
-            let start = Instant::now();
-            while !t.progress() && start.elapsed() < spin {
-                std::thread::yield_now();
-            }
+            t.spin(spin);
         }
         self.wait(t)
     }

@@ -96,6 +96,9 @@ pub trait Layer: Send + Sync + 'static {
     fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
         self.inner().poll(batch)
     }
+    fn polling(&self, batch: BatchId, on: bool) {
+        self.inner().polling(batch, on)
+    }
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
         self.inner().wait(batch).await
     }
@@ -167,6 +170,9 @@ impl<L: Layer> Transport for L {
     }
     fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
         Layer::poll(self, batch)
+    }
+    fn polling(&self, batch: BatchId, on: bool) {
+        Layer::polling(self, batch, on)
     }
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
         Layer::wait(self, batch).await

@@ -104,6 +104,19 @@ pub trait Transport: Send + Sync + 'static {
     /// threads (it must be called inside the backend's runtime for that).
     fn poll(&self, batch: BatchId) -> Result<BatchStatus>;
 
+    /// A hint: from `polling(batch, true)` to the matching
+    /// `polling(batch, false)` a caller calls [`Transport::poll`] on
+    /// `batch` in a loop, so the answers that arrive for it meanwhile are
+    /// applied on that caller's thread, and the backend may stop waking
+    /// its own threads for them. Each `true` is followed by one `false`
+    /// from the same caller, soon (a bounded spin, not a wait). Once no
+    /// caller polls, the backend wakes for arrivals as before, the ones
+    /// that came meanwhile included: nothing is left unread. Unknown or
+    /// terminal batches are ignored. The default does nothing.
+    fn polling(&self, batch: BatchId, on: bool) {
+        let _ = (batch, on);
+    }
+
     /// Waits until the batch is terminal and returns its final status.
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus>;
 

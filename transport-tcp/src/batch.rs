@@ -39,6 +39,36 @@ pub(crate) struct Batch {
     /// The endpoints its slices went to, for a caller polling it
     /// ([`Batch::progress`]).
     carriers: Mutex<Vec<Weak<dyn Carrier>>>,
+    /// Callers polling it now, and the lanes they hushed ([`Batch::polling`]).
+    polled: Mutex<Polled>,
+}
+
+/// Who polls a batch ([`Batch::polling`]).
+#[derive(Debug, Default)]
+struct Polled {
+    callers: u32,
+    /// The lanes hushed for them, per carrier (a bit per lane).
+    hushed: Vec<(Weak<dyn Carrier>, u64)>,
+}
+
+impl Polled {
+    /// Makes the hushed lanes loud again.
+    fn end(&mut self) {
+        self.callers = 0;
+        for (c, lanes) in self.hushed.drain(..) {
+            if let Some(ep) = c.upgrade() {
+                ep.loud(lanes);
+            }
+        }
+    }
+}
+
+impl Drop for Polled {
+    /// A batch forgotten while a caller said it polls (released between
+    /// its `polling` calls) leaves no lane hushed.
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 /// What carries a batch's slices (an endpoint): it can apply their
@@ -47,6 +77,14 @@ pub(crate) trait Carrier: Send + Sync {
     /// Reads and applies what has already arrived, without waiting. Must
     /// be called inside the transport's tokio runtime.
     fn progress(self: Arc<Self>);
+
+    /// A caller starts polling: the lanes with answers outstanding stop
+    /// waking the runtime (`crate::hush`). Returns them, a bit per lane,
+    /// for [`Carrier::loud`].
+    fn hush(&self) -> u64;
+
+    /// The caller that hushed `lanes` stopped polling.
+    fn loud(&self, lanes: u64);
 }
 
 impl Batch {
@@ -68,6 +106,7 @@ impl Batch {
             deadline: Mutex::new(None),
             peers,
             carriers: Mutex::new(Vec::new()),
+            polled: Mutex::default(),
         })
     }
 
@@ -89,6 +128,36 @@ impl Batch {
         for ep in self.carriers.lock().iter().filter_map(Weak::upgrade) {
             ep.progress();
         }
+    }
+
+    /// A caller starts (`true`) or stops polling the batch
+    /// (`Transport::polling`): the first hushes the lanes that carry its
+    /// answers, the last makes them loud again.
+    pub fn polling(&self, on: bool) {
+        let mut p = self.polled.lock();
+        if on {
+            p.callers = p.callers.saturating_add(1);
+            if p.callers == 1 && !self.is_terminal() {
+                let carriers: Vec<_> = self.carriers.lock().clone();
+                for c in carriers {
+                    if let Some(ep) = c.upgrade() {
+                        let lanes = ep.hush();
+                        p.hushed.push((c, lanes));
+                    }
+                }
+            }
+        } else if p.callers > 0 {
+            p.callers -= 1;
+            if p.callers == 0 {
+                p.end();
+            }
+        }
+    }
+
+    /// Ends every caller's polling at once (the batch is released: a
+    /// later `polling(false)` would not find it).
+    pub fn polling_ends(&self) {
+        self.polled.lock().end();
     }
 
     /// Runs `f` on the ledger; wakes waiters when the batch became terminal.

@@ -6,11 +6,14 @@
 //! burst's memory goes back to the OS when it ends.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
 use transport_mem::PageBuf;
+
+use crate::hush::Hush;
 
 /// Buffers of one size, at most `cap` of them kept while unused.
 #[derive(Debug)]
@@ -210,20 +213,19 @@ mod tests {
     /// `poll_until` reads the socket itself: bytes sent while it polls are
     /// caught; when none come it gives up at the deadline holding no
     /// buffer; a closed peer ends it at once, and the next read reports
-    /// the end.
+    /// the end. Whether it spins or yields between reads.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_polling_reader_catches_bytes_and_holds_nothing_otherwise() {
+        for spin in [false, true] {
+            polling_reader(spin).await;
+        }
+    }
+
+    async fn polling_reader(spin: bool) {
         use std::io::Write;
-        use std::time::{Duration, Instant};
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (s, _) = l.accept().unwrap();
-        s.set_nonblocking(true).unwrap();
-        let (rd, _wr) = tokio::net::TcpStream::from_std(s).unwrap().into_split();
-        let pool = BufPool::new(4096, 4);
-        let mut r = PooledReader::new(rd, pool.clone());
+        let (mut c, mut r, pool, _wr) = polled_pair();
         let t = Instant::now();
-        assert!(!r.poll_until(t + Duration::from_millis(20)).await.unwrap(), "nothing was sent");
+        assert!(!r.poll_until(t + Duration::from_millis(20), spin).await.unwrap(), "nothing was sent");
         assert!(t.elapsed() >= Duration::from_millis(20), "polled until the deadline");
         assert_eq!((r.buffered(), pool.idle()), (0, 1), "the buffer went back to the pool");
         let sender = std::thread::spawn(move || {
@@ -231,16 +233,55 @@ mod tests {
             c.write_all(b"hello").unwrap();
             c
         });
-        assert!(r.poll_until(Instant::now() + Duration::from_secs(10)).await.unwrap(), "sent while polling");
+        assert!(r.poll_until(Instant::now() + Duration::from_secs(10), spin).await.unwrap(), "sent while polling");
         let mut got = [0u8; 5];
         assert!(r.read_buffered(&mut got));
         assert_eq!(&got, b"hello");
         drop(sender.join().unwrap());
         let t = Instant::now();
-        assert!(!r.poll_until(t + Duration::from_secs(10)).await.unwrap(), "the peer closed");
+        assert!(!r.poll_until(t + Duration::from_secs(10), spin).await.unwrap(), "the peer closed");
         assert!(t.elapsed() < Duration::from_secs(5), "a closed peer ends the polling at once");
         let e = r.read_exact(&mut got).await.unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    /// A client socket and the server side's polling reader of it.
+    fn polled_pair() -> (std::net::TcpStream, PooledReader, Arc<BufPool>, tokio::net::tcp::OwnedWriteHalf) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let (rd, wr) = tokio::net::TcpStream::from_std(s).unwrap().into_split();
+        let pool = BufPool::new(4096, 4);
+        let r = PooledReader::new(rd, pool.clone());
+        (c, r, pool, wr)
+    }
+
+    /// The socket is quiet only while polled: after a poll that caught
+    /// nothing, and when a frame's rest must be waited for after a poll
+    /// that caught its start, a few bytes wake the waiting reader (a quiet
+    /// socket would wake it only for a whole `Hush` mark of bytes).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_polled_socket_is_loud_again_before_any_wait() {
+        use std::io::Write;
+        let (mut c, mut r, _pool, _wr) = polled_pair();
+        let bound = Duration::from_secs(5);
+        assert!(!r.poll_until(Instant::now() + Duration::from_millis(5), true).await.unwrap());
+        c.write_all(b"ab").unwrap();
+        let mut two = [0u8; 2];
+        tokio::time::timeout(bound, r.read_exact(&mut two)).await.expect("woken after a missed poll").unwrap();
+        assert_eq!(&two, b"ab");
+        c.write_all(b"cd").unwrap();
+        assert!(r.poll_until(Instant::now() + Duration::from_secs(10), true).await.unwrap());
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c.write_all(b"ef").unwrap();
+            c
+        });
+        let mut four = [0u8; 4];
+        tokio::time::timeout(bound, r.read_exact(&mut four)).await.expect("woken for a frame's rest").unwrap();
+        assert_eq!(&four, b"cdef");
+        drop(writer.join().unwrap());
     }
 
     #[tokio::test]
@@ -287,6 +328,12 @@ mod tests {
     }
 }
 
+/// A polling connection gives the runtime a turn after spinning this long
+/// without bytes ([`PooledReader::poll_until`]).
+const TURN_SPIN: Duration = Duration::from_micros(50);
+/// ... and at least this often while it keeps catching them.
+const TURN_EVERY: Duration = Duration::from_millis(1);
+
 /// A connection's buffered reader whose buffer is borrowed from a pool
 /// only while it holds bytes: it waits for the socket to be readable with
 /// no buffer, borrows one to read what arrived, and gives it back once
@@ -301,11 +348,27 @@ pub(crate) struct PooledReader {
     end: usize,
     /// Bytes were read from the socket since the last [`Self::check_reset`].
     unchecked: bool,
+    /// How quiet the socket may be made while polled, and whether it is
+    /// now ([`crate::hush`]): never while waiting on the runtime.
+    hush: Hush,
+    hushed: bool,
+    /// When [`Self::poll_until`] last gave the runtime a turn (yielded);
+    /// `None` after a wait on the runtime.
+    turn_given: Option<Instant>,
 }
 
 impl PooledReader {
     pub fn new(sock: OwnedReadHalf, pool: Arc<BufPool>) -> Self {
-        Self { sock, pool, buf: None, pos: 0, end: 0, unchecked: false }
+        let hush = Hush::new(sock.as_ref());
+        Self { sock, pool, buf: None, pos: 0, end: 0, unchecked: false, hush, hushed: false, turn_given: None }
+    }
+
+    /// Makes the socket loud before a wait on the runtime.
+    fn loud(&mut self) -> std::io::Result<()> {
+        if std::mem::take(&mut self.hushed) {
+            self.hush.loud(self.sock.as_ref())?;
+        }
+        Ok(())
     }
 
     /// An error if the connection was reset (or failed) and bytes were
@@ -374,7 +437,13 @@ impl PooledReader {
             }
             self.release();
             let want = &mut dst[done..];
-            let n = if want.len() >= self.pool.size { self.sock.read(want).await? } else { self.fill().await? };
+            let n = if want.len() >= self.pool.size {
+                self.loud()?;
+                self.turn_given = None;
+                self.sock.read(want).await?
+            } else {
+                self.fill().await?
+            };
             self.unchecked = true;
             if n == 0 {
                 return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the peer closed the connection"));
@@ -390,14 +459,45 @@ impl PooledReader {
     /// it readable, and tries again until `until`: whether bytes were read.
     /// The socket is read directly, not through the runtime's readiness,
     /// which only a reactor thread woken by the kernel would update: the
-    /// point is that no thread sleeps. Between reads the task yields to
-    /// the runtime, so the worker runs its other tasks and polls for I/O
-    /// meanwhile. Holds no buffer when nothing came. The end of the stream
-    /// is left for the next read to report (it reads 0 again); an error is
-    /// returned.
-    pub async fn poll_until(&mut self, until: std::time::Instant) -> std::io::Result<bool> {
+    /// point is that no thread sleeps. Holds no buffer when nothing came.
+    /// The end of the stream is left for the next read to report (it reads
+    /// 0 again); an error is returned.
+    ///
+    /// The socket is quiet while polled ([`crate::hush`]), and stays quiet
+    /// when bytes came (the next poll needs no system call to hush it
+    /// again); any wait on the runtime makes it loud first.
+    ///
+    /// Between reads the task yields to the runtime, unless `spin`
+    /// (`crate::busypoll::may_spin`): then it spins on its worker and gives
+    /// the runtime a turn (yields) only now and then: first if it last waited on the
+    /// runtime (its worker may be the one that was reading I/O; the yield
+    /// lets another worker take that over), then after [`TURN_SPIN`] of
+    /// spinning and at least every [`TURN_EVERY`]. Yielding at every read
+    /// (tried) made the runtime wake its other worker at every request,
+    /// costing what the polling saves; never yielding (tried) left the
+    /// runtime with nobody reading I/O while a task of the same process
+    /// waited for an answer.
+    pub async fn poll_until(&mut self, until: Instant, spin: bool) -> std::io::Result<bool> {
         if self.pos < self.end {
             return Ok(true);
+        }
+        let caught = self.poll_quietly(until, spin).await;
+        if !matches!(caught, Ok(true)) {
+            self.loud()?;
+        }
+        caught
+    }
+
+    async fn poll_quietly(&mut self, until: Instant, spin: bool) -> std::io::Result<bool> {
+        if !self.hushed {
+            self.hushed = self.hush.hush(self.sock.as_ref());
+        }
+        // The runtime's turn first if this task last waited on it (its
+        // worker may have been the one reading I/O: another takes over
+        // now) or has not given one for a while.
+        if self.turn_given.is_none_or(|t| t.elapsed() >= TURN_EVERY) {
+            tokio::task::yield_now().await;
+            self.turn_given = Some(Instant::now());
         }
         let mut b = match self.buf.take() {
             Some(b) => b,
@@ -418,16 +518,24 @@ impl PooledReader {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
-            if std::time::Instant::now() >= until {
+            let now = Instant::now();
+            if now >= until {
                 return Ok(false);
             }
-            tokio::task::yield_now().await;
+            if !spin || self.turn_given.is_none_or(|t| now.saturating_duration_since(t) >= TURN_SPIN) {
+                tokio::task::yield_now().await;
+                self.turn_given = Some(Instant::now());
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 
     /// Waits until the socket is readable (holding no buffer), then reads
     /// what arrived into a borrowed buffer; the bytes read (0: closed).
     async fn fill(&mut self) -> std::io::Result<usize> {
+        self.loud()?;
+        self.turn_given = None;
         loop {
             self.sock.readable().await?;
             let mut b = match self.buf.take() {

@@ -9,11 +9,21 @@
 //! within the window reads its socket directly for up to the window
 //! before it waits as usual ([`crate::bufs::PooledReader::poll_until`]).
 //!
-//! The polling task yields to the runtime between reads, so its worker
-//! runs other tasks and polls for I/O meanwhile: a blocking spin (tried)
-//! left a runtime with its other worker asleep on a condition variable
-//! and nobody reading I/O, and the next request, sent by a task of the
-//! same process, waited for the spin to end.
+//! While it polls, the connection is hushed (`crate::hush`): the kernel
+//! does not wake the runtime's sleeping worker for each request as well.
+//!
+//! Between reads the polling task either yields to the runtime (its worker
+//! runs other tasks and reads I/O meanwhile) or spins on its worker and
+//! gives the runtime a turn only now and then ([`may_spin`]). Yielding at
+//! every read makes the runtime wake its other worker at every request
+//! (tokio hands the search for work to a sleeping worker each time the
+//! polling worker finds its queue empty), which costs a separate target
+//! process what the polling saves: one 4 KiB write from Python took
+//! 17-67 us across process pairs, 16-22 us with the spin. Spinning
+//! without turns (tried) left a runtime with its other worker asleep on a
+//! condition variable and nobody reading I/O, so a process that is also
+//! an initiator (its own request waiting for an answer on that runtime)
+//! waited for each spin to end; such a process yields at every read.
 //!
 //! Bounds: one connection of a server polls at a time (the others wait as
 //! usual), only a connection whose previous request came within the
@@ -21,8 +31,30 @@
 //! multi-thread runtime with at least two workers (a current-thread
 //! runtime would spin its only thread).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+/// Lanes (client connections) open in this process, every transport's.
+static PROCESS_LANES: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts `n` lanes opened (`true`) or closed in this process.
+pub(crate) fn count_lanes(n: usize, opened: bool) {
+    if opened {
+        PROCESS_LANES.fetch_add(n, Ordering::Relaxed);
+    } else {
+        PROCESS_LANES.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
+/// Whether a polling connection may spin on its worker between reads,
+/// giving the runtime a turn only now and then: when this process has no
+/// lanes of its own. A process that is also an initiator may be waiting
+/// for answers on a runtime whose other worker sleeps; there the poll
+/// yields at every read, so its worker reads I/O meanwhile
+/// ([`crate::bufs::PooledReader::poll_until`]).
+pub(crate) fn may_spin() -> bool {
+    PROCESS_LANES.load(Ordering::Relaxed) == 0
+}
 
 /// A server's permission to poll: the window, and who is polling now.
 #[derive(Debug)]

@@ -23,6 +23,7 @@ use transport_core::{Error, ErrorKind, Opcode, Result};
 
 use crate::batch::Batch;
 use crate::config::TcpConfig;
+use crate::hush::LaneHush;
 use crate::pool::Slots;
 use crate::proto::WireRegion;
 use crate::samehost::SameHost;
@@ -171,6 +172,13 @@ pub(crate) struct Pending {
     pub streaming: Option<u64>,
 }
 
+impl Pending {
+    /// Slices or notifications sent on the lane wait for their answers.
+    pub fn awaits_answers(&self) -> bool {
+        !self.dead && (!self.map.is_empty() || !self.notes.is_empty())
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Lane {
     pub pending: Mutex<Pending>,
@@ -190,6 +198,9 @@ pub(crate) struct Lane {
     /// polling (`crate::batch::Carrier::progress`), one at a time. The teardown takes
     /// it (waiting for a caller reading) once the lane tasks are joined.
     pub rx: Mutex<Rx>,
+    /// Whether callers polling their transfers keep arrivals from waking
+    /// the runtime (`crate::hush`).
+    pub hush: Mutex<LaneHush>,
 }
 
 /// A slice answer whose payload is still arriving (see [`Rx`]).
@@ -312,6 +323,7 @@ impl Endpoint {
                     direct: same_host.get(i).and_then(|s| s.1.clone()),
                     out: Arc::default(),
                     rx: Mutex::default(),
+                    hush: Mutex::default(),
                 })
                 .collect(),
             env,
@@ -491,6 +503,7 @@ impl Endpoint {
         // for: it holds the lock only while it reads what has arrived).
         for l in &self.lanes {
             l.rx.lock().detach();
+            l.hush.lock().detach();
         }
         // A caller's poll that was reading a lane may have started a device
         // copy (a staged READ) before the lane was detached: none starts
@@ -504,6 +517,7 @@ impl Endpoint {
             l.out.lock().await.w = None;
         }
         self.env.lanes.fetch_sub(self.lanes.len(), Ordering::Relaxed);
+        crate::busypoll::count_lanes(self.lanes.len(), false);
         let queued: Vec<Work> = self.queue.lock().drain(..).collect();
         for w in &queued {
             w.fail(&err);

@@ -96,6 +96,7 @@ pub(crate) async fn connect(
     metrics::counter!("kvmove_tcp_lanes_total", "path" => "socket").increment((same_host.len() - agreed) as u64);
     let ep = Endpoint::new(id, name, addr, (generation, regions), &same_host, env.clone(), slots);
     env.lanes.fetch_add(streams.len(), std::sync::atomic::Ordering::Relaxed);
+    crate::busypoll::count_lanes(streams.len(), true);
     let mut readers = Vec::with_capacity(streams.len());
     for (lane, s) in ep.lanes.iter().zip(streams) {
         let (r, w) = s.into_split();
@@ -107,6 +108,7 @@ pub(crate) async fn connect(
         // Read by its reader task, and by callers polling (`crate::rx`).
         let r = Arc::new(r);
         lane.rx.lock().attach(r.clone());
+        lane.hush.lock().attach(r.clone());
         readers.push(r);
     }
     ep.start_tasks(|| {

@@ -144,6 +144,7 @@ mod conn;
 mod deadlines;
 mod driver;
 mod endpoint;
+mod hush;
 mod lane;
 mod pool;
 mod proto;

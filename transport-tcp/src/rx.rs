@@ -51,15 +51,35 @@ impl Carrier for Endpoint {
     /// broken lane starts its teardown).
     fn progress(self: Arc<Self>) {
         for (k, lane) in self.lanes.iter().enumerate() {
-            let idle = {
-                let p = lane.pending.lock();
-                p.dead || (p.map.is_empty() && p.notes.is_empty())
-            };
-            if idle {
+            if !lane.pending.lock().awaits_answers() {
                 continue;
             }
             if let Some(mut rx) = lane.rx.try_lock() {
                 rx.pump(&self, k, CALLER_BUDGET);
+            }
+        }
+    }
+
+    fn hush(&self) -> u64 {
+        let mut hushed = 0u64;
+        for (k, lane) in self.lanes.iter().enumerate().take(64) {
+            if lane.pending.lock().awaits_answers() {
+                lane.hush.lock().enter();
+                hushed |= 1 << k;
+            }
+        }
+        hushed
+    }
+
+    fn loud(&self, lanes: u64) {
+        for (k, lane) in self.lanes.iter().enumerate().take(64) {
+            if lanes & (1 << k) == 0 {
+                continue;
+            }
+            if let Err(e) = lane.hush.lock().leave() {
+                // The socket is gone (its endpoint is being torn down):
+                // nothing could wake a waiter on it.
+                tracing::debug!(peer = %self.name, lane = k, error = %e, "lane could not be made loud");
             }
         }
     }

@@ -701,7 +701,7 @@ impl Server {
                 if may_poll {
                     let from = std::time::Instant::now();
                     if let Some((_turn, until)) = self.busy.turn(hot, from) {
-                        let caught = r.poll_until(until).await?;
+                        let caught = r.poll_until(until, crate::busypoll::may_spin()).await?;
                         let result = if caught { "caught" } else { "missed" };
                         metrics::counter!("kvmove_tcp_server_polls_total", "result" => result).increment(1);
                     }

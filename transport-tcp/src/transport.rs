@@ -346,6 +346,14 @@ impl Transport for TcpTransport {
         Ok(b.status())
     }
 
+    fn polling(&self, batch: BatchId, on: bool) {
+        // The lanes carrying the batch stop waking the reactor while a
+        // caller polls them (`crate::hush`).
+        if let Ok(b) = self.inner.batch(batch) {
+            b.polling(on);
+        }
+    }
+
     async fn wait(&self, batch: BatchId) -> Result<BatchStatus> {
         let b = self.inner.batch(batch)?;
         b.wait_terminal().await;
@@ -362,7 +370,9 @@ impl Transport for TcpTransport {
     }
 
     fn release(&self, batch: BatchId) -> Result<()> {
-        self.inner.batches.lock().release(batch, |b| b.is_terminal()).map(drop)
+        let b = self.inner.batches.lock().release(batch, |b| b.is_terminal())?;
+        b.polling_ends();
+        Ok(())
     }
 
     fn stats(&self) -> ResourceStats {

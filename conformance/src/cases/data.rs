@@ -13,17 +13,17 @@ use crate::guard::pattern;
 use crate::outcome::{CaseError, CaseResult};
 
 /// What both regions of a [`Pair`] should hold.
-struct Model {
+pub(crate) struct Model {
     local: Vec<u8>,
     remote: Vec<u8>,
 }
 
 impl Model {
-    fn of(p: &Pair) -> Self {
+    pub(crate) fn of(p: &Pair) -> Self {
         Self { local: p.local.snapshot(), remote: p.remote.snapshot() }
     }
 
-    fn apply(&mut self, p: &Pair, r: &TransferRequest) {
+    pub(crate) fn apply(&mut self, p: &Pair, r: &TransferRequest) {
         let l = r.local_offset as usize;
         let m = (r.remote_addr - p.remote.addr()) as usize;
         let n = r.len as usize;
@@ -33,7 +33,7 @@ impl Model {
         }
     }
 
-    fn check(&self, p: &Pair, what: &str) -> CaseResult {
+    pub(crate) fn check(&self, p: &Pair, what: &str) -> CaseResult {
         p.local.expect(&self.local, &format!("{what}: local region"))?;
         p.remote.expect(&self.remote, &format!("{what}: remote region"))
     }

@@ -234,6 +234,12 @@ static CASES: &[Case] = &[
         "release of a batch in progress: InvalidRequest, batch intact"
     ),
     case!(
+        poll::polling_hint_loses_nothing,
+        6,
+        [],
+        "answers that arrive under the polling hint, with nobody polling, are applied once it ends"
+    ),
+    case!(
         poll::poll_during_faults,
         6,
         [],

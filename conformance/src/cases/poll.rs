@@ -51,6 +51,67 @@ pub async fn release_in_progress_refused(cx: Ctx) -> CaseResult {
     Ok(())
 }
 
+/// The polling hint (`Transport::polling`) loses nothing: answers that
+/// arrive while a caller said it polls, but did not, are applied once it
+/// says it stopped, without anyone polling (the backend's own threads wake
+/// for them). Nested and unmatched hints, hints for unknown, terminal and
+/// released batches are harmless.
+pub async fn polling_hint_loses_nothing(cx: Ctx) -> CaseResult {
+    let p = cx.pair(64 << 10).await?;
+    let t = p.t().clone();
+    t.polling(BatchId(u64::MAX), true);
+    t.polling(BatchId(u64::MAX), false);
+    for round in 0..3u64 {
+        let mut reqs = vec![p.write(round * 4096, round * 4096, 4096)];
+        if t.capabilities().read {
+            reqs.push(p.read(32_768 + round * 4096, 49_152, 4096));
+        }
+        let mut model = crate::cases::data::Model::of(&p);
+        for r in &reqs {
+            model.apply(&p, r);
+        }
+        let b = t.submit(reqs, SubmitOptions::default()).await?;
+        t.polling(b, true);
+        if round == 1 {
+            t.polling(b, true);
+        }
+        // The answers arrive meanwhile; nobody polls.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if round == 1 {
+            t.polling(b, false);
+        }
+        t.polling(b, false);
+        let s = tokio::time::timeout(Duration::from_secs(2), t.wait(b)).await.map_err(|_| {
+            CaseError::Fail(format!("round {round}: the batch did not end within 2 s of the hint's end"))
+        })??;
+        ensure!(s.state == BatchState::Completed, "round {round}: {:?}", s.state);
+        model.check(&p, &format!("round {round}"))?;
+        // After the end: ignored.
+        t.polling(b, true);
+        t.polling(b, false);
+        t.release(b)?;
+    }
+    // Released between the two calls (after polling it to its end): the
+    // next batch, which nobody polls, still ends.
+    let b = t.submit(vec![p.write(0, 0, 4096)], SubmitOptions::default()).await?;
+    t.polling(b, true);
+    let polled = tokio::time::timeout(Duration::from_secs(10), async {
+        while !t.poll(b).is_ok_and(|s| s.is_terminal()) {
+            tokio::task::yield_now().await;
+        }
+    });
+    polled.await.map_err(|_| CaseError::Fail("a polled batch did not end within 10 s".into()))?;
+    t.release(b)?;
+    t.polling(b, false);
+    let b = t.submit(vec![p.write(4096, 4096, 4096)], SubmitOptions::default()).await?;
+    let s = tokio::time::timeout(Duration::from_secs(2), t.wait(b))
+        .await
+        .map_err(|_| CaseError::Fail("after a release under the hint, a batch did not end within 2 s".into()))??;
+    ensure!(s.state == BatchState::Completed, "after a release under the hint: {:?}", s.state);
+    t.release(b)?;
+    Ok(())
+}
+
 /// Four tasks poll every batch id seen so far (and random ones) in a tight
 /// loop while batches run through a cut, a stall with cancel and a peer
 /// kill: every answer is a status or an error, and terminal states never

@@ -201,6 +201,39 @@ impl Transfer {
         look(&self.mode) != Look::Running
     }
 
+    /// Polls as [`Transfer::progress`] for at most `budget`, giving the
+    /// CPU up between polls (`std::thread::yield_now`: on a machine with
+    /// few CPUs the threads that answer may need this one), and says
+    /// whether the first attempt (or the transfer) ended. Meanwhile the
+    /// transport knows a caller polls the first attempt's batch
+    /// ([`transport_core::Transport::polling`]), so it may leave the
+    /// answers to this thread instead of also waking one of its own. Call
+    /// it inside the engine's runtime context.
+    pub fn spin(&self, budget: std::time::Duration) -> bool {
+        let start = std::time::Instant::now();
+        let _polling = self.first_batch().map(|(transport, batch)| Polling::new(transport, batch));
+        loop {
+            if self.progress() {
+                return true;
+            }
+            if start.elapsed() >= budget {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// The first attempt's transport and batch while no driver runs it.
+    fn first_batch(&self) -> Option<(Arc<dyn Transport>, BatchId)> {
+        match &*self.mode.lock() {
+            Mode::Unstarted(lazy) => match &lazy.first {
+                Ok(batch) => Some((lazy.driver.inner.transport.clone(), *batch)),
+                Err(_) => None,
+            },
+            _ => None,
+        }
+    }
+
     /// The outcome if the transfer has ended, after making what progress
     /// the transport can on the caller's thread (as [`Transfer::progress`]);
     /// never blocks. A first attempt that completed is finished here, as
@@ -329,6 +362,26 @@ impl Probe {
     pub fn completed(&self) -> bool {
         let Some(mode) = self.mode.upgrade() else { return false };
         look(&mode) == Look::Completed
+    }
+}
+
+/// A caller polling a batch ([`Transfer::spin`]): says so to the
+/// transport, and that it stopped when dropped (also on unwinding).
+struct Polling {
+    transport: Arc<dyn Transport>,
+    batch: BatchId,
+}
+
+impl Polling {
+    fn new(transport: Arc<dyn Transport>, batch: BatchId) -> Self {
+        transport.polling(batch, true);
+        Self { transport, batch }
+    }
+}
+
+impl Drop for Polling {
+    fn drop(&mut self) {
+        self.transport.polling(self.batch, false);
     }
 }
 
