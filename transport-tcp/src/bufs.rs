@@ -468,15 +468,16 @@ impl PooledReader {
     /// again); any wait on the runtime makes it loud first.
     ///
     /// Between reads the task yields to the runtime, unless `spin`
-    /// (`crate::busypoll::may_spin`): then it spins on its worker and gives
-    /// the runtime a turn (yields) only now and then: first if it last waited on the
-    /// runtime (its worker may be the one that was reading I/O; the yield
-    /// lets another worker take that over), then after [`TURN_SPIN`] of
-    /// spinning and at least every [`TURN_EVERY`]. Yielding at every read
-    /// (tried) made the runtime wake its other worker at every request,
-    /// costing what the polling saves; never yielding (tried) left the
-    /// runtime with nobody reading I/O while a task of the same process
-    /// waited for an answer.
+    /// (`crate::busypoll::may_spin`): then it stays on its worker, giving
+    /// the CPU up to other threads (`sched_yield`), and gives the runtime
+    /// a turn (yields the task) only now and then: first if it last
+    /// waited on the runtime (its worker may be the one that was reading
+    /// I/O; the yield lets another worker take that over), then after
+    /// [`TURN_SPIN`] of spinning and at least every [`TURN_EVERY`].
+    /// Yielding the task at every read (tried) made the runtime wake its
+    /// other worker at every request, costing what the polling saves;
+    /// never yielding it (tried) left the runtime with nobody reading I/O
+    /// while a task of the same process waited for an answer.
     pub async fn poll_until(&mut self, until: Instant, spin: bool) -> std::io::Result<bool> {
         if self.pos < self.end {
             return Ok(true);
@@ -526,7 +527,11 @@ impl PooledReader {
                 tokio::task::yield_now().await;
                 self.turn_given = Some(Instant::now());
             } else {
-                std::hint::spin_loop();
+                // The CPU goes to any other thread waiting for it (on a
+                // machine with few CPUs, maybe the peer's): a spin that
+                // kept it doubled the write's time next to one busy
+                // process.
+                std::thread::yield_now();
             }
         }
     }
