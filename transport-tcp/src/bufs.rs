@@ -257,9 +257,9 @@ mod tests {
         (c, r, pool, wr)
     }
 
-    /// The socket is quiet only while polled: after a poll that caught
+    /// The socket is hushed only while polled: after a poll that caught
     /// nothing, and when a frame's rest must be waited for after a poll
-    /// that caught its start, a few bytes wake the waiting reader (a quiet
+    /// that caught its start, a few bytes wake the waiting reader (a hushed
     /// socket would wake it only for a whole `Hush` mark of bytes).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_polled_socket_is_loud_again_before_any_wait() {
@@ -353,7 +353,7 @@ pub(crate) struct PooledReader {
     end: usize,
     /// Bytes were read from the socket since the last [`Self::check_reset`].
     unchecked: bool,
-    /// How quiet the socket may be made while polled, and whether it is
+    /// How far the socket may be hushed while polled, and whether it is
     /// now ([`crate::hush`]): never while waiting on the runtime.
     hush: Hush,
     hushed: bool,
@@ -468,7 +468,7 @@ impl PooledReader {
     /// The end of the stream is left for the next read to report (it reads
     /// 0 again); an error is returned.
     ///
-    /// The socket is quiet while polled ([`crate::hush`]), and stays quiet
+    /// The socket is hushed while polled ([`crate::hush`]), and stays hushed
     /// when bytes came (the next poll needs no system call to hush it
     /// again); any wait on the runtime makes it loud first.
     ///
@@ -487,14 +487,14 @@ impl PooledReader {
         if self.pos < self.end {
             return Ok(true);
         }
-        let caught = self.poll_quietly(until, spin).await;
+        let caught = self.poll_hushed(until, spin).await;
         if !matches!(caught, Ok(true)) {
             self.loud()?;
         }
         caught
     }
 
-    async fn poll_quietly(&mut self, until: Instant, spin: bool) -> std::io::Result<bool> {
+    async fn poll_hushed(&mut self, until: Instant, spin: bool) -> std::io::Result<bool> {
         if !self.hushed {
             self.hushed = self.hush.hush(self.sock.as_ref());
         }

@@ -11,8 +11,8 @@
 //! per transfer on each side, 17-60 us per write depending on where the
 //! threads landed, 20 us with none.
 //!
-//! While a connection is polled it is made *quiet*: its receive low-water
-//! mark (`SO_RCVLOWAT`) is raised to [`Hush::mark`], so arrivals smaller
+//! While a connection is polled it is *hushed*: its receive low-water
+//! mark (`SO_RCVLOWAT`) is raised to [`MARK`] at most, so arrivals smaller
 //! than that wake nobody (a non-blocking read still returns them). Before
 //! anyone waits on the runtime for the connection again it is made *loud*
 //! (mark 1), which wakes a waiter at once if bytes are already there. A
@@ -27,14 +27,14 @@ use std::sync::Arc;
 
 use tokio::net::tcp::OwnedReadHalf;
 
-/// The largest mark a quiet connection gets.
+/// The largest mark a hushed connection gets.
 const MARK: u32 = 32 << 10;
 
-/// How quiet a connection can be made, found once when it opens.
+/// How far a connection can be hushed, found once when it opens.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Hush {
-    /// The low-water mark while quiet: 0 when the connection is never
-    /// made quiet (the option was refused).
+    /// The low-water mark while hushed: 0 when the connection is never
+    /// hushed (its receive buffer is too small to tell).
     mark: u32,
 }
 
@@ -47,7 +47,7 @@ impl Hush {
         Self { mark: if mark < 2 { 0 } else { mark } }
     }
 
-    /// Tries to make `sock` quiet: whether it is now. A refused option
+    /// Tries to hush `sock`: whether it is now. A refused option
     /// leaves it loud (it then wakes the runtime as before, which costs
     /// time, never correctness).
     pub fn hush(self, sock: &impl AsFd) -> bool {
@@ -63,7 +63,7 @@ impl Hush {
         }
     }
 
-    /// Makes a quiet `sock` loud again, so arrivals wake the runtime (at
+    /// Makes a hushed `sock` loud again, so arrivals wake the runtime (at
     /// once, if bytes are already there). An error (the descriptor is
     /// gone) is the connection's: nothing could wake a waiter for it.
     pub fn loud(self, sock: &impl AsFd) -> std::io::Result<()> {
@@ -71,8 +71,8 @@ impl Hush {
     }
 }
 
-/// A lane's answers side as callers spinning on their transfers quiet it
-/// (`Transport::polling`): quiet while at least one caller polls it.
+/// A lane's answers side as callers spinning on their transfers hush it
+/// (`Transport::polling`): hushed while at least one caller polls it.
 #[derive(Debug, Default)]
 pub(crate) struct LaneHush {
     /// The lane's socket while it is connected.
@@ -89,13 +89,13 @@ impl LaneHush {
         self.sock = Some((sock, q));
     }
 
-    /// Lets go of the socket (the teardown): nothing is quieted after.
+    /// Lets go of the socket (the teardown): nothing is hushed after.
     pub fn detach(&mut self) {
         self.sock = None;
         self.hushed = false;
     }
 
-    /// One more caller polls the lane: the first one quiets it.
+    /// One more caller polls the lane: the first one hushes it.
     pub fn enter(&mut self) {
         self.callers = self.callers.saturating_add(1);
         if self.callers == 1 && !self.hushed {
@@ -128,11 +128,11 @@ mod tests {
     use std::time::Duration;
     use tokio::io::AsyncWriteExt;
 
-    /// A lane stays quiet while any caller polls it: arrivals below the
+    /// A lane stays hushed while any caller polls it: arrivals below the
     /// mark do not report it readable; the last caller's leave makes it
     /// loud, which reports the bytes already there at once.
     #[tokio::test]
-    async fn a_lane_is_quiet_until_its_last_caller_leaves() {
+    async fn a_lane_is_hushed_until_its_last_caller_leaves() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let mut c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (s, _) = l.accept().await.unwrap();
@@ -148,7 +148,7 @@ mod tests {
         assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
         c.write_all(b"answer").await.unwrap();
         let wait = Duration::from_millis(100);
-        assert!(tokio::time::timeout(wait, rd.readable()).await.is_err(), "quiet: no wake for 6 bytes");
+        assert!(tokio::time::timeout(wait, rd.readable()).await.is_err(), "hushed: no wake for 6 bytes");
         lane.leave().unwrap();
         assert!(tokio::time::timeout(wait, rd.readable()).await.is_err(), "one caller still polls");
         lane.leave().unwrap();
