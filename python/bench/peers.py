@@ -1,6 +1,7 @@
 """kvmove next to the engines it replaces, on one host (issue: peers side by side).
 
     python bench/peers.py [--rounds N] [--systems a,b,...] [--json FILE]
+    python bench/peers.py --rtt PAIRS [--systems a,b,...]
 
 Each *system* runs a target process (it registers a 64 MiB host buffer) and
 an initiator process (the same size), both started from this file
@@ -36,6 +37,13 @@ Systems:
 * ``kvmove-tcp``: ``kvmove.Engine`` with same-host copies off
   (``[backend.tcp] same_host = false``): every byte through the sockets, as
   between two hosts.
+
+``--rtt PAIRS`` runs only the single write, from PAIRS fresh process pairs
+per system alternated pair by pair, and counts the context switches per
+write of both processes (every thread). A system named ``NAME@DIR`` runs
+NAME with ``DIR`` first on ``PYTHONPATH``: another build of kvmove, its
+wheel unpacked there (``--systems kvmove-tcp@/tmp/before,kvmove-tcp``
+compares two builds).
 
 ``--interleave`` starts every named system at once and alternates them
 batch by batch instead (no bytes verified, no rtt): the way to compare two
@@ -306,10 +314,56 @@ def serve(system):
 
 
 def Proc(system):
+    """The side of ``system``; ``NAME@DIR`` is NAME with ``DIR`` first on
+    ``PYTHONPATH`` (another build of kvmove: its wheel unpacked there)."""
     env = dict(os.environ)
-    if system == "nixl-tcp":
+    name, _, path = system.partition("@")
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
+    if name == "nixl-tcp":
         env["UCX_TLS"] = "tcp"
-    return LineProc([os.path.abspath(__file__), "--serve", system], env=env)
+    return LineProc([os.path.abspath(__file__), "--serve", name], env=env)
+
+
+def switches(pid):
+    """Context switches so far of every thread of process ``pid``."""
+    n = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        n += int(line.split()[1])
+        except OSError:
+            pass  # the thread ended
+    return n
+
+
+def rtt_pairs(systems, pairs):
+    """Only the single 4 KiB write, each time from a fresh target and
+    initiator (no batches before it), the systems alternated pair by pair:
+    p50 / p99 and context switches per write (both processes, every
+    thread), then the median over the pairs."""
+    got = {s: [] for s in systems}
+    for p in range(pairs):
+        for s in systems:
+            target, init = Proc(s), Proc(s)
+            try:
+                init.ask(cmd="connect", info=target.ready)
+                before = switches(target.p.pid) + switches(init.p.pid)
+                r = init.ask(cmd="rtt")
+                per = (switches(target.p.pid) + switches(init.p.pid) - before) / (RTT_N + 20)
+            finally:
+                init.stop()
+                target.stop()
+            got[s].append((r["p50_us"], r["p99_us"], per))
+            print(f"pair {p + 1} {s}: p50 {r['p50_us']:.1f} us, p99 {r['p99_us']:.1f} us, {per:.2f} switches/write", flush=True)
+    print("\n| system | p50 us, median (min-max) | p99 us, median | switches per write, median |")
+    print("|---|---|---|---|")
+    for s, v in got.items():
+        p50 = [x[0] for x in v]
+        print(f"| {s} | {statistics.median(p50):.1f} ({min(p50):.1f}-{max(p50):.1f}) | "
+              f"{statistics.median(x[1] for x in v):.1f} | {statistics.median(x[2] for x in v):.2f} |")  # fmt: skip
 
 
 def run_system(system, verify):
@@ -384,6 +438,7 @@ def main():
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json")
     ap.add_argument("--interleave", action="store_true", help="alternate the systems batch by batch (see interleave)")
+    ap.add_argument("--rtt", type=int, metavar="PAIRS", help="only the single write, from PAIRS fresh process pairs per system")
     a = ap.parse_args()
     if a.serve:
         serve(a.serve)
@@ -391,6 +446,9 @@ def main():
     systems = a.systems.split(",")
     if a.interleave:
         interleave(systems, a.rounds)
+        return
+    if a.rtt:
+        rtt_pairs(systems, a.rtt)
         return
     rounds = []
     for r in range(a.rounds):
