@@ -2,6 +2,7 @@
 ``bench/peers.py`` and ``difftest/compat_diff.py`` run their two sides."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,3 +45,18 @@ class LineProc:
             self.p.wait(10)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def context_switches(pid):
+    """Context switches so far of every thread of process ``pid``
+    (voluntary and not, from ``/proc/PID/task/*/status``)."""
+    n = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        n += int(line.split()[1])
+        except OSError:
+            pass  # the thread ended
+    return n

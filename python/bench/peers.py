@@ -78,7 +78,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from lineproc import LineProc
+from lineproc import LineProc, context_switches
 
 SIZE = 64 << 20
 WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
@@ -325,20 +325,6 @@ def Proc(system):
     return LineProc([os.path.abspath(__file__), "--serve", name], env=env)
 
 
-def switches(pid):
-    """Context switches so far of every thread of process ``pid``."""
-    n = 0
-    for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{t}/status") as f:
-                for line in f:
-                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                        n += int(line.split()[1])
-        except OSError:
-            pass  # the thread ended
-    return n
-
-
 def rtt_pairs(systems, pairs):
     """Only the single 4 KiB write, each time from a fresh target and
     initiator (no batches before it), the systems alternated pair by pair:
@@ -350,9 +336,9 @@ def rtt_pairs(systems, pairs):
             target, init = Proc(s), Proc(s)
             try:
                 init.ask(cmd="connect", info=target.ready)
-                before = switches(target.p.pid) + switches(init.p.pid)
+                before = context_switches(target.p.pid) + context_switches(init.p.pid)
                 r = init.ask(cmd="rtt")
-                per = (switches(target.p.pid) + switches(init.p.pid) - before) / (RTT_N + 20)
+                per = (context_switches(target.p.pid) + context_switches(init.p.pid) - before) / (RTT_N + 20)
             finally:
                 init.stop()
                 target.stop()

@@ -34,21 +34,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+from lineproc import context_switches  # noqa: E402
+
 SIZE = 1 << 20
 PAGE = 4096
-
-
-def ctx_of(pid):
-    total = 0
-    for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{t}/status") as f:
-                for line in f:
-                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                        total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
 
 
 def side(api):
@@ -116,11 +105,11 @@ def proc(api, role):
 def run(api, n):
     t, tr = proc(api, "target")
     i, _ = proc(api, "init")
-    c0 = ctx_of(tr["pid"])
+    c0 = context_switches(tr["pid"])
     i.stdin.write(json.dumps({"n": n, **tr["ready"]}) + "\n")
     i.stdin.flush()
     out = json.loads(i.stdout.readline())
-    out["target_ctx"] = (ctx_of(tr["pid"]) - c0) / (n + 200)
+    out["target_ctx"] = (context_switches(tr["pid"]) - c0) / (n + 200)
     i.wait()
     t.stdin.write("{}\n{}\n")
     t.stdin.flush()

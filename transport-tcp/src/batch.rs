@@ -138,11 +138,11 @@ impl Batch {
         if on {
             p.callers = p.callers.saturating_add(1);
             if p.callers == 1 && !self.is_terminal() {
-                let carriers: Vec<_> = self.carriers.lock().clone();
-                for c in carriers {
+                // As in `progress`: no carrier takes either lock here.
+                for c in self.carriers.lock().iter() {
                     if let Some(ep) = c.upgrade() {
                         let lanes = ep.hush();
-                        p.hushed.push((c, lanes));
+                        p.hushed.push((c.clone(), lanes));
                     }
                 }
             }
