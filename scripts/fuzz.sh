@@ -23,23 +23,35 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
   cargo install -q cargo-fuzz --locked --version 0.13.2
 fi
 
+# Build every target first, then fuzz them side by side (each libFuzzer
+# process is single-threaded; FUZZ_SECONDS is each one's wall-clock bound).
+if [ $# -eq 0 ]; then
+  cargo fuzz build -s none
+else
+  for t in "${targets[@]}"; do cargo fuzz build -s none "$t"; done
+fi
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+pids=()
 for t in "${targets[@]}"; do
+  mkdir -p "$dir/$t.corpus"
+  cargo fuzz run -s none "$t" "$dir/$t.corpus" -- -max_total_time="$secs" -timeout=10 -rss_limit_mb=4096 \
+    >"$dir/$t.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for i in "${!targets[@]}"; do
+  t=${targets[$i]} status=0
+  wait "${pids[$i]}" || status=$?
   printf '\n==> fuzz %s for %s s\n' "$t" "$secs"
-  cargo fuzz build -s none "$t"
-  corpus=$(mktemp -d)
-  log=$(mktemp)
-  status=0
-  cargo fuzz run -s none "$t" "$corpus" -- -max_total_time="$secs" -timeout=10 -rss_limit_mb=4096 \
-    >"$log" 2>&1 || status=$?
   # The final line of libFuzzer's progress: executions, edges covered
   # ("cov"), features, corpus size, executions per second.
-  grep -E '^#[0-9]+[[:space:]]+DONE' "$log" || true
-  grep -E '^Done [0-9]+ runs' "$log" || true
-  rm -rf "$corpus"
+  grep -E '^#[0-9]+[[:space:]]+DONE' "$dir/$t.log" || true
+  grep -E '^Done [0-9]+ runs' "$dir/$t.log" || true
   if [ "$status" -ne 0 ]; then
-    tail -n 80 "$log"
+    tail -n 80 "$dir/$t.log"
     echo "FUZZ TARGET $t FAILED (exit $status); the input is under fuzz/artifacts/$t/" >&2
-    exit 1
+    failed=1
   fi
-  rm -f "$log"
 done
+exit "$failed"

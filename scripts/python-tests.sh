@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Tests of the Python package (python/, the standalone crate kvmove-py):
-# fmt and clippy of its Rust code, its Rust unit tests, then a fresh
-# virtualenv with `pip install ./python` and the pytest suite (every test
-# with a timeout). Called by scripts/test.sh.
+# fmt and clippy of its Rust code, its Rust unit tests, then the release
+# wheel (scripts/wheels.sh) in the test virtualenv (scripts/venvs.sh) and
+# the pytest suite (every test with a timeout), then the RDMA exchange with
+# the RDMA wheel (on a device, else in the soft-RoCE VM). Called by
+# scripts/test.sh.
 #
-#   scripts/python-tests.sh            # everything
+#   scripts/python-tests.sh              # everything
+#   scripts/python-tests.sh --no-rdma    # everything but the RDMA exchange
+#   scripts/python-tests.sh --rdma-only  # only the RDMA exchange
 #   PYTHON=python3.12 scripts/python-tests.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,12 +16,22 @@ root=$PWD
 
 step() { printf '\n==> python: %s\n' "$*"; }
 
+mode=all
+case "${1:-}" in
+  --no-rdma) mode=no-rdma ;;
+  --rdma-only) mode=rdma-only ;;
+  "") ;;
+  *) echo "usage: $0 [--no-rdma | --rdma-only]" >&2; exit 64 ;;
+esac
+
 py=${PYTHON:-python3}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
-venv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}
+venv=$CARGO_TARGET_DIR/python-venv
 # pyo3 builds against the interpreter the tests use.
 export PYO3_PYTHON=$py
 
+# fmt, clippy and unit tests of python/, then the pytest suite.
+host_tests() {
 step "cargo fmt --check (python/)"
 (cd python && cargo fmt -- --check)
 
@@ -35,27 +49,22 @@ else
 fi
 
 step "virtualenv $venv"
-if [ ! -x "$venv/bin/python" ]; then
-  if ! "$py" -m venv "$venv"; then
-    rm -rf "$venv"
-    "$py" -m pip install -q --user virtualenv
-    "$py" -m virtualenv -q "$venv"
-  fi
-fi
-vpy=$venv/bin/python
-"$vpy" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy prometheus_client
+scripts/venvs.sh python
 
-step "pip install ./python"
-PATH="$venv/bin:$PATH" "$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
+step "the release wheel (scripts/wheels.sh) into $venv"
+wheel=$(scripts/wheels.sh default | tail -n 1)
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 
 step "pytest python/tests"
 # From inside python/ with the pytest script (not `python -m pytest`), so
 # `import kvmove` is the installed wheel, not the source directory.
 (cd python && "$venv/bin/pytest" -p no:cacheprovider --timeout 120 -q tests)
+}
 
 # The same prefill/decode exchange over RDMA: on this machine's RDMA device,
 # else in a soft-RoCE VM (scripts/rxe-vm), with a build that has the RDMA
 # backend. In CI (or with RDMA_STRICT=1) it never skips.
+rdma_exchange() {
 step "RDMA exchange (python/tests/test_rdma.py)"
 rdma_skip() {
   if [ "${CI:-}" = true ] || [ "${RDMA_STRICT:-0}" = 1 ]; then
@@ -70,13 +79,9 @@ elif [ ! -e /usr/include/infiniband/verbs.h ]; then
   rdma_skip "libibverbs headers missing (scripts/rdma-tests.sh --install-deps installs them)"
 else
   rvenv=$CARGO_TARGET_DIR/python-venv-rdma
-  wheels=$CARGO_TARGET_DIR/python-wheels-rdma
-  [ -x "$rvenv/bin/python" ] || "$py" -m venv "$rvenv" || "$py" -m virtualenv -q "$rvenv"
-  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check maturin pytest pytest-timeout numpy prometheus_client
-  rm -rf "$wheels"
-  (cd python && "$rvenv/bin/maturin" build --release --features rdma --compatibility linux --skip-auditwheel \
-    -i "$rvenv/bin/python" -o "$wheels")
-  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheels"/*.whl
+  scripts/venvs.sh rdma
+  rwheel=$(scripts/wheels.sh rdma | tail -n 1)
+  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel"
   run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_rdma.py)
   if compgen -G "/sys/class/infiniband/*" >/dev/null; then
     (cd python && RDMA_REQUIRED=1 "${run_rdma[@]}")
@@ -92,3 +97,9 @@ else
     rdma_skip "no RDMA device and no soft-RoCE VM here ($(scripts/rxe-vm --check 2>&1 | tail -1))"
   fi
 fi
+}
+
+# (In an if, not after || : a function called as the left side of || runs
+# with errexit off.)
+if [ "$mode" != rdma-only ]; then host_tests; fi
+if [ "$mode" != no-rdma ]; then rdma_exchange; fi

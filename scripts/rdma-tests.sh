@@ -3,6 +3,8 @@
 # kernel RDMA.
 #
 #   scripts/rdma-tests.sh [--install-deps] [--bench] [-- TEST-FILTER...]
+#   scripts/rdma-tests.sh --build-only [-- TEST-FILTER...]  # build, write the runner
+#   scripts/rdma-tests.sh --prebuilt                        # run what --build-only left
 #
 # * If this machine has an RDMA device (/sys/class/infiniband/* exists) the
 #   test binaries run here, directly.
@@ -21,6 +23,11 @@
 #                   VM:    see scripts/rxe-vm (qemu, kernel, busybox, rdma-core,
 #                          perftest, ...)
 #                   CI=true implies it.
+#   --build-only    only build the test binaries and write the script that
+#                   runs them (target/rdma-tests-run.sh), so the build can
+#                   take the CPU while something else runs, and the run
+#                   (mostly emulation) overlap with other suites;
+#   --prebuilt      run target/rdma-tests-run.sh as --build-only left it;
 #   --bench         afterwards run scripts/rdma-bench.sh (our write bandwidth
 #                   and latency next to ib_write_bw / ib_write_lat on the same
 #                   device in one VM run; prints ratios; never fails the suite).
@@ -33,11 +40,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD_PKGS="clang libclang-dev pkg-config libibverbs-dev librdmacm-dev"
-INSTALL=0 BENCH=0
+INSTALL=0 BENCH=0 PHASE=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --install-deps) INSTALL=1; shift ;;
     --bench) BENCH=1; shift ;;
+    --build-only) PHASE=build; shift ;;
+    --prebuilt) PHASE=run; shift ;;
     --) shift; break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
@@ -91,6 +100,9 @@ if ! pkg-config --exists libibverbs 2>/dev/null; then
   skip "libibverbs-dev is not installed (run scripts/rdma-tests.sh --install-deps)"
 fi
 
+# The runner lives in the target dir, inside the checkout the VM mounts.
+runner=${CARGO_TARGET_DIR:-target}/rdma-tests-run.sh
+build() {
 echo "rdma-tests: building the transport-rdma test binaries"
 # Release build: the VM emulates the CPU (TCG), and the suites' own
 # checking code (models, canaries) is many times slower unoptimised.
@@ -108,8 +120,6 @@ printf 'rdma-tests: %s\n' "${bins[@]}"
 
 # The runner (same for both places): every binary, one test thread (the
 # kernel-count tests read process-wide counts), all failures reported.
-runner=$(mktemp "${TMPDIR:-/tmp}/rdma-tests-run.XXXXXX")
-trap 'rm -f "$runner"' EXIT
 {
   echo 'set -u; rc=0'
   echo 'export RDMA_REQUIRED=1 RUST_BACKTRACE=1'
@@ -134,19 +144,25 @@ trap 'rm -f "$runner"' EXIT
   # path is rarely taken). If it fired, say so next to any failure.
   echo 'if dmesg 2>/dev/null | grep -q "WARNING.*rxe_comp"; then echo "rdma-tests: the kernel soft-RoCE (rdma_rxe) reported an internal error in this run:"; dmesg | grep -A2 "WARNING.*rxe_comp" | head -3; fi'
   echo 'exit $rc'
-} > "$runner"
-cp "$runner" ./.rdma-tests-run.sh
-trap 'rm -f "$runner" ./.rdma-tests-run.sh' EXIT
+} > "$runner.new"
+mv "$runner.new" "$runner"
+}
+if [ "$PHASE" = run ]; then
+  [ -s "$runner" ] || { echo "rdma-tests: no $runner (run with --build-only first)" >&2; exit 1; }
+else
+  build
+  [ "$PHASE" = build ] && { echo "rdma-tests: built; run with --prebuilt"; exit 0; }
+fi
 
 rc=0
 if [ "$have_device" = 1 ]; then
   echo "rdma-tests: RDMA device present; running on this machine"
-  sh ./.rdma-tests-run.sh || rc=$?
+  sh "$runner" || rc=$?
 else
   echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
   start=$(date +%s)
   # Four devices: the rails tests give each of two nodes two of its own.
-  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-1500}" -- sh ./.rdma-tests-run.sh || rc=$?
+  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-1500}" -- sh "$runner" || rc=$?
   echo "rdma-tests: VM run took $(( $(date +%s) - start )) s"
 fi
 if [ "$rc" = 0 ]; then echo "rdma-tests: RDMA suite passed"; else echo "rdma-tests: RDMA suite FAILED (exit $rc)" >&2; fi

@@ -7,70 +7,143 @@
 # and on kvmove's stand-ins (scripts/compat-diff.sh), and real vLLM servers
 # doing prefill/decode disaggregation over kvmove (scripts/vllm-tests.sh).
 #
-#   scripts/test.sh            # everything
+#   scripts/test.sh            # everything (what CI runs)
+#   scripts/test.sh --quick    # for iteration, never CI: fmt, clippy, the
+#                              # unit and conformance suites of the core,
+#                              # policy, mock and TCP, Python without the VM
 #   SKIP_RDMA=1 scripts/test.sh  # everything but the RDMA VM (local iteration only)
 #   SKIP_VLLM=1 scripts/test.sh  # everything but the vLLM check (local iteration only)
 #   SKIP_PEERS=1 scripts/test.sh # everything but the real Mooncake / NIXL comparison (local only)
 #   SKIP_CLUSTER=1 scripts/test.sh # everything but the PD cluster in network namespaces (local only)
+#
+# The machine has 2 cores and the suites are of two kinds: builds and most
+# host suites keep the CPU busy; the soft-RoCE VM runs its RDMA suites on
+# about one core for a quarter of an hour, and installing the Python
+# virtualenvs waits on the network. So the RDMA test binaries are built
+# first and the VM runs in the background while the host suites run, the
+# virtualenvs install in the background from the start, and each Python
+# wheel is built once for every virtualenv (scripts/wheels.sh). Every run
+# ends, pass or fail, with a table of each step's wall and CPU time
+# (scripts/lib/steps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Each step says how much disk is left: a full run needs about 12 GB more
-# than the checkout (with .ci/run's settings), most of it the vLLM virtualenv.
-step() { printf '\n==> %s   [disk: %s free]\n' "$*" "$(df -h --output=avail . | tail -1 | tr -d ' ')"; }
+quick=0
+case "${1:-}" in
+  --quick) quick=1 ;;
+  "") ;;
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "usage: $0 [--quick]" >&2; exit 64 ;;
+esac
+if [ "$quick" = 1 ] && [ "${CI:-}" = true ]; then
+  echo "scripts/test.sh: --quick is for iteration; CI runs everything" >&2
+  exit 64
+fi
 
-step "cargo fmt --check"
-cargo fmt --all -- --check
+. scripts/lib/steps.sh
+steps_init
 
-step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
+# Whether a suite that a local run may skip with its SKIP_ variable runs
+# (never skipped in CI).
+runs() {
+  local var=$1 title=$2
+  if [ "${!var:-0}" = 1 ] && [ "${CI:-}" != true ]; then
+    echo "$title SKIPPED: $var=1 (never allowed in CI)"
+    return 1
+  fi
+  return 0
+}
 
-step "the crates' layering and no module cycles (scripts/check-layers)"
-scripts/check-layers
+if [ "$quick" = 1 ]; then
+  step "cargo fmt --check" cargo fmt --all -- --check
+  step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets -- -D warnings
+  step "cargo test: core, policy, mock and TCP (unit + conformance)" \
+    cargo test -p transport-mem -p transport-core -p kvmove-policy -p transport-mock -p conformance -p transport-tcp
+  step "Python package tests without the VM" scripts/python-tests.sh --no-rdma
+  step "quick tests passed (scripts/test.sh without --quick runs everything)" true
+  exit 0
+fi
 
-step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tests: scripts/gpu-tests.sh)"
-cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
-cargo test -p transport-mem --features cuda
+rdma=0 cluster=0 peers=0 vllm=0
+runs SKIP_RDMA "RDMA tests" && rdma=1
+runs SKIP_CLUSTER "the PD cluster" && cluster=1
+runs SKIP_PEERS "the real Mooncake / NIXL comparison" && peers=1
+runs SKIP_VLLM "the vLLM check" && vllm=1
 
-step "cargo test --workspace"
+# Network-bound: every virtualenv's packages from PyPI (the vLLM one is
+# 6 GB), while the CPU builds.
+venvs=(python)
+[ "$rdma" = 1 ] && venvs+=(rdma)
+[ "$peers" = 1 ] && venvs+=(peers)
+[ "$vllm" = 1 ] && venvs+=(vllm)
+spawn "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})" scripts/venvs.sh "${venvs[@]}"
+
+step "cargo fmt --check" cargo fmt --all -- --check
+
+vm_step="RDMA suites in the soft-RoCE VM (background; scripts/rdma-tests.sh)"
+if [ "$rdma" = 1 ]; then
+  # First, so the VM (about a quarter of an hour, about one core) runs
+  # under everything that follows.
+  step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" scripts/rdma-tests.sh --build-only
+  spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
+fi
+
+step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets -- -D warnings
+
+step "the crates' layering and no module cycles (scripts/check-layers)" scripts/check-layers
+
+cuda_lints() {
+  cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
+  cargo test -p transport-mem --features cuda
+}
+step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tests: scripts/gpu-tests.sh)" cuda_lints
+
 # Plain `cargo test`, not nextest: the conformance runner reports a case a
 # backend cannot run as "ignored" at run time, which only libtest's output
 # shows (nextest would list it as passed).
-cargo test --workspace --no-fail-fast
+step "cargo test --workspace" cargo test --workspace --no-fail-fast
 
-step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)"
-scripts/fuzz.sh
+step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" scripts/fuzz.sh
 
-# A suite that a local run may skip with its SKIP_ variable (never in CI):
-# suite VAR SCRIPT TITLE
-suite() {
-  local var=$1 script=$2 title=$3
-  [ -x "$script" ] || return 0
-  if [ "${!var:-0}" = 1 ] && [ "${CI:-}" != true ]; then
-    echo "$title SKIPPED: $var=1 (never allowed in CI)"
-    return 0
-  fi
-  step "$title"
-  "$script"
-}
-
-suite SKIP_CLUSTER scripts/pd-cluster-tests.sh "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault"
-
-suite SKIP_RDMA scripts/rdma-tests.sh "RDMA tests"
-
-if [ -x scripts/python-tests.sh ]; then
-  step "Python package tests"
-  scripts/python-tests.sh
+if [ "$cluster" = 1 ]; then
+  step "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault" \
+    scripts/pd-cluster-tests.sh
 fi
 
-suite SKIP_PEERS scripts/compat-diff.sh "the same calls on the real Mooncake and NIXL (PyPI) and on kvmove's stand-ins"
+join "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})"
+
+wheel_sets=(default)
+[ "$rdma" = 1 ] && wheel_sets+=(rdma)
+step "kvmove's Python wheels, release, once for every virtualenv (scripts/wheels.sh ${wheel_sets[*]})" \
+  scripts/wheels.sh "${wheel_sets[@]}"
+export KVMOVE_WHEELS_BUILT=1
+
+step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
+
+if [ "$peers" = 1 ]; then
+  step "the same calls on the real Mooncake and NIXL (PyPI) and on kvmove's stand-ins" scripts/compat-diff.sh
+fi
+
+if [ "$rdma" = 1 ]; then
+  join "$vm_step"
+  # A VM of its own, after the first: the exchange between two Python
+  # processes over soft-RoCE.
+  spawn "Python RDMA exchange in the soft-RoCE VM (background; scripts/python-tests.sh --rdma-only)" \
+    scripts/python-tests.sh --rdma-only
+fi
 
 # In CI, the debug build is not needed past this point (the vLLM check
-# builds its wheel in release) and its disk goes to the vLLM virtualenv.
+# uses the release wheel) and its disk goes to the vLLM virtualenv.
 if [ "${CI:-}" = true ]; then
   rm -rf "${CARGO_TARGET_DIR:-target}/debug"
 fi
 
-suite SKIP_VLLM scripts/vllm-tests.sh "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)"
+if [ "$vllm" = 1 ]; then
+  step "vLLM prefill/decode over kvmove (real vLLM servers, CPU build)" scripts/vllm-tests.sh
+fi
 
-step "all tests passed"
+if [ "$rdma" = 1 ]; then
+  join "Python RDMA exchange in the soft-RoCE VM (background; scripts/python-tests.sh --rdma-only)"
+fi
+
+step "all tests passed" true
