@@ -32,7 +32,7 @@
 #                   and latency next to ib_write_bw / ib_write_lat on the same
 #                   device in one VM run; prints ratios; never fails the suite).
 #
-# Environment: RDMA_VM_TIMEOUT (seconds, default 1500) bounds the VM run;
+# Environment: RDMA_VM_TIMEOUT (seconds, default 2700) bounds the VM run;
 # CARGO_TARGET_DIR is honoured; tests are built --release (the VM emulates
 # the CPU), RDMA_TESTS_DEBUG=1 builds them unoptimised. Inside the tests, RDMA_REQUIRED=1 makes a
 # missing device a failure instead of a skip.
@@ -162,7 +162,7 @@ else
   echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
   start=$(date +%s)
   # Four devices: the rails tests give each of two nodes two of its own.
-  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-1500}" -- sh "$runner" || rc=$?
+  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-2700}" -- sh "$runner" || rc=$?
   echo "rdma-tests: VM run took $(( $(date +%s) - start )) s"
 fi
 if [ "$rc" = 0 ]; then echo "rdma-tests: RDMA suite passed"; else echo "rdma-tests: RDMA suite FAILED (exit $rc)" >&2; fi

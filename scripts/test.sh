@@ -16,14 +16,17 @@
 #   SKIP_PEERS=1 scripts/test.sh # everything but the real Mooncake / NIXL comparison (local only)
 #   SKIP_CLUSTER=1 scripts/test.sh # everything but the PD cluster in network namespaces (local only)
 #
-# The machine has 2 cores and the suites are of two kinds: builds and most
-# host suites keep the CPU busy; the soft-RoCE VM runs its RDMA suites on
-# about one core for a quarter of an hour, and installing the Python
-# virtualenvs waits on the network. So the RDMA test binaries are built
-# first and the VM runs in the background while the host suites run, the
-# virtualenvs install in the background from the start, and each Python
-# wheel is built once for every virtualenv (scripts/wheels.sh). Every run
-# ends, pass or fail, with a table of each step's wall and CPU time
+# The machine has 2 cores and the whole run is CPU-bound: the soft-RoCE VM
+# runs its RDMA suites on about one core for about 18 minutes (25 when it
+# has to share that core), the builds take both cores, and the conformance
+# suites mostly wait on their faults' timers. So the RDMA test binaries are
+# built first and the VM runs in the background under everything else;
+# builds and installs run niced (`quiet`), so the VM and the timing-
+# sensitive suites get the CPU first; the test binaries run three at a time
+# (scripts/test-binaries) while the fuzz targets and the wheels build; the
+# virtualenvs install in the background from the start; each Python wheel
+# is built once for every virtualenv (scripts/wheels.sh). Every run ends,
+# pass or fail, with a table of each step's wall and CPU time
 # (scripts/lib/steps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +46,9 @@ fi
 . scripts/lib/steps.sh
 steps_init
 
+# A build or an install: at a lower priority than the VM and the suites.
+quiet() { nice -n 10 "$@"; }
+
 # Whether a suite that a local run may skip with its SKIP_ variable runs
 # (never skipped in CI).
 runs() {
@@ -57,8 +63,8 @@ runs() {
 if [ "$quick" = 1 ]; then
   step "cargo fmt --check" cargo fmt --all -- --check
   step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets -- -D warnings
-  step "cargo test: core, policy, mock and TCP (unit + conformance)" \
-    cargo test -p transport-mem -p transport-core -p kvmove-policy -p transport-mock -p conformance -p transport-tcp
+  step "cargo test: core, policy, mock and TCP (unit + conformance, three binaries at a time)" \
+    scripts/test-binaries -p transport-mem -p transport-core -p kvmove-policy -p transport-mock -p conformance -p transport-tcp
   step "Python package tests without the VM" scripts/python-tests.sh --no-rdma
   step "quick tests passed (scripts/test.sh without --quick runs everything)" true
   exit 0
@@ -76,7 +82,7 @@ venvs=(python)
 [ "$rdma" = 1 ] && venvs+=(rdma)
 [ "$peers" = 1 ] && venvs+=(peers)
 [ "$vllm" = 1 ] && venvs+=(vllm)
-spawn "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})" scripts/venvs.sh "${venvs[@]}"
+spawn "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})" quiet scripts/venvs.sh "${venvs[@]}"
 
 step "cargo fmt --check" cargo fmt --all -- --check
 
@@ -84,41 +90,48 @@ vm_step="RDMA suites in the soft-RoCE VM (background; scripts/rdma-tests.sh)"
 if [ "$rdma" = 1 ]; then
   # First, so the VM (about a quarter of an hour, about one core) runs
   # under everything that follows.
+  # (Not niced: the VM waits for it.)
   step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" scripts/rdma-tests.sh --build-only
   spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
 fi
 
-step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets -- -D warnings
+step "cargo clippy --all-targets -- -D warnings" quiet cargo clippy --workspace --all-targets -- -D warnings
 
 step "the crates' layering and no module cycles (scripts/check-layers)" scripts/check-layers
 
 cuda_lints() {
-  cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
+  quiet cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
+  quiet cargo test -p transport-mem --features cuda --no-run
   cargo test -p transport-mem --features cuda
 }
 step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tests: scripts/gpu-tests.sh)" cuda_lints
 
-# Plain `cargo test`, not nextest: the conformance runner reports a case a
-# backend cannot run as "ignored" at run time, which only libtest's output
-# shows (nextest would list it as passed).
-step "cargo test --workspace" cargo test --workspace --no-fail-fast
+# The test binaries are built here, then run in the background, three at
+# a time (scripts/test-binaries: libtest's own output per binary, so a case
+# a backend cannot run still shows as "ignored", which nextest would list
+# as passed), while the fuzzing targets and the wheels build.
+step "cargo test --workspace --no-run (build the test binaries)" quiet cargo test --workspace --no-run
+tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
+spawn "$tests_step" scripts/test-binaries --jobs 3
 
-step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" scripts/fuzz.sh
-
-if [ "$cluster" = 1 ]; then
-  step "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault" \
-    scripts/pd-cluster-tests.sh
-fi
+step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" env FUZZ_BUILD_NICE=10 scripts/fuzz.sh
 
 join "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})"
 
 wheel_sets=(default)
 [ "$rdma" = 1 ] && wheel_sets+=(rdma)
 step "kvmove's Python wheels, release, once for every virtualenv (scripts/wheels.sh ${wheel_sets[*]})" \
-  scripts/wheels.sh "${wheel_sets[@]}"
+  quiet scripts/wheels.sh "${wheel_sets[@]}"
 export KVMOVE_WHEELS_BUILT=1
 
 step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
+
+join "$tests_step"
+
+if [ "$cluster" = 1 ]; then
+  step "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault" \
+    scripts/pd-cluster-tests.sh
+fi
 
 if [ "$peers" = 1 ]; then
   step "the same calls on the real Mooncake and NIXL (PyPI) and on kvmove's stand-ins" scripts/compat-diff.sh
@@ -132,9 +145,11 @@ if [ "$rdma" = 1 ]; then
     scripts/python-tests.sh --rdma-only
 fi
 
-# In CI, the debug build is not needed past this point (the vLLM check
-# uses the release wheel) and its disk goes to the vLLM virtualenv.
-if [ "${CI:-}" = true ]; then
+# The debug build is not needed past this point (the vLLM check uses the
+# release wheel): on a machine short of disk, in CI, it goes (the vLLM
+# virtualenv alone is 6 GB), else it stays for the next --quick.
+if [ "${CI:-}" = true ] && [ "$(df -k --output=avail . | tail -1)" -lt $(( 20 * 1024 * 1024 )) ]; then
+  echo "less than 20 GB free: removing the debug build"
   rm -rf "${CARGO_TARGET_DIR:-target}/debug"
 fi
 

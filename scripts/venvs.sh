@@ -46,7 +46,9 @@ make_venv() {
   return 1
 }
 
-pip_in() { "$1/bin/python" -m pip install -q --disable-pip-version-check "${@:2}"; }
+# --no-compile: no bytecode for all of torch and vLLM at install (minutes of
+# CPU); Python compiles what is imported, once, on first use.
+pip_in() { "$1/bin/python" -m pip install -q --disable-pip-version-check --no-compile "${@:2}"; }
 
 one() {
   local name=$1 dir stamp start
