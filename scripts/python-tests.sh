@@ -26,7 +26,7 @@ esac
 
 py=${PYTHON:-python3}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
-venv=$CARGO_TARGET_DIR/python-venv
+venv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}
 # pyo3 builds against the interpreter the tests use.
 export PYO3_PYTHON=$py
 
@@ -78,7 +78,7 @@ if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
 elif [ ! -e /usr/include/infiniband/verbs.h ]; then
   rdma_skip "libibverbs headers missing (scripts/rdma-tests.sh --install-deps installs them)"
 else
-  rvenv=$CARGO_TARGET_DIR/python-venv-rdma
+  rvenv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}-rdma
   scripts/venvs.sh rdma
   rwheel=$(scripts/wheels.sh rdma | tail -n 1)
   "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel"

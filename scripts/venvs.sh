@@ -7,7 +7,8 @@
 #
 #   scripts/venvs.sh [python] [rdma] [peers] [vllm]    (default: all four)
 #
-#   python  target/python-venv       pytest suite (scripts/python-tests.sh)
+#   python  target/python-venv       pytest suite (scripts/python-tests.sh;
+#                                    KVMOVE_PY_VENV puts it elsewhere)
 #   rdma    target/python-venv-rdma  the RDMA exchange in the soft-RoCE VM
 #   peers   target/peers-venv        the real Mooncake and NIXL (compat-diff,
 #                                    peer-bench): a virtualenv of its own so
@@ -55,7 +56,7 @@ one() {
   start=$(date +%s)
   case "$name" in
     python|rdma)
-      dir=$T/python-venv
+      dir=${KVMOVE_PY_VENV:-$T/python-venv}
       [ "$name" = rdma ] && dir=$T/python-venv-rdma
       stamp=$TEST_PKGS
       make_venv "$dir" "$stamp" || { pip_in "$dir" $TEST_PKGS; echo "$stamp" > "$dir/.kvmove-stamp"; }

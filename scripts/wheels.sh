@@ -36,7 +36,7 @@ for s in "${sets[@]}"; do
   # maturin from the test virtualenv (scripts/venvs.sh python).
   scripts/venvs.sh python >&2
   rm -rf "$dir"
-  (cd python && PYO3_PYTHON="$py" "$CARGO_TARGET_DIR/python-venv/bin/maturin" build --release "${features[@]}" \
+  (cd python && PYO3_PYTHON="$py" "${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}/bin/maturin" build --release "${features[@]}" \
     --compatibility linux --skip-auditwheel -i "$py" -o "$dir" >&2)
   ls "$dir"/kvmove-*.whl
 done
