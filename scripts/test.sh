@@ -101,6 +101,7 @@ step "the crates' layering and no module cycles (scripts/check-layers)" scripts/
 
 cuda_lints() {
   cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
+  cargo test -p transport-mem --features cuda --no-run
   cargo test -p transport-mem --features cuda
 }
 step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tests: scripts/gpu-tests.sh)" cuda_lints
