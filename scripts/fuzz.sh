@@ -19,17 +19,20 @@ secs=${FUZZ_SECONDS:-30}
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(frame_decoder server)
 
+# FUZZ_BUILD_NICE: the niceness of the install and the builds (scripts/test.sh
+# builds at a lower priority than the suites running beside them).
+build=(nice -n "${FUZZ_BUILD_NICE:-0}")
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "installing cargo-fuzz"
-  cargo install -q cargo-fuzz --locked --version 0.13.2
+  "${build[@]}" cargo install -q cargo-fuzz --locked --version 0.13.2
 fi
 
 # Build every target first, then fuzz them side by side (each libFuzzer
 # process is single-threaded; FUZZ_SECONDS is each one's wall-clock bound).
 if [ $# -eq 0 ]; then
-  cargo fuzz build -s none
+  "${build[@]}" cargo fuzz build -s none
 else
-  for t in "${targets[@]}"; do cargo fuzz build -s none "$t"; done
+  for t in "${targets[@]}"; do "${build[@]}" cargo fuzz build -s none "$t"; done
 fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT

@@ -20,10 +20,9 @@
 # runs its RDMA suites on about one core for about 18 minutes (25 when it
 # has to share that core), the builds take both cores, and the conformance
 # suites mostly wait on their faults' timers. So the RDMA test binaries are
-# built first and the VM runs in the background under everything else, at
-# a higher priority where the run is root's (RXE_VM_NICE=-5: it is the
-# longest path; nothing else is niced, so a loaded machine slows every step
-# alike instead of starving the builds); the test binaries run three at a time
+# built first and the VM runs in the background under everything else;
+# builds and installs run niced (`quiet`), so the VM and the timing-
+# sensitive suites get the CPU first; the test binaries run three at a time
 # (scripts/test-binaries) while the fuzz targets and the wheels build; the
 # virtualenvs install in the background from the start; each Python wheel
 # is built once for every virtualenv (scripts/wheels.sh). Every run ends,
@@ -47,8 +46,8 @@ fi
 . scripts/lib/steps.sh
 steps_init
 
-# The VMs (scripts/rxe-vm) first, where the run may raise a priority.
-if [ "$(id -u)" = 0 ]; then export RXE_VM_NICE=${RXE_VM_NICE:--5}; fi
+# A build or an install: at a lower priority than the VM and the suites.
+quiet() { nice -n 10 "$@"; }
 
 # Whether a suite that a local run may skip with its SKIP_ variable runs
 # (never skipped in CI).
@@ -83,7 +82,7 @@ venvs=(python)
 [ "$rdma" = 1 ] && venvs+=(rdma)
 [ "$peers" = 1 ] && venvs+=(peers)
 [ "$vllm" = 1 ] && venvs+=(vllm)
-spawn "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})" scripts/venvs.sh "${venvs[@]}"
+spawn "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})" quiet scripts/venvs.sh "${venvs[@]}"
 
 step "cargo fmt --check" cargo fmt --all -- --check
 
@@ -91,17 +90,18 @@ vm_step="RDMA suites in the soft-RoCE VM (background; scripts/rdma-tests.sh)"
 if [ "$rdma" = 1 ]; then
   # First, so the VM (about a quarter of an hour, about one core) runs
   # under everything that follows.
+  # (Not niced: the VM waits for it.)
   step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" scripts/rdma-tests.sh --build-only
   spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
 fi
 
-step "cargo clippy --all-targets -- -D warnings" cargo clippy --workspace --all-targets -- -D warnings
+step "cargo clippy --all-targets -- -D warnings" quiet cargo clippy --workspace --all-targets -- -D warnings
 
 step "the crates' layering and no module cycles (scripts/check-layers)" scripts/check-layers
 
 cuda_lints() {
-  cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
-  cargo test -p transport-mem --features cuda --no-run
+  quiet cargo clippy -p transport-mem -p transport-tcp --features transport-mem/cuda,transport-tcp/cuda --all-targets -- -D warnings
+  quiet cargo test -p transport-mem --features cuda --no-run
   cargo test -p transport-mem --features cuda
 }
 step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tests: scripts/gpu-tests.sh)" cuda_lints
@@ -110,18 +110,18 @@ step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tes
 # a time (scripts/test-binaries: libtest's own output per binary, so a case
 # a backend cannot run still shows as "ignored", which nextest would list
 # as passed), while the fuzzing targets and the wheels build.
-step "cargo test --workspace --no-run (build the test binaries)" cargo test --workspace --no-run
+step "cargo test --workspace --no-run (build the test binaries)" quiet cargo test --workspace --no-run
 tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
 spawn "$tests_step" scripts/test-binaries --jobs 3
 
-step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" scripts/fuzz.sh
+step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" env FUZZ_BUILD_NICE=10 scripts/fuzz.sh
 
 join "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})"
 
 wheel_sets=(default)
 [ "$rdma" = 1 ] && wheel_sets+=(rdma)
 step "kvmove's Python wheels, release, once for every virtualenv (scripts/wheels.sh ${wheel_sets[*]})" \
-  scripts/wheels.sh "${wheel_sets[@]}"
+  quiet scripts/wheels.sh "${wheel_sets[@]}"
 export KVMOVE_WHEELS_BUILT=1
 
 pyrdma_step="Python RDMA exchange in a second soft-RoCE VM (background; scripts/python-tests.sh --rdma-only)"
