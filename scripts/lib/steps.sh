@@ -137,7 +137,9 @@ steps_exit() {
     echo "steps: stopping the background step $key (the run is ending)" >&2
     _steps_kill_tree "${STEPS_PID[$key]}"
     wait "${STEPS_PID[$key]}" 2>/dev/null || true
-    printf '%s - stopped\n' "$(date +%s)" > "$STEPS_DIR/$key.end"
+    # A step that had already ended keeps its own status (a failure not
+    # yet joined shows as FAILED, not as stopped).
+    [ -s "$STEPS_DIR/$key.end" ] || printf '%s - stopped\n' "$(date +%s)" > "$STEPS_DIR/$key.end"
     echo "---- its output so far:" >&2
     tail -n 40 "$STEPS_DIR/$key.log" >&2 || true
   done
