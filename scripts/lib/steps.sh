@@ -134,13 +134,17 @@ steps_exit() {
   local rc=$? key
   trap - EXIT
   for key in "${!STEPS_PID[@]}"; do
-    echo "steps: stopping the background step $key (the run is ending)" >&2
-    _steps_kill_tree "${STEPS_PID[$key]}"
-    wait "${STEPS_PID[$key]}" 2>/dev/null || true
     # A step that had already ended keeps its own status (a failure not
-    # yet joined shows as FAILED, not as stopped).
-    [ -s "$STEPS_DIR/$key.end" ] || printf '%s - stopped\n' "$(date +%s)" > "$STEPS_DIR/$key.end"
-    echo "---- its output so far:" >&2
+    # yet joined shows as FAILED); one still running is stopped.
+    if [ -s "$STEPS_DIR/$key.end" ]; then
+      echo "steps: the background step $key ended and was not joined yet" >&2
+    else
+      echo "steps: stopping the background step $key (the run is ending)" >&2
+      _steps_kill_tree "${STEPS_PID[$key]}"
+      wait "${STEPS_PID[$key]}" 2>/dev/null || true
+      printf '%s - stopped\n' "$(date +%s)" > "$STEPS_DIR/$key.end"
+    fi
+    echo "---- its output (the end):" >&2
     tail -n 40 "$STEPS_DIR/$key.log" >&2 || true
   done
   steps_table
