@@ -135,6 +135,7 @@
 #![forbid(unsafe_code)]
 
 mod admission;
+mod applying;
 mod auth;
 mod batch;
 mod bufs;

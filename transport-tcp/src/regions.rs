@@ -114,6 +114,9 @@ pub(crate) struct Gathered {
     /// `(offset in the region, len, address in process pid)` of each.
     entries: Vec<(usize, usize, u64)>,
     ids: Vec<u64>,
+    /// The server's tickets for them ([`crate::applying`]), ended once
+    /// they are copied.
+    pub held: Vec<crate::applying::Ticket>,
 }
 
 /// One gathered copy's result: `Err(None)` when its region was
@@ -155,6 +158,7 @@ impl Gathered {
         }
         self.entries.clear();
         self.ids.clear();
+        self.held.clear();
         Some(region)
     }
 }

@@ -18,6 +18,7 @@ use transport_core::lifecycle::TaskSet;
 use transport_core::{check_received, Inbox, Notification, Refused};
 
 use crate::admission::{refusal_label, Admit, Counts, Slot};
+use crate::applying::Applying;
 use crate::auth::{self, Role};
 use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::busypoll::BusyPoll;
@@ -131,6 +132,9 @@ pub(crate) struct Server {
     staging: Arc<Staging>,
     /// Device copies running for connections (close waits for them).
     copies: Arc<Count>,
+    /// WRITE chunks being applied: a NOTIFY waits for those before it
+    /// ([`crate::applying`]).
+    applying: Arc<Applying>,
     /// Which connection may poll for its next request instead of sleeping
     /// (`server_poll_us`).
     busy: BusyPoll,
@@ -173,6 +177,7 @@ impl Server {
             chunk_bufs: BufPool::new(STREAM, 2 * POOLED),
             staging,
             copies: Arc::default(),
+            applying: Arc::default(),
         })
     }
 
@@ -565,12 +570,18 @@ impl Server {
             let k = (n - done).min(buf.len());
             let at = addr + done as u64;
             // Applied only once wholly in hand, and not if a reset is
-            // behind it (as for host memory).
+            // behind it (as for host memory); in memory before a later
+            // NOTIFY is delivered (the ticket ends with the copy).
             self.read(r, &mut buf[..k]).await?;
+            let ticket = self.applying.begin();
             r.check_reset()?;
             if status.is_ok() {
                 let region = region.clone();
-                running.push_back(copy_off(buf, &self.copies, move |b: &mut [u8]| region.write_abs(at, &b[..k])));
+                running.push_back(copy_off(buf, &self.copies, move |b: &mut [u8]| {
+                    let r = region.write_abs(at, &b[..k]);
+                    drop(ticket);
+                    r
+                }));
             } else {
                 free.push(buf);
             }
@@ -756,7 +767,6 @@ impl Server {
                         self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                     }
                     self.read(r, &mut src).await?;
-                    r.check_reset()?;
                     let src = u64::from_le_bytes(src);
                     let status = if h.generation != self.generation {
                         Err(Status::StaleGeneration)
@@ -776,11 +786,19 @@ impl Server {
                             if !pulls.takes(&region, pid) {
                                 self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                             }
+                            // Checked after the landing (which may wait on
+                            // the socket): a ticket is never held across it.
+                            let ticket = self.applying.begin();
+                            r.check_reset()?;
                             pulls.add(region, pid, (offset, len, src), h.id);
+                            pulls.held.push(ticket);
                         }
                         status => {
                             self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
+                            let ticket = self.applying.begin();
+                            r.check_reset()?;
                             let status = status.and_then(|region| region.pull_abs(h.addr, h.len, pid, src));
+                            drop(ticket);
                             self.write_ack(w, out, &mut served, h.id, h.len, status).await?;
                         }
                     }
@@ -822,6 +840,7 @@ impl Server {
                             let at = h.addr + done as u64;
                             let whole = (n - done).min(self.chunk_bufs.size());
                             if r.buffered() >= whole {
+                                let _applying = self.applying.begin();
                                 r.check_reset()?;
                                 let chunk = r.take_buffered(whole);
                                 if let Ok(region) = &status {
@@ -838,6 +857,7 @@ impl Server {
                             };
                             let k = (n - done).min(buf.len());
                             self.idle(r.read_exact(&mut buf[..k])).await?;
+                            let _applying = self.applying.begin();
                             r.check_reset()?;
                             if let Ok(region) = &status {
                                 if let Err(s) = region.write_abs(at, &buf[..k]) {
@@ -953,6 +973,9 @@ impl Server {
                         note.resize(n, 0);
                     }
                     self.read(r, &mut note[..n]).await?;
+                    // Not before the WRITE chunks other connections were
+                    // applying (a sender's QUIET must not overtake them).
+                    self.applying.settled().await;
                     let status = if h.generation != self.generation {
                         Status::StaleGeneration
                     } else {
