@@ -119,6 +119,10 @@ class Server:
         self.log_path = os.path.join(args.work, f"{name}.log")
         self.proc = None
         self.extra_env = {}  # applied last (pd_bench.py: the real NIXL)
+        # kvmove_check.py: another connector's --kv-transfer-config (no
+        # stand-in on PYTHONPATH), and more server arguments.
+        self.kv_config = None
+        self.extra_args = []
 
     def start(self):
         a = self.args
@@ -133,25 +137,29 @@ class Server:
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
             "--max-num-seqs", "16", "--seed", "0",
         ]  # fmt: skip
-        if self.role == "kv_consumer":
+        if self.role == "kv_consumer" and self.kv_config is None:
             # Every decode pulls its prompt's KV (none from its own cache).
             cmd.append("--no-enable-prefix-caching")
+        cmd += self.extra_args
         env = dict(os.environ)
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")  # fmt: skip
         if self.role:
-            kv = {"kv_connector": "NixlConnector", "kv_role": self.role, "kv_buffer_device": "cpu"}
+            kv = self.kv_config or {"kv_connector": "NixlConnector", "kv_role": self.role, "kv_buffer_device": "cpu"}
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_port)
+            if self.side_port is not None:
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_port)
             # With a KV connector vLLM reserves 2 cores beside the worker's;
             # on a 2-core machine it then binds nothing and the worker's
             # OpenMP threads spin against the engine core (~200 ms a step).
             # One reserved core, as without a connector.
             if (os.cpu_count() or 1) <= 4:
                 env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-            env["KVMOVE_METRICS_ADDR"] = f"127.0.0.1:{self.metrics_port}"
+            if self.metrics_port is not None:
+                env["KVMOVE_METRICS_ADDR"] = f"127.0.0.1:{self.metrics_port}"
             # The stand-in first, then sitecustomize (names kvmove's log lines).
-            env["PYTHONPATH"] = os.pathsep.join([a.shim, os.path.join(HERE, "site")])
+            path = [a.shim] if self.kv_config is None else []
+            env["PYTHONPATH"] = os.pathsep.join(path + [os.path.join(HERE, "site")])
         env.update(self.extra_env)
         self.logf = open(self.log_path, "ab")
         self.logf.write(f"\n===== start {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())

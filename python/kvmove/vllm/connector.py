@@ -1,0 +1,964 @@
+"""kvmove's native vLLM connector: the prefill pushes each layer's KV into
+blocks the decode granted, while it computes; both ends agree on each
+request's outcome (docs/CONTRACT.md, rules 12 and 13).
+
+How one request goes (the router, :mod:`kvmove.vllm.proxy`, sends it to a
+prefill and a decode at once, with one handoff id and each side's kvmove
+address in ``kv_transfer_params["kvmove"]``):
+
+- **Decode.** ``get_num_new_matched_tokens`` asks for every prompt token
+  its own prefix cache does not hold, asynchronously: vLLM allocates the
+  blocks (only when it has them free: a saturated decode grants nothing,
+  which is the backpressure) and parks the request. The worker then grants
+  the prefill exactly those blocks' byte ranges, layer by layer
+  (contiguous blocks merged), with the byte count it expects and a deadline
+  counted from the grant (``Engine.receive``). A landed session is reported
+  in ``finished_recving``; a failed, expired or cancelled one in
+  ``failed_recving`` too, so vLLM's ``kv_load_failure_policy`` applies
+  (``"recompute"`` prefills the request again on the decode). A request the
+  decode aborts cancels its session; vLLM frees its blocks once it is
+  reported.
+- **Prefill.** ``save_kv_layer`` (called after each layer's attention, whose
+  KV the CPU backend has written by then) starts the writes of the
+  request's blocks that layer completed and returns at once; a layer
+  computed before the grant came is written when it comes. A block is
+  written once, when it is whole (the last, partly filled one after the
+  last chunk), so chunked prefill never writes a block twice. After the
+  last layer of the last chunk, once every write completed, the session is
+  finished and the decode decides. ``request_finished`` keeps the blocks
+  until the session has ended, whatever the end, and they are freed once
+  (``finished_sending``).
+- **First contact.** Before each grant the decode sends the prefill its
+  fingerprint (model, dtype, block size, layers, heads, head size, block
+  bytes, the CPU attention kernel's instruction set): a prefill that
+  differs cancels the session and answers with its own, and both log the
+  difference. No block is written between different configurations.
+
+Every kvmove call that can wait (connecting, granting, finishing,
+cancelling) runs on one thread of the worker (the *pump*), never on the
+forward pass; the forward pass only starts writes.
+
+Tensor parallelism: rank ``r`` listens on ``kv_port + r`` and pairs with
+the other side's rank ``r``; vLLM's scheduler waits for every worker's
+report, so a request lands when every rank's session landed.
+
+Options (``kv_connector_extra_config``): ``host`` (``"127.0.0.1"``, what
+this side's engines listen on), ``grant_deadline_s`` (120: how long the
+decode gives the prefill from its grant), ``trace`` (a path: one JSON line
+per finished session with its timestamps), ``protocol`` (``"tcp"``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvmove.vllm")
+
+PARAMS_KEY = "kvmove"
+# Plain notifications between the two sides' workers (the session messages
+# are kvmove's own): "<MAGIC> <verb> <json>".
+MAGIC = b"KVMOVE-VLLM/1"
+FINAL = ("landed", "failed", "cancelled", "expired", "released")
+
+
+# --------------------------------------------------------------------------
+# What the scheduler tells the workers each step
+
+
+@dataclass
+class SendPlan:
+    """Prefill: a request scheduled this step (its prompt tokens
+    ``start..end`` computed now)."""
+
+    req_id: str
+    handoff: int
+    peer: str
+    block_ids: list[int]
+    start: int
+    end: int
+    prompt: int
+
+
+@dataclass
+class RecvPlan:
+    """Decode: blocks vLLM allocated for a request's remote KV."""
+
+    req_id: str
+    handoff: int
+    peer: str
+    block_ids: list[int]
+    prompt: int
+
+
+@dataclass
+class KvmoveConnectorMetadata(KVConnectorMetadata):
+    sends: list[SendPlan] = field(default_factory=list)
+    recvs: list[RecvPlan] = field(default_factory=list)
+    # Prefill requests that ended (their blocks wait for the session):
+    # (req_id, handoff, decode address).
+    ended_sends: list[tuple[str, int, str]] = field(default_factory=list)
+    # Requests vLLM preempted this step (their blocks go back).
+    preempted: list[str] = field(default_factory=list)
+    # Decode requests aborted while their KV was on its way.
+    cancel_recvs: list[str] = field(default_factory=list)
+    # Handoffs the decode will never grant: (handoff, prefill address).
+    skips: list[tuple[int, str]] = field(default_factory=list)
+
+
+def handoff_params(request: "Request") -> Optional[dict]:
+    """The request's kvmove parameters (``role``, ``handoff``, ``peer``), or
+    None. Malformed ones are refused with a warning (the request then runs
+    without a transfer)."""
+    p = request.kv_transfer_params
+    if not isinstance(p, dict):
+        return None
+    k = p.get(PARAMS_KEY)
+    if k is None:
+        return None
+    ok = (
+        isinstance(k, dict)
+        and k.get("role") in ("send", "recv")
+        and isinstance(k.get("handoff"), int)
+        and 0 <= k["handoff"] < 1 << 63
+        and isinstance(k.get("peer"), str)
+        and ":" in k["peer"]
+    )
+    if not ok:
+        logger.warning("kvmove: request %s: ignoring malformed kv_transfer_params %r", request.request_id, k)
+        return None
+    return k
+
+
+def peer_of(base: str, rank: int) -> str:
+    """The address of rank ``rank`` of the side whose rank 0 is ``base``."""
+    host, _, port = base.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
+# --------------------------------------------------------------------------
+# Scheduler side
+
+
+class _Scheduler:
+    def __init__(self, vllm_config: "VllmConfig"):
+        self.block_size = vllm_config.cache_config.block_size
+        # req_id -> [handoff, peer, block ids, prompt tokens]
+        self.sending: dict[str, list] = {}
+        # req_id -> (handoff, peer), until its KV landed or failed
+        self.receiving: dict[str, tuple[int, str]] = {}
+        # prefill requests whose blocks wait for their session
+        self.delayed: set[str] = set()
+        self.meta = KvmoveConnectorMetadata()
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        k = handoff_params(request)
+        # Asked again each step until vLLM has the blocks (a full decode
+        # allocates nothing and grants nothing: backpressure); once they
+        # were allocated (a preempted request comes back), computed here.
+        if k is None or k["role"] != "recv" or k.get("_allocated") or k.get("_skipped"):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        if count <= 0:
+            # The decode's own cache holds the whole prompt.
+            k["_skipped"] = True
+            self.meta.skips.append((k["handoff"], k["peer"]))
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        k = handoff_params(request)
+        if k is None:
+            return
+        rid = request.request_id
+        if k["role"] == "send":
+            self.sending.setdefault(rid, [k["handoff"], k["peer"], [], request.num_prompt_tokens])
+            return
+        if k.get("_allocated"):
+            return
+        k["_allocated"] = True
+        if num_external_tokens <= 0:
+            if not k.get("_skipped"):
+                k["_skipped"] = True
+                self.meta.skips.append((k["handoff"], k["peer"]))
+            return
+        prompt = request.num_prompt_tokens
+        start = prompt - num_external_tokens
+        bs = self.block_size
+        ids = list(blocks.get_block_ids()[0])
+        first, last = start // bs, -(-prompt // bs)
+        if last > len(ids):
+            logger.error("kvmove: request %s: %d blocks allocated for %d prompt tokens", rid, len(ids), prompt)
+            return
+        self.meta.recvs.append(RecvPlan(rid, k["handoff"], k["peer"], ids[first:last], prompt))
+        self.receiving[rid] = (k["handoff"], k["peer"])
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> KvmoveConnectorMetadata:
+        meta, self.meta = self.meta, KvmoveConnectorMetadata()
+        meta.preempted = sorted(so.preempted_req_ids or ())
+        if self.sending:
+            for nr in so.scheduled_new_reqs:
+                s = self.sending.get(nr.req_id)
+                if s is not None:
+                    s[2] = list(nr.block_ids[0])
+                    n = so.num_scheduled_tokens.get(nr.req_id, 0)
+                    self._plan(meta, nr.req_id, s, nr.num_computed_tokens, n)
+            c = so.scheduled_cached_reqs
+            for i, rid in enumerate(c.req_ids):
+                s = self.sending.get(rid)
+                if s is None:
+                    continue
+                new = c.new_block_ids[i]
+                if new is not None:
+                    if rid in c.resumed_req_ids:
+                        s[2] = list(new[0])
+                    else:
+                        s[2].extend(new[0])
+                self._plan(meta, rid, s, c.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0))
+        return meta
+
+    @staticmethod
+    def _plan(meta: KvmoveConnectorMetadata, rid: str, s: list, start: int, n: int):
+        handoff, peer, ids, prompt = s
+        if n > 0 and start < prompt:
+            meta.sends.append(SendPlan(rid, handoff, peer, list(ids), start, min(start + n, prompt), prompt))
+
+    def request_finished(self, request: "Request", block_ids) -> tuple[bool, Optional[dict]]:
+        rid = request.request_id
+        k = handoff_params(request)
+        if k is None:
+            return False, None
+        if k["role"] == "send":
+            self.sending.pop(rid, None)
+            self.meta.ended_sends.append((rid, k["handoff"], k["peer"]))
+            self.delayed.add(rid)
+            return True, None
+        if rid in self.receiving:
+            # Aborted while its KV was on its way: vLLM frees the blocks
+            # once the worker reports the (cancelled) session.
+            self.meta.cancel_recvs.append(rid)
+        elif not k.get("_allocated") and not k.get("_skipped"):
+            # Never granted: the prefill must not wait for it.
+            k["_skipped"] = True
+            self.meta.skips.append((k["handoff"], k["peer"]))
+        return False, None
+
+    def update_connector_output(self, out) -> None:
+        for rid in out.finished_sending or ():
+            self.delayed.discard(rid)
+        for rid in out.finished_recving or ():
+            self.receiving.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.delayed or self.sending)
+
+
+# --------------------------------------------------------------------------
+# Worker side
+
+
+class _Send:
+    """Prefill: one request's handoff."""
+
+    def __init__(self, req_id: str, handoff: int, peer: str, prompt: int):
+        self.req_id, self.handoff, self.peer, self.prompt = req_id, handoff, peer, prompt
+        self.session = None  # kvmove.SendSession, made by the pump
+        self.block_ids: list[int] = []
+        # Blocks of the request already planned (written or pending), per
+        # step: blocks below this index are whole.
+        self.next_block = 0
+        self.step_blocks: list[int] = []
+        self.last_step = False
+        # layer -> [(request block index, local address)] waiting for the grant
+        self.pending: dict[int, list[tuple[int, int]]] = {}
+        self.remote: Optional[list[list[int]]] = None  # [layer][j - first] -> address
+        self.first = 0
+        self.writes: list = []
+        self.computed = False  # the last layer of the last chunk is saved
+        self.ended = False  # vLLM finished the request (its blocks wait)
+        self.finishing = False
+        self.cancel = False
+        self.state: Optional[str] = None
+        self.error: Optional[str] = None
+        self.t = {"created": time.time()}
+
+
+class _Recv:
+    """Decode: one request's handoff."""
+
+    def __init__(self, plan: RecvPlan, peer: str):
+        self.plan, self.peer = plan, peer
+        self.session = None
+        self.state: Optional[str] = None
+        self.error: Optional[str] = None
+        self.cancel = False
+        self.reported = False
+        self.t = {"created": time.time()}
+
+
+class _Worker:
+    def __init__(self, vllm_config: "VllmConfig"):
+        cfg = vllm_config.kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self.vllm_config = vllm_config
+        self.host = str(extra.get("host", "127.0.0.1"))
+        self.base_port = int(cfg.kv_port)
+        self.protocol = extra.get("protocol")
+        self.deadline = float(extra.get("grant_deadline_s", 120.0))
+        self.trace_path = extra.get("trace")
+        self.cpus = extra.get("cpus")
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine = None
+        self.rank = 0
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.sends: dict[str, _Send] = {}
+        self.recvs: dict[str, _Recv] = {}
+        self.skips: list[tuple[int, str]] = []
+        self.new_sends: list[_Send] = []
+        self.new_recvs: list[_Recv] = []
+        self.finished_ids: set[str] = set()
+        self.peer_fp: dict[str, dict] = {}
+        self.bad_peers: dict[str, str] = {}
+        self.layer_index: dict[str, int] = {}
+        self.layer_addr: list[int] = []
+        self.block_bytes = 0
+        self.fingerprint: dict[str, Any] = {}
+        self.stop = False
+        self.thread: Optional[threading.Thread] = None
+        self.stats = _Stats()
+
+    # ---- setup ----
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+        import torch
+
+        import kvmove
+
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 (no parallel state: one rank)
+            self.rank = 0
+        names = list(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        for n, t in zip(names, tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                raise RuntimeError(
+                    f"kvmove's vLLM connector moves one CPU tensor per layer; layer {n} is "
+                    f"{type(t).__name__} on {getattr(t, 'device', '?')}"
+                )
+        block_bytes = {t.stride(0) * t.element_size() for t in tensors}
+        if len(block_bytes) != 1:
+            raise RuntimeError(f"kvmove: the layers' blocks differ in size: {sorted(block_bytes)}")
+        self.block_bytes = block_bytes.pop()
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        self.layer_addr = [t.data_ptr() for t in tensors]
+        lo = min(self.layer_addr)
+        hi = max(t.data_ptr() + t.shape[0] * t.stride(0) * t.element_size() for t in tensors)
+        mc = self.vllm_config.model_config
+        t0 = tensors[0]
+        try:
+            isa = torch.backends.cpu.get_cpu_capability()
+        except Exception:  # noqa: BLE001
+            isa = "unknown"
+        self.fingerprint = {
+            "model": str(mc.model),
+            "dtype": str(mc.dtype),
+            "kv_dtype": str(t0.dtype),
+            "block_size": self.block_size,
+            "layers": len(names),
+            "block_shape": list(t0.shape[1:]),
+            "block_bytes": self.block_bytes,
+            "isa": isa,
+            "tp_rank": self.rank,
+        }
+        port = self.base_port + self.rank
+        # vLLM's CPU worker binds its thread (and every thread it starts
+        # from then on) to the cores of its OpenMP threads, which spin:
+        # kvmove's threads made there would hardly ever run (a peer's
+        # handshake timed out). They are made on the cores vLLM reserved
+        # (``VLLM_CPU_NUM_OF_RESERVED_CPU``) or on those ``cpus`` names.
+        bound = _affinity()
+        cpus = _transfer_cpus(self.cpus, bound)
+        if cpus and bound is not None:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError as e:
+                logger.warning("kvmove: cannot run its threads on cores %s (%s): they share the worker's", sorted(cpus), e)
+                cpus = None
+        try:
+            self.engine = kvmove.Engine(self.protocol, host=self.host, port=port)
+            self.engine.register_address(lo, hi - lo, "host")
+            self.me = self.engine.session_id
+            self.thread = threading.Thread(target=self._pump, name="kvmove-vllm", daemon=True)
+            self.thread.start()
+        finally:
+            if cpus and bound is not None:
+                os.sched_setaffinity(0, bound)
+        logger.info(
+            "kvmove: rank %d listens on %s; %d layers, %d bytes a block",
+            self.rank,
+            self.me,
+            len(names),
+            self.block_bytes,
+        )
+        if cpus:
+            logger.info("kvmove: its threads run on cores %s (the forward pass on %s)", sorted(cpus), sorted(bound or ()))
+
+    # ---- each step (forward thread) ----
+
+    def bind(self, meta: KvmoveConnectorMetadata):
+        if self.engine is None:
+            return
+        bs = self.block_size
+        with self.lock:
+            for handoff, peer in meta.skips:
+                self.skips.append((handoff, peer_of(peer, self.rank)))
+            for plan in meta.recvs:
+                r = _Recv(plan, peer_of(plan.peer, self.rank))
+                self.recvs[plan.req_id] = r
+                self.new_recvs.append(r)
+            for rid in meta.cancel_recvs:
+                r = self.recvs.get(rid)
+                if r is not None:
+                    r.cancel = True
+            for s in self.sends.values():
+                s.step_blocks = []
+                s.last_step = False
+            for plan in meta.sends:
+                s = self.sends.get(plan.req_id)
+                if s is None:
+                    s = _Send(plan.req_id, plan.handoff, peer_of(plan.peer, self.rank), plan.prompt)
+                    self.sends[plan.req_id] = s
+                    self.new_sends.append(s)
+                s.block_ids = plan.block_ids
+                whole = plan.end // bs
+                if plan.end >= plan.prompt:
+                    whole = -(-plan.prompt // bs)
+                    s.last_step = True
+                s.step_blocks = list(range(s.next_block, min(whole, len(plan.block_ids))))
+                s.next_block = max(s.next_block, whole)
+            for rid, handoff, peer in meta.ended_sends:
+                s = self.sends.get(rid)
+                if s is None:
+                    # Ended before it was ever scheduled: nothing to send;
+                    # the session is opened to be cancelled, so the decode
+                    # learns it at once.
+                    s = _Send(rid, handoff, peer_of(peer, self.rank), 0)
+                    self.sends[rid] = s
+                    self.new_sends.append(s)
+                s.ended = True
+                if not s.computed:
+                    s.cancel = True
+            self.wake.notify()
+
+    def save_kv_layer(self, layer_name: str):
+        i = self.layer_index.get(layer_name)
+        if i is None or not self.sends:
+            return
+        last_layer = i == len(self.layer_addr) - 1
+        now = time.time()
+        with self.lock:
+            for s in self.sends.values():
+                if s.state is not None:
+                    continue
+                if s.step_blocks:
+                    base = self.layer_addr[i]
+                    blocks = [(j, base + s.block_ids[j] * self.block_bytes) for j in s.step_blocks]
+                    s.pending.setdefault(i, []).extend(blocks)
+                    if s.remote is not None:
+                        self._flush(s, now)
+                if last_layer and s.last_step and not s.computed:
+                    s.computed = True
+                    s.t["computed"] = now
+                    self.wake.notify()
+
+    def _flush(self, s: _Send, now: float):
+        """Starts the writes of ``s``'s pending blocks (lock held; grant in)."""
+        if s.session is None or s.remote is None:
+            return
+        ops = []
+        for layer, blocks in s.pending.items():
+            remote = s.remote[layer]
+            for j, local in blocks:
+                k = j - s.first
+                if k < 0:
+                    continue  # the decode's own cache holds it
+                if k >= len(remote):
+                    s.error = f"block {j} is beyond the {len(remote)} blocks granted"
+                    s.cancel = True
+                    return
+                dst = remote[k]
+                if ops and ops[-1][0] + ops[-1][2] == local and ops[-1][1] + ops[-1][2] == dst:
+                    ops[-1][2] += self.block_bytes
+                else:
+                    ops.append([local, dst, self.block_bytes])
+        s.pending.clear()
+        if not ops:
+            return
+        try:
+            w = s.session.write_layer([tuple(o) for o in ops])
+        except Exception as e:  # noqa: BLE001 (the session failed: its end is reported)
+            s.error = str(e)
+            return
+        s.writes.append(w)
+        s.t.setdefault("first_write", now)
+        self.stats.bytes += sum(o[2] for o in ops)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.engine is None:
+            return out
+        with self.lock:
+            self.finished_ids |= set(finished_req_ids)
+            for rid, s in list(self.sends.items()):
+                # Only ids vLLM said are finished (its blocks wait for us).
+                if s.state is not None and rid in self.finished_ids:
+                    out.finished_sending.add(rid)
+                    self.finished_ids.discard(rid)
+                    del self.sends[rid]
+            for rid, r in list(self.recvs.items()):
+                if r.state is not None and not r.reported:
+                    r.reported = True
+                    out.finished_recving.add(rid)
+                    if r.state != "landed":
+                        out.failed_recving.add(rid)
+                    del self.recvs[rid]
+            if self.sends or self.recvs:
+                self.wake.notify()
+        return out
+
+    def handle_preemptions(self, preempted: set[str]):
+        # A preempted prefill request's blocks go back to vLLM: writes
+        # still reading them are waited for, and its handoff is cancelled
+        # (the decode recomputes or fails it; vLLM recomputes the prefill).
+        waits = []
+        with self.lock:
+            for rid in preempted:
+                s = self.sends.get(rid)
+                if s is not None and s.state is None:
+                    s.cancel = True
+                    s.pending.clear()
+                    s.step_blocks = []
+                    waits.extend(s.writes)
+            self.wake.notify()
+        for w in waits:
+            try:
+                w.wait(timeout=30, check=False)
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ---- the pump (its own thread): every call that can wait ----
+
+    def _pump(self):
+        while True:
+            with self.lock:
+                busy = self.sends or self.recvs or self.new_sends or self.new_recvs or self.skips
+                if self.stop:
+                    return
+                if not busy:
+                    self.wake.wait(0.05)
+                    continue
+                new_sends, self.new_sends = self.new_sends, []
+                new_recvs, self.new_recvs = self.new_recvs, []
+                skips, self.skips = self.skips, []
+            try:
+                self._pump_once(new_sends, new_recvs, skips)
+            except Exception:  # noqa: BLE001 (never let the pump die)
+                logger.exception("kvmove: the connector's pump failed; going on")
+            with self.lock:
+                if not self.stop:
+                    self.wake.wait(0.001)
+
+    def _pump_once(self, new_sends, new_recvs, skips):
+        eng = self.engine
+        for handoff, peer in skips:
+            self._notify(peer, "skip", {"handoff": handoff})
+        for s in new_sends:
+            try:
+                sess = eng.send(s.peer, s.handoff)
+            except Exception as e:  # noqa: BLE001
+                with self.lock:
+                    s.state, s.error = "failed", f"cannot open the handoff: {e}"
+                continue
+            with self.lock:
+                s.session = sess
+        for r in new_recvs:
+            self._start_recv(r)
+        # Grants seen before the notifications are read: the hello sent
+        # before a grant is then surely read below (per-pair order).
+        with self.lock:
+            waiting = [s for s in self.sends.values() if s.session is not None and s.remote is None and s.state is None]
+        granted = []
+        for s in waiting:
+            try:
+                g = s.session.grant
+            except Exception:  # noqa: BLE001
+                g = None
+            if g is not None:
+                granted.append((s, g))
+        self._read_notes()
+        now = time.time()
+        for s, g in granted:
+            why = self._check_grant(s, g)
+            with self.lock:
+                if why is None:
+                    s.t["granted"] = now
+                    self._flush(s, now)
+                else:
+                    s.error = why
+                    s.cancel = True
+        # Sends: finish, cancel, see the end.
+        with self.lock:
+            sends = list(self.sends.values())
+            recvs = list(self.recvs.values())
+        for s in sends:
+            self._drive_send(s)
+        for r in recvs:
+            self._drive_recv(r)
+
+    def _start_recv(self, r: _Recv):
+        bad = self.bad_peers.get(r.peer)
+        if bad is not None:
+            with self.lock:
+                r.state, r.error = "failed", bad
+            return
+        plan = r.plan
+        ranges = []
+        bb = self.block_bytes
+        for base in self.layer_addr:
+            for b in plan.block_ids:
+                a = base + b * bb
+                if ranges and ranges[-1][0] + ranges[-1][1] == a:
+                    ranges[-1][1] += bb
+                else:
+                    ranges.append([a, bb])
+        try:
+            self._notify(r.peer, "hello", self.fingerprint, raise_=True)
+            sess = self.engine.receive(r.peer, plan.handoff, [tuple(x) for x in ranges], deadline=self.deadline)
+        except Exception as e:  # noqa: BLE001
+            with self.lock:
+                r.state, r.error = "failed", f"cannot grant the prefill {r.peer}: {e}"
+            logger.warning("kvmove: request %s: %s", plan.req_id, r.error)
+            return
+        with self.lock:
+            r.session = sess
+            r.t["granted"] = time.time()
+            if r.cancel:
+                pass  # cancelled below by _drive_recv
+
+    def _check_grant(self, s: _Send, g) -> Optional[str]:
+        fp = self.peer_fp.get(s.peer)
+        mine = dict(self.fingerprint)
+        if fp is None:
+            return f"the decode {s.peer} granted without its fingerprint"
+        theirs = dict(fp)
+        if theirs != mine:
+            diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+            return f"the decode {s.peer} has another KV layout (here, there): {diff}"
+        layers = len(self.layer_addr)
+        bb = self.block_bytes
+        total = sum(n for _, n in g.ranges)
+        nblocks = -(-s.prompt // self.block_size)
+        if total % (bb * layers):
+            return f"the grant's {total} bytes are not whole blocks of {layers} layers"
+        needed = total // (bb * layers)
+        if needed > nblocks or needed == 0:
+            return f"the grant asks for {needed} blocks of a {nblocks}-block prompt"
+        remote: list[list[int]] = [[] for _ in range(layers)]
+        layer = 0
+        for addr, n in g.ranges:
+            if n % bb:
+                return "a granted range is not whole blocks"
+            for k in range(n // bb):
+                if len(remote[layer]) == needed:
+                    layer += 1
+                remote[layer].append(addr + k * bb)
+        s.first = nblocks - needed
+        s.remote = remote
+        return None
+
+    def _drive_send(self, s: _Send):
+        if s.session is None:
+            if s.state is None and s.cancel and s.ended:
+                with self.lock:
+                    s.state = "cancelled"
+            return
+        state = s.session.poll()
+        if state in FINAL:
+            self._ended(s, state, s.session.error)
+            return
+        if s.cancel:
+            why = s.error or "the prefill request ended before its KV was computed"
+            logger.warning("kvmove: request %s: handoff %d cancelled: %s", s.req_id, s.handoff, why)
+            self._send_note_if_mismatch(s)
+            try:
+                state = s.session.cancel()
+            except Exception as e:  # noqa: BLE001
+                state = "failed"
+                s.error = str(e)
+            self._ended(s, state, s.session.error)
+            return
+        with self.lock:
+            ready = s.computed and s.remote is not None and not s.pending and not s.finishing
+            writes = list(s.writes)
+        if ready and all(w.done for w in writes):
+            with self.lock:
+                s.finishing = True
+            try:
+                for w in writes:
+                    w.wait(timeout=0, check=True)
+                s.session.finish()
+                s.t["finished"] = time.time()
+            except Exception as e:  # noqa: BLE001 (the session fails on both sides)
+                s.error = str(e)
+
+    def _send_note_if_mismatch(self, s: _Send):
+        if s.error and "another KV layout" in s.error:
+            self._notify(s.peer, "mismatch", {"handoff": s.handoff, "fingerprint": self.fingerprint, "why": s.error})
+
+    def _ended(self, s: _Send, state: str, err):
+        with self.lock:
+            if s.state is not None:
+                return
+            s.state = state
+            if err is not None and s.error is None:
+                s.error = str(err)
+            s.t["ended"] = time.time()
+        self.stats.count(state, s)
+        self._trace("send", s.req_id, s.handoff, s.peer, state, s.error, s.t)
+        try:
+            s.session.release()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _drive_recv(self, r: _Recv):
+        if r.session is None or r.state is not None:
+            return
+        if r.cancel:
+            try:
+                state = r.session.cancel()
+            except Exception as e:  # noqa: BLE001
+                state, r.error = "failed", str(e)
+        else:
+            state = r.session.poll()
+        if state in FINAL:
+            err = r.session.error
+            with self.lock:
+                r.state = state
+                if err is not None and r.error is None:
+                    r.error = str(err)
+                r.t["ended"] = time.time()
+            if state != "landed":
+                logger.warning("kvmove: request %s: KV from %s %s: %s", r.plan.req_id, r.peer, state, r.error)
+            self.stats.count(state, r)
+            self._trace("recv", r.plan.req_id, r.plan.handoff, r.peer, state, r.error, r.t)
+            try:
+                r.session.release()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _notify(self, peer: str, verb: str, body: dict, raise_: bool = False):
+        msg = MAGIC + b" " + verb.encode() + b" " + json.dumps(body, sort_keys=True).encode()
+        try:
+            self.engine.notify(peer, msg)
+        except Exception as e:  # noqa: BLE001
+            if raise_:
+                raise
+            logger.warning("kvmove: could not tell %s %s: %s", peer, verb, e)
+
+    def _read_notes(self):
+        for n in self.engine.notifications():
+            parts = n.msg.split(b" ", 2)
+            if len(parts) != 3 or parts[0] != MAGIC:
+                continue
+            try:
+                body = json.loads(parts[2])
+            except ValueError:
+                continue
+            verb = parts[1]
+            if verb == b"hello" and isinstance(body, dict):
+                self.peer_fp[n.peer] = body
+            elif verb == b"skip" and isinstance(body, dict):
+                with self.lock:
+                    for s in self.sends.values():
+                        if s.peer == n.peer and s.handoff == body.get("handoff") and s.state is None:
+                            s.cancel = True
+                            s.error = "the decode needs none of this request's KV"
+            elif verb == b"mismatch" and isinstance(body, dict):
+                why = f"the prefill {n.peer} has another KV layout: {body.get('why')}"
+                logger.error("kvmove: %s", why)
+                self.bad_peers[n.peer] = why
+
+    def _trace(self, role, req_id, handoff, peer, state, error, t):
+        if not self.trace_path:
+            return
+        line = json.dumps(
+            {"role": role, "req": req_id, "handoff": handoff, "peer": peer, "state": state, "error": error,
+             "rank": self.rank, **{f"t_{k}": v for k, v in t.items()}}  # fmt: skip
+        )
+        try:
+            with open(self.trace_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as e:
+            logger.warning("kvmove: cannot write the trace %s: %s", self.trace_path, e)
+
+    def shutdown(self):
+        with self.lock:
+            self.stop = True
+            self.wake.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _affinity() -> Optional[set]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def _transfer_cpus(wanted, bound: Optional[set]) -> Optional[set]:
+    """Where kvmove's threads go: ``wanted`` (a list of core numbers), else
+    the cores the worker is not bound to, else None (where it is)."""
+    if wanted:
+        return {int(c) for c in wanted}
+    if bound is None:
+        return None
+    try:
+        online = set(range(os.cpu_count() or 1))
+    except (TypeError, ValueError):
+        return None
+    free = online - bound
+    return free or None
+
+
+class _Stats:
+    def __init__(self):
+        self.bytes = 0
+        self.outcomes: dict[str, int] = {}
+        self.grant_wait: list[float] = []
+        self.exposed: list[float] = []
+
+    def count(self, state, h):
+        self.outcomes[state] = self.outcomes.get(state, 0) + 1
+        t = h.t
+        if "granted" in t:
+            self.grant_wait.append(t["granted"] - t["created"])
+        if state == "landed" and "computed" in t and "ended" in t:
+            self.exposed.append(max(0.0, t["ended"] - t["computed"]))
+
+
+# --------------------------------------------------------------------------
+# The connector vLLM loads
+
+
+class KvmoveConnector(KVConnectorBase_V1):
+    """vLLM's connector interface over kvmove handoff sessions (see the
+    module's documentation)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._sched: Optional[_Scheduler] = None
+        self._worker: Optional[_Worker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _Scheduler(vllm_config)
+        else:
+            self._worker = _Worker(vllm_config)
+
+    # ---- worker ----
+
+    def register_kv_caches(self, kv_caches):
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvmoveConnectorMetadata):
+            self._worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self._worker is None:
+            return
+        ids = getattr(kv_connector_metadata, "preempted", None)
+        if ids:
+            self._worker.handle_preemptions(set(ids))
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        # The decode's loads are pushed by the prefill: nothing to start.
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self):
+        # Writes go on after the forward pass; the session's end frees the
+        # blocks (request_finished kept them).
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        return self._worker.get_transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler ----
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids) -> tuple[bool, Optional[dict]]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_push_work()
+
