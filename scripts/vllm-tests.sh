@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # vLLM prefill/decode disaggregation over kvmove, with real vLLM servers
-# (the CPU build from PyPI) on loopback: python/vllm_e2e/pd_check.py says
-# what is checked. Called by scripts/test.sh; takes about 5 minutes once
+# (the CPU build from PyPI) on loopback: vLLM's NixlConnector on kvmove's
+# stand-in (python/vllm_e2e/pd_check.py) and kvmove's own connector,
+# kvmove.vllm, behind its router (python/vllm_e2e/kvmove_check.py); each
+# script says what it checks. Called by scripts/test.sh; takes about 5 minutes once
 # the virtualenv exists (scripts/venvs.sh vllm: about 3 minutes, 6 GB).
 #
 #   scripts/vllm-tests.sh
@@ -28,3 +30,7 @@ mkdir -p "$work"
 # From outside python/, so `import kvmove` is the installed wheel.
 shim=$(cd "$work" && "$venv/bin/python" -m kvmove.shims nixl)
 (cd "$work" && "$venv/bin/python" "$root/python/vllm_e2e/pd_check.py" --work "$work" --shim "$shim")
+
+step "kvmove's own connector (python/vllm_e2e/kvmove_check.py; logs in $work/native)"
+mkdir -p "$work/native"
+(cd "$work/native" && "$venv/bin/python" "$root/python/vllm_e2e/kvmove_check.py" --work "$work/native")

@@ -56,6 +56,10 @@ from pd_check import (  # noqa: E402
 LENGTHS = (7, 61, 140, 260, 330, 420)
 CHUNK = 96
 LIVENESS = 5.0
+# The decode's KV cache, in blocks of 128 tokens: the concurrent requests
+# need several times more.
+DECODE_BLOCKS = 10
+CONC_ROUNDS = 2
 
 
 def wait_http(port, timeout=30):
@@ -87,7 +91,11 @@ class Proxy:
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
 
 
 def kv_server(args, name, port, kv_port, role, extra=None, args_extra=()):
@@ -154,68 +162,48 @@ def main():
     if not os.path.exists(os.path.join(args.model, "model.safetensors")):
         subprocess.run([sys.executable, os.path.join(HERE, "make_model.py"), args.model, "--seed", "0"],
                        check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    rng_prompts = prompts_of(LENGTHS)
+    ps = prompts_of(LENGTHS)
     bp = args.base_port
     servers, proxies = [], []
     try:
+        # The reference (one vLLM, no connector), the prefill (prompts in
+        # chunks of CHUNK tokens) and the decode (prefix caching on, a KV
+        # cache of DECODE_BLOCKS blocks: far fewer tokens than the
+        # concurrent requests need) start together.
         ref_server = Server(args, "reference", bp, args.model)
-        servers.append(ref_server)
-        ref_server.start()
-        ref_server.wait_ready()
-        ref = [plain(bp, p) for p in rng_prompts]
+        chunked = ("--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill")
+        small = ("--num-gpu-blocks-override", str(DECODE_BLOCKS))
+        prefill = kv_server(args, "prefill", bp + 1, bp + 31, "kv_producer", args_extra=chunked)
+        decode = kv_server(args, "decode", bp + 2, bp + 41, "kv_consumer", args_extra=small)
+        servers += [ref_server, prefill, decode]
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        ref = [plain(bp, p) for p in ps]
         ref_server.stop()
         check(len({tuple(r) for r in ref}) == len(ref), f"reference: {len(ref)} prompts, distinct outputs")
-
-        chunked = ("--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill")
-        prefill = kv_server(args, "prefill", bp + 1, bp + 31, "kv_producer", args_extra=chunked)
-        decode = kv_server(args, "decode", bp + 2, bp + 41, "kv_consumer")
-        servers += [prefill, decode]
-        prefill.start()
-        decode.start()
-        prefill.wait_ready()
-        decode.wait_ready()
         proxy = Proxy(args, bp + 5, prefill, decode)
         proxies.append(proxy)
         proxy.start()
         quiet_from = {s.name: s.log_size() for s in (prefill, decode)}
-        m0 = decode.metrics()
 
         if want("tokens"):
-            got = [routed(proxy.port, p) for p in rng_prompts]
-            for i, (g, r) in enumerate(zip(got, ref)):
-                check(g == r, f"sequential prompt {i} ({LENGTHS[i]} tokens): decode tokens equal the reference")
-            with ThreadPoolExecutor(len(rng_prompts) * 2) as pool:
-                conc = list(pool.map(lambda p: routed(proxy.port, p), rng_prompts + rng_prompts))
-            check(conc == ref + ref, f"{len(conc)} concurrent requests (prefixes cached on the decode): equal")
-            m1 = decode.metrics()
-            ext = total(m1, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - total(
-                m0, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-            )
-            cached = total(m1, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") - total(
-                m0, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
-            )
-            log(f"decode prompt tokens: {ext:.0f} from kvmove, {cached:.0f} from its own prefix cache")
-            check(ext >= sum(LENGTHS) - len(LENGTHS), f"vLLM counts {ext:.0f} decode prompt tokens from the transfer")
-            sends = [t for t in traces(prefill.trace_path) if t["role"] == "send"]
-            landed = [t for t in sends if t["state"] == "landed"]
-            check(len(landed) >= len(rng_prompts), f"the prefill's trace: {len(landed)} handoffs landed of {len(sends)}")
-            multi = [t for t in landed if "t_computed" in t and "t_first_write" in t]
-            overlap = [t for t in multi if t["t_first_write"] < t["t_computed"]]
-            long_ones = [t for t in multi if t["t_computed"] - t["t_created"] > 0.05]
-            check(
-                long_ones and all(t["t_first_write"] < t["t_computed"] for t in long_ones),
-                f"overlap: {len(overlap)} of {len(multi)} handoffs wrote before the last layer was computed "
-                f"(all {len(long_ones)} that computed longer than 50 ms)",
-            )
-            exposed = sorted(t["t_ended"] - t["t_computed"] for t in multi)
-            log(f"exposed transfer time (last layer computed to landed): p50 {1000 * exposed[len(exposed) // 2]:.1f} ms")
-            for s in (prefill, decode):
-                u = wait_usage_zero(s)
-                check(u == 0, f"{s.name}: KV cache usage back to zero ({u})")
-            for s in (prefill, decode):
-                bad = kvmove_problems(s.lines_since(quiet_from[s.name]))
-                check(not bad, f"{s.name}: no kvmove warning or error while serving" + "".join("\n  " + b for b in bad))
-
+            phase_tokens(prefill, decode, proxy, ps, ref)
+        for s in (prefill, decode):
+            bad = kvmove_problems(s.lines_since(quiet_from[s.name]))
+            check(not bad, f"{s.name}: no kvmove warning or error while serving" + "".join("\n  " + b for b in bad))
+        if want("kill"):
+            phase_kill_prefill(prefill, decode, proxy, ps, ref)
+            phase_kill_decode(prefill, decode, proxy, ps, ref)
+        if want("stop"):
+            phase_stop_prefill(prefill, decode, proxy, ps, ref)
+        for s in (prefill, decode):
+            offset = s.log_size()
+            took = s.stop()
+            check(took is not None, f"{s.name}: SIGTERM ended every process" + (f" in {took:.1f} s" if took else ""))
+            bad = kvmove_problems(s.lines_since(offset))
+            check(not bad, f"{s.name}: no kvmove warning or error at shutdown" + "".join("\n  " + b for b in bad))
         log(f"kvmove vLLM connector check passed in {time.monotonic() - t_start:.0f} s")
         return 0
     except CheckFailed as e:
@@ -230,6 +218,167 @@ def main():
             if s.proc is not None and s.proc.poll() is None:
                 s.signal(signal.SIGCONT)
                 s.signal(signal.SIGKILL)
+
+
+def phase_tokens(prefill, decode, proxy, ps, ref):
+    m0 = decode.metrics()
+    n0 = len(traces(prefill.trace_path))
+    got = [routed(proxy.port, p) for p in ps]
+    for i, (g, r) in enumerate(zip(got, ref)):
+        check(g == r, f"sequential prompt {i} ({LENGTHS[i]} tokens): decode tokens equal the reference")
+    seq = [t for t in traces(prefill.trace_path, n0) if t["role"] == "send"]
+    check(
+        len(seq) == len(ps) and all(t["state"] == "landed" for t in seq),
+        f"the prefill's trace: the {len(ps)} sequential handoffs landed ({[t['state'] for t in seq]})",
+    )
+    # Prompts of two chunks or more: the first write before the last layer.
+    multi = [t for t in seq if t.get("t_computed", 0) - t["t_created"] > 0 and t.get("t_first_write")]
+    long_ones = [t for t, n in zip(seq, LENGTHS) if n >= 2 * CHUNK]
+    early = [t for t in long_ones if t.get("t_first_write", 1e30) < t.get("t_computed", 0)]
+    check(
+        len(early) == len(long_ones) > 0,
+        f"overlap: each of the {len(long_ones)} prompts of 2+ chunks had its first write start before its last "
+        f"layer was computed ({len(early)} did)",
+    )
+    exposed = sorted(1000 * (t["t_ended"] - t["t_computed"]) for t in multi if "t_computed" in t)
+    if exposed:
+        log(f"exposed transfer time (last layer computed to landed), sequential: median {exposed[len(exposed) // 2]:.1f} ms")
+
+    # Concurrent, twice each prompt (the decode's prefix cache finds the
+    # second's), far more than the decode's KV cache holds at once.
+    n1 = len(traces(prefill.trace_path))
+    reqs = ps * CONC_ROUNDS
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        t0 = time.monotonic()
+        conc = list(pool.map(lambda p: attempt(proxy.port, p), reqs))
+        took = time.monotonic() - t0
+    errors = [c for c in conc if isinstance(c, str)]
+    check(not errors, f"{len(reqs)} concurrent requests on a decode of {DECODE_BLOCKS} blocks: none failed {errors[:3]}")
+    check(conc == ref * CONC_ROUNDS, f"{len(reqs)} concurrent requests: every decode equals the reference ({took:.1f} s)")
+    m1 = decode.metrics()
+
+    def delta(name, **labels):
+        return total(m1, name, **labels) - total(m0, name, **labels)
+
+    ext = delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    cached = delta("vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    log(f"decode prompt tokens: {ext:.0f} from kvmove, {cached:.0f} from its own prefix cache")
+    check(cached > 0, f"the decode's prefix cache served {cached:.0f} prompt tokens (not asked of the prefill)")
+    conc_t = [t for t in traces(prefill.trace_path, n1) if t["role"] == "send"]
+    waited = [t for t in conc_t if "t_granted" in t and "t_computed" in t and t["t_granted"] > t["t_computed"]]
+    check(
+        len(waited) > 0,
+        f"backpressure: {len(waited)} of {len(conc_t)} prefill handoffs computed before the saturated decode granted",
+    )
+    outcomes = sorted({t["state"] for t in conc_t})
+    log(f"concurrent handoffs: {len(conc_t)}, outcomes {outcomes}")
+    for s in (prefill, decode):
+        u = wait_usage_zero(s)
+        check(u == 0, f"{s.name}: KV cache usage back to zero ({u})")
+
+
+def attempt(port, prompt):
+    try:
+        return routed(port, prompt)
+    except Exception as e:  # noqa: BLE001 (an HTTP error is what the check looks for)
+        return f"{type(e).__name__}: {e}"
+
+
+def storm(proxy, ps, n, during):
+    """``n`` requests at once (the longest prompts), ``during()`` called once
+    the prefill is pushing; returns ``(result, seconds)`` per request."""
+    out = [None] * n
+
+    def one(i):
+        t0 = time.monotonic()
+        out[i] = (attempt(proxy.port, ps[-1 - i % 3]), time.monotonic() - t0)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    during()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def wait_pushing(prefill, since, timeout=60):
+    """Until the prefill has started writing a new handoff (its first
+    write is in the worker; the trace is written at each end: one landed
+    handoff after ``since`` means the storm is flowing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(t["role"] == "send" for t in traces(prefill.trace_path, since)):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def phase_kill_prefill(prefill, decode, proxy, ps, ref):
+    refs = {p: r for p, r in zip(ps, ref)}
+    n0 = len(traces(prefill.trace_path))
+    killed = {}
+
+    def kill():
+        check(wait_pushing(prefill, n0), "the prefill pushes the storm's KV")
+        killed["at"] = time.monotonic()
+        prefill.kill(grace=120)
+
+    out = storm(proxy, ps, 8, kill)
+    wrong = [r for (r, _), i in zip(out, range(8)) if r != refs[ps[-1 - i % 3]]]
+    slowest = max(s for _, s in out)
+    check(
+        not wrong,
+        f"prefill SIGKILLed mid-push: the decode recomputed, all 8 requests equal the reference "
+        f"(slowest {slowest:.1f} s){''.join(chr(10) + '  ' + str(w)[:200] for w in wrong[:3])}",
+    )
+    d = decode.metrics()
+    log(f"decode: {total(d, 'vllm:prompt_tokens_by_source_total', source='local_compute'):.0f} prompt tokens computed locally so far")
+    u = wait_usage_zero(decode)
+    check(u == 0, f"decode: KV cache usage back to zero after the prefill died ({u})")
+    prefill.start()
+    prefill.wait_ready()
+    got = [routed(proxy.port, p) for p in ps[-2:]]
+    check(got == ref[-2:], "the restarted prefill serves the decode: tokens equal the reference")
+
+
+def phase_kill_decode(prefill, decode, proxy, ps, ref):
+    n0 = len(traces(prefill.trace_path))
+
+    def kill():
+        check(wait_pushing(prefill, n0), "the prefill pushes the storm's KV")
+        decode.kill(grace=120)
+
+    storm(proxy, ps, 8, kill)
+    u = wait_usage_zero(prefill, timeout=3 * LIVENESS + 30)
+    check(u == 0, f"decode SIGKILLed mid-push: the prefill freed every block it held for it ({u})")
+    ends = [t["state"] for t in traces(prefill.trace_path, n0) if t["role"] == "send"]
+    log(f"the prefill's handoffs in that storm ended: {sorted(set(ends))}")
+    decode.start()
+    decode.wait_ready()
+    got = [routed(proxy.port, p) for p in ps[-2:]]
+    check(got == ref[-2:], "a restarted decode is served: tokens equal the reference")
+
+
+def phase_stop_prefill(prefill, decode, proxy, ps, ref):
+    n0 = len(traces(prefill.trace_path))
+    stop_for = 2 * LIVENESS
+
+    def pause():
+        check(wait_pushing(prefill, n0), "the prefill pushes the storm's KV")
+        prefill.signal(signal.SIGSTOP)
+        time.sleep(stop_for)
+        prefill.signal(signal.SIGCONT)
+
+    out = storm(proxy, ps, 6, pause)
+    refs = {p: r for p, r in zip(ps, ref)}
+    wrong = [r for (r, _), i in zip(out, range(6)) if r != refs[ps[-1 - i % 3]]]
+    check(not wrong, f"prefill SIGSTOPped {stop_for:.0f} s mid-push: all 6 requests equal the reference {wrong[:2]}")
+    for s in (prefill, decode):
+        u = wait_usage_zero(s, timeout=3 * LIVENESS + 30)
+        check(u == 0, f"after the prefill's pause: {s.name}'s KV cache usage back to zero ({u})")
+    got = [routed(proxy.port, p) for p in ps[-2:]]
+    check(got == ref[-2:], "after the pause: tokens equal the reference")
 
 
 def prompts_of(lengths):

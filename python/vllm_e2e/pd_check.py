@@ -188,20 +188,21 @@ class Server:
         except ProcessLookupError:
             pass
 
-    def kill(self):
+    def kill(self, grace=30):
         self.signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
         self.logf.close()
         # Until the group's other processes (engine core, worker: they hold
-        # the ports a restart binds) are gone too.
-        deadline = time.monotonic() + 30
+        # the ports a restart binds) are gone too (a worker's exit unmaps
+        # its memory on the core it is bound to, beside a spinning one).
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             try:
                 os.killpg(self.proc.pid, 0)
             except ProcessLookupError:
                 return
             time.sleep(0.1)
-        raise CheckFailed(f"{self.name}: processes of its group still alive 30 s after SIGKILL")
+        raise CheckFailed(f"{self.name}: processes of its group still alive {grace} s after SIGKILL")
 
     def stop(self, timeout=90):
         """SIGTERM; returns the seconds it took, SIGKILL after ``timeout``."""

@@ -382,8 +382,14 @@ class _Worker:
             isa = torch.backends.cpu.get_cpu_capability()
         except Exception:  # noqa: BLE001
             isa = "unknown"
+        hf = getattr(mc, "hf_config", None)
         self.fingerprint = {
-            "model": str(mc.model),
+            # What the KV's bytes depend on (not where the weights were read
+            # from: two machines may mount them at different paths).
+            "model": str(getattr(mc, "served_model_name", None) or mc.model),
+            "model_type": str(getattr(hf, "model_type", "")),
+            "hidden_size": int(mc.get_hidden_size()),
+            "head_size": int(mc.get_head_size()),
             "dtype": str(mc.dtype),
             "kv_dtype": str(t0.dtype),
             "block_size": self.block_size,

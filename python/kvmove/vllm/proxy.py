@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     from aiohttp import web
 
     logger.info("prefills %s; decodes %s", [b.url for b in a.prefill], [b.url for b in a.decode])
-    web.run_app(make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, print=None)
+    web.run_app(make_app(a.prefill, a.decode, a.timeout), host=a.host, port=a.port, print=None, shutdown_timeout=5)
     return 0
 
 
