@@ -98,8 +98,10 @@ class Proxy:
                 self.proc.wait(timeout=15)
 
 
-def kv_server(args, name, port, kv_port, role, extra=None, args_extra=()):
+def kv_server(args, name, port, kv_port, role, extra=None, args_extra=(), bind=None):
     s = Server(args, name, port, args.model, role=role)
+    if bind is not None:
+        s.extra_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     cfg = {
         "kv_connector": "KvmoveConnector",
         "kv_connector_module_path": "kvmove.vllm",
@@ -173,6 +175,10 @@ def main():
         ref_server = Server(args, "reference", bp, args.model)
         chunked = ("--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill")
         small = ("--num-gpu-blocks-override", str(DECODE_BLOCKS))
+        # vLLM binds each worker to the cores it did not reserve (here both
+        # to core 0) and kvmove's threads go to the reserved one: a thread
+        # beside a worker's spin (vLLM's shared-memory queue yields in a
+        # loop for a second after each step) hardly runs on this kernel.
         prefill = kv_server(args, "prefill", bp + 1, bp + 31, "kv_producer", args_extra=chunked)
         decode = kv_server(args, "decode", bp + 2, bp + 41, "kv_consumer", args_extra=small)
         servers += [ref_server, prefill, decode]

@@ -55,6 +55,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -345,6 +346,10 @@ class _Worker:
         self.fingerprint: dict[str, Any] = {}
         self.stop = False
         self.thread: Optional[threading.Thread] = None
+        # Calls that can wait (made by the pump's thread, so its threads
+        # run where the pump does).
+        self.calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvmove-vllm-call")
+        self.in_calls: set = set()
         self.stats = _Stats()
 
     # ---- setup ----
@@ -597,21 +602,44 @@ class _Worker:
                 if not self.stop:
                     self.wake.wait(0.001)
 
-    def _pump_once(self, new_sends, new_recvs, skips):
-        eng = self.engine
-        for handoff, peer in skips:
-            self._notify(peer, "skip", {"handoff": handoff})
-        for s in new_sends:
+    def _offload(self, key, fn):
+        """Runs ``fn`` on the call pool, unless a call for ``key`` runs: a
+        call that waits on one peer (a dead one's handshake, an agreement)
+        holds up no other request."""
+        with self.lock:
+            if key in self.in_calls:
+                return
+            self.in_calls.add(key)
+
+        def run():
             try:
-                sess = eng.send(s.peer, s.handoff)
-            except Exception as e:  # noqa: BLE001
+                fn()
+            except Exception:  # noqa: BLE001
+                logger.exception("kvmove: %s failed", key[0])
+            finally:
                 with self.lock:
-                    s.state, s.error = "failed", f"cannot open the handoff: {e}"
-                continue
+                    self.in_calls.discard(key)
+                    self.wake.notify()
+
+        self.calls.submit(run)
+
+    def _open_send(self, s: _Send):
+        try:
+            sess = self.engine.send(s.peer, s.handoff)
+        except Exception as e:  # noqa: BLE001
             with self.lock:
-                s.session = sess
+                s.state, s.error = "failed", f"cannot open the handoff: {e}"
+            return
+        with self.lock:
+            s.session = sess
+
+    def _pump_once(self, new_sends, new_recvs, skips):
+        for handoff, peer in skips:
+            self._offload(("skip", handoff, peer), lambda h=handoff, p=peer: self._notify(p, "skip", {"handoff": h}))
+        for s in new_sends:
+            self._offload(("open", s.req_id), lambda s=s: self._open_send(s))
         for r in new_recvs:
-            self._start_recv(r)
+            self._offload(("grant", r.plan.req_id), lambda r=r: self._start_recv(r))
         # Grants seen before the notifications are read: the hello sent
         # before a grant is then surely read below (per-pair order).
         with self.lock:
@@ -706,25 +734,14 @@ class _Worker:
         return None
 
     def _drive_send(self, s: _Send):
-        if s.session is None:
-            if s.state is None and s.cancel and s.ended:
-                with self.lock:
-                    s.state = "cancelled"
+        if s.session is None or s.state is not None:
             return
         state = s.session.poll()
         if state in FINAL:
             self._ended(s, state, s.session.error)
             return
         if s.cancel:
-            why = s.error or "the prefill request ended before its KV was computed"
-            logger.warning("kvmove: request %s: handoff %d cancelled: %s", s.req_id, s.handoff, why)
-            self._send_note_if_mismatch(s)
-            try:
-                state = s.session.cancel()
-            except Exception as e:  # noqa: BLE001
-                state = "failed"
-                s.error = str(e)
-            self._ended(s, state, s.session.error)
+            self._offload(("cancel", s.req_id), lambda: self._cancel_send(s))
             return
         with self.lock:
             ready = s.computed and s.remote is not None and not s.pending and not s.finishing
@@ -739,6 +756,17 @@ class _Worker:
                 s.t["finished"] = time.time()
             except Exception as e:  # noqa: BLE001 (the session fails on both sides)
                 s.error = str(e)
+
+    def _cancel_send(self, s: _Send):
+        why = s.error or "the prefill request ended before its KV was computed"
+        logger.warning("kvmove: request %s: handoff %d cancelled: %s", s.req_id, s.handoff, why)
+        self._send_note_if_mismatch(s)
+        try:
+            state = s.session.cancel()
+        except Exception as e:  # noqa: BLE001
+            state = "failed"
+            s.error = str(e)
+        self._ended(s, state, s.session.error)
 
     def _send_note_if_mismatch(self, s: _Send):
         if s.error and "another KV layout" in s.error:
@@ -762,16 +790,25 @@ class _Worker:
     def _drive_recv(self, r: _Recv):
         if r.session is None or r.state is not None:
             return
-        if r.cancel:
-            try:
-                state = r.session.cancel()
-            except Exception as e:  # noqa: BLE001
-                state, r.error = "failed", str(e)
-        else:
-            state = r.session.poll()
+        state = r.session.poll()
+        if state not in FINAL and r.cancel:
+            self._offload(("cancel", r.plan.req_id), lambda: self._cancel_recv(r))
+            return
+        self._recv_state(r, state)
+
+    def _cancel_recv(self, r: _Recv):
+        try:
+            state = r.session.cancel()
+        except Exception as e:  # noqa: BLE001
+            state, r.error = "failed", str(e)
+        self._recv_state(r, state)
+
+    def _recv_state(self, r: _Recv, state: str):
         if state in FINAL:
             err = r.session.error
             with self.lock:
+                if r.state is not None:
+                    return
                 r.state = state
                 if err is not None and r.error is None:
                     r.error = str(err)
