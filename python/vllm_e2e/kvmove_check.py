@@ -2,7 +2,7 @@
 real vLLM servers (the CPU build) behind the router
 (``python -m kvmove.vllm.proxy``):
 
-- the decode's tokens equal a single vLLM instance's, sequential and
+- the decode's tokens equal the prefill's own (a plain vLLM instance), sequential and
   concurrent, prompts of several blocks computed in several prefill chunks,
   the decode's prefix caching on (the second pass finds its prefixes);
 - overlap, from the connector's own trace: for each request the first
@@ -48,7 +48,6 @@ from pd_check import (  # noqa: E402
     log,
     plain,
     post,
-    prompts,
     total,
 )
 
@@ -168,12 +167,13 @@ def main():
     bp = args.base_port
     servers, proxies = [], []
     try:
-        # The reference (one vLLM, no connector), the prefill (prompts in
-        # chunks of CHUNK tokens) and the decode (prefix caching on, a KV
+        # The prefill (prompts in chunks of CHUNK tokens; no prefix cache,
+        # so every handoff computes) and the decode (prefix caching on, a KV
         # cache of DECODE_BLOCKS blocks: far fewer tokens than the
-        # concurrent requests need) start together.
-        ref_server = Server(args, "reference", bp, args.model)
-        chunked = ("--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill")
+        # concurrent requests need) start together. The reference is the
+        # prefill generating by itself (no kvmove parameters: a plain
+        # vLLM instance), before any handoff.
+        chunked = ("--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill", "--no-enable-prefix-caching")
         small = ("--num-gpu-blocks-override", str(DECODE_BLOCKS))
         # vLLM binds each worker to the cores it did not reserve (here both
         # to core 0) and kvmove's threads go to the reserved one: a thread
@@ -181,13 +181,12 @@ def main():
         # loop for a second after each step) hardly runs on this kernel.
         prefill = kv_server(args, "prefill", bp + 1, bp + 31, "kv_producer", args_extra=chunked)
         decode = kv_server(args, "decode", bp + 2, bp + 41, "kv_consumer", args_extra=small)
-        servers += [ref_server, prefill, decode]
+        servers += [prefill, decode]
         for s in servers:
             s.start()
         for s in servers:
             s.wait_ready()
-        ref = [plain(bp, p) for p in ps]
-        ref_server.stop()
+        ref = [plain(prefill.port, p) for p in ps]
         check(len({tuple(r) for r in ref}) == len(ref), f"reference: {len(ref)} prompts, distinct outputs")
         proxy = Proxy(args, bp + 5, prefill, decode)
         proxies.append(proxy)
