@@ -325,6 +325,10 @@ class _Worker:
         self.base_port = int(cfg.kv_port)
         self.protocol = extra.get("protocol")
         self.deadline = float(extra.get("grant_deadline_s", 120.0))
+        # A prefill gives up a handoff whose grant has not come in this long
+        # (a decode that never got the request: its blocks would stay held).
+        # Backpressure waits are far shorter; 0 waits forever.
+        self.grant_wait = float(extra.get("grant_wait_s", 600.0))
         self.trace_path = extra.get("trace")
         self.cpus = extra.get("cpus")
         self.block_size = vllm_config.cache_config.block_size
@@ -542,7 +546,8 @@ class _Worker:
         if self.engine is None:
             return out
         with self.lock:
-            self.finished_ids |= set(finished_req_ids)
+            # Only this connector's handoffs (the others would pile up).
+            self.finished_ids |= {rid for rid in finished_req_ids if rid in self.sends}
             for rid, s in list(self.sends.items()):
                 # Only ids vLLM said are finished (its blocks wait for us).
                 if s.state is not None and rid in self.finished_ids:
@@ -740,6 +745,15 @@ class _Worker:
         if state in FINAL:
             self._ended(s, state, s.session.error)
             return
+        if (
+            not s.cancel
+            and s.remote is None
+            and self.grant_wait > 0
+            and time.time() - s.t["created"] > self.grant_wait
+        ):
+            with self.lock:
+                s.error = f"no grant from the decode {s.peer} in {self.grant_wait:.0f} s"
+                s.cancel = True
         if s.cancel:
             self._offload(("cancel", s.req_id), lambda: self._cancel_send(s))
             return
