@@ -98,10 +98,8 @@ class Proxy:
                 self.proc.wait(timeout=15)
 
 
-def kv_server(args, name, port, kv_port, role, extra=None, args_extra=(), bind=None):
+def kv_server(args, name, port, kv_port, role, extra=None, args_extra=()):
     s = Server(args, name, port, args.model, role=role)
-    if bind is not None:
-        s.extra_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     cfg = {
         "kv_connector": "KvmoveConnector",
         "kv_connector_module_path": "kvmove.vllm",
@@ -345,10 +343,7 @@ def phase_kill_prefill(prefill, decode, proxy, ps, ref):
     log(f"decode: {total(d, 'vllm:prompt_tokens_by_source_total', source='local_compute'):.0f} prompt tokens computed locally so far")
     u = wait_usage_zero(decode)
     check(u == 0, f"decode: KV cache usage back to zero after the prefill died ({u})")
-    prefill.start()
-    prefill.wait_ready()
-    got = [routed(proxy.port, p) for p in ps[-2:]]
-    check(got == ref[-2:], "the restarted prefill serves the decode: tokens equal the reference")
+    restarted(prefill, proxy, ps, ref, "the restarted prefill serves the decode")
 
 
 def phase_kill_decode(prefill, decode, proxy, ps, ref):
@@ -363,10 +358,14 @@ def phase_kill_decode(prefill, decode, proxy, ps, ref):
     check(u == 0, f"decode SIGKILLed mid-push: the prefill freed every block it held for it ({u})")
     ends = [t["state"] for t in traces(prefill.trace_path, n0) if t["role"] == "send"]
     log(f"the prefill's handoffs in that storm ended: {sorted(set(ends))}")
-    decode.start()
-    decode.wait_ready()
+    restarted(decode, proxy, ps, ref, "a restarted decode is served")
+
+
+def restarted(server, proxy, ps, ref, what):
+    server.start()
+    server.wait_ready()
     got = [routed(proxy.port, p) for p in ps[-2:]]
-    check(got == ref[-2:], "a restarted decode is served: tokens equal the reference")
+    check(got == ref[-2:], f"{what}: tokens equal the reference")
 
 
 def phase_stop_prefill(prefill, decode, proxy, ps, ref):

@@ -354,7 +354,6 @@ class _Worker:
         # run where the pump does).
         self.calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvmove-vllm-call")
         self.in_calls: set = set()
-        self.stats = _Stats()
 
     # ---- setup ----
 
@@ -539,7 +538,6 @@ class _Worker:
             return
         s.writes.append(w)
         s.t.setdefault("first_write", now)
-        self.stats.bytes += sum(o[2] for o in ops)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
@@ -794,7 +792,6 @@ class _Worker:
             if err is not None and s.error is None:
                 s.error = str(err)
             s.t["ended"] = time.time()
-        self.stats.count(state, s)
         self._trace("send", s.req_id, s.handoff, s.peer, state, s.error, s.t)
         try:
             s.session.release()
@@ -829,7 +826,6 @@ class _Worker:
                 r.t["ended"] = time.time()
             if state != "landed":
                 logger.warning("kvmove: request %s: KV from %s %s: %s", r.plan.req_id, r.peer, state, r.error)
-            self.stats.count(state, r)
             self._trace("recv", r.plan.req_id, r.plan.handoff, r.peer, state, r.error, r.t)
             try:
                 r.session.release()
@@ -912,22 +908,6 @@ def _transfer_cpus(wanted, bound: Optional[set]) -> Optional[set]:
         return None
     free = online - bound
     return free or None
-
-
-class _Stats:
-    def __init__(self):
-        self.bytes = 0
-        self.outcomes: dict[str, int] = {}
-        self.grant_wait: list[float] = []
-        self.exposed: list[float] = []
-
-    def count(self, state, h):
-        self.outcomes[state] = self.outcomes.get(state, 0) + 1
-        t = h.t
-        if "granted" in t:
-            self.grant_wait.append(t["granted"] - t["created"])
-        if state == "landed" and "computed" in t and "ended" in t:
-            self.exposed.append(max(0.0, t["ended"] - t["computed"]))
 
 
 # --------------------------------------------------------------------------
