@@ -130,6 +130,18 @@ def traces(path, since=0):
     return [json.loads(x) for x in lines[since:] if x.strip()]
 
 
+def sends_ended(path, since, n, timeout=30):
+    """The prefill's send entries after ``since``, once ``n`` are there (or
+    the deadline passed): a send ends when the decode's ACK reaches the
+    prefill, which may be after the decode has answered the request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [t for t in traces(path, since) if t["role"] == "send"]
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
 def usage(server):
     m = server.metrics()
     return total(m, "vllm:kv_cache_usage_perc")
@@ -230,7 +242,7 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
     got = [routed(proxy.port, p) for p in ps]
     for i, (g, r) in enumerate(zip(got, ref)):
         check(g == r, f"sequential prompt {i} ({LENGTHS[i]} tokens): decode tokens equal the reference")
-    seq = [t for t in traces(prefill.trace_path, n0) if t["role"] == "send"]
+    seq = sends_ended(prefill.trace_path, n0, len(ps))
     check(
         len(seq) == len(ps) and all(t["state"] == "landed" for t in seq),
         f"the prefill's trace: the {len(ps)} sequential handoffs landed ({[t['state'] for t in seq]})",
@@ -271,6 +283,11 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
     cached = delta("vllm:prompt_tokens_by_source_total", source="local_cache_hit")
     log(f"decode prompt tokens: {ext:.0f} from kvmove, {cached:.0f} from its own prefix cache")
     check(cached > 0, f"the decode's prefix cache served {cached:.0f} prompt tokens (not asked of the prefill)")
+    # Every send is traced before its blocks are freed: usage back to zero
+    # means the trace holds all of them.
+    for s in (prefill, decode):
+        u = wait_usage_zero(s)
+        check(u == 0, f"{s.name}: KV cache usage back to zero ({u})")
     conc_t = [t for t in traces(prefill.trace_path, n1) if t["role"] == "send"]
     waited = [t for t in conc_t if "t_granted" in t and "t_computed" in t and t["t_granted"] > t["t_computed"]]
     check(
@@ -279,9 +296,6 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
     )
     outcomes = sorted({t["state"] for t in conc_t})
     log(f"concurrent handoffs: {len(conc_t)}, outcomes {outcomes}")
-    for s in (prefill, decode):
-        u = wait_usage_zero(s)
-        check(u == 0, f"{s.name}: KV cache usage back to zero ({u})")
 
 
 def attempt(port, prompt):
