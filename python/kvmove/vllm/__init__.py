@@ -12,9 +12,16 @@ which gives the prefill and the decode one handoff id and each other's
 kvmove address. See :mod:`kvmove.vllm.connector` for what happens.
 
 Importing this module is cheap (vLLM's API server imports it): the engine
-starts in the workers only.
+starts in the workers only. The connector's classes load on first use, so the router
+(``python -m kvmove.vllm.proxy``) runs without importing vLLM at all.
 """
 
-from .connector import KvmoveConnector, KvmoveConnectorMetadata
+__all__ = ["KvmoveConnector", "KvmoveConnectorMetadata", "KvmoveWorkerMetadata"]
 
-__all__ = ["KvmoveConnector", "KvmoveConnectorMetadata"]
+
+def __getattr__(name):
+    if name in __all__:
+        from . import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
