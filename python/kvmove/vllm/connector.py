@@ -44,8 +44,15 @@ report, so a request lands when every rank's session landed.
 
 Options (``kv_connector_extra_config``): ``host`` (``"127.0.0.1"``, what
 this side's engines listen on), ``grant_deadline_s`` (120: how long the
-decode gives the prefill from its grant), ``trace`` (a path: one JSON line
-per finished session with its timestamps), ``protocol`` (``"tcp"``).
+decode gives the prefill from its grant), ``grant_wait_s`` (600: how long a
+prefill waits for a grant), ``backpressure`` (``"push"``: compute at once,
+push when granted; ``"hold"``: schedule a prefill request only once it is
+granted), ``layerwise`` (true; false writes a request's KV only after its
+last layer, for comparison), ``trace`` (a path: one JSON line per finished
+session with its timestamps), ``protocol`` (``"tcp"``), ``cpus``.
+
+Stats: :mod:`kvmove.vllm.stats` (vLLM's ``KVConnectorStats`` and
+``/metrics``).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,6 +132,23 @@ class KvmoveConnectorMetadata(KVConnectorMetadata):
     cancel_recvs: list[str] = field(default_factory=list)
     # Handoffs the decode will never grant: (handoff, prefill address).
     skips: list[tuple[int, str]] = field(default_factory=list)
+    # Prefill, backpressure "hold": requests whose session opens now; they
+    # are scheduled once every worker has their grant.
+    opens: list[tuple[str, int, str, int]] = field(default_factory=list)
+
+
+@dataclass
+class KvmoveWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: held prefill requests that may be
+    scheduled now (their grant came, or their session ended without one),
+    each with how many workers say so."""
+
+    go: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        for rid, n in getattr(other, "go", {}).items():
+            self.go[rid] = self.go.get(rid, 0) + n
+        return self
 
 
 def handoff_params(request: "Request") -> Optional[dict]:
@@ -160,9 +185,21 @@ def peer_of(base: str, rank: int) -> str:
 # Scheduler side
 
 
+BACKPRESSURE = ("push", "hold")
+
+
 class _Scheduler:
     def __init__(self, vllm_config: "VllmConfig"):
         self.block_size = vllm_config.cache_config.block_size
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        mode = extra.get("backpressure", "push")
+        if mode not in BACKPRESSURE:
+            raise ValueError(f"kvmove: kv_connector_extra_config.backpressure is {mode!r}; it is one of {BACKPRESSURE}")
+        self.hold = mode == "hold"
+        self.workers = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+        # "hold": requests whose session is open, waiting for every
+        # worker's go (rid -> workers that said so).
+        self.holding: dict[str, int] = {}
         # req_id -> [handoff, peer, block ids, prompt tokens]
         self.sending: dict[str, list] = {}
         # req_id -> (handoff, peer), until its KV landed or failed
@@ -173,6 +210,17 @@ class _Scheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         k = handoff_params(request)
+        if k is not None and k["role"] == "send" and self.hold and not k.get("_go"):
+            # Not scheduled until the decode granted (on every worker).
+            rid = request.request_id
+            if rid not in self.holding:
+                self.holding[rid] = 0
+                self.meta.opens.append((rid, k["handoff"], k["peer"], request.num_prompt_tokens))
+            if self.holding[rid] < self.workers:
+                return None, False
+            del self.holding[rid]
+            k["_go"] = True
+            return 0, False
         # Asked again each step until vLLM has the blocks (a full decode
         # allocates nothing and grants nothing: backpressure); once they
         # were allocated (a preempted request comes back), computed here.
@@ -249,6 +297,7 @@ class _Scheduler:
         if k is None:
             return False, None
         if k["role"] == "send":
+            self.holding.pop(rid, None)
             self.sending.pop(rid, None)
             self.meta.ended_sends.append((rid, k["handoff"], k["peer"]))
             self.delayed.add(rid)
@@ -268,6 +317,10 @@ class _Scheduler:
             self.delayed.discard(rid)
         for rid in out.finished_recving or ():
             self.receiving.pop(rid, None)
+        meta = getattr(out, "kv_connector_worker_meta", None)
+        for rid, n in getattr(meta, "go", {}).items():
+            if rid in self.holding:
+                self.holding[rid] += n
 
     def has_pending_push_work(self) -> bool:
         return bool(self.delayed or self.sending)
@@ -293,11 +346,13 @@ class _Send:
         self.pending: dict[int, list[tuple[int, int]]] = {}
         self.remote: Optional[list[list[int]]] = None  # [layer][j - first] -> address
         self.first = 0
+        self.expected = 0  # bytes the grant asks for
         self.writes: list = []
         self.computed = False  # the last layer of the last chunk is saved
         self.ended = False  # vLLM finished the request (its blocks wait)
         self.finishing = False
         self.cancel = False
+        self.hold = False  # backpressure "hold": the scheduler waits for our go
         self.state: Optional[str] = None
         self.error: Optional[str] = None
         self.t = {"created": time.time()}
@@ -308,6 +363,7 @@ class _Recv:
 
     def __init__(self, plan: RecvPlan, peer: str):
         self.plan, self.peer = plan, peer
+        self.expected = 0  # bytes granted
         self.session = None
         self.state: Optional[str] = None
         self.error: Optional[str] = None
@@ -331,6 +387,10 @@ class _Worker:
         self.grant_wait = float(extra.get("grant_wait_s", 600.0))
         self.trace_path = extra.get("trace")
         self.cpus = extra.get("cpus")
+        # False: a request's KV is written once its last layer is computed
+        # (whole requests, as a pull-based connector moves them; for
+        # comparison), not layer by layer.
+        self.layerwise = bool(extra.get("layerwise", True))
         self.block_size = vllm_config.cache_config.block_size
         self.engine = None
         self.rank = 0
@@ -342,6 +402,7 @@ class _Worker:
         self.new_sends: list[_Send] = []
         self.new_recvs: list[_Recv] = []
         self.finished_ids: set[str] = set()
+        self.go: set[str] = set()  # held requests the scheduler may run
         self.peer_fp: dict[str, dict] = {}
         self.bad_peers: dict[str, str] = {}
         self.layer_index: dict[str, int] = {}
@@ -354,6 +415,9 @@ class _Worker:
         # run where the pump does).
         self.calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvmove-vllm-call")
         self.in_calls: set = set()
+        from .stats import KvmoveConnectorStats
+
+        self.stats = KvmoveConnectorStats()
 
     # ---- setup ----
 
@@ -449,6 +513,12 @@ class _Worker:
         with self.lock:
             for handoff, peer in meta.skips:
                 self.skips.append((handoff, peer_of(peer, self.rank)))
+            for rid, handoff, peer, prompt in meta.opens:
+                if rid not in self.sends:
+                    s = _Send(rid, handoff, peer_of(peer, self.rank), prompt)
+                    s.hold = True
+                    self.sends[rid] = s
+                    self.new_sends.append(s)
             for plan in meta.recvs:
                 r = _Recv(plan, peer_of(plan.peer, self.rank))
                 self.recvs[plan.req_id] = r
@@ -466,6 +536,7 @@ class _Worker:
                     s = _Send(plan.req_id, plan.handoff, peer_of(plan.peer, self.rank), plan.prompt)
                     self.sends[plan.req_id] = s
                     self.new_sends.append(s)
+                s.t.setdefault("scheduled", time.time())
                 s.block_ids = plan.block_ids
                 whole = plan.end // bs
                 if plan.end >= plan.prompt:
@@ -506,11 +577,13 @@ class _Worker:
                 if last_layer and s.last_step and not s.computed:
                     s.computed = True
                     s.t["computed"] = now
+                    if not self.layerwise and s.remote is not None:
+                        self._flush(s, now)
                     self.wake.notify()
 
     def _flush(self, s: _Send, now: float):
         """Starts the writes of ``s``'s pending blocks (lock held; grant in)."""
-        if s.session is None or s.remote is None:
+        if s.session is None or s.remote is None or (not self.layerwise and not s.computed):
             return
         ops = []
         for layer, blocks in s.pending.items():
@@ -562,6 +635,24 @@ class _Worker:
             if self.sends or self.recvs:
                 self.wake.notify()
         return out
+
+    def _let_go(self, s: _Send):
+        """A held request may be scheduled (lock held): granted, or its
+        session ended (it then computes without a transfer)."""
+        if s.hold:
+            s.hold = False
+            self.go.add(s.req_id)
+
+    def worker_meta(self) -> Optional[KvmoveWorkerMetadata]:
+        with self.lock:
+            if not self.go:
+                return None
+            go, self.go = self.go, set()
+        return KvmoveWorkerMetadata({rid: 1 for rid in go})
+
+    def take_stats(self):
+        with self.lock:
+            return self.stats.take()
 
     def handle_preemptions(self, preempted: set[str]):
         # A preempted prefill request's blocks go back to vLLM: writes
@@ -630,8 +721,8 @@ class _Worker:
         try:
             sess = self.engine.send(s.peer, s.handoff)
         except Exception as e:  # noqa: BLE001
-            with self.lock:
-                s.state, s.error = "failed", f"cannot open the handoff: {e}"
+            s.error = f"cannot open the handoff: {e}"
+            self._ended(s, "failed", None)
             return
         with self.lock:
             s.session = sess
@@ -663,6 +754,7 @@ class _Worker:
                 if why is None:
                     s.t["granted"] = now
                     self._flush(s, now)
+                    self._let_go(s)
                 else:
                     s.error = why
                     s.cancel = True
@@ -678,8 +770,8 @@ class _Worker:
     def _start_recv(self, r: _Recv):
         bad = self.bad_peers.get(r.peer)
         if bad is not None:
-            with self.lock:
-                r.state, r.error = "failed", bad
+            r.error = bad
+            self._recv_state(r, "failed")
             return
         plan = r.plan
         ranges = []
@@ -695,12 +787,15 @@ class _Worker:
             self._notify(r.peer, "hello", self.fingerprint, raise_=True)
             sess = self.engine.receive(r.peer, plan.handoff, [tuple(x) for x in ranges], deadline=self.deadline)
         except Exception as e:  # noqa: BLE001
-            with self.lock:
-                r.state, r.error = "failed", f"cannot grant the prefill {r.peer}: {e}"
-            logger.warning("kvmove: request %s: %s", plan.req_id, r.error)
+            r.error = f"cannot grant the prefill {r.peer}: {e}"
+            self._recv_state(r, "failed")
+            # The prefill (if it hears) need not hold the blocks until its
+            # grant wait runs out.
+            self._notify(r.peer, "skip", {"handoff": plan.handoff})
             return
         with self.lock:
             r.session = sess
+            r.expected = sum(n for _, n in ranges)
             r.t["granted"] = time.time()
             if r.cancel:
                 pass  # cancelled below by _drive_recv
@@ -734,6 +829,7 @@ class _Worker:
                 remote[layer].append(addr + k * bb)
         s.first = nblocks - needed
         s.remote = remote
+        s.expected = total
         return None
 
     def _drive_send(self, s: _Send):
@@ -792,11 +888,14 @@ class _Worker:
             if err is not None and s.error is None:
                 s.error = str(err)
             s.t["ended"] = time.time()
+            self.stats.record("send", state, s.expected, s.t)
+            self._let_go(s)
         self._trace("send", s.req_id, s.handoff, s.peer, state, s.error, s.t)
-        try:
-            s.session.release()
-        except Exception:  # noqa: BLE001
-            pass
+        if s.session is not None:
+            try:
+                s.session.release()
+            except Exception:  # noqa: BLE001
+                pass
 
     def _drive_recv(self, r: _Recv):
         if r.session is None or r.state is not None:
@@ -816,7 +915,7 @@ class _Worker:
 
     def _recv_state(self, r: _Recv, state: str):
         if state in FINAL:
-            err = r.session.error
+            err = r.session.error if r.session is not None else None
             with self.lock:
                 if r.state is not None:
                     return
@@ -824,13 +923,15 @@ class _Worker:
                 if err is not None and r.error is None:
                     r.error = str(err)
                 r.t["ended"] = time.time()
+                self.stats.record("recv", state, r.expected, r.t)
             if state != "landed":
                 logger.warning("kvmove: request %s: KV from %s %s: %s", r.plan.req_id, r.peer, state, r.error)
             self._trace("recv", r.plan.req_id, r.plan.handoff, r.peer, state, r.error, r.t)
-            try:
-                r.session.release()
-            except Exception:  # noqa: BLE001
-                pass
+            if r.session is not None:
+                try:
+                    r.session.release()
+                except Exception:  # noqa: BLE001
+                    pass
 
     def _notify(self, peer: str, verb: str, body: dict, raise_: bool = False):
         msg = MAGIC + b" " + verb.encode() + b" " + json.dumps(body, sort_keys=True).encode()
@@ -973,6 +1074,24 @@ class KvmoveConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self._worker is not None:
             self._worker.shutdown()
+
+    def build_connector_worker_meta(self):
+        return None if self._worker is None else self._worker.worker_meta()
+
+    def get_kv_connector_stats(self):
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None):
+        from .stats import KvmoveConnectorStats
+
+        return KvmoveConnectorStats(data=data) if data is not None else KvmoveConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .stats import KvmovePromMetrics
+
+        return KvmovePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler ----
 
