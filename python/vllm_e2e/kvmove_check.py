@@ -11,14 +11,22 @@ real vLLM servers (the CPU build) behind the router
 - a saturated decode (a KV cache of far fewer tokens than the concurrent
   requests need): every request returns the reference tokens, none errors,
   the prefill waited for grants, and both servers' KV usage is back to zero;
+- vLLM's own connector stats: ``vllm:kvmove_sessions_total`` and
+  ``vllm:kvmove_bytes_total`` on both servers' ``/metrics`` count exactly
+  the handoffs of the traces, and the bytes sent equal the bytes received;
 - the prefill SIGKILLed mid-push: the decode's requests end within the
   liveness timeout and, with ``kv_load_failure_policy = "recompute"``,
   return the reference tokens; the decode SIGKILLed: the prefill frees
   every block it held for it (usage back to zero) and serves a restarted
-  decode; the prefill SIGSTOPped past the liveness timeout: no block stays
-  held and requests after it are right;
-- a prefill with another KV layout (block size) is refused with a clear
-  error on both sides, and the decode recomputes;
+  decode, which runs with ``kv_load_failure_policy = "fail"`` from then on;
+- the restarted prefill runs with backpressure ``"hold"``: a request is
+  scheduled only once the decode granted it;
+- the prefill SIGSTOPped past the liveness timeout, then the decode: every
+  request ends, with the reference tokens or (``"fail"``) an error, one
+  error for each handoff the decode saw fail; no block stays held; and
+  requests after it are right;
+- both ends agree: every handoff in both traces landed on both or on
+  neither;
 - SIGTERM ends every server with no kvmove warning while nothing was broken.
 
     python kvmove_check.py --work DIR   (run by scripts/vllm-tests.sh)
@@ -142,6 +150,30 @@ def sends_ended(path, since, n, timeout=30):
         time.sleep(0.05)
 
 
+def ends_agree(prefill, decode, what):
+    """Every handoff both traces hold landed on both sides or on neither
+    (docs/CONTRACT.md, rule 12)."""
+    sends = {t["handoff"]: t["state"] for t in traces(prefill.trace_path) if t["role"] == "send"}
+    recvs = {t["handoff"]: t["state"] for t in traces(decode.trace_path) if t["role"] == "recv"}
+    both = sorted(sends.keys() & recvs.keys())
+    split = [(h, sends[h], recvs[h]) for h in both if (sends[h] == "landed") != (recvs[h] == "landed")]
+    check(
+        both and not split,
+        f"{what}: both ends agree on each of the {len(both)} handoffs they share {split[:3]}",
+    )
+
+
+def kvmove_counts(server, role):
+    """``(sessions by outcome, bytes)`` from ``server``'s ``/metrics``."""
+    m = server.metrics()
+    by = {}
+    for (name, labels), v in m.items():
+        ls = dict(labels)
+        if name == "vllm:kvmove_sessions_total" and ls.get("role") == role:
+            by[ls.get("outcome")] = by.get(ls.get("outcome"), 0) + v
+    return by, total(m, "vllm:kvmove_bytes_total", role=role)
+
+
 def usage(server):
     m = server.metrics()
     return total(m, "vllm:kv_cache_usage_perc")
@@ -213,7 +245,8 @@ def main():
             phase_kill_prefill(prefill, decode, proxy, ps, ref)
             phase_kill_decode(prefill, decode, proxy, ps, ref)
         if want("stop"):
-            phase_stop_prefill(prefill, decode, proxy, ps, ref)
+            phase_stop(prefill, decode, proxy, ps, ref, prefill)
+            phase_stop(prefill, decode, proxy, ps, ref, decode)
         for s in (prefill, decode):
             offset = s.log_size()
             took = s.stop()
@@ -296,6 +329,25 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
     )
     outcomes = sorted({t["state"] for t in conc_t})
     log(f"concurrent handoffs: {len(conc_t)}, outcomes {outcomes}")
+    ends_agree(prefill, decode, "sequential and concurrent")
+
+    # vLLM's stats: everything both sides traced, counted on /metrics.
+    sent, sent_bytes = kvmove_counts(prefill, "send")
+    got, got_bytes = kvmove_counts(decode, "recv")
+    want_sent = {}
+    for t in traces(prefill.trace_path):
+        if t["role"] == "send":
+            want_sent[t["state"]] = want_sent.get(t["state"], 0) + 1
+    check(
+        sent == want_sent,
+        f"prefill /metrics: vllm:kvmove_sessions_total {sent} counts the trace's sends {want_sent}",
+    )
+    landed = sum(1 for t in traces(decode.trace_path) if t["role"] == "recv" and t["state"] == "landed")
+    check(got.get("landed") == landed, f"decode /metrics: {got.get('landed')} landed, the trace {landed}")
+    check(
+        sent_bytes > 0 and sent_bytes == got_bytes,
+        f"vllm:kvmove_bytes_total: the prefill sent {sent_bytes:.0f}, the decode received {got_bytes:.0f}",
+    )
 
 
 def attempt(port, prompt):
@@ -357,6 +409,9 @@ def phase_kill_prefill(prefill, decode, proxy, ps, ref):
     log(f"decode: {total(d, 'vllm:prompt_tokens_by_source_total', source='local_compute'):.0f} prompt tokens computed locally so far")
     u = wait_usage_zero(decode)
     check(u == 0, f"decode: KV cache usage back to zero after the prefill died ({u})")
+    # From here on the prefill holds each request until the decode granted
+    # (backpressure "hold"; the phases before pushed once computed).
+    prefill.kv_config["kv_connector_extra_config"]["backpressure"] = "hold"
     restarted(prefill, proxy, ps, ref, "the restarted prefill serves the decode")
 
 
@@ -372,6 +427,8 @@ def phase_kill_decode(prefill, decode, proxy, ps, ref):
     check(u == 0, f"decode SIGKILLed mid-push: the prefill freed every block it held for it ({u})")
     ends = [t["state"] for t in traces(prefill.trace_path, n0) if t["role"] == "send"]
     log(f"the prefill's handoffs in that storm ended: {sorted(set(ends))}")
+    # From here on the decode fails a request whose KV failed.
+    decode.kv_config["kv_load_failure_policy"] = "fail"
     restarted(decode, proxy, ps, ref, "a restarted decode is served")
 
 
@@ -382,25 +439,48 @@ def restarted(server, proxy, ps, ref, what):
     check(got == ref[-2:], f"{what}: tokens equal the reference")
 
 
-def phase_stop_prefill(prefill, decode, proxy, ps, ref):
+def phase_stop(prefill, decode, proxy, ps, ref, stopped):
+    """``stopped`` (the prefill or the decode) SIGSTOPped past the liveness
+    timeout mid-push, on a decode whose policy is ``"fail"``."""
     n0 = len(traces(prefill.trace_path))
+    d0 = len(traces(decode.trace_path))
     stop_for = 2 * LIVENESS
 
     def pause():
         check(wait_pushing(prefill, n0), "the prefill pushes the storm's KV")
-        prefill.signal(signal.SIGSTOP)
+        stopped.signal(signal.SIGSTOP)
         time.sleep(stop_for)
-        prefill.signal(signal.SIGCONT)
+        stopped.signal(signal.SIGCONT)
 
     out = storm(proxy, ps, 6, pause)
     refs = {p: r for p, r in zip(ps, ref)}
-    wrong = [r for (r, _), i in zip(out, range(6)) if r != refs[ps[-1 - i % 3]]]
-    check(not wrong, f"prefill SIGSTOPped {stop_for:.0f} s mid-push: all 6 requests equal the reference {wrong[:2]}")
+    results = [(r, refs[ps[-1 - i % 3]]) for (r, _), i in zip(out, range(6))]
+    wrong = [r for r, want in results if not isinstance(r, str) and r != want]
+    errors = [r for r, _ in results if isinstance(r, str)]
+    what = f"{stopped.name} SIGSTOPped {stop_for:.0f} s mid-push"
+    check(not wrong, f"{what}: no request returned other tokens than the reference {wrong[:2]}")
     for s in (prefill, decode):
         u = wait_usage_zero(s, timeout=3 * LIVENESS + 30)
-        check(u == 0, f"after the prefill's pause: {s.name}'s KV cache usage back to zero ({u})")
+        check(u == 0, f"after the {stopped.name}'s pause: {s.name}'s KV cache usage back to zero ({u})")
+    failed = [t for t in traces(decode.trace_path, d0) if t["role"] == "recv" and t["state"] != "landed"]
+    policy = decode.kv_config["kv_load_failure_policy"]
+    # "recompute": none fails; "fail": exactly the requests whose KV failed.
+    want = len(failed) if policy == "fail" else 0
+    check(
+        len(errors) == want,
+        f"{what}: with kv_load_failure_policy {policy!r}, {len(errors)} requests failed; the decode saw "
+        f"{len(failed)} handoffs fail ({sorted({t['state'] for t in failed})}) {errors[:2]}",
+    )
+    ends_agree(prefill, decode, f"after the {stopped.name}'s pause")
+    if prefill.kv_config["kv_connector_extra_config"].get("backpressure") == "hold":
+        sends = [t for t in traces(prefill.trace_path, n0) if t["role"] == "send" and "t_granted" in t and "t_scheduled" in t]
+        early = [t["req"] for t in sends if t["t_scheduled"] < t["t_granted"]]
+        check(
+            sends and not early,
+            f"backpressure \"hold\": each of the {len(sends)} handoffs computed was scheduled after its grant {early[:3]}",
+        )
     got = [routed(proxy.port, p) for p in ps[-2:]]
-    check(got == ref[-2:], "after the pause: tokens equal the reference")
+    check(got == ref[-2:], f"after the {stopped.name}'s pause: tokens equal the reference")
 
 
 def prompts_of(lengths):
