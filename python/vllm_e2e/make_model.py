@@ -6,7 +6,11 @@ sensible; what the check needs is that its greedy output depends on every
 prompt token, so that a decode which did not use the transferred KV (or used
 the wrong bytes) produces different tokens.
 
-    python make_model.py OUT_DIR [--seed N]
+`--bench` makes the benchmark's model instead (kvmove_bench.py): more and
+wider layers (8 of 256, 8 KiB of float32 KV a token), so that a layer's
+prefill takes milliseconds on this CPU, and positions for 4k-token prompts.
+
+    python make_model.py OUT_DIR [--seed N] [--bench]
 
 `--seed` changes the weights (the control run serves a prefill with other
 weights and expects the decode's tokens to differ from the reference).
@@ -52,7 +56,7 @@ def build_tokenizer(out_dir):
                 "eos_token": "</s>",
                 "unk_token": "<unk>",
                 "pad_token": "<pad>",
-                "model_max_length": 2048,
+                "model_max_length": 8192,
                 "add_bos_token": False,
                 "clean_up_tokenization_spaces": False,
             },
@@ -71,6 +75,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bench", action="store_true", help="the benchmark's larger model")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
 
@@ -79,14 +84,16 @@ def main():
 
     vocab_size = build_tokenizer(args.out_dir)
     torch.manual_seed(args.seed)
+    size = (
+        dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=8192)
+        if args.bench
+        else dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048)
+    )  # fmt: skip
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+        **size,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
