@@ -812,3 +812,72 @@ fn unclaimed_grants_are_bounded_per_peer_and_in_all() {
     assert!(held(&s, "a", 10) && held(&s, "a", 0));
     assert!(refused(&mut s).is_empty());
 }
+
+/// Delivers everything either side has queued for the other, both ways,
+/// then ticks both at `now`.
+fn exchange(s: &mut SessionTable, r: &mut SessionTable, now: Duration) {
+    for _ in 0..4 {
+        for (_, m) in s.drain_outgoing() {
+            r.on_message("s", &m, now);
+        }
+        for (_, m) in r.drain_outgoing() {
+            s.on_message("r", &m, now);
+        }
+    }
+    s.tick(now);
+    r.tick(now);
+}
+
+/// A sender frozen after its writes and before its FINISH, for longer than
+/// the liveness timeout: the receiver gives the session up on the silence
+/// and its engine releases it (vLLM's connector does so at once). The
+/// thawed sender's FINISH is answered at once, outcome unknown (this side
+/// no longer knows it, and never claims an outcome a landed one could
+/// contradict), so the sender ends within a round trip, not at its deadline
+/// a minute later while the receiver answers its heartbeats (a vLLM prefill
+/// SIGSTOPped mid-push held its blocks for two minutes).
+#[test]
+fn a_finish_for_a_session_the_receiver_released_is_answered() {
+    let mut s = SessionTable::new(limits(), 1);
+    let mut r = SessionTable::new(limits(), 2);
+    let mut now = Duration::from_millis(10);
+    s.expect("r", ID, now).unwrap();
+    let g = Grant { ranges: vec![(BASE, GRANTED)], expected: GRANTED, deadline: Duration::from_secs(60) };
+    r.grant_to("s", ID, g, now).unwrap();
+    exchange(&mut s, &mut r, now);
+    assert_eq!(s.state(&ks()), Some(SessionState::Granted));
+    s.begin_write(&ks(), &[(BASE, GRANTED)], now).unwrap();
+    s.end_write(&ks(), GRANTED, now);
+    exchange(&mut s, &mut r, now);
+
+    // The sender is frozen: only the receiver runs; what it sends waits in
+    // the sender's socket.
+    let mut queued = Vec::new();
+    for _ in 0..30 {
+        now += Duration::from_millis(100);
+        r.tick(now);
+        queued.extend(r.drain_outgoing());
+    }
+    let st = r.state(&kr()).expect("the receiver's session");
+    assert!(matches!(&st, SessionState::Failed(e) if e.kind() == ErrorKind::PeerUnavailable), "{st:?}");
+    r.release(&kr()).unwrap();
+
+    // Thawed: it reads what came meanwhile, then finishes (no write left,
+    // so nothing made it ask first).
+    now += Duration::from_millis(100);
+    for (_, m) in queued {
+        s.on_message("r", &m, now);
+    }
+    s.tick(now);
+    s.finish(&ks()).unwrap();
+    let finished = now;
+    while now < finished + Duration::from_secs(3) && !s.state(&ks()).is_some_and(|x| x.is_final()) {
+        now += Duration::from_millis(50);
+        exchange(&mut s, &mut r, now);
+    }
+    let st = s.state(&ks()).expect("the sender's session");
+    assert!(matches!(&st, SessionState::Failed(e) if e.kind() == ErrorKind::OutcomeUnknown), "the sender: {st:?}");
+    let took = now.saturating_sub(finished);
+    assert!(took <= Duration::from_millis(200), "the sender ended {took:?} after its FINISH");
+    assert_eq!(r.state(&kr()), None, "the answer opened nothing on the receiver");
+}

@@ -144,11 +144,13 @@ pub struct SessionTable {
     /// (a sender waiting for a grant learns from the answers that this
     /// side's session engine is alive). Bounded: [`MAX_STRANGERS`].
     strangers: HashMap<String, Duration>,
-    /// Sender sessions released after they ended without a grant, with
-    /// when: a late GRANT for one is refused (as a lingering one's is), so
-    /// the receiver frees its memory at once instead of holding it for an
-    /// unclaimed grant until the deadline. Kept for `linger`, at most
-    /// `max_lingering`.
+    /// Sender sessions released after they ended without a grant, and
+    /// receiver sessions released, with when: a late GRANT for a sender's
+    /// is refused (as a lingering one's is), so the receiver frees its
+    /// memory at once instead of holding an unclaimed grant until the
+    /// deadline; a late FINISH for a receiver's is answered (outcome
+    /// unknown), so the sender does not wait out its deadline. Kept for
+    /// `linger`, at most `max_lingering`.
     released: VecDeque<(SessionKey, Duration)>,
     released_set: HashSet<SessionKey>,
     /// When this side last ran (a tick, a message read, a call), to notice
@@ -572,7 +574,11 @@ impl SessionTable {
         if !s.state.is_final() {
             return Err(Error::new(ErrorKind::InvalidRequest, "the session is still open (cancel it first)"));
         }
-        if key.role == Role::Sender && s.grant.is_none() && self.released_set.insert(key.clone()) {
+        // Remembered (bounded): a sender's session released before its
+        // grant came refuses a late grant; a receiver's answers a late
+        // FINISH (see `on_finish`).
+        let remember = key.role == Role::Receiver || s.grant.is_none();
+        if remember && self.released_set.insert(key.clone()) {
             self.released.push_back((key.clone(), self.last_ran.unwrap_or_default()));
             while self.released.len() > self.limits.max_lingering {
                 if let Some((k, _)) = self.released.pop_front() {
@@ -776,7 +782,19 @@ impl SessionTable {
     fn on_finish(&mut self, from: &str, id: u64, bytes: u64, now: Duration) {
         let key = SessionKey::new(from, id, Role::Receiver);
         let Some(s) = self.sessions.get_mut(&key) else {
+            // A session this side ended and its engine released (e.g. it
+            // took the sender's pause for death): answered, or the sender
+            // would wait out its deadline while this side answers its
+            // heartbeats. Its outcome is no longer known here, so the answer
+            // says exactly that, never an outcome a landed one could
+            // contradict (rule 13). Only sessions released lately (the
+            // last `max_lingering`) are answered, once per FINISH; anything
+            // else is ignored, and both change nothing here.
             self.ignored += 1;
+            if self.released_set.contains(&key) {
+                let why = "this side no longer holds the session (it ended and was released)";
+                self.send(from, id, Body::End(unknown_outcome(why)));
+            }
             return;
         };
         match (&s.phase, &s.state) {
