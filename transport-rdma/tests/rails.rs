@@ -137,29 +137,60 @@ fn rail_link_down_mid_batch_completes_byte_exact() {
         }
         let (st, clean) = p.write_all().await;
         assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
-        let before = p.a.paths(p.seg).unwrap();
-        assert!(before.iter().all(|x| x.bytes > 0), "both rails carry a share: {before:?}");
+        let total = |ps: &[PathStatus]| ps.iter().map(|x| x.bytes).sum::<u64>();
 
         // Rail 0 of the initiator loses its link while the batch moves.
         let _up = common::LinksUp(vec![links[0].netdev.clone()]);
-        p.dst.fill(0);
-        let t0 = Instant::now();
-        let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
-        // The link goes down once a tenth of the batch has moved (by the
-        // paths' byte counts, not by a time measured from an earlier batch,
-        // which a loaded machine makes wrong).
-        let total = |ps: &[PathStatus]| ps.iter().map(|x| x.bytes).sum::<u64>();
-        let at_submit = total(&before);
-        let watch = Instant::now();
-        while total(&p.a.paths(p.seg).unwrap()) - at_submit < (LEN / 10) as u64
-            && !p.a.poll(b).unwrap().is_terminal()
-            && watch.elapsed() < Duration::from_secs(30)
-        {
-            tokio::time::sleep(Duration::from_micros(200)).await;
-        }
-        common::ip_link(&links[0].netdev, false).unwrap();
-        let moved = p.a.paths(p.seg).unwrap();
-        assert!(!p.a.poll(b).unwrap().is_terminal(), "the batch ended before the link went down");
+        let mut attempt = 0;
+        let (b, t0, before, moved) = loop {
+            attempt += 1;
+            let before = p.a.paths(p.seg).unwrap();
+            assert!(before.iter().all(|x| x.bytes > 0), "both rails carry a share: {before:?}");
+            p.dst.fill(0);
+            let t0 = Instant::now();
+            let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
+            // The link goes down once a tenth of the batch has moved (by the
+            // paths' byte counts, not by a time measured from an earlier
+            // batch, which a loaded machine makes wrong); in a later attempt
+            // as soon as anything moved.
+            let trigger = if attempt == 1 { (LEN / 10) as u64 } else { 1 };
+            let at_submit = total(&before);
+            let watch = Instant::now();
+            while total(&p.a.paths(p.seg).unwrap()) - at_submit < trigger
+                && !p.a.poll(b).unwrap().is_terminal()
+                && watch.elapsed() < Duration::from_secs(30)
+            {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+            common::ip_link(&links[0].netdev, false).unwrap();
+            let moved = p.a.paths(p.seg).unwrap();
+            if !p.a.poll(b).unwrap().is_terminal() {
+                break (b, t0, before, moved);
+            }
+            // The batch outran the link change (in the VM, `ip` itself can
+            // take as long as a batch): not the case under test. Its bytes
+            // are checked, the link returns, rail 0 carries data again, and
+            // the case starts over.
+            let st = wait(&*p.a, b).await;
+            p.a.release(b).unwrap();
+            assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+            assert!(p.exact());
+            assert!(attempt < 4, "the batch ended before the link went down, {attempt} times");
+            eprintln!("rails: attempt {attempt}: the batch ended before the link went down; again");
+            common::ip_link(&links[0].netdev, true).unwrap();
+            assert!(eventually(Duration::from_secs(10), || common::port_is(&links[0].device, "ACTIVE")).await);
+            let back = Instant::now();
+            loop {
+                let was = p.a.paths(p.seg).unwrap()[0].bytes;
+                let (st, _) = p.write_all().await;
+                assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+                let now = p.a.paths(p.seg).unwrap();
+                if now[0].state == PathState::Up && now[0].bytes > was {
+                    break;
+                }
+                assert!(back.elapsed() < Duration::from_secs(30), "rail 0 never came back: {now:?}");
+            }
+        };
         let st = wait(&*p.a, b).await;
         let failed = t0.elapsed();
         p.a.release(b).unwrap();
