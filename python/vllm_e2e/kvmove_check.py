@@ -177,6 +177,12 @@ def kvmove_counts(server, role):
     return by, total(m, "vllm:kvmove_bytes_total", role=role)
 
 
+def busy(server):
+    """Requests the server runs or holds."""
+    m = server.metrics()
+    return total(m, "vllm:num_requests_running") + total(m, "vllm:num_requests_waiting")
+
+
 def usage(server):
     m = server.metrics()
     return total(m, "vllm:kv_cache_usage_perc")
@@ -250,6 +256,16 @@ def main():
         if want("stop"):
             phase_stop(prefill, decode, proxy, ps, ref, prefill)
             phase_stop(prefill, decode, proxy, ps, ref, decode)
+        # The router first (as a deployment shuts down), then each server
+        # once it runs nothing: a prefill request the router still held
+        # (its answer unused, the decode's already sent) would keep the
+        # API server waiting for that connection after its engine stopped.
+        for p in proxies:
+            p.stop()
+        for s in (prefill, decode):
+            idle_by = time.monotonic() + 60
+            while time.monotonic() < idle_by and busy(s) > 0:
+                time.sleep(0.5)
         for s in (prefill, decode):
             offset = s.log_size()
             took = s.stop()
