@@ -119,13 +119,7 @@ class System:
         if self.proxy is not None:
             c.post(self.proxy.port, {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0})
         else:
-            pre = c.post(self.prefill.port, {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0,
-                                             "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
-            params = pre.get("kv_transfer_params")
-            if not params or not params.get("remote_block_ids"):
-                raise RuntimeError(f"prefill returned no kv_transfer_params: {pre}")
-            c.post(self.decode.port, {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0,
-                                      "kv_transfer_params": params})  # fmt: skip
+            c.pd(self.prefill, self.decode, text, max_tokens=1)
         return time.monotonic() - t0
 
     def exposed(self, since_trace, m0):

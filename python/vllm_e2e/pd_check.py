@@ -250,7 +250,7 @@ def plain(port, prompt, max_tokens=MAX_TOKENS):
     return d["choices"][0]["token_ids"]
 
 
-def pd(prefill, decode, prompt, times=None):
+def pd(prefill, decode, prompt, times=None, max_tokens=MAX_TOKENS):
     """vLLM's two-step disaggregated request: the decode's token ids
     (``times`` gets the seconds of each step)."""
     t0 = time.monotonic()
@@ -260,14 +260,14 @@ def pd(prefill, decode, prompt, times=None):
     if not params or not params.get("remote_block_ids"):
         raise CheckFailed(f"prefill returned no kv_transfer_params: {pre}")
     t1 = time.monotonic()
-    out = decode_with(decode, prompt, params)
+    out = decode_with(decode, prompt, params, max_tokens)
     if times is not None:
         times.append((t1 - t0, time.monotonic() - t1))
     return out
 
 
-def decode_with(decode, prompt, params):
-    d = post(decode.port, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+def decode_with(decode, prompt, params, max_tokens=MAX_TOKENS):
+    d = post(decode.port, {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params})  # fmt: skip
     return d["choices"][0]["token_ids"]
 
