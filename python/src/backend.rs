@@ -182,7 +182,17 @@ pub(crate) async fn build(cfg: &kvmove::EngineConfig) -> Result<Arc<dyn Transpor
             ),
         ));
     }
-    kvmove::build_transport(cfg).await
+    // `KVMOVE_INSECURE=1`: protected mode off for engines without a
+    // secret (Python has no config file to say `insecure = true` in).
+    let mut cfg = cfg.clone();
+    if transport_control::access::insecure_from_env() {
+        cfg.backend.tcp.insecure = true;
+        #[cfg(feature = "rdma")]
+        {
+            cfg.backend.rdma.insecure = true;
+        }
+    }
+    kvmove::build_transport(&cfg).await
 }
 
 /// Whether this build can run the RDMA backend (the `rdma` feature, which

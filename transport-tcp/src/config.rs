@@ -84,8 +84,15 @@ pub struct TcpConfig {
     pub keepalive: Option<Duration>,
     /// Shared secret. When set, both sides prove they hold it (HMAC-SHA256
     /// challenge-response) before any request is served, and a peer without
-    /// it is refused (`AuthFailed`). Default `None` (no authentication).
+    /// it is refused (`AuthFailed`). Unset, `KVMOVE_SECRET` and then the
+    /// file `KVMOVE_SECRET_FILE` names are tried. Default `None`.
     pub secret: Option<String>,
+    /// Without a secret, serve peers on other hosts too (protected mode
+    /// off). Default false: with no secret only this host's connections
+    /// (loopback, or to the address they reached) are served, others are
+    /// refused with `AuthFailed` and a reason that says what to set
+    /// (`transport_control::access`).
+    pub insecure: bool,
     /// Largest frame payload accepted from a peer, in bytes; a larger frame
     /// closes the connection. Bounds memory per connection. Must be at least
     /// `slice_size`. Default 1 MiB.
@@ -214,6 +221,7 @@ impl Default for TcpConfig {
             recv_buffer: Some(4 << 20),
             keepalive: Some(Duration::from_secs(10)),
             secret: None,
+            insecure: false,
             max_frame: 1 << 20,
             max_connections: 1024,
             max_connections_per_ip: 256,
@@ -232,6 +240,16 @@ impl Default for TcpConfig {
 }
 
 impl TcpConfig {
+    /// The connection bounds the server's admission keeps.
+    pub(crate) fn limits(&self) -> transport_control::admission::Limits {
+        transport_control::admission::Limits {
+            max_connections: self.max_connections,
+            max_connections_per_ip: self.max_connections_per_ip,
+            max_handshaking: self.max_handshaking,
+            max_handshaking_per_ip: self.max_handshaking_per_ip,
+        }
+    }
+
     /// Checks the values; names the field that is wrong.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("tcp.{field}: {why}")));

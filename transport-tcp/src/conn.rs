@@ -10,10 +10,10 @@ use tokio::net::{TcpSocket, TcpStream};
 use transport_core::{Error, ErrorKind, Result};
 use transport_mem::window::{WindowView, WINDOW_NONCE_LEN};
 
-use crate::auth::{self, Role};
 use crate::config::TcpConfig;
 use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::samehost::{self, SameHost};
+use transport_control::auth::{self, Role};
 
 /// Names the socket option and its allowed values in an OS error, which
 /// otherwise says only "Invalid argument".
@@ -74,6 +74,16 @@ pub(crate) fn status_err(s: Status, peer: &str) -> Error {
         Status::SourceCopy => (ErrorKind::Io, "the peer could not copy the bytes from this process's memory"),
     };
     Error::new(kind, msg).with("peer", peer)
+}
+
+/// [`status_err`] for an ERROR frame, with the reason the peer gave in
+/// its payload (protected mode says what to set), if any.
+fn refused(s: Status, said: &[u8], peer: &str) -> Error {
+    let e = status_err(s, peer);
+    match std::str::from_utf8(said) {
+        Ok(m) if !m.is_empty() => Error::new(e.kind(), format!("{}: {m}", e.message())).with("peer", peer),
+        _ => e,
+    }
 }
 
 /// Reads and validates one frame header.
@@ -161,7 +171,7 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     write_frame(s, hh, &hello).await.map_err(io)?;
     let (h, sn) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(handshake_kind)?;
     if h.ty == FrameType::Error {
-        return Err(status_err(h.status, peer));
+        return Err(refused(h.status, &sn, peer));
     }
     if h.ty != FrameType::Challenge {
         return Err(Error::new(ErrorKind::HandshakeFailed, "expected CHALLENGE").with("peer", peer));
@@ -169,7 +179,7 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     let auth_required = h.flags & 1 != 0;
     let same_host = if cfg.same_host { check_server(s, &h, &sn) } else { SameHost::default() };
     let proof = match (&cfg.secret, auth_required) {
-        (Some(k), true) => auth::prove(k.as_bytes(), Role::Client, &cn[..], &sn),
+        (Some(k), true) => auth::prove(auth::TCP, k.as_bytes(), Role::Client, &cn[..], &sn),
         (None, true) => {
             return Err(Error::new(ErrorKind::AuthFailed, "the peer requires a shared secret and none is configured")
                 .with("peer", peer))
@@ -194,7 +204,7 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     if let Some(k) = &cfg.secret {
         // With a secret configured we require the server to prove it too,
         // so an impostor listening on the address is never sent data.
-        if !auth_required || !auth::verify(k.as_bytes(), Role::Server, &cn[..], &sn, &server_proof) {
+        if !auth_required || !auth::verify(auth::TCP, k.as_bytes(), Role::Server, &cn[..], &sn, &server_proof) {
             return Err(
                 Error::new(ErrorKind::AuthFailed, "the peer did not prove the shared secret").with("peer", peer)
             );

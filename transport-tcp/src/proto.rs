@@ -73,7 +73,7 @@ pub const VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 48;
 const MAGIC: u8 = 0x4B;
 /// Bytes of a handshake nonce and of an authentication proof.
-pub const NONCE_LEN: usize = 32;
+pub const NONCE_LEN: usize = transport_control::auth::NONCE_LEN;
 /// Largest ERROR message payload.
 pub const MAX_ERROR_MSG: usize = 256;
 /// Largest NOTIFY payload: the name length (2 bytes), the longest sender

@@ -17,9 +17,7 @@ use tokio::task::JoinHandle;
 use transport_core::lifecycle::TaskSet;
 use transport_core::{check_received, Inbox, Notification, Refused};
 
-use crate::admission::{refusal_label, Admit, Counts, Slot};
 use crate::applying::Applying;
-use crate::auth::{self, Role};
 use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::busypoll::BusyPoll;
 use crate::config::TcpConfig;
@@ -29,6 +27,9 @@ use crate::regions::Region;
 use crate::regions::{pull_status, Gathered, Pulled, RegionTable, WindowGuard};
 use crate::samehost;
 use crate::staging::{copied, copy_off, Copying, Count, Lease, Side, Staging, STAGE};
+use transport_control::access::Exposure;
+use transport_control::admission::{refusal_label, Admit, Counts, Proven, Slot};
+use transport_control::auth::{self, Role};
 
 /// A connection's output buffer: answers gathered before one `write`. A
 /// READ answer up to `STREAM` fits in it whole.
@@ -194,9 +195,17 @@ impl Server {
             };
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let ip = peer.ip().to_canonical();
+            let here = s.local_addr().map_or(ip, |a| a.ip());
+            if let Err(why) = Exposure::of(self.cfg.secret.as_deref(), self.cfg.insecure).admits(ip, here) {
+                tracing::warn!(%peer, reason = why, "refusing connection (answered AuthFailed)");
+                metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => "protected_mode").increment(1);
+                self.refuse(id, s, Status::AuthFailed, why);
+                continue;
+            }
+            let proven = said_hello(&s);
             let (slot, evicted) = {
                 let mut c = self.counts.lock();
-                match c.admits(&self.cfg, ip) {
+                match c.admits(&self.cfg.limits(), ip) {
                     Admit::Yes => (Slot::handshaking(&self.counts, &mut c, ip, id), None),
                     Admit::Evict(old) => {
                         let signal = c.evict_signals.remove(&old);
@@ -207,17 +216,22 @@ impl Server {
                         tracing::warn!(%peer, reason = why, "refusing connection (answered Busy)");
                         metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => refusal_label(why))
                             .increment(1);
-                        self.refuse(id, s);
+                        self.refuse(id, s, Status::Busy, "");
                         continue;
                     }
                 }
             };
+            // Its HELLO came with the connection: silent ones give way
+            // before it from the start.
+            if proven == Proven::Hello && slot.proved(&self.cfg.limits(), proven) {
+                metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => "evicted_handshake").increment(1);
+            }
             if let Some(signal) = evicted {
                 // Its count is already gone; told so, it answers `Busy` and
                 // closes (its peer retries: a close in the middle of an
                 // authentication would read as a wrong secret).
                 signal.notify_one();
-                tracing::warn!(%peer, "handshake quota full: closed the oldest handshake of the busiest address (or of the newcomer's own)");
+                tracing::warn!(%peer, "handshake quota full: closed a handshake of the busiest address (or of the newcomer's own), the oldest of those that proved least");
                 metrics::counter!("kvmove_tcp_connections_refused_total", "reason" => "evicted_handshake").increment(1);
             }
             let mut conns = self.conns.lock();
@@ -236,16 +250,24 @@ impl Server {
         }
     }
 
-    /// Answers a connection over the limit with an ERROR frame, status
-    /// `Busy`, so the initiator reports a transient "busy" error rather
-    /// than a reset. The answer is followed by a FIN, and what the peer
-    /// sends (its HELLO) is read and dropped until it closes, so the close
-    /// does not reset the connection and discard the answer; all within
+    /// Answers a connection refused as it is accepted with an ERROR frame:
+    /// status `Busy` over a limit, so the initiator reports a transient
+    /// "busy" error rather than a reset; `AuthFailed` with the reason
+    /// (`why`, at most `MAX_ERROR_MSG` bytes are sent) in protected mode.
+    /// The answer is followed by a FIN, and what the peer sends (its
+    /// HELLO) is read and dropped until it closes, so the close does not
+    /// reset the connection and discard the answer; all within
     /// `REFUSE_WAIT`, and for at most `MAX_REFUSING` connections at once.
-    fn refuse(self: &Arc<Self>, id: u64, mut s: TcpStream) {
+    fn refuse(self: &Arc<Self>, id: u64, mut s: TcpStream, status: Status, why: &str) {
         let mut e = Header::new(FrameType::Error);
-        e.status = Status::Busy;
-        let frame = e.encode();
+        e.status = status;
+        let mut cut = why.len().min(proto::MAX_ERROR_MSG);
+        while !why.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        e.payload_len = cut as u32;
+        let mut frame = e.encode().to_vec();
+        frame.extend_from_slice(&why.as_bytes()[..cut]);
         let mut refusing = self.refusing.lock();
         if refusing.len() >= MAX_REFUSING {
             // Best effort: a fresh socket's send buffer takes 48 bytes.
@@ -314,6 +336,8 @@ impl Server {
             let _ = write_frame(s, e, &[]).await;
             return Err(Close::Proto(format!("protocol version {version}, this side speaks {VERSION}")));
         }
+        // A well-formed HELLO: silent connections give way before this one.
+        slot.proved(&self.cfg.limits(), Proven::Hello);
         let cn = &p[2..];
         // Boxed: with a same-host offer the client reads it from this
         // process's memory (at this address) before it sends AUTH.
@@ -343,18 +367,18 @@ impl Server {
         let answer = match &self.cfg.secret {
             None => Vec::new(),
             Some(k) => {
-                if !auth::verify(k.as_bytes(), Role::Client, cn, &sn[..], &proof) {
+                if !auth::verify(auth::TCP, k.as_bytes(), Role::Client, cn, &sn[..], &proof) {
                     let mut e = Header::new(FrameType::Error);
                     e.status = Status::AuthFailed;
                     let _ = write_frame(s, e, &[]).await;
                     return Err(Close::Proto("authentication failed".into()));
                 }
-                auth::prove(k.as_bytes(), Role::Server, cn, &sn[..])
+                auth::prove(auth::TCP, k.as_bytes(), Role::Server, cn, &sn[..])
             }
         };
         // Handshaken connections filled up while this one handshook: it is
         // answered `Busy` in place of READY.
-        if let Err(why) = slot.promote(&self.cfg) {
+        if let Err(why) = slot.promote(&self.cfg.limits()) {
             let mut e = Header::new(FrameType::Error);
             e.status = Status::Busy;
             let _ = write_frame(s, e, &[]).await;
@@ -990,5 +1014,21 @@ impl Server {
                 other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
             }
         }
+    }
+}
+
+/// What a connection has shown as it is accepted: [`Proven::Hello`] when a
+/// well-formed HELLO header is already waiting in its socket (a peer sends
+/// it with the connection; under a flood it waits in the accept backlog
+/// long enough to arrive). Peeked, not read: the handshake reads it.
+fn said_hello(s: &TcpStream) -> Proven {
+    use futures::FutureExt;
+    let mut b = [0u8; HEADER_LEN];
+    match s.peek(&mut b).now_or_never() {
+        Some(Ok(HEADER_LEN)) => match Header::decode(&b, 2 + NONCE_LEN) {
+            Ok(h) if h.ty == FrameType::Hello => Proven::Hello,
+            _ => Proven::Nothing,
+        },
+        _ => Proven::Nothing,
     }
 }

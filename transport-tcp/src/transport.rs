@@ -50,8 +50,9 @@ pub struct TcpTransport {
 impl TcpTransport {
     /// Binds the listener and starts serving. Must be called inside a
     /// tokio runtime. The segment name is the bound `host:port`.
-    pub async fn new(cfg: TcpConfig) -> Result<Self> {
+    pub async fn new(mut cfg: TcpConfig) -> Result<Self> {
         cfg.validate()?;
+        cfg.secret = transport_control::access::resolve_secret(cfg.secret.as_deref())?;
         let addr = resolve(&cfg.listen)?;
         let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
         sock.set_reuse_address(true)?;

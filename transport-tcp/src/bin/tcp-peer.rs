@@ -1,8 +1,10 @@
 //! A minimal TCP peer for tests and benchmarks: serves one remotely
 //! readable and writable region until stdin closes (or it is killed).
 //!
-//! `tcp-peer <listen host:port> <region bytes> [same_host: on|off]` prints
-//! one line, `<segment name> <region address>`, once it serves. The region
+//! `tcp-peer <listen host:port> <region bytes> [same_host: on|off]
+//! [insecure]` prints one line, `<segment name> <region address>`, once it
+//! serves. The secret is the environment's (`KVMOVE_SECRET`), if any;
+//! `insecure` turns protected mode off. The region
 //! starts as the bytes `i % 251` (byte `i`), so a reader can check them.
 
 use std::io::{BufRead, Write};
@@ -15,6 +17,7 @@ fn main() {
     let listen = args.get(1).cloned().unwrap_or_else(|| "127.0.0.1:0".into());
     let len: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
     let same_host = args.get(3).map(String::as_str) != Some("off");
+    let insecure = args.get(4).map(String::as_str) == Some("insecure");
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -23,7 +26,7 @@ fn main() {
         }
     };
     rt.block_on(async move {
-        let cfg = TcpConfig { listen, same_host, ..TcpConfig::default() };
+        let cfg = TcpConfig { listen, same_host, insecure, ..TcpConfig::default() };
         let t = match TcpTransport::new(cfg).await {
             Ok(t) => t,
             Err(e) => {
