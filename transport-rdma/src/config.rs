@@ -60,6 +60,23 @@ pub struct RdmaConfig {
     pub max_request_len: u64,
     /// Largest batch.
     pub max_batch_len: usize,
+    /// Shared secret of the side channel. When set, both sides prove they
+    /// hold it (HMAC-SHA256 over fresh nonces, `crate::greet`) before
+    /// anything is answered (descriptor, QP group, notification, staging
+    /// lease); peers must set the same. Unset, `KVMOVE_SECRET` and then
+    /// the file `KVMOVE_SECRET_FILE` names are tried. Default none.
+    pub secret: Option<String>,
+    /// Without a secret, answer side-channel connections from other hosts
+    /// too (protected mode off). Default false: with no secret only this
+    /// host's connections are answered (`transport_control::access`).
+    pub insecure: bool,
+    /// Side-channel connections in their handshake at once, in all
+    /// (default 256) and per peer address (default 32): strangers that
+    /// never finish a handshake cannot take the places of peers that do,
+    /// and a full quota evicts the handshake that proved least
+    /// (`transport_control::admission`).
+    pub max_handshaking: usize,
+    pub max_handshaking_per_ip: usize,
     /// Side-channel limit: a connection handshake (TCP connect + exchange);
     /// opening a notification channel, and the wait for the peer's answer
     /// to a notification.
@@ -105,6 +122,10 @@ impl Default for RdmaConfig {
             max_request_len: 1 << 32,
             max_batch_len: 1 << 16,
             handshake_timeout_ms: 5_000,
+            secret: None,
+            insecure: false,
+            max_handshaking: 256,
+            max_handshaking_per_ip: 32,
             flush_timeout_ms: 2_000,
             ack_timeout: 14,
             retry_count: 7,
@@ -150,6 +171,12 @@ impl RdmaConfig {
         if self.busy_poll_us > 1_000_000 {
             return bad("busy_poll_us", "must be at most 1000000 (one second)");
         }
+        if matches!(&self.secret, Some(s) if s.is_empty()) {
+            return bad("secret", "must not be empty (leave it out to run without one)");
+        }
+        if !(1..=65536).contains(&self.max_handshaking) || !(1..=65536).contains(&self.max_handshaking_per_ip) {
+            return bad("max_handshaking", "max_handshaking and max_handshaking_per_ip must be 1..=65536");
+        }
         if self.inbox_capacity == 0 {
             return bad("inbox_capacity", "must be at least 1");
         }
@@ -169,6 +196,19 @@ impl RdmaConfig {
 
     pub(crate) fn flush_timeout(&self) -> Duration {
         Duration::from_millis(self.flush_timeout_ms.max(1))
+    }
+
+    /// The bounds on side-channel connections: handshakes as configured;
+    /// handshaken ones are held by `max_passive` per kind (QP groups,
+    /// notification channels), plus as many short descriptor requests.
+    pub(crate) fn limits(&self) -> transport_control::admission::Limits {
+        let served = self.max_passive.saturating_mul(3);
+        transport_control::admission::Limits {
+            max_connections: served,
+            max_connections_per_ip: served,
+            max_handshaking: self.max_handshaking,
+            max_handshaking_per_ip: self.max_handshaking_per_ip,
+        }
     }
 
     pub(crate) fn handshake_timeout(&self) -> Duration {

@@ -166,7 +166,8 @@ impl Inner {
         let v = self.verbs()?;
         let group =
             Bringup::create(v.clone(), self.cfg.qps_per_endpoint, self.lim.max_outstanding_per_qp, reserved).await?;
-        handshake::connect(v, group, name, self.timing(), self.cfg.handshake_timeout()).await
+        handshake::connect(v, group, name, self.timing(), self.cfg.handshake_timeout(), self.cfg.secret.as_deref())
+            .await
     }
 }
 

@@ -186,6 +186,7 @@ pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
     name: &str,
     timing: QpTiming,
     limit: Duration,
+    secret: Option<&str>,
 ) -> Result<(G, TcpStream, SegmentDescriptor)> {
     let hello = group.borrow().hello(&v, v.port.active_mtu);
     let request = Request::Connect { gid: hello.gid, lid: hello.lid, mtu: hello.mtu, qps: hello.qps };
@@ -193,6 +194,7 @@ pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
         let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
         s.set_nodelay(true)?;
         let mut s = BufReader::new(s);
+        crate::greet::hello(&mut s, secret, name).await?;
         wire::send(s.get_mut(), &request).await?;
         let reply = wire::recv::<_, Reply>(&mut s).await?;
         Ok::<_, Error>((s, reply))
@@ -211,14 +213,14 @@ pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
 }
 
 /// Asks the peer `name` for its descriptor over the side channel.
-pub(crate) async fn fetch_descriptor(name: &str, limit: Duration) -> Result<SegmentDescriptor> {
+pub(crate) async fn fetch_descriptor(name: &str, limit: Duration, secret: Option<&str>) -> Result<SegmentDescriptor> {
     let work = async {
         let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
         s.set_nodelay(true)?;
-        let (r, mut w) = s.into_split();
-        let mut r = BufReader::new(r);
-        wire::send(&mut w, &Request::Describe).await?;
-        match wire::recv::<_, Reply>(&mut r).await? {
+        let mut s = BufReader::new(s);
+        crate::greet::hello(&mut s, secret, name).await?;
+        wire::send(s.get_mut(), &Request::Describe).await?;
+        match wire::recv::<_, Reply>(&mut s).await? {
             Reply::Descriptor { descriptor } => Ok(descriptor),
             Reply::Error { message } => Err(Error::new(ErrorKind::HandshakeFailed, message)),
             other => Err(Error::new(ErrorKind::Protocol, format!("unexpected reply {other:?}"))),

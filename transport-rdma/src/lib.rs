@@ -20,6 +20,17 @@
 //!   the device address) and otherwise staged through pinned host buffers
 //!   on both sides ([`RdmaConfig::staging_buffers`]; the private `staging`
 //!   module says how).
+//! * **Side channel** (version 2): every connection to the listener opens
+//!   with a handshake (`greet`: version, nonces, and with
+//!   [`RdmaConfig::secret`] an HMAC-SHA256 proof of the shared secret from
+//!   each side, `transport_control::auth`), counted from its accept by
+//!   `transport_control::admission` (handshake quotas `max_handshaking`,
+//!   `max_handshaking_per_ip`; the handshake that proved least gives way);
+//!   nothing else (descriptor, QP group, notification, staging lease) is
+//!   answered before it. Without a secret only this host is answered
+//!   (protected mode) unless [`RdmaConfig::insecure`]. A version-1 peer's
+//!   first request is answered an error naming the version. The threat
+//!   model is `docs/THREAT_MODEL.md` at the repository's root.
 //! * **Segments**: the name is the peer's side-channel `host:port`; opening
 //!   fetches the descriptor (generation + regions with rkeys) from the peer.
 //! * **Endpoints**: built lazily on the first transfer to a segment handle:
@@ -96,7 +107,8 @@
 //!
 //! `transport` (the trait, thin) -> `submit` (validation, batches,
 //! deadlines) -> `endpoint` (pool, builds, side-channel watchers) ->
-//! `handshake` (the one QP bring-up, also used by `server`) ; `notes`
+//! `handshake` (the one QP bring-up, also used by `server`) -> `greet` (the
+//! side channel's handshake, both sides) ; `notes`
 //! (notification channels) ; `background` (CQ poller and draining, reaper,
 //! async events) ; `work` (the data path over the ledger) ; `staging`
 //! (device memory) -> `state` (shared state, `Inner::with_state`) ->
@@ -125,6 +137,7 @@ mod config;
 mod counters;
 mod endpoint;
 mod error;
+mod greet;
 mod handshake;
 mod ids;
 mod notes;

@@ -136,6 +136,14 @@ impl Inner {
             }
         };
         stream.set_nodelay(true)?;
+        let mut stream = BufReader::new(stream);
+        match tokio::time::timeout(limit, crate::greet::hello(&mut stream, self.cfg.secret.as_deref(), &name)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::new(ErrorKind::HandshakeFailed, "the notification channel's handshake timed out")
+                    .with("segment", &name))
+            }
+        }
         let (side, asks) = mpsc::channel(ASK_QUEUE);
         let inflight = Arc::new(AtomicUsize::new(0));
         let mut st = self.state.lock();
@@ -167,11 +175,11 @@ async fn carry(
     weak: Weak<Inner>,
     seg: SegmentId,
     id: u64,
-    stream: TcpStream,
+    stream: BufReader<TcpStream>,
     mut asks: mpsc::Receiver<Ask>,
     limit: Duration,
 ) {
-    let mut lines = wire::Lines::new(BufReader::new(stream), wire::MAX_NOTE_LINE);
+    let mut lines = wire::Lines::new(stream, wire::MAX_NOTE_LINE);
     let mut waiting: VecDeque<oneshot::Sender<Result<Reply>>> = VecDeque::new();
     let mut open = true;
     let why = loop {

@@ -1,6 +1,12 @@
 //! The passive side: serves descriptors and accepts QP groups from peers
 //! (with the same [`QpGroup`] bring-up the connecting side uses).
 //!
+//! Every connection opens with the handshake (`crate::greet`): counted
+//! by phase and address from its accept (`transport_control::admission`:
+//! handshake quotas, the one that proved least gives way), refused from
+//! other hosts without a secret (protected mode), and answered nothing
+//! else before it is done.
+//!
 //! A peer's QP group lives exactly as long as its side-channel socket:
 //! when the peer closes it (endpoint destroyed, process killed), the QPs
 //! are moved to ERROR and destroyed here.
@@ -12,14 +18,17 @@
 //! with an error and the channel is closed. Notification channels are
 //! bounded by `max_passive` (separately from QP groups).
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use transport_control::admission::{refusal_label, Admit, Proven, Slot};
 use transport_core::{Error, ErrorKind, Refused, Result};
 
 use crate::config::MAX_QPS_PER_GROUP;
+use crate::greet;
 use crate::handshake::{Half, QpGroup};
 use crate::state::{Inner, PassiveConn, PeerGroupId, State, Task};
 use crate::wire::{self, Reply, Request};
@@ -29,10 +38,14 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(10);
 /// Bytes read at a time while holding a peer's QPs (the peer sends nothing
 /// more; anything it does send is ignored).
 const HOLD_BUF: usize = 256;
+/// How long a refused connection is given to take its answer.
+const REFUSE_WAIT: Duration = Duration::from_secs(1);
+/// Refused connections answered at once (past that, best effort).
+const MAX_REFUSING: usize = 64;
 
 pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
     loop {
-        let (sock, _) = match listener.accept().await {
+        let (sock, peer) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!("side channel accept failed: {e}");
@@ -41,14 +54,53 @@ pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
             }
         };
         let Some(inner) = weak.upgrade() else { return };
+        let ip = peer.ip().to_canonical();
+        let here = sock.local_addr().map_or(ip, |a| a.ip());
+        if let Err(why) = inner.exposure.admits(ip, here) {
+            tracing::warn!(%peer, "side channel: refused: {why}");
+            metrics::counter!("kvmove_rdma_side_channel_refused_total", "reason" => "protected_mode").increment(1);
+            refuse(&inner, sock, Reply::Denied { message: why.into() });
+            continue;
+        }
+        let proven = if greet::hello_waiting(&sock) { Proven::Hello } else { Proven::Nothing };
         let stop = inner.with_state(|st, _| {
             if st.shutdown {
                 return true;
             }
             let id = st.new_peer_id();
+            let (slot, evicted) = {
+                let mut c = inner.admission.lock();
+                match c.admits(&inner.cfg.limits(), ip) {
+                    Admit::Yes => (Slot::handshaking(&inner.admission, &mut c, ip, id.0), None),
+                    Admit::Evict(old) => {
+                        let signal = c.evict_signals.remove(&old);
+                        (Slot::handshaking(&inner.admission, &mut c, ip, id.0), signal)
+                    }
+                    Admit::No(why) => {
+                        drop(c);
+                        tracing::warn!(%peer, reason = why, "side channel: refused (answered busy)");
+                        metrics::counter!("kvmove_rdma_side_channel_refused_total", "reason" => refusal_label(why))
+                            .increment(1);
+                        refuse(&inner, sock, Reply::Busy);
+                        return false;
+                    }
+                }
+            };
+            // Its hello came with the connection: silent ones give way
+            // before it from the start.
+            if proven == Proven::Hello && slot.proved(&inner.cfg.limits(), proven) {
+                metrics::counter!("kvmove_rdma_side_channel_refused_total", "reason" => "evicted_handshake")
+                    .increment(1);
+            }
+            if let Some(signal) = evicted {
+                // Uncounted already; told so, it answers busy and closes.
+                signal.notify_one();
+                metrics::counter!("kvmove_rdma_side_channel_refused_total", "reason" => "evicted_handshake")
+                    .increment(1);
+            }
             let w = weak.clone();
             let task = Task::spawn(&inner.tasks, async move {
-                serve(&w, id, sock).await;
+                serve(&w, id, sock, slot).await;
                 if let Some(inner) = w.upgrade() {
                     inner.with_state(|st, g| {
                         if let Some(me) = st.passive_tasks.remove(&id) {
@@ -69,13 +121,65 @@ pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
     }
 }
 
-async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
+/// Answers a refused connection (`reply`: busy, or denied by protected
+/// mode) and closes it: the line, a FIN, then what the peer sends (its
+/// hello) is read and dropped until it closes, so the close does not reset
+/// the connection and discard the answer; within [`REFUSE_WAIT`], for at
+/// most [`MAX_REFUSING`] connections at once (past that, best effort).
+fn refuse(inner: &Arc<Inner>, mut sock: TcpStream, reply: Reply) {
+    let mut line = serde_json::to_vec(&reply).unwrap_or_default();
+    line.push(b'\n');
+    if inner.refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
+        inner.refusing.fetch_sub(1, Ordering::SeqCst);
+        let _ = sock.try_write(&line);
+        return;
+    }
+    let w = inner.weak();
+    // Counted in the transport's tasks; it ends by itself within
+    // `REFUSE_WAIT`.
+    let _detached = inner.tasks.spawn(async move {
+        let _ = tokio::time::timeout(REFUSE_WAIT, async {
+            sock.write_all(&line).await?;
+            sock.shutdown().await?;
+            let mut sink = [0u8; HOLD_BUF];
+            while sock.read(&mut sink).await? != 0 {}
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+        if let Some(inner) = w.upgrade() {
+            inner.refusing.fetch_sub(1, Ordering::SeqCst);
+        }
+    });
+}
+
+async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream, mut slot: Slot) {
     let _ = sock.set_nodelay(true);
     let mut sock = BufReader::new(sock);
-    let timeout = match weak.upgrade() {
-        Some(i) => i.cfg.handshake_timeout(),
+    let (timeout, secret, limits) = match weak.upgrade() {
+        Some(i) => (i.cfg.handshake_timeout(), i.cfg.secret.clone(), i.cfg.limits()),
         None => return,
     };
+    // The handshake first (nothing is answered before it), bounded by
+    // `handshake_timeout`, given up for a newcomer when the quota is full.
+    let evicted = slot.evicted.clone();
+    let greeted = tokio::select! {
+        r = tokio::time::timeout(timeout, greet::answer(&mut sock, secret.as_deref(), &mut slot, &limits)) => r,
+        () = evicted.notified() => {
+            let _ = tokio::time::timeout(REFUSE_WAIT, wire::send(sock.get_mut(), &Reply::Busy)).await;
+            return;
+        }
+    };
+    match greeted {
+        Ok(Ok(())) => {}
+        Ok(Err(greet::Refused(why))) => {
+            tracing::info!(reason = %why, "side channel: handshake refused");
+            return;
+        }
+        Err(_) => {
+            tracing::info!("side channel: handshake timed out");
+            return;
+        }
+    }
     let req = match tokio::time::timeout(timeout, wire::recv::<_, Request>(&mut sock)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
@@ -105,6 +209,9 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream) {
                     inner.drop_leases(id);
                 }
                 return;
+            }
+            Request::Hello { .. } | Request::Auth { .. } => {
+                Reply::Error { message: "the handshake is over: a request was expected".into() }
             }
         },
         None => return,

@@ -541,6 +541,13 @@ pub(crate) struct Inner {
     /// Graveyards with QPs being destroyed on the blocking pool
     /// ([`Inner::with_state`]); `settle` waits for them.
     pub burying: AtomicUsize,
+    /// Side-channel connections counted by phase and address (who may
+    /// start a handshake, who gives way).
+    pub admission: Arc<Mutex<transport_control::admission::Counts>>,
+    /// Whom the side channel answers (protected mode without a secret).
+    pub exposure: transport_control::access::Exposure,
+    /// Refused side-channel connections being answered (bounded).
+    pub refusing: AtomicUsize,
 }
 
 /// A graveyard buried off the runtime ([`Inner::with_state`]) when dropped.

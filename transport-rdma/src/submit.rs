@@ -214,9 +214,10 @@ impl Inner {
                 Started::Created(id) => break id,
                 Started::Stale(i, seg, name) => {
                     refreshed.push(seg);
-                    let d = handshake::fetch_descriptor(&name, self.cfg.handshake_timeout())
-                        .await
-                        .map_err(|e| e.with("request", i))?;
+                    let d =
+                        handshake::fetch_descriptor(&name, self.cfg.handshake_timeout(), self.cfg.secret.as_deref())
+                            .await
+                            .map_err(|e| e.with("request", i))?;
                     let mut st = self.state.lock();
                     let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg).with("request", i))?;
                     let restarted = d.generation != s.desc.generation;

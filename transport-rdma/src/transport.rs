@@ -83,8 +83,10 @@ impl RdmaTransport {
     /// found`), the named device does not exist, the GID index is empty, or
     /// `devices` is set (that is [`crate::open_devices`]'s);
     /// `ConnectionReset` when the port is down; the failing verb otherwise.
-    pub async fn new(cfg: RdmaConfig) -> Result<Self> {
+    pub async fn new(mut cfg: RdmaConfig) -> Result<Self> {
         cfg.validate()?;
+        cfg.secret = transport_control::access::resolve_secret(cfg.secret.as_deref())?;
+        let exposure = transport_control::access::Exposure::of(cfg.secret.as_deref(), cfg.insecure);
         if !cfg.devices.is_empty() {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -120,6 +122,9 @@ impl RdmaTransport {
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             burying: std::sync::atomic::AtomicUsize::new(0),
+            admission: Arc::default(),
+            exposure,
+            refusing: std::sync::atomic::AtomicUsize::new(0),
             cfg,
             lim,
             name,
@@ -299,7 +304,9 @@ impl Transport for RdmaTransport {
         if self.inner.state.lock().shutdown {
             return Err(Error::shut_down());
         }
-        let desc = handshake::fetch_descriptor(name, self.inner.cfg.handshake_timeout()).await?;
+        let desc =
+            handshake::fetch_descriptor(name, self.inner.cfg.handshake_timeout(), self.inner.cfg.secret.as_deref())
+                .await?;
         let mut st = self.inner.state.lock();
         if st.shutdown {
             return Err(Error::shut_down());

@@ -21,6 +21,9 @@
 //! "commit":BOOL}` gives the buffer back, after copying it into the leased
 //! range if `commit` (a write), answered `unstaged` or `stage_failed`.
 //! Leases are the channel's: its close frees them.
+//!
+//! Every connection opens with the handshake of `crate::greet` (version 2
+//! of the side channel): nothing above is answered before it.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -49,6 +52,16 @@ pub(crate) struct QpInfo {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub(crate) enum Request {
+    /// Opens every connection (`crate::greet`): the side channel's
+    /// version and the client's nonce (hex).
+    Hello {
+        version: u32,
+        nonce: String,
+    },
+    /// The client's proof of the shared secret (hex; empty without one).
+    Auth {
+        proof: String,
+    },
     Describe,
     Connect {
         /// GID as 32 hex digits.
@@ -82,6 +95,22 @@ pub(crate) enum Request {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub(crate) enum Reply {
+    /// The answer to `hello`: the server's nonce (hex), and whether it
+    /// wants a proof of the shared secret.
+    Challenge {
+        nonce: String,
+        auth: bool,
+    },
+    /// The handshake is done: the server's proof (hex; empty without a
+    /// secret).
+    Ready {
+        proof: String,
+    },
+    /// Refused for who the peer is: a wrong or missing proof, or protected
+    /// mode (the message says which, and what to set).
+    Denied {
+        message: String,
+    },
     Descriptor {
         descriptor: SegmentDescriptor,
     },

@@ -435,9 +435,10 @@ async fn send_line(s: &mut BufReader<TcpStream>, line: &str) {
     s.get_mut().write_all(format!("{line}\n").as_bytes()).await.unwrap();
 }
 
-/// A raw notification channel, opened by a well-formed first notification.
+/// A raw notification channel, opened (after the handshake) by a
+/// well-formed first notification.
 async fn raw_channel(server: &RdmaTransport) -> BufReader<TcpStream> {
-    let mut s = BufReader::new(TcpStream::connect(server.local_segment_name()).await.unwrap());
+    let mut s = greeted(&server.local_segment_name(), None).await;
     send_line(&mut s, r#"{"op":"notify","from":"raw","msg":""}"#).await;
     let r = reply(&mut s).await.expect("an answer");
     assert!(r["result"] == "notify_ack" || r["result"] == "busy", "{r}");

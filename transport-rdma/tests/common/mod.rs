@@ -247,3 +247,30 @@ pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A raw side-channel connection to `addr` that has done the handshake
+/// (version 2), proving `secret` if set, as a peer written against the
+/// protocol (not this crate) would: requests may follow.
+pub async fn greeted(addr: &str, secret: Option<&str>) -> tokio::io::BufReader<tokio::net::TcpStream> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    use transport_control::auth::{self, Role};
+    let mut s = tokio::io::BufReader::new(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+    let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let cn = auth::nonce();
+    let hello = format!("{{\"op\":\"hello\",\"version\":2,\"nonce\":\"{}\"}}\n", hex(&cn));
+    s.get_mut().write_all(hello.as_bytes()).await.expect("send hello");
+    let mut line = String::new();
+    s.read_line(&mut line).await.expect("read the challenge");
+    let c: serde_json::Value = serde_json::from_str(&line).expect("a JSON challenge");
+    assert_eq!(c["result"], "challenge", "{c}");
+    let sn: Vec<u8> = (0..auth::NONCE_LEN)
+        .map(|i| u8::from_str_radix(&c["nonce"].as_str().expect("nonce")[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect();
+    let proof = secret.map(|k| hex(&auth::prove(auth::RDMA, k.as_bytes(), Role::Client, &cn, &sn))).unwrap_or_default();
+    s.get_mut().write_all(format!("{{\"op\":\"auth\",\"proof\":\"{proof}\"}}\n").as_bytes()).await.expect("send auth");
+    line.clear();
+    s.read_line(&mut line).await.expect("read ready");
+    let r: serde_json::Value = serde_json::from_str(&line).expect("a JSON answer");
+    assert_eq!(r["result"], "ready", "{r}");
+    s
+}

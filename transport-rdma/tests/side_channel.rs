@@ -1,0 +1,346 @@
+//! Issue 49: the attacks the TCP server's tests run (`transport-tcp/tests/
+//! hostile.rs`, `lockout.rs`), run against the RDMA side channel over a
+//! real device (soft-RoCE in the VM of scripts/rdma-tests.sh): an
+//! unauthenticated `describe`, QP-group floods, staging-lease and
+//! notification requests without the secret, a flood from the legitimate
+//! initiator's own address, slow handshakes, and peers with a wrong or
+//! missing secret. A legitimate peer with the secret gets through each,
+//! and the kernel's QP count stays within its bound throughout.
+//!
+//! Before the handshake (side channel version 1) `describe` answered every
+//! region's address and rkey to anyone, `connect` built QPs toward any
+//! GID, and any connection could queue notifications under any name.
+//!
+//! A `harness = false` target like `rdma.rs`: without an RDMA device every
+//! test is reported *ignored*, unless RDMA_REQUIRED=1 or RXE_VM=1, where
+//! that is a failure. Tests run one at a time (kernel counts are per
+//! process).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use transport_core::{Access, BatchState, Buffer, ErrorKind, TransferRequest, Transport};
+use transport_rdma::{RdmaConfig, RdmaTransport};
+
+const SECRET: &str = "side-channel-secret";
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn run<F: std::future::Future<Output = ()>>(test: &str, secs: u64, f: F) {
+    rt().block_on(async {
+        tokio::time::timeout(Duration::from_secs(secs), f).await.unwrap_or_else(|_| panic!("{test} timed out"))
+    });
+}
+
+fn with_secret(secret: Option<&str>) -> RdmaConfig {
+    RdmaConfig { secret: secret.map(Into::into), ..config() }
+}
+
+/// Sends `line` on a fresh raw connection and returns everything the
+/// server answered before it closed (bounded wait).
+async fn answer_to(addr: &str, lines: &[String]) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    for l in lines {
+        if s.write_all(format!("{l}\n").as_bytes()).await.is_err() {
+            break;
+        }
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One line from a raw connection (bounded wait); `None` at EOF or reset.
+async fn line(r: &mut BufReader<TcpStream>) -> Option<serde_json::Value> {
+    let mut l = String::new();
+    let n = tokio::time::timeout(Duration::from_secs(10), r.read_line(&mut l)).await.expect("a line in 10 s").ok()?;
+    (n > 0).then(|| serde_json::from_str(&l).expect("a JSON line"))
+}
+
+/// A write of 64 KiB from `a` to `b` through the policy `Engine` with the
+/// defaults a user gets; whether every byte landed.
+async fn engine_write(a: Arc<dyn Transport>, b: &RdmaTransport, dst: &Buffer, seed: u8) -> Result<(), String> {
+    use kvmove_policy::{Engine, PolicyConfig};
+    let engine = Engine::new(a.clone(), PolicyConfig::default()).unwrap();
+    let seg = engine.open_segment(&b.local_segment_name()).await.map_err(|e| format!("open_segment: {e}"))?;
+    let src = buffer_with(dst.len(), seed);
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
+    let out = engine
+        .transfer(vec![TransferRequest::write(l, 0, seg, dst.addr(), dst.len() as u64)])
+        .await
+        .map_err(|e| format!("transfer: {e}"))?;
+    let _ = engine.close_segment(seg).await;
+    a.unregister(l).await.unwrap();
+    if out.state != BatchState::Completed {
+        return Err(format!("the write ended {:?}", out.state));
+    }
+    if dst.to_vec() != pattern(dst.len(), seed) {
+        return Err("the bytes did not land".into());
+    }
+    Ok(())
+}
+
+/// A `describe` without the handshake, or after a wrong proof, is
+/// answered no descriptor (no address, no rkey): a clear error naming the
+/// version, or `denied`. With the secret it is answered.
+fn unauthenticated_describe_gets_no_descriptor() {
+    run("unauthenticated_describe_gets_no_descriptor", 120, async {
+        let server = transport(with_secret(Some(SECRET))).await;
+        let mem = Buffer::new(1 << 16).unwrap();
+        server.register(mem.region(), Access::REMOTE_RW).unwrap();
+        let addr = server.local_segment_name();
+        let out = answer_to(&addr, &[r#"{"op":"describe"}"#.into()]).await;
+        assert!(out.contains("\"result\":\"error\"") && out.contains("version 2"), "{out}");
+        assert!(!out.contains("rkey") && !out.contains("descriptor"), "{out}");
+        // A hello and a made-up proof: denied, and nothing more.
+        let hello = format!(r#"{{"op":"hello","version":2,"nonce":"{}"}}"#, "11".repeat(32));
+        let auth = format!(r#"{{"op":"auth","proof":"{}"}}"#, "22".repeat(32));
+        let out = answer_to(&addr, &[hello, auth, r#"{"op":"describe"}"#.into()]).await;
+        assert!(out.contains("\"result\":\"denied\""), "{out}");
+        assert!(!out.contains("rkey") && !out.contains("descriptor"), "{out}");
+        // With the secret: the descriptor.
+        let mut s = greeted(&addr, Some(SECRET)).await;
+        s.get_mut().write_all(b"{\"op\":\"describe\"}\n").await.unwrap();
+        let d = line(&mut s).await.expect("an answer");
+        assert_eq!(d["result"], "descriptor", "{d}");
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A flood of QP-group requests from strangers (no handshake, a wrong
+/// proof, or a peer without the secret) builds no QP: the kernel's count
+/// does not move; then a peer with the secret connects and writes.
+fn qp_group_flood_without_the_secret_builds_no_qp() {
+    run("qp_group_flood_without_the_secret_builds_no_qp", 300, async {
+        let server = transport(RdmaConfig { max_passive: 8, ..with_secret(Some(SECRET)) }).await;
+        let dst = Buffer::new(1 << 16).unwrap();
+        server.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let addr = server.local_segment_name();
+        let base = my_qps();
+        let connect = format!(
+            r#"{{"op":"connect","gid":"{}","lid":0,"mtu":3,"qps":[{}]}}"#,
+            "00".repeat(16),
+            vec![r#"{"qpn":17,"psn":1}"#; 64].join(",")
+        );
+        let hello = format!(r#"{{"op":"hello","version":2,"nonce":"{}"}}"#, "11".repeat(32));
+        let auth = format!(r#"{{"op":"auth","proof":"{}"}}"#, "22".repeat(32));
+        let mut floods = Vec::new();
+        for i in 0..64 {
+            let (addr, connect, hello, auth) = (addr.clone(), connect.clone(), hello.clone(), auth.clone());
+            floods.push(tokio::spawn(async move {
+                let lines = if i % 2 == 0 { vec![connect] } else { vec![hello, auth, connect] };
+                answer_to(&addr, &lines).await
+            }));
+        }
+        for f in floods {
+            let out = f.await.unwrap();
+            assert!(!out.contains("\"result\":\"connected\""), "a stranger got a QP group: {out}");
+        }
+        assert_eq!(my_qps(), base, "no QP was built for a stranger:\n{}", qp_table());
+        // A peer without the secret, through the transport: refused too.
+        let stranger = transport(with_secret(None)).await;
+        let e = stranger.open_segment(&addr).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AuthFailed, "{e}");
+        stranger.shutdown().await.unwrap();
+        assert_eq!(my_qps(), base, "{}", qp_table());
+        // The legitimate peer gets through.
+        let legit: Arc<dyn Transport> = Arc::new(transport(with_secret(Some(SECRET))).await);
+        engine_write(legit.clone(), &server, &dst, 3).await.unwrap();
+        legit.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Notification and staging requests from connections that did not prove
+/// the secret queue nothing and lease nothing; a peer with the secret
+/// notifies under its own name.
+fn notifications_and_leases_without_the_secret_are_refused() {
+    run("notifications_and_leases_without_the_secret_are_refused", 120, async {
+        let server = transport(with_secret(Some(SECRET))).await;
+        let addr = server.local_segment_name();
+        let injections = [
+            r#"{"op":"notify","from":"prefill-0","msg":"6869"}"#.to_string(),
+            r#"{"op":"stage","write":true,"addr":4096,"len":4096}"#.to_string(),
+            r#"{"op":"unstage","slot":0,"commit":true}"#.to_string(),
+        ];
+        let hello = format!(r#"{{"op":"hello","version":2,"nonce":"{}"}}"#, "11".repeat(32));
+        let auth = format!(r#"{{"op":"auth","proof":"{}"}}"#, "33".repeat(32));
+        for inj in &injections {
+            let out = answer_to(&addr, std::slice::from_ref(inj)).await;
+            assert!(out.contains("\"result\":\"error\"") && !out.contains("notify_ack"), "{inj}: {out}");
+            let out = answer_to(&addr, &[hello.clone(), auth.clone(), inj.clone()]).await;
+            assert!(out.contains("\"result\":\"denied\"") && !out.contains("notify_ack"), "{inj}: {out}");
+            assert!(!out.contains("staged"), "{inj}: {out}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(server.take_notifications(usize::MAX).unwrap().is_empty(), "nothing was queued");
+        // The legitimate peer's notification arrives, under its name.
+        let legit = transport(with_secret(Some(SECRET))).await;
+        let seg = legit.open_segment(&addr).await.unwrap();
+        legit.notify(seg, b"hi".to_vec()).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let n = server.take_notifications(usize::MAX).unwrap();
+                if !n.is_empty() {
+                    return n;
+                }
+                server.wait_notification().await.unwrap();
+            }
+        })
+        .await
+        .expect("the notification in 30 s");
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].from.as_str(), got[0].msg.as_slice()), (legit.local_segment_name().as_str(), &b"hi"[..]));
+        legit.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Silent connections, and ones that stop after their hello, are closed
+/// at `handshake_timeout`; while they are open a peer with the secret gets
+/// through.
+fn slow_handshakes_are_closed_at_the_deadline() {
+    run("slow_handshakes_are_closed_at_the_deadline", 120, async {
+        let server = transport(RdmaConfig { handshake_timeout_ms: 500, ..with_secret(Some(SECRET)) }).await;
+        let dst = Buffer::new(1 << 16).unwrap();
+        server.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let addr = server.local_segment_name();
+        let mut silent = TcpStream::connect(&addr).await.unwrap();
+        let mut halfway = TcpStream::connect(&addr).await.unwrap();
+        let hello = format!("{{\"op\":\"hello\",\"version\":2,\"nonce\":\"{}\"}}\n", "11".repeat(32));
+        halfway.write_all(hello.as_bytes()).await.unwrap();
+        let legit: Arc<dyn Transport> = Arc::new(transport(with_secret(Some(SECRET))).await);
+        engine_write(legit.clone(), &server, &dst, 5).await.unwrap();
+        let start = Instant::now();
+        let mut sink = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut sink)).await;
+        assert!(closed.is_ok(), "a silent connection is closed at the deadline");
+        let closed = tokio::time::timeout(Duration::from_secs(10), halfway.read_to_end(&mut sink)).await;
+        assert!(closed.is_ok(), "a handshake stopped after its hello is closed at the deadline");
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        legit.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Issue 49, item 5, on RDMA: an unthrottled flood of silent connections
+/// from the legitimate initiators' own address (127.0.0.1), each held
+/// until the server closes it, while 6 initiators with the secret, one
+/// every half second, each open the segment and write through the policy
+/// `Engine` with its default configuration. Every one gets through, and
+/// the kernel's QPs stay within the bound.
+fn legitimate_peers_get_through_a_flood_from_their_own_address() {
+    run("legitimate_peers_get_through_a_flood_from_their_own_address", 300, async {
+        let server = transport(with_secret(Some(SECRET))).await;
+        let dst = Buffer::new(1 << 16).unwrap();
+        server.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let addr = server.local_segment_name();
+        let base = my_qps();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let held = Arc::new(tokio::sync::Semaphore::new(2000));
+        let flood = {
+            let (stop, held, addr) = (stop.clone(), held.clone(), addr.clone());
+            tokio::spawn(async move {
+                let mut opened = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && opened < 100_000 {
+                    let permit = held.clone().acquire_owned().await.unwrap();
+                    if let Ok(mut s) = TcpStream::connect(&addr).await {
+                        opened += 1;
+                        tokio::spawn(async move {
+                            let mut sink = [0u8; 256];
+                            let _ = tokio::time::timeout(Duration::from_secs(30), s.read(&mut sink)).await;
+                            drop(permit);
+                        });
+                    }
+                }
+                opened
+            })
+        };
+        let runs = 6;
+        let mut failures = Vec::new();
+        for i in 0..runs {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let a: Arc<dyn Transport> = Arc::new(transport(with_secret(Some(SECRET))).await);
+            if let Err(e) = engine_write(a.clone(), &server, &dst, i).await {
+                failures.push(format!("initiator {i}: {e}"));
+            }
+            a.shutdown().await.unwrap();
+            // No QP for the flood: over the base only the server's halves
+            // of the last initiators' groups, still being destroyed (the
+            // initiator's own went with its shutdown).
+            let qps = my_qps().saturating_sub(base);
+            assert!(qps <= 2 * config().qps_per_endpoint as u64, "{qps} QPs over the base:\n{}", qp_table());
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let opened = flood.await.unwrap();
+        eprintln!(
+            "flood from the initiators' own address: {opened} silent connections; {} of {runs} through",
+            runs as usize - failures.len()
+        );
+        assert!(failures.is_empty(), "{failures:?}");
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// Peers whose secrets differ, or where only one side has one, fail with
+/// `AuthFailed` on the initiator (not a timeout, not a transient error to
+/// retry), and build no QP.
+fn mismatched_secrets_fail_with_auth_failed() {
+    run("mismatched_secrets_fail_with_auth_failed", 120, async {
+        let base = my_qps();
+        for (server_secret, client_secret) in
+            [(Some(SECRET), Some("other")), (Some(SECRET), None), (None, Some(SECRET))]
+        {
+            let server = transport(with_secret(server_secret)).await;
+            let client = transport(with_secret(client_secret)).await;
+            let e = client.open_segment(&server.local_segment_name()).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::AuthFailed, "server {server_secret:?}, client {client_secret:?}: {e}");
+            assert!(!e.kind().is_transient(), "{e}");
+            client.shutdown().await.unwrap();
+            server.shutdown().await.unwrap();
+        }
+        assert!(eventually(Duration::from_secs(10), || my_qps() == base).await, "{}", qp_table());
+    });
+}
+
+fn main() {
+    let mut args = libtest_mimic::Arguments::from_args();
+    args.test_threads = Some(1);
+    let tests: [(&str, fn()); 6] = [
+        ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
+        ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
+        (
+            "notifications_and_leases_without_the_secret_are_refused",
+            notifications_and_leases_without_the_secret_are_refused,
+        ),
+        ("slow_handshakes_are_closed_at_the_deadline", slow_handshakes_are_closed_at_the_deadline),
+        (
+            "legitimate_peers_get_through_a_flood_from_their_own_address",
+            legitimate_peers_get_through_a_flood_from_their_own_address,
+        ),
+        ("mismatched_secrets_fail_with_auth_failed", mismatched_secrets_fail_with_auth_failed),
+    ];
+    let have = device_or_skip("rdma side-channel tests");
+    let trials = tests
+        .into_iter()
+        .map(|(name, f)| {
+            libtest_mimic::Trial::test(name, move || {
+                std::panic::catch_unwind(f).map_err(|e| {
+                    let msg =
+                        e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+                    libtest_mimic::Failed::from(msg.unwrap_or_else(|| "panicked".into()))
+                })
+            })
+            .with_ignored_flag(!have)
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit()
+}
