@@ -10,6 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
+# Bytecode is written (into the virtualenv, in target/): each server start
+# imports torch and vLLM in three processes (see scripts/test.sh).
+unset PYTHONDONTWRITEBYTECODE
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 venv=${KVMOVE_VLLM_VENV:-$CARGO_TARGET_DIR/vllm-venv}
