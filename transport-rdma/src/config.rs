@@ -71,10 +71,10 @@ pub struct RdmaConfig {
     /// host's connections are answered (`transport_control::access`).
     pub insecure: bool,
     /// Side-channel connections in their handshake at once, in all
-    /// (default 256) and per peer address (default 32): strangers that
-    /// never finish a handshake cannot take the places of peers that do,
-    /// and a full quota evicts the handshake that proved least
-    /// (`transport_control::admission`).
+    /// (default 256), and per peer address past their hello (default 32):
+    /// strangers that never finish a handshake cannot take the places of
+    /// peers that do, and a full quota evicts the handshake that proved
+    /// least, silent ones first (`transport_control::admission`).
     pub max_handshaking: usize,
     pub max_handshaking_per_ip: usize,
     /// Side-channel limit: a connection handshake (TCP connect + exchange);

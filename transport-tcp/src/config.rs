@@ -118,13 +118,16 @@ pub struct TcpConfig {
     /// Must be within
     /// [`MAX_HANDSHAKING_RANGE`]. Default 256.
     pub max_handshaking: usize,
-    /// Connections in their handshake at once from one peer IP address;
-    /// one more is answered `Busy` and closed. Must be 1..=65536 (above
+    /// Connections in their handshake past their HELLO at once from one
+    /// peer IP address; when one more sends its HELLO, that address's
+    /// oldest such is answered `Busy` and closed. Connections that have
+    /// sent nothing yet are held to `max_handshaking` alone and give way
+    /// first (`transport_control::admission`). Must be 1..=65536 (above
     /// `max_handshaking` it has no effect). Default 32: an initiator
     /// connects its lanes one after the other, so this leaves room for many
     /// initiator processes on one host starting at once (every rank of a
     /// node), while one address cannot take more than an eighth of the
-    /// default quota.
+    /// default quota with handshakes under way.
     pub max_handshaking_per_ip: usize,
     /// The server closes a connection whose handshake has not finished
     /// within this (server side; the initiator bounds its own side with
