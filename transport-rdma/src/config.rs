@@ -71,10 +71,14 @@ pub struct RdmaConfig {
     /// host's connections are answered (`transport_control::access`).
     pub insecure: bool,
     /// Side-channel connections in their handshake at once, in all
-    /// (default 256), and per peer address past their hello (default 32):
+    /// (default 256), and per peer address past their hello (default 256,
+    /// the whole quota: one host's processes open many side channels at
+    /// once, a notification channel, a QP group and a descriptor request
+    /// per peer and rail, each handshake slow on a loaded host):
     /// strangers that never finish a handshake cannot take the places of
     /// peers that do, and a full quota evicts the handshake that proved
-    /// least, silent ones first (`transport_control::admission`).
+    /// least, silent ones first, from the busiest address
+    /// (`transport_control::admission`).
     pub max_handshaking: usize,
     pub max_handshaking_per_ip: usize,
     /// Side-channel limit: a connection handshake (TCP connect + exchange);
@@ -125,7 +129,7 @@ impl Default for RdmaConfig {
             secret: None,
             insecure: false,
             max_handshaking: 256,
-            max_handshaking_per_ip: 32,
+            max_handshaking_per_ip: 256,
             flush_timeout_ms: 2_000,
             ack_timeout: 14,
             retry_count: 7,

@@ -105,9 +105,13 @@ pub(crate) async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
 /// flood it waits in the accept backlog long enough to arrive), so its
 /// handshake gives way after silent ones from the start. Peeked, not read.
 pub(crate) fn hello_waiting(s: &tokio::net::TcpStream) -> bool {
-    use futures::FutureExt;
+    // Through a duplicate of the descriptor (non-blocking, as the
+    // original): the runtime has not polled a socket it just accepted, so
+    // its own peek would not look yet.
+    use std::os::fd::AsFd;
+    let Ok(fd) = s.as_fd().try_clone_to_owned() else { return false };
     let mut b = [0u8; HELLO_LINE];
-    let Some(Ok(n)) = s.peek(&mut b).now_or_never() else { return false };
+    let Ok(n) = std::net::TcpStream::from(fd).peek(&mut b) else { return false };
     let Some(end) = b.get(..n).and_then(|b| b.iter().position(|&c| c == b'\n')) else { return false };
     matches!(
         serde_json::from_slice::<Request>(&b[..end]),

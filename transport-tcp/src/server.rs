@@ -1022,10 +1022,14 @@ impl Server {
 /// it with the connection; under a flood it waits in the accept backlog
 /// long enough to arrive). Peeked, not read: the handshake reads it.
 fn said_hello(s: &TcpStream) -> Proven {
-    use futures::FutureExt;
+    // Through a duplicate of the descriptor (non-blocking, as the
+    // original): the runtime has not polled a socket it just accepted, so
+    // its own peek would not look yet.
+    use std::os::fd::AsFd;
+    let Ok(fd) = s.as_fd().try_clone_to_owned() else { return Proven::Nothing };
     let mut b = [0u8; HEADER_LEN];
-    match s.peek(&mut b).now_or_never() {
-        Some(Ok(HEADER_LEN)) => match Header::decode(&b, 2 + NONCE_LEN) {
+    match std::net::TcpStream::from(fd).peek(&mut b) {
+        Ok(HEADER_LEN) => match Header::decode(&b, 2 + NONCE_LEN) {
             Ok(h) if h.ty == FrameType::Hello => Proven::Hello,
             _ => Proven::Nothing,
         },
