@@ -26,7 +26,7 @@ use transport_control::admission::{Limits, Proven, Slot};
 use transport_control::auth::{self, Role, NONCE_LEN};
 use transport_core::{Error, ErrorKind, Result};
 
-use crate::wire::{self, Reply, Request};
+use crate::wire::{self, hex, Reply, Request};
 
 /// The side channel's version: 2 added this handshake.
 pub(crate) const VERSION: u32 = 2;
@@ -197,10 +197,6 @@ fn refusal(reply: Reply, peer: &str) -> Error {
         other => (ErrorKind::Protocol, format!("unexpected reply to the handshake: {other:?}")),
     };
     Error::new(kind, why).with("segment", peer)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Exactly `len` bytes from lowercase or uppercase hex; `None` otherwise.

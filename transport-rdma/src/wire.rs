@@ -164,7 +164,7 @@ impl Reply {
 /// peer would refuse (`check_received`).
 pub(crate) fn notify_request(from: &str, msg: &[u8]) -> Result<Request> {
     check_received(from, msg)?;
-    Ok(Request::Notify { from: from.to_string(), msg: msg.iter().map(|b| format!("{b:02x}")).collect() })
+    Ok(Request::Notify { from: from.to_string(), msg: hex(msg) })
 }
 
 /// Decodes a received notification, bounded: the sender name and the hex
@@ -202,7 +202,12 @@ pub(crate) fn decode_notify(from: String, hex: &str) -> Result<Notification> {
 }
 
 pub(crate) fn gid_hex(gid: &[u8; 16]) -> String {
-    gid.iter().map(|b| format!("{b:02x}")).collect()
+    hex(gid)
+}
+
+/// Bytes as lowercase hex (GIDs, the handshake's nonces and proofs).
+pub(crate) fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(crate) fn parse_gid(s: &str) -> Result<[u8; 16]> {

@@ -35,8 +35,6 @@ async fn try_legit_write(
     dst: &Buffer,
     deadline: Duration,
 ) -> Result<usize, String> {
-    let src = Buffer::from_slice(&[5u8; 4096]).unwrap();
-    let l = a.register(src.region(), Access::LOCAL).unwrap();
     let end = Instant::now() + deadline;
     let mut tries = 0;
     let seg = loop {
@@ -58,21 +56,36 @@ async fn try_legit_write(
             Err(e) => return Err(format!("the legitimate initiator was locked out after {tries} tries: {e}")),
         }
     };
+    write_4k(a, seg, dst, tokio::time::sleep_until(end)).await?;
+    a.close_segment(seg).await.unwrap();
+    Ok(tries)
+}
+
+/// Writes 4 KiB of 5s from `a` into `dst` on segment `seg` and checks
+/// they landed; an error if the write fails or `limit` ends first.
+async fn write_4k(
+    a: &dyn Transport,
+    seg: transport_core::SegmentId,
+    dst: &Buffer,
+    limit: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    let src = Buffer::from_slice(&[5u8; 4096]).unwrap();
+    let l = a.register(src.region(), Access::LOCAL).unwrap();
     let batch = a.submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)], SubmitOptions::default());
-    let status = tokio::time::timeout_at(end, async {
-        let b = batch.await.unwrap();
-        let st = a.wait(b).await.unwrap();
-        a.release(b).unwrap();
-        st
-    })
-    .await
-    .map_err(|_| "the write did not finish in time".to_string())?;
+    let status = tokio::select! {
+        st = async {
+            let b = batch.await.unwrap();
+            let st = a.wait(b).await.unwrap();
+            a.release(b).unwrap();
+            st
+        } => st,
+        () = limit => return Err("the write did not finish in time".to_string()),
+    };
     if status.state != BatchState::Completed {
         return Err(format!("the write ended {:?}: {:?}", status.state, status.first_error()));
     }
     assert_eq!(dst.to_vec(), vec![5u8; 4096]);
-    a.close_segment(seg).await.unwrap();
-    Ok(tries)
+    Ok(())
 }
 
 /// A legitimate initiator as a user runs it: the policy `Engine` with its
@@ -86,21 +99,7 @@ async fn engine_write(a: std::sync::Arc<TcpTransport>, b: &TcpTransport, dst: &B
         .open_segment(&b.local_segment_name())
         .await
         .map_err(|e| format!("the legitimate initiator was locked out: {e}"))?;
-    let src = Buffer::from_slice(&[5u8; 4096]).unwrap();
-    let l = a.register(src.region(), Access::LOCAL).unwrap();
-    let batch = a.submit(vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)], SubmitOptions::default());
-    let status = tokio::time::timeout(Duration::from_secs(10), async {
-        let b = batch.await.unwrap();
-        let st = a.wait(b).await.unwrap();
-        a.release(b).unwrap();
-        st
-    })
-    .await
-    .map_err(|_| "the write did not finish in time".to_string())?;
-    if status.state != BatchState::Completed {
-        return Err(format!("the write ended {:?}: {:?}", status.state, status.first_error()));
-    }
-    assert_eq!(dst.to_vec(), vec![5u8; 4096]);
+    write_4k(&*a, seg, dst, tokio::time::sleep(Duration::from_secs(10))).await?;
     engine.close_segment(seg).await.unwrap();
     Ok(1)
 }

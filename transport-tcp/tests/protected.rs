@@ -10,8 +10,7 @@
 
 mod support;
 
-use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use transport_core::{Access, BatchState, Buffer, ErrorKind, SubmitOptions, TransferRequest, Transport};
@@ -60,13 +59,7 @@ impl Netns {
         if let Some(s) = secret {
             cmd.env("KVMOVE_SECRET", s);
         }
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("tcp-peer starts");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let mut it = line.split_whitespace();
-        let name = it.next().expect("tcp-peer printed its name").to_owned();
-        let addr = it.next().expect("tcp-peer printed its region").parse().unwrap();
-        (child, name, addr)
+        support::start_peer(cmd)
     }
 }
 

@@ -47,18 +47,22 @@ pub fn test_config() -> TcpConfig {
 /// child, its segment name and its region's address (the region starts as
 /// the bytes `i % 251`).
 pub fn tcp_peer(listen: &str, len: usize, same_host: bool, as_user: Option<u32>) -> (std::process::Child, String, u64) {
-    use std::io::BufRead;
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tcp-peer"));
     if let Some(id) = as_user {
         use std::os::unix::process::CommandExt;
         cmd.uid(id).gid(id);
     }
-    let mut child = cmd
-        .args([listen, &len.to_string(), if same_host { "on" } else { "off" }])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("tcp-peer starts");
+    cmd.args([listen, &len.to_string(), if same_host { "on" } else { "off" }]);
+    start_peer(cmd)
+}
+
+/// Starts `cmd` (that runs `tcp-peer`, maybe through a wrapper such as
+/// `ip netns exec`): the child, its segment name and its region's
+/// address, from the line it prints once it serves.
+pub fn start_peer(mut cmd: std::process::Command) -> (std::process::Child, String, u64) {
+    use std::io::BufRead;
+    let mut child =
+        cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().expect("tcp-peer starts");
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let mut it = line.split_whitespace();
