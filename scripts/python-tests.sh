@@ -9,6 +9,14 @@
 #   scripts/python-tests.sh              # everything
 #   scripts/python-tests.sh --no-rdma    # everything but the RDMA exchange
 #   scripts/python-tests.sh --rdma-only  # only the RDMA exchange
+#
+# scripts/test.sh splits the exchange so it runs in the RDMA suites' VM,
+# after them, with no VM of its own:
+#   scripts/python-tests.sh --rdma-install MARKER  # here: the RDMA wheel into
+#                                    # its virtualenv, then MARKER says so
+#   scripts/python-tests.sh --rdma-after MARKER    # on the device (in the
+#                                    # VM): waits for MARKER (at most 30 min),
+#                                    # then the exchange
 #   PYTHON=python3.12 scripts/python-tests.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +24,16 @@ root=$PWD
 
 step() { printf '\n==> python: %s\n' "$*"; }
 
-mode=all
+mode=all marker=
 case "${1:-}" in
   --no-rdma) mode=no-rdma ;;
   --rdma-only) mode=rdma-only ;;
+  --rdma-install|--rdma-after)
+    mode=${1#--}
+    marker=${2:?"usage: $0 $1 MARKER"}
+    ;;
   "") ;;
-  *) echo "usage: $0 [--no-rdma | --rdma-only]" >&2; exit 64 ;;
+  *) echo "usage: $0 [--no-rdma | --rdma-only | --rdma-install MARKER | --rdma-after MARKER]" >&2; exit 64 ;;
 esac
 
 py=${PYTHON:-python3}
@@ -64,6 +76,37 @@ step "pytest python/tests"
 # The same prefill/decode exchange over RDMA: on this machine's RDMA device,
 # else in a soft-RoCE VM (scripts/rxe-vm), with a build that has the RDMA
 # backend. In CI (or with RDMA_STRICT=1) it never skips.
+rvenv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}-rdma
+run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_rdma.py)
+
+install_rdma() {
+  scripts/venvs.sh rdma
+  rwheel=$(scripts/wheels.sh rdma | tail -n 1)
+  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel"
+}
+
+# --rdma-after: the exchange on the device here once MARKER says the wheel
+# is installed ("ok"; anything else, or no word within 30 minutes, fails).
+rdma_after() {
+  step "RDMA exchange (python/tests/test_rdma.py), once $marker says the wheel is in"
+  local waited=0
+  while [ ! -s "$marker" ]; do
+    if [ "$waited" -ge 1800 ]; then
+      echo "PYTHON RDMA TESTS FAILED TO RUN: $marker never appeared (30 min)" >&2
+      exit 1
+    fi
+    sleep 2
+    waited=$(( waited + 2 ))
+  done
+  if [ "$(cat "$marker")" != ok ]; then
+    echo "PYTHON RDMA TESTS FAILED TO RUN: the RDMA wheel was not installed ($marker: $(cat "$marker"))" >&2
+    exit 1
+  fi
+  echo "(waited ${waited} s for the wheel)"
+  compgen -G "/sys/class/infiniband/*" >/dev/null || { echo "PYTHON RDMA TESTS FAILED TO RUN: no RDMA device here" >&2; exit 1; }
+  cd python && RDMA_REQUIRED=1 exec "${run_rdma[@]}"
+}
+
 rdma_exchange() {
 step "RDMA exchange (python/tests/test_rdma.py)"
 rdma_skip() {
@@ -78,11 +121,7 @@ if [ "${SKIP_RDMA:-0}" = 1 ] && [ "${CI:-}" != true ]; then
 elif [ ! -e /usr/include/infiniband/verbs.h ]; then
   rdma_skip "libibverbs headers missing (scripts/rdma-tests.sh --install-deps installs them)"
 else
-  rvenv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}-rdma
-  scripts/venvs.sh rdma
-  rwheel=$(scripts/wheels.sh rdma | tail -n 1)
-  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel"
-  run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_rdma.py)
+  install_rdma
   if compgen -G "/sys/class/infiniband/*" >/dev/null; then
     (cd python && RDMA_REQUIRED=1 "${run_rdma[@]}")
   elif [[ "$rvenv/" == /tmp/* && "$rvenv/" != "$root/"* ]]; then
@@ -101,5 +140,17 @@ fi
 
 # (In an if, not after || : a function called as the left side of || runs
 # with errexit off.)
-if [ "$mode" != rdma-only ]; then host_tests; fi
-if [ "$mode" != no-rdma ]; then rdma_exchange; fi
+case "$mode" in
+  rdma-install)
+    step "the RDMA wheel into $rvenv (then $marker says so)"
+    # Written whole (rename), so the waiting side never reads half of it.
+    if install_rdma; then word=ok; else word=failed; fi
+    echo "$word" > "$marker.new" && mv "$marker.new" "$marker"
+    [ "$word" = ok ]
+    ;;
+  rdma-after) rdma_after ;;
+  *)
+    if [ "$mode" != rdma-only ]; then host_tests; fi
+    if [ "$mode" != no-rdma ]; then rdma_exchange; fi
+    ;;
+esac

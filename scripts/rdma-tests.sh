@@ -33,6 +33,8 @@
 #                   device in one VM run; prints ratios; never fails the suite).
 #
 # Environment: RDMA_VM_TIMEOUT (seconds, default 2700) bounds the VM run;
+# RDMA_TESTS_THEN (at --build-only) is a shell command the runner runs after
+# the suites, in the same VM (scripts/test.sh: the Python RDMA exchange);
 # CARGO_TARGET_DIR is honoured; tests are built --release (the VM emulates
 # the CPU), RDMA_TESTS_DEBUG=1 builds them unoptimised. Inside the tests, RDMA_REQUIRED=1 makes a
 # missing device a failure instead of a skip.
@@ -108,6 +110,11 @@ echo "rdma-tests: building the transport-rdma test binaries"
 # checking code (models, canaries) is many times slower unoptimised.
 profile=(--release)
 [ "${RDMA_TESTS_DEBUG:-0}" = 1 ] && profile=()
+# No debug info (the workspace's release profile has some, for profiling):
+# the Python wheels (scripts/wheels.sh, release, none) then reuse most of
+# these dependencies from the same target dir. A panic still names its
+# file and line.
+export CARGO_PROFILE_RELEASE_DEBUG=${CARGO_PROFILE_RELEASE_DEBUG:-0}
 json=$(cargo test "${profile[@]}" --manifest-path transport-rdma/Cargo.toml --no-run --message-format=json 2>/dev/null) || {
   cargo test "${profile[@]}" --manifest-path transport-rdma/Cargo.toml --no-run >&2 || true
   echo "rdma-tests: build failed" >&2
@@ -142,6 +149,12 @@ printf 'rdma-tests: %s\n' "${bins[@]}"
   # end a READ with IBV_WC_SUCCESS before its bytes landed, then break the
   # QP; scripts/rxe-vm keeps the emulated network from dropping, so its retransmit
   # path is rarely taken). If it fired, say so next to any failure.
+  # A command of the caller's after the suites, on the same device (or in
+  # the same VM); its failure is the run's failure.
+  if [ -n "${RDMA_TESTS_THEN:-}" ]; then
+    printf 'echo %q\n' "==> $RDMA_TESTS_THEN"
+    printf '%s || rc=1\n' "$RDMA_TESTS_THEN"
+  fi
   echo 'if dmesg 2>/dev/null | grep -q "WARNING.*rxe_comp"; then echo "rdma-tests: the kernel soft-RoCE (rdma_rxe) reported an internal error in this run:"; dmesg | grep -A2 "WARNING.*rxe_comp" | head -3; fi'
   echo 'exit $rc'
 } > "$runner.new"

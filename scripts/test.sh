@@ -17,17 +17,19 @@
 #   SKIP_CLUSTER=1 scripts/test.sh # everything but the PD cluster in network namespaces (local only)
 #
 # The machine has 2 cores and the whole run is CPU-bound: the soft-RoCE VM
-# runs its RDMA suites on about one core for about 18 minutes (25 when it
-# has to share that core), the builds take both cores, and the conformance
-# suites mostly wait on their faults' timers. So the RDMA test binaries are
-# built first and the VM runs in the background under everything else;
-# builds and installs run niced (`quiet`), so the VM and the timing-
-# sensitive suites get the CPU first; the test binaries run three at a time
-# (scripts/test-binaries) while the fuzz targets and the wheels build; the
-# virtualenvs install in the background from the start; each Python wheel
-# is built once for every virtualenv (scripts/wheels.sh). Every run ends,
-# pass or fail, with a table of each step's wall and CPU time
-# (scripts/lib/steps.sh).
+# runs its RDMA suites on about one core for about 25 minutes, the builds
+# take both cores, and the conformance suites mostly wait on their faults'
+# timers. So the RDMA test binaries are built first and the VM runs in the
+# background under everything else, the Python RDMA exchange in the same VM
+# after the suites; the wheels are built next (once for every virtualenv,
+# scripts/wheels.sh), so the vLLM checks (mostly servers starting and
+# waiting) run in the background under the lints and builds; builds and
+# installs run niced (`quiet`), so the VM and the timing-sensitive suites
+# get the CPU first; the test binaries run three at a time
+# (scripts/test-binaries) while the fuzz targets build and the Python
+# package's tests run; the virtualenvs install in the background from the
+# start. Every run ends, pass or fail, with a table of each step's wall and
+# CPU time (scripts/lib/steps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,23 +85,53 @@ runs SKIP_CLUSTER "the PD cluster" && cluster=1
 runs SKIP_PEERS "the real Mooncake / NIXL comparison" && peers=1
 runs SKIP_VLLM "the vLLM check" && vllm=1
 
-# Network-bound: every virtualenv's packages from PyPI (the vLLM one is
-# 6 GB), while the CPU builds.
-venvs=(python)
-[ "$rdma" = 1 ] && venvs+=(rdma)
-[ "$peers" = 1 ] && venvs+=(peers)
-[ "$vllm" = 1 ] && venvs+=(vllm)
-spawn "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})" quiet scripts/venvs.sh "${venvs[@]}"
+# Network-bound: every virtualenv's packages from PyPI, while the CPU
+# builds. Two at once: the small ones the wheels' tests need (ready within
+# a minute or two), and the peers' and vLLM's (the vLLM one is 6 GB).
+small=(python)
+[ "$rdma" = 1 ] && small+=(rdma)
+big=()
+[ "$peers" = 1 ] && big+=(peers)
+[ "$vllm" = 1 ] && big+=(vllm)
+small_step="Python virtualenvs for kvmove's wheels (scripts/venvs.sh ${small[*]})"
+big_step="Python virtualenvs of the peers and vLLM (scripts/venvs.sh ${big[*]})"
+spawn "$small_step" quiet scripts/venvs.sh "${small[@]}"
+[ ${#big[@]} -gt 0 ] && spawn "$big_step" quiet scripts/venvs.sh "${big[@]}"
 
 step "cargo fmt --check" cargo fmt --all -- --check
 
-vm_step="RDMA suites in the soft-RoCE VM (background; scripts/rdma-tests.sh)"
+vm_step="RDMA suites, then the Python RDMA exchange, in the soft-RoCE VM (background; scripts/rdma-tests.sh)"
+# Written by the RDMA wheel's install below, read in the VM: the Python
+# exchange runs there after the suites, with no VM of its own.
+py_rdma_marker=${CARGO_TARGET_DIR:-target}/python-rdma-wheel.ready
 if [ "$rdma" = 1 ]; then
-  # First, so the VM (about a quarter of an hour, about one core) runs
-  # under everything that follows.
-  # (Not niced: the VM waits for it.)
-  step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" scripts/rdma-tests.sh --build-only
+  rm -f "$py_rdma_marker"
+  # First, so the VM (about 25 minutes, about one core) runs under
+  # everything that follows. (Not niced: the VM waits for it.)
+  step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" \
+    env RDMA_TESTS_THEN="scripts/python-tests.sh --rdma-after $py_rdma_marker" scripts/rdma-tests.sh --build-only
   spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
+fi
+
+# The wheels early: the vLLM checks (mostly servers starting and waiting)
+# then run under the builds and suites that follow instead of after them.
+join "$small_step"
+wheel_sets=(default)
+[ "$rdma" = 1 ] && wheel_sets+=(rdma)
+step "kvmove's Python wheels, release, once for every virtualenv (scripts/wheels.sh ${wheel_sets[*]})" \
+  quiet scripts/wheels.sh "${wheel_sets[@]}"
+export KVMOVE_WHEELS_BUILT=1
+if [ "$rdma" = 1 ]; then
+  step "the RDMA wheel into its virtualenv, for the VM's Python exchange (scripts/python-tests.sh --rdma-install)" \
+    scripts/python-tests.sh --rdma-install "$py_rdma_marker"
+fi
+
+[ ${#big[@]} -gt 0 ] && join "$big_step"
+vllm_step="vLLM prefill/decode over kvmove (background; real vLLM servers, CPU build)"
+if [ "$vllm" = 1 ]; then
+  # Its ports, 18300-18403, are its own. Niced a little: the VM and the
+  # timing-sensitive suites come first, the builds after it.
+  spawn "$vllm_step" nice -n 5 scripts/vllm-tests.sh
 fi
 
 step "cargo clippy --all-targets -- -D warnings" quiet cargo clippy --workspace --all-targets -- -D warnings
@@ -116,28 +148,12 @@ step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tes
 # The test binaries are built here, then run in the background, three at
 # a time (scripts/test-binaries: libtest's own output per binary, so a case
 # a backend cannot run still shows as "ignored", which nextest would list
-# as passed), while the fuzzing targets and the wheels build.
+# as passed), while the fuzzing targets build and the Python tests run.
 step "cargo test --workspace --no-run (build the test binaries)" quiet cargo test --workspace --no-run
 tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
 spawn "$tests_step" scripts/test-binaries --jobs 3
 
 step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" env FUZZ_BUILD_NICE=10 scripts/fuzz.sh
-
-join "Python virtualenvs from PyPI (scripts/venvs.sh ${venvs[*]})"
-
-wheel_sets=(default)
-[ "$rdma" = 1 ] && wheel_sets+=(rdma)
-step "kvmove's Python wheels, release, once for every virtualenv (scripts/wheels.sh ${wheel_sets[*]})" \
-  quiet scripts/wheels.sh "${wheel_sets[@]}"
-export KVMOVE_WHEELS_BUILT=1
-
-vllm_step="vLLM prefill/decode over kvmove (background; real vLLM servers, CPU build)"
-if [ "$vllm" = 1 ]; then
-  # Mostly vLLM servers starting and the checks waiting on them: under the
-  # suites that follow rather than after them (its ports, 18300-18403,
-  # are its own).
-  spawn "$vllm_step" scripts/vllm-tests.sh
-fi
 
 step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
 
@@ -154,10 +170,6 @@ fi
 
 if [ "$rdma" = 1 ]; then
   join "$vm_step"
-  # A VM of its own, after the first: the exchange between two Python
-  # processes over soft-RoCE.
-  spawn "Python RDMA exchange in the soft-RoCE VM (background; scripts/python-tests.sh --rdma-only)" \
-    scripts/python-tests.sh --rdma-only
 fi
 
 # The debug build is not needed past this point (the vLLM check uses the
@@ -170,10 +182,6 @@ fi
 
 if [ "$vllm" = 1 ]; then
   join "$vllm_step"
-fi
-
-if [ "$rdma" = 1 ]; then
-  join "Python RDMA exchange in the soft-RoCE VM (background; scripts/python-tests.sh --rdma-only)"
 fi
 
 step "all tests passed" true
