@@ -6,8 +6,9 @@ through vLLM's two-step flow (prefill with ``max_tokens=1`` and
 ``do_remote_decode``, then decode with the returned ``kv_transfer_params``)
 and checks:
 
-- the decode's token ids equal a single vLLM instance's for every prompt,
-  sequential and concurrent;
+- the decode's token ids equal the prefill's own generation of the same
+  prompt (one vLLM instance computing it all, no transfer), sequential and
+  concurrent;
 - vLLM's own counters say the decode's prompt tokens came from the external
   KV transfer, and the bytes vLLM says it pulled are exactly the bytes
   kvmove's metrics (served by the worker through ``KVMOVE_METRICS_ADDR``)
@@ -348,22 +349,21 @@ def main():
         return s
 
     try:
-        # 1. The reference: one vLLM instance, no connector.
-        ref_server = new("reference", bp, model)
-        ref_server.start()
-        ref_server.wait_ready()
-        ref = [plain(bp, p) for p in ps]
-        check(all(len(r) == MAX_TOKENS for r in ref), f"reference: {len(ps)} prompts, {MAX_TOKENS} tokens each")
-        check(len({tuple(r) for r in ref}) == len(ref), "reference outputs differ between prompts")
-        ref_server.stop()
-
-        # 2. Prefill and decode over kvmove.
+        # 1. Prefill and decode over kvmove; the reference is the prefill's
+        # own generation (no KV transfer asked: vLLM computes it all there;
+        # the decode never sees these prompts before they come over kvmove,
+        # so none of its prompt tokens is a local prefix-cache hit).
         prefill = new("prefill", bp + 1, model, side_port=bp + 11, metrics_port=bp + 21, role="kv_producer")
         decode = new("decode", bp + 2, model, side_port=bp + 12, metrics_port=bp + 22, role="kv_consumer")
         prefill.start()
         decode.start()
         prefill.wait_ready()
         decode.wait_ready()
+        ref = [plain(prefill.port, p) for p in ps]
+        check(all(len(r) == MAX_TOKENS for r in ref), f"reference: {len(ps)} prompts, {MAX_TOKENS} tokens each")
+        check(len({tuple(r) for r in ref}) == len(ref), "reference outputs differ between prompts")
+
+        # 2. The same prompts from the prefill to the decode over kvmove.
         quiet_from = {s.name: s.log_size() for s in (prefill, decode)}
         v0, k0, s0 = decode.metrics(), decode.kvmove_metrics(), prefill.kvmove_metrics()
 
