@@ -21,7 +21,13 @@ address in ``kv_transfer_params["kvmove"]``):
 - **Prefill.** ``save_kv_layer`` (called after each layer's attention, whose
   KV the CPU backend has written by then) starts the writes of the
   request's blocks that layer completed and returns at once; a layer
-  computed before the grant came is written when it comes. A block is
+  computed before the grant came is written when it comes. On a GPU the
+  layer's kernels may still be running when it is called: it records an
+  event on the compute stream, and the layer's blocks are written once the
+  event completed (:mod:`kvmove.vllm.pending`; tested with kvmove's fake
+  device, not yet run on a GPU). Both of vLLM's KV layouts are read:
+  blocks first (the CPU backend, FlashInfer) and keys and values apart
+  (FlashAttention); any other is refused at start. A block is
   written once, when it is whole (the last, partly filled one after the
   last chunk), so chunked prefill never writes a block twice. After the
   last layer of the last chunk, once every write completed, the session is
@@ -80,6 +86,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+from .pending import PendingLayers, kv_layout, plan_writes
 
 logger = logging.getLogger("kvmove.vllm")
 
@@ -342,9 +350,10 @@ class _Send:
         self.next_block = 0
         self.step_blocks: list[int] = []
         self.last_step = False
-        # layer -> [(request block index, local address)] waiting for the grant
-        self.pending: dict[int, list[tuple[int, int]]] = {}
-        self.remote: Optional[list[list[int]]] = None  # [layer][j - first] -> address
+        # Per plane: blocks computed, not yet written (waiting for the grant
+        # or, on a GPU, for the layer's kernels).
+        self.pending = PendingLayers()
+        self.remote: Optional[list[list[int]]] = None  # [plane][j - first] -> address
         self.first = 0
         self.expected = 0  # bytes the grant asks for
         self.writes: list = []
@@ -373,8 +382,11 @@ class _Recv:
 
 
 class _Worker:
-    def __init__(self, vllm_config: "VllmConfig"):
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config=None):
         cfg = vllm_config.kv_transfer_config
+        # How many blocks each layer's tensor holds (tells vLLM's two KV
+        # layouts apart: pending.kv_layout).
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         extra = dict(cfg.kv_connector_extra_config or {})
         self.vllm_config = vllm_config
         self.host = str(extra.get("host", "127.0.0.1"))
@@ -406,8 +418,13 @@ class _Worker:
         self.peer_fp: dict[str, dict] = {}
         self.bad_peers: dict[str, str] = {}
         self.layer_index: dict[str, int] = {}
-        self.layer_addr: list[int] = []
+        # A layer's blocks lie in one plane (blocks first: the CPU backend)
+        # or two (keys, then values: FlashAttention); pending writes, grants
+        # and remote addresses are per plane.
+        self.layer_planes: list[list[int]] = []
+        self.plane_addr: list[int] = []
         self.block_bytes = 0
+        self.device = None  # the torch device of a GPU's KV cache (None: CPU)
         self.fingerprint: dict[str, Any] = {}
         self.stop = False
         self.thread: Optional[threading.Thread] = None
@@ -434,24 +451,46 @@ class _Worker:
             self.rank = 0
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
-        for n, t in zip(names, tensors):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                raise RuntimeError(
-                    f"kvmove's vLLM connector moves one CPU tensor per layer; layer {n} is "
-                    f"{type(t).__name__} on {getattr(t, 'device', '?')}"
-                )
-        block_bytes = {t.stride(0) * t.element_size() for t in tensors}
+        where = {(t.device.type, t.device.index) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors}
+        if len(where) != 1 or next(iter(where))[0] not in ("cpu", "cuda"):
+            raise RuntimeError(
+                "kvmove's vLLM connector moves one tensor per layer, every one on the CPU or every one on one "
+                f"CUDA device; these are on {sorted(str(w) for w in where)}"
+            )
+        kind = "host"
+        if tensors[0].device.type == "cuda":
+            self.device = tensors[0].device
+            kind = f"device:{self.device.index or 0}"
+        block_bytes = set()
+        spans = []
+        for t in tensors:
+            try:
+                planes, bb, nbytes = kv_layout(t.shape, t.stride(), t.element_size(), t.data_ptr(), self.num_blocks)
+            except ValueError as e:
+                raise RuntimeError(f"kvmove: {e}") from None
+            self.layer_planes.append(list(range(len(self.plane_addr), len(self.plane_addr) + len(planes))))
+            self.plane_addr.extend(planes)
+            block_bytes.add(bb)
+            spans.append((t.data_ptr(), t.data_ptr() + nbytes))
         if len(block_bytes) != 1:
             raise RuntimeError(f"kvmove: the layers' blocks differ in size: {sorted(block_bytes)}")
         self.block_bytes = block_bytes.pop()
         self.layer_index = {n: i for i, n in enumerate(names)}
-        self.layer_addr = [t.data_ptr() for t in tensors]
-        lo = min(self.layer_addr)
-        hi = max(t.data_ptr() + t.shape[0] * t.stride(0) * t.element_size() for t in tensors)
+        # One region per run of touching tensors (the CPU backend's layers
+        # are views of one allocation: one region; a GPU's may be apart).
+        regions: list[list[int]] = []
+        for a, b in sorted(spans):
+            if regions and a <= regions[-1][1]:
+                regions[-1][1] = max(regions[-1][1], b)
+            else:
+                regions.append([a, b])
         mc = self.vllm_config.model_config
         t0 = tensors[0]
         try:
-            isa = torch.backends.cpu.get_cpu_capability()
+            if self.device is not None:
+                isa = "cuda sm_%d%d" % torch.cuda.get_device_capability(self.device)
+            else:
+                isa = torch.backends.cpu.get_cpu_capability()
         except Exception:  # noqa: BLE001
             isa = "unknown"
         hf = getattr(mc, "hf_config", None)
@@ -466,6 +505,7 @@ class _Worker:
             "kv_dtype": str(t0.dtype),
             "block_size": self.block_size,
             "layers": len(names),
+            "planes": len(self.plane_addr),
             "block_shape": list(t0.shape[1:]),
             "block_bytes": self.block_bytes,
             "isa": isa,
@@ -487,7 +527,8 @@ class _Worker:
                 cpus = None
         try:
             self.engine = kvmove.Engine(self.protocol, host=self.host, port=port)
-            self.engine.register_address(lo, hi - lo, "host")
+            for a, b in regions:
+                self.engine.register_address(a, b - a, kind)
             self.me = self.engine.session_id
             self.thread = threading.Thread(target=self._pump, name="kvmove-vllm", daemon=True)
             self.thread.start()
@@ -495,11 +536,13 @@ class _Worker:
             if cpus and bound is not None:
                 os.sched_setaffinity(0, bound)
         logger.info(
-            "kvmove: rank %d listens on %s; %d layers, %d bytes a block",
+            "kvmove: rank %d listens on %s; %d layers (%d planes of blocks), %d bytes a block, %s memory",
             self.rank,
             self.me,
             len(names),
+            len(self.plane_addr),
             self.block_bytes,
+            kind,
         )
         if cpus:
             logger.info("kvmove: its threads run on cores %s (the forward pass on %s)", sorted(cpus), sorted(bound or ()))
@@ -558,20 +601,23 @@ class _Worker:
                     s.cancel = True
             self.wake.notify()
 
-    def save_kv_layer(self, layer_name: str):
+    def save_kv_layer(self, layer_name: str, kv_layer=None):
         i = self.layer_index.get(layer_name)
         if i is None or not self.sends:
             return
-        last_layer = i == len(self.layer_addr) - 1
+        last_layer = i == len(self.layer_planes) - 1
         now = time.time()
+        ready = None
         with self.lock:
             for s in self.sends.values():
                 if s.state is not None:
                     continue
                 if s.step_blocks:
-                    base = self.layer_addr[i]
-                    blocks = [(j, base + s.block_ids[j] * self.block_bytes) for j in s.step_blocks]
-                    s.pending.setdefault(i, []).extend(blocks)
+                    if ready is None and self.device is not None:
+                        ready = self._layer_done(kv_layer)
+                    for p in self.layer_planes[i]:
+                        base = self.plane_addr[p]
+                        s.pending.add(p, [(j, base + s.block_ids[j] * self.block_bytes) for j in s.step_blocks], ready)
                     if s.remote is not None:
                         self._flush(s, now)
                 if last_layer and s.last_step and not s.computed:
@@ -581,31 +627,34 @@ class _Worker:
                         self._flush(s, now)
                     self.wake.notify()
 
+    def _layer_done(self, kv_layer):
+        """On a GPU: an event recorded on the stream computing the layer, so
+        its blocks are written only once its kernels finished
+        (:mod:`kvmove.vllm.pending`). Never waited here: the forward pass
+        goes on."""
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
     def _flush(self, s: _Send, now: float):
-        """Starts the writes of ``s``'s pending blocks (lock held; grant in)."""
+        """Starts the writes of ``s``'s pending blocks whose bytes are
+        complete (lock held; grant in)."""
         if s.session is None or s.remote is None or (not self.layerwise and not s.computed):
             return
-        ops = []
-        for layer, blocks in s.pending.items():
-            remote = s.remote[layer]
-            for j, local in blocks:
-                k = j - s.first
-                if k < 0:
-                    continue  # the decode's own cache holds it
-                if k >= len(remote):
-                    s.error = f"block {j} is beyond the {len(remote)} blocks granted"
-                    s.cancel = True
-                    return
-                dst = remote[k]
-                if ops and ops[-1][0] + ops[-1][2] == local and ops[-1][1] + ops[-1][2] == dst:
-                    ops[-1][2] += self.block_bytes
-                else:
-                    ops.append([local, dst, self.block_bytes])
-        s.pending.clear()
+        layers = s.pending.take()
+        if not layers:
+            return
+        ops, error = plan_writes(layers, s.first, s.remote, self.block_bytes)
+        if error is not None:
+            s.error = error
+            s.cancel = True
+            return
         if not ops:
             return
         try:
-            w = s.session.write_layer([tuple(o) for o in ops])
+            w = s.session.write_layer(ops)
         except Exception as e:  # noqa: BLE001 (the session failed: its end is reported)
             s.error = str(e)
             return
@@ -758,6 +807,12 @@ class _Worker:
                 else:
                     s.error = why
                     s.cancel = True
+        # Layers held back by their kernels (a GPU) whose events completed.
+        if self.device is not None:
+            with self.lock:
+                for s in self.sends.values():
+                    if s.pending and s.remote is not None and s.state is None and not s.cancel:
+                        self._flush(s, now)
         # Sends: finish, cancel, see the end.
         with self.lock:
             sends = list(self.sends.values())
@@ -776,7 +831,7 @@ class _Worker:
         plan = r.plan
         ranges = []
         bb = self.block_bytes
-        for base in self.layer_addr:
+        for base in self.plane_addr:
             for b in plan.block_ids:
                 a = base + b * bb
                 if ranges and ranges[-1][0] + ranges[-1][1] == a:
@@ -809,24 +864,24 @@ class _Worker:
         if theirs != mine:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
             return f"the decode {s.peer} has another KV layout (here, there): {diff}"
-        layers = len(self.layer_addr)
+        planes = len(self.plane_addr)
         bb = self.block_bytes
         total = sum(n for _, n in g.ranges)
         nblocks = -(-s.prompt // self.block_size)
-        if total % (bb * layers):
-            return f"the grant's {total} bytes are not whole blocks of {layers} layers"
-        needed = total // (bb * layers)
+        if total % (bb * planes):
+            return f"the grant's {total} bytes are not whole blocks of {planes} planes"
+        needed = total // (bb * planes)
         if needed > nblocks or needed == 0:
             return f"the grant asks for {needed} blocks of a {nblocks}-block prompt"
-        remote: list[list[int]] = [[] for _ in range(layers)]
-        layer = 0
+        remote: list[list[int]] = [[] for _ in range(planes)]
+        plane = 0
         for addr, n in g.ranges:
             if n % bb:
                 return "a granted range is not whole blocks"
             for k in range(n // bb):
-                if len(remote[layer]) == needed:
-                    layer += 1
-                remote[layer].append(addr + k * bb)
+                if len(remote[plane]) == needed:
+                    plane += 1
+                remote[plane].append(addr + k * bb)
         s.first = nblocks - needed
         s.remote = remote
         s.expected = total
@@ -1026,7 +1081,7 @@ class KvmoveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _Scheduler(vllm_config)
         else:
-            self._worker = _Worker(vllm_config)
+            self._worker = _Worker(vllm_config, kv_cache_config)
 
     # ---- worker ----
 
@@ -1055,7 +1110,7 @@ class KvmoveConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.save_kv_layer(layer_name)
+            self._worker.save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self):
         # Writes go on after the forward pass; the session's end frees the
