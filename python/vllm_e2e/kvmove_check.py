@@ -14,11 +14,14 @@ real vLLM servers (the CPU build) behind the router
 - vLLM's own connector stats: ``vllm:kvmove_sessions_total`` and
   ``vllm:kvmove_bytes_total`` on both servers' ``/metrics`` count exactly
   the handoffs of the traces, and the bytes sent equal the bytes received;
-- the prefill SIGKILLed mid-push: the decode's requests end within the
-  liveness timeout and, with ``kv_load_failure_policy = "recompute"``,
-  return the reference tokens; the decode SIGKILLed: the prefill frees
-  every block it held for it (usage back to zero) and serves a restarted
-  decode, which runs with ``kv_load_failure_policy = "fail"`` from then on;
+- the prefill SIGKILLed mid-push: with ``kv_load_failure_policy =
+  "recompute"`` the decode's requests return the reference tokens; the
+  decode SIGKILLed: the prefill frees every block it held for it (usage
+  back to zero) and serves a restarted decode, which runs with
+  ``kv_load_failure_policy = "fail"`` from then on; the prefill SIGKILLed
+  mid-push again: each request whose handoff the decode saw fail errors,
+  within the liveness timeout of the kill, the others return the reference
+  tokens;
 - the restarted prefill runs with backpressure ``"hold"``: a request is
   scheduled only once the decode granted it;
 - the prefill SIGSTOPped past the liveness timeout, then the decode: every
@@ -251,8 +254,9 @@ def main():
             bad = kvmove_problems(s.lines_since(quiet_from[s.name]))
             check(not bad, f"{s.name}: no kvmove warning or error while serving" + "".join("\n  " + b for b in bad))
         if want("kill"):
-            phase_kill_prefill(prefill, decode, proxy, ps, ref)
-            phase_kill_decode(prefill, decode, proxy, ps, ref)
+            phase_kill_prefill(prefill, decode, proxy, ps, ref)  # "recompute"
+            phase_kill_decode(prefill, decode, proxy, ps, ref)  # the decode back with "fail"
+            phase_kill_prefill(prefill, decode, proxy, ps, ref)  # "fail"
         if want("stop"):
             phase_stop(prefill, decode, proxy, ps, ref, prefill)
             phase_stop(prefill, decode, proxy, ps, ref, decode)
@@ -407,8 +411,16 @@ def wait_pushing(prefill, since, timeout=60):
 
 
 def phase_kill_prefill(prefill, decode, proxy, ps, ref):
+    """The prefill SIGKILLed mid-push, then restarted. What the decode's
+    requests return depends on its ``kv_load_failure_policy``: with
+    ``"recompute"`` every one the reference tokens; with ``"fail"`` an
+    error for each handoff the decode saw fail (and at least one: the kill
+    hit the push), within the liveness timeout of the kill, and the
+    reference tokens for the others."""
     refs = {p: r for p, r in zip(ps, ref)}
     n0 = len(traces(prefill.trace_path))
+    d0 = len(traces(decode.trace_path))
+    policy = decode.kv_config["kv_load_failure_policy"]
     killed = {}
 
     def kill():
@@ -416,14 +428,28 @@ def phase_kill_prefill(prefill, decode, proxy, ps, ref):
         killed["at"] = time.monotonic()
         prefill.kill(grace=120)
 
+    t0 = time.monotonic()
     out = storm(proxy, ps, 8, kill)
-    wrong = [r for (r, _), i in zip(out, range(8)) if r != refs[ps[-1 - i % 3]]]
-    slowest = max(s for _, s in out)
-    check(
-        not wrong,
-        f"prefill SIGKILLed mid-push: the decode recomputed, all 8 requests equal the reference "
-        f"(slowest {slowest:.1f} s){''.join(chr(10) + '  ' + str(w)[:200] for w in wrong[:3])}",
-    )
+    results = [(r, refs[ps[-1 - i % 3]], took) for (r, took), i in zip(out, range(8))]
+    wrong = [r for r, want, _ in results if not isinstance(r, str) and r != want]
+    errors = [(r, t0 + took - killed["at"]) for r, _, took in results if isinstance(r, str)]
+    slowest = max(took for _, _, took in results)
+    what = f"prefill SIGKILLed mid-push (kv_load_failure_policy {policy!r})"
+    check(not wrong, f"{what}: no request returned other tokens than the reference {[str(w)[:200] for w in wrong[:2]]}")
+    if policy == "fail":
+        failed = [t for t in traces(decode.trace_path, d0) if t["role"] == "recv" and t["state"] != "landed"]
+        late = max((after for _, after in errors), default=0.0)
+        check(
+            errors and len(errors) == len(failed) and late < LIVENESS + 15,
+            f"{what}: {len(errors)} requests failed, {late:.1f} s after the kill at the latest; the decode saw "
+            f"{len(failed)} handoffs fail ({sorted({t['state'] for t in failed})}) {[e[:120] for e, _ in errors[:2]]}",
+        )
+    else:
+        check(
+            not errors,
+            f"{what}: the decode recomputed, all 8 requests equal the reference (slowest {slowest:.1f} s) "
+            f"{[e[:200] for e, _ in errors[:3]]}",
+        )
     d = decode.metrics()
     log(f"decode: {total(d, 'vllm:prompt_tokens_by_source_total', source='local_compute'):.0f} prompt tokens computed locally so far")
     u = wait_usage_zero(decode)
