@@ -75,10 +75,17 @@ def decode_body(body: dict, handoff: int, prefill: Backend) -> dict:
 
 
 def make_app(prefills: list[Backend], decodes: list[Backend], timeout: float):
-    from aiohttp import ClientSession, ClientTimeout, web
+    from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
     async def start(app):
-        app["http"] = ClientSession(timeout=ClientTimeout(total=timeout))
+        # A connection per request, never a kept-alive one: a server that
+        # was slow or paused (GC, SIGSTOP, a loaded host) closes a kept-alive
+        # connection its idle timer expired on even when a request already
+        # sits unread in it, and the client sees "Server disconnected" for
+        # a request the server never started (a 502 that was not the
+        # server's failure). A loopback or LAN connect costs far less than
+        # a completion.
+        app["http"] = ClientSession(timeout=ClientTimeout(total=timeout), connector=TCPConnector(force_close=True))
 
     async def stop(app):
         await app["http"].close()
