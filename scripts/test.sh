@@ -22,13 +22,12 @@
 # timers. So the RDMA test binaries are built first and the VM runs in the
 # background under everything else, the Python RDMA exchange in the same VM
 # after the suites; the wheels are built next (once for every virtualenv,
-# scripts/wheels.sh), so the vLLM checks (mostly servers starting and
-# waiting) run in the background under the lints and builds; builds and
-# installs run niced (`quiet`), so the VM and the timing-sensitive suites
-# get the CPU first; the test binaries run three at a time
-# (scripts/test-binaries) while the fuzz targets build and the Python
-# package's tests run; the virtualenvs install in the background from the
-# start. Every run ends, pass or fail, with a table of each step's wall and
+# scripts/wheels.sh), while the VM boots; builds and installs run niced
+# (`quiet`), so the VM and the timing-sensitive suites get the CPU first;
+# the test binaries run three at a time (scripts/test-binaries) while the
+# fuzz targets build and the Python package's tests run; the vLLM checks
+# (both at once) run in the background once nothing builds any more; the
+# virtualenvs install in the background from the start. Every run ends, pass or fail, with a table of each step's wall and
 # CPU time (scripts/lib/steps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -113,8 +112,8 @@ if [ "$rdma" = 1 ]; then
   spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
 fi
 
-# The wheels early: the vLLM checks (mostly servers starting and waiting)
-# then run under the builds and suites that follow instead of after them.
+# The wheels early, while the VM boots and the vLLM virtualenv installs:
+# the RDMA wheel is then in place long before the VM's Python exchange.
 join "$small_step"
 wheel_sets=(default)
 [ "$rdma" = 1 ] && wheel_sets+=(rdma)
@@ -124,14 +123,6 @@ export KVMOVE_WHEELS_BUILT=1
 if [ "$rdma" = 1 ]; then
   step "the RDMA wheel into its virtualenv, for the VM's Python exchange (scripts/python-tests.sh --rdma-install)" \
     scripts/python-tests.sh --rdma-install "$py_rdma_marker"
-fi
-
-[ ${#big[@]} -gt 0 ] && join "$big_step"
-vllm_step="vLLM prefill/decode over kvmove (background; real vLLM servers, CPU build)"
-if [ "$vllm" = 1 ]; then
-  # Its ports, 18300-18403, are its own. Niced a little: the VM and the
-  # timing-sensitive suites come first, the builds after it.
-  spawn "$vllm_step" nice -n 5 scripts/vllm-tests.sh
 fi
 
 step "cargo clippy --all-targets -- -D warnings" quiet cargo clippy --workspace --all-targets -- -D warnings
@@ -156,6 +147,15 @@ spawn "$tests_step" scripts/test-binaries --jobs 3
 step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" env FUZZ_BUILD_NICE=10 scripts/fuzz.sh
 
 step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
+
+[ ${#big[@]} -gt 0 ] && join "$big_step"
+vllm_step="vLLM prefill/decode over kvmove (background; real vLLM servers, CPU build)"
+if [ "$vllm" = 1 ]; then
+  # After the builds: vLLM's CPU servers spin (a second of busy-waiting
+  # after each step), which starved every build beside them (clippy took
+  # 13 minutes instead of 4). Its ports, 18300-18441, are its own.
+  spawn "$vllm_step" scripts/vllm-tests.sh
+fi
 
 join "$tests_step"
 
