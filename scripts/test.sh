@@ -25,9 +25,9 @@
 # scripts/wheels.sh), while the VM boots; builds and installs run niced
 # (`quiet`), so the VM and the timing-sensitive suites get the CPU first;
 # the test binaries run three at a time (scripts/test-binaries) while the
-# fuzz targets build and the Python package's tests run; the vLLM checks
-# (both at once) run in the background once nothing builds any more; the
-# virtualenvs install in the background from the start. Every run ends, pass or fail, with a table of each step's wall and
+# fuzz targets build; the vLLM checks run in the background once the
+# builds are done; the virtualenvs install in the background from the
+# start. Every run ends, pass or fail, with a table of each step's wall and
 # CPU time (scripts/lib/steps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -139,14 +139,12 @@ step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tes
 # The test binaries are built here, then run in the background, three at
 # a time (scripts/test-binaries: libtest's own output per binary, so a case
 # a backend cannot run still shows as "ignored", which nextest would list
-# as passed), while the fuzzing targets build and the Python tests run.
+# as passed), while the fuzzing targets build.
 step "cargo test --workspace --no-run (build the test binaries)" quiet cargo test --workspace --no-run
 tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
 spawn "$tests_step" scripts/test-binaries --jobs 3
 
 step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" env FUZZ_BUILD_NICE=10 scripts/fuzz.sh
-
-step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
 
 [ ${#big[@]} -gt 0 ] && join "$big_step"
 vllm_step="vLLM prefill/decode over kvmove (background; real vLLM servers, CPU build)"
@@ -156,6 +154,8 @@ if [ "$vllm" = 1 ]; then
   # 13 minutes instead of 4). Its ports, 18300-18441, are its own.
   spawn "$vllm_step" scripts/vllm-tests.sh
 fi
+
+step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
 
 join "$tests_step"
 

@@ -3,9 +3,9 @@
 # (the CPU build from PyPI) on loopback: vLLM's NixlConnector on kvmove's
 # stand-in (python/vllm_e2e/pd_check.py) and kvmove's own connector,
 # kvmove.vllm, behind its router (python/vllm_e2e/kvmove_check.py); each
-# script says what it checks; both run at once. Called by scripts/test.sh;
-# takes about 7 minutes once the virtualenv exists (scripts/venvs.sh vllm:
-# about 3 minutes, 6 GB).
+# script says what it checks. Called by scripts/test.sh; takes about 11
+# minutes once the virtualenv exists (scripts/venvs.sh vllm: about 3
+# minutes, 6 GB).
 #
 #   scripts/vllm-tests.sh
 set -euo pipefail
@@ -28,23 +28,15 @@ step "kvmove's release wheel (scripts/wheels.sh) into the vLLM virtualenv"
 wheel=$(scripts/wheels.sh default | tail -n 1)
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 
-# The two checks at once (their ports, models and logs are apart): each
-# is mostly vLLM servers starting and phases waiting on timers.
-step "prefill/decode check (python/vllm_e2e/pd_check.py; logs in $work) and kvmove's own connector (python/vllm_e2e/kvmove_check.py; logs in $work/native), side by side"
+step "prefill/decode check (python/vllm_e2e/pd_check.py; logs in $work)"
 rm -rf "$work"
-mkdir -p "$work/native"
+mkdir -p "$work"
 # From outside python/, so `import kvmove` is the installed wheel.
 shim=$(cd "$work" && "$venv/bin/python" -m kvmove.shims nixl)
-(cd "$work" && "$venv/bin/python" "$root/python/vllm_e2e/pd_check.py" --work "$work" --shim "$shim") \
-  > "$work/pd_check.out" 2>&1 &
-pd=$!
-native=0
-(cd "$work/native" && "$venv/bin/python" "$root/python/vllm_e2e/kvmove_check.py" --work "$work/native") || native=$?
-stand_in=0
-wait "$pd" || stand_in=$?
-step "the stand-in's check (pd_check.py), as it ran beside the other"
-cat "$work/pd_check.out"
-echo
-echo "vllm: NixlConnector on the stand-in: $([ "$stand_in" = 0 ] && echo passed || echo "FAILED (exit $stand_in)");" \
-  "kvmove's own connector: $([ "$native" = 0 ] && echo passed || echo "FAILED (exit $native)")"
-[ "$stand_in" = 0 ] && [ "$native" = 0 ]
+(cd "$work" && "$venv/bin/python" "$root/python/vllm_e2e/pd_check.py" --work "$work" --shim "$shim")
+
+# One after the other: side by side, their four spinning servers starved
+# the PD cluster's engines beside them (an unexplained failure there).
+step "kvmove's own connector (python/vllm_e2e/kvmove_check.py; logs in $work/native)"
+mkdir -p "$work/native"
+(cd "$work/native" && "$venv/bin/python" "$root/python/vllm_e2e/kvmove_check.py" --work "$work/native")
