@@ -1,8 +1,9 @@
 //! The control plane the backends share (TCP's framed protocol and RDMA's
 //! side channel): how a peer proves it holds the shared secret
 //! ([`auth`]), who may connect while nobody has proven anything yet
-//! ([`admission`]), and where the secret comes from and whom an engine
-//! without one answers ([`access`]).
+//! ([`admission`]), where the secret comes from and whom an engine
+//! without one answers ([`access`]), and the secret itself, never printed
+//! ([`Secret`]).
 //!
 //! Sans-IO: nothing here opens a socket or reads a clock; the backends'
 //! servers ask and act. `docs/THREAT_MODEL.md` says what each piece keeps
@@ -11,3 +12,6 @@
 pub mod access;
 pub mod admission;
 pub mod auth;
+mod secret;
+
+pub use secret::Secret;

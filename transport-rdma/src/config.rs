@@ -65,7 +65,8 @@ pub struct RdmaConfig {
     /// anything is answered (descriptor, QP group, notification, staging
     /// lease); peers must set the same. Unset, `KVMOVE_SECRET` and then
     /// the file `KVMOVE_SECRET_FILE` names are tried. Default none.
-    pub secret: Option<String>,
+    /// Never shown by `Debug`.
+    pub secret: Option<transport_control::Secret>,
     /// Without a secret, answer side-channel connections from other hosts
     /// too (protected mode off). Default false: with no secret only this
     /// host's connections are answered (`transport_control::access`).

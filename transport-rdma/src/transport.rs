@@ -85,7 +85,8 @@ impl RdmaTransport {
     /// `ConnectionReset` when the port is down; the failing verb otherwise.
     pub async fn new(mut cfg: RdmaConfig) -> Result<Self> {
         cfg.validate()?;
-        cfg.secret = transport_control::access::resolve_secret(cfg.secret.as_deref())?;
+        cfg.secret =
+            transport_control::access::resolve_secret(cfg.secret.as_deref())?.map(transport_control::Secret::from);
         let exposure = transport_control::access::Exposure::of(cfg.secret.as_deref(), cfg.insecure);
         if !cfg.devices.is_empty() {
             return Err(Error::new(

@@ -86,7 +86,8 @@ pub struct TcpConfig {
     /// challenge-response) before any request is served, and a peer without
     /// it is refused (`AuthFailed`). Unset, `KVMOVE_SECRET` and then the
     /// file `KVMOVE_SECRET_FILE` names are tried. Default `None`.
-    pub secret: Option<String>,
+    /// Never shown by `Debug`.
+    pub secret: Option<transport_control::Secret>,
     /// Without a secret, serve peers on other hosts too (protected mode
     /// off). Default false: with no secret only this host's connections
     /// (loopback, or to the address they reached) are served, others are

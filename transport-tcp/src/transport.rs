@@ -52,7 +52,8 @@ impl TcpTransport {
     /// tokio runtime. The segment name is the bound `host:port`.
     pub async fn new(mut cfg: TcpConfig) -> Result<Self> {
         cfg.validate()?;
-        cfg.secret = transport_control::access::resolve_secret(cfg.secret.as_deref())?;
+        cfg.secret =
+            transport_control::access::resolve_secret(cfg.secret.as_deref())?.map(transport_control::Secret::from);
         let addr = resolve(&cfg.listen)?;
         let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
         sock.set_reuse_address(true)?;
