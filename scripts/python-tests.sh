@@ -79,9 +79,10 @@ step "pytest python/tests"
 rvenv=${KVMOVE_PY_VENV:-$CARGO_TARGET_DIR/python-venv}-rdma
 run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_rdma.py)
 
+# (Each line checked: called as an `if` condition it runs without errexit.)
 install_rdma() {
-  scripts/venvs.sh rdma
-  rwheel=$(scripts/wheels.sh rdma | tail -n 1)
+  scripts/venvs.sh rdma || return 1
+  rwheel=$(scripts/wheels.sh rdma | tail -n 1) || return 1
   "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel"
 }
 

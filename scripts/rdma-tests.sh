@@ -145,16 +145,16 @@ printf 'rdma-tests: %s\n' "${bins[@]}"
       echo ' || rc=1'
     esac
   done
-  # The kernel's soft-RoCE has a known bug (Debian 6.1: rxe_completer can
-  # end a READ with IBV_WC_SUCCESS before its bytes landed, then break the
-  # QP; scripts/rxe-vm keeps the emulated network from dropping, so its retransmit
-  # path is rarely taken). If it fired, say so next to any failure.
   # A command of the caller's after the suites, on the same device (or in
   # the same VM); its failure is the run's failure.
   if [ -n "${RDMA_TESTS_THEN:-}" ]; then
     printf 'echo %q\n' "==> $RDMA_TESTS_THEN"
     printf '%s || rc=1\n' "$RDMA_TESTS_THEN"
   fi
+  # The kernel's soft-RoCE has a known bug (Debian 6.1: rxe_completer can
+  # end a READ with IBV_WC_SUCCESS before its bytes landed, then break the
+  # QP; scripts/rxe-vm keeps the emulated network from dropping, so its retransmit
+  # path is rarely taken). If it fired, say so next to any failure.
   echo 'if dmesg 2>/dev/null | grep -q "WARNING.*rxe_comp"; then echo "rdma-tests: the kernel soft-RoCE (rdma_rxe) reported an internal error in this run:"; dmesg | grep -A2 "WARNING.*rxe_comp" | head -3; fi'
   echo 'exit $rc'
 } > "$runner.new"
