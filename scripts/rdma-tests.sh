@@ -32,7 +32,7 @@
 #                   and latency next to ib_write_bw / ib_write_lat on the same
 #                   device in one VM run; prints ratios; never fails the suite).
 #
-# Environment: RDMA_VM_TIMEOUT (seconds, default 2700) bounds the VM run;
+# Environment: RDMA_VM_TIMEOUT (seconds, default 3300) bounds the VM run;
 # RDMA_TESTS_THEN (at --build-only) is a shell command the runner runs after
 # the suites, in the same VM (scripts/test.sh: the Python RDMA exchange);
 # CARGO_TARGET_DIR is honoured; tests are built --release (the VM emulates
@@ -175,7 +175,7 @@ else
   echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
   start=$(date +%s)
   # Four devices: the rails tests give each of two nodes two of its own.
-  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-2700}" -- sh "$runner" || rc=$?
+  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-3300}" -- sh "$runner" || rc=$?
   echo "rdma-tests: VM run took $(( $(date +%s) - start )) s"
 fi
 if [ "$rc" = 0 ]; then echo "rdma-tests: RDMA suite passed"; else echo "rdma-tests: RDMA suite FAILED (exit $rc)" >&2; fi

@@ -390,9 +390,13 @@ fn start_peer(listen: &str) -> (Child, String) {
 
 /// Churn cycles (RDMA_CHURN_CYCLES, default 200), bounded to 300 s; at
 /// least 100 (or all asked for) must run.
+/// (cycles wanted, the fewest that prove anything, the window for them).
+/// The window is wide: the VM shares its host with the other suites, and
+/// in a full CI run a starved VM managed 61 cycles in 300 s; the property
+/// is the kernel's QP count over many cycles, not their rate.
 fn churn_cycles() -> (usize, usize, Duration) {
     let want = std::env::var("RDMA_CHURN_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(200usize);
-    (want, want.min(100), Duration::from_secs(300))
+    (want, want.min(100), Duration::from_secs(780))
 }
 
 /// The field failure: a peer process SIGKILLed and restarted on the same
@@ -403,7 +407,7 @@ fn churn_cycles() -> (usize, usize, Duration) {
 /// the count is back at its baseline after close.
 fn churn_killed_and_restarted_peer_never_grows_kernel_qps() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-    run("churn_killed_and_restarted_peer_never_grows_kernel_qps", 600, async {
+    run("churn_killed_and_restarted_peer_never_grows_kernel_qps", 1000, async {
         const MAX_EP: usize = 2;
         const QPS: usize = 2;
         let (want, at_least, limit) = churn_cycles();
