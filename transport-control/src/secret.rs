@@ -13,12 +13,6 @@ use serde::{Deserialize, Serialize};
 #[serde(transparent)]
 pub struct Secret(String);
 
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Self {
-        Secret(s.into())
-    }
-}
-
 impl Deref for Secret {
     type Target = str;
 

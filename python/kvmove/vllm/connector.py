@@ -451,11 +451,11 @@ class _Worker:
             self.rank = 0
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
-        where = {(t.device.type, t.device.index) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors}
-        if len(where) != 1 or next(iter(where))[0] not in ("cpu", "cuda"):
+        where = {str(t.device) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors}
+        if len(where) != 1 or not all(isinstance(t, torch.Tensor) and t.device.type in ("cpu", "cuda") for t in tensors):
             raise RuntimeError(
                 "kvmove's vLLM connector moves one tensor per layer, every one on the CPU or every one on one "
-                f"CUDA device; these are on {sorted(str(w) for w in where)}"
+                f"CUDA device; these are on {sorted(where)}"
             )
         kind = "host"
         if tensors[0].device.type == "cuda":
