@@ -185,9 +185,22 @@ impl Inner {
                 Ok(0) => return total,
                 Ok(n) => {
                     total += n;
+                    // A work request that fails while its port is down
+                    // failed because of the link, whatever status the
+                    // provider gave it (soft-RoCE can answer a cut link
+                    // with "remote invalid request"): reported as the
+                    // transient link-down error. Asked only when a chunk
+                    // holds an error, never on the success path.
+                    let ok = rdma_sys::ibv_wc_status::IBV_WC_SUCCESS;
+                    let down = buf.iter().any(|c| c.status != ok).then(|| v.ctx.port_active(self.cfg.port)).and_then(
+                        |active| match active {
+                            Ok(true) => None,
+                            _ => Some(link_down(&self.device, self.cfg.port)),
+                        },
+                    );
                     self.with_state(|st, g| {
                         for c in buf.iter() {
-                            st.on_completion(c, &self.lim, g);
+                            st.on_completion(c, down.as_ref(), &self.lim, g);
                         }
                     });
                     if how == Drain::Chunk {

@@ -194,8 +194,15 @@ impl State {
         }
     }
 
-    /// Applies one completion.
-    pub(crate) fn on_completion(&mut self, c: &Completion, lim: &Limits, grave: &mut Graveyard) {
+    /// Applies one completion. `link_down`, when the port was found down
+    /// as this completion was read, replaces its error status.
+    pub(crate) fn on_completion(
+        &mut self,
+        c: &Completion,
+        link_down: Option<&Error>,
+        lim: &Limits,
+        grave: &mut Graveyard,
+    ) {
         let Some(w) = self.wrs.remove(&WrId(c.wr_id)) else {
             return; // late: its endpoint was destroyed
         };
@@ -204,8 +211,10 @@ impl State {
             q.outstanding = q.outstanding.saturating_sub(1);
             posted_on = Some(q.qp.qpn());
         }
-        let mut failed =
-            (c.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS).then(|| completion_error(c.status, c.vendor_err));
+        let mut failed = (c.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS).then(|| match link_down {
+            Some(e) => e.clone().with("wc_status", c.status),
+            None => completion_error(c.status, c.vendor_err),
+        });
         let mut w = w;
         // A completion must come from the QP its work request was posted
         // on; one that does not is never taken as data in place.
