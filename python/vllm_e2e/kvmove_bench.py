@@ -78,6 +78,12 @@ class System:
                                role="kv_consumer")  # fmt: skip
         self.prefill.extra_args = list(common)
         self.decode.extra_args = list(common + decode_blocks)
+        # One core each for the two workers, for every system (as
+        # pd_bench.py): unbound, the real NIXL's UCX progress threads spun
+        # beside both workers (load 31) and its release notifications came
+        # after the prefill's 30 s lease, one request in 30 s.
+        for s, core in ((self.prefill, "0"), (self.decode, "1")):
+            s.extra_env = {"VLLM_CPU_OMP_THREADS_BIND": core}
         self.proxy = None
         self.trace = None
         if kv:
@@ -94,7 +100,7 @@ class System:
             # The real NIXL: no stand-in on the path; UCX over TCP, a
             # network transport as kvmove's.
             for s in (self.prefill, self.decode):
-                s.extra_env = {"PYTHONPATH": os.path.join(HERE, "site"), "UCX_TLS": "tcp"}
+                s.extra_env.update(PYTHONPATH=os.path.join(HERE, "site"), UCX_TLS="tcp")
 
     def start(self):
         for s in (self.prefill, self.decode):
