@@ -78,12 +78,16 @@ class System:
                                role="kv_consumer")  # fmt: skip
         self.prefill.extra_args = list(common)
         self.decode.extra_args = list(common + decode_blocks)
-        # One core each for the two workers, for every system (as
+        # NIXL's systems: one core each for the two workers (as
         # pd_bench.py): unbound, the real NIXL's UCX progress threads spun
         # beside both workers (load 31) and its release notifications came
-        # after the prefill's 30 s lease, one request in 30 s.
-        for s, core in ((self.prefill, "0"), (self.decode, "1")):
-            s.extra_env = {"VLLM_CPU_OMP_THREADS_BIND": core}
+        # after the prefill's 30 s lease, one request in 30 s. kvmove's:
+        # vLLM's own binding (both workers on the last core, kvmove's
+        # threads on the other); bound apart, each worker's spinning loop
+        # sits on the other server's kvmove threads (a handshake timed out).
+        if not kv:
+            for s, core in ((self.prefill, "0"), (self.decode, "1")):
+                s.extra_env = {"VLLM_CPU_OMP_THREADS_BIND": core}
         self.proxy = None
         self.trace = None
         if kv:
