@@ -19,8 +19,8 @@ secs=${FUZZ_SECONDS:-30}
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(frame_decoder server)
 
-# FUZZ_BUILD_NICE: the niceness of the builds (default 0: scripts/test.sh
-# runs them beside vLLM servers that spin, where a niced build starves).
+# FUZZ_BUILD_NICE: the niceness of the builds (scripts/test.sh builds at a
+# lower priority than the suites running beside them).
 build=(nice -n "${FUZZ_BUILD_NICE:-0}")
 
 # The targets are built the way `cargo fuzz build -s none` (cargo-fuzz

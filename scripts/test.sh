@@ -144,21 +144,16 @@ step "cargo test --workspace --no-run (build the test binaries)" quiet cargo tes
 tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
 spawn "$tests_step" scripts/test-binaries --jobs 3
 
+step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" env FUZZ_BUILD_NICE=10 scripts/fuzz.sh
+
 [ ${#big[@]} -gt 0 ] && join "$big_step"
 vllm_step="vLLM prefill/decode over kvmove (background; real vLLM servers, CPU build)"
 if [ "$vllm" = 1 ]; then
-  # After the big builds: vLLM's CPU servers spin (a second of
-  # busy-waiting after each step), which starved every build beside them
-  # (clippy took 13 minutes instead of 4); only the fuzz targets' small
-  # build is left. Not later: its ~11 server starts are the longest serial
-  # chain of the run (ci21, started after the fuzz step: 13:33, the run's
-  # end). Its ports, 18300-18441, are its own.
+  # After the builds: vLLM's CPU servers spin (a second of busy-waiting
+  # after each step), which starved every build beside them (clippy took
+  # 13 minutes instead of 4). Its ports, 18300-18441, are its own.
   spawn "$vllm_step" scripts/vllm-tests.sh
 fi
-
-# The fuzz targets build at the suites' priority: the vLLM servers beside
-# them spin, and a niced build would hardly run.
-step "fuzz the TCP server and frame decoder (bounded: FUZZ_SECONDS each, default 30)" scripts/fuzz.sh
 
 step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
 
