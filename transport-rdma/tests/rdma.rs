@@ -388,7 +388,7 @@ fn start_peer(listen: &str) -> (Child, String) {
     panic!("peer exited without printing its name");
 }
 
-/// Churn cycles (RDMA_CHURN_CYCLES, default 200), bounded to 300 s; at
+/// Churn cycles (RDMA_CHURN_CYCLES, default 200), bounded to 780 s; at
 /// least 100 (or all asked for) must run.
 /// (cycles wanted, the fewest that prove anything, the window for them).
 /// The window is wide: the VM shares its host with the other suites, and
