@@ -16,7 +16,7 @@
 //!   for Landed.
 //! - The **target** (receiver) grants the unit's range: a request's own
 //!   range, or for a whole plan the one range covering it (the target owns
-//!   all of it; a grant holds at most `MAX_GRANT_RANGES` ranges), with the
+//!   all of it, and one range keeps its grant to one message), with the
 //!   unit's bytes as the expected count, and records when it saw the
 //!   session land.
 //!

@@ -881,3 +881,98 @@ fn a_finish_for_a_session_the_receiver_released_is_answered() {
     assert!(took <= Duration::from_millis(200), "the sender ended {took:?} after its FINISH");
     assert_eq!(r.state(&kr()), None, "the answer opened nothing on the receiver");
 }
+
+/// Scattered ranges in descending order (a KV cache's freed blocks, as
+/// vLLM hands them back): more than one GRANT message holds.
+fn scattered(n: u64) -> Vec<(u64, u64)> {
+    (0..n).rev().map(|i| (BASE + i * 256, 128)).collect()
+}
+
+/// A grant of 1000 ranges travels in parts and arrives whole, in order;
+/// writes are checked against all of it (inside any range: allowed; in a
+/// gap, or bridging one: refused); the session lands.
+#[test]
+fn a_grant_of_many_ranges_arrives_whole_and_bounds_the_writes() {
+    let mut s = SessionTable::new(limits(), 1);
+    let mut r = SessionTable::new(limits(), 2);
+    let now = Duration::from_millis(10);
+    s.expect("r", ID, now).unwrap();
+    let ranges = scattered(1000);
+    let g = Grant { ranges: ranges.clone(), expected: 1000 * 128, deadline: Duration::from_secs(60) };
+    r.grant_to("s", ID, g.clone(), now).unwrap();
+    let out = r.drain_outgoing();
+    assert!(out.len() >= 4, "1000 ranges went in {} message(s)", out.len());
+    for (_, m) in out {
+        s.on_message("r", &m, now);
+    }
+    assert_eq!(s.grant(&ks()), Some(g), "the sender's grant is the receiver's, in order");
+    for (i, &(a, l)) in ranges.iter().enumerate().step_by(97) {
+        s.begin_write(&ks(), &[(a, l)], now).unwrap_or_else(|e| panic!("range {i}: {e}"));
+        s.end_write(&ks(), 0, now);
+    }
+    for bad in [(BASE + 128, 1), (BASE + 100, 100), (BASE - 1, 2), (BASE + 999 * 256 + 120, 16)] {
+        let e = s.begin_write(&ks(), &[bad], now).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfBounds, "{bad:?}");
+    }
+    for &(a, l) in &ranges {
+        s.begin_write(&ks(), &[(a, l)], now).unwrap();
+        s.end_write(&ks(), l, now);
+    }
+    s.finish(&ks()).unwrap();
+    exchange(&mut s, &mut r, now);
+    assert_eq!(s.state(&ks()), Some(SessionState::Landed));
+    assert_eq!(r.state(&kr()), Some(SessionState::Landed));
+}
+
+/// A grant one of whose parts never arrived is never taken as a smaller
+/// grant: the sender fails the session and tells the receiver, which frees
+/// the memory at once (both end failed, nothing written). Parts whose
+/// GRANT never comes are forgotten after the liveness timeout: a GRANT
+/// after that is not taken either.
+#[test]
+fn a_grant_missing_a_part_is_refused_on_both_sides() {
+    let mut s = SessionTable::new(limits(), 1);
+    let mut r = SessionTable::new(limits(), 2);
+    let now = Duration::from_millis(10);
+    s.expect("r", ID, now).unwrap();
+    let g = Grant { ranges: scattered(1000), expected: 1000 * 128, deadline: Duration::from_secs(60) };
+    r.grant_to("s", ID, g, now).unwrap();
+    for (i, (_, m)) in r.drain_outgoing().into_iter().enumerate() {
+        if i != 1 {
+            s.on_message("r", &m, now);
+        }
+    }
+    let st = s.state(&ks()).unwrap();
+    assert!(matches!(&st, SessionState::Failed(e) if e.kind() == ErrorKind::InvalidRequest), "{st:?}");
+    assert_eq!(s.grant(&ks()), None);
+    exchange(&mut s, &mut r, now);
+    let st = r.state(&kr()).unwrap();
+    assert!(matches!(&st, SessionState::Failed(e) if e.kind() == ErrorKind::InvalidRequest), "{st:?}");
+
+    // Parts, then a GRANT only after the liveness timeout.
+    let id = ID + 1;
+    let key = SessionKey::new("r", id, Role::Sender);
+    let mut now = now;
+    s.expect("r", id, now).unwrap();
+    let g = Grant { ranges: scattered(600), expected: 600 * 128, deadline: Duration::from_secs(60) };
+    r.grant_to("s", id, g, now).unwrap();
+    let mut msgs = r.drain_outgoing();
+    let last = msgs.pop().unwrap();
+    for (_, m) in msgs {
+        s.on_message("r", &m, now);
+    }
+    for _ in 0..12 {
+        now += Duration::from_millis(100);
+        s.tick(now);
+        for (_, m) in r.drain_outgoing() {
+            s.on_message("r", &m, now);
+        }
+        for (_, m) in s.drain_outgoing() {
+            r.on_message("s", &m, now);
+        }
+        r.tick(now);
+    }
+    s.on_message("r", &last.1, now);
+    assert_eq!(s.grant(&key), None, "a grant whose parts were forgotten was taken");
+    assert_eq!(s.state(&key), Some(SessionState::Waiting));
+}

@@ -8,6 +8,9 @@ per line:
 
 * ``grant PEER ID OFFSET LENGTH [DEADLINE]`` -> grants ``PEER`` the buffer's
   ``OFFSET .. OFFSET + LENGTH`` for session ``ID``; ``ok`` or ``error KIND``;
+* ``scattered PEER ID N BLOCK`` -> grants ``N`` blocks of ``BLOCK`` bytes
+  with a block-sized gap after each, in descending address order (a KV
+  cache's freed blocks), for session ``ID``; ``ok`` or ``error KIND``;
 * ``state ID`` -> the receiving session's state now;
 * ``wait ID TIMEOUT`` -> its final state, or ``timeout``;
 * ``cancel ID`` -> cancels it; the final state;
@@ -47,6 +50,11 @@ def main() -> int:
             peer, sid, off, length = cmd[1], int(cmd[2]), int(cmd[3]), int(cmd[4])
             deadline = float(cmd[5]) if len(cmd) > 5 else 30.0
             sessions[sid] = engine.receive(peer, sid, [(region.addr + off, length)], deadline=deadline)
+            return "ok"
+        if op == "scattered":
+            peer, sid, n, block = cmd[1], int(cmd[2]), int(cmd[3]), int(cmd[4])
+            ranges = [(region.addr + 2 * i * block, block) for i in reversed(range(n))]
+            sessions[sid] = engine.receive(peer, sid, ranges, deadline=30.0)
             return "ok"
         if op == "state":
             return sessions[int(cmd[1])].state

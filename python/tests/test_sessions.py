@@ -120,6 +120,34 @@ def test_write_outside_the_grant_raises_before_a_byte_moves(decode):
         assert decode.ask(f"digest 0 {LAYER}") == sha(kv[:LAYER])
 
 
+def test_a_grant_of_scattered_blocks_lands_in_order(decode):
+    """1000 blocks in descending address order (vLLM's freed blocks): more
+    ranges than one notification holds, so the grant travels in parts; the
+    sender sees every range in the decode's order, and what it writes there
+    lands there, the gaps untouched."""
+    n, block = 1000, 1024
+    kv = pattern(8, n * block)
+    with kvmove.Engine() as prefill, prefill.register(kv) as src:
+        s = prefill.send(decode.session_id, 9)
+        assert decode.ask(f"scattered {prefill.session_id} 9 {n} {block}") == "ok"
+        g = s.wait_grant(timeout=20)
+        want = [(decode.addr + 2 * i * block, block) for i in reversed(range(n))]
+        assert g.ranges == want and g.expected == n * block
+        with pytest.raises(kvmove.PermanentError) as info:
+            s.write_layer([(src.addr, decode.addr + block, block)])  # a gap
+        assert info.value.kind == "out_of_bounds"
+        ops = [(src.at(k * block), addr, block) for k, (addr, _) in enumerate(g.ranges)]
+        assert s.write_layer(ops).wait(timeout=30).ok
+        s.finish()
+        assert s.wait(timeout=30) == "landed"
+        assert decode.ask("wait 9 30") == "landed"
+        image = np.zeros(2 * n * block, dtype=np.uint8)
+        for k, (addr, _) in enumerate(g.ranges):
+            off = addr - decode.addr
+            image[off : off + block] = kv[k * block : (k + 1) * block]
+        assert decode.ask(f"digest 0 {2 * n * block}") == sha(image)
+
+
 def test_deadline_expires_on_both_sides(decode):
     with kvmove.Engine() as prefill:
         s = prefill.send(decode.session_id, 5)

@@ -348,6 +348,12 @@ static CASES: &[Case] = &[
         "writes partly or wholly outside the grant, overflowing: OutOfBounds before a byte moves; the session lands"
     ),
     case!(
+        session::grant_in_parts_lands,
+        12,
+        [],
+        "a grant of 1000 scattered ranges in descending order arrives whole and in order; a gap refused; lands"
+    ),
+    case!(
         session::deadline_starts_at_grant,
         12,
         [Stall],

@@ -6,7 +6,10 @@
 
 pub mod wire;
 
-pub use wire::{bundle, is_failure_notice, is_session_message, unbundle, Grant, Outcome, Verdict, MAX_GRANT_RANGES};
+pub use wire::{
+    bundle, grant_messages, is_failure_notice, is_session_message, unbundle, Grant, Outcome, Verdict,
+    GRANT_RANGES_PER_MESSAGE, MAX_GRANT_RANGES,
+};
 mod table;
 mod types;
 

@@ -64,7 +64,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use super::wire::{decode, Body, Grant, Message, Outcome, Verdict, MAX_GRANT_RANGES, MAX_REASON};
+use super::wire::{decode, grant_messages, Body, Grant, Message, Outcome, Verdict, MAX_GRANT_RANGES, MAX_REASON};
 use transport_core::{Error, ErrorKind, Result};
 
 use super::types::{Action, Outgoing, Role, SessionCounts, SessionKey, SessionLimits, SessionState};
@@ -92,6 +92,10 @@ struct Session {
     state: SessionState,
     phase: Phase,
     grant: Option<Grant>,
+    /// Sender: the granted memory as sorted, disjoint `(start, end)`
+    /// intervals (the union of the grant's ranges), for checking writes
+    /// against a grant of many ranges in logarithmic time.
+    bounds: Vec<(u64, u64)>,
     deadline: Option<Duration>,
     written: u64,
     writes: u32,
@@ -120,6 +124,20 @@ struct Session {
     dirty: bool,
     /// Sender: granted before any local `expect` (not claimed yet).
     unclaimed: bool,
+}
+
+/// The GRANT_MORE parts of a grant received so far (the GRANT with its
+/// last ranges comes after them).
+#[derive(Debug)]
+struct PartialGrant {
+    parts: u16,
+    got: u16,
+    ranges: Vec<(u64, u64)>,
+    /// The last part came at this time (moved on by this side's pauses).
+    last: Duration,
+    /// Why the grant cannot be used (a part missing or out of order, too
+    /// many ranges): its GRANT is refused.
+    broken: Option<Error>,
 }
 
 #[derive(Debug)]
@@ -161,7 +179,15 @@ pub struct SessionTable {
     just_paused: bool,
     /// Pauses noticed so far.
     pauses: u64,
+    /// Grants arriving in parts, by the sender's key. Bounded like
+    /// unclaimed grants (`max_unclaimed`, `max_unclaimed_per_peer`), and
+    /// [`MAX_PARTIAL_RANGES`] ranges in all.
+    partial: HashMap<SessionKey, PartialGrant>,
 }
+
+/// Ranges held by grants still arriving in parts, all peers together (16
+/// bytes each: 4 MiB).
+pub const MAX_PARTIAL_RANGES: usize = 4 * MAX_GRANT_RANGES;
 
 /// Peers without sessions whose heartbeats are answered, at most; an answer
 /// goes at most once per heartbeat interval to each, so a claimed name can
@@ -175,6 +201,22 @@ pub const MAX_CHECKS: u8 = 4;
 
 fn table_full(what: &str) -> Error {
     Error::new(ErrorKind::ResourceExhausted, format!("session table full: {what}"))
+}
+
+/// The union of ranges `(addr, len)` as sorted, disjoint `(start, end)`
+/// intervals (overlapping and touching ranges merged).
+fn union(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> =
+        ranges.iter().filter(|r| r.1 > 0).filter_map(|&(a, l)| a.checked_add(l).map(|e| (a, e))).collect();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (a, e) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((a, e)),
+        }
+    }
+    out
 }
 
 fn verdict(outcome: Outcome, kind: ErrorKind, reason: impl Into<String>) -> Verdict {
@@ -200,7 +242,10 @@ fn unknown_outcome(why: &str) -> Verdict {
 pub fn check_grant(g: &Grant) -> Result<()> {
     let bad = |why: &str| Err(Error::new(ErrorKind::InvalidRequest, format!("bad grant: {why}")));
     if g.ranges.is_empty() || g.ranges.len() > MAX_GRANT_RANGES {
-        return bad("1 to MAX_GRANT_RANGES ranges");
+        return Err(Error::new(
+            ErrorKind::InvalidRequest,
+            format!("bad grant: {} ranges; 1 to {MAX_GRANT_RANGES} (MAX_GRANT_RANGES) allowed", g.ranges.len()),
+        ));
     }
     let mut total: u64 = 0;
     for &(a, l) in &g.ranges {
@@ -236,6 +281,7 @@ impl SessionTable {
             last_ran: None,
             just_paused: false,
             pauses: 0,
+            partial: HashMap::new(),
         }
     }
 
@@ -257,6 +303,9 @@ impl SessionTable {
                 self.just_paused = true;
                 for p in self.peers.values_mut() {
                     p.heard = p.heard.saturating_add(gap).min(now);
+                }
+                for p in self.partial.values_mut() {
+                    p.last = p.last.saturating_add(gap).min(now);
                 }
                 // The peers did not hear from this side either: they may
                 // have given up on the sessions open here.
@@ -373,6 +422,10 @@ impl SessionTable {
 
     fn insert(&mut self, key: SessionKey, state: SessionState, grant: Option<Grant>, now: Duration) {
         let deadline = grant.as_ref().map(|g| now.saturating_add(g.deadline));
+        let bounds = match (&grant, key.role) {
+            (Some(g), Role::Sender) => union(&g.ranges),
+            _ => Vec::new(),
+        };
         // A peer with nothing open here was not heartbeating (nothing asked
         // it to): its silence counts from this session on, not from the last
         // message of an earlier one (its entry may have stayed for lingering
@@ -391,6 +444,7 @@ impl SessionTable {
                 state,
                 phase: Phase::Open,
                 grant,
+                bounds,
                 deadline,
                 written: 0,
                 writes: 0,
@@ -479,10 +533,14 @@ impl SessionTable {
         if left.is_zero() {
             return Err(Error::new(ErrorKind::Timeout, "the session's deadline passed"));
         }
+        debug_assert!(!g.ranges.is_empty());
         for (i, &(a, l)) in ranges.iter().enumerate() {
-            let inside = a
-                .checked_add(l)
-                .is_some_and(|end| l > 0 && g.ranges.iter().any(|&(ga, gl)| a >= ga && end <= ga.saturating_add(gl)));
+            let inside = a.checked_add(l).is_some_and(|end| {
+                // The last interval starting at or before `a` is the only
+                // one that can hold it (they are disjoint and sorted).
+                let at = s.bounds.partition_point(|&(start, _)| start <= a);
+                l > 0 && at > 0 && s.bounds.get(at - 1).is_some_and(|&(_, e)| end <= e)
+            });
             if !inside {
                 return Err(Error::new(ErrorKind::OutOfBounds, "write outside the grant")
                     .with("request", i)
@@ -603,7 +661,12 @@ impl SessionTable {
             return Err(Self::exists_error(&key));
         }
         self.room_for(peer)?;
-        self.send(peer, id, Body::Grant(grant.clone()));
+        let Some(bodies) = grant_messages(&grant) else {
+            return Err(Error::new(ErrorKind::InvalidRequest, "bad grant: too many ranges"));
+        };
+        for body in bodies {
+            self.send(peer, id, body);
+        }
         self.insert(key, SessionState::Granted, Some(grant), now);
         Ok(())
     }
@@ -691,6 +754,7 @@ impl SessionTable {
                 }
             }
             Body::Grant(g) => self.on_grant(from, m.id, g, m.epoch, now),
+            Body::GrantMore { part, parts, ranges } => self.on_grant_more(from, m.id, part, parts, ranges, now),
             Body::End(v) => self.on_end(from, m.id, v, now),
             Body::Finish { bytes } => self.on_finish(from, m.id, bytes, now),
             Body::Cancel(v) => self.on_cancel(from, m.id, v, now),
@@ -702,8 +766,88 @@ impl SessionTable {
         }
     }
 
-    fn on_grant(&mut self, from: &str, id: u64, g: Grant, epoch: u64, now: Duration) {
+    /// A part of a grant too large for one message: kept, in order, until
+    /// its GRANT comes. Parts for a session that has its grant or has
+    /// ended are ignored (its GRANT is answered as a lone one would be).
+    fn on_grant_more(&mut self, from: &str, id: u64, part: u16, parts: u16, ranges: Vec<(u64, u64)>, now: Duration) {
         let key = SessionKey::new(from, id, Role::Sender);
+        let settled = self.sessions.get(&key).is_some_and(|s| s.state.is_final() || s.grant.is_some());
+        if settled || self.released_set.contains(&key) {
+            self.ignored += 1;
+            return;
+        }
+        let held: usize = self.partial.values().map(|p| p.ranges.len()).sum();
+        if part == 0 {
+            self.partial.remove(&key);
+            let per_peer = self.partial.keys().filter(|k| k.peer == from).count();
+            if self.partial.len() >= self.limits.max_unclaimed || per_peer >= self.limits.max_unclaimed_per_peer {
+                // No room to note even that it is broken: its GRANT then
+                // carries too few ranges and is ignored as malformed.
+                self.ignored += 1;
+                return;
+            }
+            let p = PartialGrant { parts, got: 0, ranges: Vec::new(), last: now, broken: None };
+            self.partial.insert(key.clone(), p);
+        }
+        let Some(p) = self.partial.get_mut(&key) else {
+            self.ignored += 1;
+            return;
+        };
+        p.last = now;
+        if p.broken.is_some() {
+            return;
+        }
+        if p.parts != parts || p.got != part {
+            let e = Error::new(ErrorKind::InvalidRequest, "bad grant: a part of it is missing or out of order")
+                .with("part", part)
+                .with("expected_part", p.got);
+            p.broken = Some(e);
+            p.ranges = Vec::new();
+            return;
+        }
+        if p.ranges.len().saturating_add(ranges.len()) > MAX_GRANT_RANGES
+            || held.saturating_add(ranges.len()) > MAX_PARTIAL_RANGES
+        {
+            p.broken = Some(
+                table_full("grants arriving in parts hold too many ranges")
+                    .with("max_grant_ranges", MAX_GRANT_RANGES)
+                    .with("max_partial_ranges", MAX_PARTIAL_RANGES),
+            );
+            p.ranges = Vec::new();
+            return;
+        }
+        p.got = p.got.saturating_add(1);
+        p.ranges.extend(ranges);
+    }
+
+    /// A grant this side cannot use (its parts were broken): the sender's
+    /// session, if it waits for it, fails, and the receiver is told to
+    /// free the memory at once.
+    fn refuse_grant(&mut self, key: &SessionKey, err: Error, now: Duration) {
+        if let Some(s) = self.sessions.get_mut(key) {
+            if !s.state.is_final() && s.grant.is_none() {
+                Self::finalize(s, SessionState::Failed(err.clone()), now);
+            }
+        }
+        self.send(&key.peer, key.id, Body::Refuse(verdict(Outcome::Failed, err.kind(), err.to_string())));
+    }
+
+    fn on_grant(&mut self, from: &str, id: u64, mut g: Grant, epoch: u64, now: Duration) {
+        let key = SessionKey::new(from, id, Role::Sender);
+        if let Some(p) = self.partial.remove(&key) {
+            let missing = (p.got != p.parts).then(|| {
+                Error::new(ErrorKind::InvalidRequest, "bad grant: parts of it are missing")
+                    .with("parts", p.parts)
+                    .with("received", p.got)
+            });
+            if let Some(e) = p.broken.or(missing) {
+                self.refuse_grant(&key, e, now);
+                return;
+            }
+            let mut ranges = p.ranges;
+            ranges.append(&mut g.ranges);
+            g.ranges = ranges;
+        }
         if check_grant(&g).is_err() {
             self.ignored += 1;
             return;
@@ -711,6 +855,7 @@ impl SessionTable {
         match self.sessions.get_mut(&key) {
             Some(s) if s.state == SessionState::Waiting && s.phase == Phase::Open => {
                 s.deadline = Some(now.saturating_add(g.deadline));
+                s.bounds = union(&g.ranges);
                 s.grant = Some(g);
                 s.state = SessionState::Granted;
                 s.dirty = true;
@@ -1114,6 +1259,7 @@ impl SessionTable {
     /// were closing end with the outcome they had decided: a dead sender
     /// writes nothing more.
     pub fn peer_gone(&mut self, peer: &str, err: Error, now: Duration) {
+        self.partial.retain(|k, _| k.peer != peer);
         let keys: Vec<SessionKey> = self
             .sessions
             .iter()
@@ -1155,6 +1301,10 @@ impl SessionTable {
         if paused {
             self.probe_after_pause(now);
         }
+        // Grants whose GRANT never followed their parts (the receiver
+        // stopped half way): forgotten after a liveness timeout.
+        let stale = self.limits.liveness_timeout;
+        self.partial.retain(|_, p| now.saturating_sub(p.last) < stale);
         // Receiver deadlines.
         let expired: Vec<SessionKey> = self
             .sessions

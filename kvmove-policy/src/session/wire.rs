@@ -10,6 +10,7 @@
 //!  14     8   session id (0 in HEARTBEAT)
 //!  22     -   body:
 //!             GRANT:  deadline_ms u64, expected u64, n u16, n x (addr u64, len u64)
+//!             GRANT_MORE: part u16, parts u16, n u16, n x (addr u64, len u64)
 //!             FINISH: bytes u64
 //!             END, CANCEL, REFUSE: outcome u8, error kind u8, reason_len u16,
 //!                     reason (UTF-8)
@@ -17,6 +18,12 @@
 //!             QUIET: empty
 //! ```
 //! All integers little-endian. A decoder error means "ignore the message".
+//!
+//! A grant with more ranges than one notification holds
+//! ([`GRANT_RANGES_PER_MESSAGE`]) travels as GRANT_MORE parts 0 to
+//! `parts - 1`, in order, then the GRANT with its last ranges; the sender
+//! puts the ranges back together in that order (notifications keep their
+//! order per pair, rule 11). At most [`MAX_GRANT_RANGES`] ranges in all.
 //!
 //! Several messages to one peer may travel as one notification, a BUNDLE:
 //! magic, version, type 8, count u16, then count x (len u16, message); a
@@ -33,9 +40,16 @@ use transport_core::MAX_NOTIFY_LEN;
 pub const MAGIC: [u8; 4] = *b"\0KVS";
 const VERSION: u8 = 1;
 const HEADER: usize = 22;
-/// Largest number of ranges in one grant (keeps a GRANT within one
-/// notification).
-pub const MAX_GRANT_RANGES: usize = (MAX_NOTIFY_LEN - HEADER - 18) / 16;
+/// Most ranges a GRANT message carries (it fits one notification); a
+/// larger grant sends its first ranges ahead in GRANT_MORE parts.
+pub const GRANT_RANGES_PER_MESSAGE: usize = (MAX_NOTIFY_LEN - HEADER - 18) / 16;
+/// Most ranges a GRANT_MORE part carries.
+pub const GRANT_MORE_RANGES: usize = (MAX_NOTIFY_LEN - HEADER - 6) / 16;
+/// Most ranges in one grant, all parts together (a sender holds at most
+/// 16 bytes for each while the grant lasts: 1 MiB). A KV cache in
+/// scattered blocks needs one range per block per plane (layer, or key and
+/// value of a layer): 64 planes of 1024 scattered blocks.
+pub const MAX_GRANT_RANGES: usize = 65536;
 /// Longest reason text carried by END.
 pub const MAX_REASON: usize = 512;
 
@@ -73,6 +87,9 @@ pub struct Verdict {
 pub enum Body {
     /// Receiver -> sender: the transfer is admitted.
     Grant(Grant),
+    /// Receiver -> sender: the first ranges of a grant too large for one
+    /// message, part `part` of `parts`; the GRANT follows with the rest.
+    GrantMore { part: u16, parts: u16, ranges: Vec<(u64, u64)> },
     /// Sender -> receiver: every write completed; `bytes` written in all.
     Finish { bytes: u64 },
     /// Sender -> receiver: the sender stopped (it is quiet) and asks to
@@ -122,6 +139,7 @@ enum Kind {
     // 8 is a bundle's type.
     Check = 9,
     Confirm = 10,
+    GrantMore = 11,
 }
 
 const BUNDLE: u8 = 8;
@@ -218,6 +236,7 @@ impl Message {
         b.push(VERSION);
         let kind = match &self.body {
             Body::Grant(_) => Kind::Grant,
+            Body::GrantMore { .. } => Kind::GrantMore,
             Body::Finish { .. } => Kind::Finish,
             Body::Cancel(_) => Kind::Cancel,
             Body::End(_) => Kind::End,
@@ -235,12 +254,12 @@ impl Message {
                 let ms = u64::try_from(g.deadline.as_millis()).unwrap_or(u64::MAX);
                 b.extend_from_slice(&ms.to_le_bytes());
                 b.extend_from_slice(&g.expected.to_le_bytes());
-                let n = g.ranges.len().min(MAX_GRANT_RANGES);
-                b.extend_from_slice(&(n as u16).to_le_bytes());
-                for (a, l) in g.ranges.iter().take(n) {
-                    b.extend_from_slice(&a.to_le_bytes());
-                    b.extend_from_slice(&l.to_le_bytes());
-                }
+                put_ranges(&mut b, &g.ranges, GRANT_RANGES_PER_MESSAGE);
+            }
+            Body::GrantMore { part, parts, ranges } => {
+                b.extend_from_slice(&part.to_le_bytes());
+                b.extend_from_slice(&parts.to_le_bytes());
+                put_ranges(&mut b, ranges, GRANT_MORE_RANGES);
             }
             Body::Finish { bytes } => b.extend_from_slice(&bytes.to_le_bytes()),
             Body::End(v) | Body::Cancel(v) | Body::Refuse(v) => {
@@ -265,6 +284,35 @@ impl Message {
         }
         b
     }
+}
+
+/// Count and ranges, at most `max` of them (more are refused earlier).
+fn put_ranges(b: &mut Vec<u8>, ranges: &[(u64, u64)], max: usize) {
+    let n = ranges.len().min(max);
+    b.extend_from_slice(&(n as u16).to_le_bytes());
+    for (a, l) in ranges.iter().take(n) {
+        b.extend_from_slice(&a.to_le_bytes());
+        b.extend_from_slice(&l.to_le_bytes());
+    }
+}
+
+/// Splits a grant's ranges into the messages that carry them: GRANT_MORE
+/// parts (none when they fit one GRANT), then the GRANT. `None` when the
+/// grant has more than [`MAX_GRANT_RANGES`] ranges.
+pub fn grant_messages(g: &Grant) -> Option<Vec<Body>> {
+    if g.ranges.len() > MAX_GRANT_RANGES {
+        return None;
+    }
+    let last = g.ranges.len().min(GRANT_RANGES_PER_MESSAGE);
+    let (ahead, tail) = g.ranges.split_at(g.ranges.len() - last);
+    let parts = u16::try_from(ahead.len().div_ceil(GRANT_MORE_RANGES)).ok()?;
+    let mut out = Vec::with_capacity(usize::from(parts) + 1);
+    for (i, chunk) in ahead.chunks(GRANT_MORE_RANGES).enumerate() {
+        let part = u16::try_from(i).ok()?;
+        out.push(Body::GrantMore { part, parts, ranges: chunk.to_vec() });
+    }
+    out.push(Body::Grant(Grant { ranges: tail.to_vec(), expected: g.expected, deadline: g.deadline }));
+    Some(out)
 }
 
 fn flag(b: u8) -> Option<bool> {
@@ -297,6 +345,22 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A count and that many ranges, at most `max`, none overflowing.
+fn get_ranges(r: &mut Reader<'_>, max: usize) -> Option<Vec<(u64, u64)>> {
+    let n = usize::from(r.u16()?);
+    if n > max {
+        return None;
+    }
+    let mut ranges = Vec::with_capacity(n);
+    for _ in 0..n {
+        let a = r.u64()?;
+        let l = r.u64()?;
+        a.checked_add(l)?;
+        ranges.push((a, l));
+    }
+    Some(ranges)
+}
+
 /// Decodes a session message; `None` for anything malformed (wrong magic,
 /// version or type, short, trailing bytes, bad values).
 pub fn decode(msg: &[u8]) -> Option<Message> {
@@ -314,18 +378,20 @@ pub fn decode(msg: &[u8]) -> Option<Message> {
         1 => {
             let ms = r.u64()?;
             let expected = r.u64()?;
-            let n = usize::from(r.u16()?);
-            if n > MAX_GRANT_RANGES {
+            let ranges = get_ranges(&mut r, GRANT_RANGES_PER_MESSAGE)?;
+            Body::Grant(Grant { ranges, expected, deadline: Duration::from_millis(ms) })
+        }
+        11 => {
+            let part = r.u16()?;
+            let parts = r.u16()?;
+            if part >= parts {
                 return None;
             }
-            let mut ranges = Vec::with_capacity(n);
-            for _ in 0..n {
-                let a = r.u64()?;
-                let l = r.u64()?;
-                a.checked_add(l)?;
-                ranges.push((a, l));
+            let ranges = get_ranges(&mut r, GRANT_MORE_RANGES)?;
+            if ranges.is_empty() {
+                return None;
             }
-            Body::Grant(Grant { ranges, expected, deadline: Duration::from_millis(ms) })
+            Body::GrantMore { part, parts, ranges }
         }
         2 => Body::Finish { bytes: r.u64()? },
         3 | 4 | 7 => {
@@ -382,6 +448,7 @@ mod tests {
             Body::Check { by_sender: false },
             Body::Confirm { open: true, to_sender: true },
             Body::Confirm { open: false, to_sender: false },
+            Body::GrantMore { part: 1, parts: 3, ranges: vec![(8192, 64), (0, 1)] },
         ]
         .into_iter()
         .map(|body| Message { epoch: 9, id: 42, body })
@@ -417,7 +484,7 @@ mod tests {
     #[test]
     fn failure_notices() {
         let v: Vec<bool> = all().iter().map(|m| is_failure_notice(&m.encode())).collect();
-        assert_eq!(v, vec![false, false, true, true, false, false, true, false, false, false]);
+        assert_eq!(v, vec![false, false, true, true, false, false, true, false, false, false, false]);
     }
 
     #[test]
@@ -444,9 +511,49 @@ mod tests {
 
     #[test]
     fn max_grant_fits() {
-        let g = Grant { ranges: vec![(1, 1); MAX_GRANT_RANGES], expected: 1, deadline: Duration::ZERO };
+        let g = Grant { ranges: vec![(1, 1); GRANT_RANGES_PER_MESSAGE], expected: 1, deadline: Duration::ZERO };
         let b = Message { epoch: 1, id: 1, body: Body::Grant(g) }.encode();
         assert!(b.len() <= MAX_NOTIFY_LEN, "{}", b.len());
         assert!(decode(&b).is_some());
+        let more = Body::GrantMore { part: 0, parts: 1, ranges: vec![(1, 1); GRANT_MORE_RANGES] };
+        let b = Message { epoch: 1, id: 1, body: more }.encode();
+        assert!(b.len() <= MAX_NOTIFY_LEN, "{}", b.len());
+        assert!(decode(&b).is_some());
+    }
+
+    #[test]
+    fn large_grants_split_in_order_and_back() {
+        for n in [1, GRANT_RANGES_PER_MESSAGE, GRANT_RANGES_PER_MESSAGE + 1, 1000, MAX_GRANT_RANGES] {
+            let ranges: Vec<(u64, u64)> = (0..n as u64).rev().map(|i| (i * 128, 64)).collect();
+            let g = Grant { ranges, expected: 7, deadline: Duration::from_secs(3) };
+            let bodies = grant_messages(&g).unwrap();
+            let mut back = Vec::new();
+            let mut next = 0u16;
+            for (i, body) in bodies.iter().enumerate() {
+                let b = Message { epoch: 1, id: 2, body: body.clone() }.encode();
+                assert!(b.len() <= MAX_NOTIFY_LEN);
+                match decode(&b).unwrap().body {
+                    Body::GrantMore { part, parts, ranges } => {
+                        assert_eq!((part, usize::from(parts)), (next, bodies.len() - 1));
+                        next += 1;
+                        back.extend(ranges);
+                    }
+                    Body::Grant(last) => {
+                        assert_eq!(i, bodies.len() - 1, "the GRANT comes last");
+                        assert_eq!((last.expected, last.deadline), (g.expected, g.deadline));
+                        back.extend(last.ranges);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            assert_eq!(back, g.ranges, "{n} ranges");
+        }
+        let g = Grant { ranges: vec![(0, 1); MAX_GRANT_RANGES + 1], expected: 1, deadline: Duration::ZERO };
+        assert!(grant_messages(&g).is_none());
+        // A part numbered past its count, and an empty part, are malformed.
+        for (part, parts, ranges) in [(3, 3, vec![(0, 1)]), (0, 1, vec![])] {
+            let b = Message { epoch: 1, id: 1, body: Body::GrantMore { part, parts, ranges } }.encode();
+            assert_eq!(decode(&b), None);
+        }
     }
 }

@@ -196,6 +196,56 @@ pub async fn write_outside_grant_refused(cx: Ctx) -> CaseResult {
 }
 
 // ---------------------------------------------------------------------------
+// grant_in_parts_lands
+
+/// Ranges in the grant of [`grant_in_parts_lands`]: four notifications'
+/// worth (a grant past `GRANT_RANGES_PER_MESSAGE` travels in parts).
+const SCATTERED: u64 = 1000;
+
+/// A grant of [`SCATTERED`] ranges of 512 bytes, 512-byte gaps between them,
+/// in descending address order (a KV cache whose free blocks come back in
+/// reverse, as vLLM's do): the sender gets exactly the granted ranges, in
+/// the receiver's order; a write into one of the gaps is refused with
+/// `OutOfBounds`; the ranges written in that order in four `write` calls,
+/// then finish: both sides Landed, every byte where it was granted and the
+/// gaps unchanged.
+pub async fn grant_in_parts_lands(cx: Ctx) -> CaseResult {
+    let len: u64 = 1 << 20;
+    let duo = Duo::new(&cx, len as usize).await?;
+    duo.p.mem.write(0, &pattern(77, len as usize))?;
+    let id = 23;
+    let ranges: Vec<(u64, u64)> = (0..SCATTERED).rev().map(|i| (i * 1024 + 256, 512)).collect();
+    duo.p.s.expect(&duo.dn, id)?;
+    let g = duo.grant(id, &ranges, LONG).await?;
+    let got = duo.wait_grant(id).await?;
+    ensure!(
+        got == g,
+        "the sender's grant differs from the receiver's (rule 12: a grant in parts arrives whole and in order): \
+         {} ranges, first {:?}, last {:?}; granted {} ranges, first {:?}, last {:?}",
+        got.ranges.len(),
+        got.ranges.first(),
+        got.ranges.last(),
+        g.ranges.len(),
+        g.ranges.first(),
+        g.ranges.last()
+    );
+    let before = duo.d.mem.snapshot();
+    let gap = [part(0, 256 + 512, 256)];
+    let r = duo.write(id, &gap).await?;
+    expect_permanent(r, &[ErrorKind::OutOfBounds], "a write into a gap of a grant in parts (rule 12)")?;
+    duo.d.mem.expect(&before, "after the write into the gap was refused (rule 12: before a byte moves)")?;
+
+    let parts: Vec<Part> = ranges.iter().enumerate().map(|(k, &(off, n))| part(k as u64 * n, off, n)).collect();
+    for (i, chunk) in parts.chunks(parts.len() / 4).enumerate() {
+        duo.write_ok(id, chunk, &format!("write {i} of the scattered ranges")).await?;
+    }
+    duo.finish(id)?;
+    duo.both_end(id, "landed", ENDS_WITHIN, "a session granted in parts").await?;
+    duo.d.mem.expect(&duo.model(&before, &parts), "the landed session granted in parts")?;
+    duo.release(id)
+}
+
+// ---------------------------------------------------------------------------
 // deadline_starts_at_grant
 
 /// The deadline of the first session (its write and finish must fit in it

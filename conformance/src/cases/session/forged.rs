@@ -67,7 +67,16 @@ fn garbage(id: u64, epoch: u64) -> Vec<Vec<u8>> {
     // A grant claiming more ranges than fit; a grant whose range overflows.
     let mut b = msg(epoch, id, Body::Grant(Grant { ranges: vec![], expected: 1, deadline: Duration::from_secs(1) }));
     let n = b.len();
-    b[n - 2..].copy_from_slice(&((MAX_GRANT_RANGES + 1) as u16).to_le_bytes());
+    b[n - 2..].copy_from_slice(&((GRANT_RANGES_PER_MESSAGE + 1) as u16).to_le_bytes());
+    out.push(b);
+    // A grant part numbered past its count; an empty part.
+    let mut b = msg(epoch, id, Body::GrantMore { part: 0, parts: 2, ranges: vec![(0, 1)] });
+    b[22..24].copy_from_slice(&2u16.to_le_bytes());
+    out.push(b);
+    let mut b = msg(epoch, id, Body::GrantMore { part: 0, parts: 2, ranges: vec![(0, 1)] });
+    let n = b.len();
+    b[26..28].copy_from_slice(&0u16.to_le_bytes());
+    b.truncate(n - 16);
     out.push(b);
     out.push(msg(
         epoch,

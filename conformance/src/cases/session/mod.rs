@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use futures::future::join_all;
 use kvmove_policy::session::wire::{decode, unbundle, Body, Message, Outcome, Verdict, MAGIC};
-use kvmove_policy::session::{Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, MAX_GRANT_RANGES};
+use kvmove_policy::session::{
+    Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, GRANT_RANGES_PER_MESSAGE,
+};
 use kvmove_policy::{Engine, PolicyConfig, RetryConfig, Sessions, TransferOutcome};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
