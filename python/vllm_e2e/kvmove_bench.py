@@ -85,7 +85,11 @@ class System:
         # vLLM's own binding (both workers on the last core, kvmove's
         # threads on the other); bound apart, each worker's spinning loop
         # sits on the other server's kvmove threads (a handshake timed out).
-        if not kv:
+        # ``--kv-bind own`` or ``cross`` binds kvmove's systems apart too,
+        # with kvmove's threads on the worker's own core (as NIXL's UCX
+        # threads, which the worker starts) or on the other one.
+        apart = not kv or args.kv_bind in ("own", "cross")
+        if apart:
             for s, core in ((self.prefill, "0"), (self.decode, "1")):
                 s.extra_env = {"VLLM_CPU_OMP_THREADS_BIND": core}
         self.proxy = None
@@ -93,12 +97,14 @@ class System:
         if kv:
             extra = {"layer": {}, "whole": {"layerwise": False}, "hold": {"backpressure": "hold"}}[name]
             self.trace = os.path.join(args.work, f"{tag}.trace")
-            for s, role, port in ((self.prefill, "kv_producer", bp + 31), (self.decode, "kv_consumer", bp + 41)):
+            sides = ((self.prefill, "kv_producer", bp + 31, 0), (self.decode, "kv_consumer", bp + 41, 1))
+            for s, role, port, core in sides:
+                cpus = {"own": {"cpus": [core]}, "cross": {"cpus": [1 - core]}}.get(args.kv_bind, {})
                 s.kv_port = port
                 s.kv_config = {
                     "kv_connector": "KvmoveConnector", "kv_connector_module_path": "kvmove.vllm",
                     "kv_role": role, "kv_port": port, "kv_load_failure_policy": "fail",
-                    "kv_connector_extra_config": {"trace": self.trace, **extra},
+                    "kv_connector_extra_config": {"trace": self.trace, **extra, **cpus},
                 }  # fmt: skip
         elif name == "nixl":
             # The real NIXL: no stand-in on the path; UCX over TCP, a
@@ -156,8 +162,16 @@ def run(args, name, rnd, rng):
             sysm.ttft(prompt(rng, 64))
         for n in args.lengths:
             mark = sysm.marks()
-            xs = [sysm.ttft(prompt(rng, n)) for _ in range(args.requests)]
-            res[n] = {"p50": statistics.median(xs), "p99": pct(xs, 0.99), "exposed": sysm.exposed(*mark)}
+            xs, failed = [], []
+            for _ in range(args.requests):
+                try:
+                    xs.append(sysm.ttft(prompt(rng, n)))
+                except Exception as e:  # noqa: BLE001 (counted, and the first one shown)
+                    failed.append(f"{type(e).__name__}: {e}")
+            res[n] = {"p50": statistics.median(xs) if xs else float("nan"), "p99": pct(xs, 0.99),
+                      "exposed": sysm.exposed(*mark), "failed": len(failed)}  # fmt: skip
+            if failed:
+                print(f"  {name} {n} tokens: {len(failed)} of {args.requests} failed; first: {failed[0]}", flush=True)
         # The burst: twice what the decode's KV cache holds, at once.
         per = -(-(args.burst_len + 1) // BLOCK)
         k = 2 * max(1, args.decode_blocks // per)
@@ -186,7 +200,8 @@ def run(args, name, rnd, rng):
 
 def line(name, res, lengths):
     parts = [f"{n}: TTFT p50 {1e3 * res[n]['p50']:.0f} p99 {1e3 * res[n]['p99']:.0f} ms, "
-             f"exposed {1e3 * res[n]['exposed']:.1f} ms" for n in lengths]  # fmt: skip
+             f"exposed {1e3 * res[n]['exposed']:.1f} ms" + (f", {res[n]['failed']:g} failed" if res[n].get("failed") else "")
+             for n in lengths]  # fmt: skip
     b = res["burst"]
     parts.append(f"burst of {b['n']}: {b['rps']:.2f} req/s, p99 TTFT {1e3 * b['p99']:.0f} ms, {b['failed']} failed")
     return f"{name:8s} " + "; ".join(parts)
@@ -203,6 +218,9 @@ def main():
     ap.add_argument("--burst-len", type=int, default=1024)
     ap.add_argument("--decode-blocks", type=int, default=64)
     ap.add_argument("--base-port", type=int, default=18500)
+    ap.add_argument("--kv-bind", choices=("vllm", "own", "cross"), default="vllm",
+                    help="kvmove's systems: vLLM's own binding (both workers on the last core), or each worker on "
+                         "a core of its own as NIXL's, kvmove's threads on that core (own) or the other (cross)")  # fmt: skip
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.max_len = max(args.lengths + [args.burst_len]) + 64
@@ -227,7 +245,7 @@ def main():
     for name in systems:
         med = {}
         for n in args.lengths:
-            med[n] = {k: statistics.median(x[n][k] for x in rows[name]) for k in ("p50", "p99", "exposed")}
+            med[n] = {k: statistics.median(x[n].get(k, 0) for x in rows[name]) for k in ("p50", "p99", "exposed", "failed")}
         med["burst"] = {k: statistics.median(x["burst"][k] for x in rows[name]) for k in ("n", "failed", "rps", "p99")}
         print(line(name, med, args.lengths), flush=True)
     with open(os.path.join(args.work, "bench.json"), "w") as f:
