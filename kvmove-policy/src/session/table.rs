@@ -508,8 +508,10 @@ impl SessionTable {
 
     /// Sender: a write of the remote ranges `(addr, len)` is about to
     /// start. Refused (nothing may be sent) unless the session holds a
-    /// grant, is open, before its deadline, and every range lies inside one
-    /// granted range. Returns the time left before the deadline.
+    /// grant, is open, before its deadline, and every range lies inside the
+    /// granted memory (the union of the grant's ranges: a write may span
+    /// two granted ranges that touch, never a gap). Returns the time left
+    /// before the deadline.
     pub fn begin_write(&mut self, key: &SessionKey, ranges: &[(u64, u64)], now: Duration) -> Result<Duration> {
         self.ran(now);
         let s = self.sessions.get_mut(key).ok_or_else(|| Self::unknown(key))?;
