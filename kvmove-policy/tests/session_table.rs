@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use kvmove_policy::session::wire::{Body, Message};
-use kvmove_policy::session::{Action, Grant, Role, SessionKey, SessionLimits, SessionState, SessionTable};
+use kvmove_policy::session::{Action, Grant, GrantBounds, Role, SessionKey, SessionLimits, SessionState, SessionTable};
 use proptest::prelude::*;
 use transport_core::ErrorKind;
 
@@ -975,4 +975,21 @@ fn a_grant_missing_a_part_is_refused_on_both_sides() {
     s.on_message("r", &last.1, now);
     assert_eq!(s.grant(&key), None, "a grant whose parts were forgotten was taken");
     assert_eq!(s.state(&key), Some(SessionState::Waiting));
+}
+
+/// What a write is checked against: the union of the granted ranges, in
+/// any order; spanning two that touch or overlap is inside, a gap, an
+/// empty range or an overflowing one never is, and the error names the
+/// first request outside.
+#[test]
+fn grant_bounds_are_the_union_of_the_ranges() {
+    let b = GrantBounds::new(&[(100, 50), (0, 100), (300, 10), (305, 20), (400, 0)]);
+    for ok in [(0, 150), (50, 100), (300, 25), (149, 1)] {
+        b.check(&[ok]).unwrap_or_else(|e| panic!("{ok:?}: {e}"));
+    }
+    for bad in [(140, 20), (150, 1), (299, 2), (400, 1), (10, 0), (u64::MAX, 2)] {
+        assert_eq!(b.check(&[bad]).unwrap_err().kind(), ErrorKind::OutOfBounds, "{bad:?}");
+    }
+    let e = b.check(&[(0, 1), (200, 1)]).unwrap_err();
+    assert_eq!(e.context_value("request"), Some("1"), "{e}");
 }

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvmove_policy::session::{Grant, Role, SessionKey, SessionState};
+use kvmove_policy::session::{Grant, GrantBounds, Role, SessionKey, SessionState};
 use kvmove_policy::{Sessions, TransferOutcome};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -142,22 +142,11 @@ impl NativeHandoff {
     }
 }
 
-/// Every range inside one granted range; the same check the session table
-/// makes (and makes again) before a byte moves, done here so the call that
+/// Every range inside the granted memory: the session table's own check
+/// (it makes it again before a byte moves), done here so the call that
 /// starts a write raises at once.
 fn check_inside(grant: &Grant, ranges: &[(u64, u64)]) -> Result<()> {
-    for (i, &(a, l)) in ranges.iter().enumerate() {
-        let inside = a
-            .checked_add(l)
-            .is_some_and(|end| l > 0 && grant.ranges.iter().any(|&(ga, gl)| a >= ga && end <= ga.saturating_add(gl)));
-        if !inside {
-            return Err(Error::new(ErrorKind::OutOfBounds, "write outside the grant")
-                .with("request", i)
-                .with("addr", a)
-                .with("len", l));
-        }
-    }
-    Ok(())
+    GrantBounds::new(&grant.ranges).check(ranges)
 }
 
 #[pymethods]

@@ -13,5 +13,5 @@ pub use wire::{
 mod table;
 mod types;
 
-pub use table::{check_grant, SessionTable, MAX_STRANGERS};
+pub use table::{check_grant, GrantBounds, SessionTable, MAX_STRANGERS};
 pub use types::{Action, Outgoing, Role, SessionCounts, SessionKey, SessionLimits, SessionState};

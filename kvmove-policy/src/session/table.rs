@@ -95,7 +95,7 @@ struct Session {
     /// Sender: the granted memory as sorted, disjoint `(start, end)`
     /// intervals (the union of the grant's ranges), for checking writes
     /// against a grant of many ranges in logarithmic time.
-    bounds: Vec<(u64, u64)>,
+    bounds: GrantBounds,
     deadline: Option<Duration>,
     written: u64,
     writes: u32,
@@ -203,20 +203,48 @@ fn table_full(what: &str) -> Error {
     Error::new(ErrorKind::ResourceExhausted, format!("session table full: {what}"))
 }
 
-/// The union of ranges `(addr, len)` as sorted, disjoint `(start, end)`
-/// intervals (overlapping and touching ranges merged).
-fn union(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut v: Vec<(u64, u64)> =
-        ranges.iter().filter(|r| r.1 > 0).filter_map(|&(a, l)| a.checked_add(l).map(|e| (a, e))).collect();
-    v.sort_unstable();
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
-    for (a, e) in v {
-        match out.last_mut() {
-            Some(last) if a <= last.1 => last.1 = last.1.max(e),
-            _ => out.push((a, e)),
+/// A grant's memory as sorted, disjoint `(start, end)` intervals (the
+/// union of its ranges, overlapping and touching ones merged): what every
+/// write is checked against, in logarithmic time. The session table keeps
+/// one per sender session; a binding that checks before it calls the table
+/// (to raise at once) uses the same.
+#[derive(Debug, Clone, Default)]
+pub struct GrantBounds(Vec<(u64, u64)>);
+
+impl GrantBounds {
+    pub fn new(ranges: &[(u64, u64)]) -> Self {
+        let mut v: Vec<(u64, u64)> =
+            ranges.iter().filter(|r| r.1 > 0).filter_map(|&(a, l)| a.checked_add(l).map(|e| (a, e))).collect();
+        v.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+        for (a, e) in v {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(e),
+                _ => out.push((a, e)),
+            }
         }
+        Self(out)
     }
-    out
+
+    /// `Ok` when every `(addr, len)` is non-empty and inside the granted
+    /// memory; else `OutOfBounds` naming the first request that is not.
+    pub fn check(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        for (i, &(a, l)) in ranges.iter().enumerate() {
+            let inside = a.checked_add(l).is_some_and(|end| {
+                // The last interval starting at or before `a` is the only
+                // one that can hold it (they are disjoint and sorted).
+                let at = self.0.partition_point(|&(start, _)| start <= a);
+                l > 0 && at > 0 && self.0.get(at - 1).is_some_and(|&(_, e)| end <= e)
+            });
+            if !inside {
+                return Err(Error::new(ErrorKind::OutOfBounds, "write outside the grant")
+                    .with("request", i)
+                    .with("addr", a)
+                    .with("len", l));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn verdict(outcome: Outcome, kind: ErrorKind, reason: impl Into<String>) -> Verdict {
@@ -423,8 +451,8 @@ impl SessionTable {
     fn insert(&mut self, key: SessionKey, state: SessionState, grant: Option<Grant>, now: Duration) {
         let deadline = grant.as_ref().map(|g| now.saturating_add(g.deadline));
         let bounds = match (&grant, key.role) {
-            (Some(g), Role::Sender) => union(&g.ranges),
-            _ => Vec::new(),
+            (Some(g), Role::Sender) => GrantBounds::new(&g.ranges),
+            _ => GrantBounds::default(),
         };
         // A peer with nothing open here was not heartbeating (nothing asked
         // it to): its silence counts from this session on, not from the last
@@ -536,20 +564,7 @@ impl SessionTable {
             return Err(Error::new(ErrorKind::Timeout, "the session's deadline passed"));
         }
         debug_assert!(!g.ranges.is_empty());
-        for (i, &(a, l)) in ranges.iter().enumerate() {
-            let inside = a.checked_add(l).is_some_and(|end| {
-                // The last interval starting at or before `a` is the only
-                // one that can hold it (they are disjoint and sorted).
-                let at = s.bounds.partition_point(|&(start, _)| start <= a);
-                l > 0 && at > 0 && s.bounds.get(at - 1).is_some_and(|&(_, e)| end <= e)
-            });
-            if !inside {
-                return Err(Error::new(ErrorKind::OutOfBounds, "write outside the grant")
-                    .with("request", i)
-                    .with("addr", a)
-                    .with("len", l));
-            }
-        }
+        s.bounds.check(ranges)?;
         s.writes = s.writes.saturating_add(1);
         if s.state == SessionState::Granted {
             s.state = SessionState::Transferring;
@@ -857,7 +872,7 @@ impl SessionTable {
         match self.sessions.get_mut(&key) {
             Some(s) if s.state == SessionState::Waiting && s.phase == Phase::Open => {
                 s.deadline = Some(now.saturating_add(g.deadline));
-                s.bounds = union(&g.ranges);
+                s.bounds = GrantBounds::new(&g.ranges);
                 s.grant = Some(g);
                 s.state = SessionState::Granted;
                 s.dirty = true;
