@@ -55,8 +55,18 @@ async fn take_n(t: &dyn Transport, n: usize) -> Vec<Notification> {
 
 async fn pair(server_cfg: RdmaConfig, client_cfg: RdmaConfig) -> (RdmaTransport, RdmaTransport, SegmentId) {
     let server = transport(server_cfg).await;
+    let idle = server.stats().tasks;
     let client = transport(client_cfg).await;
     let seg = client.open_segment(&server.local_segment_name()).await.unwrap();
+    // The connection `open_segment` described the server on is served by
+    // a task of the server's that ends a moment after the client closes
+    // it: tests count the server's tasks from the settled state (ci27
+    // counted it once, and a channel's task then looked missing).
+    assert!(
+        eventually(Duration::from_secs(10), || server.stats().tasks == idle).await,
+        "the server's task for open_segment's connection did not end: {:?}",
+        server.stats()
+    );
     (server, client, seg)
 }
 
