@@ -34,7 +34,8 @@ pub fn mock_fabric() -> transport_mock::MockFabric {
 /// `backend.rdma.devices` as rails (`transport_rails`, a layer this builder
 /// composes over the devices); with `backend.rdma.tcp_fallback`, a TCP
 /// transport (the `[backend.tcp]` options, on the RDMA listen host, any
-/// port) carries transfers while every rail to a peer is down.
+/// port, with the RDMA backend's secret: [`fallback_tcp_config`]) carries
+/// transfers while every rail to a peer is down.
 #[cfg(feature = "rdma")]
 pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
     let r = &cfg.backend.rdma;
@@ -59,10 +60,34 @@ pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
 
 #[cfg(all(feature = "rdma", feature = "tcp"))]
 async fn rdma_fallback(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
-    let host = cfg.backend.rdma.listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
-    let tcp = transport_tcp::TcpConfig { listen: format!("{host}:0"), ..cfg.backend.tcp.clone() };
+    let r = &cfg.backend.rdma;
+    let tcp = fallback_tcp_config(&cfg.backend.tcp, &r.listen, r.secret.as_deref(), r.insecure);
     let t = transport_tcp::TcpTransport::new(tcp).await.map_err(|e| e.with("backend", "rdma.tcp_fallback"))?;
     Ok(Arc::new(t))
+}
+
+/// The RDMA backend's TCP fallback: the `[backend.tcp]` options, listening
+/// on the host of `rdma_listen` (any port), and guarded as the RDMA backend
+/// is: its `secret` when it has one (else `[backend.tcp]`'s, else the
+/// environment's, as for any TCP transport), and `insecure` if either
+/// section says so. A secret set only under `[backend.rdma]` used to leave
+/// the fallback without one: in protected mode it refused every peer on
+/// another host, so the fallback never carried a byte.
+#[cfg(feature = "tcp")]
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))] // used with `rdma` (and its test)
+pub(crate) fn fallback_tcp_config(
+    tcp: &transport_tcp::TcpConfig,
+    rdma_listen: &str,
+    rdma_secret: Option<&str>,
+    rdma_insecure: bool,
+) -> transport_tcp::TcpConfig {
+    let host = rdma_listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+    transport_tcp::TcpConfig {
+        listen: format!("{host}:0"),
+        secret: rdma_secret.map(|s| s.to_owned().into()).or_else(|| tcp.secret.clone()),
+        insecure: tcp.insecure || rdma_insecure,
+        ..tcp.clone()
+    }
 }
 
 #[cfg(all(feature = "rdma", not(feature = "tcp")))]
@@ -71,4 +96,31 @@ async fn rdma_fallback(_cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
         transport_core::ErrorKind::Config,
         "backend.rdma.tcp_fallback needs the tcp backend; rebuild with --features tcp",
     ))
+}
+
+#[cfg(all(test, feature = "tcp"))]
+mod tests {
+    use super::fallback_tcp_config;
+    use transport_tcp::TcpConfig;
+
+    #[test]
+    fn the_rdma_fallback_is_guarded_as_the_rdma_backend() {
+        let tcp = TcpConfig::default();
+        // A secret only under [backend.rdma] reaches the fallback.
+        let f = fallback_tcp_config(&tcp, "10.0.0.5:7000", Some("rdma-secret"), false);
+        assert_eq!(f.listen, "10.0.0.5:0");
+        assert_eq!(f.secret.as_deref(), Some("rdma-secret"));
+        assert!(!f.insecure);
+        // The RDMA backend's secret wins over [backend.tcp]'s; without
+        // one, [backend.tcp]'s stays.
+        let tcp = TcpConfig { secret: Some("tcp-secret".to_string().into()), ..TcpConfig::default() };
+        assert_eq!(fallback_tcp_config(&tcp, "h:1", Some("rdma-secret"), false).secret.as_deref(), Some("rdma-secret"));
+        assert_eq!(fallback_tcp_config(&tcp, "h:1", None, false).secret.as_deref(), Some("tcp-secret"));
+        // insecure in either section.
+        assert!(fallback_tcp_config(&TcpConfig::default(), "h:1", None, true).insecure);
+        let tcp = TcpConfig { insecure: true, ..TcpConfig::default() };
+        assert!(fallback_tcp_config(&tcp, "h:1", None, false).insecure);
+        // A listen address without a port: loopback.
+        assert_eq!(fallback_tcp_config(&TcpConfig::default(), "nohost", None, false).listen, "127.0.0.1:0");
+    }
 }

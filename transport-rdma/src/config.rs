@@ -28,7 +28,9 @@ pub struct RdmaConfig {
     pub rails: RailsConfig,
     /// With rails: continue over TCP while every rail to a peer is down
     /// (both sides need it). Honoured by builders that have the TCP backend
-    /// (`kvmove`): the fallback listens on `listen`'s host, any port.
+    /// (`kvmove`): the fallback listens on `listen`'s host, any port, with
+    /// this config's `secret` and `insecure` (`[backend.tcp]`'s other
+    /// options).
     pub tcp_fallback: bool,
     /// Port number on the device (1-based).
     pub port: u8,
