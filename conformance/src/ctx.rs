@@ -15,9 +15,11 @@ use transport_core::{
 use crate::guard::Guarded;
 use crate::harness::{Harness, Node, NodeOptions};
 use crate::outcome::{CaseError, CaseResult};
+use crate::timeline::{wait_limit, WAIT_ENV};
 
 /// Longest a single `wait`, `cancel`, `close` or `shutdown` may take in a
-/// case before it counts as hanging.
+/// case before it counts as hanging, by default; `CONFORMANCE_WAIT_S`
+/// changes it ([`wait_limit`] is what the suite uses).
 pub const WAIT_LIMIT: Duration = Duration::from_secs(20);
 
 /// How long resource counts may take to settle back to a baseline (for
@@ -351,11 +353,69 @@ impl Pair {
     }
 }
 
-/// Runs `fut` with [`WAIT_LIMIT`]; a timeout is a failure naming `what`.
+/// Runs `fut` with the hang limit ([`wait_limit`]: [`WAIT_LIMIT`] unless
+/// `CONFORMANCE_WAIT_S` says otherwise); a timeout is a failure naming
+/// `what`, the limit and when in the case it started.
 pub async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> Result<T, CaseError> {
-    tokio::time::timeout(WAIT_LIMIT, fut)
-        .await
-        .map_err(|_| CaseError::Fail(format!("{what} did not return within {WAIT_LIMIT:?}")))
+    let from = Instant::now();
+    let limit = wait_limit();
+    tokio::time::timeout(limit, fut).await.map_err(|_| CaseError::Fail(format!("{what} {}", hung(limit, from))))
+}
+
+/// "did not return within {limit} (called {t} into the case)".
+fn hung(limit: Duration, from: Instant) -> String {
+    let mut s = format!("did not return within {limit:?} (the hang limit; {WAIT_ENV} sets it)");
+    if let Some(t) = crate::timeline::into_case(from) {
+        s.push_str(&format!(", called {t:.3?} into the case"));
+    }
+    s
+}
+
+/// Waits for `batch` on `t`, bounded by the hang limit. A hang is a
+/// failure that says what the case asked for (`deadline`: the timeout the
+/// batch was submitted with, `None` for none) and what `poll` says of the
+/// batch when the limit ran out; a terminal status is recorded, so a later
+/// byte mismatch can say how long before it the batch ended.
+pub async fn wait_batch(
+    t: &dyn Transport,
+    batch: transport_core::BatchId,
+    deadline: Option<Duration>,
+    what: &str,
+) -> Result<transport_core::Result<BatchStatus>, CaseError> {
+    wait_batch_within(t, batch, deadline, what, wait_limit()).await
+}
+
+/// [`wait_batch`] with a hang limit of the caller's.
+async fn wait_batch_within(
+    t: &dyn Transport,
+    batch: transport_core::BatchId,
+    deadline: Option<Duration>,
+    what: &str,
+    limit: Duration,
+) -> Result<transport_core::Result<BatchStatus>, CaseError> {
+    let from = Instant::now();
+    match tokio::time::timeout(limit, t.wait(batch)).await {
+        Ok(r) => {
+            if let Ok(s) = &r {
+                crate::timeline::saw(batch, s);
+            }
+            Ok(r)
+        }
+        Err(_) => {
+            let deadline = match deadline {
+                Some(d) => format!("submitted with a deadline of {d:?}"),
+                None => "submitted with no deadline of its own".to_string(),
+            };
+            let now = match t.poll(batch) {
+                Ok(s) => crate::timeline::describe(&s),
+                Err(e) => format!("poll failed: {e}"),
+            };
+            Err(CaseError::Fail(format!(
+                "{what}: wait({batch}) {}; the batch was {deadline}; poll says {now}",
+                hung(limit, from)
+            )))
+        }
+    }
 }
 
 /// Opens `name` from `node`; failure is a case failure.
@@ -373,12 +433,14 @@ pub async fn run_batch(
     reqs: Vec<TransferRequest>,
     opts: SubmitOptions,
 ) -> Result<Result<BatchStatus, Error>, CaseError> {
+    let opts_timeout = opts.timeout;
     let batch = match bounded("submit", t.submit(reqs, opts)).await? {
         Ok(b) => b,
         Err(e) => return Ok(Err(e)),
     };
-    let status =
-        bounded("wait", t.wait(batch)).await?.map_err(|e| CaseError::Fail(format!("wait({batch}) failed: {e}")))?;
+    let status = wait_batch(t.as_ref(), batch, opts_timeout, "wait")
+        .await?
+        .map_err(|e| CaseError::Fail(format!("wait({batch}) failed: {e}")))?;
     ensure!(status.is_terminal(), "wait({batch}) returned a non-terminal status {:?}", status.state);
     t.release(batch).map_err(|e| CaseError::Fail(format!("release of terminal {batch} failed: {e}")))?;
     Ok(Ok(status))
@@ -492,4 +554,46 @@ pub fn permanent_kind(e: &Error, kinds: &[ErrorKind], what: &str) -> CaseResult 
     ensure!(kinds.contains(&e.kind()), "{what}: expected an error of kind {kinds:?}, got {e}");
     ensure!(!e.is_transient(), "{what}: error {e} must be permanent (rule 7)");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure
+
+    use super::*;
+    use crate::mock::MockHarness;
+
+    /// A hang says what the batch was submitted with, what `poll` says of
+    /// it when the limit ran out, and when in the case the wait began.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hang_says_the_deadline_and_the_last_status() {
+        let h = MockHarness::new();
+        let cx = Ctx::new(Arc::new(h.clone()), "test::hang".into(), MemoryMode::Host);
+        crate::timeline::scope(async {
+            let p = cx.pair(4096).await.unwrap();
+            h.stall(&p.b, true).await.unwrap();
+            let t = p.t();
+            let b = t.submit(vec![p.write(0, 0, 4096), p.write(0, 0, 1)], SubmitOptions::default()).await.unwrap();
+            let err = wait_batch_within(t.as_ref(), b, None, "wait on a stalled batch", Duration::from_millis(200))
+                .await
+                .expect_err("a stalled batch with no deadline hangs");
+            let CaseError::Fail(msg) = err else { panic!("a hang is a failure: {err:?}") };
+            eprintln!("the hang message: {msg}");
+            for part in [
+                "wait on a stalled batch: wait(",
+                "did not return within 200ms",
+                "CONFORMANCE_WAIT_S",
+                "into the case",
+                "submitted with no deadline of its own",
+                "poll says InProgress: 2 requests, 0 completed, 2 not ended",
+            ] {
+                assert!(msg.contains(part), "{part:?} missing from: {msg}");
+            }
+            h.stall(&p.b, false).await.unwrap();
+            let s = wait_batch_within(t.as_ref(), b, None, "wait", Duration::from_secs(10)).await.unwrap().unwrap();
+            assert_eq!(s.state, transport_core::BatchState::Completed);
+        })
+        .await;
+        cx.cleanup().await;
+    }
 }

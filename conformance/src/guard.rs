@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use transport_core::{Buffer, FakeDevice, MemoryRegion};
 
@@ -154,19 +155,54 @@ impl Guarded {
     }
 
     /// Checks that the region equals `expected` and the canaries are intact.
+    ///
+    /// A mismatch says when: how long before the check the case last saw a
+    /// batch reported terminal, and whether the bytes became right within
+    /// [`LATE_WINDOW`] after it (and when): bytes that land after their
+    /// batch was reported completed break rule 5, which a wrong offset
+    /// would not explain.
     pub fn expect(&self, expected: &[u8], what: &str) -> Result<(), CaseError> {
         self.canaries_intact()?;
+        let checked = Instant::now();
         let now = self.snapshot();
-        match first_difference(&now, expected) {
-            None => Ok(()),
-            Some(i) => Err(CaseError::Fail(format!(
-                "{what}: byte {i} is {:#04x}, expected {:#04x}",
-                now.get(i).copied().unwrap_or(0),
-                expected.get(i).copied().unwrap_or(0)
-            ))),
+        let Some(i) = first_difference(&now, expected) else { return Ok(()) };
+        let mut msg = format!(
+            "{what}: byte {i} is {:#04x}, expected {:#04x}",
+            now.get(i).copied().unwrap_or(0),
+            expected.get(i).copied().unwrap_or(0)
+        );
+        if let Some(last) = crate::timeline::last_terminal(checked) {
+            msg.push_str(&format!("; {last}"));
         }
+        msg.push_str(&match self.becomes(expected) {
+            Some(after) => format!(
+                "; the bytes became right {after:.3?} after the check: they landed after the state was reported \
+                 (rule 5: once reported terminal, the transport never touches the memory again)"
+            ),
+            None => format!("; still wrong {LATE_WINDOW:?} after the check"),
+        });
+        Err(CaseError::Fail(msg))
+    }
+
+    /// How long after now the region came to equal `expected`, watched for
+    /// at most [`LATE_WINDOW`] (a failure path only: it sleeps the thread
+    /// in short steps).
+    fn becomes(&self, expected: &[u8]) -> Option<Duration> {
+        let from = Instant::now();
+        let mut step = Duration::from_micros(100);
+        while from.elapsed() < LATE_WINDOW {
+            std::thread::sleep(step);
+            step = (step * 2).min(Duration::from_millis(20));
+            if first_difference(&self.snapshot(), expected).is_none() {
+                return Some(from.elapsed());
+            }
+        }
+        None
     }
 }
+
+/// How long a byte mismatch is watched for the bytes becoming right.
+pub const LATE_WINDOW: Duration = Duration::from_secs(2);
 
 /// The first index where `a` and `b` differ (or where one ends).
 pub fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {

@@ -39,6 +39,15 @@
 //! `os_probe`, `node_with_inbox`) and marks the cases whose needs are unmet as ignored up
 //! front, so they show as skipped there too.
 //!
+//! Failure messages say when: a wait that hangs names the hang limit
+//! ([`wait_limit`]: 20 s, or `CONFORMANCE_WAIT_S` seconds, to iterate
+//! faster on a transport that hangs), when in the case it began, the
+//! deadline the batch was submitted with and what `poll` said of it then;
+//! a byte that differs after a terminal state names how long before the
+//! check the batch was reported terminal and whether the bytes became
+//! right later (and when): a backend that reports `Completed` before its
+//! bytes land reads as that, not as a wrong offset.
+//!
 //! [`run_case`] runs one case programmatically (this is how the tests of
 //! [`broken`] prove the suite fails broken transports), and [`cases`]
 //! enumerates them all.
@@ -81,6 +90,7 @@
 //! | [`broken::BrokenLayer`] `RetriesPermanent` around the mock | `policy::permanent_errors_not_retried` |
 //! | mock with 2 ms latency, `notify_before_landing` | `notify::never_overtakes_data` |
 //! | [`broken::BrokenLayer`] `DropsFailureNotices` around the mock | `session::receiver_cancels_mid_transfer`, `session::sender_cancels` |
+//! | mock, `complete_before_landing` (bytes land 500 ms after `Completed`) | `data::write_lands_exact`, the message saying the bytes became right after the check |
 //! | mock, `forget_device_memory` (device regions taken for host memory) | `device_d2d::data::write_lands_exact`: the process dies of SIGSEGV on the fake device's memory, so the test runs it in a child |
 //!
 //! # The cases
@@ -180,16 +190,18 @@ mod harness;
 pub mod mock;
 mod outcome;
 mod runner;
+mod timeline;
 
 pub use case::{Case, CaseFuture, Need};
 pub use cases::cases;
 pub use ctx::{
     batch_error, bounded, complete, complete_retrying, expect_kind, expect_permanent, expect_quiet, expect_stats, open,
-    permanent_kind, run_batch, settle, Ctx, MemoryMode, Pair, SETTLE, WAIT_LIMIT,
+    permanent_kind, run_batch, settle, wait_batch, Ctx, MemoryMode, Pair, SETTLE, WAIT_LIMIT,
 };
-pub use guard::{pattern, Guarded, CANARY, GUARD};
+pub use guard::{pattern, Guarded, CANARY, GUARD, LATE_WINDOW};
 pub use harness::{Harness, Node, NodeOptions};
 pub use outcome::{CaseError, CaseResult};
 pub use runner::{
     main_with, probe, run_case, run_case_with, run_id, runs, strict, trials, Outcome, Support, CASE_TIMEOUT, STRICT_ENV,
 };
+pub use timeline::{wait_limit, WAIT_ENV};

@@ -190,7 +190,7 @@ fn execute(
     let watchdog = stall_trace_ms().map(|ms| Watchdog::start(Duration::from_millis(ms)));
     let body = (case.run)(ctx.clone());
     let result = rt.block_on(async {
-        let mut task = tokio::spawn(body);
+        let mut task = tokio::spawn(crate::timeline::scope(body));
         match tokio::time::timeout(timeout, &mut task).await {
             Err(_) => {
                 task.abort();

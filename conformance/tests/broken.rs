@@ -80,6 +80,20 @@ fn retries_permanent_fails_permanent_not_retried() {
     );
 }
 
+/// A completion reported before the bytes landed is caught by the data
+/// cases, and the message says when: how long before the check the batch
+/// was reported completed, and that the bytes became right later (not a
+/// wrong offset).
+#[test]
+fn completed_before_landing_is_caught_and_said_so() {
+    let case = "data::write_lands_exact";
+    assert_eq!(run_case(MockHarness::new(), case), Ok(Outcome::Passed), "the correct mock must pass {case}");
+    let why = run_case(bugs(|b| b.complete_before_landing = true), case).expect_err("the early completion is caught");
+    eprintln!("complete_before_landing fails {case} as it must: {why}");
+    assert!(why.contains("was reported Completed"), "the message names the state and when: {why}");
+    assert!(why.contains("the bytes became right"), "the message says the bytes landed later: {why}");
+}
+
 /// Set in the child process of `forgotten_device_memory_is_caught`.
 const CHILD: &str = "KVMOVE_BROKEN_DEVICE_CHILD";
 

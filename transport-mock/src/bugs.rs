@@ -34,4 +34,12 @@ pub struct MockBugs {
     /// device the first one kills the process. Breaks rule 9 (memory
     /// kinds).
     pub forget_device_memory: bool,
+    /// A request is reported `Completed` as its copy starts, and its bytes
+    /// land [`LATE_LANDING`] later, on a thread of their own. Breaks rule 5
+    /// (terminal means quiet: the memory is written after the state).
+    pub complete_before_landing: bool,
 }
+
+/// How late the bytes of a request land under
+/// [`MockBugs::complete_before_landing`].
+pub const LATE_LANDING: std::time::Duration = std::time::Duration::from_millis(500);

@@ -112,7 +112,7 @@ mod wake;
 mod worker;
 
 #[cfg(feature = "bugs")]
-pub use bugs::MockBugs;
+pub use bugs::{MockBugs, LATE_LANDING};
 pub use config::MockConfig;
 pub use fabric::MockFabric;
 pub use faulty::FaultyTransport;

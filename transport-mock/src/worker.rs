@@ -174,6 +174,15 @@ fn step(cx: &Ctx<'_>, endpoint: &mut Option<EndpointUse>, fault_stall: bool, rea
     if Instant::now() < ready_at {
         return Step::Wait(Some(ready_at));
     }
+    if host.bugs.complete_before_landing {
+        let plan = Planned { req: cx.plan.req, local: cx.plan.local.clone(), segment: cx.plan.segment.clone() };
+        cx.batch.run_unit(cx.i, host.clock.now(), false, || Ok(()));
+        std::thread::spawn(move || {
+            std::thread::sleep(crate::bugs::LATE_LANDING);
+            let _ = move_bytes(&plan, &peer);
+        });
+        return Step::Done;
+    }
     let segment = &cx.plan.segment.name;
     cx.batch.run_unit(cx.i, host.clock.now(), host.bugs.write_after_timeout, || {
         move_bytes(cx.plan, &peer).map_err(|e| e.with("segment", segment))

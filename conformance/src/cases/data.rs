@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use transport_core::{BatchState, Opcode, SubmitOptions, TransferRequest};
 
-use crate::ctx::{bounded, complete, Ctx, Pair};
+use crate::ctx::{bounded, complete, wait_batch, Ctx, Pair};
 use crate::ensure;
 use crate::guard::pattern;
 use crate::outcome::{CaseError, CaseResult};
@@ -287,7 +287,7 @@ pub async fn terminal_state_is_sticky(cx: Ctx) -> CaseResult {
             s.state
         );
     }
-    let w = bounded("wait", t.wait(b)).await??;
+    let w = wait_batch(t.as_ref(), b, None, "wait").await??;
     ensure!(w.state == first.state, "wait after terminal says {:?}", w.state);
     let c = bounded("cancel", t.cancel(b)).await??;
     ensure!(c.state == first.state, "cancel of a terminal batch changed it to {:?}", c.state);

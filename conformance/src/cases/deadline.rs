@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use transport_core::{BatchState, RequestStatus, SubmitOptions};
 
-use crate::ctx::{bounded, expect_quiet, Ctx};
+use crate::ctx::{bounded, expect_quiet, wait_batch, Ctx};
 use crate::ensure;
 use crate::guard::pattern;
 use crate::outcome::CaseResult;
@@ -22,7 +22,7 @@ pub async fn stalled_transfer_times_out(cx: Ctx) -> CaseResult {
     cx.stall(&p.b, true).await?;
     let start = Instant::now();
     let b = t.submit(vec![p.write(0, 0, LEN as u64), p.write(0, 0, 1)], SubmitOptions::with_timeout(DEADLINE)).await?;
-    let s = bounded("wait on a stalled batch", t.wait(b)).await??;
+    let s = wait_batch(t.as_ref(), b, Some(DEADLINE), "wait on a stalled batch").await??;
     let took = start.elapsed();
     ensure!(s.state == BatchState::TimedOut, "a stalled batch with a deadline ended {:?}", s.state);
     ensure!(took <= DEADLINE + MARGIN, "the deadline of {DEADLINE:?} was enforced only after {took:?}");
@@ -52,7 +52,7 @@ pub async fn quiet_after_timeout(cx: Ctx) -> CaseResult {
     let t = p.t().clone();
     cx.stall(&p.b, true).await?;
     let b = t.submit(vec![p.write(0, 0, LEN as u64)], SubmitOptions::with_timeout(DEADLINE)).await?;
-    let s = bounded("wait on a stalled write", t.wait(b)).await??;
+    let s = wait_batch(t.as_ref(), b, Some(DEADLINE), "wait on a stalled write").await??;
     ensure!(s.is_terminal(), "wait returned {:?}", s.state);
     let remote = p.remote.snapshot();
     p.local.write(0, &pattern(66, LEN))?;
@@ -65,7 +65,7 @@ pub async fn quiet_after_timeout(cx: Ctx) -> CaseResult {
     if t.capabilities().read {
         cx.stall(&p.b, true).await?;
         let b = t.submit(vec![p.read(0, 0, LEN as u64)], SubmitOptions::with_timeout(DEADLINE)).await?;
-        let s = bounded("wait on a stalled read", t.wait(b)).await??;
+        let s = wait_batch(t.as_ref(), b, Some(DEADLINE), "wait on a stalled read").await??;
         ensure!(s.is_terminal(), "wait returned {:?}", s.state);
         let local = p.local.snapshot();
         p.remote.write(0, &pattern(67, LEN))?;
@@ -108,7 +108,7 @@ pub async fn cancel_in_flight_ends(cx: Ctx) -> CaseResult {
     p.local.write(0, &pattern(68, LEN))?;
     cx.stall(&p.b, false).await?;
     expect_quiet(&p.remote, &remote, Duration::from_millis(300), "memory of a cancelled batch").await?;
-    let w = bounded("wait after cancel", t.wait(b)).await??;
+    let w = wait_batch(t.as_ref(), b, None, "wait after cancel").await??;
     ensure!(w.state == s.state, "cancelled batch changed from {:?} to {:?}", s.state, w.state);
     t.release(b)?;
     Ok(())
@@ -124,7 +124,7 @@ pub async fn timeout_beyond_the_clock_never_fires(cx: Ctx) -> CaseResult {
     for (what, timeout) in [("Duration::MAX", Duration::MAX), ("u64::MAX s - 1", Duration::from_secs(u64::MAX - 1))] {
         p.local.write(0, &pattern(70, 4096))?;
         let b = t.submit(vec![p.write(0, 0, 4096)], SubmitOptions::with_timeout(timeout)).await?;
-        let s = bounded("wait", t.wait(b)).await??;
+        let s = wait_batch(t.as_ref(), b, Some(timeout), "wait").await??;
         ensure!(s.state == BatchState::Completed, "a batch with timeout {what} ended {:?}: {:?}", s.state, s.requests);
         t.release(b)?;
     }

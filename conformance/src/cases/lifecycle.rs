@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use transport_core::{Access, BatchState, ErrorKind, SubmitOptions, Transport};
 
-use crate::ctx::{bounded, complete, expect_permanent, expect_quiet, expect_stats, open, settle, Ctx, SETTLE};
+use crate::ctx::{
+    bounded, complete, expect_permanent, expect_quiet, expect_stats, open, settle, wait_batch, Ctx, SETTLE,
+};
 use crate::ensure;
 use crate::guard::pattern;
 use crate::harness::NodeOptions;
@@ -111,7 +113,7 @@ pub async fn release_frees_batches(cx: Ctx) -> CaseResult {
     }
     ensure!(t.stats().batches == base.batches + 8, "eight unreleased batches must be counted: {:?}", t.stats());
     for &b in &ids {
-        bounded("wait", t.wait(b)).await??;
+        wait_batch(t.as_ref(), b, None, "wait").await??;
         t.release(b)?;
     }
     // The endpoint the transfers built may stay cached (rule 4).
@@ -124,7 +126,11 @@ pub async fn release_frees_batches(cx: Ctx) -> CaseResult {
     let b = ids[0];
     expect_permanent(t.poll(b), &[ErrorKind::InvalidHandle], "poll of a released batch")?;
     expect_permanent(t.release(b), &[ErrorKind::InvalidHandle], "second release")?;
-    expect_permanent(bounded("wait", t.wait(b)).await?, &[ErrorKind::InvalidHandle], "wait on a released batch")?;
+    expect_permanent(
+        wait_batch(t.as_ref(), b, None, "wait").await?,
+        &[ErrorKind::InvalidHandle],
+        "wait on a released batch",
+    )?;
     expect_permanent(bounded("cancel", t.cancel(b)).await?, &[ErrorKind::InvalidHandle], "cancel of a released batch")?;
     Ok(())
 }
@@ -146,7 +152,7 @@ pub async fn counts_return_after_each_operation(cx: Ctx) -> CaseResult {
     bounded("close", t.close_segment(s)).await??;
     expect_stats(&t, base, "after open + close").await?;
     let b = t.submit(vec![p.write(0, 0, 4096)], SubmitOptions::default()).await?;
-    bounded("wait", t.wait(b)).await??;
+    wait_batch(t.as_ref(), b, None, "wait").await??;
     t.release(b)?;
     // The endpoint built by the transfer may stay cached (rule 4).
     let ok = settle(SETTLE, || {

@@ -9,7 +9,7 @@ use transport_core::{
 };
 
 use crate::ctx::{
-    batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, Ctx, Pair,
+    batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, wait_batch, Ctx, Pair,
 };
 use crate::ensure;
 use crate::guard::pattern;
@@ -163,7 +163,7 @@ pub async fn unregister_remote_in_flight(cx: Ctx) -> CaseResult {
     bounded("peer unregister with a write in flight", p.b.transport.unregister(p.remote_id)).await??;
     let remote = p.remote.snapshot();
     cx.stall(&p.b, false).await?;
-    let s = bounded("wait", t.wait(b)).await??;
+    let s = wait_batch(t.as_ref(), b, None, "wait").await??;
     ensure!(s.state != BatchState::InProgress, "wait returned a non-terminal status");
     expect_quiet(&p.remote, &remote, Duration::from_millis(300), "peer memory after the peer unregistered it").await?;
     t.release(b)?;

@@ -14,7 +14,7 @@ use transport_core::{
     SubmitOptions, TransferRequest, Transport, MAX_NOTIFY_LEN,
 };
 
-use crate::ctx::{bounded, complete, expect_kind, expect_permanent, expect_stats, open, Ctx, Pair};
+use crate::ctx::{bounded, complete, expect_kind, expect_permanent, expect_stats, open, wait_batch, Ctx, Pair};
 use crate::ensure;
 use crate::guard::{first_difference, pattern};
 use crate::harness::{Node, NodeOptions};
@@ -518,7 +518,7 @@ pub async fn oversize_refused(cx: Ctx) -> CaseResult {
             return Err(CaseError::Fail(format!("{what}: not refused (batch {:?}, notification {note:?})", s.state)))
         }
     }
-    let s = bounded("wait", t.wait(batch)).await??;
+    let s = wait_batch(t.as_ref(), batch, None, "wait").await??;
     ensure!(s.is_terminal(), "wait returned {:?}", s.state);
     t.release(batch)?;
     tokio::time::sleep(QUIET).await;

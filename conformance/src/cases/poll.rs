@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use rand::{Rng, SeedableRng};
 use transport_core::{BatchId, BatchState, ErrorKind, SubmitOptions};
 
-use crate::ctx::{bounded, expect_permanent, Ctx};
+use crate::ctx::{bounded, expect_permanent, wait_batch, Ctx};
 use crate::ensure;
 use crate::outcome::{CaseError, CaseResult};
 
@@ -26,7 +26,11 @@ pub async fn unknown_batch_ids(cx: Ctx) -> CaseResult {
         let b = BatchId(id);
         expect_permanent(t.poll(b), &[ErrorKind::InvalidHandle], &format!("poll({b})"))?;
         expect_permanent(t.release(b), &[ErrorKind::InvalidHandle], &format!("release({b})"))?;
-        expect_permanent(bounded("wait", t.wait(b)).await?, &[ErrorKind::InvalidHandle], &format!("wait({b})"))?;
+        expect_permanent(
+            wait_batch(t.as_ref(), b, None, "wait").await?,
+            &[ErrorKind::InvalidHandle],
+            &format!("wait({b})"),
+        )?;
         expect_permanent(bounded("cancel", t.cancel(b)).await?, &[ErrorKind::InvalidHandle], &format!("cancel({b})"))?;
     }
     Ok(())
@@ -167,7 +171,7 @@ pub async fn poll_during_faults(cx: Ctx) -> CaseResult {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     for &b in &submitted {
-        let s = bounded("wait", t.wait(b)).await?;
+        let s = wait_batch(t.as_ref(), b, None, "wait").await?;
         if let Ok(s) = s {
             ensure!(s.is_terminal(), "wait({b}) returned {:?}", s.state);
         }

@@ -33,11 +33,12 @@ use transport_core::{
     Transport, MAX_NOTIFY_LEN,
 };
 
-use crate::ctx::{bounded, expect_permanent, expect_quiet, open, settle, Ctx, SETTLE, WAIT_LIMIT};
+use crate::ctx::{bounded, expect_permanent, expect_quiet, open, settle, Ctx, SETTLE};
 use crate::ensure;
 use crate::guard::{first_difference, pattern, Guarded};
 use crate::harness::{Node, NodeOptions};
 use crate::outcome::{CaseError, CaseResult};
+use crate::timeline::wait_limit;
 
 /// Heartbeat period of the session engines under test.
 const HEARTBEAT: Duration = Duration::from_millis(100);
@@ -480,7 +481,7 @@ async fn start_stream(duo: &Arc<Duo>, id: u64, n: u64) -> Result<Streams, CaseEr
     let ended = |w: &[JoinHandle<Result<String, CaseError>>]| w.iter().any(JoinHandle::is_finished);
     // Bounded generously: the first writes may include building the path
     // (a QP bring-up takes about a second in the soft-RoCE VM).
-    let ok = settle(WAIT_LIMIT, || done.load(Ordering::SeqCst) >= n || ended(&writers)).await;
+    let ok = settle(wait_limit(), || done.load(Ordering::SeqCst) >= n || ended(&writers)).await;
     if ok && !ended(&writers) {
         return Ok(Streams(writers));
     }
@@ -491,7 +492,7 @@ async fn start_stream(duo: &Arc<Duo>, id: u64, n: u64) -> Result<Streams, CaseEr
         writers.iter().for_each(JoinHandle::abort);
         Err(CaseError::Fail("still writing".into()))
     };
-    Err(CaseError::Fail(format!("the sender's writes did not run: {n} completed within {WAIT_LIMIT:?} ({how:?})")))
+    Err(CaseError::Fail(format!("the sender's writes did not run: {n} completed within {:?} ({how:?})", wait_limit())))
 }
 
 /// Joins a streaming sender (bounded); how each writer stopped.
