@@ -200,12 +200,27 @@ impl Ctx {
         self.inner.nodes.lock().retain(|n| !Arc::ptr_eq(&n.transport, &node.transport));
     }
 
-    /// Crashes `node`; skips the case if the harness cannot.
+    /// Crashes `node`; skips the case if the harness cannot. Checks what
+    /// [`Harness::kill`] promises and the suite can see from outside: a
+    /// call on the killed node fails (a node that still answers would keep
+    /// sending, and the case would fail later for a reason it cannot name).
     pub async fn kill(&self, node: &Node) -> CaseResult {
         match bounded("kill", self.inner.harness.kill(node)).await? {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(CaseError::Skip("the harness cannot kill a peer".into())),
-            Err(e) => Err(CaseError::Fail(format!("kill failed: {e}"))),
+            Ok(true) => {}
+            Ok(false) => return Err(CaseError::Skip("the harness cannot kill a peer".into())),
+            Err(e) => return Err(CaseError::Fail(format!("kill failed: {e}"))),
+        }
+        match bounded("open_segment on a killed node", node.transport.open_segment(&node.name)).await? {
+            Err(_) => Ok(()),
+            Ok(seg) => {
+                let _ = node.transport.close_segment(seg).await;
+                Err(CaseError::Fail(format!(
+                    "the harness's kill left {} working: open_segment on it succeeded after kill returned. \
+                     Harness::kill must crash the node (every call on it fails, nothing it started reaches a peer, \
+                     connections to it break): see its docs",
+                    node.name
+                )))
+            }
         }
     }
 

@@ -55,20 +55,42 @@ pub trait Harness: Send + Sync + 'static {
     /// Creates a fresh node.
     async fn node(&self, opts: &NodeOptions) -> Result<Node>;
 
-    /// Crashes `node` abruptly: connections to it break and it stops
-    /// answering, without any orderly shutdown. Ok(false) if unsupported.
+    /// Crashes `node` abruptly, as a process killed with SIGKILL, without
+    /// any orderly shutdown. Once it returns the node is silent both ways:
+    /// - every call on its transport fails (as after `shutdown`; the suite
+    ///   checks this at once, with `open_segment`, and fails the case with a
+    ///   message naming this hook if the node still works);
+    /// - nothing it started reaches a peer afterwards: no transfer, no
+    ///   notification, no session message (heartbeats included);
+    /// - its peers' connections to it break, and connecting to its name
+    ///   fails until [`Harness::restart`].
+    ///
+    /// The suite never uses a killed node again, except for its name in
+    /// `restart`; the case's cleanup still calls `shutdown` on it, which
+    /// must return (an error is fine). `Ok(false)` if unsupported.
     async fn kill(&self, node: &Node) -> Result<bool>;
 
     /// Starts a new node under the same segment name as the killed `node`,
-    /// with a new generation (a restarted peer).
+    /// with a new generation (a restarted peer): peers that had the old
+    /// one open learn of the restart at their next transfer (rule 2).
     async fn restart(&self, node: &Node, opts: &NodeOptions) -> Result<Node>;
 
-    /// Cuts every live connection toward `to` (a real endpoint reset; the
-    /// peer stays up and accepts new connections). Ok(false) if unsupported.
+    /// Cuts, once, every live connection toward `to` from every node of
+    /// this harness, data and notification channels alike: a real reset,
+    /// as a link flap does. `to` stays up and accepts new connections, so
+    /// the next transfer builds a new endpoint (rules 2 and 4); nothing is
+    /// cut afterwards. `Ok(false)` if unsupported.
     async fn cut(&self, to: &Node) -> Result<bool>;
 
-    /// Stalls (`on = true`) or resumes traffic toward `to`: bytes stop moving
-    /// but connections stay up. Ok(false) if unsupported.
+    /// With `on = true`, from its return until it is called with
+    /// `on = false`: no byte moves, in either direction, on the
+    /// connections peers have open or open anew toward `to`, transfers and
+    /// notifications (session messages) alike; connections stay up, with
+    /// no reset and no error, so those peers see only silence (the
+    /// deadline and liveness cases rely on it). What `to` itself opens
+    /// toward others may be stalled too (the mock stalls all of `to`'s
+    /// traffic); no case relies on either. Resuming lets everything queued
+    /// move again. `Ok(false)` if unsupported.
     async fn stall(&self, to: &Node, on: bool) -> Result<bool>;
 
     /// Operating-system resource counts (open file descriptors, sockets,

@@ -91,6 +91,7 @@
 //! | mock with 2 ms latency, `notify_before_landing` | `notify::never_overtakes_data` |
 //! | [`broken::BrokenLayer`] `DropsFailureNotices` around the mock | `session::receiver_cancels_mid_transfer`, `session::sender_cancels` |
 //! | mock, `complete_before_landing` (bytes land 500 ms after `Completed`) | `data::write_lands_exact`, the message saying the bytes became right after the check |
+//! | the mock with a `kill` that kills nothing (`tests/broken.rs`) | every case that kills a node, at the kill: the message names `Harness::kill` and what it must do |
 //! | mock, `forget_device_memory` (device regions taken for host memory) | `device_d2d::data::write_lands_exact`: the process dies of SIGSEGV on the fake device's memory, so the test runs it in a child |
 //!
 //! # The cases

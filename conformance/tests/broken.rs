@@ -161,3 +161,47 @@ fn survey() {
         println!("{name}: {} failing: {}", failed.len(), failed.join(", "));
     }
 }
+
+/// The mock, except that `kill` only says it killed the node.
+#[derive(Clone, Debug)]
+struct KillDoesNothing(MockHarness);
+
+#[async_trait::async_trait]
+impl conformance::Harness for KillDoesNothing {
+    fn backend(&self) -> &str {
+        "kill_does_nothing"
+    }
+    async fn node(&self, opts: &conformance::NodeOptions) -> transport_core::Result<conformance::Node> {
+        self.0.node(opts).await
+    }
+    async fn kill(&self, _: &conformance::Node) -> transport_core::Result<bool> {
+        Ok(true)
+    }
+    async fn restart(
+        &self,
+        node: &conformance::Node,
+        opts: &conformance::NodeOptions,
+    ) -> transport_core::Result<conformance::Node> {
+        self.0.restart(node, opts).await
+    }
+    async fn cut(&self, to: &conformance::Node) -> transport_core::Result<bool> {
+        self.0.cut(to).await
+    }
+    async fn stall(&self, to: &conformance::Node, on: bool) -> transport_core::Result<bool> {
+        self.0.stall(to, on).await
+    }
+    fn os_probe(&self) -> Option<Vec<(String, u64)>> {
+        None
+    }
+}
+
+/// A harness whose `kill` leaves the node working fails with a message
+/// naming the hook, at the kill, not with a timeout further on.
+#[test]
+fn a_kill_that_leaves_the_node_working_is_named() {
+    let case = "errors::peer_failures_are_transient";
+    let why = run_case(KillDoesNothing(MockHarness::new()), case).expect_err("a kill that kills nothing is caught");
+    eprintln!("a kill that does nothing fails {case}: {why}");
+    assert!(why.contains("the harness's kill left"), "the message names the hook: {why}");
+    assert!(why.contains("Harness::kill must crash the node"), "the message says what kill must do: {why}");
+}
