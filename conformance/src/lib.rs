@@ -26,7 +26,7 @@
 //! `cargo test` (or `cargo nextest run`) then runs one test per case, named
 //! `<backend>::<group>::<case>` (e.g. `tcp::lifecycle::close_releases_endpoints`),
 //! with the usual filters, `--exact` and `--list`. Each case runs in its own
-//! multi-thread tokio runtime with a timeout ([`CASE_TIMEOUT`]); a panic, a
+//! multi-thread tokio runtime with a timeout ([`case_timeout`]); a panic, a
 //! hang or a broken rule fails it, and the message starts with the rule.
 //!
 //! A case the backend cannot run (a fault hook returns `Ok(false)`, no
@@ -203,6 +203,7 @@ pub use guard::{pattern, Guarded, CANARY, GUARD, LATE_WINDOW};
 pub use harness::{Harness, Node, NodeOptions};
 pub use outcome::{CaseError, CaseResult};
 pub use runner::{
-    main_with, probe, run_case, run_case_with, run_id, runs, strict, trials, Outcome, Support, CASE_TIMEOUT, STRICT_ENV,
+    case_timeout, main_with, probe, run_case, run_case_with, run_id, runs, strict, trials, Outcome, Support,
+    CASE_TIMEOUT, STRICT_ENV,
 };
 pub use timeline::{wait_limit, WAIT_ENV};

@@ -14,8 +14,16 @@ use crate::ctx::{Ctx, MemoryMode};
 use crate::harness::Harness;
 use crate::outcome::CaseError;
 
-/// How long one case may run before it counts as hung (a failure).
+/// How long one case may run before it counts as hung (a failure), by
+/// default; [`case_timeout`] is what the runner uses.
 pub const CASE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long one case may run: [`CASE_TIMEOUT`], or three hang limits when
+/// `CONFORMANCE_WAIT_S` makes that longer (a case may wait on a few
+/// hooks in a row: a slower harness gets its case the same room).
+pub fn case_timeout() -> Duration {
+    CASE_TIMEOUT.max(crate::timeline::wait_limit().saturating_mul(3))
+}
 
 /// How long the cleanup after a case (shutting every node down) may take.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -128,12 +136,12 @@ pub fn run_id(case: &Case, memory: MemoryMode) -> String {
 
 /// Runs one case (`"group::case"`, `"device_d2d::group::case"`, with or
 /// without the backend in front) against `harness`, in its own runtime
-/// with [`CASE_TIMEOUT`]. `Err` carries the failure message (or says the
+/// with [`case_timeout`]. `Err` carries the failure message (or says the
 /// case is unknown).
 pub fn run_case<H: Harness>(harness: H, id: &str) -> Result<Outcome, String> {
     let (case, memory) = find_case(id)?;
     let cell = parking_lot::Mutex::new(Some(harness));
-    execute(&|| cell.lock().take().map(|h| Arc::new(h) as Arc<dyn Harness>), &case, memory, CASE_TIMEOUT)
+    execute(&|| cell.lock().take().map(|h| Arc::new(h) as Arc<dyn Harness>), &case, memory, case_timeout())
 }
 
 /// Like [`run_case`] with a harness factory and a timeout of your choice.
@@ -375,7 +383,7 @@ where
             });
             Trial::ignorable_test(name, move || {
                 let factory = || Some(Arc::new(make()) as Arc<dyn Harness>);
-                match execute(&factory, &case, memory, CASE_TIMEOUT) {
+                match execute(&factory, &case, memory, case_timeout()) {
                     Ok(Outcome::Passed) => Ok(Completion::Completed),
                     Ok(Outcome::Skipped(why)) if strict => {
                         Err(Failed::from(format!("skipped in strict mode ({STRICT_ENV}=1): {why}")))
