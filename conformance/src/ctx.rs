@@ -571,7 +571,7 @@ pub fn permanent_kind(e: &Error, kinds: &[ErrorKind], what: &str) -> CaseResult 
     Ok(())
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "self-test"))]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failure
 

@@ -174,7 +174,7 @@ impl Guarded {
         if let Some(last) = crate::timeline::last_terminal(checked) {
             msg.push_str(&format!("; {last}"));
         }
-        msg.push_str(&match self.becomes(expected) {
+        msg.push_str(&match self.becomes(expected, checked) {
             Some(after) => format!(
                 "; the bytes became right {after:.3?} after the check: they landed after the state was reported \
                  (rule 5: once reported terminal, the transport never touches the memory again)"
@@ -184,17 +184,16 @@ impl Guarded {
         Err(CaseError::Fail(msg))
     }
 
-    /// How long after now the region came to equal `expected`, watched for
-    /// at most [`LATE_WINDOW`] (a failure path only: it sleeps the thread
-    /// in short steps).
-    fn becomes(&self, expected: &[u8]) -> Option<Duration> {
-        let from = Instant::now();
+    /// How long after `checked` the region came to equal `expected`,
+    /// watched for at most [`LATE_WINDOW`] (a failure path only: it sleeps
+    /// the thread in short steps).
+    fn becomes(&self, expected: &[u8], checked: Instant) -> Option<Duration> {
         let mut step = Duration::from_micros(100);
-        while from.elapsed() < LATE_WINDOW {
+        while checked.elapsed() < LATE_WINDOW {
             std::thread::sleep(step);
             step = (step * 2).min(Duration::from_millis(20));
             if first_difference(&self.snapshot(), expected).is_none() {
-                return Some(from.elapsed());
+                return Some(checked.elapsed());
             }
         }
         None

@@ -188,6 +188,7 @@ mod cases;
 mod ctx;
 mod guard;
 mod harness;
+#[cfg(feature = "self-test")]
 pub mod mock;
 mod outcome;
 mod runner;

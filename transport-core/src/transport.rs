@@ -15,9 +15,10 @@ use crate::types::{
 /// policy layer (`kvmove_policy::Engine`) that users call; a [`Layer`](crate::Layer)
 /// wraps one to change only some methods.
 ///
-/// The contract below is `docs/CONTRACT.md`, its one home; everything else
-/// links to it.
-#[doc = include_str!("../../docs/CONTRACT.md")]
+/// The contract below is `transport-core/CONTRACT.md`, its one home, in
+/// this crate so that it ships with it (`docs/CONTRACT.md` is a link to
+/// it, the path everything else cites).
+#[doc = include_str!("../CONTRACT.md")]
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
     /// Backend kind: `"mock"`, `"tcp"`, `"rdma"`, or a wrapper's name.
