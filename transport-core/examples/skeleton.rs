@@ -4,7 +4,7 @@
 //! sans-IO machine in `transport_core::lifecycle` that keeps most of each
 //! rule for it. Every body refuses with `Unsupported`: copy the file,
 //! fill the bodies in, and run the conformance suite on it
-//! (`conformance::run_all`, see the `conformance` crate's docs).
+//! (`conformance::conformance_main!`; `docs/WRITING_A_TRANSPORT.md`).
 //!
 //! What a backend does *not* write: retries, deadlines above one attempt,
 //! circuit breakers, backpressure (`kvmove-policy`'s `Engine`), sessions
