@@ -201,6 +201,10 @@ def wait_usage_zero(server, timeout=30):
 
 
 def main():
+    # Stopped by the test command (SIGTERM, when another step failed):
+    # leave through the `finally` below, which stops the servers; by
+    # default Python would die at once and leave them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     ap.add_argument("--base-port", type=int, default=18400)
@@ -286,8 +290,11 @@ def main():
     finally:
         for p in proxies:
             p.stop()
+        # Each server's whole process group (its own session: the engine
+        # core and the workers too), even when its first process already
+        # ended: a group left behind keeps the ports (ci29 found ci28's).
         for s in servers:
-            if s.proc is not None and s.proc.poll() is None:
+            if s.proc is not None:
                 s.signal(signal.SIGCONT)
                 s.signal(signal.SIGKILL)
 

@@ -327,6 +327,10 @@ def kvmove_problems(lines):
 
 
 def main():
+    # Stopped by the test command (SIGTERM, when another step failed):
+    # leave through the `finally` below, which stops the servers; by
+    # default Python would die at once and leave them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True, help="directory for the models and the servers' logs")
     ap.add_argument("--shim", required=True, help="the nixl stand-in's directory (python -m kvmove.shims nixl)")
@@ -518,8 +522,11 @@ def main():
             log(f"log of {s.name}: {s.log_path}")
         return 1
     finally:
+        # Each server's whole process group (its own session: the engine
+        # core and the workers too), even when its first process already
+        # ended: a group left behind keeps the ports (ci29 found ci28's).
         for s in servers:
-            if s.proc is not None and s.proc.poll() is None:
+            if s.proc is not None:
                 s.signal(signal.SIGCONT)
                 s.signal(signal.SIGKILL)
 
