@@ -60,6 +60,7 @@ from pd_check import (  # noqa: E402
     log,
     plain,
     post,
+    report_failure,
     total,
 )
 
@@ -283,9 +284,7 @@ def main():
         log(f"kvmove vLLM connector check passed in {time.monotonic() - t_start:.0f} s")
         return 0
     except CheckFailed as e:
-        log(f"FAILED: {e}")
-        for s in servers:
-            log(f"log of {s.name}: {s.log_path}")
+        report_failure(e, servers)
         return 1
     finally:
         for p in proxies:

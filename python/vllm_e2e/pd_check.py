@@ -49,7 +49,13 @@ MAX_TOKENS = 16
 # Prompt lengths in words (one token each): several KV blocks, and one
 # shorter than a block.
 LENGTHS = (7, 23, 61, 97, 140, 190, 260, 330)
-READY_TIMEOUT = 300
+# A server start: given up when its log has said nothing new for
+# READY_SILENT seconds (hung), or at READY_TIMEOUT whatever it says. On a
+# 2-core machine beside the soft-RoCE VM and the test suites, a start
+# that kept logging took over 300 s (the CI run of 097cd60: imports
+# 09:20, the worker's weights 09:25:20, still warming up at 09:25:26).
+READY_SILENT = 240
+READY_TIMEOUT = 900
 REQUEST_TIMEOUT = 180
 
 
@@ -59,6 +65,17 @@ def log(msg):
 
 class CheckFailed(Exception):
     pass
+
+
+def report_failure(e, servers):
+    """The failure, the servers' logs, then the failure's first line again:
+    a message that carries a server's log tail would otherwise leave the
+    reason above the 40 lines a failed step's summary shows."""
+    log(f"FAILED: {e}")
+    for s in servers:
+        log(f"log of {s.name}: {s.log_path}")
+    first = str(e).splitlines()[0] if str(e) else repr(e)
+    log(f"FAILED (the reason, again): {first}")
 
 
 def check(cond, what):
@@ -172,6 +189,7 @@ class Server:
 
     def wait_ready(self):
         deadline = time.monotonic() + READY_TIMEOUT
+        size, moved = -1, time.monotonic()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise CheckFailed(f"{self.name} exited with {self.proc.returncode} while starting: {self.tail()}")
@@ -181,7 +199,15 @@ class Server:
                     return
             except (urllib.error.URLError, OSError):
                 time.sleep(1)
-        raise CheckFailed(f"{self.name} not ready in {READY_TIMEOUT} s: {self.tail()}")
+            now_size = self.log_size()
+            if now_size != size:
+                size, moved = now_size, time.monotonic()
+            elif time.monotonic() - moved > READY_SILENT:
+                raise CheckFailed(
+                    f"{self.name} not ready after {time.monotonic() - self.started:.0f} s, "
+                    f"its log silent for {READY_SILENT} s: {self.tail()}"
+                )
+        raise CheckFailed(f"{self.name} not ready in {READY_TIMEOUT} s (its log still moving): {self.tail()}")
 
     def signal(self, sig):
         try:
@@ -517,9 +543,7 @@ def main():
         log(f"vLLM prefill/decode check passed in {time.monotonic() - t_start:.0f} s")
         return 0
     except CheckFailed as e:
-        log(f"FAILED: {e}")
-        for s in servers:
-            log(f"log of {s.name}: {s.log_path}")
+        report_failure(e, servers)
         return 1
     finally:
         # Each server's whole process group (its own session: the engine
