@@ -91,9 +91,28 @@ join() {
   _steps_banner "$name (ran in the background; its output follows)"
   cat "$STEPS_DIR/$key.log"
   if [ "$rc" != 0 ]; then
+    _steps_reasons "$STEPS_DIR/$key.log" >&2
     echo "STEP FAILED: $name (exit $rc)" >&2
     exit 1
   fi
+}
+
+# A failed step's reasons, from its log, for the end of the run (where a
+# reader of only the last lines looks): every libtest failure's message
+# (the "---- NAME stdout ----" blocks of libtest, "---- NAME ----" of the
+# conformance suite (libtest-mimic), 25 lines each, 6 at most) and the
+# lines that say FAILED. The log's end alone showed the VM's last suite,
+# not the case that failed minutes before it (the CI run of 097cd60).
+_steps_reasons() {
+  local log=$1
+  [ -s "$log" ] || return 0
+  echo "---- why it failed (from its log):"
+  awk '
+    /^---- .+ ----$/ { if (blocks < 6) { inblk = 1; n = 0; blocks++; print; next } }
+    inblk && /^(failures:|test result:)/ { inblk = 0 }
+    inblk { if (n++ < 25) print; next }
+    /FAILED|^error(\[|:)/ && said < 20 { print; said++ }
+  ' "$log"
 }
 
 # Stops a process and everything under it.
@@ -131,7 +150,7 @@ steps_table() {
 }
 
 steps_exit() {
-  local rc=$? key
+  local rc=$? key rc_bg
   trap - EXIT
   for key in "${!STEPS_PID[@]}"; do
     # A step that had already ended keeps its own status (a failure not
@@ -146,6 +165,8 @@ steps_exit() {
     fi
     echo "---- its output (the end):" >&2
     tail -n 40 "$STEPS_DIR/$key.log" >&2 || true
+    read -r _ _ rc_bg < "$STEPS_DIR/$key.end" || rc_bg=0
+    case $rc_bg in 0|stopped) ;; *) _steps_reasons "$STEPS_DIR/$key.log" >&2 ;; esac
   done
   steps_table
   rm -rf "$STEPS_DIR"
