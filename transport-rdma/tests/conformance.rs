@@ -80,26 +80,38 @@ fn cfg(opts: &NodeOptions, listen: String, device: Option<String>, inbox: usize)
     }
 }
 
-/// Runs a command of the fault tooling (`ip`, `tc`); its failure is the
-/// case's failure, with the command's own words. It runs on the blocking
-/// pool: in the VM under load `ip link set` takes up to seconds, and a
-/// runtime worker waiting that long holds the task it woke last (tokio's
-/// LIFO slot is never stolen), which stalled the nodes' session timers
-/// past their liveness timeout (issue 31).
-async fn sh(args: &[&str]) -> Result<()> {
-    let argv: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let run = tokio::task::spawn_blocking(move || Command::new(&argv[0]).args(&argv[1..]).output());
+/// Runs a script of the fault tooling (`tc -force -batch -`, one command
+/// a line, in one process); its failure is the case's failure, with the
+/// tool's own words. It runs on the blocking pool: in the VM under load a
+/// process start takes up to seconds, and a runtime worker waiting that
+/// long holds the task it woke last (tokio's LIFO slot is never stolen),
+/// which stalled the nodes' session timers past their liveness timeout
+/// (issue 31).
+async fn sh_batch(tool: &str, script: &str) -> Result<()> {
+    let what = format!("{tool} -batch ({})", script.trim_end().replace('\n', "; "));
+    let (tool, text) = (tool.to_string(), script.to_string());
+    let run = tokio::task::spawn_blocking(move || -> std::io::Result<std::process::Output> {
+        use std::io::Write;
+        use std::process::Stdio;
+        let mut child = Command::new(&tool)
+            .args(["-force", "-batch", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(text.as_bytes())?;
+        }
+        child.wait_with_output()
+    });
     let out = run
         .await
-        .map_err(|e| Error::new(ErrorKind::Internal, format!("{}: {e}", args.join(" "))))?
-        .map_err(|e| Error::new(ErrorKind::Io, format!("{}: {e}", args.join(" "))))?;
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("{what}: {e}")))?
+        .map_err(|e| Error::new(ErrorKind::Io, format!("{what}: {e}")))?;
     if out.status.success() {
         return Ok(());
     }
-    Err(Error::new(
-        ErrorKind::Io,
-        format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()),
-    ))
+    Err(Error::new(ErrorKind::Io, format!("`{what}` failed: {}", String::from_utf8_lossy(&out.stderr).trim())))
 }
 
 /// Takes `netdev` down or up (`common::ip_link`: its static neighbours
@@ -247,13 +259,17 @@ impl Harness for RdmaHarness {
         if links.is_empty() {
             return Ok(false);
         }
-        for dev in links.iter().flat_map(|l| [&l.netdev, &l.bridge_port]) {
-            if on {
-                sh(&["tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%"]).await?;
-            } else {
-                // Nothing to delete is fine (a resume without a stall).
-                let _ = sh(&["tc", "qdisc", "del", "dev", dev, "root"]).await;
-            }
+        // One `tc` process for every device of the node (`tc -batch`): a
+        // process start costs seconds in the VM beside busy loops.
+        let devs = links.iter().flat_map(|l| [&l.netdev, &l.bridge_port]);
+        if on {
+            let script: String = devs.map(|d| format!("qdisc replace dev {d} root netem loss 100%\n")).collect();
+            sh_batch("tc", &script).await?;
+        } else {
+            // Nothing to delete is fine (a resume without a stall): -force
+            // goes on past it.
+            let script: String = devs.map(|d| format!("qdisc del dev {d} root\n")).collect();
+            let _ = sh_batch("tc", &script).await;
         }
         Ok(true)
     }
