@@ -204,7 +204,7 @@ pub use guard::{pattern, Guarded, CANARY, GUARD, LATE_WINDOW};
 pub use harness::{Harness, Node, NodeOptions};
 pub use outcome::{CaseError, CaseResult};
 pub use runner::{
-    case_timeout, main_with, probe, run_case, run_case_with, run_id, runs, strict, trials, Outcome, Support,
-    CASE_TIMEOUT, STRICT_ENV,
+    case_timeout, main_with, probe, run_case, run_case_with, run_id, run_trials, runs, strict, trials, Outcome,
+    Support, CASE_TIMEOUT, STRICT_ENV,
 };
 pub use timeline::{wait_limit, WAIT_ENV};

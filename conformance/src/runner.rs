@@ -381,9 +381,13 @@ where
                     || (memory.is_device() && !s.device_memory)
                     || (memory.remote_on_device() && !s.device_memory_remote)
             });
+            let timed = name.clone();
             Trial::ignorable_test(name, move || {
                 let factory = || Some(Arc::new(make()) as Arc<dyn Harness>);
-                match execute(&factory, &case, memory, case_timeout()) {
+                let started = std::time::Instant::now();
+                let outcome = execute(&factory, &case, memory, case_timeout());
+                took(&timed, started.elapsed());
+                match outcome {
                     Ok(Outcome::Passed) => Ok(Completion::Completed),
                     Ok(Outcome::Skipped(why)) if strict => {
                         Err(Failed::from(format!("skipped in strict mode ({STRICT_ENV}=1): {why}")))
@@ -405,8 +409,44 @@ where
     H: Harness,
     F: Fn() -> H + Send + Sync + 'static,
 {
-    let args = Arguments::from_args();
-    libtest_mimic::run(&args, trials(make)).exit()
+    run_trials(&Arguments::from_args(), trials(make))
+}
+
+/// Runs `trials` (from [`trials`], filtered or marked as a harness
+/// needs) as libtest would, names the slowest cases on stderr, and exits
+/// with the run's status. For a `main` that builds its trials itself.
+pub fn run_trials(args: &Arguments, trials: Vec<Trial>) -> ! {
+    let conclusion = libtest_mimic::run(args, trials);
+    slowest(SLOWEST);
+    conclusion.exit()
+}
+
+/// How many of the slowest cases [`main_with`] names after a run.
+const SLOWEST: usize = 8;
+
+/// Every case's wall time in this process, for [`slowest`].
+static TIMES: parking_lot::Mutex<Vec<(String, Duration)>> = parking_lot::Mutex::new(Vec::new());
+
+fn took(case: &str, d: Duration) {
+    TIMES.lock().push((case.to_owned(), d));
+}
+
+/// Prints (stderr) the `n` slowest cases of the run and the total: where
+/// a suite's time goes, for whoever has to make it shorter.
+fn slowest(n: usize) {
+    let mut all = std::mem::take(&mut *TIMES.lock());
+    if all.len() < 2 {
+        return;
+    }
+    let total: Duration = all.iter().map(|t| t.1).sum();
+    all.sort_by_key(|t| std::cmp::Reverse(t.1));
+    let list: Vec<String> = all.iter().take(n).map(|(c, d)| format!("{c} {:.1}s", d.as_secs_f64())).collect();
+    eprintln!(
+        "conformance: {} cases ran {:.1}s in all; the slowest: {}",
+        all.len(),
+        total.as_secs_f64(),
+        list.join(", ")
+    );
 }
 
 /// Expands to a `main` that runs the whole conformance suite against the

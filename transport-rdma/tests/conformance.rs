@@ -335,5 +335,5 @@ fn main() {
         eprintln!("RDMA CONFORMANCE SKIPPED: no RDMA device (scripts/rdma-tests.sh runs it in a soft-RoCE VM)");
         trials.into_iter().map(|t| t.with_ignored_flag(true)).collect()
     };
-    libtest_mimic::run(&args, trials).exit()
+    conformance::run_trials(&args, trials)
 }
