@@ -237,6 +237,13 @@ fn flapping_rail_costs_no_error_and_kernel_qps_stay_bounded() {
             let b = p.a.submit(p.batch(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
             tokio::time::sleep(Duration::from_millis(40)).await;
             common::ip_link(&netdev, false).unwrap();
+            // A flap is a port event: the port follows the link down
+            // before it returns. (A shorter blip, the link back before the
+            // port noticed, only drops packets; the kernel's soft-RoCE
+            // then takes its retransmit path, where a write ended with
+            // "remote invalid request" once `ip` got fast, ci31.)
+            let down = eventually(Duration::from_secs(10), || common::port_is(&links[3].device, "DOWN")).await;
+            assert!(down, "cycle {cycles}: the port did not follow its link down");
             tokio::time::sleep(Duration::from_millis(150)).await;
             common::ip_link(&netdev, true).unwrap();
             let st = wait(&*p.a, b).await;
