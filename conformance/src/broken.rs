@@ -29,6 +29,12 @@ pub enum LayerBug {
     /// failure: [`kvmove_policy::session::is_failure_notice`]) delivered
     /// but drops them, so the peer never learns (breaking rule 13).
     DropsFailureNotices,
+    /// Keeps a record of every segment it opened (the peer's name, in a
+    /// map of "connections") and forgets to remove it at `close_segment`;
+    /// `stats()` is the inner backend's, so every count still returns
+    /// (the shape of the endpoint leak in the field reports). Breaks
+    /// rule 1.
+    HidesLeak,
 }
 
 /// A layer over any backend that breaks one rule ([`LayerBug`]) and
@@ -38,6 +44,8 @@ pub struct BrokenLayer {
     bug: LayerBug,
     extra: u32,
     batches: Mutex<HashMap<BatchId, (Vec<TransferRequest>, SubmitOptions)>>,
+    /// [`LayerBug::HidesLeak`]'s "connections", never pruned.
+    connections: Mutex<HashMap<SegmentId, String>>,
 }
 
 impl fmt::Debug for BrokenLayer {
@@ -49,12 +57,17 @@ impl fmt::Debug for BrokenLayer {
 impl BrokenLayer {
     /// Wraps `inner`, adding `bug`.
     pub fn wrap(inner: Arc<dyn Transport>, bug: LayerBug) -> Arc<dyn Transport> {
-        Arc::new(Self { inner, bug, extra: 2, batches: Mutex::default() })
+        Arc::new(Self { inner, bug, extra: 2, batches: Mutex::default(), connections: Mutex::default() })
     }
 
     /// [`LayerBug::RetriesPermanent`] over `inner`.
     pub fn retries_permanent(inner: Arc<dyn Transport>) -> Arc<dyn Transport> {
         Self::wrap(inner, LayerBug::RetriesPermanent)
+    }
+
+    /// [`LayerBug::HidesLeak`] over `inner`.
+    pub fn hides_leak(inner: Arc<dyn Transport>) -> Arc<dyn Transport> {
+        Self::wrap(inner, LayerBug::HidesLeak)
     }
 
     /// [`LayerBug::DropsFailureNotices`] over `inner`.
@@ -71,6 +84,16 @@ impl BrokenLayer {
 impl Layer for BrokenLayer {
     fn inner(&self) -> &Arc<dyn Transport> {
         &self.inner
+    }
+
+    async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        let seg = self.inner.open_segment(name).await?;
+        if self.bug == LayerBug::HidesLeak {
+            // The bug: recorded here, never removed (close_segment is the
+            // inner one's).
+            self.connections.lock().insert(seg, format!("connection to {name}"));
+        }
+        Ok(seg)
     }
 
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {

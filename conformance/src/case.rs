@@ -28,6 +28,11 @@ pub enum Need {
     /// [`crate::Harness::node_with_inbox`] (a node with a small
     /// notification inbox).
     InboxCapacity,
+    /// A heap census ([`crate::census`]: the test binary's global
+    /// allocator is [`crate::CountingAlloc`], `conformance::census_allocator!`).
+    /// A case with this need runs alone in its process: no other case
+    /// starts until it ends (the census counts every thread's heap).
+    Census,
 }
 
 /// One conformance case.

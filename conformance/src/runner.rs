@@ -41,6 +41,8 @@ pub struct Support {
     pub stall: bool,
     pub os_probe: bool,
     pub inbox_capacity: bool,
+    /// The heap census is installed ([`crate::census_allocator!`]).
+    pub census: bool,
     /// The backend moves device memory (`capabilities().device_memory`).
     pub device_memory: bool,
     /// Peers may reach its device memory (`capabilities().device_memory_remote`).
@@ -57,6 +59,7 @@ impl Support {
             Need::Stall => self.stall,
             Need::OsProbe => self.os_probe,
             Need::InboxCapacity => self.inbox_capacity,
+            Need::Census => self.census,
         }
     }
 }
@@ -88,6 +91,7 @@ pub async fn probe(harness: &dyn Harness) -> Option<Support> {
         stall,
         os_probe: harness.os_probe().is_some(),
         inbox_capacity,
+        census: crate::census().is_some(),
         device_memory,
         device_memory_remote,
     })
@@ -173,12 +177,19 @@ fn panic_message(p: Box<dyn Any + Send>) -> String {
     }
 }
 
+/// Held shared by every case while it runs, and exclusively by a case
+/// that takes a census of the process's heap ([`Need::Census`]): cases
+/// running side by side on other threads would move the census.
+static ALONE: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
 fn execute(
     make: &dyn Fn() -> Option<Arc<dyn Harness>>,
     case: &Case,
     memory: MemoryMode,
     timeout: Duration,
 ) -> Result<Outcome, String> {
+    let (_shared, _alone) =
+        if case.needs.contains(&Need::Census) { (None, Some(ALONE.write())) } else { (Some(ALONE.read()), None) };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
@@ -460,8 +471,24 @@ fn slowest(n: usize) {
 #[macro_export]
 macro_rules! conformance_main {
     ($make:expr) => {
+        $crate::census_allocator!();
         fn main() {
             $crate::main_with($make)
         }
+    };
+}
+
+/// Makes the suite's counting allocator ([`crate::CountingAlloc`], the
+/// system allocator counting live allocations) the test binary's global
+/// allocator, so `lifecycle::no_hidden_growth` can take a census of the
+/// heap that does not trust the backend's `stats()`. `conformance_main!`
+/// does it; a `main` of your own calls it once at the crate's top level.
+/// Without it that case is skipped, saying why. (A binary with another
+/// global allocator cannot have this one too.)
+#[macro_export]
+macro_rules! census_allocator {
+    () => {
+        #[global_allocator]
+        static CONFORMANCE_CENSUS: $crate::CountingAlloc = $crate::CountingAlloc;
     };
 }

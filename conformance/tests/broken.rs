@@ -9,6 +9,9 @@ use conformance::mock::MockHarness;
 use conformance::{cases, run_case, Outcome};
 use transport_mock::MockBugs;
 
+// The heap census for `lifecycle::no_hidden_growth`.
+conformance::census_allocator!();
+
 fn bugs(f: impl FnOnce(&mut MockBugs)) -> MockHarness {
     let mut b = MockBugs::default();
     f(&mut b);
@@ -70,6 +73,18 @@ fn dropped_failure_notices_fail_sender_cancels() {
         MockHarness::wrapped("drops_failure_notices", BrokenLayer::drops_failure_notices),
         "session::sender_cancels",
     );
+}
+
+/// A leak the backend does not count (a map of "connections" that
+/// close_segment never prunes, while stats() is the correct mock's) passes
+/// every case that reads stats(), and the heap census catches it.
+#[test]
+fn leak_hidden_from_stats_is_caught_by_the_census() {
+    let broken = || MockHarness::wrapped("hides_leak", BrokenLayer::hides_leak);
+    for blind in ["lifecycle::open_close_reopen", "lifecycle::counts_return_after_each_operation"] {
+        assert_eq!(run_case(broken(), blind), Ok(Outcome::Passed), "{blind} reads stats() and cannot see the leak");
+    }
+    caught(broken(), "lifecycle::no_hidden_growth");
 }
 
 #[test]

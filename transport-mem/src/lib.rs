@@ -15,6 +15,10 @@
 //! * [`PageBuf`]: scratch memory mapped from the kernel and unmapped on
 //!   drop, for buffers whose pages must go back to the OS after a burst.
 //!
+//! * [`CountingAlloc`]: the system allocator, counting live allocations
+//!   ([`census`]), which the conformance suite installs to find leaks a
+//!   backend's own counts do not show.
+//!
 //! It also holds the one socket call the transports make that no safe
 //! crate offers ([`sock::set_recv_lowat`]), so that their crates stay free
 //! of `unsafe`.
@@ -30,6 +34,7 @@
 #![deny(unsafe_code)]
 
 mod buffer;
+pub mod census;
 pub mod cma;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -43,6 +48,7 @@ pub mod sock;
 pub mod window;
 
 pub use buffer::Buffer;
+pub use census::{census, Census, CountingAlloc};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaAlloc, CudaDevices};
 pub use device::{DeviceMemory, DmaBuf, MemoryKind};

@@ -297,6 +297,9 @@ fn state(node: &Node) -> Result<&State> {
     node.state.downcast_ref::<State>().ok_or_else(|| Error::new(ErrorKind::Internal, "foreign node"))
 }
 
+// The heap census for `lifecycle::no_hidden_growth`.
+conformance::census_allocator!();
+
 fn main() {
     let mut args = libtest_mimic::Arguments::from_args();
     // The kernel counts are per process: one case at a time.

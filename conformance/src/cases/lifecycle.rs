@@ -243,3 +243,93 @@ pub async fn os_resources_return(cx: Ctx) -> CaseResult {
     }
     cx.expect_os(&os, "after three node lifetimes").await
 }
+
+/// Cycles before the census's first count (caches, pools and the
+/// runtime's own structures reach their size).
+const WARM_CYCLES: usize = 8;
+/// Cycles between two counts of the census: a leak of one allocation per
+/// cycle shows as this many more.
+const COUNTED_CYCLES: i64 = 32;
+/// Live allocations the heap may gain over [`COUNTED_CYCLES`] cycles
+/// without it being a leak (a map or a slab that grew once).
+const CENSUS_SLACK: i64 = COUNTED_CYCLES / 4;
+
+/// Rule 1 without trusting `stats()`: open a segment, move a block, close
+/// it, again and again, and count the process's live heap allocations
+/// (a counting global allocator, [`crate::census`]; the case runs alone)
+/// after `WARM_CYCLES`, then after each of two rounds of `COUNTED_CYCLES`
+/// more: they do not grow by more than `CENSUS_SLACK` in both rounds. A
+/// backend that keeps anything per closed segment (a connection map it
+/// never prunes: the endpoint leak of the field reports) grows them by
+/// one or more a cycle in every round, whatever its `stats()` says; a
+/// structure that grew once (a slab, a cache filling) grows in one.
+pub async fn no_hidden_growth(cx: Ctx) -> CaseResult {
+    if crate::census().is_none() {
+        return Err(CaseError::Skip(
+            "no heap census: the test binary's global allocator is not the suite's counting one \
+             (conformance_main! installs it; a main of your own: conformance::census_allocator!())"
+                .into(),
+        ));
+    }
+    let p = cx.pair(LEN).await?;
+    let t = p.t().clone();
+    bounded("close", t.close_segment(p.seg)).await??;
+    let base = t.stats();
+    let cycle = |round: usize| {
+        let (t, p) = (t.clone(), &p);
+        async move {
+            let seg = open(&p.a, &p.b.name).await?;
+            let req = transport_core::TransferRequest { segment: seg, ..p.write(0, 0, 4096) };
+            complete(&t, vec![req]).await?;
+            bounded("close", t.close_segment(seg))
+                .await?
+                .map_err(|e| CaseError::Fail(format!("close_segment in cycle {round} failed: {e}")))
+        }
+    };
+    let mut done = 0;
+    for _ in 0..WARM_CYCLES {
+        cycle(done).await?;
+        done += 1;
+    }
+    expect_stats(&t, base, "after the warm-up cycles").await?;
+    let mut counts = vec![quiet_census().await];
+    for round in 0..2 {
+        for _ in 0..COUNTED_CYCLES {
+            cycle(done).await?;
+            done += 1;
+        }
+        expect_stats(&t, base, &format!("after counted round {round}")).await?;
+        counts.push(quiet_census().await);
+    }
+    let grew: Vec<i64> = counts.windows(2).map(|w| w[1].allocations - w[0].allocations).collect();
+    ensure!(
+        grew.iter().any(|g| *g <= CENSUS_SLACK),
+        "the process's live heap allocations grew by {grew:?} in two rounds of {COUNTED_CYCLES} \
+         open/transfer/close cycles (counts {:?}, bytes {:?}; more than {CENSUS_SLACK} in every round is a leak), \
+         while stats() said every count was back: something is kept per closed segment and not counted",
+        counts.iter().map(|c| c.allocations).collect::<Vec<_>>(),
+        counts.iter().map(|c| c.bytes).collect::<Vec<_>>()
+    );
+    if grew.iter().any(|g| *g > CENSUS_SLACK) {
+        // One round past the slack: not a leak by the rule, but the log
+        // should show it (a slow leak would grow in both).
+        eprintln!("conformance: {}: the heap census grew by {grew:?} in its two rounds (a pass)", cx.case());
+    }
+    Ok(())
+}
+
+/// The census once the nodes' work after a close (connections ending,
+/// tasks returning) has settled: the lowest count of samples over about
+/// two seconds (settling only frees; a soft-RoCE VM settles slowly).
+async fn quiet_census() -> crate::Census {
+    let mut low: Option<crate::Census> = None;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Some(c) = crate::census() {
+            if low.is_none_or(|l| c.allocations < l.allocations) {
+                low = Some(c);
+            }
+        }
+    }
+    low.unwrap_or(crate::Census { allocations: 0, bytes: 0 })
+}

@@ -171,6 +171,12 @@ static CASES: &[Case] = &[
         "dropping a transport with work in flight frees it (no task keeps it alive)"
     ),
     case!(
+        lifecycle::no_hidden_growth,
+        1,
+        [Census],
+        "72 open/transfer/close cycles: the process's live heap allocations (a census, not stats()) do not keep growing"
+    ),
+    case!(
         lifecycle::os_resources_return,
         1,
         [OsProbe],
