@@ -35,7 +35,6 @@
 mod common;
 
 use std::any::Any;
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -80,38 +79,17 @@ fn cfg(opts: &NodeOptions, listen: String, device: Option<String>, inbox: usize)
     }
 }
 
-/// Runs a script of the fault tooling (`tc -force -batch -`, one command
-/// a line, in one process); its failure is the case's failure, with the
-/// tool's own words. It runs on the blocking pool: in the VM under load a
-/// process start takes up to seconds, and a runtime worker waiting that
-/// long holds the task it woke last (tokio's LIFO slot is never stolen),
-/// which stalled the nodes' session timers past their liveness timeout
-/// (issue 31).
-async fn sh_batch(tool: &str, script: &str) -> Result<()> {
-    let what = format!("{tool} -batch ({})", script.trim_end().replace('\n', "; "));
-    let (tool, text) = (tool.to_string(), script.to_string());
-    let run = tokio::task::spawn_blocking(move || -> std::io::Result<std::process::Output> {
-        use std::io::Write;
-        use std::process::Stdio;
-        let mut child = Command::new(&tool)
-            .args(["-force", "-batch", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(text.as_bytes())?;
-        }
-        child.wait_with_output()
-    });
-    let out = run
+/// Runs a `tc` script (`common::batch` with `-force`, one process); its
+/// failure is the case's failure. On the blocking pool: in the VM under
+/// load a process start takes up to seconds, and a runtime worker waiting
+/// that long holds the task it woke last (tokio's LIFO slot is never
+/// stolen), which stalled the nodes' session timers past their liveness
+/// timeout (issue 31).
+async fn tc_batch(script: String) -> Result<()> {
+    tokio::task::spawn_blocking(move || common::batch("tc", &["-force"], &script))
         .await
-        .map_err(|e| Error::new(ErrorKind::Internal, format!("{what}: {e}")))?
-        .map_err(|e| Error::new(ErrorKind::Io, format!("{what}: {e}")))?;
-    if out.status.success() {
-        return Ok(());
-    }
-    Err(Error::new(ErrorKind::Io, format!("`{what}` failed: {}", String::from_utf8_lossy(&out.stderr).trim())))
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("tc -batch: {e}")))?
+        .map_err(|e| Error::new(ErrorKind::Io, e))
 }
 
 /// Takes `netdev` down or up (`common::ip_link`: its static neighbours
@@ -264,12 +242,12 @@ impl Harness for RdmaHarness {
         let devs = links.iter().flat_map(|l| [&l.netdev, &l.bridge_port]);
         if on {
             let script: String = devs.map(|d| format!("qdisc replace dev {d} root netem loss 100%\n")).collect();
-            sh_batch("tc", &script).await?;
+            tc_batch(script).await?;
         } else {
             // Nothing to delete is fine (a resume without a stall): -force
             // goes on past it.
             let script: String = devs.map(|d| format!("qdisc del dev {d} root\n")).collect();
-            let _ = sh_batch("tc", &script).await;
+            let _ = tc_batch(script).await;
         }
         Ok(true)
     }

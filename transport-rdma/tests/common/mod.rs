@@ -113,21 +113,29 @@ pub fn ip_link(netdev: &str, up: bool) -> Result<(), String> {
             script.push_str(&format!("neigh replace {addr} lladdr {mac} dev {netdev} nud permanent\n"));
         }
     }
-    let mut child = Command::new("ip")
+    batch("ip", &[], &script)
+}
+
+/// Runs `script` (one command a line) through `tool -batch -` (`ip`,
+/// `tc`) in one process, `opts` before `-batch` (`-force`: go on past a
+/// failed line); its failure carries the script and the tool's words. In
+/// the soft-RoCE VM beside busy loops a process start costs seconds, so
+/// the fault tooling starts one per change, not one per command.
+pub fn batch(tool: &str, opts: &[&str], script: &str) -> Result<(), String> {
+    use std::process::Stdio;
+    let what = format!("{tool} -batch ({})", script.trim_end().replace('\n', "; "));
+    let mut child = Command::new(tool)
+        .args(opts)
         .args(["-batch", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("ip: {e}"))?;
+        .map_err(|e| format!("{what}: {e}"))?;
     let wrote = child.stdin.take().map(|mut i| i.write_all(script.as_bytes()));
-    let out = child.wait_with_output().map_err(|e| format!("ip: {e}"))?;
+    let out = child.wait_with_output().map_err(|e| format!("{what}: {e}"))?;
     if !out.status.success() || !matches!(wrote, Some(Ok(()))) {
-        return Err(format!(
-            "`ip -batch -` ({}) failed: {}",
-            script.trim_end().replace('\n', "; "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        return Err(format!("`{what}` failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
     }
     Ok(())
 }
