@@ -122,46 +122,72 @@ impl Inner {
             Ok(found) => return Ok(found),
             Err(open) => open,
         };
-        let _opening = lock.lock().await;
-        // Another caller may have opened it meanwhile.
-        if let Ok(found) = live(self)? {
-            return Ok(found);
-        }
-        let stream = match tokio::time::timeout(limit, TcpStream::connect(&name)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(Error::from(e).with("segment", &name)),
-            Err(_) => {
-                return Err(Error::new(ErrorKind::ConnectionRefused, "connecting the notification channel timed out")
-                    .with("segment", &name))
+        // One bound for all of it: waiting while another caller opens the
+        // channel, connecting, the handshake. Without it, callers queued
+        // behind an attempt that stalls (a peer frozen, or its traffic
+        // stalled; the staged slices of a batch ask at once) each made
+        // their own attempt in turn after it, a multiple of the bound.
+        // Dropped at the bound, the attempt drops its socket and the lock;
+        // nothing was recorded yet.
+        let label = name.clone();
+        let open = async {
+            let _opening = lock.lock().await;
+            // Another caller may have opened it meanwhile.
+            if let Ok(found) = live(self)? {
+                return Ok(found);
             }
+            let stream = match tokio::time::timeout(limit, TcpStream::connect(&name)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => return Err(Error::from(e).with("segment", &name)),
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::ConnectionRefused,
+                        "connecting the notification channel timed out",
+                    )
+                    .with("segment", &name))
+                }
+            };
+            stream.set_nodelay(true)?;
+            let mut stream = BufReader::new(stream);
+            match tokio::time::timeout(limit, crate::greet::hello(&mut stream, self.cfg.secret.as_deref(), &name)).await
+            {
+                Ok(r) => r?,
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::HandshakeFailed,
+                        "the notification channel's handshake timed out",
+                    )
+                    .with("segment", &name))
+                }
+            }
+            let (side, asks) = mpsc::channel(ASK_QUEUE);
+            let inflight = Arc::new(AtomicUsize::new(0));
+            let mut st = self.state.lock();
+            if st.shutdown {
+                return Err(Error::shut_down());
+            }
+            let id = st.new_note_id();
+            // Closed meanwhile: the stream is dropped (closed) here.
+            let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg))?;
+            let carrier = Task::spawn(&self.tasks, carry(self.weak(), seg, id, stream, asks, limit));
+            s.notes = Some(NoteChannel {
+                id,
+                side: side.clone(),
+                carrier: Some(carrier),
+                last_used: Instant::now(),
+                inflight: inflight.clone(),
+            });
+            Ok((side, inflight, name))
         };
-        stream.set_nodelay(true)?;
-        let mut stream = BufReader::new(stream);
-        match tokio::time::timeout(limit, crate::greet::hello(&mut stream, self.cfg.secret.as_deref(), &name)).await {
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(Error::new(ErrorKind::HandshakeFailed, "the notification channel's handshake timed out")
-                    .with("segment", &name))
-            }
+        match tokio::time::timeout(limit, open).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::new(
+                ErrorKind::ConnectionRefused,
+                "the notification channel was not open within handshake_timeout_ms (another caller's attempt, \
+                 the connect and the handshake together)",
+            )
+            .with("segment", &label)),
         }
-        let (side, asks) = mpsc::channel(ASK_QUEUE);
-        let inflight = Arc::new(AtomicUsize::new(0));
-        let mut st = self.state.lock();
-        if st.shutdown {
-            return Err(Error::shut_down());
-        }
-        let id = st.new_note_id();
-        // Closed meanwhile: the stream is dropped (closed) here.
-        let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg))?;
-        let carrier = Task::spawn(&self.tasks, carry(self.weak(), seg, id, stream, asks, limit));
-        s.notes = Some(NoteChannel {
-            id,
-            side: side.clone(),
-            carrier: Some(carrier),
-            last_used: Instant::now(),
-            inflight: inflight.clone(),
-        });
-        Ok((side, inflight, name))
     }
 }
 

@@ -345,6 +345,20 @@ impl State {
         lim: &Limits,
         grave: &mut Graveyard,
     ) -> Result<Option<oneshot::Receiver<Result<()>>>> {
+        // Rule 5: nothing is posted for a request that ended (cancel,
+        // deadline, unregister) while its slice waited for the peer's
+        // lease. Checked under the state lock that `State::end_requests`
+        // takes, which breaks the endpoints of what is already posted: the
+        // slice's work is either posted before the end (and flushed by
+        // it) or never. Without this check, a lease answered just after a
+        // cancel could put a WRITE on a stalled link that nothing flushed,
+        // the cancel waiting on it until the QP's retries ran out, and its
+        // bytes could land after the cancel (the likely cause of
+        // rdma_rails2::device_h2d::deadline::cancel_in_flight_ends passing
+        // 40 s in ci22, ci34 and ci37).
+        if !self.batches.get(s.batch).is_ok_and(|b| b.ledger.is_live(s.req)) {
+            return Err(ended());
+        }
         let ep = self
             .endpoints
             .get_mut(&ep_id)
