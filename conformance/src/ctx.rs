@@ -96,6 +96,11 @@ struct Inner {
     memory: MemoryMode,
     harness: Arc<dyn Harness>,
     nodes: Mutex<Vec<Node>>,
+    /// Nodes the case stalled and has not resumed: the cleanup resumes
+    /// them, so a case that fails mid-stall leaves no fault behind for the
+    /// cases after it (a harness whose stall is a real link fault, netem
+    /// on a device, shares it with them).
+    stalled: Mutex<Vec<Node>>,
     keep: Mutex<Vec<Guarded>>,
 }
 
@@ -107,7 +112,16 @@ impl fmt::Debug for Ctx {
 
 impl Ctx {
     pub(crate) fn new(harness: Arc<dyn Harness>, case: String, memory: MemoryMode) -> Self {
-        Self { inner: Arc::new(Inner { case, memory, harness, nodes: Mutex::default(), keep: Mutex::default() }) }
+        Self {
+            inner: Arc::new(Inner {
+                case,
+                memory,
+                harness,
+                nodes: Mutex::default(),
+                stalled: Mutex::default(),
+                keep: Mutex::default(),
+            }),
+        }
     }
 
     /// Where this run's guarded memory lives.
@@ -235,8 +249,16 @@ impl Ctx {
 
     /// Stalls or resumes traffic toward `node`; skips if the harness cannot.
     pub async fn stall(&self, node: &Node, on: bool) -> CaseResult {
+        if on {
+            self.inner.stalled.lock().push(node.clone());
+        }
         match bounded("stall", self.inner.harness.stall(node, on)).await? {
-            Ok(true) => Ok(()),
+            Ok(true) => {
+                if !on {
+                    self.inner.stalled.lock().retain(|n| n.name != node.name);
+                }
+                Ok(())
+            }
             Ok(false) => Err(CaseError::Skip("the harness cannot stall traffic".into())),
             Err(e) => Err(CaseError::Fail(format!("stall({on}) failed: {e}"))),
         }
@@ -323,6 +345,12 @@ impl Ctx {
 
     /// Shuts every tracked node down (bounded per node).
     pub(crate) async fn cleanup(&self) {
+        // First lift what the case left stalled (it failed or timed out
+        // between the two calls), while the nodes are still up.
+        let stalled: Vec<Node> = std::mem::take(&mut *self.inner.stalled.lock());
+        for n in stalled {
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.inner.harness.stall(&n, false)).await;
+        }
         let nodes: Vec<Node> = std::mem::take(&mut *self.inner.nodes.lock());
         for n in nodes {
             let _ = tokio::time::timeout(Duration::from_secs(5), n.transport.shutdown()).await;
@@ -610,5 +638,70 @@ mod tests {
         })
         .await;
         cx.cleanup().await;
+    }
+}
+
+#[cfg(all(test, feature = "self-test"))]
+mod stall_cleanup {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::mock::MockHarness;
+    use async_trait::async_trait;
+
+    /// The mock, with every stall call written down.
+    struct Recording {
+        mock: MockHarness,
+        stalls: Arc<Mutex<Vec<(String, bool)>>>,
+    }
+
+    #[async_trait]
+    impl Harness for Recording {
+        fn backend(&self) -> &str {
+            "recording"
+        }
+        async fn node(&self, opts: &NodeOptions) -> transport_core::Result<Node> {
+            self.mock.node(opts).await
+        }
+        async fn kill(&self, node: &Node) -> transport_core::Result<bool> {
+            self.mock.kill(node).await
+        }
+        async fn restart(&self, node: &Node, opts: &NodeOptions) -> transport_core::Result<Node> {
+            self.mock.restart(node, opts).await
+        }
+        async fn cut(&self, to: &Node) -> transport_core::Result<bool> {
+            self.mock.cut(to).await
+        }
+        async fn stall(&self, to: &Node, on: bool) -> transport_core::Result<bool> {
+            self.stalls.lock().push((to.name.clone(), on));
+            self.mock.stall(to, on).await
+        }
+        fn os_probe(&self) -> Option<Vec<(String, u64)>> {
+            None
+        }
+    }
+
+    /// A case that fails between stalling a node and resuming it (ci34: a
+    /// cancel that hung under a netem stall) must not leave the stall on
+    /// for the cases after it: the cleanup resumes it, and only it.
+    #[test]
+    fn cleanup_resumes_what_a_failed_case_left_stalled() {
+        let stalls = Arc::new(Mutex::new(Vec::new()));
+        let harness = Arc::new(Recording { mock: MockHarness::new(), stalls: stalls.clone() });
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let cx = Ctx::new(harness, "test".into(), MemoryMode::Host);
+            let o = NodeOptions::default();
+            let (a, b, c) = (cx.node(&o).await.unwrap(), cx.node(&o).await.unwrap(), cx.node(&o).await.unwrap());
+            cx.stall(&a, true).await.unwrap();
+            cx.stall(&a, false).await.unwrap();
+            cx.stall(&b, true).await.unwrap();
+            cx.stall(&c, true).await.unwrap();
+            cx.stall(&c, false).await.unwrap();
+            // The case "fails" here, with b still stalled.
+            let before = stalls.lock().len();
+            cx.cleanup().await;
+            let after: Vec<(String, bool)> = stalls.lock()[before..].to_vec();
+            assert_eq!(after, vec![(b.name.clone(), false)], "the cleanup resumes b, and nothing else");
+        });
     }
 }

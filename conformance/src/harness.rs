@@ -90,7 +90,10 @@ pub trait Harness: Send + Sync + 'static {
     /// deadline and liveness cases rely on it). What `to` itself opens
     /// toward others may be stalled too (the mock stalls all of `to`'s
     /// traffic); no case relies on either. Resuming lets everything queued
-    /// move again. `Ok(false)` if unsupported.
+    /// move again. A case that ends (fails, or times out) with a node
+    /// still stalled has it resumed by the suite, before the case's nodes
+    /// shut down, so a stall that is a real fault (netem on a device other
+    /// cases use) never outlives its case. `Ok(false)` if unsupported.
     async fn stall(&self, to: &Node, on: bool) -> Result<bool>;
 
     /// Operating-system resource counts (open file descriptors, sockets,
