@@ -10,7 +10,8 @@ real vLLM servers (the CPU build) behind the router
   that (at least two of the sequential ones are);
 - a saturated decode (a KV cache of far fewer tokens than the concurrent
   requests need): every request returns the reference tokens, none errors,
-  the prefill waited for grants, and both servers' KV usage is back to zero;
+  the decode's scheduler held some back, step after step, until it had
+  their blocks, and both servers' KV usage is back to zero;
 - vLLM's own connector stats: ``vllm:kvmove_sessions_total`` and
   ``vllm:kvmove_bytes_total`` on both servers' ``/metrics`` count exactly
   the handoffs of the traces, and the bytes sent equal the bytes received;
@@ -336,6 +337,7 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
     # Concurrent, twice each prompt, far more than the decode's KV cache
     # holds at once.
     n1 = len(traces(prefill.trace_path))
+    nd1 = len(traces(decode.trace_path))
     reqs = ps * CONC_ROUNDS
     with ThreadPoolExecutor(len(reqs)) as pool:
         t0 = time.monotonic()
@@ -359,11 +361,25 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
         u = wait_usage_zero(s)
         check(u == 0, f"{s.name}: KV cache usage back to zero ({u})")
     conc_t = [t for t in traces(prefill.trace_path, n1) if t["role"] == "send"]
-    waited = [t for t in conc_t if "t_granted" in t and "t_computed" in t and t["t_granted"] > t["t_computed"]]
+    # Backpressure, from the decode's scheduler: its 10 blocks hold fewer
+    # requests than the burst (each of the 12 needs its own last, partial
+    # block, the longer ones up to 4: 20 or more), so some waited for
+    # blocks, asked again step after step, and only then granted. (Whether
+    # the prefill had computed a request before its grant came depends on
+    # how fast each server runs on a loaded machine: 0 of 12 in ci39, so it
+    # is reported, not checked.)
+    burst = [t for t in traces(decode.trace_path, nd1) if t["role"] == "recv"]
+    # Each of those landed: the prefill's session waited for its grant, no
+    # timer counted from the request's arrival failed it.
+    held = [t for t in burst if t.get("waited", 0) > 0]
     check(
-        len(waited) > 0,
-        f"backpressure: {len(waited)} of {len(conc_t)} prefill handoffs computed before the saturated decode granted",
+        held and all(t["state"] == "landed" for t in held),
+        f"backpressure: {len(held)} of the decode's {len(burst)} handoffs in the burst waited for its blocks "
+        f"(steps: {sorted((t.get('waited', 0) for t in burst), reverse=True)}) and landed "
+        f"({sorted({t['state'] for t in held})}): the prefill waited for their grants",
     )
+    waited = [t for t in conc_t if "t_granted" in t and "t_computed" in t and t["t_granted"] > t["t_computed"]]
+    log(f"the prefill computed {len(waited)} of its {len(conc_t)} handoffs in the burst before their grant came")
     outcomes = sorted({t["state"] for t in conc_t})
     log(f"concurrent handoffs: {len(conc_t)}, outcomes {outcomes}")
     ends_agree(prefill, decode, "sequential and concurrent")

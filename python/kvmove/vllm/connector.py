@@ -55,7 +55,8 @@ prefill waits for a grant), ``backpressure`` (``"push"``: compute at once,
 push when granted; ``"hold"``: schedule a prefill request only once it is
 granted), ``layerwise`` (true; false writes a request's KV only after its
 last layer, for comparison), ``trace`` (a path: one JSON line per finished
-session with its timestamps), ``protocol`` (``"tcp"``), ``cpus``.
+session with its timestamps; a decode's line also has ``waited``, the
+scheduler steps the request waited for its blocks), ``protocol`` (``"tcp"``), ``cpus``.
 
 Stats: :mod:`kvmove.vllm.stats` (vLLM's ``KVConnectorStats`` and
 ``/metrics``).
@@ -125,6 +126,9 @@ class RecvPlan:
     peer: str
     block_ids: list[int]
     prompt: int
+    # Scheduler steps it waited for its blocks before vLLM allocated them
+    # (0: at once; more: the decode's KV cache was full, its backpressure).
+    waited: int = 0
 
 
 @dataclass
@@ -240,6 +244,7 @@ class _Scheduler:
             k["_skipped"] = True
             self.meta.skips.append((k["handoff"], k["peer"]))
             return 0, False
+        k["_asks"] = k.get("_asks", 0) + 1
         return count, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -266,7 +271,8 @@ class _Scheduler:
         if last > len(ids):
             logger.error("kvmove: request %s: %d blocks allocated for %d prompt tokens", rid, len(ids), prompt)
             return
-        self.meta.recvs.append(RecvPlan(rid, k["handoff"], k["peer"], ids[first:last], prompt))
+        waited = max(k.get("_asks", 1) - 1, 0)
+        self.meta.recvs.append(RecvPlan(rid, k["handoff"], k["peer"], ids[first:last], prompt, waited))
         self.receiving[rid] = (k["handoff"], k["peer"])
 
     def build_connector_meta(self, so: "SchedulerOutput") -> KvmoveConnectorMetadata:
@@ -981,7 +987,7 @@ class _Worker:
                 self.stats.record("recv", state, r.expected, r.t)
             if state != "landed":
                 logger.warning("kvmove: request %s: KV from %s %s: %s", r.plan.req_id, r.peer, state, r.error)
-            self._trace("recv", r.plan.req_id, r.plan.handoff, r.peer, state, r.error, r.t)
+            self._trace("recv", r.plan.req_id, r.plan.handoff, r.peer, state, r.error, r.t, waited=r.plan.waited)
             if r.session is not None:
                 try:
                     r.session.release()
@@ -1020,12 +1026,12 @@ class _Worker:
                 logger.error("kvmove: %s", why)
                 self.bad_peers[n.peer] = why
 
-    def _trace(self, role, req_id, handoff, peer, state, error, t):
+    def _trace(self, role, req_id, handoff, peer, state, error, t, **more):
         if not self.trace_path:
             return
         line = json.dumps(
             {"role": role, "req": req_id, "handoff": handoff, "peer": peer, "state": state, "error": error,
-             "rank": self.rank, **{f"t_{k}": v for k, v in t.items()}}  # fmt: skip
+             "rank": self.rank, **more, **{f"t_{k}": v for k, v in t.items()}}  # fmt: skip
         )
         try:
             with open(self.trace_path, "a", encoding="utf-8") as f:
