@@ -14,7 +14,14 @@ if [ "$(id -u)" != 0 ]; then
   echo "PD CLUSTER TESTS SKIPPED: not root (network namespaces need it)"
   exit 0
 fi
-cargo build -q -p kvmove-cli --features etcd
+# The `kvmove` binary the test build made (target/debug/kvmove, with etcd:
+# kvmove-cli's dependency on kvmove has it), not `cargo build -p
+# kvmove-cli`: a build of that one package resolves its dependencies'
+# features without the other members' and their dev-dependencies', and
+# rebuilt 48 crates (tokio, tonic, etcd-client, ...) in every CI run (two
+# minutes of CPU, four of wall beside the VM and vLLM). In scripts/test.sh
+# this finds everything built; alone it builds the test binaries.
+cargo test -q --workspace --no-run
 scripts/pd-cluster --clean >/dev/null
 scripts/pd-cluster --engines "${PD_ENGINES:-6}" --duration "${PD_DURATION:-60}" --seed "${PD_SEED:-1}" \
   --out target/pd-cluster --check

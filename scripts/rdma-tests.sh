@@ -28,6 +28,15 @@
 #                   take the CPU while something else runs, and the run
 #                   (mostly emulation) overlap with other suites;
 #   --prebuilt      run target/rdma-tests-run.sh as --build-only left it;
+#   --lanes         (or RDMA_TEST_LANES=1) in the VM, run the suites in two
+#                   lanes side by side on devices of their own (see the
+#                   runner below): 10.5 minutes on a quiet machine instead
+#                   of about 26, for iteration. Not CI's default: in its
+#                   first CI run (ci34) the VM took 18 minutes instead of
+#                   34, but its two cores starved the host's builds (the
+#                   run was no shorter), and one two-rail case failed (a
+#                   cancel under a stall that did not return within 40 s,
+#                   as once before under load, ci22);
 #   --bench         afterwards run scripts/rdma-bench.sh (our write bandwidth
 #                   and latency next to ib_write_bw / ib_write_lat on the same
 #                   device in one VM run; prints ratios; never fails the suite).
@@ -42,9 +51,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD_PKGS="clang libclang-dev pkg-config libibverbs-dev librdmacm-dev"
-INSTALL=0 BENCH=0 PHASE=all
+INSTALL=0 BENCH=0 PHASE=all LANES=${RDMA_TEST_LANES:-0}
 while [ $# -gt 0 ]; do
   case "$1" in
+    --lanes) LANES=1; shift ;;
     --install-deps) INSTALL=1; shift ;;
     --bench) BENCH=1; shift ;;
     --build-only) PHASE=build; shift ;;
@@ -123,58 +133,122 @@ json=$(cargo test "${profile[@]}" --manifest-path transport-rdma/Cargo.toml --no
 mapfile -t bins < <(printf '%s\n' "$json" | grep '"reason":"compiler-artifact"' \
   | grep '"test":true' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | sort -u)
 [ ${#bins[@]} -gt 0 ] || { echo "rdma-tests: no test binaries were built" >&2; exit 1; }
-# The order they run in: the process-heavy suite first (rdma: its churn
-# test SIGKILLs and restarts a peer process 200 times), while the host
-# mostly builds at a lower priority; in scripts/test.sh the end of the run
-# has the vLLM servers beside the VM, and there the churn crawled (ci21:
-# 174 cycles in its 780 s window, 0.8 s a cycle on a quiet machine), while
-# the conformance cases mostly wait on their own timers.
-rank() {
+# With --lanes, two lanes run side by side, each on devices of its own
+# (in the VM, six: rxe0-rxe1 for lane a, rxe2-rxe5 for lane b), so one
+# lane's link faults never touch the other's QPs; the kernel counts the
+# suites check are per process. The VM mostly waits on timers and
+# emulated links: the two
+# conformance passes, one after the other, took 330 + 530 s on a quiet
+# machine (ci31); side by side, 369 and 403 s (same CPU time). Lane a:
+# the process-heavy churn suite (rdma: a peer process SIGKILLed and
+# restarted 200 times) first, while the host mostly builds at a lower
+# priority, then the conformance suite on one device per node. Lane b:
+# the conformance suite with two devices per node driven as rails
+# (transport_rails::Rails, cases named rdma_rails2::...), the rails,
+# notification and side-channel suites, then the caller's command
+# (RDMA_TESTS_THEN). Without six faultable links (no --lanes, a real
+# device) the lanes run one after the other, on the devices the
+# environment names.
+lane_of() {
   case "$(basename "$1")" in
-    rdma-*) echo 0 ;; side_channel-*) echo 1 ;; transport_rdma-*) echo 2 ;;
-    conformance-*) echo 3 ;; notify-*) echo 4 ;; *) echo 5 ;;
+    rdma-*) echo a0 ;; conformance-*) echo a1 ;;
+    rails-*) echo b1 ;; notify-*) echo b2 ;; side_channel-*) echo b3 ;; *) echo b4 ;;
   esac
 }
-mapfile -t bins < <(for b in "${bins[@]}"; do printf '%s %s\n' "$(rank "$b")" "$b"; done | sort -n -k1,1 -s | cut -d' ' -f2-)
-printf 'rdma-tests: %s\n' "${bins[@]}"
+mapfile -t bins < <(for b in "${bins[@]}"; do printf '%s %s\n' "$(lane_of "$b")" "$b"; done | sort -k1,1 -s | cut -d" " -f2-)
+for b in "${bins[@]}"; do echo "rdma-tests: lane $(lane_of "$b" | cut -c1): $b"; done
 
-# The runner (same for both places): every binary, one test thread (the
-# kernel-count tests read process-wide counts), all failures reported.
+# One test binary of a lane (see run() below), with the caller's filters.
+emit_run() { # LANE LABEL COMMAND...
+  printf '  run %s %q' "$1" "$2"; shift 2
+  printf ' %q' "$@" --test-threads=1 "${FILTER[@]}"
+  echo
+}
 {
-  echo 'set -u; rc=0'
+  echo 'set -u'
   # The conformance hooks here are link flaps and netem in a VM that
   # emulates its CPU and shares the host: a cut (two flaps, each waited
   # for) took over 20 s, the suite's default hang limit, beside two busy
   # loops (ci28). A slower limit for them (CONFORMANCE_WAIT_S; cases get
   # three of it).
   echo "export RDMA_REQUIRED=1 RUST_BACKTRACE=1 CONFORMANCE_WAIT_S=${CONFORMANCE_WAIT_S:-40}"
-  echo 'rdma link 2>/dev/null; ibv_devices 2>/dev/null'
+  cat <<'RUNNER'
+rdma link 2>/dev/null; ibv_devices 2>/dev/null
+logs=$(mktemp -d /tmp/rdma-lanes.XXXXXX)
+start=$(date +%s)
+# The lanes' deadline (RDMA_LANE_TIMEOUT seconds; scripts/rdma-tests.sh
+# sets it inside the VM's own bound): a suite that hangs is stopped and
+# reported, and every lane's log is still printed.
+deadline=$(( start + ${RDMA_LANE_TIMEOUT:-86400} ))
+exec 3>&1
+# run LANE LABEL COMMAND...: one suite; every failure is reported, and one
+# line on the console says how it ended (the lanes' logs follow at the end).
+run() {
+  lane=$1 label=$2; shift 2
+  echo "==> $label"
+  s=$(date +%s); left=$(( deadline - s )); [ "$left" -gt 1 ] || left=1
+  timeout -k 10 "$left" "$@"; r=$?
+  case $r in
+    0) what=passed ;;
+    124|137) what="FAILED (stopped at the lanes' deadline, RDMA_LANE_TIMEOUT=${RDMA_LANE_TIMEOUT:-})" ;;
+    *) what="FAILED (exit $r)" ;;
+  esac
+  [ "$r" = 0 ] || echo "$label" >> "$logs/failed"
+  echo "rdma-tests: lane $lane: $label $what in $(( $(date +%s) - s )) s, $(( $(date +%s) - start )) s into the run" >&3
+}
+set -- ${RDMA_TEST_FAULT_LINKS:-}
+split=0
+if [ $# -ge 6 ]; then
+  split=1
+  links_a="$1 $2" links_b="$3 $4 $5 $6" dev_a=${1%%:*} dev_b=${3%%:*}
+fi
+RUNNER
+  echo 'lane_a() {'
+  echo '  [ "$split" = 0 ] || export RDMA_TEST_FAULT_LINKS="$links_a" RDMA_TEST_DEVICE="$dev_a"'
   for b in "${bins[@]}"; do
-    printf 'echo "==> %s"\n' "$(basename "$b")"
-    printf '%q --test-threads=1' "$b"
-    for f in "${FILTER[@]}"; do printf ' %q' "$f"; done
-    echo ' || rc=1'
-    # The conformance suite again with two devices per node driven as
-    # rails (transport_rails::Rails), cases named rdma_rails2::...
+    case "$(lane_of "$b")" in a*) emit_run a "$(basename "$b")" "$b" ;; esac
+  done
+  echo '}'
+  echo 'lane_b() {'
+  echo '  [ "$split" = 0 ] || export RDMA_TEST_FAULT_LINKS="$links_b" RDMA_TEST_DEVICE="$dev_b"'
+  for b in "${bins[@]}"; do
     case "$(basename "$b")" in conformance-*)
-      printf 'echo "==> %s (two rails per node)"\n' "$(basename "$b")"
-      printf 'RDMA_CONFORMANCE_RAILS=2 %q --test-threads=1' "$b"
-      for f in "${FILTER[@]}"; do printf ' %q' "$f"; done
-      echo ' || rc=1'
+      emit_run b "$(basename "$b") (two rails per node)" env RDMA_CONFORMANCE_RAILS=2 "$b" ;;
     esac
   done
-  # A command of the caller's after the suites, on the same device (or in
-  # the same VM); its failure is the run's failure.
+  for b in "${bins[@]}"; do
+    case "$(lane_of "$b")" in b*) emit_run b "$(basename "$b")" "$b" ;; esac
+  done
+  # A command of the caller's after the suites, on the same devices (or
+  # in the same VM); its failure is the run's failure.
   if [ -n "${RDMA_TESTS_THEN:-}" ]; then
-    printf 'echo %q\n' "==> $RDMA_TESTS_THEN"
-    printf '%s || rc=1\n' "$RDMA_TESTS_THEN"
+    printf '  run b %q sh -c %q\n' "$RDMA_TESTS_THEN" "$RDMA_TESTS_THEN"
   fi
-  # The kernel's soft-RoCE has a known bug (Debian 6.1: rxe_completer can
-  # end a READ with IBV_WC_SUCCESS before its bytes landed, then break the
-  # QP; scripts/rxe-vm keeps the emulated network from dropping, so its retransmit
-  # path is rarely taken). If it fired, say so next to any failure.
-  echo 'if dmesg 2>/dev/null | grep -q "WARNING.*rxe_comp"; then echo "rdma-tests: the kernel soft-RoCE (rdma_rxe) reported an internal error in this run:"; dmesg | grep -A2 "WARNING.*rxe_comp" | head -3; fi'
-  echo 'exit $rc'
+  echo '}'
+  cat <<'RUNNER'
+if [ "$split" = 1 ]; then
+  echo "rdma-tests: two lanes side by side: a on $links_a, b on $links_b"
+  ( lane_a ) > "$logs/a.log" 2>&1 &
+  ( lane_b ) > "$logs/b.log" 2>&1 &
+  wait
+  for l in a b; do echo "==> lane $l's log"; cat "$logs/$l.log"; done
+else
+  ( lane_a ); ( lane_b )
+fi
+# The kernel's soft-RoCE has a known bug (Debian 6.1: rxe_completer can
+# end a READ with IBV_WC_SUCCESS before its bytes landed, then break the
+# QP; scripts/rxe-vm keeps the emulated network from dropping, so its
+# retransmit path is rarely taken). If it fired, say so next to any failure.
+if dmesg 2>/dev/null | grep -q "WARNING.*rxe_comp"; then
+  echo "rdma-tests: the kernel soft-RoCE (rdma_rxe) reported an internal error in this run:"
+  dmesg | grep -A2 "WARNING.*rxe_comp" | head -3
+fi
+if [ -s "$logs/failed" ]; then
+  echo "rdma-tests: failed: $(tr '\n' ';' < "$logs/failed")"
+  exit 1
+fi
+exit 0
+RUNNER
 } > "$runner.new"
 mv "$runner.new" "$runner"
 }
@@ -193,10 +267,19 @@ else
   echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
   start=$(date +%s)
   # Four devices: the rails tests give each of two nodes two of its own.
-  # The bound: about 26 minutes on a quiet machine; beside two busy loops
-  # (ci28) the VM got about half a core and its suites ended just past
-  # 3300 s.
-  scripts/rxe-vm --devices 4 --timeout "${RDMA_VM_TIMEOUT:-4200}" -- sh "$runner" || rc=$?
+  # With --lanes, six: two for lane a (one per node), four for lane b, and
+  # 4 GiB (the two conformance passes side by side peaked at 1.6 GiB used;
+  # at 2 GiB one of them was killed for memory). The bound: about 26
+  # minutes one lane after the other on a quiet machine; beside two busy
+  # loops (ci28) the VM got about half a core and its suites ended just
+  # past 3300 s. The lanes stop two minutes before it, so their logs are
+  # printed.
+  vm=(--devices 4)
+  [ "$LANES" = 1 ] && vm=(--devices 6 --mem 4096)
+  vm_timeout=${RDMA_VM_TIMEOUT:-4200}
+  export RDMA_LANE_TIMEOUT=$(( vm_timeout > 300 ? vm_timeout - 120 : vm_timeout ))
+  RXE_VM_PASS_ENV="${RXE_VM_PASS_ENV:-} RDMA_LANE_TIMEOUT" \
+    scripts/rxe-vm "${vm[@]}" --timeout "$vm_timeout" -- sh "$runner" || rc=$?
   echo "rdma-tests: VM run took $(( $(date +%s) - start )) s"
 fi
 if [ "$rc" = 0 ]; then echo "rdma-tests: RDMA suite passed"; else echo "rdma-tests: RDMA suite FAILED (exit $rc)" >&2; fi
