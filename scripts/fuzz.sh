@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer) of the TCP backend's
-# security boundary, for a bounded time: the frame decoder and the server's
-# request handling over real loopback sockets (fuzz/fuzz_targets/). The
+# security boundary, for a bounded time (fuzz/fuzz_targets/): the frame
+# decoder; the server's request machine in process (transport-tcp's
+# requests.rs, driven against real memory and a model of it, thousands of
+# inputs a second); and the whole server over real loopback sockets. The
 # targets run side by side, each from an empty corpus for FUZZ_SECONDS
 # (default 30) of wall-clock time; a crash,
 # a hang (10 s per input) or a broken invariant fails the run and leaves
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 secs=${FUZZ_SECONDS:-30}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(frame_decoder server)
+[ ${#targets[@]} -gt 0 ] || targets=(frame_decoder requests server)
 
 # FUZZ_BUILD_NICE: the niceness of the builds (scripts/test.sh builds at a
 # lower priority than the suites running beside them).

@@ -151,6 +151,7 @@ mod lane;
 mod pool;
 mod proto;
 mod regions;
+mod requests;
 mod rx;
 mod samehost;
 mod server;
@@ -160,6 +161,11 @@ mod transport;
 pub use config::TcpConfig;
 pub use server::{IDLE_CONNECTION_BOUND, SERVED_CONNECTION_BOUND, SERVER_POOL_BOUND};
 pub use transport::{TcpTransport, NOTIFY_TIMEOUT};
+
+/// The server's request machine driven in process, for the fuzzer
+/// (`fuzz/fuzz_targets/requests.rs`) and the tests: not an API.
+#[doc(hidden)]
+pub use requests::fuzzing;
 
 /// The frame codec, exposed for fuzzing and tests: arbitrary bytes fed to
 /// [`wire::FrameDecoder`] are refused or decoded, never panic, and use

@@ -15,16 +15,17 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use transport_core::lifecycle::TaskSet;
-use transport_core::{check_received, Inbox, Notification, Refused};
+use transport_core::{Inbox, Notification, Refused};
 
 use crate::applying::Applying;
 use crate::bufs::{BufPool, OutBuf, PooledReader};
 use crate::busypoll::BusyPoll;
 use crate::config::TcpConfig;
 use crate::conn::{apply_options, write_frame};
-use crate::proto::{self, FrameType, Header, ProtoError, Status, HEADER_LEN, NONCE_LEN, VERSION};
+use crate::proto::{self, FrameType, Header, Status, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::regions::Region;
 use crate::regions::{pull_status, Gathered, Pulled, RegionTable, WindowGuard};
+use crate::requests::{self, Peer, Request, Requests};
 use crate::samehost;
 use crate::staging::{copied, copy_off, Copying, Count, Lease, Side, Staging, STAGE};
 use transport_control::access::Exposure;
@@ -95,17 +96,6 @@ impl Drop for Served {
     fn drop(&mut self) {
         self.report();
     }
-}
-
-/// What a handshaken connection's client may do by same-host copies.
-#[derive(Debug, Default, Clone, Copy)]
-struct Peer {
-    /// The client's verified process: its WRITEs may name source bytes
-    /// there instead of carrying them.
-    pull_from: Option<u32>,
-    /// Both sides offered same-host copies: a READ may ask for an answer
-    /// without payload (the client copies from this process itself).
-    reads: bool,
 }
 
 /// What the server needs, shared with its connection tasks.
@@ -533,23 +523,22 @@ impl Server {
         Ok(())
     }
 
-    /// Offers a received NOTIFY payload to the inbox; the status to answer.
-    /// A payload that breaks the NOTIFY rules is answered `TooLarge` or
-    /// `Protocol` and nothing is queued; a full inbox is answered `Busy`.
-    /// `Err` once the inbox is closed (shutting down): the connection is
-    /// closed unanswered.
-    fn deliver(&self, payload: &[u8]) -> Result<Status, Close> {
-        let (from, msg) = match proto::decode_notify(payload) {
-            Ok(x) => x,
-            Err(ProtoError::TooLarge { .. }) => return Ok(Status::TooLarge),
-            Err(_) => return Ok(Status::Protocol),
+    /// Offers a received notification, as the machine checked it
+    /// ([`Requests::notification`]), to the inbox; the status to answer.
+    /// One the machine refused is answered with its status and nothing is
+    /// queued; a full inbox is answered `Busy`. `Err` once the inbox is
+    /// closed (shutting down): the connection is closed unanswered.
+    fn deliver(
+        &self,
+        checked: std::result::Result<Notification, Status>,
+    ) -> Result<std::result::Result<(), Status>, Close> {
+        let n = match checked {
+            Ok(n) => n,
+            Err(status) => return Ok(Err(status)),
         };
-        if check_received(from, msg).is_err() {
-            return Ok(Status::TooLarge);
-        }
-        match self.inbox.offer(Notification { from: from.to_owned(), msg: msg.to_vec() }) {
-            Ok(()) => Ok(Status::Ok),
-            Err(Refused::Full) => Ok(Status::Busy),
+        match self.inbox.offer(n) {
+            Ok(()) => Ok(Ok(())),
+            Err(Refused::Full) => Ok(Err(Status::Busy)),
             Err(Refused::Closed) => {
                 Err(Close::Io(std::io::Error::other("shutting down: the notification inbox is closed")))
             }
@@ -700,6 +689,7 @@ impl Server {
         out: &mut OutBuf,
         same: Peer,
     ) -> Result<std::convert::Infallible, Close> {
+        let m = Requests::new(self.generation, self.cfg.max_frame, same);
         let mut note: Vec<u8> = Vec::new();
         let mut served = Served::default();
         // Same-host WRITEs read and checked, not yet copied: consecutive
@@ -748,21 +738,15 @@ impl Server {
             if let Some(from) = idle_from {
                 hot = self.busy.is_short(from.elapsed());
             }
-            let h = Header::decode(&b, self.cfg.max_frame).map_err(|e| Close::Proto(e.to_string()))?;
-            if h.ty != FrameType::Write || h.flags & proto::SAME_HOST == 0 {
+            // Decided by the machine (every check is there); moved here.
+            let req = m.header(&b, &self.regions).map_err(Close::Proto)?;
+            if req.lands_gathered() {
                 // Every other frame is served after the copies before it.
                 self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
             }
-            match h.ty {
-                FrameType::DescReq => {
-                    let regions = proto::encode_regions(&self.regions.exposed());
-                    if regions.len() > self.cfg.max_frame {
-                        return Err(Close::Proto("descriptor larger than max_frame".into()));
-                    }
-                    let mut a = Header::new(FrameType::DescResp);
-                    a.id = h.id;
-                    a.generation = self.generation;
-                    a.payload_len = regions.len() as u32;
+            match req {
+                Request::Describe { id } => {
+                    let (a, regions) = m.describe(id, &self.regions).map_err(Close::Proto)?;
                     let need = HEADER_LEN + regions.len();
                     self.room(w, out, need).await?;
                     if need <= out.room() {
@@ -775,7 +759,7 @@ impl Server {
                         self.idle(w.write_all(&regions)).await?;
                     }
                 }
-                FrameType::Write if h.flags & proto::SAME_HOST != 0 => {
+                Request::PullWrite { id, addr, len, pid, target } => {
                     // The bytes stay in the client: the payload is their
                     // address there, and they are copied from it straight
                     // into the checked destination. As for a WRITE with its
@@ -783,30 +767,21 @@ impl Server {
                     // client gave up on it: nothing is copied. Consecutive
                     // ones into host memory of one region, all in hand, are
                     // copied together by one kernel call (`Gathered`).
-                    let Some(pid) = same.pull_from else {
-                        return Err(Close::Proto("same-host WRITE from a client that was not verified".into()));
-                    };
                     let mut src = [0u8; 8];
                     if r.buffered() < src.len() {
                         self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                     }
                     self.read(r, &mut src).await?;
                     let src = u64::from_le_bytes(src);
-                    let status = if h.generation != self.generation {
-                        Err(Status::StaleGeneration)
-                    } else {
-                        self.regions.remote(h.addr, h.len, true)
-                    };
-                    match status {
+                    match target {
                         Ok(region) if region.mem.provider().is_none() => {
                             // Inside the region (`remote` checked it); a
                             // range that were not fails its bounds check.
-                            let offset = h
-                                .addr
+                            let offset = addr
                                 .checked_sub(region.mem.addr())
                                 .and_then(|o| usize::try_from(o).ok())
                                 .unwrap_or(usize::MAX);
-                            let len = usize::try_from(h.len).unwrap_or(usize::MAX);
+                            let n = usize::try_from(len).unwrap_or(usize::MAX);
                             if !pulls.takes(&region, pid) {
                                 self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                             }
@@ -814,20 +789,20 @@ impl Server {
                             // the socket): a ticket is never held across it.
                             let ticket = self.applying.begin();
                             r.check_reset()?;
-                            pulls.add(region, pid, (offset, len, src), h.id);
+                            pulls.add(region, pid, (offset, n, src), id);
                             pulls.held.push(ticket);
                         }
                         status => {
                             self.land(&mut pulls, &mut landed, w, out, &mut served).await?;
                             let ticket = self.applying.begin();
                             r.check_reset()?;
-                            let status = status.and_then(|region| region.pull_abs(h.addr, h.len, pid, src));
+                            let status = status.and_then(|region| region.pull_abs(addr, len, pid, src));
                             drop(ticket);
-                            self.write_ack(w, out, &mut served, h.id, h.len, status).await?;
+                            self.write_ack(w, out, &mut served, id, len, status).await?;
                         }
                     }
                 }
-                FrameType::Write => {
+                Request::Write { id, addr, len, target } => {
                     // The payload is received in chunks of a pooled staging
                     // buffer, each applied as soon as it is in hand (a check
                     // failure drains the rest and answers the error). Before
@@ -836,12 +811,10 @@ impl Server {
                     // check: a client that gave up on this write resets the
                     // connection, and bytes that arrive with the reset
                     // behind them are dropped, never applied.
-                    let n = h.payload_len as usize;
-                    let mut status = if h.generation != self.generation {
-                        Err(Status::StaleGeneration)
-                    } else {
-                        self.regions.remote(h.addr, h.len, true)
-                    };
+                    // The decoder bounded a WRITE's length, its payload's, by
+                    // `max_frame`.
+                    let n = usize::try_from(len).map_err(|_| Close::Proto("WRITE larger than memory".into()))?;
+                    let mut status = target;
                     // A chunk is applied only once it is wholly in hand (a
                     // frame cut short never touches memory). A chunk the
                     // reader already holds is applied from its buffer; the
@@ -854,14 +827,14 @@ impl Server {
                         _ => None,
                     };
                     if let (Some(first), Ok(region)) = (lease, &status) {
-                        if let Err(s) = self.receive_device(r, region.clone(), h.addr, n, first).await? {
+                        if let Err(s) = self.receive_device(r, region.clone(), addr, n, first).await? {
                             status = Err(s);
                         }
                     } else {
                         let mut staging = None;
                         let mut done = 0usize;
                         while done < n {
-                            let at = h.addr + done as u64;
+                            let at = addr + done as u64;
                             let whole = (n - done).min(self.chunk_bufs.size());
                             if r.buffered() >= whole {
                                 let _applying = self.applying.begin();
@@ -893,27 +866,15 @@ impl Server {
                         drop(staging);
                     }
                     if status.is_ok() {
-                        served.write = served.write.saturating_add(h.len);
+                        served.write = served.write.saturating_add(len);
                     }
-                    let mut a = Header::new(FrameType::WriteAck);
-                    a.id = h.id;
-                    a.status = status.err().unwrap_or(Status::Ok);
                     self.room(w, out, HEADER_LEN).await?;
-                    out.push(&a.encode())?;
+                    out.push(&requests::answer(FrameType::WriteAck, id, status.map(drop)))?;
                 }
-                FrameType::Read => {
-                    let same_host = h.flags & proto::SAME_HOST != 0;
-                    if same_host && !same.reads {
-                        return Err(Close::Proto("same-host READ on a connection that did not agree to them".into()));
-                    }
+                Request::Read { id, addr, len, target, same_host } => {
                     let mut a = Header::new(FrameType::ReadResp);
-                    a.id = h.id;
-                    let region = if h.generation != self.generation {
-                        Err(Status::StaleGeneration)
-                    } else {
-                        self.regions.remote(h.addr, h.len, false)
-                    };
-                    let region = match region {
+                    a.id = id;
+                    let region = match target {
                         Ok(region) => region,
                         Err(status) => {
                             a.status = status;
@@ -924,25 +885,25 @@ impl Server {
                     };
                     // Counted when answered (a read that fails half way
                     // closes the connection; rare enough to count anyway).
-                    served.read = served.read.saturating_add(h.len);
+                    served.read = served.read.saturating_add(len);
                     // Checked here; the client copies the bytes itself
                     // (device memory cannot be copied from another process:
                     // that READ is answered with its bytes).
-                    if same_host && region.mem.provider().is_none() {
-                        served.same_read = served.same_read.saturating_add(h.len);
+                    if same_host {
+                        served.same_read = served.same_read.saturating_add(len);
                         a.flags = proto::SAME_HOST;
-                        a.len = h.len;
+                        a.len = len;
                         self.room(w, out, HEADER_LEN).await?;
                         out.push(&a.encode())?;
                         continue;
                     }
                     // The decoder bounded `len` by `max_frame`.
-                    let n = h.len as usize;
-                    a.len = h.len;
+                    let n = usize::try_from(len).map_err(|_| Close::Proto("READ larger than memory".into()))?;
+                    a.len = len;
                     a.payload_len = n as u32;
                     if region.mem.provider().is_some() {
                         if let Ok(first) = self.staging.acquire(Side::Target).await {
-                            self.answer_device(w, out, (region, h.addr, n), a, first).await?;
+                            self.answer_device(w, out, (region, addr, n), a, first).await?;
                             continue;
                         }
                     }
@@ -951,7 +912,7 @@ impl Server {
                         let start = out.len();
                         let slot = out.tail(HEADER_LEN + n)?;
                         let (head, data) = slot.split_at_mut(HEADER_LEN);
-                        let ok = region.read_abs(h.addr, data);
+                        let ok = region.read_abs(addr, data);
                         if let Err(status) = ok {
                             a.status = status;
                             a.len = 0;
@@ -971,14 +932,14 @@ impl Server {
                     let mut head_at = Some(out.len());
                     out.push(&a.encode())?;
                     let mut done = 0u64;
-                    while done < h.len {
-                        let k = (h.len - done).min(STREAM as u64) as usize;
+                    while done < len {
+                        let k = (len - done).min(STREAM as u64) as usize;
                         if out.room() < k {
                             self.idle(Self::flush(w, out)).await?;
                             head_at = None;
                         }
                         let start = out.len();
-                        if region.read_abs(h.addr + done, out.tail(k)?).is_err() {
+                        if region.read_abs(addr + done, out.tail(k)?).is_err() {
                             // Half an answer may be on the wire; only
                             // closing the connection ends it cleanly. The
                             // answers before it are still sent.
@@ -990,9 +951,8 @@ impl Server {
                         done += k as u64;
                     }
                 }
-                FrameType::Notify => {
+                Request::Notify { id, len: n, stale } => {
                     // The decoder bounded the payload to 2..=MAX_NOTIFY_PAYLOAD.
-                    let n = h.payload_len as usize;
                     if note.len() < n {
                         note.resize(n, 0);
                     }
@@ -1000,18 +960,10 @@ impl Server {
                     // Not before the WRITE chunks other connections were
                     // applying (a sender's QUIET must not overtake them).
                     self.applying.settled().await;
-                    let status = if h.generation != self.generation {
-                        Status::StaleGeneration
-                    } else {
-                        self.deliver(&note[..n])?
-                    };
-                    let mut a = Header::new(FrameType::NotifyAck);
-                    a.id = h.id;
-                    a.status = status;
+                    let status = self.deliver(m.notification(stale, &note[..n]))?;
                     self.room(w, out, HEADER_LEN).await?;
-                    out.push(&a.encode())?;
+                    out.push(&requests::answer(FrameType::NotifyAck, id, status))?;
                 }
-                other => return Err(Close::Proto(format!("unexpected {other:?} frame from a client"))),
             }
         }
     }
