@@ -288,7 +288,7 @@ pub async fn deadline_starts_at_grant(cx: Ctx) -> CaseResult {
     duo.wait_grant(id).await?;
     duo.write_ok(id, &all, &format!("a write right after a grant with a {D1:?} deadline (rule 12)")).await?;
     duo.finish(id)?;
-    duo.both_end(id, "landed", D1 + SLACK, &format!("a session granted after the sender waited {before_grant:?}"))
+    duo.both_end(id, "landed", D1 + slack(), &format!("a session granted after the sender waited {before_grant:?}"))
         .await?;
     duo.d.mem.expect(&duo.model(&before, &all), "the landed session")?;
     duo.release(id)?;
@@ -308,7 +308,7 @@ pub async fn deadline_starts_at_grant(cx: Ctx) -> CaseResult {
         .both_end(
             id,
             "expired",
-            LIVENESS + SLACK,
+            LIVENESS + slack(),
             &format!("a session stalled for {STALL_FOR:?} right after a grant with a {D2:?} deadline (rule 12)"),
         )
         .await;

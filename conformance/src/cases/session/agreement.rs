@@ -126,7 +126,7 @@ async fn granted_duo(cx: &Ctx, id: u64) -> Result<Arc<Duo>, CaseError> {
 /// sender right after `finish` (the receiver ends `Landed` with every byte,
 /// or `Failed`; if the dead sender saw `Landed`, so did the receiver).
 pub async fn peer_killed(cx: Ctx) -> CaseResult {
-    let within = LIVENESS + SLACK;
+    let within = LIVENESS + slack();
 
     // The receiver dies before it grants.
     let duo = Duo::new(&cx, 64 << 10).await?;
