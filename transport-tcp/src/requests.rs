@@ -222,6 +222,30 @@ pub mod fuzzing {
         pub corrupt: Option<(u8, u8)>,
     }
 
+    impl Frame {
+        /// The frame's header bytes with its address at `addr`: the
+        /// fields as given (type and status any byte), the check computed
+        /// over them, then the byte `corrupt` names flipped.
+        pub fn header(&self, addr: u64) -> [u8; HEADER_LEN] {
+            let mut h = Header::new(FrameType::Hello);
+            h.flags = self.flags;
+            h.payload_len = self.payload_len;
+            h.id = self.id;
+            h.addr = addr;
+            h.len = self.len;
+            h.generation = self.generation.unwrap_or(GENERATION);
+            let mut bytes = h.encode();
+            bytes[1] = self.ty;
+            bytes[2] = self.status;
+            let check = proto::fnv1a(&bytes[..40]);
+            bytes[40..44].copy_from_slice(&check.to_le_bytes());
+            if let Some((at, x)) = self.corrupt {
+                bytes[usize::from(at) % HEADER_LEN] ^= x;
+            }
+            bytes
+        }
+    }
+
     /// Runs `frames` through a connection's machine (one that agreed to
     /// same-host WRITEs if `pulls`, READs if `reads`) with a driver that
     /// does what each request says to real memory: region A (writable),
@@ -265,25 +289,10 @@ pub mod fuzzing {
                 Place::C(o) => c_at.wrapping_add_signed(o),
                 Place::Abs(x) => x,
             };
-            let mut h = Header::new(FrameType::Hello);
-            h.flags = f.flags;
-            h.payload_len = f.payload_len;
-            h.id = f.id;
-            h.addr = addr;
-            h.len = f.len;
-            h.generation = f.generation.unwrap_or(GENERATION);
-            let mut bytes = h.encode();
-            bytes[1] = f.ty;
-            bytes[2] = f.status;
-            // The check again, over the type and status just set.
-            let check = proto::fnv1a(&bytes[..40]);
-            bytes[40..44].copy_from_slice(&check.to_le_bytes());
-            if let Some((at, x)) = f.corrupt {
-                bytes[usize::from(at) % HEADER_LEN] ^= x;
-            }
+            let bytes = f.header(addr);
             let mut payload = f.payload.clone();
             payload.resize(f.payload_len as usize, 0);
-            let stale = h.generation != GENERATION;
+            let stale = f.generation.is_some_and(|g| g != GENERATION);
             let Ok(req) = decide(&m, &bytes, &regions) else {
                 // Closed: nothing more is read from this connection.
                 break;
@@ -382,42 +391,27 @@ mod tests {
         (a, b, t)
     }
 
-    fn encode(f: &Frame, addr: u64) -> [u8; HEADER_LEN] {
-        let mut h = Header::new(FrameType::Hello);
-        h.flags = f.flags;
-        h.payload_len = f.payload_len;
-        h.id = f.id;
-        h.addr = addr;
-        h.len = f.len;
-        h.generation = f.generation.unwrap_or(GENERATION);
-        let mut bytes = h.encode();
-        bytes[1] = f.ty;
-        let check = proto::fnv1a(&bytes[..40]);
-        bytes[40..44].copy_from_slice(&check.to_le_bytes());
-        bytes
-    }
-
     #[test]
     fn a_write_is_checked_once_for_generation_region_and_access() {
         let (a, b, t) = table();
         let m = Requests::new(GENERATION, 64 << 10, Peer::default());
         let w = frame(FrameType::Write, Place::Abs(0), 16, 16);
         let at = |bytes| m.header(&bytes, &t).unwrap();
-        match at(encode(&w, a.region().addr() + 8)) {
+        match at(w.header(a.region().addr() + 8)) {
             Request::Write { target: Ok(r), len: 16, .. } => assert_eq!(r.id, RegionId(1)),
             other => panic!("{other:?}"),
         }
         // Read-only B, past A's end, a stale generation: the status, no region.
-        match at(encode(&w, b.region().addr())) {
+        match at(w.header(b.region().addr())) {
             Request::Write { target: Err(Status::AccessDenied), .. } => {}
             other => panic!("{other:?}"),
         }
-        match at(encode(&w, a.region().addr() + 8192 - 8)) {
+        match at(w.header(a.region().addr() + 8192 - 8)) {
             Request::Write { target: Err(Status::OutOfBounds), .. } => {}
             other => panic!("{other:?}"),
         }
         let stale = Frame { generation: Some(GENERATION + 1), ..w.clone() };
-        match at(encode(&stale, a.region().addr())) {
+        match at(stale.header(a.region().addr())) {
             Request::Write { target: Err(Status::StaleGeneration), .. } => {}
             other => panic!("{other:?}"),
         }
@@ -429,16 +423,16 @@ mod tests {
         let pull = Frame { flags: proto::SAME_HOST, payload_len: 8, ..frame(FrameType::Write, Place::Abs(0), 64, 8) };
         let read = Frame { flags: proto::SAME_HOST, ..frame(FrameType::Read, Place::Abs(0), 64, 0) };
         let none = Requests::new(GENERATION, 64 << 10, Peer::default());
-        let err = none.header(&encode(&pull, a.region().addr()), &t).unwrap_err();
+        let err = none.header(&pull.header(a.region().addr()), &t).unwrap_err();
         assert!(err.contains("not verified"), "{err}");
-        let err = none.header(&encode(&read, a.region().addr()), &t).unwrap_err();
+        let err = none.header(&read.header(a.region().addr()), &t).unwrap_err();
         assert!(err.contains("did not agree"), "{err}");
         let both = Requests::new(GENERATION, 64 << 10, Peer { pull_from: Some(9), reads: true });
-        match both.header(&encode(&pull, a.region().addr()), &t).unwrap() {
+        match both.header(&pull.header(a.region().addr()), &t).unwrap() {
             Request::PullWrite { pid: 9, target: Ok(_), .. } => {}
             other => panic!("{other:?}"),
         }
-        match both.header(&encode(&read, a.region().addr()), &t).unwrap() {
+        match both.header(&read.header(a.region().addr()), &t).unwrap() {
             Request::Read { same_host: true, target: Ok(_), .. } => {}
             other => panic!("{other:?}"),
         }
@@ -451,10 +445,10 @@ mod tests {
         for ty in [FrameType::WriteAck, FrameType::ReadResp, FrameType::DescResp] {
             let mut f = frame(ty, Place::Abs(0), 0, 4);
             f.status = 0;
-            let r = m.header(&encode(&f, a.region().addr()), &t);
+            let r = m.header(&f.header(a.region().addr()), &t);
             assert!(r.is_err(), "{ty:?} accepted from a client: {r:?}");
         }
-        let mut bad = encode(&frame(FrameType::DescReq, Place::Abs(0), 0, 0), 0);
+        let mut bad = frame(FrameType::DescReq, Place::Abs(0), 0, 0).header(0);
         bad[12] ^= 1;
         assert!(m.header(&bad, &t).unwrap_err().contains("check"));
     }

@@ -488,11 +488,8 @@ impl Server {
             served.write = served.write.saturating_add(len);
             served.same_write = served.same_write.saturating_add(len);
         }
-        let mut a = Header::new(FrameType::WriteAck);
-        a.id = id;
-        a.status = status.err().unwrap_or(Status::Ok);
         self.room(w, out, HEADER_LEN).await?;
-        out.push(&a.encode())?;
+        out.push(&requests::answer(FrameType::WriteAck, id, status))?;
         Ok(())
     }
 
