@@ -30,13 +30,12 @@
 #   --prebuilt      run target/rdma-tests-run.sh as --build-only left it;
 #   --lanes         (or RDMA_TEST_LANES=1) in the VM, run the suites in two
 #                   lanes side by side on devices of their own (see the
-#                   runner below): 10.5 minutes on a quiet machine instead
-#                   of about 26, for iteration. Not CI's default: in its
-#                   first CI run (ci34) the VM took 18 minutes instead of
-#                   34, but its two cores starved the host's builds (the
-#                   run was no shorter), and one two-rail case failed (a
-#                   cancel under a stall that did not return within 40 s,
-#                   as once before under load, ci22);
+#                   runner below), both from the start: for iteration.
+#                   CI starts the second lane when the host's builds are
+#                   done instead (RDMA_LANE_B_AFTER below): with both
+#                   lanes from the start, the VM's two busy CPUs starved
+#                   the host's builds (ci34: the VM 18 minutes instead of
+#                   34, the run no shorter);
 #   --bench         afterwards run scripts/rdma-bench.sh (our write bandwidth
 #                   and latency next to ib_write_bw / ib_write_lat on the same
 #                   device in one VM run; prints ratios; never fails the suite).
@@ -44,6 +43,10 @@
 # Environment: RDMA_VM_TIMEOUT (seconds, default 4200) bounds the VM run;
 # RDMA_TESTS_THEN (at --build-only) is a shell command the runner runs after
 # the suites, in the same VM (scripts/test.sh: the Python RDMA exchange);
+# RDMA_LANE_B_AFTER (at --prebuilt, in the VM) is a file: the two lanes run
+# on devices of their own, and the second starts once the file exists (or
+# the first lane ended), so it runs beside the first only once the host
+# that made the file has finished its builds (scripts/test.sh);
 # CARGO_TARGET_DIR is honoured; tests are built --release (the VM emulates
 # the CPU), RDMA_TESTS_DEBUG=1 builds them unoptimised. Inside the tests, RDMA_REQUIRED=1 makes a
 # missing device a failure instead of a skip.
@@ -133,26 +136,26 @@ json=$(cargo test "${profile[@]}" --manifest-path transport-rdma/Cargo.toml --no
 mapfile -t bins < <(printf '%s\n' "$json" | grep '"reason":"compiler-artifact"' \
   | grep '"test":true' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | sort -u)
 [ ${#bins[@]} -gt 0 ] || { echo "rdma-tests: no test binaries were built" >&2; exit 1; }
-# With --lanes, two lanes run side by side, each on devices of its own
-# (in the VM, six: rxe0-rxe1 for lane a, rxe2-rxe5 for lane b), so one
-# lane's link faults never touch the other's QPs; the kernel counts the
-# suites check are per process. The VM mostly waits on timers and
-# emulated links: the two
-# conformance passes, one after the other, took 330 + 530 s on a quiet
-# machine (ci31); side by side, 369 and 403 s (same CPU time). Lane a:
-# the process-heavy churn suite (rdma: a peer process SIGKILLed and
-# restarted 200 times) first, while the host mostly builds at a lower
-# priority, then the conformance suite on one device per node. Lane b:
-# the conformance suite with two devices per node driven as rails
-# (transport_rails::Rails, cases named rdma_rails2::...), the rails,
-# notification and side-channel suites, then the caller's command
-# (RDMA_TESTS_THEN). Without six faultable links (no --lanes, a real
-# device) the lanes run one after the other, on the devices the
-# environment names.
+# Two lanes, each on devices of its own (in the VM, eight: rxe0-rxe3 for
+# lane a, rxe4-rxe7 for lane b), so one lane's link faults never touch
+# the other's QPs; the kernel counts the suites check are per process.
+# The VM mostly waits on timers and emulated links: the two conformance
+# passes, one after the other, took 330 + 530 s on a quiet machine
+# (ci31); side by side, 369 and 403 s (same CPU time). Lane a: the
+# process-heavy churn suite (rdma: a peer process SIGKILLed and restarted
+# 200 times) first, while the host mostly builds at a lower priority,
+# then the conformance suite on one device per node, the rails,
+# notification and side-channel suites, the unit tests, then the caller's
+# command (RDMA_TESTS_THEN). Lane b: the conformance suite with two
+# devices per node driven as rails (transport_rails::Rails, cases named
+# rdma_rails2::...), the longest suite (about 10 minutes). With --lanes
+# both start at once; with RDMA_LANE_B_AFTER lane b waits for that file
+# or for lane a's end. Without eight faultable links (a real device) the
+# lanes run one after the other, on the devices the environment names.
 lane_of() {
   case "$(basename "$1")" in
     rdma-*) echo a0 ;; conformance-*) echo a1 ;;
-    rails-*) echo b1 ;; notify-*) echo b2 ;; side_channel-*) echo b3 ;; *) echo b4 ;;
+    rails-*) echo a2 ;; notify-*) echo a3 ;; side_channel-*) echo a4 ;; *) echo a5 ;;
   esac
 }
 mapfile -t bins < <(for b in "${bins[@]}"; do printf '%s %s\n' "$(lane_of "$b")" "$b"; done | sort -k1,1 -s | cut -d" " -f2-)
@@ -198,9 +201,9 @@ run() {
 }
 set -- ${RDMA_TEST_FAULT_LINKS:-}
 split=0
-if [ $# -ge 6 ]; then
+if [ $# -ge 8 ]; then
   split=1
-  links_a="$1 $2" links_b="$3 $4 $5 $6" dev_a=${1%%:*} dev_b=${3%%:*}
+  links_a="$1 $2 $3 $4" links_b="$5 $6 $7 $8" dev_a=${1%%:*} dev_b=${5%%:*}
 fi
 RUNNER
   echo 'lane_a() {'
@@ -208,6 +211,11 @@ RUNNER
   for b in "${bins[@]}"; do
     case "$(lane_of "$b")" in a*) emit_run a "$(basename "$b")" "$b" ;; esac
   done
+  # A command of the caller's after the suites, on the same devices (or
+  # in the same VM); its failure is the run's failure.
+  if [ -n "${RDMA_TESTS_THEN:-}" ]; then
+    printf '  run a %q sh -c %q\n' "$RDMA_TESTS_THEN" "$RDMA_TESTS_THEN"
+  fi
   echo '}'
   echo 'lane_b() {'
   echo '  [ "$split" = 0 ] || export RDMA_TEST_FAULT_LINKS="$links_b" RDMA_TEST_DEVICE="$dev_b"'
@@ -216,20 +224,21 @@ RUNNER
       emit_run b "$(basename "$b") (two rails per node)" env RDMA_CONFORMANCE_RAILS=2 "$b" ;;
     esac
   done
-  for b in "${bins[@]}"; do
-    case "$(lane_of "$b")" in b*) emit_run b "$(basename "$b")" "$b" ;; esac
-  done
-  # A command of the caller's after the suites, on the same devices (or
-  # in the same VM); its failure is the run's failure.
-  if [ -n "${RDMA_TESTS_THEN:-}" ]; then
-    printf '  run b %q sh -c %q\n' "$RDMA_TESTS_THEN" "$RDMA_TESTS_THEN"
-  fi
   echo '}'
   cat <<'RUNNER'
 if [ "$split" = 1 ]; then
   echo "rdma-tests: two lanes side by side: a on $links_a, b on $links_b"
-  ( lane_a ) > "$logs/a.log" 2>&1 &
-  ( lane_b ) > "$logs/b.log" 2>&1 &
+  ( lane_a; touch "$logs/a.done" ) > "$logs/a.log" 2>&1 &
+  (
+    if [ -n "${RDMA_LANE_B_AFTER:-}" ]; then
+      echo "rdma-tests: lane b waits for $RDMA_LANE_B_AFTER or lane a's end" >&3
+      while [ ! -e "$RDMA_LANE_B_AFTER" ] && [ ! -e "$logs/a.done" ] && [ "$(date +%s)" -lt "$deadline" ]; do
+        sleep 2
+      done
+      echo "rdma-tests: lane b starts, $(( $(date +%s) - start )) s into the run" >&3
+    fi
+    lane_b
+  ) > "$logs/b.log" 2>&1 &
   wait
   for l in a b; do echo "==> lane $l's log"; cat "$logs/$l.log"; done
 else
@@ -267,7 +276,7 @@ else
   echo "rdma-tests: no RDMA device; running in a soft-RoCE VM (scripts/rxe-vm)"
   start=$(date +%s)
   # Four devices: the rails tests give each of two nodes two of its own.
-  # With --lanes, six: two for lane a (one per node), four for lane b, and
+  # With two lanes (--lanes, RDMA_LANE_B_AFTER), eight: four for each, and
   # 4 GiB (the two conformance passes side by side peaked at 1.6 GiB used;
   # at 2 GiB one of them was killed for memory). The bound: about 26
   # minutes one lane after the other on a quiet machine; beside two busy
@@ -275,10 +284,13 @@ else
   # past 3300 s. The lanes stop two minutes before it, so their logs are
   # printed.
   vm=(--devices 4)
-  [ "$LANES" = 1 ] && vm=(--devices 6 --mem 4096)
+  if [ "$LANES" = 1 ] || [ -n "${RDMA_LANE_B_AFTER:-}" ]; then
+    vm=(--devices 8 --mem 4096)
+  fi
+  [ "$LANES" = 1 ] && unset RDMA_LANE_B_AFTER
   vm_timeout=${RDMA_VM_TIMEOUT:-4200}
   export RDMA_LANE_TIMEOUT=$(( vm_timeout > 300 ? vm_timeout - 120 : vm_timeout ))
-  RXE_VM_PASS_ENV="${RXE_VM_PASS_ENV:-} RDMA_LANE_TIMEOUT" \
+  RXE_VM_PASS_ENV="${RXE_VM_PASS_ENV:-} RDMA_LANE_TIMEOUT RDMA_LANE_B_AFTER" \
     scripts/rxe-vm "${vm[@]}" --timeout "$vm_timeout" -- sh "$runner" || rc=$?
   echo "rdma-tests: VM run took $(( $(date +%s) - start )) s"
 fi

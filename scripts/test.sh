@@ -23,7 +23,8 @@
 # take both cores, and the conformance suites mostly wait on their faults'
 # timers. So the RDMA test binaries are built first and the VM runs in the
 # background under everything else, the Python RDMA exchange in the same VM
-# after the suites; the wheels are built next (once for every virtualenv,
+# after the suites, its two-rail conformance pass in a second lane once the
+# host's builds are done; the wheels are built next (once for every virtualenv,
 # scripts/wheels.sh), while the VM boots; builds and installs run niced
 # (`quiet`), so the VM and the timing-sensitive suites get the CPU first;
 # the test binaries run three at a time (scripts/test-binaries) while the
@@ -110,13 +111,20 @@ vm_step="RDMA suites, then the Python RDMA exchange, in the soft-RoCE VM (backgr
 # Written by the RDMA wheel's install below, read in the VM: the Python
 # exchange runs there after the suites, with no VM of its own.
 py_rdma_marker=${CARGO_TARGET_DIR:-target}/python-rdma-wheel.ready
+# Written once the host's builds are done (after the test binaries'
+# build), read in the VM: its second lane (the two-rail conformance pass,
+# about 10 minutes) then starts beside the first, on devices of its own.
+# Both lanes from the start took both cores from the builds (ci34); one
+# after the other, the VM was the run's last step by minutes (ci44:
+# 26:51 of a 32:36 run).
+lane_b_marker=${CARGO_TARGET_DIR:-target}/rdma-lane-b.go
 if [ "$rdma" = 1 ]; then
-  rm -f "$py_rdma_marker"
+  rm -f "$py_rdma_marker" "$lane_b_marker"
   # First, so the VM (about 25 minutes, about one core) runs under
   # everything that follows. (Not niced: the VM waits for it.)
   step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" \
     env RDMA_TESTS_THEN="scripts/python-tests.sh --rdma-after $py_rdma_marker" scripts/rdma-tests.sh --build-only
-  spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
+  spawn "$vm_step" env RDMA_LANE_B_AFTER="$lane_b_marker" scripts/rdma-tests.sh --prebuilt
 fi
 
 # The wheels early, while the VM boots and the vLLM virtualenv installs:
@@ -148,6 +156,7 @@ step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tes
 # a backend cannot run still shows as "ignored", which nextest would list
 # as passed), while the fuzzing targets build.
 step "cargo test --workspace --no-run (build the test binaries)" quiet cargo test --workspace --no-run
+[ "$rdma" = 1 ] && touch "$lane_b_marker"
 tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
 spawn "$tests_step" scripts/test-binaries --jobs 3
 
@@ -165,6 +174,13 @@ fi
 step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-tests.sh --no-rdma
 
 join "$tests_step"
+
+# Beside the vLLM checks and the VM, so its build at the lowest priority:
+# built at the builds' own (nice 5) beside the vLLM checks (ci38), it left
+# a decode answering in 6.3 s with its prefill frozen (the check allows 5).
+# At the end, alone, it was the run's last 1:52 (ci44).
+step "the template transport out of tree, on the crates as cargo package makes them (scripts/template-check.sh)" \
+  env TEMPLATE_BUILD_NICE=19 scripts/template-check.sh
 
 if [ "$cluster" = 1 ]; then
   step "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault" \
@@ -190,12 +206,5 @@ fi
 if [ "$vllm" = 1 ]; then
   join "$vllm_step"
 fi
-
-# Last, alone: the suite as a transport author outside the repository gets
-# it. While its build and suite ran beside the vLLM checks (ci38), the
-# decode answered a request in 6.3 s with the prefill frozen (the check
-# allows 5 s).
-step "the template transport out of tree, on the crates as cargo package makes them (scripts/template-check.sh)" \
-  scripts/template-check.sh
 
 step "all tests passed" true
