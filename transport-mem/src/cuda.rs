@@ -397,6 +397,20 @@ impl DeviceMemory for CudaDevices {
         "cuda"
     }
 
+    fn pci_bus_id(&self, device: u32) -> Option<String> {
+        let dev = self.devices.get(device as usize)?;
+        // "dddd:bb:dd.f" with a domain of up to 8 digits, and its NUL.
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: the driver writes at most `buf.len()` bytes, NUL
+        // included, into `buf`; `dev.dev` is a handle from `cuDeviceGet`.
+        let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as std::ffi::c_int, dev.dev) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let bytes: Vec<u8> = buf.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        String::from_utf8(bytes).ok()
+    }
+
     fn device_of(&self, addr: u64, len: u64) -> Option<u32> {
         let end = addr.checked_add(len).filter(|_| len > 0)?;
         let d = {

@@ -111,6 +111,14 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         let _ = (addr, len);
         Ok(None)
     }
+
+    /// The PCI address of `device` (`0000:18:00.0`), so the NICs nearest
+    /// it can be found (CUDA: `cuDeviceGetPCIBusId`); `None` when the
+    /// provider does not know it. The default knows none.
+    fn pci_bus_id(&self, device: u32) -> Option<String> {
+        let _ = device;
+        None
+    }
 }
 
 /// A dma-buf file descriptor that exports a range of device memory:

@@ -37,6 +37,8 @@ pub struct FakeDevice {
     changed: Condvar,
     /// Host ranges pinned and not yet unpinned: address to length.
     pins: Mutex<HashMap<u64, usize>>,
+    /// The PCI address it reports ([`FakeDevice::set_pci_bus_id`]).
+    bus_id: Mutex<Option<String>>,
     _fd: OwnedFd,
 }
 
@@ -124,8 +126,16 @@ impl FakeDevice {
             running: Mutex::new(Running::default()),
             changed: Condvar::new(),
             pins: Mutex::new(HashMap::new()),
+            bus_id: Mutex::new(None),
             _fd: fd,
         })
+    }
+
+    /// The PCI address this fake device reports as its place
+    /// ([`DeviceMemory::pci_bus_id`]), for tests of the NIC choice on a
+    /// fabricated topology; none by default.
+    pub fn set_pci_bus_id(&self, bus_id: Option<String>) {
+        *self.bus_id.lock().unwrap_or_else(|e| e.into_inner()) = bus_id;
     }
 
     /// `len` bytes of this device's memory (page-aligned, zeroed): its
@@ -270,6 +280,13 @@ impl DeviceMemory for FakeDevice {
     fn device_of(&self, addr: u64, len: u64) -> Option<u32> {
         let end = addr.checked_add(len)?;
         (len > 0 && addr >= self.base && end <= self.base + self.len as u64).then_some(self.device)
+    }
+
+    fn pci_bus_id(&self, device: u32) -> Option<String> {
+        if device != self.device {
+            return None;
+        }
+        self.bus_id.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn copy_to_host(&self, src: u64, dst: &mut [u8]) -> Result<(), MemError> {
