@@ -256,3 +256,83 @@ fn the_rails_keep_the_deadline_when_their_rails_keep_none() {
         p.a.release(id).unwrap();
     });
 }
+
+/// A directory that stands for `/proc`: `self/maps` and `self/numa_maps`
+/// placing the memory at `addr .. addr + len` on NUMA node `node`.
+struct FakeProc(std::path::PathBuf);
+
+impl FakeProc {
+    fn new(tag: &str, addr: u64, len: u64, node: u32) -> FakeProc {
+        let dir = std::env::temp_dir().join(format!("kvmove-proc-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("self")).unwrap();
+        let end = addr + len;
+        std::fs::write(dir.join("self/maps"), format!("{addr:x}-{end:x} rw-p 00000000 00:00 0\n")).unwrap();
+        let pages = len / 4096;
+        std::fs::write(dir.join("self/numa_maps"), format!("{addr:x} default anon={pages} N{node}={pages}\n")).unwrap();
+        FakeProc(dir)
+    }
+}
+
+impl Drop for FakeProc {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// With a topology (rail 0's NIC on node 0, rail 1's on node 1), a region
+/// on node 1 moves over rail 1 only; a region whose node is unknown is
+/// striped over both; with rail 1 lost, the node-1 region moves over rail
+/// 0, and no batch fails for it.
+#[test]
+fn a_region_keeps_to_the_rail_nearest_its_memory_and_fails_over_to_the_other() {
+    use transport_rails::topology::{Place, Sysfs, Topology};
+    run(async {
+        let fabric = MockFabric::new();
+        let near_node1 = Mem::new(LEN, 1);
+        let proc = FakeProc::new("near", near_node1.addr(), LEN as u64, 1);
+        let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
+        let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+        let rails = vec![host(&fabric, "a.r0"), host(&fabric, "a.r1")];
+        let a = Rails::placed(rails, None, cfg(), Some(topo)).unwrap();
+        let b = node(&fabric, "b", false);
+        let dst = Mem::new(LEN, 2);
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let write_all = |local, src: &Mem| {
+            let reqs: Vec<TransferRequest> = (0..LEN as u64 / REQ)
+                .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
+                .collect();
+            let a = a.clone();
+            let expect = src.read();
+            async move {
+                let st = a.wait(a.submit(reqs, SubmitOptions::default()).await.unwrap()).await.unwrap();
+                assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+                expect
+            }
+        };
+
+        let near = a.register(near_node1.region(), Access::LOCAL).unwrap();
+        let expect = write_all(near, &near_node1).await;
+        assert_eq!(dst.read(), expect);
+        let paths = a.paths(seg).unwrap();
+        assert_eq!((paths[0].bytes, paths[1].bytes), (0, LEN as u64), "node 1's region over rail 1 only: {paths:?}");
+
+        // Not in the fake maps: its node is unknown, so every rail serves it.
+        let unknown = Mem::new(LEN, 3);
+        let anywhere = a.register(unknown.region(), Access::LOCAL).unwrap();
+        let expect = write_all(anywhere, &unknown).await;
+        assert_eq!(dst.read(), expect);
+        let striped = a.paths(seg).unwrap();
+        assert!(striped[0].bytes > 0 && striped[1].bytes > paths[1].bytes, "striped over both: {striped:?}");
+
+        // Rail 1 lost: node 1's region moves over rail 0.
+        fabric.kill("b.r1").unwrap();
+        let expect = write_all(near, &near_node1).await;
+        assert_eq!(dst.read(), expect, "every byte over the farther rail");
+        assert!(dst.canaries_intact());
+        let after = a.paths(seg).unwrap();
+        assert!(after[0].bytes > striped[0].bytes, "rail 0 carried it: {after:?}");
+        assert!(after[1].failures > 0 || after[1].state != PathState::Up, "rail 1 is down: {after:?}");
+    });
+}

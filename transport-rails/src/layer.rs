@@ -65,6 +65,7 @@ use transport_core::{
 use crate::drive::*;
 use crate::paths::{pair, Pairing, PathHealth, PathState, RailList, RailsConfig, MAX_RAILS};
 use crate::state::*;
+use crate::topology::Topology;
 
 mod open;
 use open::undo_registrations;
@@ -105,9 +106,29 @@ impl Rails {
         fallback: Option<Arc<dyn Transport>>,
         cfg: RailsConfig,
     ) -> Result<Arc<Self>> {
+        Self::placed(rails, fallback, cfg, None)
+    }
+
+    /// [`Rails::new`], and with a `topology` (one place per rail) each
+    /// registered region's bytes go over the rails nearest its memory
+    /// ([`crate::topology::nearest`]): striped over them when several are
+    /// equally near, over the others (then the fallback) only while every
+    /// path of the near ones is paused.
+    pub fn placed(
+        rails: Vec<Arc<dyn Transport>>,
+        fallback: Option<Arc<dyn Transport>>,
+        cfg: RailsConfig,
+        topology: Option<Topology>,
+    ) -> Result<Arc<Self>> {
         cfg.validate()?;
         if rails.is_empty() || rails.len() > MAX_RAILS {
             return Err(Error::new(ErrorKind::Config, format!("rails: 1 to {MAX_RAILS} rails, not {}", rails.len())));
+        }
+        if let Some(t) = &topology {
+            if t.rails().len() != rails.len() {
+                let why = format!("rails: a topology of {} rails for {} rails", t.rails().len(), rails.len());
+                return Err(Error::new(ErrorKind::Config, why));
+            }
         }
         let list = RailList {
             rails: rails.iter().map(|t| t.local_segment_name()).collect(),
@@ -128,6 +149,7 @@ impl Rails {
             name,
             epoch: Epoch::start(),
             max_batch,
+            topology,
             state: Mutex::new(State {
                 shutdown: false,
                 regions: BTreeMap::new(),
@@ -220,6 +242,12 @@ impl Transport for Rails {
                 return Err(Error::shut_down());
             }
         }
+        // The rails nearest the memory, as a mask of rail indexes (every
+        // rail without a topology).
+        let chosen = inner.topology.as_ref().map(|t| t.near(&mem));
+        let near = chosen.as_ref().map_or(u32::MAX, |(_, rails)| {
+            rails.iter().fold(0u32, |m, &k| m | 1u32.checked_shl(k as u32).unwrap_or(0))
+        });
         let mut ids = Vec::with_capacity(inner.all.len());
         for (k, t) in inner.all.iter().enumerate() {
             match t.register(mem.clone(), access) {
@@ -240,7 +268,13 @@ impl Transport for Rails {
         }
         st.next_region += 1;
         let id = RegionId(st.next_region);
-        st.regions.insert(id, Region { ids, len: mem.len() as u64 });
+        st.regions.insert(id, Region { ids, len: mem.len() as u64, near });
+        drop(st);
+        if let Some((place, rails)) = chosen {
+            let names: Vec<&str> =
+                rails.iter().filter_map(|&k| inner.topology.as_ref()?.names().get(k)).map(String::as_str).collect();
+            tracing::info!(region = id.0, memory = %mem.kind(), %place, rails = ?names, "rails: the region's bytes go over the rails nearest its memory");
+        }
         Ok(id)
     }
 

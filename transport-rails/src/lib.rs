@@ -11,6 +11,8 @@
 //!   the peer's rails) with pause and backoff, the pairing of local rails
 //!   with a peer's, and the rail list a transport advertises.
 //! - [`Rails`] drives them: slices, failover, probes, the fallback.
+//! - [`topology`]: where each rail's NIC and each region's memory sit
+//!   (sysfs), and which rails are nearest a region.
 //!
 //! How rails relate to the contract's rule 8 (backends do not retry) is
 //! stated in `docs/CONTRACT.md` ("Layers"): a slice a rail failed with a
@@ -30,6 +32,7 @@ mod layer;
 pub mod paths;
 mod schedule;
 mod state;
+pub mod topology;
 
 use std::sync::Arc;
 
@@ -43,15 +46,26 @@ pub use state::describe_metrics;
 /// is itself (no layer in between); anything else is a [`Rails`] over them
 /// with `cfg`. `rails` must not be empty.
 pub fn over(
+    rails: Vec<Arc<dyn Transport>>,
+    fallback: Option<Arc<dyn Transport>>,
+    cfg: RailsConfig,
+) -> Result<Arc<dyn Transport>> {
+    over_placed(rails, fallback, cfg, None)
+}
+
+/// [`over`], with each region's bytes kept to the rails nearest its memory
+/// when a `topology` (one place per rail) is given ([`Rails::placed`]).
+pub fn over_placed(
     mut rails: Vec<Arc<dyn Transport>>,
     fallback: Option<Arc<dyn Transport>>,
     cfg: RailsConfig,
+    topology: Option<topology::Topology>,
 ) -> Result<Arc<dyn Transport>> {
     if rails.len() == 1 && fallback.is_none() {
         if let Some(one) = rails.pop() {
             return Ok(one);
         }
     }
-    let t: Arc<dyn Transport> = Rails::new(rails, fallback, cfg)?;
+    let t: Arc<dyn Transport> = Rails::placed(rails, fallback, cfg, topology)?;
     Ok(t)
 }

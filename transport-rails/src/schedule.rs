@@ -3,11 +3,13 @@
 //! sub-batch (land its slices, or give them back for another path within
 //! the bound of [`crate::paths::max_moves`]). No I/O: the driver sends.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use transport_core::lifecycle::{EndReason, Progress};
-use transport_core::{BatchId, BatchStatus, Error, ErrorKind, RequestStatus, Result, SegmentId, TransferRequest};
+use transport_core::{
+    BatchId, BatchStatus, Error, ErrorKind, RegionId, RequestStatus, Result, SegmentId, TransferRequest,
+};
 
 use crate::paths::{max_moves, PathState, PathVerdict, RailsConfig};
 use crate::state::*;
@@ -50,7 +52,8 @@ impl Inner {
                 keep.push_back(slice);
                 continue;
             };
-            match choose(seg, seg_id, mine, now, &self.cfg) {
+            let near = near_of(&st.regions, &reqs[slice.req]);
+            match choose(seg, seg_id, mine, now, &self.cfg, near) {
                 Choice::Path(pi) => {
                     let path = &mut seg.paths[pi];
                     let k = path.k;
@@ -60,7 +63,7 @@ impl Inner {
                     let mut next = Some(slice);
                     while let Some(mut s) = next.take() {
                         if !b.ledger.is_live(s.req) {
-                            next = pop_for(queue, seg_id, reqs); // decided: dropped whole
+                            next = pop_for(queue, seg_id, reqs, &st.regions, near); // decided: dropped whole
                             continue;
                         }
                         if s.len > self.cfg.slice_size {
@@ -76,11 +79,11 @@ impl Inner {
                         let r = &reqs[s.req];
                         let Some(region) = st.regions.get(&r.local) else {
                             // Unregistered since: the request was decided.
-                            next = pop_for(queue, seg_id, reqs);
+                            next = pop_for(queue, seg_id, reqs, &st.regions, near);
                             continue;
                         };
                         if !b.ledger.start(s.req) {
-                            next = pop_for(queue, seg_id, reqs);
+                            next = pop_for(queue, seg_id, reqs, &st.regions, near);
                             continue;
                         }
                         requests.push(TransferRequest {
@@ -96,7 +99,7 @@ impl Inner {
                         if sub.bytes >= self.cfg.chunk_bytes || requests.len() >= max {
                             break;
                         }
-                        next = pop_for(queue, seg_id, reqs);
+                        next = pop_for(queue, seg_id, reqs, &st.regions, near);
                     }
                     if sub.slices.is_empty() {
                         continue;
@@ -248,11 +251,25 @@ impl Inner {
 }
 
 /// The next queued slice for the same segment, if it is at the front.
-pub(crate) fn pop_for(queue: &mut VecDeque<Slice>, seg: SegmentId, reqs: &[TransferRequest]) -> Option<Slice> {
+/// The next queued slice when it goes to the same segment over the same
+/// rails (its region's [`near_of`] is `near`): one sub-batch carries it too.
+pub(crate) fn pop_for(
+    queue: &mut VecDeque<Slice>,
+    seg: SegmentId,
+    reqs: &[TransferRequest],
+    regions: &BTreeMap<RegionId, Region>,
+    near: u32,
+) -> Option<Slice> {
     match queue.front() {
-        Some(s) if reqs[s.req].segment == seg => queue.pop_front(),
+        Some(s) if reqs[s.req].segment == seg && near_of(regions, &reqs[s.req]) == near => queue.pop_front(),
         _ => None,
     }
+}
+
+/// The rails a request's local region keeps to (a mask; every rail for a
+/// region registered without a topology, or unregistered since).
+pub(crate) fn near_of(regions: &BTreeMap<RegionId, Region>, req: &TransferRequest) -> u32 {
+    regions.get(&req.local).map_or(u32::MAX, |r| r.near)
 }
 
 pub(crate) enum Choice {
@@ -264,13 +281,21 @@ pub(crate) enum Choice {
 /// The path for the next sub-batch of a batch to `seg`: a path on
 /// probation (one sub-batch at a time: its probe), else the RDMA path with
 /// room and the fewest bytes in flight while any is up, else the fallback.
+/// Only among the paths of the rails in `near` (bit `k`: rail `k`) while
+/// any of them is up: a region's bytes keep to the rails nearest its
+/// memory (waiting for room on them), and take the others only while
+/// those are down (paused, or on probation after a pause).
 pub(crate) fn choose(
     seg: &Seg,
     id: SegmentId,
     mine: &HashMap<(SegmentId, usize), usize>,
     now: Duration,
     cfg: &RailsConfig,
+    near: u32,
 ) -> Choice {
+    let is_near = |p: &Path| !p.fallback && near & 1u32.checked_shl(p.k as u32).unwrap_or(0) != 0;
+    let keep_near = seg.paths.iter().any(|p| is_near(p) && p.health.state(now) == PathState::Up);
+    let allowed = |p: &Path| !keep_near || is_near(p);
     let room = |i: usize, p: &Path| {
         let mine = mine.get(&(id, i)).copied().unwrap_or(0);
         match p.health.state(now) {
@@ -283,7 +308,7 @@ pub(crate) fn choose(
         seg.paths
             .iter()
             .enumerate()
-            .filter(|(i, p)| pick(p) && room(*i, p))
+            .filter(|(i, p)| allowed(p) && pick(p) && room(*i, p))
             .min_by_key(|(_, p)| p.inflight)
             .map(|(i, _)| i)
     };
@@ -293,7 +318,7 @@ pub(crate) fn choose(
         return Choice::Path(i);
     }
     let up = |p: &Path| !p.fallback && p.health.state(now) == PathState::Up;
-    if seg.paths.iter().any(up) {
+    if seg.paths.iter().any(|p| allowed(p) && up(p)) {
         return best(&up).map_or(Choice::Wait, Choice::Path);
     }
     let fallback = |p: &Path| p.fallback && p.health.state(now) != PathState::Paused;
@@ -369,11 +394,11 @@ mod tests {
         let now = Duration::from_secs(1);
         let mut mine = HashMap::new();
         s.paths[0].inflight = 10;
-        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), Some(1));
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, u32::MAX)), Some(1));
         mine.insert((id, 1), 1);
-        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), Some(0));
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, u32::MAX)), Some(0));
         mine.insert((id, 0), 1);
-        assert_eq!(picked(choose(&s, id, &mine, now, &cfg)), None, "both full: wait, never the fallback");
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, u32::MAX)), None, "both full: wait, never the fallback");
     }
 
     #[test]
@@ -384,17 +409,53 @@ mod tests {
         let t0 = Duration::from_secs(1);
         let mine = HashMap::new();
         pause(&mut s.paths[0], t0, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg)), Some(1), "paused: skipped");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, u32::MAX)), Some(1), "paused: skipped");
         pause(&mut s.paths[1], t0, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg)), Some(2), "no rail up: the fallback");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, u32::MAX)), Some(2), "no rail up: the fallback");
         let later = t0 + Duration::from_millis(150);
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(0), "back from its pause: the probe first");
+        assert_eq!(
+            picked(choose(&s, id, &mine, later, &cfg, u32::MAX)),
+            Some(0),
+            "back from its pause: the probe first"
+        );
         s.paths[0].subs = 1;
         s.paths[1].subs = 1;
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(2), "probes out: the rest over the fallback");
+        assert_eq!(
+            picked(choose(&s, id, &mine, later, &cfg, u32::MAX)),
+            Some(2),
+            "probes out: the rest over the fallback"
+        );
         let _ = s.paths[1].health.success(later, &cfg);
         s.paths[1].subs = 0;
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg)), Some(1), "a rail is back: off the fallback");
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, u32::MAX)), Some(1), "a rail is back: off the fallback");
+    }
+
+    #[test]
+    fn a_region_keeps_to_its_near_rails_while_one_is_up() {
+        let cfg = RailsConfig { subs_per_path: 1, pause_ms: 100, ..RailsConfig::default() };
+        let id = SegmentId(5);
+        let mut s = seg(vec![path(0, false, &cfg), path(1, false, &cfg), path(2, true, &cfg)]);
+        let t0 = Duration::from_secs(1);
+        let mut mine = HashMap::new();
+        let near = 0b10; // rail 1 only
+        s.paths[1].inflight = 1 << 20;
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(1), "the near rail, though busier");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, u32::MAX)), Some(0), "without a topology: the least loaded");
+        mine.insert((id, 1), 1);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), None, "the near rail full: wait, never the far one");
+        mine.clear();
+        pause(&mut s.paths[1], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(0), "the near rail down: the far one");
+        pause(&mut s.paths[0], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(2), "every rail down: the fallback");
+        let later = t0 + Duration::from_millis(150);
+        let _ = s.paths[0].health.success(later, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, near)), Some(1), "back from its pause: its probe");
+        s.paths[1].subs = 1;
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, near)), Some(0), "its probe out: the far rail meanwhile");
+        s.paths[1].subs = 0;
+        let _ = s.paths[1].health.success(later, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, near)), Some(1), "probed: back on the near rail");
     }
 
     #[test]
@@ -403,7 +464,7 @@ mod tests {
         let mut s = seg(vec![path(0, false, &cfg)]);
         let now = Duration::from_secs(1);
         pause(&mut s.paths[0], now, &cfg);
-        match choose(&s, SegmentId(5), &HashMap::new(), now, &cfg) {
+        match choose(&s, SegmentId(5), &HashMap::new(), now, &cfg, u32::MAX) {
             Choice::None(e) => assert!(e.is_transient(), "{e}"),
             _ => panic!("a paused path was chosen"),
         }
@@ -488,7 +549,7 @@ mod tests {
                             PathState::Paused => false,
                         };
                         let rail_up = s.paths.iter().any(|p| !p.fallback && state(p) == PathState::Up);
-                        match choose(&s, id, &mine, now, &cfg) {
+                        match choose(&s, id, &mine, now, &cfg, u32::MAX) {
                             Choice::Path(i) => {
                                 let p = &s.paths[i];
                                 proptest::prop_assert!(state(p) != PathState::Paused, "a paused path was chosen");

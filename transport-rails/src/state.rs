@@ -15,6 +15,7 @@ use transport_core::lifecycle::{BatchLedger, BatchLimits, BatchTable, DeadlineKe
 use transport_core::{BatchId, Capabilities, Error, ErrorKind, RegionId, SegmentId, TransferRequest, Transport};
 
 use crate::paths::{PathHealth, RailsConfig};
+use crate::topology::Topology;
 
 pub(crate) struct Inner {
     /// The rails, then the fallback (index `rails.len()`), if any.
@@ -25,6 +26,8 @@ pub(crate) struct Inner {
     pub(crate) epoch: Epoch,
     /// Per transport: the most requests one of its batches may hold.
     pub(crate) max_batch: Vec<usize>,
+    /// Where each rail's NIC sits, when regions keep to their nearest.
+    pub(crate) topology: Option<Topology>,
     pub(crate) state: Mutex<State>,
     pub(crate) tasks: TaskSet,
     /// Woken whenever a driver accounted for finished work.
@@ -52,6 +55,9 @@ pub(crate) struct Region {
     /// Its id on every transport (rails, then the fallback).
     pub(crate) ids: Vec<RegionId>,
     pub(crate) len: u64,
+    /// The rails its bytes go over while one of their paths is not
+    /// paused: bit `k` for rail `k` (every bit without a topology).
+    pub(crate) near: u32,
 }
 
 pub(crate) struct Seg {

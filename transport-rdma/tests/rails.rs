@@ -1,7 +1,8 @@
 //! Several devices as one (rails, `transport_rails::Rails`) in the
 //! soft-RoCE VM: a rail's link taken down in the middle of a large batch,
 //! a flapping link, every rail down (a transient error without a fallback;
-//! over TCP with one, then back to RDMA). Each node has two devices of its
+//! over TCP with one, then back to RDMA), a region kept to the device
+//! nearest its memory (a topology). Each node has two devices of its
 //! own, so its paths cross the bridge and one rail can fail alone.
 //!
 //! Needs four faultable links (RDMA_TEST_FAULT_LINKS, set by scripts/rxe-vm
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use transport_core::{Access, BatchState, Buffer, SegmentId, SubmitOptions, TransferRequest, Transport};
+use transport_rails::topology::{Place, Sysfs, Topology};
 use transport_rails::Rails;
 use transport_rails::{PathState, PathStatus, RailsConfig};
 use transport_rdma::{RdmaConfig, RdmaTransport};
@@ -42,6 +44,10 @@ fn rails_cfg() -> RailsConfig {
 }
 
 async fn node(devices: &[&str], fallback: bool) -> Arc<Rails> {
+    node_placed(devices, fallback, None).await
+}
+
+async fn node_placed(devices: &[&str], fallback: bool, topology: Option<Topology>) -> Arc<Rails> {
     let mut rails: Vec<Arc<dyn Transport>> = Vec::new();
     for d in devices {
         let c = RdmaConfig {
@@ -64,7 +70,7 @@ async fn node(devices: &[&str], fallback: bool) -> Arc<Rails> {
     } else {
         None
     };
-    Rails::new(rails, fb, rails_cfg()).expect("rails")
+    Rails::placed(rails, fb, rails_cfg(), topology).expect("rails")
 }
 
 struct Pair {
@@ -328,10 +334,99 @@ fn every_rail_down_moves_over_tcp_then_back_to_rdma() {
     });
 }
 
+/// A directory that stands for `/proc`: `self/maps` and `self/numa_maps`
+/// placing `addr .. addr + len` on NUMA node `node`.
+struct FakeProc(std::path::PathBuf);
+
+impl FakeProc {
+    fn new(addr: u64, len: u64, node: u32) -> FakeProc {
+        let dir = std::env::temp_dir().join(format!("kvmove-proc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("self")).unwrap();
+        let end = addr + len;
+        std::fs::write(dir.join("self/maps"), format!("{addr:x}-{end:x} rw-p 00000000 00:00 0\n")).unwrap();
+        let pages = len / 4096;
+        std::fs::write(dir.join("self/numa_maps"), format!("{addr:x} default anon={pages} N{node}={pages}\n")).unwrap();
+        FakeProc(dir)
+    }
+}
+
+impl Drop for FakeProc {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Packets the kernel's soft-RoCE device `device` has sent.
+fn sent_packets(device: &str) -> u64 {
+    let path = format!("/sys/class/infiniband/{device}/ports/1/hw_counters/sent_pkts");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}")).trim().parse().unwrap()
+}
+
+/// With a topology that puts the initiator's rail 0 on NUMA node 0 and its
+/// rail 1 on node 1, a region on node 1 moves over rail 1's device only
+/// (the kernel's packet counters of both devices show it), and over rail
+/// 0's when rail 1's link is down, without an error.
+fn a_region_moves_over_the_device_nearest_its_memory() {
+    run("a_region_moves_over_the_device_nearest_its_memory", 300, async {
+        let links = fault_links();
+        assert!(links.len() >= 4, "rails tests need four faultable links, got {links:?}");
+        let src = buffer_with(LEN, 5);
+        let dst = Buffer::new(LEN).unwrap();
+        let proc = FakeProc::new(src.addr(), LEN as u64, 1);
+        let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
+        let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+        let a = node_placed(&[&links[0].device, &links[1].device], false, Some(topo)).await;
+        let b = node(&[&links[2].device, &links[3].device], false).await;
+        let lid = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let reqs: Vec<TransferRequest> = (0..LEN as u64 / REQ)
+            .map(|i| TransferRequest::write(lid, i * REQ, seg, dst.addr() + i * REQ, REQ))
+            .collect();
+        let write_all = || async {
+            dst.fill(0);
+            let id = a.submit(reqs.clone(), SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
+            let st = wait(&*a, id).await;
+            a.release(id).unwrap();
+            assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+            assert!(dst.to_vec() == src.to_vec(), "bytes");
+        };
+        // At 1024-byte RoCE MTU a batch is at least LEN / 1024 packets.
+        let least = (LEN / 1024) as u64;
+        let (r0, r1) = (sent_packets(&links[0].device), sent_packets(&links[1].device));
+        write_all().await;
+        let (d0, d1) = (sent_packets(&links[0].device) - r0, sent_packets(&links[1].device) - r1);
+        let paths = a.paths(seg).unwrap();
+        assert_eq!(paths[0].bytes, 0, "nothing over rail 0: {paths:?}");
+        assert!(d1 >= least, "rail 1's device sent {d1} packets, fewer than {least}");
+        assert!(d0 < least / 100, "rail 0's device sent {d0} packets while rail 1's sent {d1}");
+        eprintln!(
+            "rails: node 1's region over rail 1 only: {d1} packets on {}, {d0} on {}",
+            links[1].device, links[0].device
+        );
+
+        // Rail 1's link down: its bytes move over rail 0, no error.
+        let _up = common::LinksUp(vec![links[1].netdev.clone()]);
+        common::ip_link(&links[1].netdev, false).unwrap();
+        assert!(eventually(Duration::from_secs(10), || common::port_is(&links[1].device, "DOWN")).await);
+        let r0 = sent_packets(&links[0].device);
+        write_all().await;
+        let d0 = sent_packets(&links[0].device) - r0;
+        assert!(d0 >= least / 2, "with rail 1 down, rail 0's device sent only {d0} packets");
+        let after = a.paths(seg).unwrap();
+        assert!(after[0].bytes > 0, "rail 0 carried it: {after:?}");
+        eprintln!("rails: rail 1 down: {d0} packets on {}; paths {after:?}", links[0].device);
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    });
+}
+
 fn main() {
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 4] = [
+    let tests: [(&str, fn()); 5] = [
+        ("a_region_moves_over_the_device_nearest_its_memory", a_region_moves_over_the_device_nearest_its_memory),
         ("rail_link_down_mid_batch_completes_byte_exact", rail_link_down_mid_batch_completes_byte_exact),
         (
             "flapping_rail_costs_no_error_and_kernel_qps_stay_bounded",
