@@ -47,6 +47,49 @@ pub enum Command {
     /// request's KV to that decode in a session. Prints one JSON line per
     /// session it ends.
     Pd(PdArgs),
+    /// Where each RDMA device and GPU sits (sysfs), and the devices
+    /// `backend.rdma.devices = ["auto"]` gives each GPU's memory and each
+    /// NUMA node's host memory.
+    Topology(TopologyArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TopologyArgs {
+    /// The sysfs tree to read
+    #[arg(long, default_value = "/sys", value_name = "DIR")]
+    pub sysfs: PathBuf,
+    /// Show a fabricated tree of a known layout instead of this host's
+    #[arg(long, value_enum, conflicts_with = "sysfs")]
+    pub fabricate: Option<Layout>,
+}
+
+/// Fabricated layouts (`kvmove topology --fabricate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layout {
+    /// 8 GPUs and 8 NICs, a GPU and a NIC under each PCIe switch, 2 NUMA nodes
+    DgxH100,
+    /// One NIC on each of 2 sockets, a GPU on the second
+    NicPerSocket,
+    /// Two NICs on one host bridge and a soft-RoCE device, no GPU, no NUMA
+    NicsNoGpu,
+}
+
+impl Layout {
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::DgxH100 => "dgx-h100",
+            Layout::NicPerSocket => "nic-per-socket",
+            Layout::NicsNoGpu => "nics-no-gpu",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Layout::DgxH100 => "8 GPUs, 8 NICs, a GPU and a NIC under each PCIe switch, 2 NUMA nodes",
+            Layout::NicPerSocket => "one NIC per socket, a GPU on node 1 under another host bridge",
+            Layout::NicsNoGpu => "two NICs on one host bridge and soft-RoCE, no GPU, NUMA unknown",
+        }
+    }
 }
 
 /// The role of a `kvmove pd` engine.

@@ -29,6 +29,7 @@ mod run;
 mod sessions;
 mod settings;
 mod top;
+mod topology;
 
 use std::process::ExitCode;
 
@@ -98,6 +99,7 @@ fn main() -> ExitCode {
             Some(Command::Config) => commands::config(&settings),
             Some(Command::Handoff(a)) => commands::handoff(&settings, a, json).await,
             Some(Command::Pd(a)) => pd::run(&settings, a).await,
+            Some(Command::Topology(a)) => topology::run(a, json),
             Some(Command::Top(a)) => {
                 let (addr, every, count) = (a.url, std::time::Duration::from_millis(a.interval_ms), a.count);
                 tokio::task::spawn_blocking(move || top::run(addr, every, count))

@@ -45,7 +45,22 @@ pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
         (true, None) => "the first RDMA device".into(),
     };
     let fallback = if r.tcp_fallback { Some(rdma_fallback(cfg).await?) } else { None };
-    let rails = transport_rdma::open_devices(r.clone()).await.map_err(|e| {
+    // `["auto"]`: the active devices, named, and where each sits, so each
+    // region's bytes keep to the rails nearest its memory.
+    let mut open = r.clone();
+    let mut topology = None;
+    if r.uses_topology() {
+        let names: Vec<String> =
+            transport_rdma::rail_devices(r).map_err(|e| e.with("backend", "rdma"))?.into_iter().flatten().collect();
+        let sysfs = transport_rails::topology::Sysfs::new(r.topology_root.as_deref().unwrap_or("/sys"));
+        let t = transport_rails::topology::Topology::of_devices(sysfs, &names);
+        for (name, place) in t.names().iter().zip(t.rails()) {
+            tracing::info!(device = %name, %place, "rdma.devices = [\"auto\"]: a rail");
+        }
+        open.devices = names;
+        topology = Some(t);
+    }
+    let rails = transport_rdma::open_devices(open).await.map_err(|e| {
         transport_core::Error::new(
             e.kind(),
             format!(
@@ -55,7 +70,7 @@ pub(crate) async fn rdma(cfg: &EngineConfig) -> Result<Arc<dyn Transport>> {
         )
         .with("backend", "rdma")
     })?;
-    transport_rails::over(rails, fallback, r.rails.clone()).map_err(|e| e.with("backend", "rdma"))
+    transport_rails::over_placed(rails, fallback, r.rails.clone(), topology).map_err(|e| e.with("backend", "rdma"))
 }
 
 #[cfg(all(feature = "rdma", feature = "tcp"))]

@@ -85,3 +85,6 @@ pub use transport_core::{
     Access, Buffer, Error, ErrorKind, InProcessStore, MemoryRegion, MetadataStore, RegionId, RegionInfo, Result,
     SegmentDescriptor, SegmentId, TransferRequest, Transport,
 };
+/// Where NICs and memory sit (sysfs) and which rails are nearest a region:
+/// what `backend.rdma.devices = ["auto"]` uses, and `kvmove topology` shows.
+pub use transport_rails::topology;

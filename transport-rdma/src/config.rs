@@ -18,12 +18,18 @@ pub struct RdmaConfig {
     /// RDMA device name (`mlx5_0`, `rxe0`); `None` takes the first device.
     pub device: Option<String>,
     /// Several devices as one (rails, [`crate::open_devices`]): their names, or
-    /// `["all"]` for every device whose port is active. Empty (the default)
+    /// `["all"]` for every device whose port is active, or `["auto"]` for
+    /// the same devices with each registered region's bytes kept to the
+    /// ones nearest its memory (the builder reads the topology from sysfs:
+    /// `transport_rails::topology`). Empty (the default)
     /// uses `device` alone. Rail 0 listens on `listen` and names the
     /// transport; the others on the same host, any port. Every rail keeps
     /// its own `max_endpoints`, so the kernel holds at most
     /// `rails x max_endpoints x qps_per_endpoint` QPs.
     pub devices: Vec<String>,
+    /// Where `devices = ["auto"]` reads the topology: a sysfs root
+    /// (default `/sys`); a fabricated tree places devices for tests.
+    pub topology_root: Option<String>,
     /// How rails pair with a peer's, spread and fail over (pause, backoff).
     pub rails: RailsConfig,
     /// With rails: continue over TCP while every rail to a peer is down
@@ -115,6 +121,7 @@ impl Default for RdmaConfig {
         Self {
             device: None,
             devices: Vec::new(),
+            topology_root: None,
             rails: RailsConfig::default(),
             tcp_fallback: false,
             port: 1,
@@ -144,14 +151,20 @@ impl Default for RdmaConfig {
 }
 
 impl RdmaConfig {
+    /// Whether `devices` is `["auto"]`: rails chosen per region from the
+    /// topology.
+    pub fn uses_topology(&self) -> bool {
+        matches!(self.devices.as_slice(), [d] if d == "auto")
+    }
+
     /// Checks ranges; names the field that is wrong.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, why: &str| Err(Error::new(ErrorKind::Config, format!("rdma.{field}: {why}")));
         if self.devices.len() > MAX_RAILS || self.devices.iter().any(String::is_empty) {
-            return bad("devices", "at most 16 non-empty device names (or [\"all\"])");
+            return bad("devices", "at most 16 non-empty device names (or [\"all\"], or [\"auto\"])");
         }
-        if self.devices.len() > 1 && self.devices.iter().any(|d| d == "all") {
-            return bad("devices", "\"all\" stands alone");
+        if self.devices.len() > 1 && self.devices.iter().any(|d| d == "all" || d == "auto") {
+            return bad("devices", "\"all\" and \"auto\" stand alone");
         }
         self.rails.validate().map_err(|e| Error::new(e.kind(), format!("rdma.{}", e.message())))?;
         if self.port == 0 {

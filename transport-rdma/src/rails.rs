@@ -11,12 +11,12 @@ use transport_core::{Error, ErrorKind, Result, Transport};
 
 use crate::{rdma_devices, RdmaConfig, RdmaTransport};
 
-/// The devices `cfg` names: `devices` (`["all"]`: every device with an
-/// active port), else `device` alone.
+/// The devices `cfg` names: `devices` (`["all"]` or `["auto"]`: every
+/// device with an active port), else `device` alone.
 pub fn rail_devices(cfg: &RdmaConfig) -> Result<Vec<Option<String>>> {
     match cfg.devices.as_slice() {
         [] => Ok(vec![cfg.device.clone()]),
-        [all] if all == "all" => {
+        [all] if all == "all" || all == "auto" => {
             let active: Vec<Option<String>> = rdma_devices()?
                 .into_iter()
                 .filter(|d| {
@@ -26,7 +26,8 @@ pub fn rail_devices(cfg: &RdmaConfig) -> Result<Vec<Option<String>>> {
                 .map(Some)
                 .collect();
             if active.is_empty() {
-                return Err(Error::new(ErrorKind::Config, "rdma.devices = [\"all\"]: no device has an active port"));
+                let why = format!("rdma.devices = [\"{all}\"]: no device has an active port");
+                return Err(Error::new(ErrorKind::Config, why));
             }
             Ok(active)
         }
@@ -70,7 +71,12 @@ mod tests {
         assert_eq!(rail_devices(&cfg).expect("a list"), vec![Some("x0".to_string()), Some("x1".to_string())]);
         let one = RdmaConfig { device: Some("x9".into()), ..Default::default() };
         assert_eq!(rail_devices(&one).expect("one"), vec![Some("x9".to_string())]);
-        for bad in [vec!["all".to_string(), "x0".into()], vec![String::new()], vec!["d".to_string(); 17]] {
+        for bad in [
+            vec!["all".to_string(), "x0".into()],
+            vec!["x0".to_string(), "auto".into()],
+            vec![String::new()],
+            vec!["d".to_string(); 17],
+        ] {
             let c = RdmaConfig { devices: bad, ..Default::default() };
             assert!(c.validate().expect_err("refused").to_string().contains("devices"));
         }
