@@ -10,7 +10,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 
 use transport_core::lifecycle::EndReason;
-use transport_core::{BatchId, BatchStatus, Error, ErrorKind, Result, SubmitOptions, TransferRequest};
+use transport_core::{BatchId, BatchStatus, Error, ErrorKind, Result, SegmentId, SubmitOptions, TransferRequest};
 
 use crate::state::*;
 
@@ -46,6 +46,51 @@ impl Inner {
             let _ = tokio::time::timeout(NAP, n).await;
         }
         tracing::warn!("rails: work still unaccounted for after {SETTLE_LIMIT:?}");
+    }
+}
+
+/// Whether a sub-batch's outcome says the peer restarted (rule 2).
+fn saw_restart(r: &Result<BatchStatus>) -> bool {
+    match r {
+        Err(e) => e.kind() == ErrorKind::PeerRestarted,
+        Ok(st) => st.requests.iter().filter_map(|q| q.error()).any(|e| e.kind() == ErrorKind::PeerRestarted),
+    }
+}
+
+impl Inner {
+    /// A path saw the peer restarted: rail 0's control handle, which moves
+    /// no data and so learns of it last (or never, when every region keeps
+    /// to other rails), is opened again, so the segment's descriptor shows
+    /// the new generation (rule 2) and notifications go to the new peer.
+    /// One refresh at a time per segment; a failed open leaves the old
+    /// handle (the next failure tries again).
+    pub(crate) async fn refresh_control(&self, segment: SegmentId) {
+        let name = {
+            let mut st = self.state.lock();
+            let Some(s) = st.segments.get_mut(&segment).filter(|s| !s.closing && !s.refreshing) else {
+                return;
+            };
+            s.refreshing = true;
+            s.name.clone()
+        };
+        let fresh = self.all[0].open_segment(&name).await;
+        let stale = {
+            let mut st = self.state.lock();
+            match (st.segments.get_mut(&segment), fresh) {
+                (Some(s), Ok(h)) if !s.closing => {
+                    s.refreshing = false;
+                    Some(std::mem::replace(&mut s.control, h))
+                }
+                (Some(s), fresh) => {
+                    s.refreshing = false;
+                    fresh.ok()
+                }
+                (None, fresh) => fresh.ok(),
+            }
+        };
+        if let Some(h) = stale {
+            let _ = self.all[0].close_segment(h).await;
+        }
     }
 }
 
@@ -117,7 +162,12 @@ pub(crate) async fn drive(
             Some((sub, bid, r)) = running.next(), if !running.is_empty() => {
                 live.remove(&(sub.k, bid));
                 let _ = inner.all[sub.k].release(bid);
+                let seg = sub.seg;
+                let restarted = saw_restart(&r);
                 inner.finish(id, sub, r, &mut queue, &mut mine);
+                if restarted {
+                    inner.refresh_control(seg).await;
+                }
             }
             _ = wake.notified() => {}
             // Slices waiting for room on a path shared with other batches.

@@ -324,7 +324,10 @@ impl Transport for Rails {
                     } else {
                         st.next_segment += 1;
                         let id = SegmentId(st.next_segment);
-                        st.segments.insert(id, Seg { name: name.to_string(), control, paths, closing: false });
+                        st.segments.insert(
+                            id,
+                            Seg { name: name.to_string(), control, paths, closing: false, refreshing: false },
+                        );
                         return Ok(id);
                     }
                 };
@@ -375,26 +378,17 @@ impl Transport for Rails {
         Ok(())
     }
 
-    /// The peer's rail 0 descriptor: from the control handle, or from a
-    /// path to the peer's rail 0 if that one saw a newer generation (the
-    /// control handle moves no data, so it learns of a restart last).
+    /// The peer's rail 0 descriptor, from the control handle: opened again
+    /// whenever a path saw the peer restart (`Inner::refresh_control`), so
+    /// it shows the new generation once a transfer failed for it (rule 2)
+    /// whichever rail carried that transfer.
     fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
-        let (control, to_rail0) = {
+        let control = {
             let st = self.inner.state.lock();
             let s = st.segments.get(&segment).filter(|s| !s.closing).ok_or_else(|| Error::unknown_segment(segment))?;
-            let to_rail0: Vec<(usize, SegmentId)> =
-                s.paths.iter().filter(|p| p.peer == Some(0) && !p.fallback).map(|p| (p.k, p.seg)).collect();
-            (s.control, to_rail0)
+            s.control
         };
-        let d = self.inner.all[0].segment_descriptor(control)?;
-        for (k, seg) in to_rail0 {
-            if let Ok(fresh) = self.inner.all[k].segment_descriptor(seg) {
-                if fresh.generation != d.generation {
-                    return Ok(fresh);
-                }
-            }
-        }
-        Ok(d)
+        self.inner.all[0].segment_descriptor(control)
     }
 
     async fn submit(&self, requests: Vec<TransferRequest>, opts: SubmitOptions) -> Result<BatchId> {

@@ -369,7 +369,7 @@ mod tests {
     }
 
     fn seg(paths: Vec<Path>) -> Seg {
-        Seg { name: "peer".into(), control: SegmentId(1), paths, closing: false }
+        Seg { name: "peer".into(), control: SegmentId(1), paths, closing: false, refreshing: false }
     }
 
     fn pause(p: &mut Path, now: Duration, cfg: &RailsConfig) {

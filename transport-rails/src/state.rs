@@ -67,6 +67,9 @@ pub(crate) struct Seg {
     pub(crate) control: SegmentId,
     pub(crate) paths: Vec<Path>,
     pub(crate) closing: bool,
+    /// Rail 0's control handle is being opened again (the peer restarted:
+    /// [`Inner::refresh_control`]).
+    pub(crate) refreshing: bool,
 }
 
 pub(crate) struct Path {
