@@ -3,6 +3,8 @@
 //! peers' rails, with or without a topology. Kill, cut and stall hit both
 //! rails of a node (a rail failure that leaves the other up is what
 //! `transport-mock/tests/rails.rs` and the RDMA VM tests do).
+// Each of the two binaries uses one of the constructors.
+#![allow(dead_code)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
