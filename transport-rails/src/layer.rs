@@ -112,8 +112,11 @@ impl Rails {
     /// [`Rails::new`], and with a `topology` (one place per rail) each
     /// registered region's bytes go over the rails nearest its memory
     /// ([`crate::topology::nearest`]): striped over them when several are
-    /// equally near, over the others (then the fallback) only while every
-    /// path of the near ones is paused.
+    /// equally near, over the others (then the fallback) only while no
+    /// path of the near ones is up (paused, or on probation after a
+    /// pause). The place of each region is looked up once, at `register`
+    /// (host memory: `/proc/self/numa_maps`, which the kernel builds by
+    /// walking the process's page tables: milliseconds in a large process).
     pub fn placed(
         rails: Vec<Arc<dyn Transport>>,
         fallback: Option<Arc<dyn Transport>>,
