@@ -31,11 +31,13 @@
 #   --lanes         (or RDMA_TEST_LANES=1) in the VM, run the suites in two
 #                   lanes side by side on devices of their own (see the
 #                   runner below), both from the start: for iteration.
-#                   CI starts the second lane when the host's builds are
-#                   done instead (RDMA_LANE_B_AFTER below): with both
-#                   lanes from the start, the VM's two busy CPUs starved
-#                   the host's builds (ci34: the VM 18 minutes instead of
-#                   34, the run no shorter);
+#                   CI runs them one after the other: with both lanes
+#                   from the start, the VM's two busy CPUs starved the
+#                   host's builds (ci34: the VM 18 minutes instead of 34,
+#                   the run no shorter), and with the second started once
+#                   the host's builds were done (RDMA_LANE_B_AFTER, ci47)
+#                   the VM was no shorter (26:21) and the host's steps
+#                   after the builds ended 5 minutes later;
 #   --bench         afterwards run scripts/rdma-bench.sh (our write bandwidth
 #                   and latency next to ib_write_bw / ib_write_lat on the same
 #                   device in one VM run; prints ratios; never fails the suite).

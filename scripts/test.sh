@@ -23,8 +23,7 @@
 # take both cores, and the conformance suites mostly wait on their faults'
 # timers. So the RDMA test binaries are built first and the VM runs in the
 # background under everything else, the Python RDMA exchange in the same VM
-# after the suites, its two-rail conformance pass in a second lane once the
-# host's builds are done; the wheels are built next (once for every virtualenv,
+# after the suites; the wheels are built next (once for every virtualenv,
 # scripts/wheels.sh), while the VM boots; builds and installs run niced
 # (`quiet`), so the VM and the timing-sensitive suites get the CPU first;
 # the test binaries run three at a time (scripts/test-binaries) while the
@@ -111,20 +110,18 @@ vm_step="RDMA suites, then the Python RDMA exchange, in the soft-RoCE VM (backgr
 # Written by the RDMA wheel's install below, read in the VM: the Python
 # exchange runs there after the suites, with no VM of its own.
 py_rdma_marker=${CARGO_TARGET_DIR:-target}/python-rdma-wheel.ready
-# Written once the host's builds are done (after the test binaries'
-# build), read in the VM: its second lane (the two-rail conformance pass,
-# about 10 minutes) then starts beside the first, on devices of its own.
-# Both lanes from the start took both cores from the builds (ci34); one
-# after the other, the VM was the run's last step by minutes (ci44:
-# 26:51 of a 32:36 run).
-lane_b_marker=${CARGO_TARGET_DIR:-target}/rdma-lane-b.go
 if [ "$rdma" = 1 ]; then
-  rm -f "$py_rdma_marker" "$lane_b_marker"
+  rm -f "$py_rdma_marker"
   # First, so the VM (about 25 minutes, about one core) runs under
   # everything that follows. (Not niced: the VM waits for it.)
   step "RDMA test binaries, release (scripts/rdma-tests.sh --build-only)" \
     env RDMA_TESTS_THEN="scripts/python-tests.sh --rdma-after $py_rdma_marker" scripts/rdma-tests.sh --build-only
-  spawn "$vm_step" env RDMA_LANE_B_AFTER="$lane_b_marker" scripts/rdma-tests.sh --prebuilt
+  # One lane after the other: the two-rail pass in a second lane once the
+  # host's builds were done (rdma-tests.sh RDMA_LANE_B_AFTER, ci47) took
+  # CPU from the fuzz build and the test binaries, started the vLLM checks
+  # 5:30 later and ended the run at 35:20; the VM itself was no shorter
+  # (26:21, its two lanes slowing each other).
+  spawn "$vm_step" scripts/rdma-tests.sh --prebuilt
 fi
 
 # The wheels early, while the VM boots and the vLLM virtualenv installs:
@@ -156,7 +153,6 @@ step "the CUDA provider builds and lints without CUDA (feature cuda; its GPU tes
 # a backend cannot run still shows as "ignored", which nextest would list
 # as passed), while the fuzzing targets build.
 step "cargo test --workspace --no-run (build the test binaries)" quiet cargo test --workspace --no-run
-[ "$rdma" = 1 ] && touch "$lane_b_marker"
 tests_step="cargo test --workspace: every test binary and the doc tests, three at a time (background; scripts/test-binaries)"
 spawn "$tests_step" scripts/test-binaries --jobs 3
 
