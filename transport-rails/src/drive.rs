@@ -166,7 +166,13 @@ pub(crate) async fn drive(
                 let restarted = saw_restart(&r);
                 inner.finish(id, sub, r, &mut queue, &mut mine);
                 if restarted {
-                    inner.refresh_control(seg).await;
+                    // In a task of its own: the open may take as long as
+                    // a handshake, and this driver keeps its deadline.
+                    let refresh = {
+                        let inner = inner.clone();
+                        async move { inner.refresh_control(seg).await }
+                    };
+                    inner.tasks.spawn(refresh);
                 }
             }
             _ = wake.notified() => {}

@@ -55,8 +55,8 @@ pub(crate) struct Region {
     /// Its id on every transport (rails, then the fallback).
     pub(crate) ids: Vec<RegionId>,
     pub(crate) len: u64,
-    /// The rails its bytes go over while one of their paths is not
-    /// paused: bit `k` for rail `k` (every bit without a topology).
+    /// The rails its bytes go over while one of their paths is up: bit
+    /// `k` for rail `k` (every bit without a topology).
     pub(crate) near: u32,
 }
 
