@@ -482,8 +482,11 @@ def main():
             lat.append(time.monotonic() - t0)
             time.sleep(0.5)
         prefill.signal(signal.SIGCONT)
+        # A call held by the frozen prefill takes the whole 20 s freeze
+        # (before the stand-in's fix: 47-55 s); unheld, 0.8 s on a quiet
+        # machine, 5.4 s once beside the Python tests and the VM (ci49).
         check(
-            len(lat) >= 10 and max(lat) < 5,
+            len(lat) >= 10 and max(lat) < 10,
             f"prefill frozen 20 s: the decode answered {len(lat)} unrelated requests, slowest {max(lat):.2f} s",
         )
         for t in threads:
