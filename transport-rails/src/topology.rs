@@ -385,6 +385,17 @@ pub mod fabricate {
         Ok(dir)
     }
 
+    /// A directory standing for `/proc` ([`super::host_numa`]'s root):
+    /// `self/maps` and `self/numa_maps` placing `addr .. addr + len` on
+    /// NUMA node `node`.
+    pub fn proc_placing(dir: &Path, addr: u64, len: u64, node: u32) -> io::Result<()> {
+        std::fs::create_dir_all(dir.join("self"))?;
+        let end = addr.saturating_add(len);
+        std::fs::write(dir.join("self/maps"), format!("{addr:x}-{end:x} rw-p 00000000 00:00 0\n"))?;
+        let pages = (len / 4096).max(1);
+        std::fs::write(dir.join("self/numa_maps"), format!("{addr:x} default anon={pages} N{node}={pages}\n"))
+    }
+
     /// An NVIDIA GPU at `dev`.
     pub fn gpu(root: &Path, dev: &Dev<'_>) -> io::Result<()> {
         pci(root, dev, "0x030200", "0x10de").map(|_| ())

@@ -342,11 +342,7 @@ impl FakeProc {
     fn new(addr: u64, len: u64, node: u32) -> FakeProc {
         let dir = std::env::temp_dir().join(format!("kvmove-proc-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("self")).unwrap();
-        let end = addr + len;
-        std::fs::write(dir.join("self/maps"), format!("{addr:x}-{end:x} rw-p 00000000 00:00 0\n")).unwrap();
-        let pages = len / 4096;
-        std::fs::write(dir.join("self/numa_maps"), format!("{addr:x} default anon={pages} N{node}={pages}\n")).unwrap();
+        transport_rails::topology::fabricate::proc_placing(&dir, addr, len, node).unwrap();
         FakeProc(dir)
     }
 }
