@@ -509,7 +509,11 @@ impl Transport for RdmaTransport {
             st.deadlines = transport_core::lifecycle::DeadlineQueue::new();
             st.wrs.clear();
             g.regions.extend(std::mem::take(&mut st.regions).into_values().filter_map(|r| r.reg));
+            // Both staging pools go with the regions (a killed node must
+            // not keep its pinned buffers until its last handle drops).
             g.regions.extend(st.staging.take().map(|s| s.reg));
+            g.regions.extend(st.remote_staging.take().map(|s| s.reg));
+            st.leases.clear();
             g.regions.append(&mut st.retiring);
             st.verbs.take()
         }); // QPs are gone already; MRs now
