@@ -14,6 +14,16 @@ use crate::region::MemoryRegion;
 /// pages and O_DIRECT-style users are happy.
 const ALIGN: usize = 4096;
 
+/// Buffers of this many bytes or more are mappings of their own (zero pages
+/// from the kernel, returned to it when freed). From the allocator, a freed
+/// staging pool or KV buffer of many MiB stays in the process: glibc raises
+/// its mapping threshold after the first large free, and later ones come
+/// from heaps it rarely trims (the RDMA suite's two-rail pass, which makes
+/// and frees a node's 16 MiB pools on every restart, held 1.9 GiB that way;
+/// 15 MiB with its threshold pinned at 128 KiB). The same bound as glibc's
+/// default threshold.
+const MAP_FROM: usize = 128 << 10;
+
 /// Owned memory for transfers. Cheap to clone (a reference count); the
 /// allocation is freed when the last clone and the last [`MemoryRegion`]
 /// made from it are dropped, so a transport that still holds a region can
@@ -26,6 +36,9 @@ pub struct Buffer {
 pub(crate) struct Allocation {
     ptr: NonNull<u8>,
     layout: Layout,
+    /// Mapped on its own (`mmap`, [`MAP_FROM`] bytes and more) rather
+    /// than taken from the allocator: freed, it goes back to the kernel.
+    mapped: bool,
     /// The provider that pinned the allocation ([`Buffer::pinned`]),
     /// unpinned before it is freed.
     pinned_by: Option<Arc<dyn DeviceMemory>>,
@@ -45,10 +58,29 @@ impl Allocation {
             return Err(MemError::ZeroLength);
         }
         let layout = Layout::from_size_align(len, ALIGN).map_err(|_| MemError::AllocFailed { len })?;
+        if len >= MAP_FROM {
+            // SAFETY: an anonymous private mapping of `len` (non-zero)
+            // bytes at an address the kernel picks: it aliases nothing.
+            let raw = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if raw == libc::MAP_FAILED {
+                return Err(MemError::AllocFailed { len });
+            }
+            let ptr = NonNull::new(raw.cast::<u8>()).ok_or(MemError::AllocFailed { len })?;
+            return Ok(Self { ptr, layout, mapped: true, pinned_by: None });
+        }
         // SAFETY: `layout` has a non-zero size (checked above).
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(MemError::AllocFailed { len })?;
-        Ok(Self { ptr, layout, pinned_by: None })
+        Ok(Self { ptr, layout, mapped: false, pinned_by: None })
     }
 }
 
@@ -60,6 +92,14 @@ impl Drop for Allocation {
             // only below, after this returns. This is the last owner, so
             // no region (hence no copy) of it is left.
             unsafe { p.unpin_host(self.ptr.as_ptr() as u64) };
+        }
+        if self.mapped {
+            // SAFETY: `ptr .. ptr + size` is the mapping `Allocation::new`
+            // made, unmapped exactly once, here, when the last owner drops.
+            // It cannot fail for a whole mapping of ours; if it did, the
+            // pages would stay mapped (a leak, never a dangling use).
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.layout.size()) };
+            return;
         }
         // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` in `Allocation::new`
         // and is freed exactly once, here, when the last owner drops.
@@ -163,6 +203,21 @@ mod tests {
         let b = Buffer::new(10_000).unwrap();
         assert_eq!(b.addr() % ALIGN as u64, 0);
         assert!(b.to_vec().iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn large_buffers_are_mappings_of_their_own() {
+        for len in [MAP_FROM - 1, MAP_FROM, (4 << 20) + 123] {
+            let b = Buffer::new(len).unwrap();
+            assert_eq!(b.inner.mapped, len >= MAP_FROM, "{len}");
+            assert_eq!(b.len(), len);
+            assert_eq!(b.addr() % ALIGN as u64, 0);
+            assert!(b.to_vec().iter().all(|&x| x == 0));
+            b.write_at(len - 3, b"end").unwrap();
+            let r = b.region();
+            drop(b);
+            assert_eq!(r.to_vec()[len - 3..], *b"end", "a region keeps the mapping");
+        }
     }
 
     #[test]
