@@ -193,13 +193,22 @@ run() {
   echo "==> $label"
   s=$(date +%s); left=$(( deadline - s )); [ "$left" -gt 1 ] || left=1
   timeout -k 10 "$left" "$@"; r=$?
+  took=$(( $(date +%s) - s ))
   case $r in
     0) what=passed ;;
-    124|137) what="FAILED (stopped at the lanes' deadline, RDMA_LANE_TIMEOUT=${RDMA_LANE_TIMEOUT:-})" ;;
+    124) what="FAILED (stopped at the lanes' deadline, RDMA_LANE_TIMEOUT=${RDMA_LANE_TIMEOUT:-})" ;;
+    137)
+      if [ "$took" -ge "$left" ]; then
+        what="FAILED (stopped at the lanes' deadline, RDMA_LANE_TIMEOUT=${RDMA_LANE_TIMEOUT:-})"
+      else
+        # Killed before its deadline: the VM's memory, most likely.
+        oom=$(dmesg 2>/dev/null | grep -i "out of memory" | tail -n 1)
+        what="FAILED (SIGKILL before the deadline; the kernel's last word on memory: ${oom:-none})"
+      fi ;;
     *) what="FAILED (exit $r)" ;;
   esac
   [ "$r" = 0 ] || echo "$label" >> "$logs/failed"
-  echo "rdma-tests: lane $lane: $label $what in $(( $(date +%s) - s )) s, $(( $(date +%s) - start )) s into the run" >&3
+  echo "rdma-tests: lane $lane: $label $what in $took s, $(( $(date +%s) - start )) s into the run" >&3
 }
 set -- ${RDMA_TEST_FAULT_LINKS:-}
 split=0
