@@ -180,6 +180,14 @@ impl Engine {
     /// The error of the last try says how many were made, over how long.
     /// A failure that took its time (a handshake that timed out) is not
     /// retried here: the caller already waited for it.
+    ///
+    /// The probe of a half-open breaker is one connect when nobody
+    /// answers (refused: the peer is still down, and a dead peer costs
+    /// one attempt per cool-down), but a connection the peer reset in its
+    /// handshake is asked again like any other: something listens there,
+    /// so the peer is back (a server restarted at the same address, still
+    /// starting up under load, closed the first handshake; the call
+    /// failed though the peer was serving, ci48).
     pub async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         let admit = self.inner.admit(name)?;
         let started = self.inner.clock.now();
@@ -189,9 +197,12 @@ impl Engine {
             let result = self.inner.transport.open_segment(name).await;
             let again = match &result {
                 Err(e) => {
-                    matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset)
-                        && admit != Admit::Probe
-                        && attempt < self.inner.cfg.retry.max_attempts
+                    let answered = match e.kind() {
+                        ErrorKind::ConnectionReset => true,
+                        ErrorKind::ConnectionRefused => admit != Admit::Probe,
+                        _ => false,
+                    };
+                    answered && attempt < self.inner.cfg.retry.max_attempts
                 }
                 Ok(_) => false,
             };

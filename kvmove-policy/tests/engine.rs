@@ -23,6 +23,17 @@ struct Scripted {
     batches: Mutex<HashMap<u64, BatchStatus>>,
     next: AtomicU64,
     gate: Option<Arc<Notify>>,
+    /// How the peer named "flaky" answers opens.
+    flaky: Mutex<Flaky>,
+}
+
+/// The peer "flaky": `resets` opens reset in the handshake, then each is
+/// refused while `refuse`, else served; `opens` counts them.
+#[derive(Default)]
+struct Flaky {
+    refuse: bool,
+    resets: u32,
+    opens: u32,
 }
 
 impl Scripted {
@@ -33,6 +44,7 @@ impl Scripted {
             batches: Mutex::default(),
             next: AtomicU64::new(1),
             gate: None,
+            flaky: Mutex::default(),
         })
     }
 
@@ -68,6 +80,18 @@ impl Transport for Scripted {
         Ok(())
     }
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        if name == "flaky" {
+            let mut f = self.flaky.lock();
+            f.opens += 1;
+            if f.resets > 0 {
+                f.resets -= 1;
+                return Err(Error::new(ErrorKind::ConnectionReset, "early eof in the handshake"));
+            }
+            if f.refuse {
+                return Err(Error::new(ErrorKind::ConnectionRefused, "nobody listens"));
+            }
+            return Ok(SegmentId(9));
+        }
         match name.strip_prefix("peer-") {
             Some(n) => Ok(SegmentId(n.parse().map_err(|_| Error::new(ErrorKind::NotFound, "bad name"))?)),
             None => Err(Error::new(ErrorKind::ConnectionRefused, "down")),
@@ -259,6 +283,54 @@ async fn open_segment_failures_feed_the_breaker() {
     }
     assert_eq!(e.open_segment("down").await.unwrap_err().kind(), ErrorKind::PeerUnavailable);
     assert!(e.open_segment("peer-1").await.is_ok());
+}
+
+/// Issue 55 item 3 (ci48): the probe of a half-open breaker is one
+/// connect when the peer refuses (still down: one attempt per cool-down),
+/// but a connection reset in the handshake (something listens: the peer
+/// is back, still starting) is asked again, so the first call to a
+/// restarted peer succeeds. Virtual time: the background prober runs, and
+/// the test's own calls are told apart by what they return.
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_was_reset_asks_again_one_that_was_refused_does_not() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let mut p = fast_policy();
+    p.retry.max_attempts = 4;
+    p.breaker = BreakerConfig { failure_threshold: 1, cooldown: Duration::from_secs(10) };
+    let e = Engine::new(t.clone(), p).unwrap();
+    let open_it = || async {
+        // Down: refused four times (the policy's attempts), the breaker opens.
+        t.flaky.lock().refuse = true;
+        let err = e.open_segment("flaky").await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
+        assert_eq!(err.context_value("attempts"), Some("4"), "{err}");
+        assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+        assert_eq!(e.open_segment("flaky").await.unwrap_err().kind(), ErrorKind::PeerUnavailable);
+        // The cool-down passes (the background prober is refused meanwhile).
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(e.breaker_state("flaky"), BreakerState::HalfOpen);
+    };
+
+    open_it().await;
+    // Back, but its first handshake is cut: the probe asks again.
+    {
+        let mut f = t.flaky.lock();
+        f.refuse = false;
+        f.resets = 1;
+    }
+    let seg = e.open_segment("flaky").await;
+    assert!(seg.is_ok(), "the probe's reset was not asked again: {seg:?}");
+    assert_eq!(t.flaky.lock().resets, 0, "the probe met the reset");
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
+
+    open_it().await;
+    // Still down: the probe is one connect, and says so.
+    let before = t.flaky.lock().opens;
+    let err = e.open_segment("flaky").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
+    assert_eq!(err.context_value("attempts"), None, "{err}");
+    assert_eq!(t.flaky.lock().opens - before, 1, "a refused probe is one attempt");
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
 }
 
 #[tokio::test]
