@@ -83,7 +83,15 @@ run_rdma=("$rvenv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/tes
 install_rdma() {
   scripts/venvs.sh rdma || return 1
   rwheel=$(scripts/wheels.sh rdma | tail -n 1) || return 1
-  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel"
+  "$rvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$rwheel" || return 1
+  # Bytecode now, here: the soft-RoCE VM sees this tree read-only, so
+  # without .pyc files every Python process in it (pytest, each peer it
+  # starts) compiles numpy, pytest and kvmove from source again, in an
+  # emulated CPU. A failure here costs time, not the exchange.
+  local site
+  site=$("$rvenv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
+    "$rvenv/bin/python" -m compileall -q -j 0 "$site" python/tests > /dev/null ||
+    echo "python-tests: compiling the RDMA virtualenv's bytecode failed; the VM compiles it each time" >&2
 }
 
 # --rdma-after: the exchange on the device here once MARKER says the wheel
