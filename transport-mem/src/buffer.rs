@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use crate::device::DeviceMemory;
 use crate::error::MemError;
+use crate::pages::PageBuf;
 use crate::region::MemoryRegion;
 
 /// Alignment of every [`Buffer`]: one page, so RDMA registration pins whole
@@ -36,9 +37,9 @@ pub struct Buffer {
 pub(crate) struct Allocation {
     ptr: NonNull<u8>,
     layout: Layout,
-    /// Mapped on its own (`mmap`, [`MAP_FROM`] bytes and more) rather
-    /// than taken from the allocator: freed, it goes back to the kernel.
-    mapped: bool,
+    /// The mapping holding the bytes ([`MAP_FROM`] bytes and more), rather
+    /// than the allocator: dropped, it goes back to the kernel.
+    mapped: Option<PageBuf>,
     /// The provider that pinned the allocation ([`Buffer::pinned`]),
     /// unpinned before it is freed.
     pinned_by: Option<Arc<dyn DeviceMemory>>,
@@ -59,28 +60,14 @@ impl Allocation {
         }
         let layout = Layout::from_size_align(len, ALIGN).map_err(|_| MemError::AllocFailed { len })?;
         if len >= MAP_FROM {
-            // SAFETY: an anonymous private mapping of `len` (non-zero)
-            // bytes at an address the kernel picks: it aliases nothing.
-            let raw = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if raw == libc::MAP_FAILED {
-                return Err(MemError::AllocFailed { len });
-            }
-            let ptr = NonNull::new(raw.cast::<u8>()).ok_or(MemError::AllocFailed { len })?;
-            return Ok(Self { ptr, layout, mapped: true, pinned_by: None });
+            let pages = PageBuf::new(len)?;
+            let ptr = NonNull::new(pages.as_mut_ptr()).ok_or(MemError::AllocFailed { len })?;
+            return Ok(Self { ptr, layout, mapped: Some(pages), pinned_by: None });
         }
         // SAFETY: `layout` has a non-zero size (checked above).
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or(MemError::AllocFailed { len })?;
-        Ok(Self { ptr, layout, mapped: false, pinned_by: None })
+        Ok(Self { ptr, layout, mapped: None, pinned_by: None })
     }
 }
 
@@ -93,13 +80,8 @@ impl Drop for Allocation {
             // no region (hence no copy) of it is left.
             unsafe { p.unpin_host(self.ptr.as_ptr() as u64) };
         }
-        if self.mapped {
-            // SAFETY: `ptr .. ptr + size` is the mapping `Allocation::new`
-            // made, unmapped exactly once, here, when the last owner drops.
-            // It cannot fail for a whole mapping of ours; if it did, the
-            // pages would stay mapped (a leak, never a dangling use).
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.layout.size()) };
-            return;
+        if self.mapped.is_some() {
+            return; // unmapped when the field drops, after the unpin above
         }
         // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` in `Allocation::new`
         // and is freed exactly once, here, when the last owner drops.
@@ -209,7 +191,7 @@ mod tests {
     fn large_buffers_are_mappings_of_their_own() {
         for len in [MAP_FROM - 1, MAP_FROM, (4 << 20) + 123] {
             let b = Buffer::new(len).unwrap();
-            assert_eq!(b.inner.mapped, len >= MAP_FROM, "{len}");
+            assert_eq!(b.inner.mapped.is_some(), len >= MAP_FROM, "{len}");
             assert_eq!(b.len(), len);
             assert_eq!(b.addr() % ALIGN as u64, 0);
             assert!(b.to_vec().iter().all(|&x| x == 0));

@@ -68,6 +68,12 @@ impl PageBuf {
     pub fn is_empty(&self) -> bool {
         false
     }
+
+    /// The first byte's address (valid while `self` lives; for owners
+    /// that hand out raw regions of it, as [`crate::Buffer`] does).
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
 }
 
 impl Deref for PageBuf {
