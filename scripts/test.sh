@@ -171,12 +171,15 @@ step "Python package tests (scripts/python-tests.sh --no-rdma)" scripts/python-t
 
 join "$tests_step"
 
-# Beside the vLLM checks and the VM, so its build at the lowest priority:
-# built at the builds' own (nice 5) beside the vLLM checks (ci38), it left
-# a decode answering in 6.3 s with its prefill frozen (the check allows 5).
-# At the end, alone, it was the run's last 1:52 (ci44).
+# Beside the vLLM checks and the VM, so its build at the lowest priority
+# while the vLLM checks run: built at the builds' own (nice 5) beside them
+# (ci38), it left a decode answering in 6.3 s with its prefill frozen (the
+# check allowed 5). At the end, alone, it was the run's last 1:52 (ci44).
+# Once they end, at the builds' own: at 19 beside two busy loops it got
+# 1.5 % of a CPU and would have run as long as the loops did (ci53).
 step "the template transport out of tree, on the crates as cargo package makes them (scripts/template-check.sh)" \
-  env TEMPLATE_BUILD_NICE=19 scripts/template-check.sh
+  env TEMPLATE_BUILD_NICE=19 TEMPLATE_BUILD_NICE_WHILE="$(step_pid "$vllm_step")" \
+  TEMPLATE_BUILD_NICE_AFTER="$build_nice" scripts/template-check.sh
 
 if [ "$cluster" = 1 ]; then
   step "a PD cluster on one machine: 6 engines in network namespaces, 3-member etcd, one of each fault" \

@@ -3,6 +3,8 @@
 #   step  NAME CMD [ARG...]   run CMD now; its output goes straight through
 #   spawn NAME CMD [ARG...]   start CMD in the background, output to a log
 #   join  NAME                wait for a spawned step, then print its log
+#   step_pid NAME             the PID of a spawned step still unjoined
+#                             (nothing if there is none)
 #   steps_table               the table of every step so far (also printed
 #                             at exit, pass or fail, by steps_init's trap)
 #
@@ -79,6 +81,12 @@ spawn() {
   printf '\n==> started in the background: %s   [%s into the run]\n' "$name" "$(_steps_mmss $(( $(date +%s) - STEPS_T0 )))"
   ( _steps_body "$key" "$@" ) > "$STEPS_DIR/$key.log" 2>&1 < /dev/null &
   STEPS_PID[$key]=$!
+}
+
+step_pid() {
+  local key
+  key=$(_steps_key "$1")
+  printf '%s' "${STEPS_PID[$key]:-}"
 }
 
 join() {
