@@ -1,5 +1,6 @@
 //! A per-peer circuit breaker: fail fast while a peer is down, probe after
-//! a cool-down, close again on success. Never a permanent blacklist.
+//! a cool-down (and, between, one call per probe interval), close again on
+//! success. Never a permanent blacklist.
 
 use std::time::Duration;
 
@@ -13,7 +14,8 @@ use super::config::BreakerConfig;
 pub enum BreakerState {
     /// Healthy: work flows.
     Closed,
-    /// Failing: work fails fast with `PeerUnavailable` until the cool-down ends.
+    /// Failing: work fails fast with `PeerUnavailable` until the cool-down
+    /// ends, except one call per `probe_interval`, which probes the peer.
     Open,
     /// Cool-down over: one probe is let through; its result decides.
     HalfOpen,
@@ -27,9 +29,21 @@ pub struct Breaker {
 
 #[derive(Debug, Clone, Copy)]
 enum State {
-    Closed { failures: u32 },
-    Open { until: Duration },
-    HalfOpen { probing: bool },
+    Closed {
+        failures: u32,
+    },
+    /// `last_probe`: when the peer was last tried (the failure that opened
+    /// the breaker, a call's probe, a background probe).
+    Open {
+        until: Duration,
+        last_probe: Duration,
+    },
+    /// `reopen`: for a probe let through before the cool-down ended, the
+    /// cool-down's end, which its failure does not move.
+    HalfOpen {
+        probing: bool,
+        reopen: Option<Duration>,
+    },
 }
 
 /// The answer to "may I send to this peer now?".
@@ -37,7 +51,8 @@ enum State {
 pub enum Admit {
     /// Yes.
     Yes,
-    /// Yes, as the single probe of a half-open breaker.
+    /// Yes, as the single probe of a half-open breaker (or of an open one
+    /// whose last probe is older than the probe interval).
     Probe,
     /// No: open, or a probe is already out. Retry after this long.
     No { retry_after: Duration },
@@ -51,26 +66,52 @@ impl Default for Breaker {
 
 impl Breaker {
     /// The state as seen at `now` (an open breaker whose cool-down ended
-    /// reads as half-open).
+    /// reads as half-open; one probed by a call before then, as open).
     pub fn state(&self, now: Duration) -> BreakerState {
         match self.state {
             State::Closed { .. } => BreakerState::Closed,
-            State::Open { until } if now >= until => BreakerState::HalfOpen,
-            State::Open { .. } => BreakerState::Open,
-            State::HalfOpen { .. } => BreakerState::HalfOpen,
+            State::Open { until, .. } | State::HalfOpen { reopen: Some(until), .. } if now < until => {
+                BreakerState::Open
+            }
+            State::Open { .. } | State::HalfOpen { .. } => BreakerState::HalfOpen,
         }
     }
 
-    /// Asks to send work at `now`.
-    pub fn admit(&mut self, now: Duration) -> Admit {
+    /// Asks to send work at `now`. An open breaker lets one call through
+    /// as a probe once its cool-down ended, or earlier when the peer was
+    /// last tried at least `cfg.probe_interval` ago: a peer that came back
+    /// is found by the first call after it did, and a dead one costs at
+    /// most one call's attempt per interval.
+    pub fn admit(&mut self, now: Duration, cfg: &BreakerConfig) -> Admit {
         match self.state {
             State::Closed { .. } => Admit::Yes,
-            State::Open { until } if now < until => Admit::No { retry_after: until - now },
-            State::Open { .. } | State::HalfOpen { probing: false } => {
-                self.state = State::HalfOpen { probing: true };
+            State::Open { until, .. } if now >= until => {
+                self.state = State::HalfOpen { probing: true, reopen: None };
                 Admit::Probe
             }
-            State::HalfOpen { probing: true } => Admit::No { retry_after: Duration::ZERO },
+            State::Open { until, last_probe } => {
+                let next = last_probe.saturating_add(cfg.probe_interval);
+                if now >= next {
+                    self.state = State::HalfOpen { probing: true, reopen: Some(until) };
+                    Admit::Probe
+                } else {
+                    Admit::No { retry_after: next.min(until).saturating_sub(now) }
+                }
+            }
+            State::HalfOpen { probing: false, reopen } => {
+                self.state = State::HalfOpen { probing: true, reopen };
+                Admit::Probe
+            }
+            State::HalfOpen { probing: true, .. } => Admit::No { retry_after: Duration::ZERO },
+        }
+    }
+
+    /// The peer was tried at `now` outside [`admit`](Self::admit) (the
+    /// background prober, `Engine::probe`): an open breaker counts its
+    /// probe interval from here.
+    pub fn on_probe(&mut self, now: Duration) {
+        if let State::Open { until, .. } = self.state {
+            self.state = State::Open { until, last_probe: now };
         }
     }
 
@@ -80,21 +121,30 @@ impl Breaker {
     }
 
     /// Work to the peer failed because of the peer (see
-    /// [`transport_core::ErrorKind::is_peer_failure`]).
+    /// [`transport_core::ErrorKind::is_peer_failure`]). A probe let
+    /// through before the cool-down ended leaves the cool-down as it was.
     pub fn on_failure(&mut self, now: Duration, cfg: &BreakerConfig) {
         self.state = match self.state {
-            State::Closed { failures } if failures + 1 < cfg.failure_threshold => {
+            State::Closed { failures } if failures.saturating_add(1) < cfg.failure_threshold => {
                 State::Closed { failures: failures + 1 }
             }
-            _ => State::Open { until: now + cfg.cooldown },
+            State::HalfOpen { reopen: Some(until), .. } => State::Open { until, last_probe: now },
+            _ => State::Open { until: now.saturating_add(cfg.cooldown), last_probe: now },
         };
     }
 
     /// A probe ended without a verdict (cancelled, or failed for a reason
-    /// that says nothing about the peer): let another probe through.
-    pub fn on_abandoned_probe(&mut self) {
-        if let State::HalfOpen { probing: true } = self.state {
-            self.state = State::HalfOpen { probing: false };
+    /// that says nothing about the peer): let another probe through (for
+    /// one before the cool-down's end: after the probe interval).
+    pub fn on_abandoned_probe(&mut self, now: Duration) {
+        match self.state {
+            State::HalfOpen { probing: true, reopen: None } => {
+                self.state = State::HalfOpen { probing: false, reopen: None }
+            }
+            State::HalfOpen { probing: true, reopen: Some(until) } => {
+                self.state = State::Open { until, last_probe: now }
+            }
+            _ => {}
         }
     }
 }
@@ -107,37 +157,73 @@ mod tests {
 
     #[test]
     fn opens_at_threshold_probes_after_cooldown_and_closes() {
-        let cfg = BreakerConfig { failure_threshold: 3, cooldown: 10 * S };
+        let cfg = BreakerConfig { failure_threshold: 3, cooldown: 10 * S, probe_interval: 10 * S };
         let mut b = Breaker::default();
         for _ in 0..2 {
             b.on_failure(S, &cfg);
-            assert_eq!(b.admit(S), Admit::Yes);
+            assert_eq!(b.admit(S, &cfg), Admit::Yes);
         }
         b.on_failure(S, &cfg);
         assert_eq!(b.state(S), BreakerState::Open);
-        assert_eq!(b.admit(2 * S), Admit::No { retry_after: 9 * S });
+        assert_eq!(b.admit(2 * S, &cfg), Admit::No { retry_after: 9 * S });
         assert_eq!(b.state(11 * S), BreakerState::HalfOpen);
-        assert_eq!(b.admit(11 * S), Admit::Probe);
-        assert!(matches!(b.admit(11 * S), Admit::No { .. }), "one probe at a time");
+        assert_eq!(b.admit(11 * S, &cfg), Admit::Probe);
+        assert!(matches!(b.admit(11 * S, &cfg), Admit::No { .. }), "one probe at a time");
         b.on_success();
         assert_eq!(b.state(11 * S), BreakerState::Closed);
-        assert_eq!(b.admit(11 * S), Admit::Yes);
+        assert_eq!(b.admit(11 * S, &cfg), Admit::Yes);
     }
 
     #[test]
     fn failed_probe_reopens_and_success_resets_count() {
-        let cfg = BreakerConfig { failure_threshold: 2, cooldown: S };
+        let cfg = BreakerConfig { failure_threshold: 2, cooldown: S, probe_interval: S };
         let mut b = Breaker::default();
         b.on_failure(Duration::ZERO, &cfg);
         b.on_success();
         b.on_failure(Duration::ZERO, &cfg);
         assert_eq!(b.state(Duration::ZERO), BreakerState::Closed, "success reset the count");
         b.on_failure(Duration::ZERO, &cfg);
-        assert_eq!(b.admit(S), Admit::Probe);
+        assert_eq!(b.admit(S, &cfg), Admit::Probe);
         b.on_failure(S, &cfg);
         assert_eq!(b.state(S), BreakerState::Open);
-        assert_eq!(b.admit(2 * S), Admit::Probe, "never a permanent blacklist");
-        b.on_abandoned_probe();
-        assert_eq!(b.admit(2 * S), Admit::Probe);
+        assert_eq!(b.admit(2 * S, &cfg), Admit::Probe, "never a permanent blacklist");
+        b.on_abandoned_probe(2 * S);
+        assert_eq!(b.admit(2 * S, &cfg), Admit::Probe);
+    }
+
+    /// Issue 55 item 3: between cool-downs, one call per probe interval
+    /// goes through as the probe (counted from the last time the peer was
+    /// tried, by a call or in the background); its failure does not move
+    /// the cool-down's end, its success closes the breaker.
+    #[test]
+    fn an_open_breaker_lets_one_call_probe_per_interval() {
+        let ms = Duration::from_millis;
+        let cfg = BreakerConfig { failure_threshold: 1, cooldown: 10 * S, probe_interval: ms(100) };
+        let mut b = Breaker::default();
+        b.on_failure(S, &cfg);
+        assert_eq!(b.state(S), BreakerState::Open);
+        assert_eq!(b.admit(S + ms(99), &cfg), Admit::No { retry_after: ms(1) }, "the opening failure was a try");
+        assert_eq!(b.admit(S + ms(100), &cfg), Admit::Probe);
+        assert_eq!(b.state(S + ms(100)), BreakerState::Open, "a call's probe leaves it open until it answers");
+        assert_eq!(b.admit(S + ms(100), &cfg), Admit::No { retry_after: Duration::ZERO }, "one probe at a time");
+        b.on_failure(S + ms(150), &cfg);
+        assert_eq!(b.state(S + ms(150)), BreakerState::Open);
+        assert_eq!(b.admit(S + ms(249), &cfg), Admit::No { retry_after: ms(1) }, "counted from the probe's end");
+        b.on_probe(S + ms(240));
+        assert_eq!(b.admit(S + ms(300), &cfg), Admit::No { retry_after: ms(40) }, "a background probe counts");
+        assert_eq!(b.state(11 * S), BreakerState::HalfOpen, "the failed early probe kept the cool-down's end");
+        // Abandoned: the next call may probe one interval later.
+        assert_eq!(b.admit(S + ms(340), &cfg), Admit::Probe);
+        b.on_abandoned_probe(S + ms(350));
+        assert_eq!(b.state(S + ms(350)), BreakerState::Open);
+        assert!(matches!(b.admit(S + ms(400), &cfg), Admit::No { .. }));
+        assert_eq!(b.admit(S + ms(450), &cfg), Admit::Probe);
+        b.on_success();
+        assert_eq!(b.admit(S + ms(450), &cfg), Admit::Yes);
+        // An interval as long as the cool-down: only the cool-down's probe.
+        let slow = BreakerConfig { probe_interval: 10 * S, ..cfg };
+        b.on_failure(20 * S, &slow);
+        assert!(matches!(b.admit(29 * S, &slow), Admit::No { .. }));
+        assert_eq!(b.admit(30 * S, &slow), Admit::Probe);
     }
 }

@@ -121,11 +121,19 @@ pub struct BreakerConfig {
     /// Time an open breaker fails fast before letting one probe through. Default 2 s.
     #[serde(rename = "cooldown_ms", with = "transport_core::serde_ms")]
     pub cooldown: Duration,
+    /// Within the cool-down, a call to the peer goes through as a probe
+    /// (one attempt) when the peer was last tried at least this long ago
+    /// (by a call, the failure that opened the breaker, or the background
+    /// prober), so the first call after a restart succeeds; every other
+    /// call fails fast. Default 100 ms; as long as `cooldown`, only the
+    /// cool-down's probe.
+    #[serde(rename = "probe_interval_ms", with = "transport_core::serde_ms")]
+    pub probe_interval: Duration,
 }
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        Self { failure_threshold: 5, cooldown: Duration::from_secs(2) }
+        Self { failure_threshold: 5, cooldown: Duration::from_secs(2), probe_interval: Duration::from_millis(100) }
     }
 }
 

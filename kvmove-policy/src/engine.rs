@@ -42,7 +42,12 @@ pub use transfer::{Probe, Transfer};
 ///   `breaker.failure_threshold` consecutive failed attempts, work to the
 ///   peer fails fast with `PeerUnavailable`; after `breaker.cooldown` one
 ///   probe (the next open or transfer) goes through and closes the breaker
-///   if it succeeds. Meanwhile a background prober asks the peer
+///   if it succeeds. Before that, one call goes through as the probe (one
+///   connect) when the peer was last tried `breaker.probe_interval` ago or
+///   more (default 100 ms), so the first call after a peer restarted
+///   succeeds, and a dead peer costs one call's attempt per interval; its
+///   failure leaves the cool-down as it was. Meanwhile a background
+///   prober asks the peer
 ///   ([`Engine::probe`]) 20 ms after the breaker opened, then at doubling
 ///   intervals up to a quarter of the cool-down, at most 1 s (at most
 ///   `PROBER_TRIES` times), and
@@ -181,9 +186,10 @@ impl Engine {
     /// A failure that took its time (a handshake that timed out) is not
     /// retried here: the caller already waited for it.
     ///
-    /// The probe of a half-open breaker is one connect when nobody
+    /// The probe of an open breaker (after the cool-down, or a call's
+    /// probe once per `breaker.probe_interval`) is one connect when nobody
     /// answers (refused: the peer is still down, and a dead peer costs
-    /// one attempt per cool-down), but a connection the peer reset in its
+    /// one attempt per interval), but a connection the peer reset in its
     /// handshake is asked again like any other: something listens there,
     /// so the peer is back (a server restarted at the same address, still
     /// starting up under load, closed the first handshake; the call
@@ -438,7 +444,7 @@ impl Inner {
     fn admit(&self, peer: &str) -> Result<Admit> {
         let now = self.clock.now();
         let mut breakers = self.breakers.lock();
-        match breakers.entry(peer.to_owned()).or_default().admit(now) {
+        match breakers.entry(peer.to_owned()).or_default().admit(now, &self.cfg.breaker) {
             Admit::No { retry_after } => Err(Error::new(
                 ErrorKind::PeerUnavailable,
                 "peer failed repeatedly; its circuit breaker is open and fails fast until a probe succeeds",
@@ -458,12 +464,14 @@ impl Inner {
             match verdict {
                 PeerVerdict::Healthy => b.on_success(),
                 PeerVerdict::Failed => b.on_failure(now, &self.cfg.breaker),
-                PeerVerdict::Unknown => b.on_abandoned_probe(),
+                PeerVerdict::Unknown => b.on_abandoned_probe(now),
             }
             (before, b.state(now))
         };
         self.metrics.breaker(peer, before, after);
-        let opened = after == BreakerState::Open;
+        // (A call's probe that failed leaves it open: no transition, and
+        // the prober started when it opened.)
+        let opened = before != BreakerState::Open && after == BreakerState::Open;
         if opened {
             self.start_prober(peer);
         }

@@ -252,7 +252,7 @@ async fn breaker_opens_fails_fast_and_closes_after_probe() {
     let clock = ManualClock::new();
     let mut p = fast_policy();
     p.retry.max_attempts = 1;
-    p.breaker = BreakerConfig { failure_threshold: 2, cooldown: Duration::from_secs(5) };
+    p.breaker = BreakerConfig { failure_threshold: 2, cooldown: Duration::from_secs(5), ..Default::default() };
     let e = Engine::with_clock(t.clone(), p, Arc::new(clock.clone())).unwrap();
     for _ in 0..2 {
         let out = with_timeout(e.transfer(reqs(3, 1))).await.unwrap();
@@ -296,7 +296,7 @@ async fn a_probe_that_was_reset_asks_again_one_that_was_refused_does_not() {
     let t = Scripted::new(|_, _| RequestStatus::Completed);
     let mut p = fast_policy();
     p.retry.max_attempts = 4;
-    p.breaker = BreakerConfig { failure_threshold: 1, cooldown: Duration::from_secs(10) };
+    p.breaker = BreakerConfig { failure_threshold: 1, cooldown: Duration::from_secs(10), ..Default::default() };
     let e = Engine::new(t.clone(), p).unwrap();
     let open_it = || async {
         // Down: refused four times (the policy's attempts), the breaker opens.
@@ -331,6 +331,58 @@ async fn a_probe_that_was_reset_asks_again_one_that_was_refused_does_not() {
     assert_eq!(err.context_value("attempts"), None, "{err}");
     assert_eq!(t.flaky.lock().opens - before, 1, "a refused probe is one attempt");
     assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+}
+
+/// Issue 55 item 3: a call to a peer whose breaker is open probes it
+/// (one connect) when the peer was last tried at least
+/// `breaker.probe_interval` ago, so the first call after a restart
+/// succeeds long before the cool-down ends; a dead peer hammered by calls
+/// costs at most one call's connect per interval (the background
+/// prober's own probes besides). Virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_call_to_an_open_breaker_probes_once_per_interval() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let mut p = fast_policy();
+    p.retry.max_attempts = 4;
+    p.breaker = BreakerConfig {
+        failure_threshold: 1,
+        cooldown: Duration::from_secs(10),
+        probe_interval: Duration::from_millis(100),
+    };
+    let e = Engine::new(t.clone(), p).unwrap();
+    t.flaky.lock().refuse = true;
+    assert_eq!(e.open_segment("flaky").await.unwrap_err().kind(), ErrorKind::ConnectionRefused);
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+
+    // Down for a second, called every millisecond.
+    let before = t.flaky.lock().opens;
+    let (mut fast, mut probed) = (0u32, 0u32);
+    for _ in 0..1000 {
+        let err = e.open_segment("flaky").await.unwrap_err();
+        match err.kind() {
+            ErrorKind::PeerUnavailable => fast += 1,
+            ErrorKind::ConnectionRefused => {
+                assert_eq!(err.context_value("attempts"), None, "a refused probe is one connect: {err}");
+                probed += 1
+            }
+            k => panic!("a call to a dead peer failed with {k}: {err}"),
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let opens = t.flaky.lock().opens - before;
+    // The background prober tried at 20, 60, 140, 300 and 620 ms.
+    assert!((1..=11).contains(&probed), "{probed} of 1000 calls probed the dead peer in a second");
+    assert!(opens <= probed + 5, "{opens} connects in a second: {probed} probing calls and the prober's 5 at most");
+    assert_eq!(fast + probed, 1000);
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+
+    // It restarts (100 ms, nobody calls); the first call after finds it,
+    // 8.9 s before the cool-down would have let a probe through.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    t.flaky.lock().refuse = false;
+    let seg = e.open_segment("flaky").await;
+    assert!(seg.is_ok(), "the first call after the restart: {seg:?}");
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
 }
 
 #[tokio::test]

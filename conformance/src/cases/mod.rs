@@ -275,6 +275,12 @@ static CASES: &[Case] = &[
         "real peer kill opens the breaker; after restart and cool-down a probe closes it"
     ),
     case!(
+        policy::first_call_after_restart_reaches_the_peer,
+        8,
+        [Kill],
+        "peer killed, breaker open (60 s cool-down), peer back: the first call two probe intervals later reaches it"
+    ),
+    case!(
         policy::prober_closes_breaker_when_peer_returns,
         8,
         [Kill],

@@ -355,6 +355,52 @@ pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
 }
 
 /// With real faults: the peer is killed and the breaker opens (cool-down
+/// 60 s); calls meanwhile fail fast (`PeerUnavailable`, except a call's
+/// probe once per `probe_interval`: refused, one attempt). The peer
+/// restarts on its address; the first call made two probe intervals later
+/// reaches it (its own probe, or the background prober's before it), long
+/// before the cool-down would have let one through.
+pub async fn first_call_after_restart_reaches_the_peer(cx: Ctx) -> CaseResult {
+    let opts = NodeOptions::default();
+    let (p, engine, peer) = killed_peer_with_open_breaker(&cx, &opts, Duration::from_secs(60)).await?;
+    let interval = PolicyConfig::default().breaker.probe_interval;
+    // Down: a burst of calls, all refused, nearly all fast.
+    let (mut fast, mut refused) = (0u32, 0u32);
+    for _ in 0..50 {
+        match bounded("engine open", engine.open_segment(&peer)).await? {
+            Ok(_) => return Err(CaseError::Fail("opening a killed peer through the engine succeeded".into())),
+            Err(e) if e.kind() == ErrorKind::PeerUnavailable => fast += 1,
+            Err(e) => {
+                ensure!(e.is_transient(), "a call to a killed peer failed with a permanent {e}");
+                refused += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    ensure!(fast > 0, "no call to the killed peer failed fast ({refused} were tried)");
+    let b2 = cx.restart(&p.b, &opts).await?;
+    let mem = cx.guarded(LEN, 38)?;
+    b2.transport.register(mem.region(), Access::REMOTE_RW)?;
+    tokio::time::sleep(interval * 2).await;
+    let seg = bounded("engine open", engine.open_segment(&peer)).await?.map_err(|e| {
+        CaseError::Fail(format!(
+            "the first call {:?} after the peer restarted (probe interval {interval:?}, cool-down 60 s): {e}",
+            interval * 2
+        ))
+    })?;
+    ensure!(
+        engine.breaker_state(&peer) == BreakerState::Closed,
+        "breaker is {:?} after the first call reached the restarted peer",
+        engine.breaker_state(&peer)
+    );
+    let out =
+        bounded("engine transfer", engine.transfer(vec![TransferRequest::write(p.local_id, 0, seg, mem.addr(), 4096)]))
+            .await??;
+    ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
+    Ok(())
+}
+
+/// With real faults: the peer is killed and the breaker opens (cool-down
 /// 60 s, so only a probe can close it in time); the peer restarts. With no
 /// call from the user, the engine's background prober asks the peer and
 /// closes the breaker within seconds, and the next open and transfer go

@@ -57,6 +57,7 @@ impl Inner {
     /// See [`Engine::probe`].
     pub(super) async fn probe(self: &Arc<Self>, name: &str) -> Result<()> {
         let t = &self.transport;
+        self.tried(name);
         let result = match t.open_segment(name).await {
             Ok(seg) => {
                 let r = self.read_one(seg).await;
@@ -84,6 +85,8 @@ impl Inner {
             Err(e) if e.kind().is_peer_failure() => {
                 if self.breaker_closed(name) {
                     self.record(name, PeerVerdict::Failed);
+                } else {
+                    self.tried(name);
                 }
             }
             Err(_) => {}
@@ -126,6 +129,15 @@ impl Inner {
         .await;
         let _ = t.unregister(local).await;
         read
+    }
+
+    /// The peer was just tried outside the breaker's admission: an open
+    /// breaker lets the next call probe only a probe interval from now.
+    fn tried(&self, peer: &str) {
+        let now = self.clock.now();
+        if let Some(b) = self.breakers.lock().get_mut(peer) {
+            b.on_probe(now);
+        }
     }
 
     pub(super) fn abandon_probes(self: &Arc<Self>, peers: &[String]) {
