@@ -13,5 +13,7 @@ pub mod access;
 pub mod admission;
 pub mod auth;
 mod secret;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use secret::Secret;
