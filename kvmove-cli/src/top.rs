@@ -163,6 +163,18 @@ pub fn render(addr: SocketAddr, n: u64, now: &Sample, before: &Sample, secs: f64
         bytes(now.sum("kvmove_inflight_bytes", &[]) as u64),
         now.sum("kvmove_inflight_requests", &[]),
     ));
+    // With rails: paths not used (no route; the log names them, once
+    // each) and what their health did.
+    let unreachable = now.series.keys().any(|k| split(k).0 == "kvmove_rail_paths_unreachable");
+    if unreachable || now.series.keys().any(|k| split(k).0 == "kvmove_rail_events_total") {
+        o.push_str(&format!(
+            "rails      paths unreachable {:.0}   paused {:.0}/s   resumed {:.0}/s   over the fallback {:.0}/s\n",
+            now.sum("kvmove_rail_paths_unreachable", &[]),
+            r("kvmove_rail_events_total", &[("event", "paused")]),
+            r("kvmove_rail_events_total", &[("event", "resumed")]),
+            r("kvmove_rail_events_total", &[("event", "fallback")]),
+        ));
+    }
     let mut peers = now.label_values("kvmove_bytes_total", "peer");
     for p in now.label_values("kvmove_breaker_open", "peer") {
         if !peers.contains(&p) {
@@ -250,5 +262,19 @@ mod tests {
         assert!(f.contains("transfer p50 1.50 ms"), "{f}");
         assert!(f.contains("10.0.0.1:5000") && f.contains("10.0.0.2:5000"), "{f}");
         assert!(f.lines().any(|l| l.starts_with("10.0.0.2:5000") && l.ends_with("open")), "{f}");
+        assert!(!f.contains("rails"), "no rails, no rails line: {f}");
+    }
+
+    /// Issue 52 item 3: rail paths that are not used show in the view.
+    #[test]
+    fn renders_unreachable_rail_paths() {
+        let text = format!(
+            "{TEXT}kvmove_rail_paths_unreachable 2\nkvmove_rail_events_total{{event=\"unreachable\"}} 2\n\
+             kvmove_rail_events_total{{event=\"paused\"}} 4\n"
+        );
+        let before = Sample::parse("kvmove_rail_events_total{event=\"paused\"} 1\n");
+        let f = render("127.0.0.1:9000".parse().unwrap(), 1, &Sample::parse(&text), &before, 1.0);
+        let rails = f.lines().find(|l| l.starts_with("rails")).expect("a rails line");
+        assert!(rails.contains("paths unreachable 2") && rails.contains("paused 3/s"), "{f}");
     }
 }

@@ -332,3 +332,65 @@ fn a_region_keeps_to_the_rail_nearest_its_memory_and_fails_over_to_the_other() {
         assert!(after[1].failures > 0 || after[1].state != PathState::Up, "rail 1 is down: {after:?}");
     });
 }
+
+/// Issue 52 item 3: a rail of the peer that cannot be reached when the
+/// peer is opened (here: killed before) is not one of its paths, so no
+/// batch waits on it or fails on it; it is logged once, however often the
+/// peer is opened, and counted in `kvmove_rail_events_total{event=
+/// "unreachable"}` (once) and `kvmove_rail_paths_unreachable` (the
+/// paths, now).
+#[test]
+fn a_rail_without_a_route_is_not_used_and_is_reported_once() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snap = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(20), async {
+                let fabric = MockFabric::new();
+                let a = node(&fabric, "a", false);
+                let b = node(&fabric, "b", false);
+                let (src, dst) = (Mem::new(LEN, 1), Mem::new(LEN, 2));
+                let local = a.register(src.region(), Access::LOCAL).unwrap();
+                b.register(dst.region(), Access::REMOTE_RW).unwrap();
+                fabric.kill("b.r1").unwrap();
+                let mut segs = Vec::new();
+                for _ in 0..3 {
+                    segs.push(a.open_segment(&b.local_segment_name()).await.unwrap());
+                }
+                let seg = segs[0];
+                let paths = a.paths(seg).unwrap();
+                assert_eq!(paths.len(), 1, "only rail 0 reaches the peer: {paths:?}");
+                let reqs: Vec<_> = (0..LEN as u64 / REQ)
+                    .map(|i| TransferRequest::write(local, i * REQ, seg, dst.addr() + i * REQ, REQ))
+                    .collect();
+                let id = a.submit(reqs, SubmitOptions::with_timeout(Duration::from_secs(15))).await.unwrap();
+                let st = a.wait(id).await.unwrap();
+                assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+                assert_eq!(dst.read(), src.read());
+                assert_eq!(a.paths(seg).unwrap()[0].failures, 0, "nothing failed over");
+                a.release(id).unwrap();
+                for s in segs {
+                    a.close_segment(s).await.unwrap();
+                }
+            })
+            .await
+            .expect("test timed out");
+        });
+    });
+    let (mut events, mut gauge) = (None, None);
+    for (k, _, _, v) in snap.snapshot().into_vec() {
+        match (k.key().name(), v) {
+            ("kvmove_rail_events_total", DebugValue::Counter(n))
+                if k.key().labels().any(|l| l.key() == "event" && l.value() == "unreachable") =>
+            {
+                events = Some(n)
+            }
+            ("kvmove_rail_paths_unreachable", DebugValue::Gauge(g)) => gauge = Some(g.into_inner()),
+            _ => {}
+        }
+    }
+    assert_eq!(events, Some(1), "opened three times, reported once");
+    assert_eq!(gauge, Some(1.0), "one path unusable");
+}

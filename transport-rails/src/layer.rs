@@ -63,7 +63,7 @@ use transport_core::{
 };
 
 use crate::drive::*;
-use crate::paths::{pair, Pairing, PathHealth, PathState, RailList, RailsConfig, MAX_RAILS};
+use crate::paths::{pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Reachability, MAX_RAILS};
 use crate::state::*;
 use crate::topology::Topology;
 
@@ -166,6 +166,7 @@ impl Rails {
             settled: Notify::new(),
             earlier: Arc::new(Notify::new()),
             timer: Mutex::new(None),
+            reach: Mutex::new(Reachability::default()),
         });
         let timer = OwnedTask::spawn(&inner.tasks, crate::drive::timer(Arc::downgrade(&inner)));
         *inner.timer.lock() = Some(timer);

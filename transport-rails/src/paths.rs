@@ -327,8 +327,92 @@ pub fn pair(
     Ok(out)
 }
 
+/// Paths that could not be used, peer by peer (a local rail with no route
+/// to one of the peer's rails: its open failed, or with pairing `subnet`
+/// its GID shares no subnet with it), so that each is logged once with its
+/// reason and counted for the metrics, and no batch waits on it: it is
+/// simply not one of the peer's paths. Sans-IO: [`Rails`](crate::Rails)
+/// reports each opening of a peer and logs what it is told to.
+#[derive(Debug, Default)]
+pub struct Reachability {
+    /// Paths `(peer, rail, peer rail)` whose failure was logged and that
+    /// have not opened since; at most [`MAX_LOGGED_PATHS`].
+    logged: std::collections::HashSet<(String, usize, usize)>,
+    /// Unusable paths per peer, as of its last opening.
+    unusable: std::collections::HashMap<String, usize>,
+}
+
+/// Paths whose failure is remembered as logged. Past this many, a newly
+/// failing path is logged again at each opening of its peer (the memory
+/// stays bounded whatever peers come and go).
+pub const MAX_LOGGED_PATHS: usize = 4096;
+
+impl Reachability {
+    /// One opening of `peer`: each candidate path `(rail, peer rail)` and
+    /// `None` if it opened, or why it cannot be used. Returns the failures
+    /// to log now (those not logged since the path last worked).
+    pub fn opened<'a>(
+        &mut self,
+        peer: &str,
+        paths: &'a [(usize, usize, Option<String>)],
+    ) -> Vec<&'a (usize, usize, Option<String>)> {
+        let mut log = Vec::new();
+        let mut unusable = 0;
+        for p in paths {
+            let key = (peer.to_owned(), p.0, p.1);
+            match &p.2 {
+                None => {
+                    self.logged.remove(&key);
+                }
+                Some(_) => {
+                    unusable += 1;
+                    if !self.logged.contains(&key) {
+                        if self.logged.len() < MAX_LOGGED_PATHS {
+                            self.logged.insert(key);
+                        }
+                        log.push(p);
+                    }
+                }
+            }
+        }
+        if unusable > 0 {
+            self.unusable.insert(peer.to_owned(), unusable);
+        } else {
+            self.unusable.remove(peer);
+        }
+        log
+    }
+
+    /// Unusable paths to `peer` as of its last opening.
+    pub fn unusable(&self, peer: &str) -> usize {
+        self.unusable.get(peer).copied().unwrap_or(0)
+    }
+
+    /// Unusable paths to every peer, as of each one's last opening.
+    pub fn unusable_total(&self) -> usize {
+        self.unusable.values().sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// Issue 52 item 3: a path with no route is logged once with its
+    /// reason (again only after it worked in between), counted per peer
+    /// as of the peer's last opening.
+    #[test]
+    fn an_unreachable_path_is_logged_once_and_counted() {
+        let mut r = Reachability::default();
+        let down = vec![(0, 0, None), (1, 1, Some("no route".to_owned()))];
+        assert_eq!(r.opened("p", &down).len(), 1, "first time: logged");
+        assert_eq!(r.unusable("p"), 1);
+        assert!(r.opened("p", &down).is_empty(), "the same path again: not logged");
+        assert!(r.opened("q", &down).len() == 1 && r.unusable_total() == 2, "another peer is another path");
+        let up = vec![(0, 0, None), (1, 1, None)];
+        assert!(r.opened("p", &up).is_empty());
+        assert_eq!((r.unusable("p"), r.unusable_total()), (0, 1));
+        assert_eq!(r.opened("p", &down).len(), 1, "failing again after it worked: logged again");
+    }
+
     use super::*;
 
     #[test]

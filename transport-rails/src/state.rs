@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use transport_core::lifecycle::{BatchLedger, BatchLimits, BatchTable, DeadlineKey, DeadlineQueue, OwnedTask, TaskSet};
 use transport_core::{BatchId, Capabilities, Error, ErrorKind, RegionId, SegmentId, TransferRequest, Transport};
 
-use crate::paths::{PathHealth, RailsConfig};
+use crate::paths::{PathHealth, RailsConfig, Reachability};
 use crate::topology::Topology;
 
 pub(crate) struct Inner {
@@ -37,6 +37,8 @@ pub(crate) struct Inner {
     /// The one deadline timer (`drive::timer`); dropped (aborted) at
     /// shutdown and with the rails.
     pub(crate) timer: Mutex<Option<OwnedTask>>,
+    /// Paths that could not be used, per peer (logged once each).
+    pub(crate) reach: Mutex<Reachability>,
 }
 
 pub(crate) struct State {
@@ -145,8 +147,29 @@ pub fn describe_metrics() {
     metrics::describe_counter!(
         "kvmove_rail_events_total",
         "Rail events, by event: paused (a path paused after failures), resumed (a path back after its probe), \
-         fallback (traffic moved over the fallback)."
+         fallback (traffic moved over the fallback), unreachable (a path to a peer found unusable at its \
+         opening: no route, or no shared subnet; once until it works again)."
     );
+    metrics::describe_gauge!(
+        "kvmove_rail_paths_unreachable",
+        "Paths (a local rail to a peer's rail) not used because they could not be, over every peer, as of each \
+         peer's last opening."
+    );
+}
+
+impl Inner {
+    /// One opening of `peer`: its candidate paths and why each that cannot
+    /// be used cannot. Each such path is logged once (until it works
+    /// again) with its reason; the metrics count them.
+    pub(crate) fn reached(&self, peer: &str, paths: &[(usize, usize, Option<String>)]) {
+        let mut reach = self.reach.lock();
+        for (rail, peer_rail, why) in reach.opened(peer, paths) {
+            let why = why.as_deref().unwrap_or_default();
+            tracing::warn!(%peer, rail, peer_rail, reason = why, "rails: a path to the peer is not used (logged once)");
+            rail_event("unreachable");
+        }
+        metrics::gauge!("kvmove_rail_paths_unreachable").set(reach.unusable_total() as f64);
+    }
 }
 
 pub(crate) fn rail_event(event: &'static str) {

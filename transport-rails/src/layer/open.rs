@@ -36,11 +36,13 @@ impl Rails {
         });
         let mut opened = Vec::new();
         let mut first_err = None;
+        // Every candidate path, and why it cannot be used (logged once).
+        let mut reach: Vec<(usize, usize, Option<String>)> = Vec::new();
         for (i, j, r) in futures::future::join_all(opens).await {
             match r {
                 Ok(seg) => opened.push((i, j, seg)),
                 Err(e) => {
-                    tracing::warn!(rail = i, peer_rail = j, error = %e, "rails: a path to the peer could not be opened");
+                    reach.push((i, j, Some(format!("its open failed: {e}"))));
                     first_err.get_or_insert(e);
                 }
             }
@@ -56,10 +58,13 @@ impl Rails {
                     keep.push((i, j, seg));
                 } else {
                     let _ = inner.all[i].close_segment(seg).await;
+                    reach.push((i, j, Some("pairing subnet: its GID shares no subnet with the peer rail's".into())));
                 }
             }
             opened = keep;
         }
+        reach.extend(opened.iter().map(|&(i, j, _)| (i, j, None)));
+        inner.reached(name, &reach);
         let mut paths: Vec<Path> = opened
             .into_iter()
             .map(|(k, j, seg)| Path {
