@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
+use transport_control::testing::Netns;
 use transport_core::{Access, BatchState, Buffer, ErrorKind, TransferRequest, Transport};
 use transport_rdma::{RdmaConfig, RdmaTransport};
 
@@ -311,10 +312,77 @@ fn mismatched_secrets_fail_with_auth_failed() {
     });
 }
 
+/// Issue 49 item 6, protected mode: an engine without a secret answers
+/// only its own host. Its side channel listens on this side of a veth
+/// pair; a client in a network namespace the test made (another network
+/// stack, as another host) is answered `denied` with what to set, and no
+/// descriptor, while this host's own address is served. With a secret, a
+/// client there that proves it is served; with `insecure` and no secret,
+/// served too. The client is this test binary, run in the namespace
+/// (`KVMOVE_SIDE_CHANNEL_CLIENT`, see `main`).
+fn another_host_is_refused_without_a_secret_and_served_with_one() {
+    run("another_host_is_refused_without_a_secret_and_served_with_one", 120, async {
+        let ns = Netns::new("rpm");
+        for (secret, insecure) in [(None, false), (Some(SECRET), false), (None, true)] {
+            let cfg = RdmaConfig { listen: format!("{}:0", ns.here()), insecure, ..with_secret(secret) };
+            let server = transport(cfg).await;
+            let mem = Buffer::new(1 << 16).unwrap();
+            server.register(mem.region(), Access::REMOTE_RW).unwrap();
+            let addr = server.local_segment_name();
+            let mut client = ns.command(&std::env::current_exe().unwrap().to_string_lossy());
+            client.env("KVMOVE_SIDE_CHANNEL_CLIENT", &addr).env_remove("KVMOVE_SIDE_CHANNEL_SECRET");
+            if let Some(k) = secret {
+                client.env("KVMOVE_SIDE_CHANNEL_SECRET", k);
+            }
+            let out = tokio::task::spawn_blocking(move || client.output()).await.unwrap().unwrap();
+            let said = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert!(
+                out.status.success(),
+                "the client in the namespace: {said} {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let case = format!("secret {}, insecure {insecure}", secret.is_some());
+            if secret.is_none() && !insecure {
+                assert!(said.contains("\"result\":\"denied\""), "{case}: {said}");
+                assert!(said.contains("protected mode") && said.contains("KVMOVE_SECRET"), "{case}: {said}");
+                assert!(!said.contains("rkey") && !said.contains("descriptor"), "{case}: {said}");
+                // This host's own (routable) address: served without a secret.
+                let mut s = greeted(&addr, None).await;
+                s.get_mut().write_all(b"{\"op\":\"describe\"}\n").await.unwrap();
+                let d = line(&mut s).await.expect("an answer");
+                assert_eq!(d["result"], "descriptor", "this host, {case}: {d}");
+            } else {
+                assert!(said.contains("\"result\":\"descriptor\""), "{case}: {said}");
+            }
+            server.shutdown().await.unwrap();
+        }
+    });
+}
+
+/// The client side of the protected-mode test, run in its namespace:
+/// the handshake with `secret`, then `describe` once ready; prints every
+/// answer, a JSON line each.
+async fn namespace_client(addr: &str, secret: Option<&str>) {
+    let (s, answers) = greet(addr, secret).await;
+    for a in &answers {
+        println!("{a}");
+    }
+    if let Some(mut s) = s {
+        s.get_mut().write_all(b"{\"op\":\"describe\"}\n").await.unwrap();
+        if let Some(d) = line(&mut s).await {
+            println!("{d}");
+        }
+    }
+}
+
 fn main() {
+    if let Ok(addr) = std::env::var("KVMOVE_SIDE_CHANNEL_CLIENT") {
+        let secret = std::env::var("KVMOVE_SIDE_CHANNEL_SECRET").ok();
+        return rt().block_on(namespace_client(&addr, secret.as_deref()));
+    }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 6] = [
+    let tests: [(&str, fn()); 7] = [
         ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
         ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
         (
@@ -327,6 +395,10 @@ fn main() {
             legitimate_peers_get_through_a_flood_from_their_own_address,
         ),
         ("mismatched_secrets_fail_with_auth_failed", mismatched_secrets_fail_with_auth_failed),
+        (
+            "another_host_is_refused_without_a_secret_and_served_with_one",
+            another_host_is_refused_without_a_secret_and_served_with_one,
+        ),
     ];
     let have = device_or_skip("rdma side-channel tests");
     let trials = tests
