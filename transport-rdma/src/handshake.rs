@@ -201,7 +201,19 @@ pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
     };
     let (stream, reply) = match tokio::time::timeout(limit, work).await {
         Ok(r) => r?,
-        Err(_) => return Err(Error::new(ErrorKind::HandshakeFailed, "handshake timed out").with("segment", name)),
+        // Nobody answered in time (a peer stopped or frozen still accepts
+        // in its backlog): a timeout of the peer, not a failed handshake.
+        Err(_) => {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the peer did not complete the side channel's connect within {} ms (stopped, frozen, overloaded \
+                     or unreachable?)",
+                    limit.as_millis()
+                ),
+            )
+            .with("segment", name))
+        }
     };
     let (theirs, desc) = match reply {
         Reply::Connected { gid, lid, mtu, qps, descriptor } => (Half { gid, lid, mtu, qps }, descriptor),
@@ -228,7 +240,12 @@ pub(crate) async fn fetch_descriptor(name: &str, limit: Duration, secret: Option
     };
     let d = match tokio::time::timeout(limit, work).await {
         Ok(r) => r?,
-        Err(_) => return Err(Error::new(ErrorKind::HandshakeFailed, "descriptor request timed out")),
+        Err(_) => {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("the peer did not answer the descriptor request within {} ms", limit.as_millis()),
+            ))
+        }
     };
     if d.backend != crate::BACKEND {
         return Err(Error::new(ErrorKind::HandshakeFailed, format!("segment is served by {:?}, not rdma", d.backend))

@@ -148,9 +148,20 @@ pub(crate) async fn connect(addr: SocketAddr, cfg: &TcpConfig, peer: &str) -> Re
         .await
         .map_err(|_| Error::new(ErrorKind::ConnectionRefused, "connect timed out").with("peer", peer))?
         .map_err(|e| Error::from(e).with("peer", peer))?;
-    let hello = tokio::time::timeout(cfg.connect_timeout, handshake(&mut s, cfg, peer))
-        .await
-        .map_err(|_| Error::new(ErrorKind::HandshakeFailed, "handshake timed out").with("peer", peer))??;
+    // The kernel accepted the connection and the engine said nothing: a
+    // peer stopped (SIGSTOP) or frozen keeps accepting in its backlog, so
+    // this is a timeout of the peer, not a failed handshake.
+    let hello = tokio::time::timeout(cfg.connect_timeout, handshake(&mut s, cfg, peer)).await.map_err(|_| {
+        Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "the peer accepted the connection but did not answer the handshake within {} ms \
+                 (stopped, frozen or overloaded?)",
+                cfg.connect_timeout.as_millis()
+            ),
+        )
+        .with("peer", peer)
+    })??;
     Ok((s, hello))
 }
 

@@ -47,7 +47,10 @@ async fn try_legit_write(
                 assert!(
                     matches!(
                         e.kind(),
-                        ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset | ErrorKind::HandshakeFailed
+                        ErrorKind::ConnectionRefused
+                            | ErrorKind::ConnectionReset
+                            | ErrorKind::HandshakeFailed
+                            | ErrorKind::Timeout
                     ),
                     "{e}"
                 );
