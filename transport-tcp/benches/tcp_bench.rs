@@ -271,6 +271,46 @@ async fn ping_pong() -> (f64, f64) {
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
 }
 
+/// Issue 49: what the shared-secret handshake costs the first transfer.
+/// Rounds alternate between both ends without a secret and both with
+/// one; each round makes a fresh pair and times `open_segment` and the
+/// first 4 KiB write (connect, handshake, descriptor, write), then 200
+/// more writes on the same handle (one round trip each, the last 100
+/// kept). Medians of `rounds` rounds each: (first without, first with,
+/// steady write p50 with), microseconds.
+async fn first_transfer(rounds: usize) -> (f64, f64, f64) {
+    let (mut plain, mut secret, mut steady) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..2 * rounds {
+        let with = i % 2 == 1;
+        let cfg = || TcpConfig { secret: with.then(|| "bench-secret".into()), ..sockets() };
+        let (a, b) = (TcpTransport::new(cfg()).await.unwrap(), TcpTransport::new(cfg()).await.unwrap());
+        let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
+        let l = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let t0 = Instant::now();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        batch(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
+        let first = t0.elapsed().as_secs_f64() * 1e6;
+        if with {
+            secret.push(first);
+            let mut v = Vec::new();
+            for k in 0..200 {
+                let t0 = Instant::now();
+                batch(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
+                if k >= 100 {
+                    v.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            steady.push(pct(&mut v, 0.5));
+        } else {
+            plain.push(first);
+        }
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    }
+    (median(plain), median(secret), median(steady))
+}
+
 async fn per_request(n: usize) -> (f64, u64) {
     let (a, b) = (TcpTransport::new(sockets()).await.unwrap(), TcpTransport::new(sockets()).await.unwrap());
     let len = n * 2048;
@@ -308,7 +348,8 @@ fn main() {
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
         );
         // TCP_BENCH_ONLY=notify runs the notification part alone,
-        // TCP_BENCH_ONLY=latency the ping-pong and the 4 KiB write latency.
+        // TCP_BENCH_ONLY=latency the ping-pong and the 4 KiB write latency,
+        // TCP_BENCH_ONLY=first the secret's cost to the first transfer.
         let only = std::env::var("TCP_BENCH_ONLY").unwrap_or_default();
         let only_notify = only == "notify";
         // TCP_BENCH_ONLY=pingpong or =write: one of them alone, 3000
@@ -325,6 +366,22 @@ fn main() {
                 _ => latency_engine().await,
             };
             println!("{only} p50 {p50:.1} p99 {p99:.1}");
+            return;
+        }
+        if only == "first" {
+            // TCP_BENCH_ONLY=first: the handshake's cost to the first
+            // transfer, next to one round trip (issue 49).
+            for _ in 0..2 {
+                let (q50, _) = ping_pong().await;
+                let (plain, secret, steady) = first_transfer(100).await;
+                println!(
+                    "first transfer p50: no secret {plain:.1} us, secret {secret:.1} us, difference {:.1} us; \
+                     one round trip: a 4 KiB write {steady:.1} us, plain TCP ping-pong {q50:.1} us \
+                     (difference / write {:.2})",
+                    secret - plain,
+                    (secret - plain) / steady
+                );
+            }
             return;
         }
         if only == "latency" {
