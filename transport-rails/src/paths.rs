@@ -338,13 +338,15 @@ pub struct Reachability {
     /// Paths `(peer, rail, peer rail)` whose failure was logged and that
     /// have not opened since; at most [`MAX_LOGGED_PATHS`].
     logged: std::collections::HashSet<(String, usize, usize)>,
-    /// Unusable paths per peer, as of its last opening.
+    /// Unusable paths per peer, as of its last opening; at most
+    /// [`MAX_LOGGED_PATHS`] peers.
     unusable: std::collections::HashMap<String, usize>,
 }
 
-/// Paths whose failure is remembered as logged. Past this many, a newly
-/// failing path is logged again at each opening of its peer (the memory
-/// stays bounded whatever peers come and go).
+/// Paths whose failure is remembered as logged, and peers whose unusable
+/// paths are counted. Past this many, a newly failing path is logged
+/// again at each opening of its peer, and a new peer's are not counted
+/// (the memory stays bounded whatever peers come and go).
 pub const MAX_LOGGED_PATHS: usize = 4096;
 
 impl Reachability {
@@ -376,7 +378,9 @@ impl Reachability {
             }
         }
         if unusable > 0 {
-            self.unusable.insert(peer.to_owned(), unusable);
+            if self.unusable.len() < MAX_LOGGED_PATHS || self.unusable.contains_key(peer) {
+                self.unusable.insert(peer.to_owned(), unusable);
+            }
         } else {
             self.unusable.remove(peer);
         }
