@@ -111,6 +111,22 @@ class System:
             # network transport as kvmove's.
             for s in (self.prefill, self.decode):
                 s.extra_env.update(PYTHONPATH=os.path.join(HERE, "site"), UCX_TLS="tcp")
+                if not args.nixl_defaults:
+                    # UCX's knobs for its TCP transport, the same on both
+                    # ends: a mutex for the worker lock (NIXL's progress
+                    # thread and vLLM's polling share it; a preempted
+                    # holder of the default spinlock left the other
+                    # spinning), each 64 KiB block in one fragment instead
+                    # of eight, 4 MiB socket buffers (this kernel's most).
+                    s.extra_env.update(UCX_USE_MT_MUTEX="y", UCX_TCP_TX_SEG_SIZE="256k", UCX_TCP_RX_SEG_SIZE="1m",
+                                       UCX_TCP_SNDBUF="4m", UCX_TCP_RCVBUF="4m")  # fmt: skip
+                    # No thread pool: only batches of 1024 descriptors or
+                    # more use it (a 4000-token request is 256).
+                    s.kv_config = {"kv_connector": "NixlConnector", "kv_role": s.role, "kv_buffer_device": "cpu",
+                                   "kv_connector_extra_config": {"num_threads": 0}}  # fmt: skip
+        if not kv and not args.vllm_repin:
+            for s in (self.prefill, self.decode):
+                s.extra_env["KVMOVE_BENCH_KEEP_AFFINITY"] = "1"
 
     def start(self):
         for s in (self.prefill, self.decode):
@@ -218,6 +234,10 @@ def main():
     ap.add_argument("--burst-len", type=int, default=1024)
     ap.add_argument("--decode-blocks", type=int, default=64)
     ap.add_argument("--base-port", type=int, default=18500)
+    ap.add_argument("--nixl-defaults", action="store_true",
+                    help="nixl: UCX's and NIXL's defaults (else UCX's TCP knobs tuned and no thread pool)")
+    ap.add_argument("--vllm-repin", action="store_true",
+                    help="nixl, standin: let NixlConnector re-pin each worker to the last core (both on core 1 here)")
     ap.add_argument("--kv-bind", choices=("vllm", "own", "cross"), default="vllm",
                     help="kvmove's systems: vLLM's own binding (both workers on the last core), or each worker on "
                          "a core of its own as NIXL's, kvmove's threads on that core (own) or the other (cross)")  # fmt: skip
