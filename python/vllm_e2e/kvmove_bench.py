@@ -124,6 +124,12 @@ class System:
                     # more use it (a 4000-token request is 256).
                     s.kv_config = {"kv_connector": "NixlConnector", "kv_role": s.role, "kv_buffer_device": "cpu",
                                    "kv_connector_extra_config": {"num_threads": 0}}  # fmt: skip
+        if args.pin_servers:
+            # Every process of each server (API server, engine core,
+            # worker) on its core, as two machines would be: the decode's
+            # engine loop, which steps while a request waits for its KV,
+            # then never runs on the prefill's core.
+            self.prefill.cpus, self.decode.cpus = "0", "1"
         if not kv and not args.vllm_repin:
             for s in (self.prefill, self.decode):
                 s.extra_env["KVMOVE_BENCH_KEEP_AFFINITY"] = "1"
@@ -236,6 +242,8 @@ def main():
     ap.add_argument("--base-port", type=int, default=18500)
     ap.add_argument("--nixl-defaults", action="store_true",
                     help="nixl: UCX's and NIXL's defaults (else UCX's TCP knobs tuned and no thread pool)")
+    ap.add_argument("--pin-servers", action="store_true",
+                    help="every process of the prefill on core 0 and of the decode on core 1 (taskset)")
     ap.add_argument("--vllm-repin", action="store_true",
                     help="nixl, standin: let NixlConnector re-pin each worker to the last core (both on core 1 here)")
     ap.add_argument("--kv-bind", choices=("vllm", "own", "cross"), default="vllm",

@@ -141,6 +141,9 @@ class Server:
         # stand-in on PYTHONPATH), and more server arguments.
         self.kv_config = None
         self.extra_args = []
+        # kvmove_bench.py --pin-servers: every process of the server on
+        # these CPUs (`taskset -c`), as on a machine of its own.
+        self.cpus = None
 
     def start(self):
         a = self.args
@@ -159,6 +162,8 @@ class Server:
             # Every decode pulls its prompt's KV (none from its own cache).
             cmd.append("--no-enable-prefix-caching")
         cmd += self.extra_args
+        if self.cpus is not None:
+            cmd = ["taskset", "-c", self.cpus] + cmd
         env = dict(os.environ)
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")  # fmt: skip
