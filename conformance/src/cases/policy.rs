@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmove_policy::{BreakerState, Engine, PolicyConfig, RetryConfig};
-use transport_core::{Access, BatchState, ErrorKind, ManualClock, TransferRequest, Transport};
+use transport_core::{Access, BatchState, ErrorKind, ManualClock, SegmentId, TransferRequest, Transport};
 use transport_mock::{FaultPlan, FaultyTransport, RequestFault, RequestMatch};
 
 use crate::ctx::{bounded, expect_quiet, open, Ctx, Pair};
 use crate::ensure;
-use crate::guard::pattern;
+use crate::guard::{pattern, Guarded};
 use crate::harness::NodeOptions;
 use crate::outcome::{CaseError, CaseResult};
 
@@ -319,6 +319,21 @@ async fn killed_peer_with_open_breaker(
     Ok((p, engine, peer))
 }
 
+/// After a restarted peer was reached through `seg`: its breaker is
+/// closed and a 4 KiB write into `mem` (its fresh memory) completes.
+async fn closed_and_serving(engine: &Engine, peer: &str, p: &Pair, seg: SegmentId, mem: &Guarded) -> CaseResult {
+    ensure!(
+        engine.breaker_state(peer) == BreakerState::Closed,
+        "breaker is {:?} once the restarted peer was reached",
+        engine.breaker_state(peer)
+    );
+    let out =
+        bounded("engine transfer", engine.transfer(vec![TransferRequest::write(p.local_id, 0, seg, mem.addr(), 4096)]))
+            .await??;
+    ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
+    Ok(())
+}
+
 /// With real faults: the peer is killed, transfers through the engine
 /// fail until its breaker opens; the peer restarts; after the (short,
 /// real) cool-down the next open is the probe, it succeeds, the breaker
@@ -342,16 +357,7 @@ pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    ensure!(
-        engine.breaker_state(&peer) == BreakerState::Closed,
-        "breaker is {:?} after a successful probe",
-        engine.breaker_state(&peer)
-    );
-    let out =
-        bounded("engine transfer", engine.transfer(vec![TransferRequest::write(p.local_id, 0, seg, mem.addr(), 4096)]))
-            .await??;
-    ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
-    Ok(())
+    closed_and_serving(&engine, &peer, &p, seg, &mem).await
 }
 
 /// With real faults: the peer is killed and the breaker opens (cool-down
@@ -388,16 +394,7 @@ pub async fn first_call_after_restart_reaches_the_peer(cx: Ctx) -> CaseResult {
             interval * 2
         ))
     })?;
-    ensure!(
-        engine.breaker_state(&peer) == BreakerState::Closed,
-        "breaker is {:?} after the first call reached the restarted peer",
-        engine.breaker_state(&peer)
-    );
-    let out =
-        bounded("engine transfer", engine.transfer(vec![TransferRequest::write(p.local_id, 0, seg, mem.addr(), 4096)]))
-            .await??;
-    ensure!(out.is_success(), "transfer to the restarted peer ended {:?}", out.state);
-    Ok(())
+    closed_and_serving(&engine, &peer, &p, seg, &mem).await
 }
 
 /// With real faults: the peer is killed and the breaker opens (cool-down
