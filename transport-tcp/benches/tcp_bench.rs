@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use transport_core::{Access, BatchState, Buffer, SubmitOptions, TransferRequest, Transport};
+use transport_core::{Access, BatchState, Buffer, RegionId, SegmentId, SubmitOptions, TransferRequest, Transport};
 use transport_tcp::{TcpConfig, TcpTransport};
 
 fn rss_kib(field: &str) -> u64 {
@@ -103,20 +103,27 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p) as usize]
 }
 
+/// `n` one-request 4 KiB writes from `local` to `addr` of `seg`, one at a
+/// time; the microseconds each took, past the first `warm`.
+async fn timed_writes(t: &TcpTransport, local: RegionId, seg: SegmentId, addr: u64, n: usize, warm: usize) -> Vec<f64> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        let t0 = Instant::now();
+        batch(t, vec![TransferRequest::write(local, 0, seg, addr, 4096)]).await;
+        if i >= warm {
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    v
+}
+
 async fn latency() -> (f64, f64) {
     let (a, b) = (TcpTransport::new(sockets()).await.unwrap(), TcpTransport::new(sockets()).await.unwrap());
     let (src, dst) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
     let l = a.register(src.region(), Access::LOCAL).unwrap();
     b.register(dst.region(), Access::REMOTE_RW).unwrap();
     let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
-    let mut v = Vec::new();
-    for i in 0..3000 {
-        let t0 = Instant::now();
-        batch(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
-        if i >= 200 {
-            v.push(t0.elapsed().as_secs_f64() * 1e6);
-        }
-    }
+    let mut v = timed_writes(&a, l, seg, dst.addr(), 3000, 200).await;
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
@@ -293,15 +300,7 @@ async fn first_transfer(rounds: usize) -> (f64, f64, f64) {
         let first = t0.elapsed().as_secs_f64() * 1e6;
         if with {
             secret.push(first);
-            let mut v = Vec::new();
-            for k in 0..200 {
-                let t0 = Instant::now();
-                batch(&a, vec![TransferRequest::write(l, 0, seg, dst.addr(), 4096)]).await;
-                if k >= 100 {
-                    v.push(t0.elapsed().as_secs_f64() * 1e6);
-                }
-            }
-            steady.push(pct(&mut v, 0.5));
+            steady.push(pct(&mut timed_writes(&a, l, seg, dst.addr(), 200, 100).await, 0.5));
         } else {
             plain.push(first);
         }
