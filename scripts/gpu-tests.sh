@@ -1,49 +1,62 @@
 #!/usr/bin/env bash
 # Device memory against the real CUDA provider, on a machine with an NVIDIA
-# GPU (issue 24). CI has no GPU: there the fake device carries the same
-# paths (conformance `memory::device_regions`, python/tests/test_device_memory.py).
+# GPU (issue 24), or against the CUDA driver double (issue 51).
 #
 #   scripts/gpu-tests.sh                 # build here and run (needs cargo)
 #   scripts/gpu-tests.sh --build DIR     # only build the binaries into DIR
 #   scripts/gpu-tests.sh --prebuilt DIR  # run binaries built with --build
 #                                        # (a GPU machine without a network)
+#   scripts/gpu-tests.sh --double        # everything below against the
+#                                        # CUDA driver double, on any machine
 #
-# Runs: the CUDA provider's own tests (pointer classification, copies
-# through regions, the process-wide lookup), then device_bench --cuda (64
-# MiB device-to-device writes over TCP on loopback against host-to-host,
-# verified, with the provider's copy bandwidth), then, where the Python
-# virtualenv of scripts/python-tests.sh exists, python/tests/test_cuda.py.
-# Prints what it ran. Without a GPU it prints "GPU TESTS NOT RUN" and exits
-# 2: it never passes without having run.
+# Runs: the CUDA provider's tests (transport-mem/cuda-double/tests/
+# provider.rs: pointer classification, expandable segments, copies through
+# regions, contexts, dma-buf, the process-wide lookup), then device_bench
+# --cuda (64 MiB device-to-device writes over TCP on loopback against
+# host-to-host, verified, with the provider's copy bandwidth), then, where
+# the Python virtualenv of scripts/python-tests.sh exists,
+# python/tests/test_cuda.py. Prints what it ran. Without a GPU (and
+# without --double) it prints "GPU TESTS NOT RUN" and exits 2: it never
+# passes without having run. With --double its first and last lines say
+# "CUDA DRIVER DOUBLE, NOT A GPU": the double proves the provider's driver
+# calls, their order and contexts, its error handling and what it gives
+# back; only a GPU proves real copies, GPUDirect and speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 step() { printf '\n==> gpu: %s\n' "$*"; }
 
-mode=run dir=""
+mode=run dir="" double=0
 case "${1:-}" in
   --build) mode=build dir=${2:?--build DIR} ;;
   --prebuilt) mode=prebuilt dir=${2:?--prebuilt DIR} ;;
+  --double) double=1 ;;
   "") ;;
-  *) echo "usage: $0 [--build DIR | --prebuilt DIR]" >&2; exit 64 ;;
+  *) echo "usage: $0 [--build DIR | --prebuilt DIR | --double]" >&2; exit 64 ;;
 esac
 
 build() {
   local out=$1
   mkdir -p "$out"
-  # The test binary of transport-mem with the CUDA provider, and the bench.
-  local bin
-  bin=$(cargo test --release -p transport-mem --features cuda --no-run --message-format=json 2>/dev/null |
+  # The provider's test binary (kvmove-cuda-double's tests), the double
+  # itself (the tests load it when not on a GPU), and the bench.
+  local found bin lib
+  found=$(cargo test --release -p kvmove-cuda-double --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "transport_mem":
-        print(m["executable"])' | tail -n1)
-  [ -n "$bin" ] || { echo "cannot find the transport-mem test binary" >&2; exit 1; }
-  cp "$bin" "$out/transport-mem-tests"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "provider":
+        print("bin", m["executable"])
+    if m.get("reason") == "build-script-executed" and "cuda-double" in m.get("package_id", ""):
+        print("lib", m["out_dir"] + "/libkvmove_cuda_double.so")')
+  bin=$(echo "$found" | sed -n 's/^bin //p' | tail -n1)
+  lib=$(echo "$found" | sed -n 's/^lib //p' | tail -n1)
+  [ -n "$bin" ] && [ -f "$lib" ] || { echo "cannot find the CUDA provider's test binary or the double" >&2; exit 1; }
+  cp "$bin" "$out/cuda-provider-tests"
+  cp "$lib" "$out/"
   cargo build --release -p transport-tcp --features cuda --example device_bench
   cp "${CARGO_TARGET_DIR:-$root/target}/release/examples/device_bench" "$out/device_bench"
-  echo "built into $out: transport-mem-tests device_bench"
+  echo "built into $out: cuda-provider-tests libkvmove_cuda_double.so device_bench"
 }
 
 if [ "$mode" = build ]; then
@@ -51,25 +64,44 @@ if [ "$mode" = build ]; then
   exit 0
 fi
 
-gpu=""
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  gpu=$(nvidia-smi -L | head -n 4)
+banner=""
+if [ "$double" = 1 ]; then
+  banner="CUDA DRIVER DOUBLE, NOT A GPU"
+  echo "$banner: scripts/gpu-tests.sh --double runs the GPU tests against kvmove's CUDA driver double"
+else
+  gpu=""
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    gpu=$(nvidia-smi -L | head -n 4)
+  fi
+  if [ -z "$gpu" ]; then
+    echo "GPU TESTS NOT RUN: no NVIDIA GPU or driver here (nvidia-smi -L found none); the CUDA provider was not exercised"
+    echo "(scripts/gpu-tests.sh --double runs them against the CUDA driver double)"
+    exit 2
+  fi
+  step "GPUs"
+  echo "$gpu"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 fi
-if [ -z "$gpu" ]; then
-  echo "GPU TESTS NOT RUN: no NVIDIA GPU or driver here (nvidia-smi -L found none); the CUDA provider was not exercised"
-  exit 2
-fi
-step "GPUs"
-echo "$gpu"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 if [ "$mode" = run ]; then
   dir=${CARGO_TARGET_DIR:-$root/target}/gpu-tests
   build "$dir"
 fi
 
-step "CUDA provider tests (transport-mem --features cuda, GPU tests included)"
-"$dir/transport-mem-tests" --include-ignored --test-threads 1
+if [ "$double" = 1 ]; then
+  # Every process below finds the double as the driver, as a real one is
+  # found: libcuda.so.1 (and libcuda.so) on the library path.
+  lib=$(mktemp -d)
+  trap 'rm -rf "$lib"' EXIT
+  ln -s "$dir/libkvmove_cuda_double.so" "$lib/libcuda.so.1"
+  ln -s "$dir/libkvmove_cuda_double.so" "$lib/libcuda.so"
+  export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  step "CUDA provider tests against the double (each in a process of its own)"
+  KVMOVE_CUDA_DOUBLE_LIB="$dir/libkvmove_cuda_double.so" "$dir/cuda-provider-tests" --test-threads 1
+else
+  step "CUDA provider tests against the GPU"
+  KVMOVE_CUDA_TESTS=gpu "$dir/cuda-provider-tests" --test-threads 1
+fi
 
 step "device_bench --cuda: 64 MiB writes over TCP on loopback, host->host vs device->device"
 "$dir/device_bench" 3 --cuda
@@ -82,10 +114,15 @@ step "device_bench --cuda --read, unstaged and --staging=16: 64 MiB reads into d
 venv=${KVMOVE_PY_VENV:-${CARGO_TARGET_DIR:-$root/target}/python-venv}
 if [ -x "$venv/bin/pytest" ]; then
   step "python/tests/test_cuda.py and test_device_memory.py (CUDA memory through both APIs)"
-  # A GPU is here: a CUDA test that skips fails instead.
+  # A GPU (or the double) is here: a CUDA test that skips fails instead.
   (cd python && KVMOVE_REQUIRE_CUDA=1 "$venv/bin/pytest" -p no:cacheprovider --timeout 300 -q -rs tests/test_cuda.py tests/test_device_memory.py)
 else
   step "python: no virtualenv at $venv (run scripts/python-tests.sh first): Python CUDA tests NOT RUN"
 fi
 echo
-echo "GPU TESTS RAN: CUDA provider tests, device_bench --cuda$([ -x "$venv/bin/pytest" ] && echo ", python test_cuda.py")"
+ran="CUDA provider tests, device_bench --cuda$([ -x "$venv/bin/pytest" ] && echo ", python test_cuda.py")"
+if [ "$double" = 1 ]; then
+  echo "$banner: ran $ran against the CUDA driver double"
+else
+  echo "GPU TESTS RAN: $ran"
+fi

@@ -1,1201 +1,178 @@
-//! A CUDA driver double: a shared library with the driver API's symbols
-//! and ABI, loaded where the real `libcuda.so.1` would be (a directory on
-//! `LD_LIBRARY_PATH` holding it under the driver's names), so kvmove's
-//! CUDA provider (`transport-mem/src/cuda.rs`) runs its real code on a
-//! machine without a GPU.
-//!
-//! What it keeps of the driver's documented behaviour, because the
-//! provider depends on it:
-//! - device memory the host cannot touch: a `memfd` mapped `PROT_NONE` at
-//!   the address handed out (a host access faults) and read-write in a
-//!   second mapping only the double's copies use;
-//! - devices, primary contexts with reference counts (a context whose
-//!   count falls to zero is destroyed), a current-context stack per
-//!   thread, and calls that need a current context failing without one;
-//! - streams whose asynchronous copies happen at `cuStreamSynchronize`
-//!   (or a sync of an event recorded after them), not before: a caller
-//!   that uses the bytes early sees the old ones;
-//! - pointer attributes of device, managed, registered host and plain host
-//!   memory; allocations made of several mappings back to back (what
-//!   torch's expandable segments are: `cuMemAddressReserve`,
-//!   `cuMemCreate`, `cuMemMap`); host registration; a dma-buf file
-//!   descriptor per exported range; `cuInit` failing as on a machine with
-//!   a driver and no GPU (`KVMOVE_CUDA_DOUBLE_DEVICES=0`).
-//!
-//! And what a test needs beyond the driver, through functions of its own
-//! (`kvmove_double_*`, found with `dlsym`): any call made to fail on
-//! demand with a chosen `CUresult`, a record of every call (name, thread,
-//! current context, stream), counts of what is still held (contexts
-//! retained, streams, events, registrations, allocation handles, dma-buf
-//! descriptors, copies not yet run), and a "kernel" (a fill queued on a
-//! stream) for tests of copies that must wait for the application's work.
-//!
-//! Settings, read by `cuInit` and `cuDriverGetVersion`:
-//! `KVMOVE_CUDA_DOUBLE_DEVICES` (default 2), `KVMOVE_CUDA_DOUBLE_DRIVER`
-//! (the version reported, default 12020), `KVMOVE_CUDA_DOUBLE_INIT` (a
-//! `CUresult` every `cuInit` returns). It is for tests only: never install
-//! it where a real driver is expected.
+//! kvmove's CUDA driver double, for tests: where its shared library is
+//! ([`library`], built by build.rs from `driver/libcuda.rs`), a test run
+//! under it in a child process ([`under_double`]), and its own functions
+//! from inside that process ([`Double`]: failures on demand, the record of
+//! calls, what is still held).
 #![allow(unsafe_code)]
-#![allow(non_snake_case, clippy::missing_safety_doc)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::path::PathBuf;
+use std::process::Command;
 
-type CUresult = c_uint;
-type Fallible = Result<(), CUresult>;
+/// Clippy's view of the double itself (it is built by build.rs, outside
+/// cargo's targets); never compiled into this library.
+#[cfg(clippy)]
+#[path = "../driver/libcuda.rs"]
+mod driver;
 
-const SUCCESS: CUresult = 0;
-const INVALID_VALUE: CUresult = 1;
-const OUT_OF_MEMORY: CUresult = 2;
-const NOT_INITIALIZED: CUresult = 3;
-const NO_DEVICE: CUresult = 100;
-const INVALID_DEVICE: CUresult = 101;
-const INVALID_CONTEXT: CUresult = 201;
-const INVALID_HANDLE: CUresult = 400;
-const NOT_FOUND: CUresult = 500;
-const NOT_READY: CUresult = 600;
-const CONTEXT_IS_DESTROYED: CUresult = 709;
-const HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
-const HOST_MEMORY_NOT_REGISTERED: CUresult = 713;
-const NOT_SUPPORTED: CUresult = 801;
-
-/// Names and descriptions `cuGetErrorName` / `cuGetErrorString` give.
-const ERRORS: &[(CUresult, &CStr, &CStr)] = &[
-    (SUCCESS, c"CUDA_SUCCESS", c"no error"),
-    (INVALID_VALUE, c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
-    (OUT_OF_MEMORY, c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
-    (NOT_INITIALIZED, c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
-    (NO_DEVICE, c"CUDA_ERROR_NO_DEVICE", c"no CUDA-capable device is detected"),
-    (INVALID_DEVICE, c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
-    (INVALID_CONTEXT, c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
-    (INVALID_HANDLE, c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
-    (NOT_FOUND, c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
-    (NOT_READY, c"CUDA_ERROR_NOT_READY", c"device not ready"),
-    (700, c"CUDA_ERROR_ILLEGAL_ADDRESS", c"an illegal memory access was encountered"),
-    (CONTEXT_IS_DESTROYED, c"CUDA_ERROR_CONTEXT_IS_DESTROYED", c"context is destroyed"),
-    (
-        HOST_MEMORY_ALREADY_REGISTERED,
-        c"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-        c"part or all of the requested memory range is already mapped",
-    ),
-    (
-        HOST_MEMORY_NOT_REGISTERED,
-        c"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-        c"pointer does not correspond to a registered memory region",
-    ),
-    (719, c"CUDA_ERROR_LAUNCH_FAILED", c"unspecified launch failure"),
-    (NOT_SUPPORTED, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
-    (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
-];
-
-/// Handles are small tagged integers, never addresses.
-const CTX_BASE: usize = 0xc7_0000;
-const STREAM_BASE: usize = 0x57_0000_0000;
-const EVENT_BASE: usize = 0xe7_0000_0000;
-/// Most devices, and the largest allocation, the double accepts.
-const MAX_DEVICES: u32 = 16;
-const MAX_ALLOC: u64 = 1 << 36;
-/// Calls recorded at most (later ones are counted, not recorded).
-const MAX_LOG: usize = 1 << 20;
-
-/// What a device address range is.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    /// `cuMemAlloc`: device memory.
-    Device,
-    /// `cuMemAllocManaged`: readable by the host.
-    Managed,
-    /// `cuMemMap` of a `cuMemCreate` allocation.
-    Mapped { handle: u64 },
+/// Where a test body runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Driver {
+    /// The CUDA driver double, in a child process of the test.
+    Double,
+    /// A real GPU and driver (`KVMOVE_CUDA_TESTS=gpu`).
+    Gpu,
 }
 
-struct Mem {
-    len: u64,
-    dev: u32,
-    kind: Kind,
-    /// The read-write view of the same pages.
-    shadow: usize,
-    /// The memfd (and the length of both views) when this range owns them.
-    own: Option<(c_int, usize)>,
-}
-
-/// A `cuMemCreate` allocation.
-struct Phys {
-    dev: u32,
-    len: u64,
-    fd: c_int,
-    shadow: usize,
-    /// Its own reference, each mapping's and each retain's.
-    refs: u32,
-}
-
-enum Op {
-    /// Bytes gathered from `src` pieces and scattered to `dst` pieces
-    /// (addresses the double may touch: host memory or shadows).
-    Copy { dst: Vec<(usize, usize)>, src: Vec<(usize, usize)> },
-    /// A "kernel" of the application's: `byte` over the pieces.
-    Fill { dst: Vec<(usize, usize)>, byte: u8 },
-    /// Nothing later on this stream runs before `stream` ran `upto` ops.
-    Wait { stream: usize, upto: u64 },
-}
-
-struct Stream {
-    dev: u32,
-    ops: VecDeque<Op>,
-    /// Ops queued and ops run since it was made.
-    queued: u64,
-    done: u64,
-}
-
-struct Call {
-    name: &'static str,
-    thread: u64,
-    ctx: usize,
-    stream: usize,
-}
-
-#[derive(Default)]
-struct State {
-    init: bool,
-    devices: u32,
-    /// Each device's primary context's reference count.
-    primary: Vec<u32>,
-    mems: BTreeMap<u64, Mem>,
-    phys: HashMap<u64, Phys>,
-    /// Address ranges reserved (`cuMemAddressReserve`): base to length.
-    reserved: BTreeMap<u64, u64>,
-    /// Registered host memory: address to (length, device).
-    hosts: BTreeMap<u64, (u64, u32)>,
-    streams: HashMap<usize, Stream>,
-    /// Events: where they were recorded (stream, ops queued then).
-    events: HashMap<usize, Option<(usize, u64)>>,
-    next: usize,
-    calls: Vec<Call>,
-    calls_dropped: u64,
-    /// Flags of every stream made, in order.
-    stream_flags: Vec<c_uint>,
-    /// Calls to fail: name to (code, how many more times).
-    failing: HashMap<String, (CUresult, u32)>,
-}
-
-static STATE: Mutex<Option<State>> = Mutex::new(None);
-static THREADS: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// This thread's current-context stack (context handles).
-    static STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
-    static THREAD: u64 = THREADS.fetch_add(1, Ordering::Relaxed);
-}
-
-fn lock() -> MutexGuard<'static, Option<State>> {
-    STATE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn current() -> usize {
-    STACK.with(|s| s.borrow().last().copied().unwrap_or(0))
-}
-
-fn ctx_of(dev: u32) -> usize {
-    CTX_BASE + dev as usize * 16
-}
-
-fn env_num(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.trim().parse().ok()
-}
-
-/// Writes `v` where the caller asked for an output.
-fn put<T>(p: *mut T, v: T) -> Fallible {
-    if p.is_null() {
-        return Err(INVALID_VALUE);
-    }
-    // SAFETY: the driver API's contract: an output pointer the caller
-    // passes points to a writable, aligned `T` (null is refused above).
-    unsafe { p.write(v) };
-    Ok(())
-}
-
-/// One driver call: recorded, failed on demand, refused before `cuInit`.
-fn api(name: &'static str, stream: usize, f: impl FnOnce(&mut State) -> Fallible) -> CUresult {
-    let mut guard = lock();
-    let st = guard.get_or_insert_with(State::default);
-    if st.calls.len() < MAX_LOG {
-        let thread = THREAD.with(|t| *t);
-        st.calls.push(Call { name, thread, ctx: current(), stream });
-    } else {
-        st.calls_dropped += 1;
-    }
-    if let Some((code, left)) = st.failing.get_mut(name) {
-        let code = *code;
-        *left -= 1;
-        if *left == 0 {
-            st.failing.remove(name);
-        }
-        return code;
-    }
-    let before_init = matches!(name, "cuInit" | "cuDriverGetVersion" | "cuGetErrorName" | "cuGetErrorString");
-    if !st.init && !before_init {
-        return NOT_INITIALIZED;
-    }
-    match f(st) {
-        Ok(()) => SUCCESS,
-        Err(code) => code,
+/// The double's shared library: `KVMOVE_CUDA_DOUBLE_LIB` if set (binaries
+/// copied to another machine, scripts/gpu-tests.sh --prebuilt), else where
+/// this crate's build script built it.
+pub fn library() -> PathBuf {
+    match std::env::var_os("KVMOVE_CUDA_DOUBLE_LIB") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("KVMOVE_CUDA_DOUBLE_BUILT")),
     }
 }
 
-fn page() -> u64 {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
-}
-
-fn round_up(n: u64) -> Option<u64> {
-    let pg = page();
-    n.checked_add(pg - 1).map(|x| x / pg * pg)
-}
-
-/// A memfd of `len` bytes and a read-write mapping of it.
-fn shared_pages(len: usize, name: &CStr) -> Result<(c_int, usize), CUresult> {
-    // SAFETY: memfd_create reads the NUL-terminated name; the rest are
-    // plain calls on the descriptor it returns (closed on every failure).
-    unsafe {
-        let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
-        if fd < 0 {
-            return Err(OUT_OF_MEMORY);
-        }
-        let size = libc::off_t::try_from(len).map_err(|_| OUT_OF_MEMORY);
-        if size.is_err() || libc::ftruncate(fd, size.unwrap_or(0)) != 0 {
-            libc::close(fd);
-            return Err(OUT_OF_MEMORY);
-        }
-        let rw = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
-        if rw == libc::MAP_FAILED {
-            libc::close(fd);
-            return Err(OUT_OF_MEMORY);
-        }
-        Ok((fd, rw as usize))
+/// A new directory holding the double under the driver's names
+/// (`libcuda.so.1`, `libcuda.so`), for a process's `LD_LIBRARY_PATH`.
+pub fn driver_dir(tag: &str) -> std::io::Result<PathBuf> {
+    let lib = library();
+    if !lib.exists() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no CUDA driver double at {}", lib.display()),
+        ));
     }
-}
-
-/// Maps `len` bytes of `fd` from `offset` with no access at `at` (fixed)
-/// or where the kernel likes (`at` 0): the addresses users see.
-fn inaccessible(fd: c_int, len: usize, offset: u64, at: u64) -> Result<usize, CUresult> {
-    let flags = libc::MAP_SHARED | if at == 0 { 0 } else { libc::MAP_FIXED };
-    let off = libc::off_t::try_from(offset).map_err(|_| INVALID_VALUE)?;
-    // SAFETY: maps pages of our memfd with no access; with MAP_FIXED only
-    // over a range this double reserved (checked by the caller).
-    let p = unsafe { libc::mmap(at as *mut c_void, len, libc::PROT_NONE, flags, fd, off) };
-    if p == libc::MAP_FAILED {
-        return Err(OUT_OF_MEMORY);
+    let dir = std::env::temp_dir().join(format!("kvmove-cuda-double-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        std::os::unix::fs::symlink(&lib, dir.join(name))?;
     }
-    Ok(p as usize)
+    Ok(dir)
 }
 
-fn unmap(addr: usize, len: usize) {
-    // SAFETY: unmaps a mapping this double made (its views and shadows are
-    // never handed to anyone as host memory).
-    unsafe { libc::munmap(addr as *mut c_void, len) };
-}
-
-impl State {
-    fn need_ctx(&self) -> Result<u32, CUresult> {
-        let ctx = current();
-        if ctx == 0 {
-            return Err(INVALID_CONTEXT);
-        }
-        let dev = self.ctx_dev(ctx).ok_or(INVALID_CONTEXT)?;
-        if self.primary[dev as usize] == 0 {
-            return Err(CONTEXT_IS_DESTROYED);
-        }
-        Ok(dev)
+/// Runs `test` (this binary's test of that name) under the double, in a
+/// child with `env` set, and fails if it fails. Returns the driver the
+/// body should run against here, or `None` when the child ran it. With
+/// `KVMOVE_CUDA_TESTS=gpu` the body runs here against the real driver.
+///
+/// # Panics
+///
+/// When the child fails, or ran no test of that name.
+pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
+    match std::env::var("KVMOVE_CUDA_TESTS").as_deref() {
+        Ok("gpu") => return Some(Driver::Gpu),
+        Ok("double") => return Some(Driver::Double),
+        _ => {}
     }
-
-    fn ctx_dev(&self, ctx: usize) -> Option<u32> {
-        let off = ctx.checked_sub(CTX_BASE)?;
-        let dev = u32::try_from(off / 16).ok()?;
-        (off % 16 == 0 && dev < self.devices).then_some(dev)
+    let dir = driver_dir(test).expect("the CUDA driver double");
+    let mut path = dir.clone().into_os_string();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(old);
     }
-
-    fn dev(&self, d: c_int) -> Result<u32, CUresult> {
-        u32::try_from(d).ok().filter(|&d| d < self.devices).ok_or(INVALID_DEVICE)
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", path)
+        .env("KVMOVE_CUDA_TESTS", "double");
+    for (k, v) in env {
+        cmd.env(k, v);
     }
-
-    fn next(&mut self) -> usize {
-        self.next += 1;
-        self.next
-    }
-
-    /// The range holding `addr`: its base and what it is.
-    fn find(&self, addr: u64) -> Option<(u64, &Mem)> {
-        let (&base, m) = self.mems.range(..=addr).next_back()?;
-        (addr - base < m.len).then_some((base, m))
-    }
-
-    /// Whether `addr` is device memory the host cannot touch.
-    fn is_device(&self, addr: u64) -> bool {
-        self.find(addr).is_some_and(|(_, m)| m.kind != Kind::Managed)
-    }
-
-    /// The shadow pieces of `len` device bytes at `addr`; every byte must
-    /// be device (or managed) memory, across mappings back to back.
-    fn pieces(&self, addr: u64, len: u64) -> Result<Vec<(usize, usize)>, CUresult> {
-        let mut out = Vec::new();
-        let mut at = addr;
-        let end = addr.checked_add(len).ok_or(INVALID_VALUE)?;
-        while at < end {
-            let (base, m) = self.find(at).ok_or(INVALID_VALUE)?;
-            let n = (base + m.len - at).min(end - at);
-            out.push((m.shadow + (at - base) as usize, n as usize));
-            at += n;
-        }
-        Ok(out)
-    }
-
-    /// A host buffer for a copy: it must not be device memory.
-    fn host(&self, p: usize, len: usize) -> Result<Vec<(usize, usize)>, CUresult> {
-        if p == 0 && len > 0 {
-            return Err(INVALID_VALUE);
-        }
-        let end = (p as u64).checked_add(len as u64).ok_or(INVALID_VALUE)?;
-        if self.is_device(p as u64) || (len > 0 && self.is_device(end - 1)) {
-            return Err(INVALID_VALUE);
-        }
-        Ok(vec![(p, len)])
-    }
-
-    /// Queues `op` on `stream` (made in the current context), or runs it
-    /// at once on the legacy default stream.
-    fn enqueue(&mut self, stream: usize, op: Op) -> Fallible {
-        let dev = self.need_ctx()?;
-        if stream <= 2 {
-            run_op(self, op);
-            return Ok(());
-        }
-        let s = self.streams.get_mut(&stream).ok_or(INVALID_HANDLE)?;
-        if s.dev != dev {
-            return Err(INVALID_CONTEXT);
-        }
-        s.ops.push_back(op);
-        s.queued += 1;
-        Ok(())
-    }
-
-    /// Runs `stream`'s ops until `upto` of them ran.
-    fn run(&mut self, stream: usize, upto: u64) {
-        loop {
-            let Some(s) = self.streams.get_mut(&stream) else { return };
-            if s.done >= upto {
-                return;
-            }
-            let Some(op) = s.ops.pop_front() else { return };
-            s.done += 1;
-            run_op(self, op);
-        }
-    }
-
-    fn run_all(&mut self, stream: usize) {
-        self.run(stream, u64::MAX);
-    }
-
-    fn free_phys(&mut self, handle: u64) {
-        if let Some(p) = self.phys.get(&handle) {
-            if p.refs == 0 {
-                unmap(p.shadow, p.len as usize);
-                // SAFETY: closes the memfd this allocation owned, once.
-                unsafe { libc::close(p.fd) };
-                self.phys.remove(&handle);
-            }
-        }
-    }
-
-    fn release(&mut self, handle: u64) -> Fallible {
-        let p = self.phys.get_mut(&handle).ok_or(INVALID_HANDLE)?;
-        p.refs = p.refs.saturating_sub(1);
-        self.free_phys(handle);
-        Ok(())
-    }
+    let out = cmd.output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{test} under the CUDA driver double failed:\n{text}");
+    assert!(text.contains("1 passed"), "{test} did not run under the double:\n{text}");
+    None
 }
 
-fn run_op(st: &mut State, op: Op) {
-    match op {
-        Op::Copy { dst, src } => {
-            let (mut di, mut si, mut doff, mut soff) = (0, 0, 0, 0);
-            while di < dst.len() && si < src.len() {
-                let n = (dst[di].1 - doff).min(src[si].1 - soff);
-                // SAFETY: both sides were checked when the copy was queued:
-                // shadows of live device memory, or host memory the caller
-                // keeps valid until the stream is synchronized (the
-                // driver's contract for asynchronous copies).
-                unsafe { std::ptr::copy((src[si].0 + soff) as *const u8, (dst[di].0 + doff) as *mut u8, n) };
-                doff += n;
-                soff += n;
-                if doff == dst[di].1 {
-                    di += 1;
-                    doff = 0;
-                }
-                if soff == src[si].1 {
-                    si += 1;
-                    soff = 0;
-                }
-            }
-        }
-        Op::Fill { dst, byte } => {
-            for (p, n) in dst {
-                // SAFETY: shadows of live device memory, checked when queued.
-                unsafe { std::ptr::write_bytes(p as *mut u8, byte, n) };
-            }
-        }
-        Op::Wait { stream, upto } => st.run(stream, upto),
-    }
-}
-
-// ---- initialization and devices ----
-
-#[no_mangle]
-pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
-    api("cuInit", 0, |st| {
-        if let Some(code) = env_num("KVMOVE_CUDA_DOUBLE_INIT").and_then(|c| CUresult::try_from(c).ok()) {
-            return Err(code);
-        }
-        if flags != 0 {
-            return Err(INVALID_VALUE);
-        }
-        if st.init {
-            return Ok(());
-        }
-        let n = env_num("KVMOVE_CUDA_DOUBLE_DEVICES").unwrap_or(2).min(u64::from(MAX_DEVICES)) as u32;
-        if n == 0 {
-            return Err(NO_DEVICE);
-        }
-        st.devices = n;
-        st.primary = vec![0; n as usize];
-        st.init = true;
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuDriverGetVersion(version: *mut c_int) -> CUresult {
-    api("cuDriverGetVersion", 0, |_| {
-        let v = env_num("KVMOVE_CUDA_DOUBLE_DRIVER").and_then(|v| c_int::try_from(v).ok()).unwrap_or(12020);
-        put(version, v)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuGetErrorName(code: CUresult, out: *mut *const c_char) -> CUresult {
-    api("cuGetErrorName", 0, |_| {
-        let (_, name, _) = ERRORS.iter().find(|e| e.0 == code).ok_or(INVALID_VALUE)?;
-        put(out, name.as_ptr())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuGetErrorString(code: CUresult, out: *mut *const c_char) -> CUresult {
-    api("cuGetErrorString", 0, |_| {
-        let (_, _, text) = ERRORS.iter().find(|e| e.0 == code).ok_or(INVALID_VALUE)?;
-        put(out, text.as_ptr())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
-    api("cuDeviceGetCount", 0, |st| put(count, st.devices as c_int))
-}
-
-#[no_mangle]
-pub extern "C" fn cuDeviceGet(dev: *mut c_int, ordinal: c_int) -> CUresult {
-    api("cuDeviceGet", 0, |st| {
-        let d = st.dev(ordinal)?;
-        put(dev, d as c_int)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuDeviceGetPCIBusId(buf: *mut c_char, len: c_int, dev: c_int) -> CUresult {
-    api("cuDeviceGetPCIBusId", 0, |st| {
-        let d = st.dev(dev)?;
-        let id = format!("0000:{:02x}:00.0\0", 0x17 + d);
-        let cap = usize::try_from(len).map_err(|_| INVALID_VALUE)?;
-        if buf.is_null() || cap < id.len() {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: the caller's buffer holds `len` bytes (checked to fit the
-        // id and its NUL).
-        unsafe { std::ptr::copy_nonoverlapping(id.as_ptr(), buf.cast::<u8>(), id.len()) };
-        Ok(())
-    })
-}
-
-// ---- contexts ----
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, dev: c_int) -> CUresult {
-    api("cuDevicePrimaryCtxRetain", 0, |st| {
-        let d = st.dev(dev)?;
-        put(ctx, ctx_of(d) as *mut c_void)?;
-        st.primary[d as usize] += 1;
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
-    api("cuDevicePrimaryCtxRelease_v2", 0, |st| {
-        let d = st.dev(dev)?;
-        let refs = &mut st.primary[d as usize];
-        if *refs == 0 {
-            return Err(INVALID_CONTEXT);
-        }
-        *refs -= 1;
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxGetState(dev: c_int, flags: *mut c_uint, active: *mut c_int) -> CUresult {
-    api("cuDevicePrimaryCtxGetState", 0, |st| {
-        let d = st.dev(dev)?;
-        put(flags, 0)?;
-        put(active, c_int::from(st.primary[d as usize] > 0))
-    })
-}
-
-/// A context handle that names a live primary context.
-fn live_ctx(st: &State, ctx: usize) -> Result<u32, CUresult> {
-    let d = st.ctx_dev(ctx).ok_or(INVALID_CONTEXT)?;
-    if st.primary[d as usize] == 0 {
-        return Err(INVALID_CONTEXT);
-    }
-    Ok(d)
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxGetCurrent(ctx: *mut *mut c_void) -> CUresult {
-    api("cuCtxGetCurrent", 0, |_| put(ctx, current() as *mut c_void))
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CUresult {
-    api("cuCtxSetCurrent", 0, |st| {
-        let ctx = ctx as usize;
-        if ctx != 0 {
-            live_ctx(st, ctx)?;
-        }
-        STACK.with(|s| {
-            let mut s = s.borrow_mut();
-            s.pop();
-            if ctx != 0 {
-                s.push(ctx);
-            }
-        });
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxPushCurrent_v2(ctx: *mut c_void) -> CUresult {
-    api("cuCtxPushCurrent_v2", 0, |st| {
-        live_ctx(st, ctx as usize)?;
-        STACK.with(|s| s.borrow_mut().push(ctx as usize));
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxPopCurrent_v2(ctx: *mut *mut c_void) -> CUresult {
-    api("cuCtxPopCurrent_v2", 0, |_| {
-        let top = STACK.with(|s| s.borrow_mut().pop()).ok_or(INVALID_CONTEXT)?;
-        if !ctx.is_null() {
-            put(ctx, top as *mut c_void)?;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    api("cuCtxSynchronize", 0, |st| {
-        let dev = st.need_ctx()?;
-        let ids: Vec<usize> = st.streams.iter().filter(|(_, s)| s.dev == dev).map(|(&id, _)| id).collect();
-        for id in ids {
-            st.run_all(id);
-        }
-        Ok(())
-    })
-}
-
-// ---- memory ----
-
-#[no_mangle]
-pub extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CUresult {
-    api("cuMemAlloc_v2", 0, |st| {
-        let dev = st.need_ctx()?;
-        let len = size as u64;
-        if len == 0 {
-            return Err(INVALID_VALUE);
-        }
-        if len > MAX_ALLOC {
-            return Err(OUT_OF_MEMORY);
-        }
-        let view_len = round_up(len).ok_or(OUT_OF_MEMORY)? as usize;
-        let (fd, shadow) = shared_pages(view_len, c"kvmove-cuda-double")?;
-        let view = match inaccessible(fd, view_len, 0, 0) {
-            Ok(v) => v,
-            Err(e) => {
-                unmap(shadow, view_len);
-                // SAFETY: the memfd made just above, not handed out.
-                unsafe { libc::close(fd) };
-                return Err(e);
-            }
-        };
-        st.mems.insert(view as u64, Mem { len, dev, kind: Kind::Device, shadow, own: Some((fd, view_len)) });
-        put(dptr, view as u64)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, _flags: c_uint) -> CUresult {
-    api("cuMemAllocManaged", 0, |st| {
-        let dev = st.need_ctx()?;
-        let len = size as u64;
-        if len == 0 || len > MAX_ALLOC {
-            return Err(if len == 0 { INVALID_VALUE } else { OUT_OF_MEMORY });
-        }
-        let view_len = round_up(len).ok_or(OUT_OF_MEMORY)? as usize;
-        let (fd, shadow) = shared_pages(view_len, c"kvmove-cuda-double-managed")?;
-        st.mems.insert(shadow as u64, Mem { len, dev, kind: Kind::Managed, shadow, own: Some((fd, 0)) });
-        put(dptr, shadow as u64)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemFree_v2(dptr: u64) -> CUresult {
-    api("cuMemFree_v2", 0, |st| {
-        st.need_ctx()?;
-        match st.mems.get(&dptr) {
-            Some(m) if m.kind != Kind::Device && m.kind != Kind::Managed => return Err(INVALID_VALUE),
-            Some(_) => {}
-            None => return Err(INVALID_VALUE),
-        }
-        if let Some(m) = st.mems.remove(&dptr) {
-            if let Some((fd, view_len)) = m.own {
-                let shadow_len = round_up(m.len).unwrap_or(m.len) as usize;
-                unmap(m.shadow, shadow_len);
-                if view_len > 0 {
-                    unmap(dptr as usize, view_len);
-                }
-                // SAFETY: closes the memfd this allocation owned, once.
-                unsafe { libc::close(fd) };
-            }
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: u64) -> CUresult {
-    api("cuPointerGetAttribute", 0, |st| {
-        let ctx_dev = st.need_ctx()?;
-        const MEMORY_TYPE: c_uint = 2;
-        const IS_MANAGED: c_uint = 8;
-        const DEVICE_ORDINAL: c_uint = 9;
-        const RANGE_START: c_uint = 11;
-        const RANGE_SIZE: c_uint = 12;
-        let (mtype, managed, dev, range) = if let Some((base, m)) = st.find(ptr) {
-            (2u32, u32::from(m.kind == Kind::Managed), m.dev, Some((base, m.len)))
-        } else if let Some((&base, &(len, dev))) =
-            st.hosts.range(..=ptr).next_back().filter(|(&b, &(l, _))| ptr - b < l)
-        {
-            (1u32, 0, dev, Some((base, len)))
-        } else {
-            let _ = ctx_dev;
-            return Err(INVALID_VALUE); // plain host memory: unknown to CUDA
-        };
-        match attribute {
-            MEMORY_TYPE => put(data.cast::<u32>(), mtype),
-            IS_MANAGED => put(data.cast::<u32>(), managed),
-            DEVICE_ORDINAL => put(data.cast::<u32>(), dev),
-            RANGE_START => put(data.cast::<u64>(), range.map_or(0, |r| r.0)),
-            RANGE_SIZE => put(data.cast::<usize>(), range.map_or(0, |r| r.1 as usize)),
-            _ => Err(INVALID_VALUE),
-        }
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usize, dptr: u64) -> CUresult {
-    api("cuMemGetAddressRange_v2", 0, |st| {
-        st.need_ctx()?;
-        let (b, m) = st.find(dptr).ok_or(NOT_FOUND)?;
-        let len = m.len as usize;
-        if !base.is_null() {
-            put(base, b)?;
-        }
-        if !size.is_null() {
-            put(size, len)?;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) -> CUresult {
-    api("cuMemHostRegister_v2", 0, |st| {
-        let dev = st.need_ctx()?;
-        let (addr, len) = (p as u64, size as u64);
-        let end = addr.checked_add(len).ok_or(INVALID_VALUE)?;
-        if addr == 0 || len == 0 || st.is_device(addr) {
-            return Err(INVALID_VALUE);
-        }
-        let overlaps = st.hosts.range(..end).next_back().is_some_and(|(&b, &(l, _))| b + l > addr);
-        if overlaps {
-            return Err(HOST_MEMORY_ALREADY_REGISTERED);
-        }
-        st.hosts.insert(addr, (len, dev));
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
-    api("cuMemHostUnregister", 0, |st| {
-        st.need_ctx()?;
-        st.hosts.remove(&(p as u64)).map(|_| ()).ok_or(HOST_MEMORY_NOT_REGISTERED)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemGetHandleForAddressRange(
+/// The double's own functions (found in the loaded driver library).
+#[derive(Debug)]
+pub struct Double {
     handle: *mut c_void,
-    dptr: u64,
-    size: usize,
-    handle_type: c_uint,
-    _flags: c_ulonglong,
-) -> CUresult {
-    api("cuMemGetHandleForAddressRange", 0, |st| {
-        st.need_ctx()?;
-        const DMA_BUF_FD: c_uint = 1;
-        let pg = page();
-        let len = size as u64;
-        if handle_type != DMA_BUF_FD || len == 0 || !dptr.is_multiple_of(pg) || !len.is_multiple_of(pg) {
-            return Err(INVALID_VALUE);
-        }
-        let (base, m) = st.find(dptr).ok_or(INVALID_VALUE)?;
-        if m.kind == Kind::Managed || dptr + len > base + m.len {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: memfd_create reads the NUL-terminated name.
-        let fd = unsafe { libc::memfd_create(c"kvmove-cuda-double-dmabuf".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(OUT_OF_MEMORY);
-        }
-        put(handle.cast::<c_int>(), fd)
-    })
 }
 
-// ---- virtual memory management (expandable segments) ----
-
-#[no_mangle]
-pub extern "C" fn cuMemAddressReserve(
-    ptr: *mut u64,
-    size: usize,
-    _align: usize,
-    _addr: u64,
-    _flags: c_ulonglong,
-) -> CUresult {
-    api("cuMemAddressReserve", 0, |st| {
-        let len = size as u64;
-        if len == 0 || !len.is_multiple_of(page()) || len > MAX_ALLOC {
-            return Err(INVALID_VALUE);
-        }
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        // SAFETY: a fresh anonymous reservation with no access.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), size, libc::PROT_NONE, flags, -1, 0) };
-        if p == libc::MAP_FAILED {
-            return Err(OUT_OF_MEMORY);
-        }
-        st.reserved.insert(p as u64, len);
-        put(ptr, p as u64)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> CUresult {
-    api("cuMemAddressFree", 0, |st| {
-        if st.reserved.get(&ptr) != Some(&(size as u64)) {
-            return Err(INVALID_VALUE);
-        }
-        if st.mems.range(ptr..ptr + size as u64).next().is_some() {
-            return Err(INVALID_VALUE); // still mapped
-        }
-        st.reserved.remove(&ptr);
-        unmap(ptr as usize, size);
-        Ok(())
-    })
-}
-
-/// `CUmemAllocationProp`'s leading fields (the double reads no others).
-#[repr(C)]
-struct AllocationProp {
-    kind: c_uint,
-    handle_types: c_uint,
-    location_type: c_uint,
-    location_id: c_int,
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemCreate(handle: *mut u64, size: usize, prop: *const c_void, _flags: c_ulonglong) -> CUresult {
-    api("cuMemCreate", 0, |st| {
-        if prop.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: the caller passes a `CUmemAllocationProp`, whose first
-        // four 32-bit fields are read (layout of the driver's header).
-        let prop = unsafe { prop.cast::<AllocationProp>().read_unaligned() };
-        let _ = (prop.kind, prop.handle_types, prop.location_type);
-        let dev = st.dev(prop.location_id)?;
-        let len = size as u64;
-        if len == 0 || !len.is_multiple_of(page()) || len > MAX_ALLOC {
-            return Err(INVALID_VALUE);
-        }
-        let (fd, shadow) = shared_pages(size, c"kvmove-cuda-double-vmm")?;
-        let h = st.next() as u64;
-        st.phys.insert(h, Phys { dev, len, fd, shadow, refs: 1 });
-        put(handle, h)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemMap(ptr: u64, size: usize, offset: usize, handle: u64, _flags: c_ulonglong) -> CUresult {
-    api("cuMemMap", 0, |st| {
-        let (len, off) = (size as u64, offset as u64);
-        let p = st.phys.get(&handle).ok_or(INVALID_HANDLE)?;
-        let (dev, fd, shadow) = (p.dev, p.fd, p.shadow);
-        if len == 0 || off.checked_add(len).is_none_or(|e| e > p.len) {
-            return Err(INVALID_VALUE);
-        }
-        let end = ptr.checked_add(len).ok_or(INVALID_VALUE)?;
-        let inside = st.reserved.range(..=ptr).next_back().is_some_and(|(&b, &l)| end <= b + l);
-        let taken = st.mems.range(..end).next_back().is_some_and(|(&b, m)| b + m.len > ptr);
-        if !inside || taken {
-            return Err(INVALID_VALUE);
-        }
-        inaccessible(fd, size, off, ptr)?;
-        st.mems.insert(ptr, Mem { len, dev, kind: Kind::Mapped { handle }, shadow: shadow + offset, own: None });
-        if let Some(p) = st.phys.get_mut(&handle) {
-            p.refs += 1;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemSetAccess(ptr: u64, size: usize, desc: *const c_void, count: usize) -> CUresult {
-    api("cuMemSetAccess", 0, |st| {
-        if desc.is_null() || count == 0 {
-            return Err(INVALID_VALUE);
-        }
-        st.pieces(ptr, size as u64).map(|_| ())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CUresult {
-    api("cuMemUnmap", 0, |st| {
-        let end = ptr.checked_add(size as u64).ok_or(INVALID_VALUE)?;
-        let inside: Vec<u64> = st.mems.range(ptr..end).map(|(&b, _)| b).collect();
-        if inside.is_empty() {
-            return Err(INVALID_VALUE);
-        }
-        for b in inside {
-            let Some(m) = st.mems.remove(&b) else { continue };
-            let Kind::Mapped { handle } = m.kind else {
-                st.mems.insert(b, m);
-                return Err(INVALID_VALUE);
-            };
-            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
-            // SAFETY: puts the reservation back over a mapping this double
-            // made inside it.
-            unsafe { libc::mmap(b as *mut c_void, m.len as usize, libc::PROT_NONE, flags, -1, 0) };
-            st.release(handle)?;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: *mut c_void) -> CUresult {
-    api("cuMemRetainAllocationHandle", 0, |st| {
-        let (_, m) = st.find(addr as u64).ok_or(INVALID_VALUE)?;
-        let Kind::Mapped { handle: h } = m.kind else { return Err(INVALID_VALUE) };
-        put(handle, h)?;
-        if let Some(p) = st.phys.get_mut(&h) {
-            p.refs += 1;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
-    api("cuMemRelease", 0, |st| st.release(handle))
-}
-
-// ---- streams, copies and events ----
-
-#[no_mangle]
-pub extern "C" fn cuStreamCreate(stream: *mut *mut c_void, flags: c_uint) -> CUresult {
-    api("cuStreamCreate", 0, |st| {
-        let dev = st.need_ctx()?;
-        let id = STREAM_BASE + st.next() * 16;
-        put(stream, id as *mut c_void)?;
-        st.streams.insert(id, Stream { dev, ops: VecDeque::new(), queued: 0, done: 0 });
-        st.stream_flags.push(flags);
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
-    api("cuStreamDestroy_v2", stream as usize, |st| {
-        let id = stream as usize;
-        if !st.streams.contains_key(&id) {
-            return Err(INVALID_HANDLE);
-        }
-        st.run_all(id);
-        st.streams.remove(&id);
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
-    api("cuStreamSynchronize", stream as usize, |st| {
-        let id = stream as usize;
-        if id <= 2 {
-            return Ok(());
-        }
-        if !st.streams.contains_key(&id) {
-            return Err(INVALID_HANDLE);
-        }
-        st.run_all(id);
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, stream: *mut c_void) -> CUresult {
-    api("cuMemcpyHtoDAsync_v2", stream as usize, |st| {
-        let op = Op::Copy { dst: st.pieces(dst, n as u64)?, src: st.host(src as usize, n)? };
-        st.enqueue(stream as usize, op)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, n: usize, stream: *mut c_void) -> CUresult {
-    api("cuMemcpyDtoHAsync_v2", stream as usize, |st| {
-        let op = Op::Copy { dst: st.host(dst as usize, n)?, src: st.pieces(src, n as u64)? };
-        st.enqueue(stream as usize, op)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, n: usize, stream: *mut c_void) -> CUresult {
-    api("cuMemcpyDtoDAsync_v2", stream as usize, |st| {
-        let op = Op::Copy { dst: st.pieces(dst, n as u64)?, src: st.pieces(src, n as u64)? };
-        st.enqueue(stream as usize, op)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) -> CUresult {
-    api("cuMemcpyHtoD_v2", 0, |st| {
-        let op = Op::Copy { dst: st.pieces(dst, n as u64)?, src: st.host(src as usize, n)? };
-        st.enqueue(0, op)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, n: usize) -> CUresult {
-    api("cuMemcpyDtoH_v2", 0, |st| {
-        let op = Op::Copy { dst: st.host(dst as usize, n)?, src: st.pieces(src, n as u64)? };
-        st.enqueue(0, op)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuMemsetD8_v2(dst: u64, byte: u8, n: usize) -> CUresult {
-    api("cuMemsetD8_v2", 0, |st| {
-        let op = Op::Fill { dst: st.pieces(dst, n as u64)?, byte };
-        st.enqueue(0, op)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CUresult {
-    api("cuEventCreate", 0, |st| {
-        st.need_ctx()?;
-        let id = EVENT_BASE + st.next() * 16;
-        put(event, id as *mut c_void)?;
-        st.events.insert(id, None);
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CUresult {
-    api("cuEventDestroy_v2", 0, |st| st.events.remove(&(event as usize)).map(|_| ()).ok_or(INVALID_HANDLE))
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CUresult {
-    api("cuEventRecord", stream as usize, |st| {
-        let (e, s) = (event as usize, stream as usize);
-        if !st.events.contains_key(&e) {
-            return Err(INVALID_HANDLE);
-        }
-        let at = if s <= 2 { None } else { Some((s, st.streams.get(&s).ok_or(INVALID_HANDLE)?.queued)) };
-        st.events.insert(e, at);
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
-    api("cuEventQuery", 0, |st| {
-        let at = *st.events.get(&(event as usize)).ok_or(INVALID_HANDLE)?;
-        match at {
-            Some((s, pos)) if st.streams.get(&s).is_some_and(|s| s.done < pos) => Err(NOT_READY),
-            _ => Ok(()),
-        }
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
-    api("cuEventSynchronize", 0, |st| {
-        if let Some((s, pos)) = *st.events.get(&(event as usize)).ok_or(INVALID_HANDLE)? {
-            st.run(s, pos);
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuStreamWaitEvent(stream: *mut c_void, event: *mut c_void, _flags: c_uint) -> CUresult {
-    api("cuStreamWaitEvent", stream as usize, |st| {
-        let at = *st.events.get(&(event as usize)).ok_or(INVALID_HANDLE)?;
-        let s = stream as usize;
-        let Some((other, upto)) = at else { return Ok(()) };
-        if s <= 2 {
-            st.run(other, upto);
-            return Ok(());
-        }
-        let target = st.streams.get_mut(&s).ok_or(INVALID_HANDLE)?;
-        target.ops.push_back(Op::Wait { stream: other, upto });
-        target.queued += 1;
-        Ok(())
-    })
-}
-
-// ---- the double's own functions, for tests ----
-
-/// Queues a "kernel" of the application's on `stream`: `len` bytes of
-/// device memory at `dst` set to `byte` when the stream gets there.
-#[no_mangle]
-pub extern "C" fn kvmove_double_launch(stream: *mut c_void, dst: u64, byte: u8, len: usize) -> CUresult {
-    api("kvmove_double_launch", stream as usize, |st| {
-        let op = Op::Fill { dst: st.pieces(dst, len as u64)?, byte };
-        st.enqueue(stream as usize, op)
-    })
-}
-
-/// The next `count` calls of the driver function `name` return `code`.
-#[no_mangle]
-pub unsafe extern "C" fn kvmove_double_fail(name: *const c_char, code: CUresult, count: c_uint) -> c_int {
-    if name.is_null() || count == 0 {
-        return -1;
+impl Double {
+    /// The double loaded in this process (loads it through the library
+    /// path, as the provider does).
+    ///
+    /// # Panics
+    ///
+    /// When the `libcuda.so.1` found is not the double.
+    pub fn get() -> Double {
+        // SAFETY: loads the driver library the provider loads (the double,
+        // on this child's library path); it stays loaded for the process.
+        let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
+        assert!(!handle.is_null(), "libcuda.so.1 not loadable");
+        let d = Double { handle };
+        assert!(!d.sym(c"kvmove_double_report").is_null(), "the libcuda.so.1 loaded is not the double");
+        d
     }
-    // SAFETY: the caller passes a NUL-terminated string.
-    let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
-    let mut guard = lock();
-    guard.get_or_insert_with(State::default).failing.insert(name, (code, count));
-    0
-}
 
-/// Forgets the calls recorded so far.
-#[no_mangle]
-pub extern "C" fn kvmove_double_clear_calls() {
-    let mut guard = lock();
-    let st = guard.get_or_insert_with(State::default);
-    st.calls.clear();
-    st.calls_dropped = 0;
-}
-
-/// How deep this thread's current-context stack is.
-#[no_mangle]
-pub extern "C" fn kvmove_double_stack_depth() -> c_uint {
-    STACK.with(|s| s.borrow().len() as c_uint)
-}
-
-/// dma-buf descriptors the double exported that are still open in this
-/// process (read from `/proc/self/fd`).
-fn open_dmabufs() -> u64 {
-    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return 0 };
-    dir.filter_map(Result::ok)
-        .filter(|e| {
-            std::fs::read_link(e.path())
-                .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:kvmove-cuda-double-dmabuf"))
-        })
-        .count() as u64
-}
-
-/// The double's state as JSON: every call recorded (`calls`: name, thread,
-/// current context, stream), the flags of every stream made, and what is
-/// still held (`live`). Writes at most `cap` bytes (NUL included) into
-/// `buf`; returns the length the whole report needs (without its NUL).
-#[no_mangle]
-pub unsafe extern "C" fn kvmove_double_report(buf: *mut c_char, cap: usize) -> usize {
-    let mut out = String::from("{\"calls\":[");
-    {
-        let mut guard = lock();
-        let st = guard.get_or_insert_with(State::default);
-        for (i, c) in st.calls.iter().enumerate() {
-            let sep = if i == 0 { "" } else { "," };
-            let _ = write!(out, "{sep}[\"{}\",{},{},{}]", c.name, c.thread, c.ctx, c.stream);
-        }
-        let flags: Vec<String> = st.stream_flags.iter().map(u32::to_string).collect();
-        let pending: u64 = st.streams.values().map(|s| s.ops.len() as u64).sum();
-        let _ = write!(
-            out,
-            "],\"calls_dropped\":{},\"stream_flags\":[{}],\"live\":{{\"contexts\":{},\"streams\":{},\"events\":{},\
-             \"allocations\":{},\"host_registrations\":{},\"physical\":{},\"physical_refs\":{},\"reservations\":{},\
-             \"dmabufs\":{},\"pending_ops\":{}}}}}",
-            st.calls_dropped,
-            flags.join(","),
-            st.primary.iter().map(|&r| u64::from(r)).sum::<u64>(),
-            st.streams.len(),
-            st.events.len(),
-            st.mems.values().filter(|m| m.own.is_some()).count(),
-            st.hosts.len(),
-            st.phys.len(),
-            st.phys.values().map(|p| u64::from(p.refs)).sum::<u64>(),
-            st.reserved.len(),
-            open_dmabufs(),
-            pending,
-        );
+    fn sym(&self, name: &std::ffi::CStr) -> *mut c_void {
+        // SAFETY: looks a symbol up in a library handle from dlopen.
+        unsafe { libc::dlsym(self.handle, name.as_ptr()) }
     }
-    if !buf.is_null() && cap > 0 {
-        let n = out.len().min(cap - 1);
-        // SAFETY: the caller's buffer holds `cap` bytes; `n + 1 <= cap`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(out.as_ptr(), buf.cast::<u8>(), n);
-            *buf.add(n) = 0;
-        }
+
+    /// The double's report (calls recorded, what is still held).
+    pub fn report(&self) -> serde_json::Value {
+        type Report = unsafe extern "C" fn(*mut c_char, usize) -> usize;
+        // SAFETY: the double exports this function with this signature.
+        let f: Report = unsafe { std::mem::transmute(self.sym(c"kvmove_double_report")) };
+        // SAFETY: a null buffer asks for the length only.
+        let n = unsafe { f(std::ptr::null_mut(), 0) };
+        let mut buf = vec![0u8; n + 1];
+        // SAFETY: `buf` holds `n + 1` bytes.
+        unsafe { f(buf.as_mut_ptr().cast(), buf.len()) };
+        buf.truncate(n);
+        serde_json::from_slice(&buf).unwrap()
     }
-    out.len()
+
+    /// One count of what is held (`contexts`, `streams`, ...).
+    pub fn live(&self, what: &str) -> u64 {
+        self.report()["live"][what].as_u64().unwrap()
+    }
+
+    /// Names of the driver calls recorded, in order.
+    pub fn calls(&self) -> Vec<String> {
+        self.report()["calls"].as_array().unwrap().iter().map(|c| c[0].as_str().unwrap().to_owned()).collect()
+    }
+
+    pub fn clear_calls(&self) {
+        // SAFETY: the double exports this function with this signature.
+        let f: unsafe extern "C" fn() = unsafe { std::mem::transmute(self.sym(c"kvmove_double_clear_calls")) };
+        // SAFETY: no arguments.
+        unsafe { f() };
+    }
+
+    /// The next `count` calls of `name` fail with `code`.
+    pub fn fail(&self, name: &str, code: u32, count: u32) {
+        type Fail = unsafe extern "C" fn(*const c_char, c_uint, c_uint) -> c_int;
+        // SAFETY: the double exports this function with this signature.
+        let f: Fail = unsafe { std::mem::transmute(self.sym(c"kvmove_double_fail")) };
+        let name = CString::new(name).unwrap();
+        // SAFETY: a NUL-terminated name.
+        assert_eq!(unsafe { f(name.as_ptr(), code, count) }, 0);
+    }
+
+    /// How deep this thread's context stack is.
+    pub fn depth(&self) -> u32 {
+        // SAFETY: the double exports this function with this signature.
+        let f: unsafe extern "C" fn() -> c_uint =
+            unsafe { std::mem::transmute(self.sym(c"kvmove_double_stack_depth")) };
+        // SAFETY: no arguments.
+        unsafe { f() }
+    }
+
+    /// Queues a "kernel" setting `len` bytes at `dst` to `byte` on `stream`.
+    pub fn launch(&self, stream: u64, dst: u64, byte: u8, len: usize) {
+        type Launch = unsafe extern "C" fn(u64, u64, u8, usize) -> c_uint;
+        // SAFETY: the double exports this function with this signature.
+        let f: Launch = unsafe { std::mem::transmute(self.sym(c"kvmove_double_launch")) };
+        // SAFETY: `dst` is device memory of the double.
+        assert_eq!(unsafe { f(stream, dst, byte, len) }, 0);
+    }
 }

@@ -9,154 +9,12 @@
 //! calls, failures on demand, its counts of what is held).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CString};
-use std::path::PathBuf;
-use std::process::Command;
+use std::ffi::c_int;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
+use kvmove_cuda_double::{under_double, Double, Driver};
 use transport_mem::{CudaDevices, DeviceMemory, MemError, MemoryRegion};
-
-/// Where a test body runs.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Driver {
-    Double,
-    Gpu,
-}
-
-/// The double's shared library, as cargo built it (next to the test
-/// binary, or uplifted one directory above), or `KVMOVE_CUDA_DOUBLE_LIB`.
-fn double_lib() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVMOVE_CUDA_DOUBLE_LIB") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    for dir in [deps, deps.parent().unwrap()] {
-        let p = dir.join("libkvmove_cuda_double.so");
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("libkvmove_cuda_double.so not found next to {}: cargo build -p kvmove-cuda-double", exe.display());
-}
-
-/// Runs `test` (this binary's test of that name) under the double, in a
-/// child with `env` set, and fails if it fails. Returns the driver the
-/// body should run against here, or `None` when the child ran it.
-fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
-    match std::env::var("KVMOVE_CUDA_TESTS").as_deref() {
-        Ok("gpu") => return Some(Driver::Gpu),
-        Ok("double") => return Some(Driver::Double),
-        _ => {}
-    }
-    let lib = double_lib();
-    let dir = std::env::temp_dir().join(format!("kvmove-cuda-double-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for name in ["libcuda.so.1", "libcuda.so"] {
-        std::os::unix::fs::symlink(&lib, dir.join(name)).unwrap();
-    }
-    let mut path = dir.clone().into_os_string();
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-        path.push(":");
-        path.push(old);
-    }
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("LD_LIBRARY_PATH", path)
-        .env("KVMOVE_CUDA_TESTS", "double");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{test} under the CUDA driver double failed:\n{text}");
-    assert!(text.contains("1 passed"), "{test} did not run under the double:\n{text}");
-    None
-}
-
-/// The double's own functions (found in the loaded driver library).
-struct Double {
-    handle: *mut c_void,
-}
-
-impl Double {
-    fn get() -> Double {
-        // SAFETY: loads the driver library the provider loads (the double,
-        // on this child's library path); it stays loaded for the process.
-        let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
-        assert!(!handle.is_null(), "libcuda.so.1 not loadable");
-        let d = Double { handle };
-        assert!(!d.sym(c"kvmove_double_report").is_null(), "the libcuda.so.1 loaded is not the double");
-        d
-    }
-
-    fn sym(&self, name: &std::ffi::CStr) -> *mut c_void {
-        // SAFETY: looks a symbol up in a library handle from dlopen.
-        unsafe { libc::dlsym(self.handle, name.as_ptr()) }
-    }
-
-    /// The double's report (calls recorded, what is still held).
-    fn report(&self) -> serde_json::Value {
-        type Report = unsafe extern "C" fn(*mut c_char, usize) -> usize;
-        // SAFETY: the double exports this function with this signature.
-        let f: Report = unsafe { std::mem::transmute(self.sym(c"kvmove_double_report")) };
-        // SAFETY: a null buffer asks for the length only.
-        let n = unsafe { f(std::ptr::null_mut(), 0) };
-        let mut buf = vec![0u8; n + 1];
-        // SAFETY: `buf` holds `n + 1` bytes.
-        unsafe { f(buf.as_mut_ptr().cast(), buf.len()) };
-        buf.truncate(n);
-        serde_json::from_slice(&buf).unwrap()
-    }
-
-    /// One count of what is held (`contexts`, `streams`, ...).
-    fn live(&self, what: &str) -> u64 {
-        self.report()["live"][what].as_u64().unwrap()
-    }
-
-    /// Names of the driver calls recorded, in order.
-    fn calls(&self) -> Vec<String> {
-        self.report()["calls"].as_array().unwrap().iter().map(|c| c[0].as_str().unwrap().to_owned()).collect()
-    }
-
-    fn clear_calls(&self) {
-        // SAFETY: the double exports this function with this signature.
-        let f: unsafe extern "C" fn() = unsafe { std::mem::transmute(self.sym(c"kvmove_double_clear_calls")) };
-        // SAFETY: no arguments.
-        unsafe { f() };
-    }
-
-    /// The next `count` calls of `name` fail with `code`.
-    fn fail(&self, name: &str, code: sys::CUresult, count: u32) {
-        type Fail = unsafe extern "C" fn(*const c_char, c_uint, c_uint) -> c_int;
-        // SAFETY: the double exports this function with this signature.
-        let f: Fail = unsafe { std::mem::transmute(self.sym(c"kvmove_double_fail")) };
-        let name = CString::new(name).unwrap();
-        // SAFETY: a NUL-terminated name.
-        assert_eq!(unsafe { f(name.as_ptr(), code as c_uint, count) }, 0);
-    }
-
-    /// How deep this thread's context stack is.
-    fn depth(&self) -> u32 {
-        // SAFETY: the double exports this function with this signature.
-        let f: unsafe extern "C" fn() -> c_uint =
-            unsafe { std::mem::transmute(self.sym(c"kvmove_double_stack_depth")) };
-        // SAFETY: no arguments.
-        unsafe { f() }
-    }
-
-    /// Queues a "kernel" setting `len` bytes at `dst` to `byte` on `stream`.
-    fn launch(&self, stream: sys::CUstream, dst: u64, byte: u8, len: usize) {
-        type Launch = unsafe extern "C" fn(sys::CUstream, u64, u8, usize) -> c_uint;
-        // SAFETY: the double exports this function with this signature.
-        let f: Launch = unsafe { std::mem::transmute(self.sym(c"kvmove_double_launch")) };
-        // SAFETY: `dst` is device memory of the double.
-        assert_eq!(unsafe { f(stream, dst, byte, len) }, 0);
-    }
-}
 
 fn devices() -> Arc<CudaDevices> {
     Arc::new(CudaDevices::open().unwrap().expect("no CUDA device"))
@@ -541,7 +399,7 @@ fn driver_failures_reach_the_caller_and_leave_no_trace() {
         let (d, bytes) = (Double::get(), b);
         for &(call, code, name) in cases {
             let fresh = devices();
-            d.fail(call, code, 1);
+            d.fail(call, code as u32, 1);
             let depth = d.depth();
             let err = fresh.copy_from_host(&bytes, addr).unwrap_err();
             let MemError::DeviceCopy { device, why } = &err else { panic!("{call}: not a device error: {err:?}") };
@@ -557,7 +415,7 @@ fn driver_failures_reach_the_caller_and_leave_no_trace() {
     .unwrap();
     // A failed retain: the copy fails, the next one retries and works.
     let fresh = devices();
-    d.fail("cuDevicePrimaryCtxRetain", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, 1);
+    d.fail("cuDevicePrimaryCtxRetain", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32, 1);
     let err = fresh.copy_from_host(&bytes, a.addr()).unwrap_err();
     assert!(err.to_string().contains("cuDevicePrimaryCtxRetain"), "{err}");
     fresh.copy_from_host(&bytes, a.addr()).unwrap();
@@ -651,9 +509,9 @@ fn dmabuf_exports_whole_pages_of_one_allocation() {
     assert!(cuda.export_dmabuf(a.addr() + len as u64 - 10, 20).unwrap().is_none(), "past the allocation");
     if driver == Driver::Double {
         let d = Double::get();
-        d.fail("cuMemGetHandleForAddressRange", sys::CUresult::CUDA_ERROR_NOT_SUPPORTED, 1);
+        d.fail("cuMemGetHandleForAddressRange", sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32, 1);
         assert!(cuda.export_dmabuf(a.addr(), 4096).unwrap().is_none(), "not supported: no dma-buf, no error");
-        d.fail("cuMemGetHandleForAddressRange", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, 1);
+        d.fail("cuMemGetHandleForAddressRange", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32, 1);
         let err = cuda.export_dmabuf(a.addr(), 4096).unwrap_err().to_string();
         assert!(err.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{err}");
         assert_eq!(d.live("dmabufs"), 0);
@@ -689,7 +547,7 @@ fn the_double_runs_a_streams_work_only_when_synchronized() {
         sys::cuMemsetD8_v2(p, 1, 4096).result().unwrap();
     }
     let s = app_stream();
-    d.launch(s, p, 9, 4096);
+    d.launch(s as u64, p, 9, 4096);
     let mut host = vec![0u8; 4096];
     // SAFETY: `host` lives until after the synchronization.
     unsafe { sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), p, 4096, s) }.result().unwrap();
