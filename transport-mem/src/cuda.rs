@@ -365,6 +365,42 @@ impl CudaDevices {
         Ok(())
     }
 
+    /// A point in the work queued so far on `stream`, a stream of the
+    /// application's on device `d` (a `CUstream`: torch's
+    /// `torch.cuda.current_stream().cuda_stream`): an event recorded on it,
+    /// in `d`'s primary context. Work queued on `stream` later is not
+    /// waited for. Nothing waits here: the application's stream goes on.
+    pub fn mark(self: &std::sync::Arc<Self>, d: u32, stream: u64) -> Result<StreamPoint, MemError> {
+        let _pushed = self.enter(d)?;
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let event = result::event::create(flags).map_err(|e| failed(d, "cuEventCreate", format_args!("{e:?}")))?;
+        // SAFETY: `event` was made just now in `d`'s context; `stream` is
+        // the caller's stream of device `d` (the caller's promise; the
+        // driver refuses a handle it does not know).
+        if let Err(e) = unsafe { result::event::record(event, stream as sys::CUstream) } {
+            // SAFETY: the event made above, used by nothing else.
+            let _ = unsafe { result::event::destroy(event) };
+            return Err(failed(d, "cuEventRecord", format_args!("{e:?}")));
+        }
+        Ok(StreamPoint { devices: self.clone(), device: d, event })
+    }
+
+    /// `dst.len()` bytes of device memory at `src` into `dst`, once the
+    /// work before `after` on the application's stream is done: the copy's
+    /// stream waits for it on the device (`cuStreamWaitEvent`), so a layer
+    /// is read after the kernels that wrote it without the caller waiting
+    /// for them first. Returns once the bytes are in `dst`.
+    pub fn copy_to_host_after(&self, after: &StreamPoint, src: u64, dst: &mut [u8]) -> Result<(), MemError> {
+        let d = self.device_for_copy(src)?;
+        let event = after.event;
+        // SAFETY: as in `copy_to_host`; the event is alive while `after`
+        // is borrowed.
+        self.copy_on(d, "cuMemcpyDtoHAsync", |s| unsafe {
+            result::stream::wait_event(s, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)?;
+            result::memcpy_dtoh_async(dst, src, s)
+        })
+    }
+
     /// `len` bytes of device memory on device `d` (`cuMemAlloc`), freed
     /// when the returned allocation drops: for tests and benchmarks.
     pub fn alloc(self: &std::sync::Arc<Self>, d: u32, len: usize) -> Result<CudaAlloc, MemError> {
@@ -541,6 +577,63 @@ impl DeviceMemory for CudaDevices {
         // SAFETY: the caller promises `addr` was registered by `pin_host`
         // and that no copy uses it now.
         let _ = unsafe { sys::cuMemHostUnregister(addr as *mut c_void) };
+    }
+}
+
+/// A point in the work an application queued on one of its streams
+/// ([`CudaDevices::mark`]): whatever that work writes is in place once
+/// the point is reached. A copy made with [`CudaDevices::copy_to_host_after`]
+/// waits for it on the device; [`StreamPoint::wait`] makes the caller wait
+/// (before a NIC reads the memory directly, GPUDirect);
+/// [`StreamPoint::reached`] asks without waiting. The event is destroyed
+/// on drop.
+pub struct StreamPoint {
+    devices: std::sync::Arc<CudaDevices>,
+    device: u32,
+    event: sys::CUevent,
+}
+
+// SAFETY: an event handle may be used from any thread (the driver API is
+// thread-safe; every use pushes the device's context first).
+unsafe impl Send for StreamPoint {}
+// SAFETY: as for `Send`: shared use only hands the handle to the driver.
+unsafe impl Sync for StreamPoint {}
+
+impl fmt::Debug for StreamPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamPoint").field("device", &self.device).finish()
+    }
+}
+
+impl StreamPoint {
+    /// Whether the work before the point is done (`cuEventQuery`), without
+    /// waiting.
+    pub fn reached(&self) -> Result<bool, MemError> {
+        let _pushed = self.devices.enter(self.device)?;
+        // SAFETY: the event is alive until `self` drops.
+        match unsafe { result::event::query(self.event) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(failed(self.device, "cuEventQuery", format_args!("{e:?}"))),
+        }
+    }
+
+    /// Waits until the work before the point is done (`cuEventSynchronize`).
+    pub fn wait(&self) -> Result<(), MemError> {
+        let _pushed = self.devices.enter(self.device)?;
+        // SAFETY: the event is alive until `self` drops.
+        unsafe { result::event::synchronize(self.event) }
+            .map_err(|e| failed(self.device, "cuEventSynchronize", format_args!("{e:?}")))
+    }
+}
+
+impl Drop for StreamPoint {
+    fn drop(&mut self) {
+        if let Ok(_pushed) = self.devices.enter(self.device) {
+            // SAFETY: the event made in `mark`, destroyed once; a copy
+            // waiting for it has returned (it borrowed the point).
+            let _ = unsafe { result::event::destroy(self.event) };
+        }
     }
 }
 

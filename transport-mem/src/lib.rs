@@ -50,7 +50,7 @@ pub mod window;
 pub use buffer::Buffer;
 pub use census::{census, Census, CountingAlloc};
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaAlloc, CudaDevices};
+pub use cuda::{CudaAlloc, CudaDevices, StreamPoint};
 pub use device::{DeviceMemory, DmaBuf, MemoryKind};
 pub use error::MemError;
 pub use fake::FakeDevice;

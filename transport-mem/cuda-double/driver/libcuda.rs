@@ -1067,6 +1067,14 @@ pub extern "C" fn cuMemsetD8_v2(dst: u64, byte: u8, n: usize) -> CUresult {
 }
 
 #[no_mangle]
+pub extern "C" fn cuMemsetD8Async(dst: u64, byte: u8, n: usize, stream: *mut c_void) -> CUresult {
+    api("cuMemsetD8Async", stream as usize, |st| {
+        let op = Op::Fill { dst: st.pieces(dst, n as u64)?, byte };
+        st.enqueue(stream as usize, op)
+    })
+}
+
+#[no_mangle]
 pub extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CUresult {
     api("cuEventCreate", 0, |st| {
         st.need_ctx()?;

@@ -562,3 +562,53 @@ fn the_double_runs_a_streams_work_only_when_synchronized() {
         sys::cuMemFree_v2(p).result().unwrap();
     }
 }
+
+/// A copy made after a point on the application's stream sees what the
+/// work queued before the point wrote (a layer's write waits for the
+/// layer's kernels) without the caller waiting for that work; a copy made
+/// without the point does not wait (on the double, whose streams run only
+/// when synchronized, it reads the bytes from before). The point is
+/// reached once the work is done; its event is destroyed on drop; a point
+/// on a stream the driver does not know is an error and leaks no event.
+#[test]
+fn a_copy_after_a_stream_point_sees_the_work_before_it() {
+    let Some(driver) = under_double("a_copy_after_a_stream_point_sees_the_work_before_it", &[]) else { return };
+    let cuda = devices();
+    let app = AppContext::enter(0);
+    let n = 1 << 20;
+    let a = cuda.alloc(0, n).unwrap();
+    cuda.copy_from_host(&vec![1u8; n], a.addr()).unwrap();
+    let s = app_stream();
+    // The layer's "kernel": a fill queued on the application's stream.
+    // SAFETY: device memory of `a`, alive until the stream is synchronized.
+    unsafe { sys::cuMemsetD8Async(a.addr(), 9, n, s) }.result().unwrap();
+    let point = cuda.mark(0, s as u64).unwrap();
+    if driver == Driver::Double {
+        // SAFETY: as above; queued after the point.
+        unsafe { sys::cuMemsetD8Async(a.addr(), 5, 4096, s) }.result().unwrap();
+        assert!(!point.reached().unwrap(), "nothing ran the application's stream yet");
+        let mut early = vec![0u8; n];
+        cuda.copy_to_host(a.addr(), &mut early).unwrap();
+        assert!(early.iter().all(|&b| b == 1), "a copy without the point does not wait for the kernel");
+    }
+    let mut back = vec![0u8; n];
+    cuda.copy_to_host_after(&point, a.addr(), &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 9), "the copy after the point reads what the kernel wrote, and no later work");
+    point.wait().unwrap();
+    assert!(point.reached().unwrap());
+    drop(point);
+    // SAFETY: the application's stream, made by this test.
+    unsafe {
+        sys::cuStreamSynchronize(s).result().unwrap();
+        sys::cuStreamDestroy_v2(s).result().unwrap();
+    }
+    drop(app);
+    if driver == Driver::Double {
+        let d = Double::get();
+        assert!(d.calls().iter().any(|c| c == "cuStreamWaitEvent"), "the copy's stream waited on the device");
+        assert_eq!(d.live("events"), 0, "the point's event destroyed");
+        let err = cuda.mark(0, 0x1234_5670).unwrap_err().to_string();
+        assert!(err.contains("cuEventRecord") && err.contains("CUDA_ERROR_INVALID_HANDLE"), "{err}");
+        assert_eq!(d.live("events"), 0, "no event left by a failed mark");
+    }
+}
