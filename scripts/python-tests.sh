@@ -71,6 +71,24 @@ step "pytest python/tests"
 # From inside python/ with the pytest script (not `python -m pytest`), so
 # `import kvmove` is the installed wheel, not the source directory.
 (cd python && "$venv/bin/pytest" -p no:cacheprovider --timeout 120 -q tests)
+
+step "python/tests/test_cuda.py against the CUDA driver double (CUDA DRIVER DOUBLE, NOT A GPU)"
+# The double (transport-mem/cuda-double) found as libcuda.so.1 on the
+# library path, as the real driver is: CUDA device memory through both
+# Python APIs and the real CUDA provider; a skip fails (KVMOVE_REQUIRE_CUDA).
+double=$(cargo build -q -p kvmove-cuda-double --message-format=json |
+  "$venv/bin/python" -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "build-script-executed" and "cuda-double" in m.get("package_id", ""):
+        print(m["out_dir"] + "/libkvmove_cuda_double.so")' | tail -n 1)
+[ -f "$double" ] || { echo "the CUDA driver double was not built" >&2; exit 1; }
+cudalib=$(mktemp -d)
+ln -s "$double" "$cudalib/libcuda.so.1"
+ln -s "$double" "$cudalib/libcuda.so"
+(cd python && LD_LIBRARY_PATH="$cudalib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KVMOVE_REQUIRE_CUDA=1 \
+  "$venv/bin/pytest" -p no:cacheprovider --timeout 120 -q -rs tests/test_cuda.py) || { rm -rf "$cudalib"; exit 1; }
+rm -rf "$cudalib"
 }
 
 # The same prefill/decode exchange over RDMA: on this machine's RDMA device,
