@@ -25,6 +25,15 @@ fn main() {
     }
     let status = cmd.status().expect("cannot run rustc for the CUDA driver double");
     assert!(status.success(), "building the CUDA driver double (driver/libcuda.rs) failed");
+    // The directory a process puts on its library path to load the double
+    // as the driver.
+    let dir = out.join("driver");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("cannot make the double's directory");
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        std::os::unix::fs::symlink(&lib, dir.join(name)).expect("cannot link the double");
+    }
     println!("cargo:rerun-if-changed=driver/libcuda.rs");
+    println!("cargo:rustc-env=KVMOVE_CUDA_DOUBLE_DIR={}", dir.display());
     println!("cargo:rustc-env=KVMOVE_CUDA_DOUBLE_BUILT={}", lib.display());
 }

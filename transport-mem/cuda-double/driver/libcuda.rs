@@ -211,6 +211,11 @@ struct State {
     stream_flags: Vec<c_uint>,
     /// Calls to fail: name to (code, how many more times).
     failing: HashMap<String, (CUresult, u32)>,
+    /// Copies to or from a device's memory left to fail, by device.
+    copy_failures: HashMap<u32, u64>,
+    /// How long a synchronization of a stream with copies pending takes,
+    /// by device, in microseconds.
+    copy_delay_us: HashMap<u32, u64>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -368,6 +373,20 @@ impl State {
     /// Whether `addr` is device memory the host cannot touch.
     fn is_device(&self, addr: u64) -> bool {
         self.find(addr).is_some_and(|(_, m)| m.kind != Kind::Managed)
+    }
+
+    /// A copy touching device memory at `addrs` (device addresses): fails
+    /// (CUDA_ERROR_ILLEGAL_ADDRESS) while failures are set for a device
+    /// it touches ([`kvmove_double_fail_copies`]).
+    fn copy_allowed(&mut self, addrs: &[u64]) -> Fallible {
+        for &a in addrs {
+            let Some(dev) = self.find(a).map(|(_, m)| m.dev) else { continue };
+            if let Some(left) = self.copy_failures.get_mut(&dev).filter(|l| **l > 0) {
+                *left -= 1;
+                return Err(700);
+            }
+        }
+        Ok(())
     }
 
     /// The shadow pieces of `len` device bytes at `addr`; every byte must
@@ -1005,6 +1024,19 @@ pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
+    // A slowed device's copies take their time outside the lock, so other
+    // threads' driver calls go on meanwhile.
+    let delay = {
+        let guard = lock();
+        guard.as_ref().and_then(|st| {
+            let s = st.streams.get(&(stream as usize))?;
+            let copies = s.ops.iter().any(|op| matches!(op, Op::Copy { .. }));
+            st.copy_delay_us.get(&s.dev).copied().filter(|_| copies)
+        })
+    };
+    if let Some(us) = delay.filter(|&us| us > 0) {
+        std::thread::sleep(std::time::Duration::from_micros(us));
+    }
     api("cuStreamSynchronize", stream as usize, |st| {
         let id = stream as usize;
         if id <= 2 {
@@ -1021,6 +1053,7 @@ pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, stream: *mut c_void) -> CUresult {
     api("cuMemcpyHtoDAsync_v2", stream as usize, |st| {
+        st.copy_allowed(&[dst])?;
         let op = Op::Copy { dst: st.pieces(dst, n as u64)?, src: st.host(src as usize, n)? };
         st.enqueue(stream as usize, op)
     })
@@ -1029,6 +1062,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: u
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, n: usize, stream: *mut c_void) -> CUresult {
     api("cuMemcpyDtoHAsync_v2", stream as usize, |st| {
+        st.copy_allowed(&[src])?;
         let op = Op::Copy { dst: st.host(dst as usize, n)?, src: st.pieces(src, n as u64)? };
         st.enqueue(stream as usize, op)
     })
@@ -1037,6 +1071,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, n: usi
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, n: usize, stream: *mut c_void) -> CUresult {
     api("cuMemcpyDtoDAsync_v2", stream as usize, |st| {
+        st.copy_allowed(&[dst, src])?;
         let op = Op::Copy { dst: st.pieces(dst, n as u64)?, src: st.pieces(src, n as u64)? };
         st.enqueue(stream as usize, op)
     })
@@ -1164,6 +1199,30 @@ pub unsafe extern "C" fn kvmove_double_fail(name: *const c_char, code: CUresult,
     let mut guard = lock();
     guard.get_or_insert_with(State::default).failing.insert(name, (code, count));
     0
+}
+
+/// The next `count` copies to or from device `dev`'s memory fail with
+/// CUDA_ERROR_ILLEGAL_ADDRESS when queued (0: none fail).
+#[no_mangle]
+pub extern "C" fn kvmove_double_fail_copies(dev: c_uint, count: u64) {
+    let mut guard = lock();
+    guard.get_or_insert_with(State::default).copy_failures.insert(dev, count);
+}
+
+/// How many of the failures set by [`kvmove_double_fail_copies`] for
+/// device `dev` are left.
+#[no_mangle]
+pub extern "C" fn kvmove_double_copy_failures_left(dev: c_uint) -> u64 {
+    let mut guard = lock();
+    guard.get_or_insert_with(State::default).copy_failures.get(&dev).copied().unwrap_or(0)
+}
+
+/// Each synchronization of a stream of device `dev` with copies pending
+/// takes `us` microseconds more (0: none).
+#[no_mangle]
+pub extern "C" fn kvmove_double_delay_copies(dev: c_uint, us: u64) {
+    let mut guard = lock();
+    guard.get_or_insert_with(State::default).copy_delay_us.insert(dev, us);
 }
 
 /// Forgets the calls recorded so far.

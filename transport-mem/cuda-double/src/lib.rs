@@ -35,9 +35,14 @@ pub fn library() -> PathBuf {
     }
 }
 
-/// A new directory holding the double under the driver's names
-/// (`libcuda.so.1`, `libcuda.so`), for a process's `LD_LIBRARY_PATH`.
+/// A directory holding the double under the driver's names
+/// (`libcuda.so.1`, `libcuda.so`), for a process's `LD_LIBRARY_PATH`: the
+/// one the build script made, or (with `KVMOVE_CUDA_DOUBLE_LIB`) a new one
+/// under the temporary directory.
 pub fn driver_dir(tag: &str) -> std::io::Result<PathBuf> {
+    if std::env::var_os("KVMOVE_CUDA_DOUBLE_LIB").is_none() {
+        return Ok(PathBuf::from(env!("KVMOVE_CUDA_DOUBLE_DIR")));
+    }
     let lib = library();
     if !lib.exists() {
         return Err(std::io::Error::new(
@@ -52,6 +57,40 @@ pub fn driver_dir(tag: &str) -> std::io::Result<PathBuf> {
         std::os::unix::fs::symlink(&lib, dir.join(name))?;
     }
     Ok(dir)
+}
+
+/// `LD_LIBRARY_PATH` with `dir` first.
+fn library_path(dir: &std::path::Path) -> std::ffi::OsString {
+    let mut path = dir.as_os_str().to_owned();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    path
+}
+
+/// For a test binary with a `main` of its own (a conformance suite):
+/// unless it already runs under the double (or on a GPU, with
+/// `KVMOVE_CUDA_TESTS=gpu`), replaces this process with itself, the same
+/// arguments, under the double. Returns the driver it runs against.
+///
+/// # Panics
+///
+/// When the double is missing or the process cannot be replaced.
+pub fn run_under_double() -> Driver {
+    match std::env::var("KVMOVE_CUDA_TESTS").as_deref() {
+        Ok("gpu") => return Driver::Gpu,
+        Ok("double") => return Driver::Double,
+        _ => {}
+    }
+    use std::os::unix::process::CommandExt;
+    let dir = driver_dir("main").expect("the CUDA driver double");
+    let err = Command::new(std::env::current_exe().unwrap())
+        .args(std::env::args_os().skip(1))
+        .env("LD_LIBRARY_PATH", library_path(&dir))
+        .env("KVMOVE_CUDA_TESTS", "double")
+        .exec();
+    panic!("cannot run under the CUDA driver double: {err}");
 }
 
 /// Runs `test` (this binary's test of that name) under the double, in a
@@ -69,11 +108,7 @@ pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
         _ => {}
     }
     let dir = driver_dir(test).expect("the CUDA driver double");
-    let mut path = dir.clone().into_os_string();
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-        path.push(":");
-        path.push(old);
-    }
+    let path = library_path(&dir);
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env("LD_LIBRARY_PATH", path)
@@ -82,7 +117,9 @@ pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
         cmd.env(k, v);
     }
     let out = cmd.output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    if std::env::var_os("KVMOVE_CUDA_DOUBLE_LIB").is_some() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{test} under the CUDA driver double failed:\n{text}");
     assert!(text.contains("1 passed"), "{test} did not run under the double:\n{text}");
@@ -95,7 +132,42 @@ pub struct Double {
     handle: *mut c_void,
 }
 
+// SAFETY: a `dlopen` handle may be used from any thread (`dlsym` is
+// thread-safe), and the double's functions lock their own state.
+unsafe impl Send for Double {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Double {}
+
 impl Double {
+    /// The next `count` copies to or from device `dev`'s memory fail with
+    /// CUDA_ERROR_ILLEGAL_ADDRESS (0: none fail).
+    pub fn fail_copies(&self, dev: u32, count: u64) {
+        // SAFETY: the double exports this function with this signature.
+        let f: unsafe extern "C" fn(c_uint, u64) =
+            unsafe { std::mem::transmute(self.sym(c"kvmove_double_fail_copies")) };
+        // SAFETY: plain values.
+        unsafe { f(dev, count) }
+    }
+
+    /// How many of the failures set by [`Double::fail_copies`] are left.
+    pub fn copy_failures_left(&self, dev: u32) -> u64 {
+        type Left = unsafe extern "C" fn(c_uint) -> u64;
+        // SAFETY: the double exports this function with this signature.
+        let f: Left = unsafe { std::mem::transmute(self.sym(c"kvmove_double_copy_failures_left")) };
+        // SAFETY: a plain value.
+        unsafe { f(dev) }
+    }
+
+    /// Each copy of device `dev` takes `d` more (zero: none).
+    pub fn delay_copies(&self, dev: u32, d: std::time::Duration) {
+        // SAFETY: the double exports this function with this signature.
+        let f: unsafe extern "C" fn(c_uint, u64) =
+            unsafe { std::mem::transmute(self.sym(c"kvmove_double_delay_copies")) };
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        // SAFETY: plain values.
+        unsafe { f(dev, us) }
+    }
+
     /// The double loaded in this process (loads it through the library
     /// path, as the provider does).
     ///
