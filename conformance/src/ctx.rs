@@ -38,8 +38,9 @@ macro_rules! ensure {
 
 /// Where a case's guarded memory lives (docs/CONTRACT.md, rule 9: memory
 /// kinds). The suite runs its data, deadline, lifecycle, failure, poll and
-/// session cases once more with device memory on fake devices (memory the
-/// host cannot touch), on one or both ends.
+/// session cases once more with device memory (of [`crate::devices`]: fake
+/// devices whose memory the host cannot touch, by default), on one or both
+/// ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemoryMode {
     /// Host memory on both ends.
@@ -266,20 +267,20 @@ impl Ctx {
 
     /// Memory with canaries, kept alive until the case's runtime is gone.
     /// This one is the target's memory (what peers write and read): on a
-    /// fake device in the [`MemoryMode`]s that put the target's memory
+    /// device (of [`crate::devices`]) in the [`MemoryMode`]s that put the target's memory
     /// there.
     pub fn guarded(&self, len: usize, seed: u64) -> Result<Guarded, CaseError> {
         self.keep(self.inner.memory.remote_on_device(), len, seed, 1)
     }
 
     /// Memory with canaries for the initiator's side of a transfer: on a
-    /// fake device in the [`MemoryMode`]s that put the initiator's memory
+    /// device (of [`crate::devices`]) in the [`MemoryMode`]s that put the initiator's memory
     /// there.
     pub fn guarded_local(&self, len: usize, seed: u64) -> Result<Guarded, CaseError> {
         self.keep(self.inner.memory.local_on_device(), len, seed, 0)
     }
 
-    /// Memory with canaries on a fresh fake device with index `index`,
+    /// Memory with canaries on a fresh device (of [`crate::devices`]) with index `index`,
     /// whatever the run's [`MemoryMode`] (for the cases about device
     /// memory itself); its device is [`Guarded::device`].
     pub fn guarded_on_device(&self, len: usize, seed: u64, index: u32) -> Result<Guarded, CaseError> {

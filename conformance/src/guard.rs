@@ -5,7 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use transport_core::{Buffer, FakeDevice, MemoryRegion};
+use transport_core::{Buffer, MemoryRegion};
+
+use crate::devices::TestDevice;
 
 use crate::outcome::CaseError;
 
@@ -18,8 +20,9 @@ pub const CANARY: u8 = 0xC5;
 /// [`CANARY`] bytes. Made by [`crate::Ctx::guarded`], which keeps the
 /// allocation alive until every transport of the case is gone. The
 /// allocation is host memory, or (the suite's device runs) memory of a
-/// [`FakeDevice`] that faults on any host access; every access here goes
-/// through the region, so the same checks hold for both.
+/// device of [`crate::devices`] (a fake device that faults on any host
+/// access, by default); every access here goes through the region, so the
+/// same checks hold for both.
 #[derive(Clone)]
 pub struct Guarded {
     /// The whole allocation, guards included.
@@ -32,7 +35,7 @@ pub struct Guarded {
 #[derive(Clone)]
 enum Owner {
     Host(#[allow(dead_code)] Buffer),
-    Device(Arc<FakeDevice>),
+    Device(Arc<dyn TestDevice>),
 }
 
 impl fmt::Debug for Guarded {
@@ -55,15 +58,16 @@ impl Guarded {
         Self::around(buf.region(), len, seed, Owner::Host(buf))
     }
 
-    /// Like [`Guarded::new`], on a fresh fake device with index `device`:
-    /// device memory the host cannot touch.
+    /// Like [`Guarded::new`], on a fresh device with index `device` of
+    /// the device source ([`crate::devices`]): device memory the host
+    /// cannot touch.
     pub(crate) fn on_device(len: usize, seed: u64, device: u32) -> Result<Self, CaseError> {
         if len == 0 {
             return Err(CaseError::Fail("a guarded region needs at least one byte".into()));
         }
-        let fail = |e: transport_core::MemError| CaseError::Fail(format!("fake device allocation failed: {e}"));
-        let dev = Arc::new(FakeDevice::new(device, len + 2 * GUARD).map_err(fail)?);
-        let whole = FakeDevice::region(&dev, len + 2 * GUARD).map_err(fail)?;
+        let dev = crate::devices::device(device, len + 2 * GUARD)?;
+        let whole =
+            dev.region(len + 2 * GUARD).map_err(|e| CaseError::Fail(format!("device allocation failed: {e}")))?;
         Self::around(whole, len, seed, Owner::Device(dev))
     }
 
@@ -75,9 +79,9 @@ impl Guarded {
         Ok(g)
     }
 
-    /// The fake device holding the bytes (`None` for host memory): to
-    /// slow or fail its copies.
-    pub fn device(&self) -> Option<&Arc<FakeDevice>> {
+    /// The device holding the bytes (`None` for host memory): to slow or
+    /// fail its copies.
+    pub fn device(&self) -> Option<&Arc<dyn TestDevice>> {
         match &self._owner {
             Owner::Device(d) => Some(d),
             Owner::Host(_) => None,

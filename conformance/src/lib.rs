@@ -188,6 +188,7 @@ pub mod broken;
 mod case;
 mod cases;
 mod ctx;
+pub mod devices;
 mod guard;
 mod harness;
 #[cfg(feature = "self-test")]
@@ -204,6 +205,7 @@ pub use ctx::{
 };
 pub use guard::{pattern, Guarded, CANARY, GUARD, LATE_WINDOW};
 pub use harness::{Harness, Node, NodeOptions};
+pub use libtest_mimic::{Arguments, Trial};
 pub use outcome::{CaseError, CaseResult};
 pub use runner::{
     case_timeout, main_with, probe, run_case, run_case_with, run_id, run_trials, runs, strict, trials, Outcome,

@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use transport_core::{
-    Access, BatchState, ErrorKind, FakeDevice, MemoryRegion, RegionId, RequestStatus, SubmitOptions, TransferRequest,
+    Access, BatchState, ErrorKind, MemoryRegion, RegionId, RequestStatus, SubmitOptions, TransferRequest,
 };
 
 use crate::ctx::{
     batch_error, bounded, complete, expect_permanent, expect_quiet, permanent_kind, run_batch, wait_batch, Ctx, Pair,
 };
+use crate::devices::TestDevice;
 use crate::ensure;
 use crate::guard::pattern;
 use crate::harness::NodeOptions;
@@ -170,14 +171,15 @@ pub async fn unregister_remote_in_flight(cx: Ctx) -> CaseResult {
     Ok(())
 }
 
-/// Device memory on a fake device (`FakeDevice`: the host cannot touch it;
-/// any direct access faults and kills the suite).
+/// Device memory of the device source (`crate::devices`: by default a
+/// fake device, `FakeDevice`: the host cannot touch it; any direct access
+/// faults and kills the suite).
 const DEV_LEN: usize = 1 << 20;
 
 /// A device region of `len` bytes on `dev`, filled with `pattern(seed)`
 /// through the provider.
-fn device_region(dev: &Arc<FakeDevice>, len: usize, seed: u64) -> Result<(MemoryRegion, Vec<u8>), CaseError> {
-    let r = FakeDevice::region(dev, len).map_err(|e| CaseError::Fail(format!("fake device: {e}")))?;
+fn device_region(dev: &Arc<dyn TestDevice>, len: usize, seed: u64) -> Result<(MemoryRegion, Vec<u8>), CaseError> {
+    let r = dev.region(len).map_err(|e| CaseError::Fail(format!("device memory: {e}")))?;
     let bytes = pattern(seed, len);
     r.write_at(0, &bytes).map_err(|e| CaseError::Fail(format!("fill through the provider: {e}")))?;
     Ok((r, bytes))
@@ -197,8 +199,8 @@ fn device_region(dev: &Arc<FakeDevice>, len: usize, seed: u64) -> Result<(Memory
 pub async fn device_regions(cx: Ctx) -> CaseResult {
     let p = cx.pair(LEN).await?;
     let (ta, tb) = (p.a.transport.clone(), p.b.transport.clone());
-    let da = Arc::new(FakeDevice::new(0, 4 * DEV_LEN).map_err(|e| CaseError::Fail(format!("fake device: {e}")))?);
-    let db = Arc::new(FakeDevice::new(1, 4 * DEV_LEN).map_err(|e| CaseError::Fail(format!("fake device: {e}")))?);
+    let da = crate::devices::device(0, 4 * DEV_LEN)?;
+    let db = crate::devices::device(1, 4 * DEV_LEN)?;
     let (la, la_bytes) = device_region(&da, DEV_LEN, 31)?;
     if !ta.capabilities().device_memory {
         let r = ta.register(la.clone(), Access::LOCAL);
@@ -247,7 +249,9 @@ pub async fn device_regions(cx: Ctx) -> CaseResult {
     // request fails with a transient error, or completes when a layer
     // (rails) retried it elsewhere.
     for (dev, side) in [(&db, "the target's"), (&da, "the initiator's")] {
-        dev.fail_copies(1);
+        if !dev.fail_copies(1) {
+            break; // a device source that cannot fail copies (a real GPU)
+        }
         let reqs = vec![TransferRequest::write(la_id, 0, seg, rb.addr(), 4096)];
         match run_batch(&ta, reqs, SubmitOptions::default()).await? {
             Err(e) => ensure!(e.is_transient(), "a failed device copy on {side} side: {e} must be transient (rule 7)"),
@@ -276,7 +280,7 @@ pub async fn device_regions(cx: Ctx) -> CaseResult {
 /// [`device_regions`] on a backend that moves device memory on the
 /// initiator's side only: device to host writes and reads land
 /// byte-exact, a failed initiator copy is transient, the next write works.
-async fn initiator_device_only(p: &Pair, da: &Arc<FakeDevice>, la: MemoryRegion, la_bytes: &[u8]) -> CaseResult {
+async fn initiator_device_only(p: &Pair, da: &Arc<dyn TestDevice>, la: MemoryRegion, la_bytes: &[u8]) -> CaseResult {
     let ta = p.a.transport.clone();
     let la_id = ta.register(la.clone(), Access::LOCAL)?;
     complete(&ta, vec![TransferRequest::write(la_id, 8, p.seg, p.remote.addr(), LEN as u64)]).await?;
@@ -289,7 +293,10 @@ async fn initiator_device_only(p: &Pair, da: &Arc<FakeDevice>, la: MemoryRegion,
         ensure!(lr.to_vec()[4096..4096 + LEN] == want[..], "device to host read: the local device memory differs");
         ta.unregister(lr_id).await?;
     }
-    da.fail_copies(1);
+    if !da.fail_copies(1) {
+        ta.unregister(la_id).await?;
+        return Ok(()); // a device source that cannot fail copies (a real GPU)
+    }
     let reqs = vec![TransferRequest::write(la_id, 0, p.seg, p.remote.addr(), 4096)];
     match run_batch(&ta, reqs, SubmitOptions::default()).await? {
         Err(e) => ensure!(e.is_transient(), "a failed device copy on the initiator's side: {e} must be transient"),
@@ -366,7 +373,12 @@ pub async fn slow_device_copies_stay_quiet(cx: Ctx) -> CaseResult {
                 End::Deadline => SubmitOptions::with_timeout(Duration::from_millis(45)),
                 End::Cancel => SubmitOptions::default(),
             };
-            slow.delay_copies(COPY);
+            if !slow.delay_copies(COPY) {
+                return Err(CaseError::Skip(format!(
+                    "the {} devices cannot slow copies",
+                    crate::devices::source_name()
+                )));
+            }
             let id = t.submit(reqs, opts).await?;
             let s = match end {
                 End::Deadline => bounded("wait for the deadline", t.wait(id)).await??,
@@ -380,7 +392,7 @@ pub async fn slow_device_copies_stay_quiet(cx: Ctx) -> CaseResult {
             let snap = remote.snapshot();
             local.write(0, &pattern(seed, PARTS * PART))?;
             expect_quiet(&remote, &snap, Duration::from_millis(300), &what).await?;
-            slow.delay_copies(Duration::ZERO);
+            let _ = slow.delay_copies(Duration::ZERO);
             t.release(id)?;
         }
     }

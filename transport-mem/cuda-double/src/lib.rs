@@ -248,3 +248,80 @@ impl Double {
         assert_eq!(unsafe { f(stream, dst, byte, len) }, 0);
     }
 }
+
+/// The conformance suite's device source ([`conformance::devices`]) made
+/// of CUDA devices through the real CUDA provider: over the double (copy
+/// failures and delays through [`Double`]) or, with [`Driver::Gpu`], a
+/// real GPU (no failures or delays: those device cases skip them).
+pub mod devices {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use conformance::devices::TestDevice;
+    use transport_core::{DeviceMemory, MemoryRegion};
+    use transport_mem::{CudaAlloc, CudaDevices};
+
+    use super::{Double, Driver};
+
+    /// Installs CUDA devices as the device cases' source.
+    ///
+    /// # Panics
+    ///
+    /// Where no CUDA device opens.
+    pub fn install(driver: Driver) {
+        let cuda = Arc::new(CudaDevices::open().unwrap().expect("no CUDA device"));
+        let double = (driver == Driver::Double).then(|| Arc::new(Double::get()));
+        let name = match driver {
+            Driver::Double => "CUDA (driver double)",
+            Driver::Gpu => "CUDA (GPU)",
+        };
+        conformance::devices::install(
+            name,
+            Arc::new(move |index, _len| {
+                let dev = index % u32::try_from(cuda.count()).unwrap_or(1).max(1);
+                let allocs = Mutex::new(Vec::new());
+                Ok(Arc::new(Cuda { cuda: cuda.clone(), dev, allocs, double: double.clone() }) as Arc<dyn TestDevice>)
+            }),
+        );
+    }
+
+    /// One CUDA device; its allocations live as long as it does.
+    #[derive(Debug)]
+    struct Cuda {
+        cuda: Arc<CudaDevices>,
+        dev: u32,
+        allocs: Mutex<Vec<CudaAlloc>>,
+        double: Option<Arc<Double>>,
+    }
+
+    impl TestDevice for Cuda {
+        fn region(&self, len: usize) -> Result<MemoryRegion, String> {
+            let a = self.cuda.alloc(self.dev, len).map_err(|e| e.to_string())?;
+            let provider: Arc<dyn DeviceMemory> = self.cuda.clone();
+            // SAFETY: `a` is kept in `self.allocs` until this device drops,
+            // which the suite does only after the region's transports are
+            // gone (a guarded region holds its device).
+            let r = unsafe { MemoryRegion::from_device(provider, a.addr(), len) }.map_err(|e| e.to_string())?;
+            self.allocs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(a);
+            Ok(r)
+        }
+
+        fn fail_copies(&self, n: u64) -> bool {
+            self.double.as_ref().is_some_and(|d| {
+                d.fail_copies(self.dev, n);
+                true
+            })
+        }
+
+        fn failures_left(&self) -> u64 {
+            self.double.as_ref().map_or(0, |d| d.copy_failures_left(self.dev))
+        }
+
+        fn delay_copies(&self, d: Duration) -> bool {
+            self.double.as_ref().is_some_and(|x| {
+                x.delay_copies(self.dev, d);
+                true
+            })
+        }
+    }
+}
