@@ -11,7 +11,8 @@
 #
 # Runs: the CUDA provider's tests (transport-mem/cuda-double/tests/
 # provider.rs: pointer classification, expandable segments, copies through
-# regions, contexts, dma-buf, the process-wide lookup), then device_bench
+# regions, contexts, dma-buf, the process-wide lookup), the conformance
+# suite's device runs over TCP with CUDA memory, then device_bench
 # --cuda (64 MiB device-to-device writes over TCP on loopback against
 # host-to-host, verified, with the provider's copy bandwidth), then, where
 # the Python virtualenv of scripts/python-tests.sh exists,
@@ -54,9 +55,18 @@ for l in sys.stdin:
   [ -n "$bin" ] && [ -f "$lib" ] || { echo "cannot find the CUDA provider's test binary or the double" >&2; exit 1; }
   cp "$bin" "$out/cuda-provider-tests"
   cp "$lib" "$out/"
+  # The conformance suite's device runs over TCP with CUDA memory.
+  bin=$(cargo test --release -p transport-tcp --test conformance_cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "conformance_cuda":
+        print(m["executable"])' | tail -n1)
+  [ -n "$bin" ] || { echo "cannot find the TCP conformance binary for CUDA" >&2; exit 1; }
+  cp "$bin" "$out/conformance-cuda-tcp"
   cargo build --release -p transport-tcp --features cuda --example device_bench
   cp "${CARGO_TARGET_DIR:-$root/target}/release/examples/device_bench" "$out/device_bench"
-  echo "built into $out: cuda-provider-tests libkvmove_cuda_double.so device_bench"
+  echo "built into $out: cuda-provider-tests conformance-cuda-tcp libkvmove_cuda_double.so device_bench"
 }
 
 if [ "$mode" = build ]; then
@@ -98,9 +108,13 @@ if [ "$double" = 1 ]; then
   export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   step "CUDA provider tests against the double (each in a process of its own)"
   KVMOVE_CUDA_DOUBLE_LIB="$dir/libkvmove_cuda_double.so" "$dir/cuda-provider-tests" --test-threads 1
+  step "the conformance suite's device runs over TCP with CUDA memory, against the double"
+  KVMOVE_CUDA_DOUBLE_LIB="$dir/libkvmove_cuda_double.so" "$dir/conformance-cuda-tcp"
 else
   step "CUDA provider tests against the GPU"
   KVMOVE_CUDA_TESTS=gpu "$dir/cuda-provider-tests" --test-threads 1
+  step "the conformance suite's device runs over TCP with CUDA memory on the GPU"
+  KVMOVE_CUDA_TESTS=gpu "$dir/conformance-cuda-tcp"
 fi
 
 step "device_bench --cuda: 64 MiB writes over TCP on loopback, host->host vs device->device"
@@ -120,7 +134,7 @@ else
   step "python: no virtualenv at $venv (run scripts/python-tests.sh first): Python CUDA tests NOT RUN"
 fi
 echo
-ran="CUDA provider tests, device_bench --cuda$([ -x "$venv/bin/pytest" ] && echo ", python test_cuda.py")"
+ran="CUDA provider tests, TCP device conformance runs, device_bench --cuda$([ -x "$venv/bin/pytest" ] && echo ", python test_cuda.py")"
 if [ "$double" = 1 ]; then
   echo "$banner: ran $ran against the CUDA driver double"
 else

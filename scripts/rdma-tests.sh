@@ -221,6 +221,11 @@ RUNNER
   echo '  [ "$split" = 0 ] || export RDMA_TEST_FAULT_LINKS="$links_a" RDMA_TEST_DEVICE="$dev_a"'
   for b in "${bins[@]}"; do
     case "$(lane_of "$b")" in a*) emit_run a "$(basename "$b")" "$b" ;; esac
+    # Then its device runs about data and device memory with CUDA memory
+    # through the real CUDA provider over the CUDA driver double (35 s).
+    case "$(basename "$b")" in conformance-*)
+      emit_run a "$(basename "$b") (CUDA over the driver double)" env RDMA_CONFORMANCE_CUDA=1 "$b" ;;
+    esac
   done
   # A command of the caller's after the suites, on the same devices (or
   # in the same VM); its failure is the run's failure.

@@ -27,6 +27,15 @@
 //! are named `rdma_railsN::...`, the node's endpoint bound is split over
 //! its rails, and `cut` / `stall` hit every link of the node.
 //!
+//! With `RDMA_CONFORMANCE_CUDA=1` the binary re-runs itself with kvmove's
+//! CUDA driver double as `libcuda.so.1` (`kvmove_cuda_double`) and runs
+//! the device cases about data and device memory (every `device_*::data`
+//! run, `memory::device_regions`, `memory::slow_device_copies_stay_quiet`)
+//! with CUDA device memory through the real CUDA provider, named
+//! `rdma_cuda::...`: registration (a dma-buf export the NIC cannot take
+//! falls back to staging), staging buffers pinned through the driver,
+//! failed and slow device copies.
+//!
 //! Without an RDMA device every case is reported ignored (with a loud
 //! line), unless RDMA_REQUIRED=1 or RXE_VM=1, where that is a failure
 //! (scripts/rdma-tests.sh sets it for its runs on a device or in the VM).
@@ -278,7 +287,19 @@ fn state(node: &Node) -> Result<&State> {
 // The heap census for `lifecycle::no_hidden_growth`.
 conformance::census_allocator!();
 
+/// The runs of the CUDA pass (`RDMA_CONFORMANCE_CUDA=1`).
+fn cuda_run(name: &str) -> bool {
+    name.contains("::memory::device_regions")
+        || name.contains("::memory::slow_device_copies")
+        || (name.contains("::device_") && name.contains("::data::"))
+}
+
 fn main() {
+    let cuda = std::env::var("RDMA_CONFORMANCE_CUDA").is_ok_and(|v| v == "1");
+    if cuda {
+        let driver = kvmove_cuda_double::run_under_double();
+        kvmove_cuda_double::devices::install(driver);
+    }
     let mut args = libtest_mimic::Arguments::from_args();
     // The kernel counts are per process: one case at a time.
     args.test_threads = Some(1);
@@ -300,13 +321,18 @@ fn main() {
         eprintln!("rdma conformance: no RDMA_TEST_FAULT_LINKS (not the soft-RoCE VM): cut/stall cases are ignored");
     }
     let rails: usize = std::env::var("RDMA_CONFORMANCE_RAILS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
-    let label = if rails > 1 { format!("rdma_rails{rails}") } else { "rdma".to_string() };
+    let label = match (rails, cuda) {
+        (_, true) => "rdma_cuda".to_string(),
+        (1, false) => "rdma".to_string(),
+        (n, false) => format!("rdma_rails{n}"),
+    };
     let trials = conformance::trials(move || RdmaHarness {
         links: links.clone(),
         next: AtomicUsize::new(0),
         rails,
         label: label.clone(),
     });
+    let trials: Vec<_> = if cuda { trials.into_iter().filter(|t| cuda_run(t.name())).collect() } else { trials };
     let trials = if have {
         trials
     } else if required {
