@@ -1,18 +1,21 @@
-//! Direct same-host writes: a target's consent, shared with one initiator
-//! process, that lets the initiator copy a WRITE's bytes straight into the
-//! target's memory (one kernel copy, no round trip).
+//! Direct same-host writes and reads: a target's consent, shared with one
+//! initiator process, that lets the initiator copy a WRITE's bytes straight
+//! into the target's memory, or a READ's straight out of it (one kernel
+//! copy, no round trip).
 //!
 //! The consent is a *window*: a small memory file (`memfd`) that the target
 //! creates for one connection and the initiator maps (it takes the file
 //! with `pidfd_getfd`, which the kernel allows only where it would also
 //! allow the copy itself: ptrace rights over the target). It holds:
 //!
-//! - the ranges the target lets this initiator write (one entry per
-//!   registered region that allows remote writes), each open or closed;
+//! - the ranges the target lets this initiator write or read (one entry
+//!   per registered region that allows remote writes or reads), each
+//!   closed or open for writes ([`DIRECT_WRITE`]), reads ([`DIRECT_READ`])
+//!   or both;
 //! - whether the window is alive (the target retires it when the
 //!   connection ends or the engine closes);
-//! - the initiator's *write counter*, odd while it is inside a direct
-//!   write, and the bytes it wrote (for the target's metrics).
+//! - the initiator's *counter*, odd while it is inside a direct write or
+//!   read, and the bytes it wrote and read (for the target's metrics).
 //!
 //! **Why a write never lands after unregister returns.** The initiator
 //! makes the counter odd, then reads the window (alive, an open entry
@@ -24,7 +27,10 @@
 //! moves on ([`WindowOwner::writing`]) or the initiator's process is gone
 //! ([`WindowOwner::writer_exited`]). Only then does the region count as
 //! unregistered. A writer frozen inside a write (SIGSTOP, a debugger) holds
-//! that wait; the window is the few microseconds of one copy.
+//! that wait; the window is the few microseconds of one copy. A direct read
+//! keeps the same order with the same counter, so no byte of a region is
+//! read once its unregister returned (the target may reuse the memory for
+//! anything then).
 //!
 //! The copy goes through the target's `/proc/<pid>/mem`, opened once when
 //! the window is attached: that file stays bound to the address space the
@@ -56,7 +62,7 @@ use crate::region::MemoryRegion;
 /// "KVMWIN01", little-endian.
 const MAGIC: u64 = u64::from_le_bytes(*b"KVMWIN01");
 /// Words before the first entry: magic, nonce (4), entries, alive,
-/// counter, high-water mark, bytes written, reserved.
+/// counter, high-water mark, bytes written, bytes read, reserved.
 const HEADER_WORDS: usize = 16;
 const W_MAGIC: usize = 0;
 const W_NONCE: usize = 1;
@@ -65,10 +71,15 @@ const W_ALIVE: usize = 6;
 const W_COUNTER: usize = 7;
 const W_HIGH: usize = 8;
 const W_WRITTEN: usize = 9;
+const W_READ: usize = 10;
 /// Words per entry: state, address, length, reserved.
 const ENTRY_WORDS: usize = 4;
-/// An entry's state word while it may be written.
-const OPEN: u64 = 1;
+/// An entry's state bit while its range may be written directly (a
+/// window of a version that knew only writes compared the word with 1: a
+/// range open for reads as well then reads as closed there).
+pub const DIRECT_WRITE: u64 = 1;
+/// An entry's state bit while its range may be read directly.
+pub const DIRECT_READ: u64 = 2;
 /// Entries a window holds at most (a region beyond them is written the
 /// usual way, through its target).
 pub const WINDOW_ENTRIES: usize = 1024;
@@ -253,6 +264,8 @@ pub struct WindowOwner {
     writer: OwnedFd,
     /// Of the bytes the writer says it wrote, those already taken.
     taken: AtomicU64,
+    /// Of the bytes it says it read, those already taken.
+    taken_read: AtomicU64,
     /// Retired (this process's own record: the shared word is the
     /// writer's to read, never trusted back).
     retired: AtomicBool,
@@ -296,6 +309,7 @@ impl WindowOwner {
             entries,
             writer,
             taken: AtomicU64::new(0),
+            taken_read: AtomicU64::new(0),
             retired: AtomicBool::new(false),
             retired_at: AtomicU64::new(0),
         })
@@ -307,18 +321,21 @@ impl WindowOwner {
         self.fd.as_raw_fd()
     }
 
-    /// Lets the writer write `addr .. addr + len` through entry `slot`,
-    /// which must be closed (never written meanwhile by a writer: the
-    /// caller waited for [`WindowOwner::writing`] after closing it). False
-    /// when the window has no such entry (or this is a forked child).
-    pub fn open(&self, slot: usize, addr: u64, len: u64) -> bool {
-        if slot >= self.entries || !self.map.here() {
+    /// Lets the initiator write (`modes` with [`DIRECT_WRITE`]) or read
+    /// ([`DIRECT_READ`]) `addr .. addr + len` through entry `slot`, which
+    /// must be closed (never used meanwhile by the initiator: the caller
+    /// waited for [`WindowOwner::writing`] after closing it). False when
+    /// the window has no such entry, `modes` opens nothing (or this is a
+    /// forked child).
+    pub fn open(&self, slot: usize, addr: u64, len: u64, modes: u64) -> bool {
+        let modes = modes & (DIRECT_WRITE | DIRECT_READ);
+        if slot >= self.entries || modes == 0 || !self.map.here() {
             return false;
         }
         let e = entry(slot);
         self.map.word(e + 1).store(addr, Ordering::Relaxed);
         self.map.word(e + 2).store(len, Ordering::Relaxed);
-        self.map.word(e).store(OPEN, Ordering::SeqCst);
+        self.map.word(e).store(modes, Ordering::SeqCst);
         self.map.word(W_HIGH).fetch_max(slot as u64 + 1, Ordering::SeqCst);
         true
     }
@@ -376,16 +393,28 @@ impl WindowOwner {
     /// (for metrics only: a number the writer controls, never trusted
     /// for anything else; a count that goes back gives 0).
     pub fn take_written(&self) -> u64 {
-        let now = self.map.word(W_WRITTEN).load(Ordering::Relaxed);
-        match self.taken.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| (now > t).then_some(now)) {
-            Ok(before) => now - before,
-            Err(_) => 0,
-        }
+        take(self.map.word(W_WRITTEN), &self.taken)
+    }
+
+    /// The bytes the initiator read directly since the last call, as
+    /// [`WindowOwner::take_written`] counts writes.
+    pub fn take_read(&self) -> u64 {
+        take(self.map.word(W_READ), &self.taken_read)
     }
 
     /// Whether the writer's process has exited (it can write no more).
     pub fn writer_exited(&self) -> bool {
         exited(&self.writer)
+    }
+}
+
+/// What a counter the initiator controls grew since `taken` (0 when it
+/// went back).
+fn take(word: &AtomicU64, taken: &AtomicU64) -> u64 {
+    let now = word.load(Ordering::Relaxed);
+    match taken.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| (now > t).then_some(now)) {
+        Ok(before) => now - before,
+        Err(_) => 0,
     }
 }
 
@@ -432,7 +461,7 @@ impl WindowView {
     pub fn attach(pid: u32, fd: i32, nonce: &[u8; WINDOW_NONCE_LEN]) -> io::Result<WindowView> {
         let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, format!("not a kvmove window: {why}"));
         let target = pidfd_open(pid)?;
-        let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem"))?;
+        let mem = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{pid}/mem"))?;
         // SAFETY: a plain system call with integer arguments; the kernel
         // checks ptrace rights over the target.
         let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, target.as_raw_fd(), fd, 0) };
@@ -503,7 +532,7 @@ impl WindowView {
             }
         }
         let _even = Even(counter);
-        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(dst, end) {
+        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(dst, end, DIRECT_WRITE) {
             return Err(Declined::NotAllowed);
         }
         let at = libc::off_t::try_from(dst).map_err(|_| Declined::NotAllowed)?;
@@ -524,12 +553,58 @@ impl WindowView {
         }
     }
 
-    /// Whether an open entry holds `dst .. end`, read after the counter
-    /// went odd.
-    fn find(&self, dst: u64, end: u64) -> bool {
+    /// Copies `len` bytes at `src` in the target into the host region
+    /// `dst` of this process at `offset`, if the window allows reading the
+    /// whole range now: as [`WindowView::write`] the other way, with the
+    /// same order against the target's close (no byte is read once the
+    /// target's unregister returned). Returns once the bytes are in `dst`.
+    pub fn read(&self, dst: &MemoryRegion, offset: usize, len: usize, src: u64) -> Result<(), Declined> {
+        if len == 0 || dst.provider().is_some() || dst.check(offset as u64, len as u64).is_err() {
+            return Err(Declined::NotAllowed);
+        }
+        let end = src.checked_add(len as u64).ok_or(Declined::NotAllowed)?;
+        if !self.map.here() {
+            return Err(Declined::NotAllowed);
+        }
+        let _one = self.one.lock().unwrap_or_else(|p| p.into_inner());
+        let counter = self.map.word(W_COUNTER);
+        counter.fetch_add(1, Ordering::SeqCst);
+        // Even again however this returns.
+        struct Even<'a>(&'a AtomicU64);
+        impl Drop for Even<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let _even = Even(counter);
+        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(src, end, DIRECT_READ) {
+            return Err(Declined::NotAllowed);
+        }
+        let at = libc::off_t::try_from(src).map_err(|_| Declined::NotAllowed)?;
+        let to = (dst.addr() as usize).wrapping_add(offset) as *mut libc::c_void;
+        // SAFETY: the destination is a range of the live host region `dst`
+        // that `check` bounded (its constructor's guarantee: memory this
+        // process may write, which the caller's ledger gives this copy
+        // alone). The source is in the target's address space (the memory
+        // file's), allowed by its window (above); the kernel checks it
+        // there.
+        let n = unsafe { libc::pread(self.mem.as_raw_fd(), to, len, at) };
+        match usize::try_from(n) {
+            Ok(n) if n == len => {
+                self.map.word(W_READ).fetch_add(len as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(_) => Err(Declined::Copy(io::Error::new(io::ErrorKind::UnexpectedEof, "short copy"))),
+            Err(_) => Err(Declined::Copy(io::Error::last_os_error())),
+        }
+    }
+
+    /// Whether an entry open for `mode` holds `dst .. end`, read after the
+    /// counter went odd.
+    fn find(&self, dst: u64, end: u64, mode: u64) -> bool {
         let holds = |i: usize| {
             let e = entry(i);
-            if self.map.word(e).load(Ordering::SeqCst) != OPEN {
+            if self.map.word(e).load(Ordering::SeqCst) & mode == 0 {
                 return false;
             }
             let (a, l) = (self.map.word(e + 1).load(Ordering::Relaxed), self.map.word(e + 2).load(Ordering::Relaxed));
@@ -572,7 +647,7 @@ mod tests {
         let base = dst.region().addr();
         // Nothing open yet.
         assert!(matches!(view.write(&src.region(), 0, 4096, base), Err(Declined::NotAllowed)));
-        assert!(owner.open(2, base, 4096));
+        assert!(owner.open(2, base, 4096, DIRECT_WRITE));
         view.write(&src.region(), 0, 4096, base).unwrap();
         assert_eq!(owner.take_written(), 4096);
         assert_eq!(owner.take_written(), 0, "taken once");
@@ -586,12 +661,45 @@ mod tests {
         assert_eq!(owner.writing(), None);
         owner.close(2);
         assert!(matches!(view.write(&src.region(), 0, 4096, base), Err(Declined::NotAllowed)));
-        assert!(owner.open(0, base, 8192));
+        assert!(owner.open(0, base, 8192, DIRECT_WRITE));
         view.write(&src.region(), 0, 4096, base + 4096).unwrap();
         owner.retire();
         assert!(view.is_retired());
         assert!(matches!(view.write(&src.region(), 0, 4096, base), Err(Declined::NotAllowed)));
-        assert!(!owner.open(4, base, 1), "entries beyond the window");
+        assert!(!owner.open(4, base, 1, DIRECT_WRITE), "entries beyond the window");
+    }
+
+    /// Rule 9 for direct reads: only ranges open for reads are read (a
+    /// write-only entry is not), nothing once closed or retired, and a
+    /// read and a write each need their own mode.
+    #[test]
+    fn reads_only_ranges_open_for_reads() {
+        let src = crate::Buffer::from_slice(&(0..8192u32).map(|i| i as u8).collect::<Vec<_>>()).unwrap();
+        let dst = crate::Buffer::new(8192).unwrap();
+        let me = std::process::id();
+        let owner = WindowOwner::create(&nonce(6), 4, me).unwrap();
+        let view = WindowView::attach(me, owner.raw_fd(), &nonce(6)).unwrap();
+        let base = src.region().addr();
+        assert!(matches!(view.read(&dst.region(), 0, 4096, base), Err(Declined::NotAllowed)), "nothing open");
+        assert!(owner.open(1, base, 4096, DIRECT_WRITE));
+        assert!(matches!(view.read(&dst.region(), 0, 4096, base), Err(Declined::NotAllowed)), "open for writes only");
+        owner.close(1);
+        assert!(owner.open(1, base, 4096, DIRECT_READ));
+        view.read(&dst.region(), 100, 4096, base).unwrap();
+        assert_eq!(&dst.to_vec()[100..4196], &src.to_vec()[..4096]);
+        assert_eq!(owner.take_read(), 4096);
+        assert_eq!(owner.take_written(), 0);
+        assert!(matches!(view.write(&dst.region(), 0, 16, base), Err(Declined::NotAllowed)), "open for reads only");
+        assert!(matches!(view.read(&dst.region(), 0, 4096, base + 1), Err(Declined::NotAllowed)), "past the entry");
+        assert!(matches!(view.read(&dst.region(), 8000, 4096, base), Err(Declined::NotAllowed)), "past dst");
+        assert!(owner.open(2, base + 4096, 4096, DIRECT_READ | DIRECT_WRITE));
+        view.read(&dst.region(), 0, 4096, base + 4096).unwrap();
+        assert_eq!(&dst.to_vec()[..4096], &src.to_vec()[4096..]);
+        assert!(!owner.open(3, base, 1, 0), "no mode opens nothing");
+        owner.close(1);
+        assert!(matches!(view.read(&dst.region(), 0, 16, base), Err(Declined::NotAllowed)), "closed");
+        owner.retire();
+        assert!(matches!(view.read(&dst.region(), 0, 16, base + 4096), Err(Declined::NotAllowed)), "retired");
     }
 
     #[test]
@@ -633,7 +741,7 @@ mod tests {
         let owner = WindowOwner::create(&nonce(5), 1, me).unwrap();
         let view = WindowView::attach(me, owner.raw_fd(), &nonce(5)).unwrap();
         let (dst, src) = (crate::Buffer::new(4096).unwrap(), crate::Buffer::from_slice(&[3u8; 4096]).unwrap());
-        owner.open(0, dst.region().addr(), 4096);
+        owner.open(0, dst.region().addr(), 4096, DIRECT_WRITE);
         let region = src.region();
         // SAFETY: (test) the child only reads atomics, makes one failed
         // call, drops what it copied (no unmapping) and exits at once.
@@ -670,7 +778,7 @@ mod tests {
         let dst = crate::Buffer::new(1 << 20).unwrap();
         let src = crate::Buffer::new(1 << 20).unwrap();
         src.region().write_at(0, &vec![9u8; 1 << 20]).unwrap();
-        owner.open(1, dst.region().addr(), 1 << 20);
+        owner.open(1, dst.region().addr(), 1 << 20, DIRECT_WRITE);
         let stop = std::sync::atomic::AtomicBool::new(false);
         // Stops the writer also when an assertion below fails (the scope
         // joins it before the panic goes on).
@@ -703,7 +811,7 @@ mod tests {
                 let mut got = vec![1u8; 1 << 20];
                 dst.region().read_at(0, &mut got).unwrap();
                 assert!(got.iter().all(|&b| b == 0), "a write landed after the close was quiet");
-                owner.open(1, dst.region().addr(), 1 << 20);
+                owner.open(1, dst.region().addr(), 1 << 20, DIRECT_WRITE);
                 std::thread::sleep(std::time::Duration::from_micros(100));
             }
         });

@@ -179,9 +179,19 @@ pub struct TcpConfig {
     /// listing the ranges it allows (its regions that allow remote
     /// writes); its `unregister` closes the range and waits until no
     /// direct write that saw it open is still copying
-    /// (`transport_mem::window`). As a server, false offers no window; as
-    /// a client, false uses none. Default true.
+    /// (`transport_mem::window`). As a server, false opens no range for
+    /// writes in its windows; as a client, false writes none directly.
+    /// Default true.
     pub direct_writes: bool,
+    /// Direct same-host reads (with `same_host`), the mirror of
+    /// `direct_writes`: a small READ from a same-host peer that allows it
+    /// (its regions that allow remote reads, in the same window) is
+    /// copied by the submitting thread straight out of the peer's memory,
+    /// with no frame and no round trip; the peer's `unregister` waits until
+    /// no direct read that saw the range open is still copying, so no byte
+    /// is read once it returned. As a server, false opens no range for
+    /// reads; as a client, false reads none directly. Default true.
+    pub direct_reads: bool,
     /// Host staging buffers (1 MiB each) for device memory: with them,
     /// device copies go through them, on tokio's blocking pool, overlapped
     /// with the sockets. Mapped (and pinned by the device's provider, CUDA:
@@ -237,6 +247,7 @@ impl Default for TcpConfig {
             drain_timeout: Duration::from_millis(250),
             same_host: true,
             direct_writes: true,
+            direct_reads: true,
             staging_buffers: 0,
             server_poll_us: 100,
         }

@@ -225,12 +225,12 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     Ok(Hello { generation: h.generation, same_host, direct })
 }
 
-/// The direct-write window a READY offered, mapped: only from a server
+/// The direct-copy window a READY offered, mapped: only from a server
 /// whose process this side verified (`same.read_from`), with direct writes
-/// configured. A window that does not check out is logged and not used
-/// (the lane's writes go through the server).
+/// or reads configured. A window that does not check out is logged and
+/// not used (the lane's writes and reads go through the server).
 fn attach_window(cfg: &TcpConfig, same: SameHost, ready: &Header, sn: &[u8], peer: &str) -> Option<Arc<WindowView>> {
-    if !(cfg.same_host && cfg.direct_writes) {
+    if !(cfg.same_host && (cfg.direct_writes || cfg.direct_reads)) {
         return None;
     }
     let pid = same.read_from?;
@@ -241,7 +241,11 @@ fn attach_window(cfg: &TcpConfig, same: SameHost, ready: &Header, sn: &[u8], pee
     match attached {
         Ok(v) => Some(Arc::new(v)),
         Err(e) => {
-            tracing::info!(peer, pid, "the peer's direct-write window is not used ({e}): writes go through the peer");
+            tracing::info!(
+                peer,
+                pid,
+                "the peer's direct-copy window is not used ({e}): writes and reads go through the peer"
+            );
             None
         }
     }

@@ -42,8 +42,10 @@ pub(crate) struct Env {
     /// writes the peer copied, reads copied here).
     pub same_host_bytes: AtomicU64,
     /// Of those, the bytes this side wrote directly into peers' memory
-    /// (`lane::write_direct`).
+    /// (`lane::copy_direct`).
     pub direct_bytes: AtomicU64,
+    /// And the bytes it read directly out of peers' memory.
+    pub direct_read_bytes: AtomicU64,
     /// Request ids: unique per transport, never reused, so a late answer
     /// can never be taken for another slice's.
     next_id: AtomicU64,
@@ -60,6 +62,7 @@ impl Env {
             lanes: AtomicUsize::new(0),
             same_host_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
+            direct_read_bytes: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
         })
     }
@@ -186,7 +189,7 @@ pub(crate) struct Lane {
     /// What this lane moves by same-host copies (agreed at its handshake).
     pub same_host: SameHost,
     /// The peer's window of direct writes for this lane's connection
-    /// (offered at its handshake), used by `lane::write_direct`.
+    /// (offered at its handshake), used by `lane::copy_direct`.
     pub direct: Option<Arc<WindowView>>,
     /// The lane's sending side. Whoever holds it is the only one putting
     /// bytes on the socket: the writer task (across its writes), or a

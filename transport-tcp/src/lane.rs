@@ -458,25 +458,28 @@ async fn stream_device(ep: &Endpoint, lane: usize, w: &mut OwnedWriteHalf, buf: 
     }
 }
 
-/// Most requests one submit writes directly.
+/// Most requests one submit copies directly.
 const DIRECT_MAX_REQS: usize = 64;
-/// Most bytes one submit writes directly (the submitting thread copies
+/// Most bytes one submit copies directly (the submitting thread copies
 /// them; larger work goes through the lanes, where the peer gathers its
 /// copies).
 const DIRECT_MAX_BYTES: u64 = 1 << 20;
 
-/// Writes the WRITEs of `work` straight into the peer's memory on the
-/// submitting thread, when the peer offered a direct-write window on a
-/// lane (`transport_mem::window`) and the work is small (at most
-/// [`DIRECT_MAX_REQS`] requests and [`DIRECT_MAX_BYTES`] bytes, each
-/// request one slice of host memory). Each request so written is
-/// complete when this returns: its bytes are in the peer's memory (rule
-/// 11's order holds: a notification sent later finds them there). What the
-/// window declines (a range it does not allow now, a failed copy) and
-/// every READ is given back to go the usual way, which reports any real
+/// Copies the WRITEs of `work` straight into the peer's memory, and its
+/// READs straight out of it, on the submitting thread, when the peer
+/// offered a direct-copy window on a lane (`transport_mem::window`) that
+/// allows the range and the work is small (at most [`DIRECT_MAX_REQS`]
+/// requests and [`DIRECT_MAX_BYTES`] bytes, each request one slice of host
+/// memory; writes with `TcpConfig::direct_writes`, reads with
+/// `direct_reads`). Each request so copied is complete when this returns:
+/// a write's bytes are in the peer's memory (rule 11's order holds: a
+/// notification sent later finds them there), a read's are in the local
+/// region. What the window declines (a range it does not allow now, a
+/// failed copy) is given back to go the usual way, which reports any real
 /// error; `None` when nothing is left.
-pub(crate) fn write_direct(ep: &Arc<Endpoint>, mut work: Work) -> Option<Work> {
-    if work.idx.len() > DIRECT_MAX_REQS || ep.is_dead() {
+pub(crate) fn copy_direct(ep: &Arc<Endpoint>, mut work: Work) -> Option<Work> {
+    let (writes, reads) = (ep.env.cfg.direct_writes, ep.env.cfg.direct_reads);
+    if work.idx.len() > DIRECT_MAX_REQS || ep.is_dead() || !(writes || reads) {
         return Some(work);
     }
     let Some(view) = ep.lanes.iter().find_map(|l| l.direct.as_ref().filter(|v| !v.is_retired())) else {
@@ -486,19 +489,21 @@ pub(crate) fn write_direct(ep: &Arc<Endpoint>, mut work: Work) -> Option<Work> {
     let mut bytes = 0u64;
     for &i in &work.idx {
         let Some(r) = work.batch.reqs.get(i as usize) else { return Some(work) };
-        if r.op == Opcode::Write {
-            bytes = bytes.saturating_add(r.len);
-        }
+        bytes = bytes.saturating_add(r.len);
     }
     if bytes > DIRECT_MAX_BYTES {
         return Some(work);
     }
     let batch = work.batch.clone();
-    let mut written = 0u64;
+    let (mut written, mut read) = (0u64, 0u64);
     work.idx.retain(|&k| {
         let i = k as usize;
         let (Some(r), Some(local)) = (batch.reqs.get(i), batch.locals.get(i)) else { return true };
-        if r.op != Opcode::Write || r.len == 0 || r.len > slice || local.mem.provider().is_some() {
+        let allowed = match r.op {
+            Opcode::Write => writes,
+            Opcode::Read => reads,
+        };
+        if !allowed || r.len == 0 || r.len > slice || local.mem.provider().is_some() {
             return true;
         }
         let (Ok(off), Ok(len)) = (usize::try_from(r.local_offset), usize::try_from(r.len)) else { return true };
@@ -507,9 +512,16 @@ pub(crate) fn write_direct(ep: &Arc<Endpoint>, mut work: Work) -> Option<Work> {
         if !batch.start(i) {
             return false;
         }
-        match local.with_live(|m| view.write(m, off, len, r.remote_addr)) {
+        let copied = local.with_live(|m| match r.op {
+            Opcode::Write => view.write(m, off, len, r.remote_addr),
+            Opcode::Read => view.read(m, off, len, r.remote_addr),
+        });
+        match copied {
             Some(Ok(())) => {
-                written += r.len;
+                match r.op {
+                    Opcode::Write => written += r.len,
+                    Opcode::Read => read += r.len,
+                }
                 batch.slice_done(i, Ok(()));
                 false
             }
@@ -523,10 +535,17 @@ pub(crate) fn write_direct(ep: &Arc<Endpoint>, mut work: Work) -> Option<Work> {
             }
         }
     });
-    if written > 0 {
-        ep.env.same_host_bytes.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
-        ep.env.direct_bytes.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
-        metrics::counter!("kvmove_tcp_direct_write_bytes_total").increment(written);
+    if written + read > 0 {
+        use std::sync::atomic::Ordering::Relaxed;
+        ep.env.same_host_bytes.fetch_add(written + read, Relaxed);
+        ep.env.direct_bytes.fetch_add(written, Relaxed);
+        ep.env.direct_read_bytes.fetch_add(read, Relaxed);
+        if written > 0 {
+            metrics::counter!("kvmove_tcp_direct_write_bytes_total").increment(written);
+        }
+        if read > 0 {
+            metrics::counter!("kvmove_tcp_direct_read_bytes_total").increment(read);
+        }
     }
     (!work.idx.is_empty()).then_some(work)
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use transport_core::{Access, Error, ErrorKind, RegionId, Result};
 use transport_mem::cma::PULL_MANY_MAX;
-use transport_mem::window::{WindowOwner, WINDOW_ENTRIES, WINDOW_NONCE_LEN};
+use transport_mem::window::{WindowOwner, DIRECT_READ, DIRECT_WRITE, WINDOW_ENTRIES, WINDOW_NONCE_LEN};
 use transport_mem::{MemError, MemoryRegion};
 
 use crate::proto::{Status, WireRegion};
@@ -24,8 +24,9 @@ pub(crate) struct Region {
     /// takes it exclusively to flip it, so once that returns no copy runs
     /// and none starts.
     gate: RwLock<bool>,
-    /// Its entry in the direct-write windows offered to same-host peers
-    /// (host memory that allows remote writes, while entries are left).
+    /// Its entry in the direct-copy windows offered to same-host peers
+    /// (host memory that allows remote writes or reads, while entries are
+    /// left).
     slot: Option<usize>,
 }
 
@@ -225,15 +226,17 @@ impl Tables {
         for k in quiet {
             self.free_slot(k);
         }
-        let mut written = 0u64;
+        let (mut written, mut read) = (0u64, 0u64);
         self.windows.retain(|w| {
             let keep = !w.is_quiet();
             if !keep {
                 written = written.saturating_add(w.take_written());
+                read = read.saturating_add(w.take_read());
             }
             keep
         });
-        count_direct(written);
+        count_direct("write", written);
+        count_direct("read", read);
     }
 }
 
@@ -280,20 +283,23 @@ impl Drop for WindowGuard {
     }
 }
 
-/// Adds the bytes same-host clients wrote directly into this process
-/// since the last call to the served-bytes metrics (as WRITEs, moved by
-/// same-host copies), as the clients count them. Called whenever a
+/// Adds the bytes same-host clients wrote directly into this process (and
+/// read directly from it) since the last call to the served-bytes metrics
+/// (as WRITEs and READs moved by same-host copies), as the clients count
+/// them. Called whenever a
 /// connection's served bytes are reported, at unregister, when a window
 /// is retired, and at least once a second (the transport's reaper), so
 /// the metrics lag a direct write by at most that.
 pub(crate) fn report_direct(t: &RegionTable) {
-    count_direct(t.inner.read().windows.iter().map(|w| w.take_written()).fold(0, u64::saturating_add));
+    let t = t.inner.read();
+    count_direct("write", t.windows.iter().map(|w| w.take_written()).fold(0, u64::saturating_add));
+    count_direct("read", t.windows.iter().map(|w| w.take_read()).fold(0, u64::saturating_add));
 }
 
-fn count_direct(n: u64) {
+fn count_direct(op: &'static str, n: u64) {
     if n > 0 {
-        metrics::counter!("kvmove_tcp_served_bytes_total", "op" => "write").increment(n);
-        metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => "write").increment(n);
+        metrics::counter!("kvmove_tcp_served_bytes_total", "op" => op).increment(n);
+        metrics::counter!("kvmove_tcp_same_host_bytes_total", "op" => op).increment(n);
     }
 }
 
@@ -342,12 +348,33 @@ impl Drop for Unfinished<'_> {
 }
 
 /// All live registrations of one transport.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RegionTable {
     inner: RwLock<Tables>,
+    /// What windows may allow (`DIRECT_WRITE`, `DIRECT_READ`: the server's
+    /// `TcpConfig::direct_writes` and `direct_reads`).
+    direct: u64,
+}
+
+impl Default for RegionTable {
+    fn default() -> Self {
+        RegionTable::new(DIRECT_WRITE | DIRECT_READ)
+    }
 }
 
 impl RegionTable {
+    /// A table whose windows allow at most `direct` (`DIRECT_WRITE`,
+    /// `DIRECT_READ`).
+    pub fn new(direct: u64) -> RegionTable {
+        RegionTable { inner: RwLock::new(Tables::default()), direct }
+    }
+
+    /// What a window entry allows for `access`.
+    fn modes(&self, access: Access) -> u64 {
+        let w = if access.remote_write { DIRECT_WRITE } else { 0 };
+        (w | if access.remote_read { DIRECT_READ } else { 0 }) & self.direct
+    }
+
     /// Adds a region; overlap with a live one is `AlreadyRegistered`.
     pub fn insert(&self, id: RegionId, mem: MemoryRegion, access: Access) -> Result<()> {
         let (start, end) = (mem.addr(), mem.addr().saturating_add(mem.len() as u64));
@@ -358,11 +385,12 @@ impl RegionTable {
                     .with("region", prev.id));
             }
         }
-        let slot = if access.remote_write && mem.provider().is_none() { t.take_slot() } else { None };
+        let modes = self.modes(access);
+        let slot = if modes != 0 && mem.provider().is_none() { t.take_slot() } else { None };
         let r = Arc::new(Region { id, mem, access, gate: RwLock::new(true), slot });
         if let Some(k) = slot {
             for w in &t.windows {
-                w.open(k, r.mem.addr(), r.mem.len() as u64);
+                w.open(k, r.mem.addr(), r.mem.len() as u64, modes);
             }
         }
         t.by_addr.insert(start, r.clone());
@@ -379,7 +407,7 @@ impl RegionTable {
         t.tidy();
         for r in t.by_id.values() {
             if let Some(k) = r.slot {
-                w.open(k, r.mem.addr(), r.mem.len() as u64);
+                w.open(k, r.mem.addr(), r.mem.len() as u64, self.modes(r.access));
             }
         }
         t.windows.push(w.clone());
@@ -441,7 +469,7 @@ impl RegionTable {
     /// The regions direct writes could reach (host memory that allows
     /// remote writes, with a window entry).
     pub fn directly_writable(&self) -> Vec<Arc<Region>> {
-        self.inner.read().by_id.values().filter(|r| r.slot.is_some()).cloned().collect()
+        self.inner.read().by_id.values().filter(|r| r.slot.is_some() && r.access.remote_write).cloned().collect()
     }
 
     /// Removes a region from the table (it may still be live until killed).

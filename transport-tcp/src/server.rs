@@ -376,7 +376,7 @@ impl Server {
         }
         let mut ready = Header::new(FrameType::Ready);
         let mut window = None;
-        if let Some(pid) = peer.pull_from.filter(|_| self.cfg.direct_writes) {
+        if let Some(pid) = peer.pull_from.filter(|_| self.cfg.direct_writes || self.cfg.direct_reads) {
             match self.regions.add_window(&sn, pid) {
                 Ok(w) => {
                     ready.flags |= proto::DIRECT_WRITES;
@@ -384,7 +384,10 @@ impl Server {
                     window = Some(w);
                 }
                 Err(e) => {
-                    tracing::info!(pid, "no direct-write window for this peer ({e}): its writes come through here")
+                    tracing::info!(
+                        pid,
+                        "no direct-copy window for this peer ({e}): its writes and reads come through here"
+                    )
                 }
             }
         }

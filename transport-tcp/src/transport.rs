@@ -67,7 +67,9 @@ impl TcpTransport {
         let bound = listener.local_addr()?;
         let cfg = Arc::new(cfg);
         let tasks = TaskSet::new();
-        let regions = Arc::new(RegionTable::default());
+        let direct = if cfg.direct_writes { transport_mem::window::DIRECT_WRITE } else { 0 }
+            | if cfg.direct_reads { transport_mem::window::DIRECT_READ } else { 0 };
+        let regions = Arc::new(RegionTable::new(direct));
         let generation = transport_core::fresh_generation();
         let inbox = Arc::new(Inbox::new(cfg.inbox_capacity));
         let staging = Arc::new(Staging::new(cfg.staging_buffers));
@@ -126,6 +128,13 @@ impl TcpTransport {
     /// [`TcpConfig::direct_writes`]).
     pub fn direct_write_bytes(&self) -> u64 {
         self.inner.env.direct_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Of [`TcpTransport::same_host_bytes`], the bytes this transport's
+    /// requests read straight out of peers' memory (see
+    /// [`TcpConfig::direct_reads`]).
+    pub fn direct_read_bytes(&self) -> u64 {
+        self.inner.env.direct_read_bytes.load(Ordering::Relaxed)
     }
 }
 
@@ -326,7 +335,7 @@ impl Transport for TcpTransport {
             batch.carried_by(Arc::downgrade(&ep) as std::sync::Weak<dyn crate::batch::Carrier>);
             // Few small slices go out from here at once; the rest is queued
             // for the lanes' writers.
-            let work = crate::lane::write_direct(&ep, Work::new(batch.clone(), idx, generation, using));
+            let work = crate::lane::copy_direct(&ep, Work::new(batch.clone(), idx, generation, using));
             if let Some(work) = work.and_then(|w| crate::lane::send_now(&ep, w)) {
                 ep.enqueue(work);
             }

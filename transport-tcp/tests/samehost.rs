@@ -453,3 +453,127 @@ async fn no_direct_write_lands_once_the_target_unregistered() {
     .await
     .expect("test timed out");
 }
+
+/// Direct reads (`TcpConfig::direct_reads`): small READs from a same-host
+/// peer process are copied straight out of its memory by the submitting
+/// thread, every byte right, and a read that follows a write (direct, or
+/// through the lanes) sees that write's bytes; work over the direct bound
+/// still goes through the lanes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_reads_come_straight_out_of_the_peers_memory() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let peer = Peer::start("127.0.0.1:0", true);
+        let a = node(test_config()).await;
+        let seg = a.open_segment(&peer.name).await.unwrap();
+        let back = Buffer::new(1 << 20).unwrap();
+        let bl = a.register(back.region(), Access::LOCAL).unwrap();
+        let start = start_pattern(LEN);
+        let mut direct = 0;
+        for (k, size) in [1usize, 4096, 65537].into_iter().enumerate() {
+            let (from, to) = (k * 8191 + 3, k * 7);
+            let s =
+                run(&a, vec![TransferRequest::read(bl, to as u64, seg, peer.region + from as u64, size as u64)]).await;
+            assert_eq!(s.state, BatchState::Completed, "{size}: {:?}", s.first_error());
+            assert_eq!(&back.to_vec()[to..to + size], &start[from..from + size], "a read of {size} bytes");
+            direct += size as u64;
+            assert_eq!(a.direct_read_bytes(), direct, "{size} bytes came straight out of the peer");
+        }
+        let reqs: Vec<_> = (0..16u64)
+            .map(|k| TransferRequest::read(bl, k * 4096, seg, peer.region + (1 << 20) + k * 4100, 4096))
+            .collect();
+        let s = run(&a, reqs).await;
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        for k in 0..16usize {
+            let from = (1 << 20) + k * 4100;
+            assert_eq!(&back.to_vec()[k * 4096..(k + 1) * 4096], &start[from..from + 4096], "read {k} of 16");
+        }
+        direct += 16 * 4096;
+        assert_eq!(a.direct_read_bytes(), direct, "a batch of 16 small reads came straight out of the peer");
+        // A read after a write sees it: a direct write, then a large one
+        // through the lanes (the peer copies it), each read back directly.
+        let src = Buffer::from_slice(&pattern(3, 4 << 20)).unwrap();
+        let sl = a.register(src.region(), Access::LOCAL).unwrap();
+        for (len, what) in [(4096usize, "a direct write"), (4 << 20, "a write through the lanes")] {
+            let to = (2 << 20) as u64;
+            let s = run(&a, vec![TransferRequest::write(sl, 0, seg, peer.region + to, len as u64)]).await;
+            assert_eq!(s.state, BatchState::Completed, "{what}: {:?}", s.first_error());
+            let s = run(&a, vec![TransferRequest::read(bl, 0, seg, peer.region + to + len as u64 - 4096, 4096)]).await;
+            assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+            assert_eq!(&back.to_vec()[..4096], &src.to_vec()[len - 4096..len], "the read after {what} sees it");
+            direct += 4096;
+            assert_eq!(a.direct_read_bytes(), direct, "the read after {what} was direct");
+        }
+        // Over the bound (4 MiB in one batch): through the lanes.
+        let big = Buffer::new(4 << 20).unwrap();
+        let gl = a.register(big.region(), Access::LOCAL).unwrap();
+        let reqs: Vec<_> =
+            (0..4u64).map(|k| TransferRequest::read(gl, k << 20, seg, peer.region + (k << 20), 1 << 20)).collect();
+        let s = run(&a, reqs).await;
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        assert_eq!(a.direct_read_bytes(), direct, "large work is not read directly");
+        let mut want = start[..4 << 20].to_vec();
+        want[2 << 20..(6 << 20).min(4 << 20)].copy_from_slice(&src.to_vec()[..2 << 20]);
+        assert!(big.to_vec() == want, "the large read through the lanes is byte-exact");
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Rule 9 with direct reads: once the target's `unregister` returns, no
+/// direct read copies a byte of the region, not even one racing it (the
+/// target then fills the memory with a new pattern, and no read that
+/// completes may hold it), and later reads fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_direct_read_copies_once_the_target_unregistered() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let target = node(test_config()).await;
+        let a = std::sync::Arc::new(node(test_config()).await);
+        let mem = Buffer::new(1 << 20).unwrap();
+        let seg = a.open_segment(&target.local_segment_name()).await.unwrap();
+        let mut refused = 0;
+        for round in 0..20u64 {
+            mem.fill(0xA5);
+            let r = target.register(mem.region(), Access::REMOTE_RW).unwrap();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let reader = {
+                let (a, stop, from) = (a.clone(), stop.clone(), mem.addr());
+                tokio::spawn(async move {
+                    let dst = Buffer::new(4096).unwrap();
+                    let dl = a.register(dst.region(), Access::LOCAL).unwrap();
+                    let (mut failed, mut stale) = (0u32, 0u32);
+                    for k in 0..100_000u64 {
+                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
+                        }
+                        dst.fill(0);
+                        let rd = TransferRequest::read(dl, 0, seg, from + (k % 256) * 4096, 4096);
+                        if run(&a, vec![rd]).await.state != BatchState::Completed {
+                            failed += 1;
+                        } else if dst.to_vec().iter().any(|&b| b != 0xA5) {
+                            stale += 1;
+                        }
+                    }
+                    a.unregister(dl).await.unwrap();
+                    (failed, stale)
+                })
+            };
+            tokio::time::sleep(Duration::from_micros(300 + 100 * round)).await;
+            target.unregister(r).await.unwrap();
+            // From here on the memory is the target's again: a read that
+            // completes with these bytes copied after the unregister.
+            mem.fill(0x5A);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (failed, stale) = reader.await.unwrap();
+            assert_eq!(stale, 0, "round {round}: a read completed with bytes from after unregister returned");
+            refused += failed;
+        }
+        assert!(a.direct_read_bytes() > 0, "the reads came straight out of the target while it was registered");
+        assert!(refused > 0, "reads after the unregister failed");
+        a.shutdown().await.unwrap();
+        target.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}

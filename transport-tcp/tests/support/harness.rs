@@ -76,6 +76,7 @@ async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr, inbox: Opt
         inbox_capacity: inbox.unwrap_or(transport_core::DEFAULT_INBOX),
         same_host: h.path != Path::Sockets,
         direct_writes: h.path == Path::Direct,
+        direct_reads: h.path == Path::Direct,
         // Through the sockets, device memory goes through staging buffers
         // (off by default): the device cases run both ways.
         staging_buffers: if h.path == Path::Sockets { 16 } else { 0 },
