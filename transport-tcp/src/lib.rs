@@ -100,6 +100,11 @@
 //! writes that saw it open before `unregister` returns). Such a request is
 //! complete when `submit` returns. The server's served-bytes metrics count
 //! direct writes as the clients report them, at most a second late.
+//! *Direct reads* (`TcpConfig::direct_reads`) are their mirror: a small
+//! READ is copied by the submitting thread straight out of the server's
+//! memory where the window holds the range open for reads, fenced by
+//! `unregister` the same way (so, unlike a READ through the lanes, none
+//! copies after `unregister` returned).
 //! The rules above hold with one difference for WRITE sources: the peer's
 //! copy reads them until it answers. Ending a request waits
 //! `drain_timeout` for those answers, so normally the source is no longer

@@ -19,7 +19,9 @@
 //! never writes into this process's memory; the one exception is a direct
 //! write (`TcpConfig::direct_writes`), which a client makes only into the
 //! ranges this server's window for its connection holds open
-//! (`transport_mem::window`, `RegionTable::add_window`).
+//! (`transport_mem::window`, `RegionTable::add_window`). A direct read
+//! (`TcpConfig::direct_reads`) copies out of the ranges the window holds
+//! open for reads, without asking the server first.
 //!
 //! **Who the peer is.** A process that claims a pid is believed only after
 //! two checks, both at the handshake: (1) the kernel's socket table of this

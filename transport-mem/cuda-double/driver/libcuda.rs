@@ -749,7 +749,9 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CUresult {
 #[no_mangle]
 pub extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: u64) -> CUresult {
     api("cuPointerGetAttribute", 0, |st| {
-        let ctx_dev = st.need_ctx()?;
+        // The double asks for a current context here (the provider always
+        // has one pushed when it looks a pointer up).
+        st.need_ctx()?;
         const MEMORY_TYPE: c_uint = 2;
         const IS_MANAGED: c_uint = 8;
         const DEVICE_ORDINAL: c_uint = 9;
@@ -760,9 +762,8 @@ pub extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, pt
         } else if let Some((&base, &(len, dev))) =
             st.hosts.range(..=ptr).next_back().filter(|(&b, &(l, _))| ptr - b < l)
         {
-            (1u32, 0, dev, Some((base, len)))
+            (1u32, 0, dev, Some((base, len))) // registered host memory
         } else {
-            let _ = ctx_dev;
             return Err(INVALID_VALUE); // plain host memory: unknown to CUDA
         };
         match attribute {
