@@ -106,6 +106,12 @@ impl Breaker {
         }
     }
 
+    /// Whether a call let through as the probe is out and its verdict not
+    /// in yet (calls meanwhile are answered [`Admit::No`] with no wait).
+    pub fn probing(&self) -> bool {
+        matches!(self.state, State::HalfOpen { probing: true, .. })
+    }
+
     /// The peer was tried at `now` outside [`admit`](Self::admit) (the
     /// background prober, `Engine::probe`): an open breaker counts its
     /// probe interval from here.

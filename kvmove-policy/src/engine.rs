@@ -102,6 +102,9 @@ struct Inner {
     /// started when the budget is short, since what they hold is given
     /// back only once someone finishes them.
     unstarted: Mutex<Vec<std::sync::Weak<parking_lot::Mutex<Mode>>>>,
+    /// Signalled whenever a breaker learns a verdict (a probe's included),
+    /// for calls waiting on a probe in flight ([`Inner::admit_waiting`]).
+    verdicts: tokio::sync::Notify,
 }
 
 impl fmt::Debug for Engine {
@@ -136,6 +139,7 @@ impl Engine {
                 metrics: EngineMetrics::default(),
                 next_transfer: AtomicU64::new(1),
                 unstarted: Mutex::new(Vec::new()),
+                verdicts: tokio::sync::Notify::new(),
             }),
         })
     }
@@ -195,7 +199,7 @@ impl Engine {
     /// starting up under load, closed the first handshake; the call
     /// failed though the peer was serving, ci48).
     pub async fn open_segment(&self, name: &str) -> Result<SegmentId> {
-        let admit = self.inner.admit(name)?;
+        let admit = self.inner.admit_waiting(name).await?;
         let started = self.inner.clock.now();
         let budget = self.inner.cfg.deadline.base;
         let mut attempt = 1u32;
@@ -332,7 +336,7 @@ impl Engine {
         // Breakers are checked after the budget wait, so a long wait cannot
         // let work through to a peer that failed meanwhile.
         for peer in &plan.peers {
-            if let Err(e) = inner.admit(peer) {
+            if let Err(e) = inner.admit_waiting(peer).await {
                 inner.abandon_probes(&plan.peers);
                 return Err(e);
             }
@@ -441,17 +445,55 @@ impl Inner {
         SubmitOptions::with_timeout(self.cfg.deadline.for_bytes(bytes))
     }
 
-    fn admit(&self, peer: &str) -> Result<Admit> {
+    /// Whether work may go to `peer` now; with the refusal, whether it
+    /// is only because the peer's probe is out (its verdict not in yet).
+    fn admit(&self, peer: &str) -> std::result::Result<Admit, (Error, bool)> {
         let now = self.clock.now();
         let mut breakers = self.breakers.lock();
-        match breakers.entry(peer.to_owned()).or_default().admit(now, &self.cfg.breaker) {
-            Admit::No { retry_after } => Err(Error::new(
-                ErrorKind::PeerUnavailable,
-                "peer failed repeatedly; its circuit breaker is open and fails fast until a probe succeeds",
-            )
-            .with("peer", peer)
-            .with("retry_after_ms", retry_after.as_millis())),
+        let b = breakers.entry(peer.to_owned()).or_default();
+        match b.admit(now, &self.cfg.breaker) {
+            Admit::No { retry_after } => Err((
+                Error::new(
+                    ErrorKind::PeerUnavailable,
+                    "peer failed repeatedly; its circuit breaker is open and fails fast until a probe succeeds",
+                )
+                .with("peer", peer)
+                .with("retry_after_ms", retry_after.as_millis()),
+                b.probing(),
+            )),
             a => Ok(a),
+        }
+    }
+
+    /// As [`Inner::admit`], except that a call finding the peer's probe
+    /// out waits for its verdict (at most `deadline.base`) and asks again:
+    /// several calls to a peer that came back (a handoff's writes, layer
+    /// by layer, right after a restart) all go once the first one, the
+    /// probe, found it serving, instead of failing fast beside it. A
+    /// probe that fails leaves the breaker open and they fail fast then.
+    async fn admit_waiting(&self, peer: &str) -> Result<Admit> {
+        let started = self.clock.now();
+        let limit = self.cfg.deadline.base;
+        loop {
+            // Registered before the breaker is read, so no verdict between
+            // the two is missed.
+            let verdict = self.verdicts.notified();
+            tokio::pin!(verdict);
+            verdict.as_mut().enable();
+            match self.admit(peer) {
+                Ok(a) => return Ok(a),
+                Err((e, false)) => return Err(e),
+                Err((e, true)) => {
+                    let waited = self.clock.now().saturating_sub(started);
+                    let Some(left) = limit.checked_sub(waited).filter(|l| !l.is_zero()) else {
+                        return Err(e.with("waited_for_probe_ms", waited.as_millis()));
+                    };
+                    tokio::select! {
+                        () = &mut verdict => {}
+                        () = self.clock.sleep(left) => {}
+                    }
+                }
+            }
         }
     }
 
@@ -468,6 +510,7 @@ impl Inner {
             }
             (before, b.state(now))
         };
+        self.verdicts.notify_waiters();
         self.metrics.breaker(peer, before, after);
         // (A call's probe that failed leaves it open: no transition, and
         // the prober started when it opened.)

@@ -34,6 +34,8 @@ struct Flaky {
     refuse: bool,
     resets: u32,
     opens: u32,
+    /// How long each open takes to answer.
+    delay: Duration,
 }
 
 impl Scripted {
@@ -81,6 +83,10 @@ impl Transport for Scripted {
     }
     async fn open_segment(&self, name: &str) -> Result<SegmentId> {
         if name == "flaky" {
+            let delay = self.flaky.lock().delay;
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let mut f = self.flaky.lock();
             f.opens += 1;
             if f.resets > 0 {
@@ -382,6 +388,59 @@ async fn a_call_to_an_open_breaker_probes_once_per_interval() {
     t.flaky.lock().refuse = false;
     let seg = e.open_segment("flaky").await;
     assert!(seg.is_ok(), "the first call after the restart: {seg:?}");
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
+}
+
+/// Calls that find the probe of a peer's open breaker out wait for its
+/// verdict instead of failing fast beside it: right after a restart,
+/// eight calls at once (a handoff's writes, layer by layer) all reach the
+/// peer once the first, the probe, found it serving (ci56: the others
+/// failed "circuit breaker open" and the handoff with them); to a peer
+/// still down they fail fast once the probe failed, having cost no
+/// connect of their own. Virtual time.
+#[tokio::test(start_paused = true)]
+async fn calls_beside_a_probe_wait_for_its_verdict() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let mut p = fast_policy();
+    p.breaker = BreakerConfig {
+        failure_threshold: 1,
+        cooldown: Duration::from_secs(10),
+        probe_interval: Duration::from_millis(100),
+    };
+    let e = Engine::new(t.clone(), p).unwrap();
+    t.flaky.lock().refuse = true;
+    assert!(e.open_segment("flaky").await.is_err());
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+    t.flaky.lock().delay = Duration::from_millis(5);
+    let burst = |e: &Engine| {
+        let calls: Vec<_> = (0..8)
+            .map(|_| {
+                let e = e.clone();
+                tokio::spawn(async move { e.open_segment("flaky").await })
+            })
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for c in calls {
+                out.push(c.await.unwrap());
+            }
+            out
+        }
+    };
+    // Still down, 450 ms on (the background prober last tried at 300 ms):
+    // one call probes, the others wait for it and fail fast after.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let before = t.flaky.lock().opens;
+    let got = burst(&e).await;
+    let refused = got.iter().filter(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused)).count();
+    let fast = got.iter().filter(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::PeerUnavailable)).count();
+    assert_eq!((refused, fast), (1, 7), "one probe, the rest failed fast after it: {got:?}");
+    assert_eq!(t.flaky.lock().opens - before, 1, "the calls beside the probe made no connect of their own");
+    // Back: a burst 200 ms later; all eight reach it.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    t.flaky.lock().refuse = false;
+    let got = burst(&e).await;
+    assert!(got.iter().all(Result::is_ok), "every call of the burst after the restart: {got:?}");
     assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
 }
 

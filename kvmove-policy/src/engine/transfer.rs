@@ -505,7 +505,7 @@ impl Driver {
             // Requests to peers whose breaker opened meanwhile fail fast.
             let chosen: Vec<usize> = retry.chosen().to_vec();
             for idx in chosen {
-                if let Err(e) = self.inner.admit(&self.peers[self.peer_of[idx]]) {
+                if let Err((e, _)) = self.inner.admit(&self.peers[self.peer_of[idx]]) {
                     retry.refuse(idx, e);
                 }
             }
