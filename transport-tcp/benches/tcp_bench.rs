@@ -129,6 +129,61 @@ async fn latency() -> (f64, f64) {
     (pct(&mut v, 0.5), pct(&mut v, 0.99))
 }
 
+/// Same-host single ops (issue 55): two transports of this process with
+/// same-host copies on (the lanes pull the bytes with `process_vm_readv`;
+/// small ops go straight through the peer's window when `direct`): p50
+/// and p99 in microseconds of `n` one-request 4 KiB reads, then writes.
+async fn same_host_ops(direct: bool, n: usize) -> [(f64, f64); 2] {
+    let cfg = TcpConfig { same_host: true, direct_reads: direct, direct_writes: direct, ..TcpConfig::default() };
+    let (a, b) = (TcpTransport::new(cfg.clone()).await.unwrap(), TcpTransport::new(cfg).await.unwrap());
+    let (mine, theirs) = (Buffer::new(4096).unwrap(), Buffer::new(4096).unwrap());
+    let l = a.register(mine.region(), Access::LOCAL).unwrap();
+    b.register(theirs.region(), Access::REMOTE_RW).unwrap();
+    let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+    let mut out = [(0.0, 0.0); 2];
+    for (k, read) in [true, false].into_iter().enumerate() {
+        let mut v = Vec::new();
+        for i in 0..n + 200 {
+            let r = if read {
+                TransferRequest::read(l, 0, seg, theirs.addr(), 4096)
+            } else {
+                TransferRequest::write(l, 0, seg, theirs.addr(), 4096)
+            };
+            let t0 = Instant::now();
+            batch(&a, vec![r]).await;
+            if i >= 200 {
+                v.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        out[k] = (pct(&mut v, 0.5), pct(&mut v, 0.99));
+    }
+    assert_eq!(a.direct_read_bytes() > 0, direct, "direct reads taken exactly when on");
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+    out
+}
+
+/// The floor of a same-host 4 KiB op: one kernel copy of 4 KiB through
+/// `/proc/self/mem` (what a direct read makes), p50 and p99 in
+/// microseconds over `n`.
+fn kernel_copy(n: usize) -> (f64, f64) {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open("/proc/self/mem").expect("/proc/self/mem");
+    let src = vec![7u8; 4096];
+    let mut dst = vec![0u8; 4096];
+    let mut v = Vec::new();
+    for i in 0..n + 200 {
+        let t0 = Instant::now();
+        let got = mem.read_at(&mut dst, src.as_ptr() as u64).expect("a read of this process");
+        if i >= 200 {
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        assert_eq!(got, 4096);
+    }
+    assert!(dst == src);
+    (pct(&mut v, 0.5), pct(&mut v, 0.99))
+}
+
 /// As [`latency`], through the `Engine` policy layer (budget, breaker,
 /// deadline, retry driver): submit to the outcome.
 async fn latency_engine() -> (f64, f64) {
@@ -348,7 +403,8 @@ fn main() {
         );
         // TCP_BENCH_ONLY=notify runs the notification part alone,
         // TCP_BENCH_ONLY=latency the ping-pong and the 4 KiB write latency,
-        // TCP_BENCH_ONLY=first the secret's cost to the first transfer.
+        // TCP_BENCH_ONLY=first the secret's cost to the first transfer,
+        // TCP_BENCH_ONLY=samehost same-host 4 KiB reads and writes.
         let only = std::env::var("TCP_BENCH_ONLY").unwrap_or_default();
         let only_notify = only == "notify";
         // TCP_BENCH_ONLY=pingpong or =write: one of them alone, 3000
@@ -379,6 +435,24 @@ fn main() {
                      (difference / write {:.2})",
                     secret - plain,
                     (secret - plain) / steady
+                );
+            }
+            return;
+        }
+        if only == "samehost" {
+            // TCP_BENCH_ONLY=samehost: same-host 4 KiB reads and writes,
+            // direct (through the peer's window) and through the lanes,
+            // next to the kernel copy they make; alternated, 3 rounds.
+            for _ in 0..3 {
+                let (k50, k99) = kernel_copy(3000);
+                let [(dr50, dr99), (dw50, dw99)] = same_host_ops(true, 3000).await;
+                let [(lr50, lr99), (lw50, lw99)] = same_host_ops(false, 3000).await;
+                println!(
+                    "kernel copy 4 KiB p50 {k50:.2} p99 {k99:.2} | direct: read p50 {dr50:.1} p99 {dr99:.1}, \
+                     write p50 {dw50:.1} p99 {dw99:.1} | lanes: read p50 {lr50:.1} p99 {lr99:.1}, \
+                     write p50 {lw50:.1} p99 {lw99:.1} | direct read / lanes read {:.2}, direct read / direct write {:.2}",
+                    dr50 / lr50,
+                    dr50 / dw50
                 );
             }
             return;
