@@ -514,43 +514,7 @@ impl WindowView {
     /// range now; see the module documentation for why the target can
     /// rely on it. Returns once the bytes are in the target's memory.
     pub fn write(&self, src: &MemoryRegion, offset: usize, len: usize, dst: u64) -> Result<(), Declined> {
-        if len == 0 || src.provider().is_some() || src.check(offset as u64, len as u64).is_err() {
-            return Err(Declined::NotAllowed);
-        }
-        let end = dst.checked_add(len as u64).ok_or(Declined::NotAllowed)?;
-        if !self.map.here() {
-            return Err(Declined::NotAllowed);
-        }
-        let _one = self.one.lock().unwrap_or_else(|p| p.into_inner());
-        let counter = self.map.word(W_COUNTER);
-        counter.fetch_add(1, Ordering::SeqCst);
-        // Even again however this returns.
-        struct Even<'a>(&'a AtomicU64);
-        impl Drop for Even<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let _even = Even(counter);
-        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(dst, end, DIRECT_WRITE) {
-            return Err(Declined::NotAllowed);
-        }
-        let at = libc::off_t::try_from(dst).map_err(|_| Declined::NotAllowed)?;
-        let from = (src.addr() as usize).wrapping_add(offset) as *const libc::c_void;
-        // SAFETY: the source is a range of the live host region `src` that
-        // `check` bounded (its constructor's guarantee), and it is only
-        // read. The destination is in the target's address space (the
-        // memory file's), allowed by its window (above); the kernel checks
-        // it there.
-        let n = unsafe { libc::pwrite(self.mem.as_raw_fd(), from, len, at) };
-        match usize::try_from(n) {
-            Ok(n) if n == len => {
-                self.map.word(W_WRITTEN).fetch_add(len as u64, Ordering::Relaxed);
-                Ok(())
-            }
-            Ok(_) => Err(Declined::Copy(io::Error::new(io::ErrorKind::WriteZero, "short copy"))),
-            Err(_) => Err(Declined::Copy(io::Error::last_os_error())),
-        }
+        self.copy(src, offset, len, dst, DIRECT_WRITE)
     }
 
     /// Copies `len` bytes at `src` in the target into the host region
@@ -559,10 +523,17 @@ impl WindowView {
     /// same order against the target's close (no byte is read once the
     /// target's unregister returned). Returns once the bytes are in `dst`.
     pub fn read(&self, dst: &MemoryRegion, offset: usize, len: usize, src: u64) -> Result<(), Declined> {
-        if len == 0 || dst.provider().is_some() || dst.check(offset as u64, len as u64).is_err() {
+        self.copy(dst, offset, len, src, DIRECT_READ)
+    }
+
+    /// One direct copy between `local` (at `offset`) and `remote` in the
+    /// target: a write (`DIRECT_WRITE`) or a read (`DIRECT_READ`), inside
+    /// the counter's odd span, of a range an entry holds open for it.
+    fn copy(&self, local: &MemoryRegion, offset: usize, len: usize, remote: u64, mode: u64) -> Result<(), Declined> {
+        if len == 0 || local.provider().is_some() || local.check(offset as u64, len as u64).is_err() {
             return Err(Declined::NotAllowed);
         }
-        let end = src.checked_add(len as u64).ok_or(Declined::NotAllowed)?;
+        let end = remote.checked_add(len as u64).ok_or(Declined::NotAllowed)?;
         if !self.map.here() {
             return Err(Declined::NotAllowed);
         }
@@ -577,21 +548,30 @@ impl WindowView {
             }
         }
         let _even = Even(counter);
-        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(src, end, DIRECT_READ) {
+        if self.map.word(W_ALIVE).load(Ordering::SeqCst) == 0 || !self.find(remote, end, mode) {
             return Err(Declined::NotAllowed);
         }
-        let at = libc::off_t::try_from(src).map_err(|_| Declined::NotAllowed)?;
-        let to = (dst.addr() as usize).wrapping_add(offset) as *mut libc::c_void;
-        // SAFETY: the destination is a range of the live host region `dst`
-        // that `check` bounded (its constructor's guarantee: memory this
-        // process may write, which the caller's ledger gives this copy
-        // alone). The source is in the target's address space (the memory
-        // file's), allowed by its window (above); the kernel checks it
-        // there.
-        let n = unsafe { libc::pread(self.mem.as_raw_fd(), to, len, at) };
+        let at = libc::off_t::try_from(remote).map_err(|_| Declined::NotAllowed)?;
+        let here = (local.addr() as usize).wrapping_add(offset) as *mut libc::c_void;
+        let n = if mode == DIRECT_WRITE {
+            // SAFETY: the source is a range of the live host region
+            // `local` that `check` bounded (its constructor's guarantee),
+            // and it is only read. The destination is in the target's
+            // address space (the memory file's), allowed by its window
+            // (above); the kernel checks it there.
+            unsafe { libc::pwrite(self.mem.as_raw_fd(), here, len, at) }
+        } else {
+            // SAFETY: the destination is a range of the live host region
+            // `local` that `check` bounded (memory this process may write,
+            // which the caller's ledger gives this copy alone). The source
+            // is in the target's address space, allowed by its window
+            // (above); the kernel checks it there.
+            unsafe { libc::pread(self.mem.as_raw_fd(), here, len, at) }
+        };
         match usize::try_from(n) {
             Ok(n) if n == len => {
-                self.map.word(W_READ).fetch_add(len as u64, Ordering::Relaxed);
+                let count = if mode == DIRECT_WRITE { W_WRITTEN } else { W_READ };
+                self.map.word(count).fetch_add(len as u64, Ordering::Relaxed);
                 Ok(())
             }
             Ok(_) => Err(Declined::Copy(io::Error::new(io::ErrorKind::UnexpectedEof, "short copy"))),
