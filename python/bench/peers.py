@@ -19,6 +19,7 @@ into and out of the target and times them:
   lists is timed on its own (``prep us write 4KiBx1024``: the 1024 tuples
   or ints each API needs, two lists for NIXL, three for Mooncake);
 * ``4KiB rtt``: one 4 KiB write from submit to done, p50 / p99 over 300;
+  ``read rtt``: the same with one 4 KiB read;
 * CPU seconds of both processes over the timed part (utime + stime).
 
 Systems:
@@ -299,7 +300,7 @@ def serve(system):
             say({"seconds": time.perf_counter() - t})
         elif c == "rtt":
             lat = []
-            run = e.prepare("write", 4096, 1)
+            run = e.prepare(cmd.get("op", "write"), 4096, 1)
             for i in range(RTT_N + 20):
                 t = time.perf_counter()
                 run()
@@ -377,6 +378,8 @@ def run_system(system, verify):
                         raise RuntimeError(f"{system}: {op} {name} moved wrong bytes")
         r = init.ask(cmd="rtt")
         res["rtt p50 us"], res["rtt p99 us"] = r["p50_us"], r["p99_us"]
+        r = init.ask(cmd="rtt", op="read")
+        res["read rtt p50 us"], res["read rtt p99 us"] = r["p50_us"], r["p99_us"]
         res["cpu s"] = cpu_seconds(target.p.pid) + cpu_seconds(init.p.pid) - cpu0
         return res
     finally:
