@@ -286,7 +286,7 @@ def spin(agent, h, n=300):
     return states, time.monotonic() - wall, time.process_time() - cpu
 
 
-def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents):
+def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents, monkeypatch, tmp_path):
     """NIXL's callers loop on ``check_xfer_state`` (with UCX the loop is
     the progress engine). Here the engine's threads move the bytes, so a
     caller polling one unfinished transfer back to back is made to wait
@@ -295,7 +295,12 @@ def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents):
     waits and little CPU, for a transfer posted on a live connection and
     for one still waiting to connect; polls a step apart answer at once;
     a loop over two handles in turn never waits; once the peers run again
-    the loops see DONE and the bytes are right."""
+    the loops see DONE and the bytes are right. (Small reads from a same-host
+    peer are copied straight out of its memory, frozen or not: they are
+    turned off here, so the transfers need the peers.)"""
+    cfg = tmp_path / "kvmove.toml"
+    cfg.write_text('[backend]\nkind = "tcp"\n[backend.tcp]\nlisten = "127.0.0.1:0"\ndirect_reads = false\n')
+    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
     connected, unconnected = nixl_peer(spawn_peer), nixl_peer(spawn_peer)
     for i, p in enumerate((connected, unconnected)):
         assert p.ask(f"fill {7 + i}") == "ok"

@@ -115,12 +115,24 @@ pub struct SubmitOptions {
     /// the transport stops touching their buffers before reporting it.
     /// `None` means no deadline at this level.
     pub timeout: Option<Duration>,
+    /// Every request must be served by the peer's process itself: no
+    /// shortcut that moves the bytes without it (a same-host direct write
+    /// or read, which a stopped or hung peer does not notice). For probes
+    /// of liveness, whose success must mean the peer answered. Default
+    /// false; backends without such shortcuts have nothing to do.
+    pub round_trip: bool,
 }
 
 impl SubmitOptions {
     /// Options with a deadline.
     pub fn with_timeout(timeout: Duration) -> Self {
-        Self { timeout: Some(timeout) }
+        Self { timeout: Some(timeout), round_trip: false }
+    }
+
+    /// These options, with every request served by the peer itself
+    /// ([`SubmitOptions::round_trip`]).
+    pub fn round_trip(self) -> Self {
+        Self { round_trip: true, ..self }
     }
 }
 

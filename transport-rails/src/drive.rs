@@ -102,6 +102,8 @@ pub(crate) async fn drive(
     reqs: Vec<TransferRequest>,
     mut queue: VecDeque<Slice>,
     wake: Arc<Notify>,
+    // Every sub-batch served by the peer itself (`SubmitOptions::round_trip`).
+    round_trip: bool,
 ) {
     type Done = (Sub, BatchId, Result<BatchStatus>);
     let mut running: FuturesUnordered<futures::future::BoxFuture<'static, Done>> = FuturesUnordered::new();
@@ -128,7 +130,7 @@ pub(crate) async fn drive(
         let mut refused = false;
         for plan in step.plans {
             let t = inner.all[plan.sub.k].clone();
-            let opts = SubmitOptions { timeout: plan.timeout };
+            let opts = SubmitOptions { timeout: plan.timeout, round_trip };
             if tracing::enabled!(tracing::Level::TRACE) {
                 let slices: Vec<(usize, u64, u64)> = plan.sub.slices.iter().map(|s| (s.req, s.off, s.len)).collect();
                 tracing::trace!(batch = ?id, k = plan.sub.k, path = plan.sub.path, ?slices, "rails: sub-batch out");

@@ -458,7 +458,7 @@ impl Transport for Rails {
                 inner.earlier.notify_one();
             }
         }
-        let driver = inner.tasks.spawn(drive(inner.clone(), id, requests, queue, wake));
+        let driver = inner.tasks.spawn(drive(inner.clone(), id, requests, queue, wake, opts.round_trip));
         if let Ok(b) = st.batches.get_mut(id) {
             b.driver = Some(driver);
         }

@@ -203,6 +203,10 @@ pub fn describe_metrics() {
         "Bytes this engine wrote straight into same-host peers' memory (direct writes, no round trip)."
     );
     describe_counter!(
+        "kvmove_tcp_direct_read_bytes_total",
+        "Bytes this engine read straight out of same-host peers' memory (direct reads, no round trip)."
+    );
+    describe_counter!(
         "kvmove_tcp_lanes_total",
         "TCP lanes this engine connected, by path: same_host (bytes moved by same-host copies) or socket."
     );

@@ -335,7 +335,8 @@ impl Transport for TcpTransport {
             batch.carried_by(Arc::downgrade(&ep) as std::sync::Weak<dyn crate::batch::Carrier>);
             // Few small slices go out from here at once; the rest is queued
             // for the lanes' writers.
-            let work = crate::lane::copy_direct(&ep, Work::new(batch.clone(), idx, generation, using));
+            let work = Work::new(batch.clone(), idx, generation, using);
+            let work = if opts.round_trip { Some(work) } else { crate::lane::copy_direct(&ep, work) };
             if let Some(work) = work.and_then(|w| crate::lane::send_now(&ep, w)) {
                 ep.enqueue(work);
             }

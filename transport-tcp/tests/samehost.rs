@@ -578,3 +578,44 @@ async fn no_direct_read_copies_once_the_target_unregistered() {
     .await
     .expect("test timed out");
 }
+
+/// `SubmitOptions::round_trip` (what liveness probes use): a small read
+/// from a same-host peer that is stopped still completes directly (its
+/// memory is there), but one that asks for the peer itself waits for it
+/// and ends at its deadline; once the peer runs again it completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_trip_needs_the_peer_itself() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let peer = Peer::start("127.0.0.1:0", true);
+        let a = node(test_config()).await;
+        let seg = a.open_segment(&peer.name).await.unwrap();
+        let back = Buffer::new(4096).unwrap();
+        let bl = a.register(back.region(), Access::LOCAL).unwrap();
+        let read = || vec![TransferRequest::read(bl, 0, seg, peer.region, 64)];
+        let s = run(&a, read()).await;
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        // SAFETY: (test) stops the peer process this test started.
+        assert_eq!(unsafe { libc::kill(peer.pid() as i32, libc::SIGSTOP) }, 0);
+        let direct = a.direct_read_bytes();
+        let s = run(&a, read()).await;
+        assert_eq!(s.state, BatchState::Completed, "a direct read does not need the peer to run");
+        assert_eq!(a.direct_read_bytes(), direct + 64);
+        let opts = SubmitOptions::with_timeout(Duration::from_millis(300)).round_trip();
+        let id = a.submit(read(), opts).await.unwrap();
+        let s = a.wait(id).await.unwrap();
+        a.release(id).unwrap();
+        assert_eq!(s.state, BatchState::TimedOut, "a round trip to a stopped peer waits for it");
+        assert_eq!(a.direct_read_bytes(), direct + 64, "the round trip was not read directly");
+        // SAFETY: (test) resumes it.
+        assert_eq!(unsafe { libc::kill(peer.pid() as i32, libc::SIGCONT) }, 0);
+        let opts = SubmitOptions::with_timeout(Duration::from_secs(10)).round_trip();
+        let id = a.submit(read(), opts).await.unwrap();
+        let s = a.wait(id).await.unwrap();
+        a.release(id).unwrap();
+        assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
+        assert_eq!(&back.to_vec()[..64], &start_pattern(64)[..]);
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}

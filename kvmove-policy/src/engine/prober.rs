@@ -110,7 +110,9 @@ impl Inner {
             let b = t
                 .submit(
                     vec![TransferRequest::read(local, 0, seg, r.addr, 1)],
-                    SubmitOptions::with_timeout(PROBE_READ_TIMEOUT),
+                    // A real round trip: the peer must answer, not be read
+                    // directly (a stopped same-host peer's memory still is).
+                    SubmitOptions::with_timeout(PROBE_READ_TIMEOUT).round_trip(),
                 )
                 .await?;
             let st = t.wait(b).await;
