@@ -340,16 +340,15 @@ async fn a_probe_that_was_reset_asks_again_one_that_was_refused_does_not() {
 }
 
 /// Issue 55 item 3: a call to a peer whose breaker is open probes it
-/// (one connect) when the peer was last tried at least
-/// `breaker.probe_interval` ago, so the first call after a restart
-/// succeeds long before the cool-down ends; a dead peer hammered by calls
-/// costs at most one call's connect per interval (the background
-/// prober's own probes besides). Virtual time.
-#[tokio::test(start_paused = true)]
-async fn a_call_to_an_open_breaker_probes_once_per_interval() {
+
+/// An engine whose breaker opens at the first failure (10 s cool-down,
+/// probes every 100 ms, `attempts` tries per call) over a scripted
+/// backend whose peer "flaky" refuses connections: the breaker is open
+/// once this returns.
+async fn flaky_down(attempts: u32) -> (Arc<Scripted>, Engine) {
     let t = Scripted::new(|_, _| RequestStatus::Completed);
     let mut p = fast_policy();
-    p.retry.max_attempts = 4;
+    p.retry.max_attempts = attempts;
     p.breaker = BreakerConfig {
         failure_threshold: 1,
         cooldown: Duration::from_secs(10),
@@ -359,6 +358,16 @@ async fn a_call_to_an_open_breaker_probes_once_per_interval() {
     t.flaky.lock().refuse = true;
     assert_eq!(e.open_segment("flaky").await.unwrap_err().kind(), ErrorKind::ConnectionRefused);
     assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+    (t, e)
+}
+/// (one connect) when the peer was last tried at least
+/// `breaker.probe_interval` ago, so the first call after a restart
+/// succeeds long before the cool-down ends; a dead peer hammered by calls
+/// costs at most one call's connect per interval (the background
+/// prober's own probes besides). Virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_call_to_an_open_breaker_probes_once_per_interval() {
+    let (t, e) = flaky_down(4).await;
 
     // Down for a second, called every millisecond.
     let before = t.flaky.lock().opens;
@@ -400,17 +409,7 @@ async fn a_call_to_an_open_breaker_probes_once_per_interval() {
 /// connect of their own. Virtual time.
 #[tokio::test(start_paused = true)]
 async fn calls_beside_a_probe_wait_for_its_verdict() {
-    let t = Scripted::new(|_, _| RequestStatus::Completed);
-    let mut p = fast_policy();
-    p.breaker = BreakerConfig {
-        failure_threshold: 1,
-        cooldown: Duration::from_secs(10),
-        probe_interval: Duration::from_millis(100),
-    };
-    let e = Engine::new(t.clone(), p).unwrap();
-    t.flaky.lock().refuse = true;
-    assert!(e.open_segment("flaky").await.is_err());
-    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+    let (t, e) = flaky_down(fast_policy().retry.max_attempts).await;
     t.flaky.lock().delay = Duration::from_millis(5);
     let burst = |e: &Engine| {
         let calls: Vec<_> = (0..8)
