@@ -339,8 +339,6 @@ async fn a_probe_that_was_reset_asks_again_one_that_was_refused_does_not() {
     assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
 }
 
-/// Issue 55 item 3: a call to a peer whose breaker is open probes it
-
 /// An engine whose breaker opens at the first failure (10 s cool-down,
 /// probes every 100 ms, `attempts` tries per call) over a scripted
 /// backend whose peer "flaky" refuses connections: the breaker is open
@@ -360,6 +358,8 @@ async fn flaky_down(attempts: u32) -> (Arc<Scripted>, Engine) {
     assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
     (t, e)
 }
+
+/// Issue 55 item 3: a call to a peer whose breaker is open probes it
 /// (one connect) when the peer was last tried at least
 /// `breaker.probe_interval` ago, so the first call after a restart
 /// succeeds long before the cool-down ends; a dead peer hammered by calls
