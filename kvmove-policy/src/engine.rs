@@ -506,18 +506,22 @@ impl Inner {
 
     fn record(self: &Arc<Self>, peer: &str, verdict: PeerVerdict) {
         let now = self.clock.now();
-        let (before, after) = {
+        let (before, after, probed) = {
             let mut breakers = self.breakers.lock();
             let b = breakers.entry(peer.to_owned()).or_default();
-            let before = b.state(now);
+            let (before, probed) = (b.state(now), b.probing());
             match verdict {
                 PeerVerdict::Healthy => b.on_success(),
                 PeerVerdict::Failed => b.on_failure(now, &self.cfg.breaker),
                 PeerVerdict::Unknown => b.on_abandoned_probe(now),
             }
-            (before, b.state(now))
+            (before, b.state(now), probed)
         };
-        self.verdicts.notify_waiters();
+        // Calls wait only on a probe out (`admit_waiting`): its verdict is
+        // what they wait for.
+        if probed {
+            self.verdicts.notify_waiters();
+        }
         self.metrics.breaker(peer, before, after);
         // (A call's probe that failed leaves it open: no transition, and
         // the prober started when it opened.)
