@@ -594,8 +594,7 @@ async fn a_round_trip_needs_the_peer_itself() {
         let read = || vec![TransferRequest::read(bl, 0, seg, peer.region, 64)];
         let s = run(&a, read()).await;
         assert_eq!(s.state, BatchState::Completed, "{:?}", s.first_error());
-        // SAFETY: (test) stops the peer process this test started.
-        assert_eq!(unsafe { libc::kill(peer.pid() as i32, libc::SIGSTOP) }, 0);
+        support::stop(peer.pid());
         let direct = a.direct_read_bytes();
         let s = run(&a, read()).await;
         assert_eq!(s.state, BatchState::Completed, "a direct read does not need the peer to run");
@@ -606,8 +605,7 @@ async fn a_round_trip_needs_the_peer_itself() {
         a.release(id).unwrap();
         assert_eq!(s.state, BatchState::TimedOut, "a round trip to a stopped peer waits for it");
         assert_eq!(a.direct_read_bytes(), direct + 64, "the round trip was not read directly");
-        // SAFETY: (test) resumes it.
-        assert_eq!(unsafe { libc::kill(peer.pid() as i32, libc::SIGCONT) }, 0);
+        support::resume(peer.pid());
         let opts = SubmitOptions::with_timeout(Duration::from_secs(10)).round_trip();
         let id = a.submit(read(), opts).await.unwrap();
         let s = a.wait(id).await.unwrap();

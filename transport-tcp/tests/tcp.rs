@@ -356,17 +356,13 @@ async fn probes_give_back_what_they_open() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_peer_is_a_timeout_not_a_failed_handshake() {
     let (mut child, name, _) = support::tcp_peer("127.0.0.1:0", 4096, false, None);
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap().success();
-        assert!(ok, "kill {sig}");
-    };
-    signal("-STOP");
+    support::stop(child.id());
     let cfg = TcpConfig { connect_timeout: Duration::from_millis(500), ..support::test_config() };
     let a = node(cfg).await;
     let t0 = std::time::Instant::now();
     let e = a.open_segment(&name).await.unwrap_err();
     let took = t0.elapsed();
-    signal("-CONT");
+    support::resume(child.id());
     drop(child.stdin.take());
     child.wait().unwrap();
     assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
