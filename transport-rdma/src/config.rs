@@ -62,7 +62,9 @@ pub struct RdmaConfig {
     /// and one that peers lease for staged regions they may reach.
     /// Allocated when the first such region is registered, freed with the
     /// last; `2 * staging_buffers * slice_size` is the most host memory
-    /// staging holds (`staging_buffers * slice_size` at most 4 GiB).
+    /// staging holds (`staging_buffers * slice_size` at most 4 GiB). One
+    /// peer's notification channel holds at most half of the peers' pool
+    /// at once (rounded up).
     pub staging_buffers: u32,
     /// Largest request in bytes.
     pub max_request_len: u64,

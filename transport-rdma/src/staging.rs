@@ -289,12 +289,19 @@ fn lease(st: &mut State, chan: PeerGroupId, write: bool, addr: u64, len: u32) ->
     }
     let device = r.mem.clone();
     let at = usize::try_from(addr - r.mem.addr()).map_err(|_| Error::new(ErrorKind::OutOfBounds, "offset"))?;
+    let held = st.leases.values().filter(|l| l.chan == chan).count();
     let pool = st.remote_staging.as_mut().ok_or_else(no_staging)?;
     if len > pool.slot_len {
         return Err(Error::new(
             ErrorKind::InvalidRequest,
             format!("{len} bytes exceed a staging buffer ({}): the peer's slice_size is larger", pool.slot_len),
         ));
+    }
+    // One channel holds at most its share of the pool, so a peer (even
+    // one with the secret) that leases without giving back cannot take
+    // every buffer from the others: past it, `busy`, as for an empty pool.
+    if held >= leases_per_channel(pool.slots) {
+        return Ok(None);
     }
     let Some(slot) = pool.free.pop() else { return Ok(None) };
     let buffer = match pool.slot_mem(slot, len) {
@@ -308,6 +315,14 @@ fn lease(st: &mut State, chan: PeerGroupId, write: bool, addr: u64, len: u32) ->
     let rkey = pool.reg.rkey();
     st.leases.insert(slot, Lease { chan, write, addr, len, copying: !write });
     Ok(Some(Leased { slot, buffer, device, at, addr: addr_of, rkey }))
+}
+
+/// The most remote staging buffers one notification channel may hold at
+/// once: half the pool (rounded up), so a lone peer still has
+/// [`WINDOW`] slices in flight for two drivers with the default pool
+/// (16), and another peer always finds the rest.
+pub(crate) fn leases_per_channel(slots: u32) -> usize {
+    (slots as usize).div_ceil(2).max(1)
 }
 
 /// A remote staging buffer just leased.

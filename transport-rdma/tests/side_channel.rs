@@ -205,6 +205,75 @@ fn notifications_and_leases_without_the_secret_are_refused() {
     });
 }
 
+/// A peer with the secret that leases staging buffers and never gives them
+/// back holds at most half of the target's pool (`busy` past that, as for
+/// an empty pool), so another peer's staged write still goes through; the
+/// leases come back when its channel closes. Without the cap one channel
+/// took the whole pool (4 of 4: checked in the soft-RoCE VM).
+fn a_peer_with_the_secret_leases_at_most_half_the_staging_pool() {
+    run("a_peer_with_the_secret_leases_at_most_half_the_staging_pool", 120, async {
+        use transport_core::FakeDevice;
+        const SLOTS: u32 = 4;
+        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: SLOTS, ..with_secret(Some(SECRET)) };
+        let server = transport(cfg.clone()).await;
+        let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
+        let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
+        server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
+        let addr = server.local_segment_name();
+        // The greedy peer: stage requests, never an unstage.
+        let mut greedy = greeted(&addr, Some(SECRET)).await;
+        let mut staged = 0;
+        for _ in 0..2 * SLOTS {
+            let req = format!(r#"{{"op":"stage","write":true,"addr":{},"len":4096}}"#, dmem.addr());
+            greedy.get_mut().write_all(format!("{req}\n").as_bytes()).await.unwrap();
+            let a = line(&mut greedy).await.expect("an answer");
+            match a["result"].as_str() {
+                Some("staged") => staged += 1,
+                Some("busy") => {}
+                _ => panic!("unexpected answer to stage: {a}"),
+            }
+        }
+        assert_eq!(staged, SLOTS / 2, "one channel holds half the pool, rounded up");
+        // Another peer's staged write (slices of 64 KiB through the rest).
+        let legit = transport(cfg).await;
+        let src = buffer_with(1 << 20, 5);
+        let l = legit.register(src.region(), Access::LOCAL).unwrap();
+        let seg = legit.open_segment(&addr).await.unwrap();
+        let b = legit
+            .submit(vec![TransferRequest::write(l, 0, seg, dmem.addr(), 1 << 20)], Default::default())
+            .await
+            .unwrap();
+        let st = wait(&legit, b).await;
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        legit.release(b).unwrap();
+        assert!(dmem.to_vec() == src.to_vec(), "the staged write landed");
+        // The greedy channel closes: its leases come back, and a new
+        // channel gets its half again.
+        drop(greedy);
+        let mut again = None;
+        for _ in 0..100 {
+            let mut c = greeted(&addr, Some(SECRET)).await;
+            let mut got = 0;
+            for _ in 0..SLOTS {
+                let req = format!(r#"{{"op":"stage","write":true,"addr":{},"len":4096}}"#, dmem.addr());
+                c.get_mut().write_all(format!("{req}\n").as_bytes()).await.unwrap();
+                if line(&mut c).await.expect("an answer")["result"] == "staged" {
+                    got += 1;
+                }
+            }
+            if got == SLOTS / 2 {
+                again = Some(got);
+                break;
+            }
+            drop(c);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(again, Some(SLOTS / 2), "the closed channel's leases came back");
+        legit.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// Silent connections, and ones that stop after their hello, are closed
 /// at `handshake_timeout`; while they are open a peer with the secret gets
 /// through.
@@ -382,12 +451,16 @@ fn main() {
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 7] = [
+    let tests: [(&str, fn()); 8] = [
         ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
         ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
         (
             "notifications_and_leases_without_the_secret_are_refused",
             notifications_and_leases_without_the_secret_are_refused,
+        ),
+        (
+            "a_peer_with_the_secret_leases_at_most_half_the_staging_pool",
+            a_peer_with_the_secret_leases_at_most_half_the_staging_pool,
         ),
         ("slow_handshakes_are_closed_at_the_deadline", slow_handshakes_are_closed_at_the_deadline),
         (
