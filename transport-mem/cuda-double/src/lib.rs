@@ -116,14 +116,69 @@ pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().unwrap();
+    let (status, text) = run_bounded(cmd, CHILD_LIMIT);
     if std::env::var_os("KVMOVE_CUDA_DOUBLE_LIB").is_some() {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{test} under the CUDA driver double failed:\n{text}");
+    let Some(status) = status else {
+        panic!(
+            "{test} under the CUDA driver double still ran after {CHILD_LIMIT:?}: killed (a hang). Its output:\n{text}"
+        );
+    };
+    assert!(status.success(), "{test} under the CUDA driver double failed:\n{text}");
     assert!(text.contains("1 passed"), "{test} did not run under the double:\n{text}");
     None
+}
+
+/// How long a test run under the double ([`under_double`]) may take before
+/// it is killed as hung: each runs in seconds.
+const CHILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Runs `cmd` with its output (stdout then stderr) collected into a file,
+/// for at most `limit`: its exit status, or `None` when it was killed at
+/// the limit, and what it wrote. A file, not pipes, so a process it left
+/// behind holding them cannot keep this waiting.
+fn run_bounded(mut cmd: Command, limit: std::time::Duration) -> (Option<std::process::ExitStatus>, String) {
+    use std::io::{Read, Seek};
+    let mut out = tempfile_or_panic();
+    let err = out.try_clone().expect("a second handle on the output file");
+    let mut child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone().expect("a handle on the output file"))
+        .stderr(err)
+        .spawn()
+        .expect("the test binary starts again under the double");
+    let start = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait().expect("waiting for the child") {
+            Some(s) => break Some(s),
+            None if start.elapsed() >= limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            None => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    };
+    let mut text = String::new();
+    let _ = out.rewind();
+    let mut bytes = Vec::new();
+    let _ = out.read_to_end(&mut bytes);
+    text.push_str(&String::from_utf8_lossy(&bytes));
+    (status, text)
+}
+
+/// An unnamed file in the temporary directory (gone once closed).
+fn tempfile_or_panic() -> std::fs::File {
+    let dir = std::env::temp_dir();
+    for n in 0..1000u32 {
+        let path = dir.join(format!("kvmove-cuda-double-{}-{n}.out", std::process::id()));
+        if let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path) {
+            let _ = std::fs::remove_file(&path);
+            return f;
+        }
+    }
+    panic!("no temporary file for the child's output in {}", dir.display());
 }
 
 /// The double's own functions (found in the loaded driver library).

@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvmove_cuda_double::{under_double, Double, Driver};
 use transport_core::{
@@ -23,10 +24,14 @@ fn pattern(n: usize, k: usize) -> Vec<u8> {
     (0..n).map(|i| (i * k + i / 4093 + 1) as u8).collect()
 }
 
-/// `reqs` submitted on `t` to their end: its state and first error.
+/// `reqs` submitted on `t` (deadline 60 s) to their end: its state and
+/// first error. A batch that outlives its deadline by 30 s fails the test.
 async fn run(t: &TcpTransport, reqs: Vec<TransferRequest>) -> (BatchState, Option<transport_core::Error>) {
-    let id = t.submit(reqs, SubmitOptions::default()).await.unwrap();
-    let s = t.wait(id).await.unwrap();
+    let id = t.submit(reqs, SubmitOptions::with_timeout(Duration::from_secs(60))).await.unwrap();
+    let s = tokio::time::timeout(Duration::from_secs(90), t.wait(id))
+        .await
+        .expect("the batch ended within 30 s of its deadline")
+        .unwrap();
     t.release(id).unwrap();
     (s.state, s.first_error().cloned())
 }
