@@ -358,6 +358,15 @@ async fn legitimate_initiators_get_through_a_flood_from_their_own_address() {
     assert_eq!(ok, runs, "every legitimate initiator gets through a flood from its own address");
 }
 
+/// Sets its flag when dropped.
+struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Runs the flood from `addrs` addresses (127.0.2.x), or from 127.0.0.1,
 /// the initiators' own address, with `same`; (initiators through, runs).
 async fn flood_and_connect(addrs: u8, same: bool) -> (usize, usize) {
@@ -367,6 +376,10 @@ async fn flood_and_connect(addrs: u8, same: bool) -> (usize, usize) {
         b.register(dst.region(), Access::REMOTE_RW).unwrap();
         let to = b.local_addr();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The flood stops when this ends however it ends (the timeout
+        // above drops it mid-run): a refused connect does not count
+        // towards its bound, so it would spin for the rest of the binary.
+        let _stop_on_exit = StopOnDrop(stop.clone());
         // At most 4,000 flood sockets held at once (file descriptors), at
         // most 200,000 in all.
         let held = std::sync::Arc::new(tokio::sync::Semaphore::new(4000));
