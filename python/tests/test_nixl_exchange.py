@@ -371,3 +371,80 @@ def test_work_waiting_for_a_frozen_peer_is_bounded(spawn_peer, agents, monkeypat
         prefill.resume()
     got = json.loads(prefill.ask("notifs 8 20"))
     assert [m for _, m in got] == [f"n:{i}" for i in range(8)], got
+
+
+def test_forgetting_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, monkeypatch, tmp_path):
+    """When a transfer to a peer fails as gone, ``check_xfer_state`` (and
+    ``transfer``) drop its session (``_forget_session``; called here
+    directly, as those calls do, since a frozen peer never fails a READ on
+    cue). Closing that session ends its other transfers and waits for each
+    to go quiet, up to the engine's drain timeout apiece when the peer is
+    frozen: that wait is not the caller's, who returns at once (vLLM calls
+    these on its engine thread: closed there, a failed READ from a frozen
+    prefill held it for 4.9 s). The transfers still in flight end, and once
+    the peer runs again a new READ goes through a fresh session."""
+    prefill = nixl_peer(spawn_peer)
+    assert prefill.ask("fill 9") == "ok"
+    # A drain timeout of 3 s (default 250 ms) makes the close's wait on the
+    # frozen peer plain to see.
+    cfg = tmp_path / "kvmove.toml"
+    cfg.write_text("[backend.tcp]\ndrain_timeout = 3000\n")
+    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    st, _ = vllm_read(decode, local, remote, [0], [0], b"warm")
+    assert st == "DONE"  # connected: the READs below are posted at once
+    prefill.pause()
+    handles = []
+    try:
+        # 9 blocks of every region a READ: 72 requests, past what a
+        # same-host read copies directly (64), so they wait on the wire.
+        for k in range(8):
+            blocks = list(range(9))
+            h = decode.make_prepped_xfer("READ", local, desc_ids(blocks), remote, desc_ids([b + k for b in blocks]))
+            assert decode.transfer(h) == "PROC"
+            handles.append(h)
+        # Every one posted (on the wire, not waiting in the courier), none
+        # ended.
+        limit = time.monotonic() + 10
+        while any(h._native is None for h in handles) and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert all(decode.check_xfer_state(h) == "PROC" for h in handles)
+        time.sleep(0.5)  # their requests written to the frozen peer's sockets
+        r, session = handles[0]._session
+        _, took = timed(lambda: decode._forget_session(r, session))
+        assert took < AT_ONCE, f"forgetting the frozen peer's session held the caller {took:.2f} s"
+        assert r.session is None, "the next transfer opens a fresh session"
+        # The session's transfers end (cancelled by the close) while the
+        # peer is still frozen.
+        ended = 0
+        deadline = time.monotonic() + 30
+        while ended < len(handles) and time.monotonic() < deadline:
+            ended = 0
+            for h in handles:
+                try:
+                    ended += decode.check_xfer_state(h) != "PROC"
+                except nixlError:
+                    ended += 1
+            time.sleep(0.05)
+        assert ended == len(handles), "the closed session's transfers ended"
+    finally:
+        prefill.resume()
+    want = expect_read(kv, 9, [3], [5])
+    # The transfers reset by the close count against the peer: its breaker
+    # may be open for a moment, and the next request tries again.
+    limit = time.monotonic() + 10
+    while True:
+        try:
+            st, _ = vllm_read(decode, local, remote, [3], [5], b"after")
+            break
+        except nixlRemoteDisconnectError:
+            if time.monotonic() > limit:
+                raise
+            time.sleep(0.1)
+    assert st == "DONE"
+    assert np.array_equal(kv, want), "a READ after the peer resumed lands through a fresh session"
+    for h in handles:
+        decode.release_xfer_handle(h)

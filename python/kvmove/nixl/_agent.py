@@ -644,16 +644,27 @@ class nixl_agent:
 
     def _forget_session(self, r: _Remote, session) -> None:
         """Drops a session to a peer that went away, so the next transfer
-        opens a fresh one (a restarted peer has new keys)."""
+        opens a fresh one (a restarted peer has new keys). The close runs on
+        a thread of its own: it ends the session's other transfers to that
+        peer and waits for each to go quiet (up to the engine's
+        ``drain_timeout`` apiece when the peer is frozen), and this is
+        called from ``check_xfer_state`` and ``transfer``, which vLLM calls
+        on its engine thread and NIXL documents as non-blocking. (Closed
+        here, one failed READ from a frozen prefill held vLLM's engine
+        thread for 4.9 s.)"""
         with self._lock:
             r.gone = True
             if r.session is not session:
                 return
             r.session = None
-        try:
-            session.close()
-        except TransferError:
-            pass
+
+        def close():
+            try:
+                session.close()
+            except TransferError:
+                pass
+
+        threading.Thread(target=close, name="kvmove-nixl-close", daemon=True).start()
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"PROC"`` while running, ``"DONE"`` once every byte landed and
