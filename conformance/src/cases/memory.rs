@@ -333,7 +333,12 @@ enum End {
 pub async fn slow_device_copies_stay_quiet(cx: Ctx) -> CaseResult {
     const PARTS: usize = 8;
     const PART: usize = 16 << 10;
-    const COPY: Duration = Duration::from_millis(30);
+    // Each copy slow enough that the 45 ms deadline (or the cancel at
+    // 40 ms) lands while they run, and all eight of one side well inside
+    // a backend's drain of the answers still owed (TCP's `drain_timeout`,
+    // 250 ms: at 30 ms a copy, 240 ms, a CI load of 8 made them outlast it,
+    // and the copy running when the drain gave up landed after the report).
+    const COPY: Duration = Duration::from_millis(15);
     let a = cx.node(&NodeOptions::default()).await?;
     let b = cx.node(&NodeOptions::default()).await?;
     if !a.transport.capabilities().device_memory {
