@@ -318,9 +318,11 @@ fn lease(st: &mut State, chan: PeerGroupId, write: bool, addr: u64, len: u32) ->
 }
 
 /// The most remote staging buffers one notification channel may hold at
-/// once: half the pool (rounded up), so a lone peer still has
-/// [`WINDOW`] slices in flight for two drivers with the default pool
-/// (16), and another peer always finds the rest.
+/// once: half the pool (rounded up; the whole of a pool of one), so one
+/// channel that never gives leases back leaves the rest to the others.
+/// With the default pool (16) a lone peer still has [`WINDOW`] slices in
+/// flight for two drivers; a third staged batch to the same target at
+/// once waits (`busy`, retried) for one of theirs.
 pub(crate) fn leases_per_channel(slots: u32) -> usize {
     (slots as usize).div_ceil(2).max(1)
 }
