@@ -664,7 +664,13 @@ class nixl_agent:
             except TransferError:
                 pass
 
-        threading.Thread(target=close, name="kvmove-nixl-close", daemon=True).start()
+        # Not a daemon: a daemon thread inside the engine's call when the
+        # interpreter finalizes would be torn down mid-call; exit waits for
+        # this one instead (bounded by the engine's drain timeouts).
+        try:
+            threading.Thread(target=close, name="kvmove-nixl-close").start()
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            close()
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"PROC"`` while running, ``"DONE"`` once every byte landed and
