@@ -100,7 +100,8 @@ pub fn run_under_double() -> Driver {
 ///
 /// # Panics
 ///
-/// When the child fails, or ran no test of that name.
+/// When the child fails, ran no test of that name, or still runs after
+/// 300 s (killed as hung).
 pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
     match std::env::var("KVMOVE_CUDA_TESTS").as_deref() {
         Ok("gpu") => return Some(Driver::Gpu),
@@ -134,7 +135,8 @@ pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
 /// it is killed as hung: each runs in seconds.
 const CHILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Runs `cmd` with its output (stdout then stderr) collected into a file,
+/// Runs `cmd` with its output (stdout and stderr, in the order written)
+/// collected into a file,
 /// for at most `limit`: its exit status, or `None` when it was killed at
 /// the limit, and what it wrote. A file, not pipes, so a process it left
 /// behind holding them cannot keep this waiting.
