@@ -377,12 +377,11 @@ def test_forgetting_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, m
     """When a transfer to a peer fails as gone, ``check_xfer_state`` (and
     ``transfer``) drop its session (``_forget_session``; called here
     directly, as those calls do, since a frozen peer never fails a READ on
-    cue). Closing that session ends its other transfers and waits for each
-    to go quiet, up to the engine's drain timeout apiece when the peer is
+    cue). Closing that session ends its other transfers and waits for
+    their answers, up to the engine's drain timeout when the peer is
     frozen: that wait is not the caller's, who returns at once (vLLM calls
-    these on its engine thread: closed there, a failed READ from a frozen
-    prefill held it for 4.9 s). The transfers still in flight end, and once
-    the peer runs again a new READ goes through a fresh session."""
+    these on its engine thread). The transfers still in flight end, and
+    once the peer runs again a new READ goes through a fresh session."""
     prefill = nixl_peer(spawn_peer)
     assert prefill.ask("fill 9") == "ok"
     # A drain timeout of 3 s (default 250 ms) makes the close's wait on the

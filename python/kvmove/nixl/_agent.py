@@ -646,12 +646,11 @@ class nixl_agent:
         """Drops a session to a peer that went away, so the next transfer
         opens a fresh one (a restarted peer has new keys). The close runs on
         a thread of its own: it ends the session's other transfers to that
-        peer and waits for each to go quiet (up to the engine's
-        ``drain_timeout`` apiece when the peer is frozen), and this is
-        called from ``check_xfer_state`` and ``transfer``, which vLLM calls
-        on its engine thread and NIXL documents as non-blocking. (Closed
-        here, one failed READ from a frozen prefill held vLLM's engine
-        thread for 4.9 s.)"""
+        peer and waits for their answers (up to the engine's
+        ``drain_timeout`` when the peer is frozen) before it resets the
+        connections, and this is called from ``check_xfer_state`` and
+        ``transfer``, which vLLM calls on its engine thread and NIXL
+        documents as non-blocking."""
         with self._lock:
             r.gone = True
             if r.session is not session:
