@@ -135,11 +135,10 @@ pub fn under_double(test: &str, env: &[(&str, &str)]) -> Option<Driver> {
 /// it is killed as hung: each runs in seconds.
 const CHILD_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Runs `cmd` with its output (stdout and stderr, in the order written)
-/// collected into a file,
-/// for at most `limit`: its exit status, or `None` when it was killed at
-/// the limit, and what it wrote. A file, not pipes, so a process it left
-/// behind holding them cannot keep this waiting.
+/// Runs `cmd` for at most `limit`, its output (stdout and stderr, in the
+/// order written) collected into a file: its exit status, or `None` when
+/// it was killed at the limit, and what it wrote. A file, not pipes, so a
+/// process it left behind holding them cannot keep this waiting.
 fn run_bounded(mut cmd: Command, limit: std::time::Duration) -> (Option<std::process::ExitStatus>, String) {
     use std::io::{Read, Seek};
     let mut out = tempfile_or_panic();
