@@ -1,0 +1,697 @@
+"""SGLang's transfer-backend classes over kvmove's handoff sessions.
+
+One kvmove engine per scheduler process (one per prefill or decode rank),
+made by :class:`KvmoveKVManager`. SGLang's own bootstrap server, prefill
+registration and decode-side rank discovery are reused (subclasses of
+SGLang's ``Common*`` classes); the prefill rank registers its kvmove
+engine's address as its ``rank_ip:rank_port``, so the decode finds it there.
+
+Per request (``bootstrap_room`` is the session id on both sides):
+
+- decode, ``send_metadata``: the pages it allocated (and the request's
+  auxiliary row and extra state) become one kvmove grant to the prefill
+  rank, ``Engine.receive(prefill, room, ranges, deadline)``; the deadline is
+  SGLang's waiting timeout, counted from the grant. A decode prefix length
+  other than 0 is sent first as a notification (kvmove delivers a pair's
+  notifications before a later grant).
+- prefill: the sender claims the grant for its room (``Engine.send``) when
+  it arrives; ``init`` maps the grant onto its pages, each ``send`` writes
+  that chunk's pages (a session write in the background, never blocking the
+  scheduler), the last one adds the auxiliary row and state, and the session
+  is finished once every write completed. The decode then decides the
+  outcome (``landed`` only if every granted byte was written), which both
+  sides report.
+
+Grant layout (both sides build it in this order; the prefill checks that
+the grant has exactly the size its own layout needs, else the request fails
+with a message naming both sizes): for each KV buffer (``kv_data_ptrs``),
+the destination pages in ``send_metadata``'s order (runs of consecutive
+pages as one range); then one row of each auxiliary buffer; then, for each
+state component and each of its buffers, its indices in order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    KVTransferError,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.network import get_local_ip_auto
+
+import kvmove
+
+logger = logging.getLogger(__name__)
+
+#: Session state -> SGLang's poll value, once the session exists.
+_POLL = {
+    "waiting": KVPoll.WaitingForInput,
+    "granted": KVPoll.WaitingForInput,
+    "transferring": KVPoll.Transferring,
+    "landed": KVPoll.Success,
+    "failed": KVPoll.Failed,
+    "cancelled": KVPoll.Failed,
+    "expired": KVPoll.Failed,
+}
+
+_META = b"kvmove-sglang/1 "
+
+
+def _describe(err: Optional[BaseException], state: str) -> str:
+    """kvmove's error as SGLang's failure reason: what ended the session,
+    its kind and whether it is transient."""
+    if err is None:
+        return f"kvmove handoff {state}"
+    kind = getattr(err, "kind", type(err).__name__)
+    try:
+        transient = bool(err.is_transient())
+    except Exception:  # noqa: BLE001 (not a kvmove error)
+        transient = False
+    return f"kvmove handoff {state}: {err} (kind={kind}, transient={transient})"
+
+
+def _peer_name(ip: str, port) -> str:
+    return f"[{ip}]:{int(port)}" if ":" in ip and not ip.startswith("[") else f"{ip}:{int(port)}"
+
+
+def _runs(indices: Sequence[int]) -> List[Tuple[int, int]]:
+    """``(first, count)`` for each run of consecutive integers, in order."""
+    out: List[Tuple[int, int]] = []
+    for i in indices:
+        i = int(i)
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+def _ranges(ptr: int, item: int, indices: Sequence[int]) -> List[Tuple[int, int]]:
+    return [(ptr + first * item, count * item) for first, count in _runs(indices)]
+
+
+def _state_groups(kv_args: KVArgs, state_indices) -> List[Tuple[int, int, List[int]]]:
+    """``(ptr, item_len, indices)`` for each state buffer that has indices,
+    in the grant's order."""
+    out = []
+    if not state_indices:
+        return out
+    ptrs = getattr(kv_args, "state_data_ptrs", None) or []
+    items = getattr(kv_args, "state_item_lens", None) or []
+    for comp, idx in enumerate(state_indices):
+        if idx is None or comp >= len(ptrs):
+            continue
+        flat = [int(x) for x in np.asarray(idx).reshape(-1)]
+        if not flat:
+            continue
+        for ptr, item in zip(ptrs[comp], items[comp]):
+            out.append((int(ptr), int(item), flat))
+    return out
+
+
+def grant_ranges(kv_args: KVArgs, kv_indices, aux_index: Optional[int], state_indices) -> List[Tuple[int, int]]:
+    """The decode's grant for one request (see the module's doc)."""
+    pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+    out: List[Tuple[int, int]] = []
+    for ptr, item in zip(kv_args.kv_data_ptrs, kv_args.kv_item_lens):
+        out.extend(_ranges(int(ptr), int(item), pages))
+    if aux_index is not None:
+        for ptr, item in zip(kv_args.aux_data_ptrs, kv_args.aux_item_lens):
+            out.append((int(ptr) + int(aux_index) * int(item), int(item)))
+    for ptr, item, idx in _state_groups(kv_args, state_indices):
+        out.extend(_ranges(ptr, item, idx))
+    return out
+
+
+class _Cursor:
+    """Walks a grant's ranges item by item: the destination address of each
+    item of a given size, in the grant's order."""
+
+    def __init__(self, ranges: Sequence[Tuple[int, int]]):
+        self.ranges = list(ranges)
+        self.i = 0
+        self.off = 0
+
+    def take(self, item: int, count: int) -> List[int]:
+        out = []
+        while len(out) < count:
+            if self.i >= len(self.ranges):
+                raise ValueError("the grant is smaller than this rank's layout")
+            addr, length = self.ranges[self.i]
+            if length - self.off < item or (length - self.off) % item:
+                raise ValueError(
+                    f"a granted range of {length} bytes does not split into items of {item} bytes"
+                )
+            out.append(addr + self.off)
+            self.off += item
+            if self.off == length:
+                self.i += 1
+                self.off = 0
+        return out
+
+    def rest(self) -> List[Tuple[int, int]]:
+        """What is left, from the current position."""
+        if self.i >= len(self.ranges):
+            return []
+        head = self.ranges[self.i]
+        return [(head[0] + self.off, head[1] - self.off)] + self.ranges[self.i + 1 :]
+
+
+def _merge_ops(ops: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
+    """Joins writes that continue each other on both sides."""
+    out: List[Tuple[int, int, int]] = []
+    for src, dst, n in ops:
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((src, dst, n))
+    return out
+
+
+def _regions(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """Overlapping or touching ``(addr, length)`` spans joined."""
+    out: List[List[int]] = []
+    for a, n in sorted((int(a), int(n)) for a, n in spans if int(n) > 0):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], a + n)
+        else:
+            out.append([a, a + n])
+    return [(a, b - a) for a, b in out]
+
+
+class KvmoveKVManager(CommonKVManager):
+    """One per scheduler process: the rank's kvmove engine, its registered
+    KV, auxiliary and state buffers, and (prefill) the grants not yet
+    claimed by a sender."""
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: Optional[bool] = False,
+    ):
+        # The engine first: the prefill registers its address with the
+        # bootstrap server inside CommonKVManager.__init__.
+        host = get_local_ip_auto()
+        self.engine = kvmove.Engine(host=host, port=0)
+        self.engine_port = int(self.engine.session_id.rsplit(":", 1)[1])
+        spans = list(zip(args.kv_data_ptrs, args.kv_data_lens))
+        spans += list(zip(args.aux_data_ptrs or [], args.aux_data_lens or []))
+        for ptrs, lens in zip(getattr(args, "state_data_ptrs", None) or [], getattr(args, "state_data_lens", None) or []):
+            spans += list(zip(ptrs, lens))
+        for addr, length in _regions(spans):
+            self.engine.register_address(addr, length)
+        self._lock = threading.Lock()
+        # Cancels and releases that wait on the peer run here, never on the
+        # scheduler's thread.
+        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmove-sglang")
+        # Prefill: grants seen and not yet claimed (room -> peer), decode
+        # prefix lengths announced (room -> tokens), rooms whose request
+        # ended before its grant came (a grant for them is refused).
+        self._grants: Dict[int, str] = {}
+        self._prefix: Dict[int, int] = {}
+        self._abandoned: Dict[int, float] = {}
+        # Rooms whose grant a sender (or a refusal) took: the engine lists a
+        # claimed grant until its first write, so a scan must skip them.
+        self._claimed: set = set()
+        self._last_scan = 0.0
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        # CommonKVManager binds a ZeroMQ socket for its own protocol, which
+        # kvmove does not use: the engine's port is this rank's port.
+        try:
+            self.server_socket.close(linger=0)
+        except Exception:  # noqa: BLE001
+            pass
+        self.rank_port = self.engine_port
+        self.deadline = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+        self.unsupported = self._unsupported_layout()
+        if self.unsupported:
+            logger.error("kvmove: %s; every request will fail", self.unsupported)
+        logger.info(
+            "kvmove: %s rank listens on %s (%s)",
+            disaggregation_mode.value,
+            self.engine.session_id,
+            self.engine.backend,
+        )
+
+    def _unsupported_layout(self) -> Optional[str]:
+        if self.attn_cp_size != 1:
+            return "kvmove's SGLang backend does not support context parallelism yet"
+        if self.disaggregation_mode == DisaggregationMode.PREFILL and self.pp_size != 1:
+            return "kvmove's SGLang backend does not support a prefill with pipeline parallelism yet"
+        return None
+
+    def register_to_bootstrap(self):
+        # The decode reaches this rank's kvmove engine at rank_ip:rank_port.
+        self.rank_port = self.engine_port
+        super().register_to_bootstrap()
+
+    # ---- prefill: grants that arrive before or after their sender ----
+
+    def claim(self, room: int) -> Optional[str]:
+        """The peer that granted ``room``, if its grant came (and is not yet
+        claimed). Never blocks."""
+        with self._lock:
+            peer = self._grants.pop(room, None)
+            if peer is not None:
+                self._claimed.add(room)
+                return peer
+            now = time.monotonic()
+            if now - self._last_scan < 0.002:
+                return None
+            self._last_scan = now
+            seen = self.engine.grants()
+            if seen:
+                # A pair's notifications come before its later grants: read
+                # them now, so a prefix length sent before this grant is in.
+                for n in self.engine.notifications():
+                    self._note(n.msg)
+            for peer_name, gid, _grant in seen:
+                gid = int(gid)
+                if gid in self._claimed:
+                    continue
+                if gid in self._abandoned:
+                    del self._abandoned[gid]
+                    self._claimed.add(gid)
+                    self.later(self._refuse, peer_name, gid)
+                else:
+                    self._grants.setdefault(gid, peer_name)
+            peer = self._grants.pop(room, None)
+            if peer is not None:
+                self._claimed.add(room)
+            return peer
+
+    def unclaim(self, room: int) -> None:
+        """The sender of ``room`` is done with its grant."""
+        with self._lock:
+            self._claimed.discard(room)
+
+    def _note(self, msg: bytes) -> None:
+        if not msg.startswith(_META):
+            return
+        try:
+            room, prefix = (int(x) for x in msg[len(_META) :].split(b" "))
+        except ValueError:
+            return
+        if len(self._prefix) < 65536 and prefix >= 0:
+            self._prefix[room] = prefix
+
+    def decode_prefix_len(self, room: int) -> int:
+        with self._lock:
+            return self._prefix.pop(room, 0)
+
+    def abandon(self, room: int) -> None:
+        """The request of ``room`` ended before its grant was claimed: a
+        grant that comes for it is cancelled, so the decode frees its pages."""
+        with self._lock:
+            peer = self._grants.pop(room, None)
+            if peer is None:
+                if room in self._claimed:
+                    return
+                self._abandoned[room] = time.monotonic()
+                # Bounded: the oldest go (their grants then expire at the
+                # decode's deadline instead).
+                while len(self._abandoned) > 65536:
+                    self._abandoned.pop(next(iter(self._abandoned)))
+                return
+            self._claimed.add(room)
+        self.later(self._refuse, peer, room)
+
+    def _refuse(self, peer: str, room: int) -> None:
+        try:
+            s = self.engine.send(peer, room)
+            s.cancel()
+            s.release()
+        except Exception as e:  # noqa: BLE001
+            logger.debug("kvmove: refusing the grant of room %s from %s: %s", room, peer, e)
+        finally:
+            self.unclaim(room)
+
+    def end(self, session, room: int) -> None:
+        """Cancels a sender's session (waits for the peer's answer: on the
+        background thread), then forgets its room."""
+        _cancel_quietly(session)
+        self.unclaim(room)
+
+    def later(self, fn, *args) -> None:
+        """Runs ``fn(*args)`` on the manager's background thread."""
+        try:
+            self._background.submit(fn, *args)
+        except RuntimeError:  # shut down
+            pass
+
+    def close(self) -> None:
+        self._background.shutdown(wait=False)
+        self.engine.close()
+
+
+class KvmoveKVSender(BaseKVSender):
+    """Prefill side of one request (see the module's doc)."""
+
+    def __init__(
+        self,
+        mgr: KvmoveKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self.session: Optional[kvmove.SendSession] = None
+        self.reason: Optional[str] = None
+        self.error: Optional[BaseException] = None
+        self.num_kv_indices: Optional[int] = None
+        self.aux_index: Optional[int] = None
+        self.curr_idx = 0
+        self.dst_pages: List[List[int]] = []
+        self.rest: List[Tuple[int, int]] = []
+        self.writes: List[kvmove.SessionWrite] = []
+        self.last_sent = False
+        self.finished = False
+        self.conclude: Optional[int] = None
+        self.bytes = 0
+        self.first_write: Optional[float] = None
+        self.landed_at: Optional[float] = None
+        if mgr.unsupported:
+            self._fail(mgr.unsupported)
+
+    # ---- helpers ----
+
+    def _fail(self, reason: str, err: Optional[BaseException] = None) -> None:
+        if self.conclude is not None:
+            return
+        self.reason = reason
+        self.error = err
+        self.conclude = KVPoll.Failed
+        session = self.session
+        if session is not None:
+            # The decode frees its pages at once (the session ends on both
+            # sides); the cancel waits for the peer, so not here.
+            self.kv_mgr.later(self.kv_mgr.end, session, self.bootstrap_room)
+        elif self.num_kv_indices is None:
+            self.kv_mgr.abandon(self.bootstrap_room)
+
+    def _claim(self) -> None:
+        if self.session is not None or self.conclude is not None:
+            return
+        peer = self.kv_mgr.claim(self.bootstrap_room)
+        if peer is None:
+            return
+        try:
+            self.session = self.kv_mgr.engine.send(peer, self.bootstrap_room)
+        except kvmove.TransferError as e:
+            self._fail(_describe(e, "could not be opened"), e)
+
+    # ---- BaseKVSender ----
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        self.num_kv_indices = int(num_kv_indices)
+        self.aux_index = aux_index
+        if self.conclude is not None or self.session is None:
+            return
+        grant = self.session.grant
+        if grant is None:
+            self._fail("kvmove: init() before the grant came")
+            return
+        args = self.kv_mgr.kv_args
+        cursor = _Cursor(grant.ranges)
+        try:
+            self.dst_pages = [cursor.take(int(item), self.num_kv_indices) for item in args.kv_item_lens]
+            if aux_index is not None:
+                self.aux_dst = [cursor.take(int(item), 1)[0] for item in args.aux_item_lens]
+            else:
+                self.aux_dst = []
+        except ValueError as e:
+            need = self.num_kv_indices * sum(int(i) for i in args.kv_item_lens)
+            need += sum(int(i) for i in args.aux_item_lens) if aux_index is not None else 0
+            have = sum(n for _, n in grant.ranges)
+            self._fail(
+                f"kvmove: the decode's grant for room {self.bootstrap_room} does not match this prefill "
+                f"rank's layout ({e}; the grant has {have} bytes in {len(grant.ranges)} ranges, "
+                f"{self.num_kv_indices} pages and the auxiliary row take {need}): the two sides must run "
+                "the same model with the same page size and attention TP size"
+            )
+            return
+        self.cursor = cursor
+
+    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None, **_):
+        if self.conclude is not None or self.session is None or self.num_kv_indices is None:
+            return
+        args = self.kv_mgr.kv_args
+        pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        end = self.curr_idx + len(pages)
+        if end > self.num_kv_indices:
+            self._fail(
+                f"kvmove: room {self.bootstrap_room} sent {end} pages, more than the {self.num_kv_indices} of init()"
+            )
+            return
+        ops = []
+        for b, (ptr, item) in enumerate(zip(args.kv_data_ptrs, args.kv_item_lens)):
+            ptr, item = int(ptr), int(item)
+            dst = self.dst_pages[b]
+            ops.extend((ptr + p * item, dst[self.curr_idx + k], item) for k, p in enumerate(pages))
+        self.curr_idx = end
+        last = end == self.num_kv_indices
+        if last:
+            if self.aux_index is not None:
+                for (ptr, item), dst in zip(zip(args.aux_data_ptrs, args.aux_item_lens), self.aux_dst):
+                    ops.append((int(ptr) + int(self.aux_index) * int(item), dst, int(item)))
+            try:
+                for ptr, item, idx in _state_groups(args, state_indices):
+                    dsts = self.cursor.take(item, len(idx))
+                    ops.extend((ptr + i * item, d, item) for i, d in zip(idx, dsts))
+            except ValueError as e:
+                self._fail(f"kvmove: the decode's grant for room {self.bootstrap_room} has no room for the state: {e}")
+                return
+            left = sum(n for _, n in self.cursor.rest())
+            if left:
+                self._fail(
+                    f"kvmove: the decode granted {left} bytes more than room {self.bootstrap_room} has to send "
+                    "(the two sides' layouts differ)"
+                )
+                return
+        ops = _merge_ops(ops)
+        if ops:
+            try:
+                self.writes.append(self.session.write_layer(ops))
+            except kvmove.TransferError as e:
+                self._fail(_describe(e, "write refused"), e)
+                return
+            if self.first_write is None:
+                self.first_write = time.monotonic()
+            self.bytes += sum(n for _, _, n in ops)
+        self.last_sent = last
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if not self.last_sent or self.finished or self.conclude is not None:
+            return
+        if not all(w.done for w in self.writes):
+            return
+        for w in self.writes:
+            out = w.wait(0, check=False)
+            if out is not None and not out.ok:
+                self._fail(_describe(out.error, "write failed"), out.error)
+                return
+        try:
+            self.session.finish()
+        except kvmove.TransferError as e:
+            self._fail(_describe(e, "finish refused"), e)
+            return
+        self.finished = True
+
+    def poll(self) -> KVPoll:
+        if self.conclude is not None:
+            return self.conclude
+        if self.session is None:
+            self._claim()
+            if self.session is None:
+                # Waiting for the decode's grant: no timer runs here; the
+                # session's deadline starts at the grant.
+                return self.conclude if self.conclude is not None else KVPoll.Bootstrapping
+        self._maybe_finish()
+        if self.conclude is not None:
+            return self.conclude
+        state = self.session.poll()
+        value = _POLL.get(state, KVPoll.Failed)
+        if value == KVPoll.Success:
+            self.landed_at = time.monotonic()
+            self.conclude = value
+            self.kv_mgr.unclaim(self.bootstrap_room)
+        elif value == KVPoll.Failed:
+            self._fail(_describe(self.session.error, state), self.session.error)
+        return value
+
+    def poll_pp_consensus(self) -> KVPoll:
+        # One pipeline stage only (see KvmoveKVManager._unsupported_layout).
+        return self.poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        return self.kv_mgr.decode_prefix_len(self.bootstrap_room)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # The last chunk always goes: it carries the auxiliary row and ends
+        # the session, even with no new page.
+        return num_pages > 0 or last_chunk
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        latency = None
+        if self.first_write is not None and self.landed_at is not None:
+            latency = self.landed_at - self.first_write
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes or None)
+
+    def failure_exception(self):
+        e = KVTransferError(self.bootstrap_room, self.reason or "kvmove handoff failed")
+        e.kvmove_error = self.error
+        raise e
+
+    def clear(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            self.kv_mgr.later(_release_quietly, session)
+
+    def abort(self):
+        self._fail("Aborted by AbortReq.")
+
+
+class KvmoveKVReceiver(CommonKVReceiver):
+    """Decode side of one request: SGLang's rank discovery (``init``), then
+    the grant (``send_metadata``) and the session's state."""
+
+    def __init__(self, mgr: KvmoveKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        self.sessions: List[kvmove.ReceiveSession] = []
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    def _fail(self, reason: str) -> None:
+        if self.conclude_state == KVPoll.Failed:
+            return
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        self.conclude_state = KVPoll.Failed
+
+    def init(self, prefill_dp_rank: int):
+        if self.kv_mgr.unsupported:
+            self._fail(self.kv_mgr.unsupported)
+            return
+        super().init(prefill_dp_rank)
+        if self.conclude_state == KVPoll.Failed:
+            return
+        infos = [i for i in (self.bootstrap_infos or []) if not i.get("is_dummy")]
+        if len(infos) != 1:
+            self._fail(
+                f"kvmove's SGLang backend needs exactly one prefill rank per decode rank (found {len(infos)}): "
+                "run prefill and decode with the same attention TP size, one prefill pipeline stage, no CP"
+            )
+
+    def _register_kv_args(self) -> bool:
+        # kvmove needs no registration: the grant carries the addresses.
+        return True
+
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        decode_prefix_len: Optional[int] = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices=None,
+    ):
+        if self.conclude_state == KVPoll.Failed:
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("Host KV destinations are not supported")
+        infos = [i for i in (getattr(self, "bootstrap_infos", None) or []) if not i.get("is_dummy")]
+        if len(infos) != 1:
+            self._fail(f"kvmove: no prefill rank to grant room {self.bootstrap_room} to")
+            return
+        peer = _peer_name(infos[0]["rank_ip"], infos[0]["rank_port"])
+        ranges = grant_ranges(self.kv_mgr.kv_args, kv_indices, aux_index, state_indices)
+        engine = self.kv_mgr.engine
+        try:
+            if decode_prefix_len:
+                engine.notify(peer, _META + b"%d %d" % (self.bootstrap_room, int(decode_prefix_len)))
+            self.sessions.append(engine.receive(peer, self.bootstrap_room, ranges, deadline=self.kv_mgr.deadline))
+        except kvmove.TransferError as e:
+            self._fail(_describe(e, f"grant to {peer} refused"))
+
+    def _poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if not self.sessions:
+            # Before the grant: SGLang's discovery state (no waiting timer
+            # here: init_time stays unset, the session's deadline replaces it).
+            return super()._poll()
+        values = []
+        for s in self.sessions:
+            state = s.poll()
+            value = _POLL.get(state, KVPoll.Failed)
+            if value == KVPoll.Failed:
+                self._fail(_describe(s.error, state))
+                return KVPoll.Failed
+            values.append(value)
+        value = min(values)
+        if value == KVPoll.Success:
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
+            self.conclude_state = KVPoll.Success
+        return value
+
+    def abort(self):
+        self._fail("Aborted by AbortReq.")
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        # The prefill learns it from the session: cancelled on both sides.
+        if self.abort_notified:
+            return
+        self.abort_notified = True
+        for s in self.sessions:
+            self.kv_mgr.later(_cancel_quietly, s)
+
+    def _clear(self) -> None:
+        super()._clear()
+        sessions, self.sessions = self.sessions, []
+        for s in sessions:
+            self.kv_mgr.later(_release_quietly, s)
+
+
+class KvmoveKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's own bootstrap server: prefill ranks register their kvmove
+    engine's address with it; decodes look them up."""
+
+
+def _cancel_quietly(session) -> None:
+    try:
+        if not session.done:
+            session.cancel()
+    except Exception as e:  # noqa: BLE001
+        logger.debug("kvmove: cancelling %r: %s", session, e)
+
+
+def _release_quietly(session) -> None:
+    try:
+        if not session.done:
+            session.cancel()
+        session.release()
+    except Exception as e:  # noqa: BLE001
+        logger.debug("kvmove: releasing %r: %s", session, e)
