@@ -102,64 +102,131 @@ def setup(role: str, cfg: dict):
     return classes, mgr, kv, aux, server
 
 
+def emit(**event) -> None:
+    print(json.dumps(event, default=str), flush=True)
+
+
+def tcp_links(own: int, peers) -> int:
+    """This process's TCP sockets (any state but TIME_WAIT and LISTEN) on
+    its kvmove engine's port or to a peer engine's port: the kernel sockets
+    of kvmove's connections, SGLang's own (bootstrap HTTP) left out."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    peers = {int(p) for p in peers}
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+            if state in ("06", "0A") or inode not in inodes:  # TIME_WAIT, LISTEN
+                continue
+            lport, rport = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+            if lport == own or rport in peers:
+                n += 1
+    return n
+
+
+def settle(count, want: int, limit: float = 30.0):
+    """Polls ``count()`` until it is ``want`` or ``limit`` seconds passed:
+    ``(last value, seconds taken)``."""
+    t0 = time.monotonic()
+    while True:
+        v = count()
+        if want < 0:
+            return v, 0.0
+        if v == want or time.monotonic() - t0 > limit:
+            return v, round(time.monotonic() - t0, 2)
+        time.sleep(0.1)
+
+
+def note_state(r: dict, poll: int) -> None:
+    if not r["states"] or r["states"][-1] != poll:
+        r["states"].append(poll)
+
+
 def run_prefill(cfg: dict) -> dict:
+    import numpy as np
+
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType
 
     classes, mgr, kv, aux, _server = setup("prefill", cfg)
     item, chunk = cfg["item"], cfg["chunk_pages"]
-    # The prefill's own page for each position of each request, disjoint.
-    free = list(range(cfg["pages"]))[::-1]
-    reqs = {}
-    for room, npages in cfg["rooms"]:
-        src = [free.pop() for _ in range(npages)]
-        for pos, p in enumerate(src):
-            for b, t in enumerate(kv):
-                t[p * item : (p + 1) * item] = torch_bytes(fill(room, pos, b, item))
-        aux_row = len(reqs)
-        for b, (t, n) in enumerate(zip(aux, cfg["aux_items"])):
-            t[aux_row * n : (aux_row + 1) * n] = torch_bytes(aux_fill(room, b, n))
-        sender = classes[KVClassType.SENDER](
-            mgr=mgr, bootstrap_addr=f"127.0.0.1:{cfg['bootstrap_port']}", bootstrap_room=room
-        )
-        reqs[room] = {"sender": sender, "src": src, "aux": aux_row, "sent": 0, "inited": False, "states": []}
-    print(json.dumps({"ready": True}), flush=True)
-    deadline = time.monotonic() + cfg["timeout"]
-    done = {}
-    while len(done) < len(reqs) and time.monotonic() < deadline:
-        for room, r in reqs.items():
-            if room in done:
-                continue
-            s = r["sender"]
-            poll = int(s.poll())
-            if not r["states"] or r["states"][-1] != poll:
-                r["states"].append(poll)
-            if poll == KVPoll.Failed:
-                try:
-                    s.failure_exception()
-                except Exception as e:  # noqa: BLE001
-                    done[room] = {"state": "failed", "error": str(e), "states": r["states"]}
-                continue
-            if poll == KVPoll.Success:
-                s.clear()
-                done[room] = {"state": "success", "states": r["states"]}
-                continue
-            if poll == KVPoll.WaitingForInput and not r["inited"]:
-                prefix = s.pop_decode_prefix_len()
-                s.init(len(r["src"]) - prefix // cfg["page_size"], r["aux"])
-                r["inited"] = True
-            if r["inited"] and not r.get("last"):
-                import numpy as np
-
-                part = r["src"][r["sent"] : r["sent"] + chunk]
-                r["sent"] += len(part)
-                last = r["last"] = r["sent"] == len(r["src"])
-                if s.should_send_kv_chunk(len(part), last):
-                    s.send(np.array(part, dtype=np.int32), None, num_kv_tokens=len(part) * cfg["page_size"])
-        time.sleep(0.005)
-    for room in reqs:
-        done.setdefault(room, {"state": "timeout", "states": reqs[room]["states"]})
-    return {"role": "prefill", "rooms": {str(k): v for k, v in done.items()}, "sessions": mgr.engine.stats()}
+    port = mgr.engine_port
+    peers = set()  # the decodes' engine ports seen
+    emit(event="ready", links=tcp_links(port, peers), engine=mgr.engine.session_id)
+    phases = []
+    for phase, rooms in enumerate(cfg["phases"]):
+        hold = cfg.get("hold_phase") == phase
+        # The prefill's own page for each position of each request, disjoint.
+        free = list(range(cfg["pages"]))[::-1]
+        reqs = {}
+        for room, npages in rooms:
+            src = [free.pop() for _ in range(npages)]
+            for pos, p in enumerate(src):
+                for b, t in enumerate(kv):
+                    t[p * item : (p + 1) * item] = torch_bytes(fill(room, pos, b, item))
+            aux_row = len(reqs) % cfg["aux_rows"]
+            for b, (t, n) in enumerate(zip(aux, cfg["aux_items"])):
+                t[aux_row * n : (aux_row + 1) * n] = torch_bytes(aux_fill(room, b, n))
+            sender = classes[KVClassType.SENDER](
+                mgr=mgr, bootstrap_addr=f"127.0.0.1:{cfg['bootstrap_port']}", bootstrap_room=room
+            )
+            reqs[room] = {"sender": sender, "src": src, "aux": aux_row, "sent": 0, "inited": False, "states": []}
+        deadline = time.monotonic() + cfg["timeout"]
+        done = {}
+        held = False
+        while len(done) < len(reqs) and time.monotonic() < deadline:
+            for room, r in reqs.items():
+                if room in done:
+                    continue
+                s = r["sender"]
+                poll = int(s.poll())
+                note_state(r, poll)
+                if s.session is not None:
+                    peers.add(int(s.session.peer.rsplit(":", 1)[1]))
+                if poll == KVPoll.Failed:
+                    try:
+                        s.failure_exception()
+                    except Exception as e:  # noqa: BLE001
+                        done[room] = {"state": "failed", "error": str(e), "states": r["states"], "t": time.monotonic()}
+                    continue
+                if poll == KVPoll.Success:
+                    s.clear()
+                    done[room] = {"state": "success", "states": r["states"], "t": time.monotonic()}
+                    continue
+                if poll == KVPoll.WaitingForInput and not r["inited"]:
+                    prefix = s.pop_decode_prefix_len()
+                    s.init(len(r["src"]) - prefix // cfg["page_size"], r["aux"])
+                    r["inited"] = True
+                if r["inited"] and not r.get("last") and not (hold and r["sent"] > 0):
+                    part = r["src"][r["sent"] : r["sent"] + chunk]
+                    r["sent"] += len(part)
+                    last = r["last"] = r["sent"] == len(r["src"])
+                    if s.should_send_kv_chunk(len(part), last):
+                        s.send(np.array(part, dtype=np.int32), None, num_kv_tokens=len(part) * cfg["page_size"])
+            if hold and not held and all(KVPoll.Transferring in r["states"] for r in reqs.values()):
+                held = True
+                emit(event="transferring", phase=phase)
+            time.sleep(0.005)
+        for room in reqs:
+            done.setdefault(room, {"state": "timeout", "states": reqs[room]["states"]})
+        links, took = settle(lambda: tcp_links(port, peers), cfg.get("settle_to", {}).get(str(phase), -1))
+        out = {"rooms": {str(k): v for k, v in done.items()}, "links": links, "settled_in": took, "stats": mgr.engine.stats()}
+        emit(event="phase", phase=phase, **out)
+        phases.append(out)
+    return {"role": "prefill", "phases": phases}
 
 
 def torch_bytes(b: bytes):
@@ -175,56 +242,70 @@ def run_decode(cfg: dict) -> dict:
     from sglang.srt.disaggregation.utils import KVClassType
 
     classes, mgr, kv, aux, _ = setup("decode", cfg)
-    addr = f"127.0.0.1:{cfg['bootstrap_port']}"
-    deadline = time.monotonic() + cfg["timeout"]
-    while not mgr.try_ensure_parallel_info(addr):
-        if time.monotonic() > deadline:
-            return {"role": "decode", "error": "the prefill never registered"}
-        time.sleep(0.2)
     item = cfg["item"]
-    # Decode pages in a different order from the prefill's, interleaved.
-    free = list(range(cfg["pages"]))
-    free = free[1::2] + free[0::2]
-    reqs = {}
-    for i, (room, npages) in enumerate(cfg["rooms"]):
-        recv = classes[KVClassType.RECEIVER](mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
-        recv.init(0)
-        dst = [free.pop() for _ in range(npages)]
-        reqs[room] = {"recv": recv, "dst": dst, "aux": i, "granted": False, "states": []}
-    done = {}
-    while len(done) < len(reqs) and time.monotonic() < deadline:
-        for room, r in reqs.items():
-            if room in done:
-                continue
-            recv = r["recv"]
-            poll = int(recv.poll())
-            if not r["states"] or r["states"][-1] != poll:
-                r["states"].append(poll)
-            if poll == KVPoll.WaitingForInput and not r["granted"]:
-                recv.send_metadata(np.array(r["dst"], dtype=np.int32), r["aux"], None, decode_prefix_len=0)
-                r["granted"] = True
-            elif poll == KVPoll.Failed:
-                try:
-                    recv.failure_exception()
-                except Exception as e:  # noqa: BLE001
-                    done[room] = {"state": "failed", "error": str(e), "states": r["states"]}
-            elif poll == KVPoll.Success:
-                bad = []
-                for pos, p in enumerate(r["dst"]):
-                    for b, t in enumerate(kv):
-                        got = bytes(t[p * item : (p + 1) * item].numpy())
-                        if got != fill(room, pos, b, item):
-                            bad.append([pos, b])
-                for b, (t, n) in enumerate(zip(aux, cfg["aux_items"])):
-                    got = bytes(t[r["aux"] * n : (r["aux"] + 1) * n].numpy())
-                    if got != aux_fill(room, b, n):
-                        bad.append(["aux", b])
-                recv.clear()
-                done[room] = {"state": "success", "bad": bad[:10], "states": r["states"]}
-        time.sleep(0.005)
-    for room in reqs:
-        done.setdefault(room, {"state": "timeout", "states": reqs[room]["states"]})
-    return {"role": "decode", "rooms": {str(k): v for k, v in done.items()}, "sessions": mgr.engine.stats()}
+    emit(event="ready", links=tcp_links(mgr.engine_port, []), engine=mgr.engine.session_id)
+    phases = []
+    for phase, spec in enumerate(cfg["phases"]):
+        addr = f"127.0.0.1:{spec['bootstrap_port']}"
+        deadline = time.monotonic() + cfg["timeout"]
+        while not mgr.try_ensure_parallel_info(addr):
+            if time.monotonic() > deadline:
+                return {"role": "decode", "error": f"the prefill at {addr} never registered"}
+            time.sleep(0.2)
+        # Decode pages in a different order from the prefill's, interleaved.
+        free = list(range(cfg["pages"]))
+        free = free[1::2] + free[0::2]
+        reqs = {}
+        prefill_port = None
+        for i, (room, npages) in enumerate(spec["rooms"]):
+            recv = classes[KVClassType.RECEIVER](mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
+            recv.init(0)
+            if prefill_port is None and getattr(recv, "bootstrap_infos", None):
+                prefill_port = int(recv.bootstrap_infos[0]["rank_port"])
+            dst = [free.pop() for _ in range(npages)]
+            reqs[room] = {"recv": recv, "dst": dst, "aux": i % cfg["aux_rows"], "granted": False, "states": []}
+        done = {}
+        while len(done) < len(reqs) and time.monotonic() < deadline:
+            for room, r in reqs.items():
+                if room in done:
+                    continue
+                recv = r["recv"]
+                poll = int(recv.poll())
+                note_state(r, poll)
+                if poll == KVPoll.WaitingForInput and not r["granted"]:
+                    recv.send_metadata(np.array(r["dst"], dtype=np.int32), r["aux"], None, decode_prefix_len=0)
+                    r["granted"] = True
+                elif poll == KVPoll.Failed:
+                    try:
+                        recv.failure_exception()
+                    except Exception as e:  # noqa: BLE001
+                        done[room] = {"state": "failed", "error": str(e), "states": r["states"], "t": time.monotonic()}
+                elif poll == KVPoll.Success:
+                    bad = []
+                    for pos, p in enumerate(r["dst"]):
+                        for b, t in enumerate(kv):
+                            got = bytes(t[p * item : (p + 1) * item].numpy())
+                            if got != fill(room, pos, b, item):
+                                bad.append([pos, b])
+                    for b, (t, n) in enumerate(zip(aux, cfg["aux_items"])):
+                        got = bytes(t[r["aux"] * n : (r["aux"] + 1) * n].numpy())
+                        if got != aux_fill(room, b, n):
+                            bad.append(["aux", b])
+                    recv.clear()
+                    done[room] = {"state": "success", "bad": bad[:10], "states": r["states"], "t": time.monotonic()}
+            if all(r["granted"] for r in reqs.values()) and not any(r.get("told") for r in reqs.values()):
+                for r in reqs.values():
+                    r["told"] = True
+                emit(event="granted", phase=phase)
+            time.sleep(0.005)
+        for room in reqs:
+            done.setdefault(room, {"state": "timeout", "states": reqs[room]["states"]})
+        want = cfg.get("settle_to", {}).get(str(phase), -1)
+        links, took = settle(lambda: tcp_links(mgr.engine_port, [prefill_port] if prefill_port else []), want)
+        out = {"rooms": {str(k): v for k, v in done.items()}, "links": links, "settled_in": took, "stats": mgr.engine.stats()}
+        emit(event="phase", phase=phase, **out)
+        phases.append(out)
+    return {"role": "decode", "phases": phases}
 
 
 def main() -> None:

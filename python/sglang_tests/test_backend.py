@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -67,26 +70,51 @@ print("OK")
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-5000:]
 
 
-def spawn(role: str, cfg: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(HERE / "peer.py"), role, json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+class Rank:
+    """One peer.py process; its JSON events read as they come."""
 
+    def __init__(self, role: str, cfg: dict):
+        self.role = role
+        self.p = subprocess.Popen(
+            [sys.executable, str(HERE / "peer.py"), role, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.events: "queue.Queue[dict]" = queue.Queue()
+        self.err: List[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.p.stderr), daemon=True).start()
 
-def result_of(p: subprocess.Popen, timeout: float) -> dict:
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise AssertionError(f"the {p.args[2]} process did not end: {out[-2000:]}\n{err[-4000:]}")
-    for line in reversed(out.splitlines()):
-        if line.startswith('{"result"'):
-            return json.loads(line)["result"]
-    raise AssertionError(f"no result from {p.args[2]} (rc {p.returncode}): {out[-2000:]}\n{err[-6000:]}")
+    def _read(self):
+        for line in self.p.stdout:
+            if line.startswith("{"):
+                try:
+                    self.events.put(json.loads(line))
+                except ValueError:
+                    pass
+        self.events.put({"event": "exit"})
+
+    def wait_for(self, name: str, timeout: float = 180) -> dict:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                self.kill()
+                raise AssertionError(f"{self.role}: no {name!r} event in {timeout} s: {''.join(self.err)[-6000:]}")
+            if ev.get("event") == name or (name == "result" and "result" in ev):
+                return ev
+            if ev.get("event") == "exit":
+                self.p.wait(10)
+                raise AssertionError(
+                    f"{self.role} exited (rc {self.p.returncode}) before {name!r}: {''.join(self.err)[-6000:]}"
+                )
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
 
 
 def base_config(**over) -> dict:
@@ -100,11 +128,28 @@ def base_config(**over) -> dict:
         "aux_items": [64, 8],
         "chunk_pages": 3,
         "timeout": 90,
-        # room, pages: one empty request (the aux row alone), odd sizes.
-        "rooms": [[1001, 7], [1002, 1], [1003, 0], [1004, 20], [0x7FFF_FFFF_FFFF_FFF1, 11]],
     }
     cfg.update(over)
     return cfg
+
+
+# room, pages: one empty request (the aux row alone), odd sizes, a room id
+# near the top of SGLang's range.
+ROOMS = [[1001, 7], [1002, 1], [1003, 0], [1004, 20], [0x7FFF_FFFF_FFFF_FFF1, 11]]
+
+
+def assert_all_landed(p: dict, d: dict, rooms) -> None:
+    names = {str(r) for r, _ in rooms}
+    assert set(p["rooms"]) == names and set(d["rooms"]) == names, (p, d)
+    for room in names:
+        pr, dr = p["rooms"][room], d["rooms"][room]
+        assert pr["state"] == "success", (room, pr)
+        assert dr["state"] == "success", (room, dr)
+        assert dr["bad"] == [], (room, dr["bad"])
+        # Bootstrapping -> WaitingForInput -> (Transferring) -> Success,
+        # never back.
+        assert pr["states"][0] == 1 and pr["states"][-1] == 4, pr["states"]
+        assert pr["states"] == sorted(pr["states"]), pr["states"]
 
 
 def test_prefill_and_decode_processes_move_kv_pages_byte_exact():
@@ -114,17 +159,88 @@ def test_prefill_and_decode_processes_move_kv_pages_byte_exact():
     another order than the prefill's); the prefill writes in chunks of
     three pages. Every request succeeds on both sides, every page of every
     layer and the auxiliary rows land byte-exact, and the prefill's states
-    go Bootstrapping -> WaitingForInput -> ... -> Success, never back."""
+    only move forward."""
     cfg = base_config()
-    prefill = spawn("prefill", cfg)
-    decode = spawn("decode", cfg)
-    p, d = result_of(prefill, 240), result_of(decode, 240)
-    rooms = {str(r) for r, _ in cfg["rooms"]}
-    assert set(p["rooms"]) == rooms and set(d["rooms"]) == rooms, (p, d)
-    for room in rooms:
-        pr, dr = p["rooms"][room], d["rooms"][room]
-        assert pr["state"] == "success", (room, pr)
-        assert dr["state"] == "success", (room, dr)
-        assert dr["bad"] == [], (room, dr["bad"])
-        assert pr["states"][0] == 1 and pr["states"][-1] == 4, pr["states"]
-        assert pr["states"] == sorted(pr["states"]), pr["states"]
+    prefill = Rank("prefill", dict(cfg, phases=[ROOMS]))
+    decode = Rank("decode", dict(cfg, phases=[{"bootstrap_port": cfg["bootstrap_port"], "rooms": ROOMS}]))
+    try:
+        p, d = prefill.wait_for("result")["result"], decode.wait_for("result")["result"]
+    finally:
+        prefill.kill()
+        decode.kill()
+    assert_all_landed(p["phases"][0], d["phases"][0], ROOMS)
+
+
+HELD = [[2001, 9], [2002, 12], [2003, 5], [2004, 30]]
+LIVENESS = 5.0  # kvmove's default liveness timeout (SessionLimits)
+
+
+def test_a_decode_killed_mid_transfer_fails_its_requests_and_the_prefill_serves_on():
+    """The decode is SIGKILLed while every request is mid-transfer (the
+    prefill wrote the first chunk of each and holds the rest): the
+    prefill's requests all fail, within kvmove's liveness timeout, with
+    kvmove's error in SGLang's KVTransferError; its kvmove sockets return
+    to the baseline (none); then a new decode is served by the same
+    prefill, byte-exact."""
+    cfg = base_config(settle_to={"0": 0})
+    port = cfg["bootstrap_port"]
+    prefill = Rank("prefill", dict(cfg, phases=[HELD, ROOMS], hold_phase=0))
+    decode = Rank("decode", dict(cfg, phases=[{"bootstrap_port": port, "rooms": HELD}]))
+    second = None
+    try:
+        assert prefill.wait_for("ready")["links"] == 0
+        prefill.wait_for("transferring")
+        killed = time.monotonic()
+        decode.kill()
+        first = prefill.wait_for("phase", timeout=120)
+        for room, r in first["rooms"].items():
+            assert r["state"] == "failed", (room, r)
+            assert "kvmove handoff failed" in r["error"], r["error"]
+            assert "kind=peer_unavailable, transient=True" in r["error"], r["error"]
+            assert r["t"] - killed < LIVENESS + 10, (room, r["t"] - killed)
+        assert first["links"] == 0, first
+        second = Rank("decode", dict(cfg, phases=[{"bootstrap_port": port, "rooms": ROOMS}]))
+        p, d = prefill.wait_for("result")["result"], second.wait_for("result")["result"]
+    finally:
+        for r in (prefill, decode, second):
+            if r is not None:
+                r.kill()
+    assert_all_landed(p["phases"][1], d["phases"][0], ROOMS)
+
+
+def test_a_prefill_killed_mid_transfer_fails_its_requests_and_the_decode_serves_on():
+    """The prefill is SIGKILLed mid-transfer: the decode's requests all
+    fail within kvmove's liveness timeout, its kvmove sockets to the dead
+    prefill close; then the decode is served by a new prefill (a new
+    bootstrap server), byte-exact."""
+    cfg = base_config(settle_to={"0": 0})
+    port2 = free_port()
+    prefill = Rank("prefill", dict(cfg, phases=[HELD], hold_phase=0))
+    decode = Rank(
+        "decode",
+        dict(
+            cfg,
+            phases=[
+                {"bootstrap_port": cfg["bootstrap_port"], "rooms": HELD},
+                {"bootstrap_port": port2, "rooms": ROOMS},
+            ],
+        ),
+    )
+    second = None
+    try:
+        prefill.wait_for("transferring")
+        killed = time.monotonic()
+        prefill.kill()
+        first = decode.wait_for("phase", timeout=120)
+        for room, r in first["rooms"].items():
+            assert r["state"] == "failed", (room, r)
+            assert "kvmove handoff" in r["error"] and "kind=" in r["error"], r["error"]
+            assert r["t"] - killed < LIVENESS + 10, (room, r["t"] - killed)
+        assert first["links"] == 0, first
+        second = Rank("prefill", dict(cfg, bootstrap_port=port2, phases=[ROOMS]))
+        p, d = second.wait_for("result")["result"], decode.wait_for("result")["result"]
+    finally:
+        for r in (prefill, decode, second):
+            if r is not None:
+                r.kill()
+    assert_all_landed(p["phases"][0], d["phases"][1], ROOMS)

@@ -78,15 +78,15 @@ _META = b"kvmove-sglang/1 "
 
 def _describe(err: Optional[BaseException], state: str) -> str:
     """kvmove's error as SGLang's failure reason: what ended the session,
-    its kind and whether it is transient."""
+    why, its context, its kind and whether it is transient."""
     if err is None:
         return f"kvmove handoff {state}"
-    kind = getattr(err, "kind", type(err).__name__)
-    try:
-        transient = bool(err.is_transient())
-    except Exception:  # noqa: BLE001 (not a kvmove error)
-        transient = False
-    return f"kvmove handoff {state}: {err} (kind={kind}, transient={transient})"
+    message = getattr(err, "message", None) or str(err)
+    context = getattr(err, "context", None) or {}
+    facts = [f"{k}: {v}" for k, v in context.items()]
+    facts.append(f"kind={getattr(err, 'kind', type(err).__name__)}")
+    facts.append(f"transient={bool(getattr(err, 'is_transient', False))}")
+    return f"kvmove handoff {state}: {message} ({', '.join(facts)})"
 
 
 def _peer_name(ip: str, port) -> str:
