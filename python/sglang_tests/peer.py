@@ -55,7 +55,7 @@ def setup(role: str, cfg: dict):
 
     server_args = ServerArgs(
         model_path="dummy",
-        disaggregation_mode=role,
+        disaggregation_mode=role.split("-")[0],
         disaggregation_transfer_backend="kvmove",
         host="127.0.0.1",
         disaggregation_bootstrap_port=cfg["bootstrap_port"],
@@ -72,16 +72,24 @@ def setup(role: str, cfg: dict):
     layers, pages, item = cfg["layers"], cfg["pages"], cfg["item"]
     aux_rows, aux_items = cfg["aux_rows"], cfg["aux_items"]
     kv = [torch.zeros(pages * item, dtype=torch.uint8) for _ in range(2 * layers)]
-    aux = [torch.zeros(aux_rows * n, dtype=torch.uint8) for n in aux_items]
+    if cfg.get("metadata_buffers"):
+        # SGLang's own auxiliary rows (first token, bootstrap room, ...).
+        from sglang.srt.disaggregation.utils import MetadataBuffers
+
+        aux = MetadataBuffers(aux_rows, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0)
+        aux_ptrs, aux_lens, aux_item_lens = aux.get_buf_infos()
+    else:
+        aux = [torch.zeros(aux_rows * n, dtype=torch.uint8) for n in aux_items]
+        aux_ptrs, aux_lens, aux_item_lens = [t.data_ptr() for t in aux], [t.numel() for t in aux], list(aux_items)
     args = classes[KVClassType.KVARGS]()
     args.engine_rank = 0
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [item] * len(kv)
     args.kv_layer_ids = list(range(layers)) * 2
-    args.aux_data_ptrs = [t.data_ptr() for t in aux]
-    args.aux_data_lens = [t.numel() for t in aux]
-    args.aux_item_lens = list(aux_items)
+    args.aux_data_ptrs = list(aux_ptrs)
+    args.aux_data_lens = list(aux_lens)
+    args.aux_item_lens = list(aux_item_lens)
     args.state_types = []
     args.state_data_ptrs = []
     args.state_data_lens = []
@@ -308,10 +316,309 @@ def run_decode(cfg: dict) -> dict:
     return {"role": "decode", "phases": phases}
 
 
+class Stub:
+    """Stands in for an SGLang object the code under test only reads
+    attributes of (a scheduler, a request)."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+def init_gloo(port: int) -> None:
+    """torch.distributed's default group, one rank: SGLang's poll
+    reductions (``all_reduce_flags``) run for real and reduce nothing."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def logged_polls(sender, log: list):
+    """Records each new value the sender's ``poll`` answers, whoever asks."""
+    poll = sender.poll
+
+    def wrapper():
+        v = int(poll())
+        if not log or log[-1] != v:
+            log.append(v)
+        return v
+
+    sender.poll = wrapper
+
+
+def run_prefill_queue(cfg: dict) -> dict:
+    """The prefill side of the field-report replay, through SGLang's own
+    ``PrefillBootstrapQueue.add`` and ``pop_bootstrapped`` (the method
+    whose state check killed schedulers) and its poll reduction for the
+    inflight requests. Stubbed: the scheduler (the attributes those methods
+    read; ``handle_bootstrap_failure`` reduced to recording the failure
+    through ``failure_exception``), the requests (the fields they read),
+    the forward pass (the KV bytes and SGLang's auxiliary row written
+    directly)."""
+    import numpy as np
+
+    from sglang.srt.disaggregation import prefill as prefill_mod
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import (
+        ReqToMetadataIdxAllocator,
+        TransferBackend,
+        poll_and_all_reduce_attn_cp_tp_group,
+    )
+    from sglang.srt.mem_cache.common import kv_to_page_num
+
+    init_gloo(cfg["gloo_port"])
+    classes, mgr, kv, mb, _server = setup("prefill", dict(cfg, metadata_buffers=True))
+    if cfg.get("timer_control"):
+        use_timer_sender(cfg)
+    item, ps = cfg["item"], cfg["page_size"]
+    failed, done = {}, {}
+    logs: dict = {}
+
+    def handle_bootstrap_failure(req):
+        try:
+            req.disagg_kv_sender.failure_exception()
+        except Exception as e:  # noqa: BLE001
+            failed[req.bootstrap_room] = {"state": "failed", "error": str(e), "where": "bootstrap"}
+        q.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index) if req.metadata_buffer_index >= 0 else None
+        req.metadata_buffer_index = -1
+
+    sched = Stub(
+        attn_cp_cpu_group=None,
+        attn_tp_cpu_group=None,
+        processed_tokens_counter=0,
+        token_to_kv_pool_allocator=Stub(page_size=ps),
+        tree_cache=None,
+        handle_bootstrap_failure=handle_bootstrap_failure,
+        retire_unadmitted_request=lambda req: None,
+    )
+    q = object.__new__(prefill_mod.PrefillBootstrapQueue)
+    q.queue = []
+    q.pp_size, q.pp_rank, q.tp_rank = 1, 0, 0
+    q.scheduler = sched
+    q.scheduler_stage_metrics = None
+    q.kv_manager = mgr
+    q.metadata_buffers = mb
+    q.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(cfg["aux_rows"])
+    q.bootstrap_port = cfg["bootstrap_port"]
+    q.transfer_backend = TransferBackend("kvmove")
+    q.max_input_len = 1 << 30
+    free_pages = list(range(cfg["pages"]))[::-1]
+    reqs = {}
+    for room, tokens in cfg["requests"]:
+        req = Stub(
+            rid=f"r{room}",
+            bootstrap_room=room,
+            bootstrap_host="127.0.0.1",
+            disagg_prefill_dp_rank=None,
+            origin_input_ids=[7] * tokens,
+            sampling_params=Stub(max_new_tokens=16),
+            is_retracted=False,
+            prefill_attempt_count=0,
+            metadata_buffer_index=-1,
+            pending_bootstrap=False,
+            kv=Stub(holds_kv=False, holds_mamba=False, cache_protected_len=0),
+            swa_branching_seqlen=None,
+            to_finish=None,
+            finished_reason=None,
+            time_stats=Stub(set_bootstrap_done_time=lambda *a: None, set_wait_queue_entry_time=lambda *a: None),
+        )
+        q.add(req, 1)
+        logs[room] = []
+        logged_polls(req.disagg_kv_sender, logs[room])
+        reqs[room] = req
+    emit(event="ready", queued=len(q.queue))
+    inflight = []
+    deadline = time.monotonic() + cfg["timeout"]
+    crash = None
+    while len(done) + len(failed) < len(reqs) and time.monotonic() < deadline:
+        try:
+            ready = q.pop_bootstrapped()
+        except Exception as e:  # noqa: BLE001 (the field report's crash)
+            crash = f"{type(e).__name__}: {e}"
+            break
+        for req in ready:
+            # The forward pass: this request's KV pages and auxiliary row.
+            n = kv_to_page_num(len(req.origin_input_ids), ps)
+            req.src = [free_pages.pop() for _ in range(n)]
+            for pos, p in enumerate(req.src):
+                for b, t in enumerate(kv):
+                    t[p * item : (p + 1) * item] = torch_bytes(fill(req.bootstrap_room, pos, b, item))
+            idx = req.metadata_buffer_index
+            mb.output_ids[idx, 0] = req.bootstrap_room % 100000
+            mb.bootstrap_room[idx, 0] = req.bootstrap_room
+            s = req.disagg_kv_sender
+            for i in range(0, max(n, 1), cfg["chunk_pages"]):
+                part = req.src[i : i + cfg["chunk_pages"]]
+                last = i + cfg["chunk_pages"] >= n
+                if s.should_send_kv_chunk(len(part), last):
+                    s.send(np.array(part, dtype=np.int32), None, num_kv_tokens=len(part) * ps)
+            inflight.append(req)
+        if inflight:
+            polls = poll_and_all_reduce_attn_cp_tp_group([r.disagg_kv_sender for r in inflight], None, None)
+            keep = []
+            for req, poll in zip(inflight, polls):
+                if poll == KVPoll.Success:
+                    req.disagg_kv_sender.clear()
+                    done[req.bootstrap_room] = {"state": "success"}
+                elif poll == KVPoll.Failed:
+                    try:
+                        req.disagg_kv_sender.failure_exception()
+                    except Exception as e:  # noqa: BLE001
+                        failed[req.bootstrap_room] = {"state": "failed", "error": str(e), "where": "inflight"}
+                elif poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                    keep.append(req)
+                    continue
+                else:
+                    crash = f"RuntimeError: Unexpected poll state {poll} for req {req.rid} in inflight queue"
+                    break
+                free_pages.extend(req.src)
+                q.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index)
+            inflight = keep
+            if crash:
+                break
+        time.sleep(0.005)
+    rooms = {}
+    for room in reqs:
+        r = done.get(room) or failed.get(room) or {"state": "timeout"}
+        rooms[str(room)] = dict(r, states=logs[room])
+    return {"role": "prefill", "crash": crash, "rooms": rooms}
+
+
+def use_timer_sender(cfg: dict) -> None:
+    """The control: the sender also fails a request still waiting for its
+    grant after SGLang's bootstrap timeout counted from its arrival, as
+    SGLang's own senders do (``CommonKVSender._check_bootstrap_timeout``).
+    The replay must then fail (so it can)."""
+    from sglang.srt.disaggregation import prefill as prefill_mod
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.environ import envs
+
+    import kvmove.sglang.conn as conn
+
+    limit = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+
+    class TimerSender(conn.KvmoveKVSender):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.arrived = time.monotonic()
+
+        def poll(self):
+            v = super().poll()
+            if v == KVPoll.Bootstrapping and time.monotonic() - self.arrived >= limit:
+                self._fail(f"Request {self.bootstrap_room} timed out after {limit}s in KVPoll.Bootstrapping")
+                return KVPoll.Failed
+            return v
+
+    orig = prefill_mod.get_kv_class
+
+    def get_kv_class(backend, class_type):
+        got = orig(backend, class_type)
+        return TimerSender if got is conn.KvmoveKVSender else got
+
+    prefill_mod.get_kv_class = get_kv_class
+
+
+def run_decode_queue(cfg: dict) -> dict:
+    """The decode side of the replay: few free pages, so requests wait for
+    them (SGLang's ``pop_preallocated`` stops at the first request that does
+    not fit: here, FIFO on a page budget, stubbed), each granted once its
+    pages are allocated, its pages held a while after landing (the decode
+    running), and SGLang's own poll reduction with its metadata gate (a
+    request is done only once its auxiliary row, written by the prefill,
+    carries its bootstrap room) deciding when a request has landed."""
+    import numpy as np
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, ReqToMetadataIdxAllocator, poll_and_all_reduce
+    from sglang.srt.mem_cache.common import kv_to_page_num
+
+    init_gloo(cfg["gloo_port"])
+    classes, mgr, kv, mb, _ = setup("decode", dict(cfg, metadata_buffers=True))
+    item, ps = cfg["item"], cfg["page_size"]
+    addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+    deadline = time.monotonic() + cfg["timeout"]
+    while not mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            return {"role": "decode", "error": f"the prefill at {addr} never registered"}
+        time.sleep(0.2)
+    slots = ReqToMetadataIdxAllocator(cfg["aux_rows"])
+    free_pages = list(range(cfg["decode_pages"]))
+    free_pages = free_pages[1::2] + free_pages[0::2]
+    waiting, transfer, running = [], [], []
+    reqs = {}
+    for room, tokens in cfg["requests"]:
+        recv = classes[KVClassType.RECEIVER](mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
+        recv.init(0)
+        r = Stub(room=room, recv=recv, pages=kv_to_page_num(tokens, ps), dst=None, metadata_buffer_index=-1,
+                 req=Stub(bootstrap_host="127.0.0.1"), states=[], log=[], granted_at=None)
+        logged_polls(recv, r.log)
+        reqs[room] = r
+        waiting.append(r)
+    emit(event="ready")
+    started = time.monotonic()
+    out = {}
+    max_in_flight = 0
+    while len(out) < len(reqs) and time.monotonic() < deadline:
+        # Allocation, in order, stopping at the first request that does not fit.
+        while waiting and len(free_pages) >= waiting[0].pages and slots.available_size() > 0:
+            r = waiting.pop(0)
+            r.dst = [free_pages.pop() for _ in range(r.pages)]
+            r.metadata_buffer_index = slots.alloc()
+            r.recv.send_metadata(np.array(r.dst, dtype=np.int32), r.metadata_buffer_index, None, decode_prefix_len=0)
+            r.granted_at = time.monotonic() - started
+            transfer.append(r)
+        max_in_flight = max(max_in_flight, len(transfer))
+        if transfer:
+            polls = poll_and_all_reduce([r.recv for r in transfer], None, decode_reqs=transfer, metadata_buffers=mb)
+            keep = []
+            for r, poll in zip(transfer, polls):
+                if poll == KVPoll.Success:
+                    bad = []
+                    for pos, p in enumerate(r.dst):
+                        for b, t in enumerate(kv):
+                            if bytes(t[p * item : (p + 1) * item].numpy()) != fill(r.room, pos, b, item):
+                                bad.append([pos, b])
+                    idx = r.metadata_buffer_index
+                    if int(mb.bootstrap_room[idx, 0]) != r.room or int(mb.output_ids[idx, 0]) != r.room % 100000:
+                        bad.append(["aux", int(mb.bootstrap_room[idx, 0])])
+                    r.recv.clear()
+                    out[r.room] = {"state": "success", "bad": bad[:10]}
+                    running.append((time.monotonic() + cfg["decode_seconds"], r))
+                elif poll == KVPoll.Failed:
+                    try:
+                        r.recv.failure_exception()
+                    except Exception as e:  # noqa: BLE001
+                        out[r.room] = {"state": "failed", "error": str(e), "failed_after": time.monotonic() - started}
+                    running.append((0.0, r))
+                elif poll in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring):
+                    keep.append(r)
+                else:
+                    return {"role": "decode", "crash": f"ValueError: Unexpected poll case: {poll}"}
+            transfer = keep
+        # Requests that finished decoding give their pages and slot back
+        # (SGLang's clear_slot resets the row's bootstrap room).
+        now = time.monotonic()
+        for until, r in [x for x in running if x[0] <= now]:
+            running.remove((until, r))
+            free_pages.extend(r.dst)
+            mb.bootstrap_room[r.metadata_buffer_index, 0] = 0
+            slots.free(r.metadata_buffer_index)
+        time.sleep(0.005)
+    rooms = {}
+    for room, r in reqs.items():
+        rooms[str(room)] = dict(out.get(room, {"state": "timeout"}), states=r.log, granted_after=r.granted_at)
+    return {"role": "decode", "crash": None, "rooms": rooms, "max_in_flight": max_in_flight}
+
+
 def main() -> None:
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
     signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
-    result = run_prefill(cfg) if role == "prefill" else run_decode(cfg)
+    run = {
+        "prefill": run_prefill,
+        "decode": run_decode,
+        "prefill-queue": run_prefill_queue,
+        "decode-queue": run_decode_queue,
+    }[role]
+    result = run(cfg)
     print(json.dumps({"result": result}, default=str), flush=True)
     if cfg.get("linger"):
         time.sleep(cfg["linger"])

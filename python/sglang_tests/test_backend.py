@@ -73,13 +73,14 @@ print("OK")
 class Rank:
     """One peer.py process; its JSON events read as they come."""
 
-    def __init__(self, role: str, cfg: dict):
+    def __init__(self, role: str, cfg: dict, env: dict = None):
         self.role = role
         self.p = subprocess.Popen(
             [sys.executable, str(HERE / "peer.py"), role, json.dumps(cfg)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=dict(os.environ, **(env or {})),
         )
         self.events: "queue.Queue[dict]" = queue.Queue()
         self.err: List[str] = []
@@ -244,3 +245,79 @@ def test_a_prefill_killed_mid_transfer_fails_its_requests_and_the_decode_serves_
             if r is not None:
                 r.kill()
     assert_all_landed(p["phases"][0], d["phases"][1], ROOMS)
+
+
+BOOTSTRAP_TIMEOUT = 2  # seconds: SGLang's default is 300
+
+
+def replay(timer_control: bool):
+    """Runs the field report's prefill/decode pair (see the tests below)."""
+    port = free_port()
+    # 24 requests of 1 to 8 pages; the decode has 24 pages and 8 metadata
+    # rows, and holds each request's pages 1 s after it landed.
+    requests = [[3000 + i, 16 * (1 + (i * 5) % 8) - (i % 3)] for i in range(24)]
+    cfg = base_config(
+        bootstrap_port=port,
+        pages=256,
+        decode_pages=24,
+        aux_rows=8,
+        decode_seconds=1.0,
+        requests=requests,
+        chunk_pages=2,
+        timeout=120,
+    )
+    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)}
+    # The prefill stays up after its own requests ended (as a server does).
+    prefill = Rank("prefill-queue", dict(cfg, gloo_port=free_port(), timer_control=timer_control, linger=30), env)
+    decode = Rank("decode-queue", dict(cfg, gloo_port=free_port()), env)
+    try:
+        p, d = prefill.wait_for("result", 240)["result"], decode.wait_for("result", 240)["result"]
+    finally:
+        prefill.kill()
+        decode.kill()
+    return requests, p, d
+
+
+def test_field_report_replay_a_saturated_decode_stalls_no_request_and_crashes_no_queue():
+    """The field report, through SGLang's own PrefillBootstrapQueue (add,
+    pop_bootstrapped: the state check that killed schedulers) and its poll
+    reductions, with SGLang's bootstrap timeout at 2 s: a decode with few
+    free pages and many requests grants them a few at a time, for longer
+    than that timeout. No queue raises, no request fails while it waits
+    for its grant, every request lands byte-exact (pages and SGLang's
+    auxiliary row, checked by SGLang's metadata gate), and the prefill's
+    states for each request only move forward. Stubbed (peer.py says
+    which): the schedulers, the requests, the forward pass."""
+    requests, p, d = replay(timer_control=False)
+    assert p["crash"] is None and d["crash"] is None, (p["crash"], d["crash"])
+    late = [r["granted_after"] for r in d["rooms"].values() if r.get("granted_after") is not None]
+    assert max(late) > BOOTSTRAP_TIMEOUT + 1, f"the decode never made a request wait past the timeout: {late}"
+    for room, _ in requests:
+        pr, dr = p["rooms"][str(room)], d["rooms"][str(room)]
+        assert pr["state"] == "success", (room, pr)
+        assert dr["state"] == "success" and dr["bad"] == [], (room, dr)
+        assert KVPoll_Failed not in pr["states"], (room, pr["states"])
+        assert pr["states"][0] == 1 and pr["states"] == sorted(pr["states"]), (room, pr["states"])
+
+
+KVPoll_Failed = 0
+
+
+def test_field_report_replay_fails_with_a_timer_counted_from_arrival():
+    """The control of the replay above: the same run with a sender that
+    also applies SGLang's bootstrap timeout from the request's arrival (as
+    SGLang's own senders do) fails requests that were only waiting for the
+    decode's pages; so the replay can fail, and kvmove's sender passes it
+    because it reports the session's state instead."""
+    requests, p, d = replay(timer_control=True)
+    assert p["crash"] is None, p["crash"]
+    timed_out = [r for r in p["rooms"].values() if "in KVPoll.Bootstrapping" in r.get("error", "")]
+    assert timed_out, p["rooms"]
+    # The decode's grants for those requests were refused at once (the
+    # prefill cancels a grant whose request ended): the decode got its
+    # pages back within a second or two, not at the session's deadline.
+    refused = [r for r in d["rooms"].values() if r["state"] == "failed"]
+    assert len(refused) == len(timed_out), d["rooms"]
+    for r in refused:
+        assert "cancel" in r["error"], r["error"]
+        assert r["failed_after"] - r["granted_after"] < 3, r

@@ -235,7 +235,10 @@ class KvmoveKVManager(CommonKVManager):
         # claimed grant until its first write, so a scan must skip them.
         self._claimed: set = set()
         self._last_scan = 0.0
+        self._stopping = threading.Event()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            threading.Thread(target=self._watch, name="kvmove-sglang-grants", daemon=True).start()
         # CommonKVManager binds a ZeroMQ socket for its own protocol, which
         # kvmove does not use: the engine's port is this rank's port.
         try:
@@ -272,34 +275,48 @@ class KvmoveKVManager(CommonKVManager):
         """The peer that granted ``room``, if its grant came (and is not yet
         claimed). Never blocks."""
         with self._lock:
-            peer = self._grants.pop(room, None)
-            if peer is not None:
-                self._claimed.add(room)
-                return peer
-            now = time.monotonic()
-            if now - self._last_scan < 0.002:
-                return None
-            self._last_scan = now
-            seen = self.engine.grants()
-            if seen:
-                # A pair's notifications come before its later grants: read
-                # them now, so a prefix length sent before this grant is in.
-                for n in self.engine.notifications():
-                    self._note(n.msg)
-            for peer_name, gid, _grant in seen:
-                gid = int(gid)
-                if gid in self._claimed:
-                    continue
-                if gid in self._abandoned:
-                    del self._abandoned[gid]
-                    self._claimed.add(gid)
-                    self.later(self._refuse, peer_name, gid)
-                else:
-                    self._grants.setdefault(gid, peer_name)
+            if room not in self._grants and time.monotonic() - self._last_scan >= 0.002:
+                self._scan_locked()
             peer = self._grants.pop(room, None)
             if peer is not None:
                 self._claimed.add(room)
             return peer
+
+    def _scan_locked(self) -> None:
+        """Reads the grants the engine holds unclaimed: each is a sender's
+        to claim, or refused at once if its request already ended."""
+        self._last_scan = time.monotonic()
+        seen = self.engine.grants()
+        if seen:
+            # A pair's notifications come before its later grants: read
+            # them now, so a prefix length sent before this grant is in.
+            for n in self.engine.notifications():
+                self._note(n.msg)
+        # Rebuilt from what the engine holds: a grant that expired unclaimed
+        # leaves no entry behind.
+        grants = {}
+        for peer_name, gid, _grant in seen:
+            gid = int(gid)
+            if gid in self._claimed:
+                continue
+            if gid in self._abandoned:
+                del self._abandoned[gid]
+                self._claimed.add(gid)
+                self.later(self._refuse, peer_name, gid)
+            else:
+                grants.setdefault(gid, peer_name)
+        self._grants = grants
+
+    def _watch(self) -> None:
+        """Prefill: refuses the grants of ended requests even when no sender
+        polls (the decode frees those pages at once, not at its deadline)."""
+        while not self._stopping.wait(0.05):
+            with self._lock:
+                if self._abandoned:
+                    try:
+                        self._scan_locked()
+                    except Exception as e:  # noqa: BLE001 (engine closed)
+                        logger.debug("kvmove: scanning grants: %s", e)
 
     def unclaim(self, room: int) -> None:
         """The sender of ``room`` is done with its grant."""
@@ -361,6 +378,7 @@ class KvmoveKVManager(CommonKVManager):
             pass
 
     def close(self) -> None:
+        self._stopping.set()
         self._background.shutdown(wait=False)
         self.engine.close()
 
