@@ -128,11 +128,18 @@ def _state_groups(kv_args: KVArgs, state_indices) -> List[Tuple[int, int, List[i
     return out
 
 
-def grant_ranges(kv_args: KVArgs, kv_indices, aux_index: Optional[int], state_indices) -> List[Tuple[int, int]]:
-    """The decode's grant for one request (see the module's doc)."""
+def grant_ranges(
+    kv_args: KVArgs, kv_indices, aux_index: Optional[int], state_indices, layers: Optional[Tuple[int, int]] = None
+) -> List[Tuple[int, int]]:
+    """The decode's grant for one request (see the module's doc); with
+    ``layers`` (``start, end``), only the KV buffers of those layers (one
+    prefill pipeline stage's)."""
     pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
     out: List[Tuple[int, int]] = []
-    for ptr, item in zip(kv_args.kv_data_ptrs, kv_args.kv_item_lens):
+    ids = list(getattr(kv_args, "kv_layer_ids", None) or [])
+    for b, (ptr, item) in enumerate(zip(kv_args.kv_data_ptrs, kv_args.kv_item_lens)):
+        if layers is not None and not (b < len(ids) and layers[0] <= int(ids[b]) < layers[1]):
+            continue
         out.extend(_ranges(int(ptr), int(item), pages))
     if aux_index is not None:
         for ptr, item in zip(kv_args.aux_data_ptrs, kv_args.aux_item_lens):
@@ -235,6 +242,12 @@ class KvmoveKVManager(CommonKVManager):
         # claimed grant until its first write, so a scan must skip them.
         self._claimed: set = set()
         self._last_scan = 0.0
+        # Prefill with pipeline stages: rooms whose grant this rank still
+        # awaits (the watch thread publishes it to SGLang's PP consensus),
+        # and the decode's verdicts on whole requests (room -> landed?).
+        self._awaiting: set = set()
+        self._verdicts: Dict[int, bool] = {}
+        self._waiting_verdict: set = set()
         self._stopping = threading.Event()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -260,9 +273,13 @@ class KvmoveKVManager(CommonKVManager):
     def _unsupported_layout(self) -> Optional[str]:
         if self.attn_cp_size != 1:
             return "kvmove's SGLang backend does not support context parallelism yet"
-        if self.disaggregation_mode == DisaggregationMode.PREFILL and self.pp_size != 1:
-            return "kvmove's SGLang backend does not support a prefill with pipeline parallelism yet"
         return None
+
+    @property
+    def staged(self) -> bool:
+        """A prefill with several pipeline stages (one kvmove session per
+        stage and request, and the decode's verdict on the whole request)."""
+        return self.disaggregation_mode == DisaggregationMode.PREFILL and self.pp_size > 1
 
     def register_to_bootstrap(self):
         # The decode reaches this rank's kvmove engine at rank_ip:rank_port.
@@ -280,6 +297,7 @@ class KvmoveKVManager(CommonKVManager):
             peer = self._grants.pop(room, None)
             if peer is not None:
                 self._claimed.add(room)
+                self._awaiting.discard(room)
             return peer
 
     def _scan_locked(self) -> None:
@@ -287,7 +305,7 @@ class KvmoveKVManager(CommonKVManager):
         to claim, or refused at once if its request already ended."""
         self._last_scan = time.monotonic()
         seen = self.engine.grants()
-        if seen:
+        if seen or self._verdicts_awaited():
             # A pair's notifications come before its later grants: read
             # them now, so a prefix length sent before this grant is in.
             for n in self.engine.notifications():
@@ -306,13 +324,22 @@ class KvmoveKVManager(CommonKVManager):
             else:
                 grants.setdefault(gid, peer_name)
         self._grants = grants
+        if self._awaiting:
+            # This stage has the grant: SGLang's PP consensus may let the
+            # request on once every stage has its own.
+            for room in [r for r in self._awaiting if r in grants]:
+                self._awaiting.discard(room)
+                self.update_status(room, KVPoll.WaitingForInput)
+
+    def _verdicts_awaited(self) -> bool:
+        return self.staged and bool(self._waiting_verdict)
 
     def _watch(self) -> None:
         """Prefill: refuses the grants of ended requests even when no sender
         polls (the decode frees those pages at once, not at its deadline)."""
-        while not self._stopping.wait(0.05):
+        while not self._stopping.wait(0.02 if self.staged else 0.05):
             with self._lock:
-                if self._abandoned:
+                if self._abandoned or self._awaiting or self._verdicts_awaited():
                     try:
                         self._scan_locked()
                     except Exception as e:  # noqa: BLE001 (engine closed)
@@ -324,14 +351,37 @@ class KvmoveKVManager(CommonKVManager):
             self._claimed.discard(room)
 
     def _note(self, msg: bytes) -> None:
+        """A notification from a decode: ``p ROOM TOKENS`` (its prefix
+        length, before the grant) or ``v ROOM 0|1`` (its verdict on the
+        whole request, with pipeline stages)."""
         if not msg.startswith(_META):
             return
         try:
-            room, prefix = (int(x) for x in msg[len(_META) :].split(b" "))
+            kind, room, value = msg[len(_META) :].split(b" ")
+            room, value = int(room), int(value)
         except ValueError:
             return
-        if len(self._prefix) < 65536 and prefix >= 0:
-            self._prefix[room] = prefix
+        if kind == b"p" and len(self._prefix) < 65536 and value >= 0:
+            self._prefix[room] = value
+        elif kind == b"v" and room in self._waiting_verdict:
+            self._verdicts[room] = bool(value)
+
+    def verdict(self, room: int) -> Optional[bool]:
+        """The decode's verdict on the request of ``room``, if it came."""
+        with self._lock:
+            got = self._verdicts.pop(room, None)
+            if got is not None:
+                self._waiting_verdict.discard(room)
+            return got
+
+    def forget(self, room: int) -> None:
+        """A staged sender is done with ``room``."""
+        with self._lock:
+            self._waiting_verdict.discard(room)
+            self._verdicts.pop(room, None)
+            self._awaiting.discard(room)
+        if self.staged:
+            self.request_status.pop(room, None)
 
     def decode_prefix_len(self, room: int) -> int:
         with self._lock:
@@ -383,6 +433,12 @@ class KvmoveKVManager(CommonKVManager):
         self.engine.close()
 
 
+#: How long a stage of a staged prefill waits, after its own session
+#: landed, for the decode's verdict on the whole request before it fails
+#: the request (twice kvmove's default liveness timeout: the decode is gone).
+VERDICT_WAIT = 10.0
+
+
 class KvmoveKVSender(BaseKVSender):
     """Prefill side of one request (see the module's doc)."""
 
@@ -401,20 +457,38 @@ class KvmoveKVSender(BaseKVSender):
         self.error: Optional[BaseException] = None
         self.num_kv_indices: Optional[int] = None
         self.aux_index: Optional[int] = None
+        self.mapped = False
         self.curr_idx = 0
         self.dst_pages: List[List[int]] = []
-        self.rest: List[Tuple[int, int]] = []
+        self.aux_dst: List[int] = []
+        self.cursor: Optional[_Cursor] = None
+        self.pending: List[tuple] = []  # sends made before the grant was mapped
         self.writes: List[kvmove.SessionWrite] = []
         self.last_sent = False
         self.finished = False
         self.conclude: Optional[int] = None
+        self.published: Optional[int] = None
         self.bytes = 0
         self.first_write: Optional[float] = None
         self.landed_at: Optional[float] = None
+        if mgr.staged:
+            # SGLang's PP consensus (a store replicated to stage 0) holds
+            # each stage's state of the request; the watch thread marks it
+            # granted, this sender the rest.
+            mgr.update_status(self.bootstrap_room, KVPoll.Bootstrapping)
+            with mgr._lock:
+                mgr._awaiting.add(self.bootstrap_room)
+                # A verdict may come before this stage sees its own landing.
+                mgr._waiting_verdict.add(self.bootstrap_room)
         if mgr.unsupported:
             self._fail(mgr.unsupported)
 
     # ---- helpers ----
+
+    def _publish(self, value: int) -> None:
+        if self.kv_mgr.staged and value != self.published:
+            self.published = value
+            self.kv_mgr.update_status(self.bootstrap_room, value)
 
     def _fail(self, reason: str, err: Optional[BaseException] = None) -> None:
         if self.conclude is not None:
@@ -422,12 +496,13 @@ class KvmoveKVSender(BaseKVSender):
         self.reason = reason
         self.error = err
         self.conclude = KVPoll.Failed
+        self._publish(KVPoll.Failed)
         session = self.session
         if session is not None:
             # The decode frees its pages at once (the session ends on both
             # sides); the cancel waits for the peer, so not here.
             self.kv_mgr.later(self.kv_mgr.end, session, self.bootstrap_room)
-        elif self.num_kv_indices is None:
+        else:
             self.kv_mgr.abandon(self.bootstrap_room)
 
     def _claim(self) -> None:
@@ -441,43 +516,66 @@ class KvmoveKVSender(BaseKVSender):
         except kvmove.TransferError as e:
             self._fail(_describe(e, "could not be opened"), e)
 
+    def _map(self) -> None:
+        """Maps the grant onto this rank's layout, once init() said how many
+        pages go, then sends what was sent before."""
+        if self.mapped or self.conclude is not None or self.session is None or self.num_kv_indices is None:
+            return
+        grant = self.session.grant
+        if grant is None:
+            return
+        args = self.kv_mgr.kv_args
+        cursor = _Cursor(grant.ranges)
+        total = sum(n for _, n in grant.ranges)
+        kv_need = self.num_kv_indices * sum(int(i) for i in args.kv_item_lens)
+        aux_need = sum(int(i) for i in args.aux_item_lens) if self.aux_index is not None else 0
+        try:
+            if total < kv_need:
+                raise ValueError("the grant is smaller than this rank's pages")
+            self.dst_pages = [cursor.take(int(item), self.num_kv_indices) for item in args.kv_item_lens]
+            # With pipeline stages the decode grants the auxiliary row (and
+            # the state) to the last stage only.
+            if aux_need and total - kv_need >= aux_need:
+                self.aux_dst = [cursor.take(int(item), 1)[0] for item in args.aux_item_lens]
+        except ValueError as e:
+            self._fail(
+                f"kvmove: the decode's grant for room {self.bootstrap_room} does not match this prefill "
+                f"rank's layout ({e}; the grant has {total} bytes in {len(grant.ranges)} ranges, "
+                f"{self.num_kv_indices} pages take {kv_need}, the auxiliary row {aux_need}): the two sides "
+                "must run the same model with the same page size and attention TP size"
+            )
+            return
+        self.cursor = cursor
+        self.mapped = True
+        pending, self.pending = self.pending, []
+        for args_ in pending:
+            self._write(*args_)
+            if self.conclude is not None:
+                return
+
     # ---- BaseKVSender ----
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
-        if self.conclude is not None or self.session is None:
-            return
-        grant = self.session.grant
-        if grant is None:
-            self._fail("kvmove: init() before the grant came")
-            return
-        args = self.kv_mgr.kv_args
-        cursor = _Cursor(grant.ranges)
-        try:
-            self.dst_pages = [cursor.take(int(item), self.num_kv_indices) for item in args.kv_item_lens]
-            if aux_index is not None:
-                self.aux_dst = [cursor.take(int(item), 1)[0] for item in args.aux_item_lens]
-            else:
-                self.aux_dst = []
-        except ValueError as e:
-            need = self.num_kv_indices * sum(int(i) for i in args.kv_item_lens)
-            need += sum(int(i) for i in args.aux_item_lens) if aux_index is not None else 0
-            have = sum(n for _, n in grant.ranges)
-            self._fail(
-                f"kvmove: the decode's grant for room {self.bootstrap_room} does not match this prefill "
-                f"rank's layout ({e}; the grant has {have} bytes in {len(grant.ranges)} ranges, "
-                f"{self.num_kv_indices} pages and the auxiliary row take {need}): the two sides must run "
-                "the same model with the same page size and attention TP size"
-            )
-            return
-        self.cursor = cursor
+        # With pipeline stages, SGLang's consensus lets every stage on once
+        # all had their grant: this one may not have claimed it yet.
+        self._claim()
+        self._map()
 
     def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None, **_):
-        if self.conclude is not None or self.session is None or self.num_kv_indices is None:
+        if self.conclude is not None or self.num_kv_indices is None:
             return
-        args = self.kv_mgr.kv_args
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        if not self.mapped:
+            self.pending.append((pages, state_indices))
+            self._claim()
+            self._map()
+            return
+        self._write(pages, state_indices)
+
+    def _write(self, pages: List[int], state_indices) -> None:
+        args = self.kv_mgr.kv_args
         end = self.curr_idx + len(pages)
         if end > self.num_kv_indices:
             self._fail(
@@ -492,13 +590,13 @@ class KvmoveKVSender(BaseKVSender):
         self.curr_idx = end
         last = end == self.num_kv_indices
         if last:
-            if self.aux_index is not None:
-                for (ptr, item), dst in zip(zip(args.aux_data_ptrs, args.aux_item_lens), self.aux_dst):
-                    ops.append((int(ptr) + int(self.aux_index) * int(item), dst, int(item)))
+            for (ptr, item), dst in zip(zip(args.aux_data_ptrs, args.aux_item_lens), self.aux_dst):
+                ops.append((int(ptr) + int(self.aux_index) * int(item), dst, int(item)))
             try:
-                for ptr, item, idx in _state_groups(args, state_indices):
-                    dsts = self.cursor.take(item, len(idx))
-                    ops.extend((ptr + i * item, d, item) for i, d in zip(idx, dsts))
+                if self.cursor.rest():
+                    for ptr, item, idx in _state_groups(args, state_indices):
+                        dsts = self.cursor.take(item, len(idx))
+                        ops.extend((ptr + i * item, d, item) for i, d in zip(idx, dsts))
             except ValueError as e:
                 self._fail(f"kvmove: the decode's grant for room {self.bootstrap_room} has no room for the state: {e}")
                 return
@@ -548,22 +646,50 @@ class KvmoveKVSender(BaseKVSender):
                 # Waiting for the decode's grant: no timer runs here; the
                 # session's deadline starts at the grant.
                 return self.conclude if self.conclude is not None else KVPoll.Bootstrapping
+        self._map()
         self._maybe_finish()
         if self.conclude is not None:
             return self.conclude
         state = self.session.poll()
         value = _POLL.get(state, KVPoll.Failed)
-        if value == KVPoll.Success:
-            self.landed_at = time.monotonic()
-            self.conclude = value
-            self.kv_mgr.unclaim(self.bootstrap_room)
-        elif value == KVPoll.Failed:
+        if value == KVPoll.Failed:
             self._fail(_describe(self.session.error, state), self.session.error)
+            return KVPoll.Failed
+        if value == KVPoll.Success:
+            if self.landed_at is None:
+                self.landed_at = time.monotonic()
+            if self.kv_mgr.staged:
+                # This stage's bytes landed; the request did once the decode
+                # says every stage's did.
+                verdict = self.kv_mgr.verdict(self.bootstrap_room)
+                if verdict is None:
+                    if time.monotonic() - self.landed_at > VERDICT_WAIT:
+                        self._fail(
+                            f"kvmove: the decode's verdict on room {self.bootstrap_room} did not come within "
+                            f"{VERDICT_WAIT:.0f} s of this stage's landing"
+                        )
+                        return KVPoll.Failed
+                    value = KVPoll.Transferring
+                elif not verdict:
+                    self._fail(
+                        f"kvmove handoff failed: the decode failed room {self.bootstrap_room} "
+                        "(another pipeline stage's transfer did not land)"
+                    )
+                    return KVPoll.Failed
+            if value == KVPoll.Success:
+                self.conclude = value
+                self.kv_mgr.unclaim(self.bootstrap_room)
+        self._publish(value)
         return value
 
     def poll_pp_consensus(self) -> KVPoll:
-        # One pipeline stage only (see KvmoveKVManager._unsupported_layout).
-        return self.poll()
+        """Stage 0 answers for every stage (SGLang forwards its answer to
+        the others): the least advanced of the stages' states, Bootstrapping
+        until every stage has a grant."""
+        value = self.poll()
+        if not self.kv_mgr.staged:
+            return value
+        return self.kv_mgr.check_status_pp_consensus(self.bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
         return self.kv_mgr.decode_prefix_len(self.bootstrap_room)
@@ -588,6 +714,8 @@ class KvmoveKVSender(BaseKVSender):
         session, self.session = self.session, None
         if session is not None:
             self.kv_mgr.later(_release_quietly, session)
+        if self.kv_mgr.staged:
+            self.kv_mgr.forget(self.bootstrap_room)
 
     def abort(self):
         self._fail("Aborted by AbortReq.")
@@ -595,10 +723,13 @@ class KvmoveKVSender(BaseKVSender):
 
 class KvmoveKVReceiver(CommonKVReceiver):
     """Decode side of one request: SGLang's rank discovery (``init``), then
-    the grant (``send_metadata``) and the session's state."""
+    the grants (``send_metadata``: one session per prefill stage) and the
+    sessions' states."""
 
     def __init__(self, mgr: KvmoveKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
-        self.sessions: List[kvmove.ReceiveSession] = []
+        self.sessions: List[Tuple[str, kvmove.ReceiveSession]] = []
+        self.targets: List[Tuple[dict, int]] = []
+        self.told = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
     def _fail(self, reason: str) -> None:
@@ -607,6 +738,21 @@ class KvmoveKVReceiver(CommonKVReceiver):
         self.kv_mgr.record_failure(self.bootstrap_room, reason)
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
         self.conclude_state = KVPoll.Failed
+        self._end(False)
+
+    def _end(self, landed: bool) -> None:
+        """The request is decided: sessions still open are cancelled, and a
+        prefill with pipeline stages hears the verdict on every stage."""
+        if self.told:
+            return
+        self.told = True
+        staged = getattr(getattr(self, "prefill_info", None), "pp_size", 1) > 1
+        for peer, s in self.sessions:
+            if not landed:
+                self.kv_mgr.later(_cancel_quietly, s)
+            if staged:
+                msg = _META + b"v %d %d" % (self.bootstrap_room, 1 if landed else 0)
+                self.kv_mgr.later(_notify_quietly, self.kv_mgr.engine, peer, msg)
 
     def init(self, prefill_dp_rank: int):
         if self.kv_mgr.unsupported:
@@ -616,15 +762,31 @@ class KvmoveKVReceiver(CommonKVReceiver):
         if self.conclude_state == KVPoll.Failed:
             return
         infos = [i for i in (self.bootstrap_infos or []) if not i.get("is_dummy")]
-        if len(infos) != 1:
+        # SGLang fetched one info per target stage, the last stage first.
+        stages = list(reversed(self.target_pp_ranks))
+        if len(self.target_tp_ranks) != 1 or len(self.target_cp_ranks) != 1 or len(infos) != len(stages):
             self._fail(
-                f"kvmove's SGLang backend needs exactly one prefill rank per decode rank (found {len(infos)}): "
-                "run prefill and decode with the same attention TP size, one prefill pipeline stage, no CP"
+                f"kvmove's SGLang backend needs one prefill rank per decode rank and stage (found {len(infos)} "
+                f"for {len(self.target_tp_ranks)} TP ranks and stages {stages}): run prefill and decode with "
+                "the same attention TP size, no CP"
             )
+            return
+        self.targets = list(zip(infos, stages))
 
     def _register_kv_args(self) -> bool:
         # kvmove needs no registration: the grant carries the addresses.
         return True
+
+    def _layers_of(self, stage: int):
+        """The layers the prefill's pipeline stage ``stage`` holds, or None
+        when this decode rank's buffers are that stage's already."""
+        info = self.prefill_info
+        if info.pp_size == self.kv_mgr.pp_size:
+            return None
+        from sglang.srt.distributed.utils import get_pp_indices
+
+        layers = len(set(int(x) for x in self.kv_mgr.kv_args.kv_layer_ids))
+        return get_pp_indices(layers, stage, info.pp_size)
 
     def send_metadata(
         self,
@@ -639,19 +801,26 @@ class KvmoveKVReceiver(CommonKVReceiver):
             return
         if destination != KVTransferDestination.DEVICE:
             raise NotImplementedError("Host KV destinations are not supported")
-        infos = [i for i in (getattr(self, "bootstrap_infos", None) or []) if not i.get("is_dummy")]
-        if len(infos) != 1:
+        if not self.targets:
             self._fail(f"kvmove: no prefill rank to grant room {self.bootstrap_room} to")
             return
-        peer = _peer_name(infos[0]["rank_ip"], infos[0]["rank_port"])
-        ranges = grant_ranges(self.kv_mgr.kv_args, kv_indices, aux_index, state_indices)
         engine = self.kv_mgr.engine
-        try:
-            if decode_prefix_len:
-                engine.notify(peer, _META + b"%d %d" % (self.bootstrap_room, int(decode_prefix_len)))
-            self.sessions.append(engine.receive(peer, self.bootstrap_room, ranges, deadline=self.kv_mgr.deadline))
-        except kvmove.TransferError as e:
-            self._fail(_describe(e, f"grant to {peer} refused"))
+        args = self.kv_mgr.kv_args
+        last = max(stage for _, stage in self.targets)
+        for info, stage in self.targets:
+            peer = _peer_name(info["rank_ip"], info["rank_port"])
+            layers = self._layers_of(stage)
+            mine = (aux_index, state_indices) if layers is None or stage == last else (None, None)
+            ranges = grant_ranges(args, kv_indices, *mine, layers=layers)
+            try:
+                if decode_prefix_len:
+                    engine.notify(peer, _META + b"p %d %d" % (self.bootstrap_room, int(decode_prefix_len)))
+                self.sessions.append(
+                    (peer, engine.receive(peer, self.bootstrap_room, ranges, deadline=self.kv_mgr.deadline))
+                )
+            except kvmove.TransferError as e:
+                self._fail(_describe(e, f"grant to {peer} refused"))
+                return
 
     def _poll(self) -> KVPoll:
         if self.conclude_state is not None:
@@ -661,7 +830,7 @@ class KvmoveKVReceiver(CommonKVReceiver):
             # here: init_time stays unset, the session's deadline replaces it).
             return super()._poll()
         values = []
-        for s in self.sessions:
+        for _, s in self.sessions:
             state = s.poll()
             value = _POLL.get(state, KVPoll.Failed)
             if value == KVPoll.Failed:
@@ -672,6 +841,7 @@ class KvmoveKVReceiver(CommonKVReceiver):
         if value == KVPoll.Success:
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
             self.conclude_state = KVPoll.Success
+            self._end(True)
         return value
 
     def abort(self):
@@ -679,17 +849,17 @@ class KvmoveKVReceiver(CommonKVReceiver):
         self.ensure_abort_notified()
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        # The prefill learns it from the session: cancelled on both sides.
+        # The prefill learns it from the sessions: cancelled on both sides.
         if self.abort_notified:
             return
         self.abort_notified = True
-        for s in self.sessions:
+        for _, s in self.sessions:
             self.kv_mgr.later(_cancel_quietly, s)
 
     def _clear(self) -> None:
         super()._clear()
         sessions, self.sessions = self.sessions, []
-        for s in sessions:
+        for _, s in sessions:
             self.kv_mgr.later(_release_quietly, s)
 
 
@@ -704,6 +874,13 @@ def _cancel_quietly(session) -> None:
             session.cancel()
     except Exception as e:  # noqa: BLE001
         logger.debug("kvmove: cancelling %r: %s", session, e)
+
+
+def _notify_quietly(engine, peer: str, msg: bytes) -> None:
+    try:
+        engine.notify(peer, msg)
+    except Exception as e:  # noqa: BLE001 (the peer is gone: its sessions fail)
+        logger.debug("kvmove: notifying %s: %s", peer, e)
 
 
 def _release_quietly(session) -> None:
