@@ -38,6 +38,30 @@ def aux_fill(room: int, buf: int, item: int) -> bytes:
     return (head + bytes((room + buf + i) % 253 for i in range(item)))[:item]
 
 
+def stage_layers(cfg: dict) -> int:
+    """The layers this rank holds: all, or its pipeline stage's (SGLang's
+    own partition), with ``cfg["first_layer"]`` set to the first."""
+    pp_size = cfg.get("pp_size", 1)
+    if pp_size == 1:
+        cfg["first_layer"] = 0
+        return cfg["layers"]
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(cfg["layers"], cfg["pp_rank"], pp_size)
+    cfg["first_layer"] = start
+    return end - start
+
+
+def global_buffer(cfg: dict, b: int, local_layers: int) -> int:
+    """The model-wide index of this rank's KV buffer ``b`` (K of every
+    layer, then V of every layer), so both sides fill and check the same
+    bytes whatever the stages."""
+    start = cfg.get("first_layer", 0)
+    if b < local_layers:
+        return start + b
+    return cfg["layers"] + start + (b - local_layers)
+
+
 def setup(role: str, cfg: dict):
     import torch
 
@@ -53,23 +77,43 @@ def setup(role: str, cfg: dict):
         get_kv_class,
     )
 
+    pp_size, pp_rank = cfg.get("pp_size", 1), cfg.get("pp_rank", 0)
     server_args = ServerArgs(
         model_path="dummy",
         disaggregation_mode=role.split("-")[0],
         disaggregation_transfer_backend="kvmove",
         host="127.0.0.1",
         disaggregation_bootstrap_port=cfg["bootstrap_port"],
+        pp_size=pp_size,
     )
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
-    # A scheduler builds torch.distributed's groups; one rank with one
-    # pipeline stage has none to build (CommonKVManager only keeps it).
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=pp_rank))
     from sglang.srt.runtime_context import get_parallel
 
-    get_parallel().override_permanently(pp_group=None)
+    if pp_size == 1:
+        # A scheduler builds torch.distributed's groups; one rank with one
+        # pipeline stage has none to build (CommonKVManager only keeps it).
+        get_parallel().override_permanently(pp_group=None)
+    else:
+        # SGLang's own distributed setup, on gloo: the world of the stages,
+        # and the pipeline group (SGLang's GroupCoordinator; built directly
+        # because SGLang's initialize_model_parallel wants CUDA for NCCL).
+        from sglang.srt.distributed import parallel_state
+
+        parallel_state.init_distributed_environment(
+            world_size=pp_size,
+            rank=pp_rank,
+            distributed_init_method=f"tcp://127.0.0.1:{cfg['dist_port']}",
+            local_rank=pp_rank,
+            backend="gloo",
+        )
+        group = parallel_state.init_model_parallel_group(
+            [list(range(pp_size))], pp_rank, "gloo", use_pynccl=False, use_custom_allreduce=False, group_name="pp"
+        )
+        get_parallel().override_permanently(pp_group=group)
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
     classes = {k: get_kv_class(backend, k) for k in KVClassType}
 
-    layers, pages, item = cfg["layers"], cfg["pages"], cfg["item"]
+    layers, pages, item = stage_layers(cfg), cfg["pages"], cfg["item"]
     aux_rows, aux_items = cfg["aux_rows"], cfg["aux_items"]
     kv = [torch.zeros(pages * item, dtype=torch.uint8) for _ in range(2 * layers)]
     if cfg.get("metadata_buffers"):
@@ -86,7 +130,8 @@ def setup(role: str, cfg: dict):
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [item] * len(kv)
-    args.kv_layer_ids = list(range(layers)) * 2
+    start = cfg.get("first_layer", 0)
+    args.kv_layer_ids = list(range(start, start + layers)) * 2
     args.aux_data_ptrs = list(aux_ptrs)
     args.aux_data_lens = list(aux_lens)
     args.aux_item_lens = list(aux_item_lens)
@@ -97,14 +142,14 @@ def setup(role: str, cfg: dict):
     args.page_size = cfg["page_size"]
     args.kv_cache_dtype_str = "bfloat16"
     args.kv_layout = None
-    args.pp_rank = 0
-    args.prefill_start_layer = 0
+    args.pp_rank = pp_rank
+    args.prefill_start_layer = start
     args.system_dp_rank = 0
     args.gpu_id = 0
     args.ib_device = None
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     server = None
-    if role == "prefill":
+    if role == "prefill" and pp_rank == 0:
         server = classes[KVClassType.BOOTSTRAP_SERVER](host="127.0.0.1", port=cfg["bootstrap_port"])
     mgr = classes[KVClassType.MANAGER](args, mode, server_args, False)
     return classes, mgr, kv, aux, server
@@ -365,8 +410,20 @@ def run_prefill_queue(cfg: dict) -> dict:
     )
     from sglang.srt.mem_cache.common import kv_to_page_num
 
-    init_gloo(cfg["gloo_port"])
-    classes, mgr, kv, mb, _server = setup("prefill", dict(cfg, metadata_buffers=True))
+    cfg = dict(cfg, metadata_buffers=True)
+    pp_size, pp_rank = cfg.get("pp_size", 1), cfg.get("pp_rank", 0)
+    if pp_size == 1:
+        init_gloo(cfg["gloo_port"])
+    classes, mgr, kv, mb, _server = setup("prefill", cfg)
+    # Each stage's attention TP group has one rank (SGLang builds them
+    # from torch.distributed groups; new_group is collective, so every
+    # stage makes every one).
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(pp_size)] if pp_size > 1 else [None]
+    mine = groups[pp_rank]
+    pp_group = mgr.pp_group if pp_size > 1 else None
+    last_stage = pp_rank == pp_size - 1
     if cfg.get("timer_control"):
         use_timer_sender(cfg)
     item, ps = cfg["item"], cfg["page_size"]
@@ -377,13 +434,14 @@ def run_prefill_queue(cfg: dict) -> dict:
         try:
             req.disagg_kv_sender.failure_exception()
         except Exception as e:  # noqa: BLE001
-            failed[req.bootstrap_room] = {"state": "failed", "error": str(e), "where": "bootstrap"}
+            failed[req.bootstrap_room] = {"state": "failed", "error": str(e), "where": "bootstrap", "t": time.monotonic()}
         q.req_to_metadata_buffer_idx_allocator.free(req.metadata_buffer_index) if req.metadata_buffer_index >= 0 else None
         req.metadata_buffer_index = -1
 
     sched = Stub(
-        attn_cp_cpu_group=None,
-        attn_tp_cpu_group=None,
+        attn_cp_cpu_group=mine,
+        attn_tp_cpu_group=mine,
+        pp_group=pp_group,
         processed_tokens_counter=0,
         token_to_kv_pool_allocator=Stub(page_size=ps),
         tree_cache=None,
@@ -392,7 +450,8 @@ def run_prefill_queue(cfg: dict) -> dict:
     )
     q = object.__new__(prefill_mod.PrefillBootstrapQueue)
     q.queue = []
-    q.pp_size, q.pp_rank, q.tp_rank = 1, 0, 0
+    q.pp_size, q.pp_rank, q.tp_rank = pp_size, pp_rank, 0
+    q.pp_poll_sync_work_list = []
     q.scheduler = sched
     q.scheduler_stage_metrics = None
     q.kv_manager = mgr
@@ -426,6 +485,7 @@ def run_prefill_queue(cfg: dict) -> dict:
         logged_polls(req.disagg_kv_sender, logs[room])
         reqs[room] = req
     emit(event="ready", queued=len(q.queue))
+    peers = set()  # the decodes' engine ports seen
     inflight = []
     deadline = time.monotonic() + cfg["timeout"]
     crash = None
@@ -441,10 +501,13 @@ def run_prefill_queue(cfg: dict) -> dict:
             req.src = [free_pages.pop() for _ in range(n)]
             for pos, p in enumerate(req.src):
                 for b, t in enumerate(kv):
-                    t[p * item : (p + 1) * item] = torch_bytes(fill(req.bootstrap_room, pos, b, item))
+                    gb = global_buffer(cfg, b, len(kv) // 2)
+                    t[p * item : (p + 1) * item] = torch_bytes(fill(req.bootstrap_room, pos, gb, item))
             idx = req.metadata_buffer_index
-            mb.output_ids[idx, 0] = req.bootstrap_room % 100000
-            mb.bootstrap_room[idx, 0] = req.bootstrap_room
+            if last_stage:
+                # The last stage computes the first token.
+                mb.output_ids[idx, 0] = req.bootstrap_room % 100000
+                mb.bootstrap_room[idx, 0] = req.bootstrap_room
             s = req.disagg_kv_sender
             for i in range(0, max(n, 1), cfg["chunk_pages"]):
                 part = req.src[i : i + cfg["chunk_pages"]]
@@ -452,10 +515,31 @@ def run_prefill_queue(cfg: dict) -> dict:
                 if s.should_send_kv_chunk(len(part), last):
                     s.send(np.array(part, dtype=np.int32), None, num_kv_tokens=len(part) * ps)
             inflight.append(req)
-        if inflight:
-            polls = poll_and_all_reduce_attn_cp_tp_group([r.disagg_kv_sender for r in inflight], None, None)
+        for req in inflight:
+            sess = req.disagg_kv_sender.session
+            if sess is not None:
+                peers.add(int(sess.peer.rsplit(":", 1)[1]))
+        if inflight or pp_size > 1:
+            polls = poll_and_all_reduce_attn_cp_tp_group([r.disagg_kv_sender for r in inflight], mine, mine)
+            if pp_size > 1:
+                # SGLang's PP release (_pp_pd_get_prefill_transferred_ids):
+                # a request leaves the inflight queue once every stage's
+                # own poll is final; each stage then acts on its own poll.
+                final = [r.rid for r, v in zip(inflight, polls) if v in (KVPoll.Success, KVPoll.Failed)]
+                if pp_rank > 0:
+                    final = sorted(set(final) & set(pp_group.recv_object(src=pp_rank - 1)))
+                if pp_rank + 1 < pp_size:
+                    pp_group.send_object(final, dst=pp_rank + 1)
+                if pp_rank == pp_size - 1 and pp_size > 1:
+                    pp_group.send_object(final, dst=0)
+                if pp_rank == 0:
+                    final = pp_group.recv_object(src=pp_size - 1)
+                final = set(final)
             keep = []
             for req, poll in zip(inflight, polls):
+                if pp_size > 1 and req.rid not in final:
+                    keep.append(req)
+                    continue
                 if poll == KVPoll.Success:
                     req.disagg_kv_sender.clear()
                     done[req.bootstrap_room] = {"state": "success"}
@@ -463,7 +547,12 @@ def run_prefill_queue(cfg: dict) -> dict:
                     try:
                         req.disagg_kv_sender.failure_exception()
                     except Exception as e:  # noqa: BLE001
-                        failed[req.bootstrap_room] = {"state": "failed", "error": str(e), "where": "inflight"}
+                        failed[req.bootstrap_room] = {
+                            "state": "failed",
+                            "error": str(e),
+                            "where": "inflight",
+                            "t": time.monotonic(),
+                        }
                 elif poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
                     keep.append(req)
                     continue
@@ -480,7 +569,8 @@ def run_prefill_queue(cfg: dict) -> dict:
     for room in reqs:
         r = done.get(room) or failed.get(room) or {"state": "timeout"}
         rooms[str(room)] = dict(r, states=logs[room])
-    return {"role": "prefill", "crash": crash, "rooms": rooms}
+    links = {str(port): tcp_links(-1, [port]) for port in sorted(peers)}
+    return {"role": "prefill", "crash": crash, "rooms": rooms, "links": links}
 
 
 def use_timer_sender(cfg: dict) -> None:
@@ -545,7 +635,7 @@ def run_decode_queue(cfg: dict) -> dict:
     free_pages = free_pages[1::2] + free_pages[0::2]
     waiting, transfer, running = [], [], []
     reqs = {}
-    for room, tokens in cfg["requests"]:
+    for room, tokens in cfg["requests"][cfg.get("first_request", 0) :]:
         recv = classes[KVClassType.RECEIVER](mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
         recv.init(0)
         r = Stub(room=room, recv=recv, pages=kv_to_page_num(tokens, ps), dst=None, metadata_buffer_index=-1,
@@ -553,8 +643,9 @@ def run_decode_queue(cfg: dict) -> dict:
         logged_polls(recv, r.log)
         reqs[room] = r
         waiting.append(r)
-    emit(event="ready")
+    emit(event="ready", engine=mgr.engine.session_id)
     started = time.monotonic()
+    granted = 0
     out = {}
     max_in_flight = 0
     while len(out) < len(reqs) and time.monotonic() < deadline:
@@ -566,6 +657,13 @@ def run_decode_queue(cfg: dict) -> dict:
             r.recv.send_metadata(np.array(r.dst, dtype=np.int32), r.metadata_buffer_index, None, decode_prefix_len=0)
             r.granted_at = time.monotonic() - started
             transfer.append(r)
+            granted += 1
+            if granted == cfg.get("die_after_grants"):
+                # Killed mid-transfer: the prefill has these grants and is
+                # writing (or about to).
+                time.sleep(cfg.get("die_delay", 0.0))
+                emit(event="dying", t=time.monotonic())
+                os.kill(os.getpid(), signal.SIGKILL)
         max_in_flight = max(max_in_flight, len(transfer))
         if transfer:
             polls = poll_and_all_reduce([r.recv for r in transfer], None, decode_reqs=transfer, metadata_buffers=mb)

@@ -321,3 +321,102 @@ def test_field_report_replay_fails_with_a_timer_counted_from_arrival():
     for r in refused:
         assert "cancel" in r["error"], r["error"]
         assert r["failed_after"] - r["granted_after"] < 3, r
+
+
+def test_field_report_replay_with_two_prefill_pipeline_stages():
+    """The field report with pipeline parallelism: two prefill stages (two
+    processes, SGLang's own distributed groups on gloo and its PP
+    GroupCoordinator), each holding half the layers, each with its own
+    kvmove engine and session per request; SGLang's pop_bootstrapped with
+    its PP consensus (stage 0 polls, forwards its verdicts); SGLang's PP
+    release rule for the inflight requests (a request leaves once every
+    stage's own poll is final, then each stage acts on its own poll); the
+    decode grants each stage its layers' pages, the last stage also the
+    auxiliary row. With the bootstrap timeout at 2 s and a decode short of
+    pages: no queue raises, every request lands on both stages and on the
+    decode (both stages report the same outcome for every request), none
+    fails while waiting, every layer's pages arrive byte-exact."""
+    port, dist_port = free_port(), free_port()
+    requests = [[4000 + i, 16 * (1 + (i * 3) % 6) - (i % 2)] for i in range(20)]
+    cfg = base_config(
+        bootstrap_port=port,
+        layers=5,  # stages of 2 and 3 layers (SGLang's partition)
+        pages=256,
+        decode_pages=12,
+        aux_rows=6,
+        decode_seconds=1.0,
+        requests=requests,
+        chunk_pages=2,
+        timeout=120,
+        pp_size=2,
+        dist_port=dist_port,
+    )
+    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)}
+    stages = [Rank("prefill-queue", dict(cfg, pp_rank=r, linger=30), env) for r in range(2)]
+    decode = Rank("decode-queue", dict(cfg, pp_size=1, gloo_port=free_port()), env)
+    try:
+        p0, p1 = (s.wait_for("result", 240)["result"] for s in stages)
+        d = decode.wait_for("result", 240)["result"]
+    finally:
+        for r in stages + [decode]:
+            r.kill()
+    assert p0["crash"] is None and p1["crash"] is None and d["crash"] is None, (p0["crash"], p1["crash"], d["crash"])
+    late = [r["granted_after"] for r in d["rooms"].values() if r.get("granted_after") is not None]
+    assert max(late) > BOOTSTRAP_TIMEOUT + 1, f"the decode never made a request wait past the timeout: {late}"
+    for room, _ in requests:
+        a, b, dr = p0["rooms"][str(room)], p1["rooms"][str(room)], d["rooms"][str(room)]
+        assert a["state"] == b["state"] == "success", (room, a, b)
+        assert dr["state"] == "success" and dr["bad"] == [], (room, dr)
+        for st in (a, b):
+            assert KVPoll_Failed not in st["states"] and st["states"] == sorted(st["states"]), (room, st["states"])
+
+
+def test_pipeline_stages_fail_alike_when_the_decode_is_killed_and_serve_a_new_one():
+    """Two prefill stages as above; the decode grants its first four
+    requests and is SIGKILLed at once. Those four fail on both stages
+    alike, within kvmove's liveness timeout of the kill; the others, still
+    waiting for their grants (no timer runs), wait on; a restarted decode
+    grants them and every one lands on both stages, byte-exact; neither
+    stage keeps a kvmove socket to the dead decode."""
+    port, dist_port = free_port(), free_port()
+    requests = [[5000 + i, 16 * (1 + (i * 3) % 6)] for i in range(12)]
+    cfg = base_config(
+        bootstrap_port=port,
+        layers=5,
+        pages=256,
+        decode_pages=40,
+        aux_rows=8,
+        decode_seconds=0.2,
+        requests=requests,
+        chunk_pages=2,
+        timeout=120,
+        pp_size=2,
+        dist_port=dist_port,
+    )
+    stages = [Rank("prefill-queue", dict(cfg, pp_rank=r, linger=30)) for r in range(2)]
+    first = Rank("decode-queue", dict(cfg, pp_size=1, gloo_port=free_port(), die_after_grants=4))
+    second = None
+    try:
+        dead_port = int(first.wait_for("ready")["engine"].rsplit(":", 1)[1])
+        killed = first.wait_for("dying")["t"]
+        first.p.wait(30)
+        second = Rank("decode-queue", dict(cfg, pp_size=1, gloo_port=free_port(), first_request=4))
+        p0, p1 = (s.wait_for("result", 240)["result"] for s in stages)
+        d = second.wait_for("result", 240)["result"]
+    finally:
+        for r in stages + [first] + ([second] if second else []):
+            r.kill()
+    assert p0["crash"] is None and p1["crash"] is None and d["crash"] is None, (p0["crash"], p1["crash"], d["crash"])
+    for i, (room, _) in enumerate(requests):
+        a, b = p0["rooms"][str(room)], p1["rooms"][str(room)]
+        assert a["state"] == b["state"], (room, a, b)
+        if i < 4:
+            assert a["state"] == "failed", (room, a)
+            for st in (a, b):
+                assert st["t"] - killed < LIVENESS + 10, (room, st["t"] - killed, st)
+        else:
+            assert a["state"] == "success", (room, a, b)
+            dr = d["rooms"][str(room)]
+            assert dr["state"] == "success" and dr["bad"] == [], (room, dr)
+    for p in (p0, p1):
+        assert p["links"].get(str(dead_port), 0) == 0, p["links"]

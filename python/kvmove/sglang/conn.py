@@ -706,7 +706,12 @@ class KvmoveKVSender(BaseKVSender):
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes or None)
 
     def failure_exception(self):
-        e = KVTransferError(self.bootstrap_room, self.reason or "kvmove handoff failed")
+        # SGLang also asks a rank whose own session did not fail (another
+        # rank's poll, reduced, said Failed): the request ends here too, so
+        # this rank's session ends (or its grant is refused) at once.
+        from_another_rank = self.conclude is None
+        self._fail("the request failed on another rank")
+        e = KVTransferError(self.bootstrap_room, self.reason, is_from_another_rank=from_another_rank)
         e.kvmove_error = self.error
         raise e
 
