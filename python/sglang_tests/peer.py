@@ -33,6 +33,11 @@ def fill(room: int, pos: int, buf: int, item: int) -> bytes:
     return (head + body)[:item]
 
 
+def state_fill(room: int, buf: int, item: int) -> bytes:
+    head = b"state:%d:%d:" % (buf, room)
+    return (head + bytes((room * 3 + buf + i) % 241 for i in range(item)))[:item]
+
+
 def aux_fill(room: int, buf: int, item: int) -> bytes:
     head = b"%d:%d:" % (buf, room)
     return (head + bytes((room + buf + i) % 253 for i in range(item)))[:item]
@@ -135,10 +140,23 @@ def setup(role: str, cfg: dict):
     args.aux_data_ptrs = list(aux_ptrs)
     args.aux_data_lens = list(aux_lens)
     args.aux_item_lens = list(aux_item_lens)
-    args.state_types = []
-    args.state_data_ptrs = []
-    args.state_data_lens = []
-    args.state_item_lens = []
+    state = []
+    if cfg.get("state_slots"):
+        # One state component with two buffers (as Mamba's conv and
+        # temporal states): one slot of each per request.
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        state = [torch.zeros(cfg["state_slots"] * cfg["state_item"], dtype=torch.uint8) for _ in range(2)]
+        args.state_types = [StateType.MAMBA]
+        args.state_data_ptrs = [[t.data_ptr() for t in state]]
+        args.state_data_lens = [[t.numel() for t in state]]
+        args.state_item_lens = [[cfg["state_item"]] * 2]
+    else:
+        args.state_types = []
+        args.state_data_ptrs = []
+        args.state_data_lens = []
+        args.state_item_lens = []
+    cfg["_state"] = state
     args.page_size = cfg["page_size"]
     args.kv_cache_dtype_str = "bfloat16"
     args.kv_layout = None
@@ -233,10 +251,15 @@ def run_prefill(cfg: dict) -> dict:
             aux_row = len(reqs) % cfg["aux_rows"]
             for b, (t, n) in enumerate(zip(aux, cfg["aux_items"])):
                 t[aux_row * n : (aux_row + 1) * n] = torch_bytes(aux_fill(room, b, n))
+            slot = len(reqs) % cfg["state_slots"] if cfg.get("state_slots") else None
+            if slot is not None:
+                si = cfg["state_item"]
+                for b, t in enumerate(cfg["_state"]):
+                    t[slot * si : (slot + 1) * si] = torch_bytes(state_fill(room, b, si))
             sender = classes[KVClassType.SENDER](
                 mgr=mgr, bootstrap_addr=f"127.0.0.1:{cfg['bootstrap_port']}", bootstrap_room=room
             )
-            reqs[room] = {"sender": sender, "src": src, "aux": aux_row, "sent": 0, "inited": False, "states": []}
+            reqs[room] = {"sender": sender, "src": src, "aux": aux_row, "sent": 0, "inited": False, "states": [], "slot": slot}
         deadline = time.monotonic() + cfg["timeout"]
         done = {}
         held = False
@@ -260,15 +283,23 @@ def run_prefill(cfg: dict) -> dict:
                     done[room] = {"state": "success", "states": r["states"], "t": time.monotonic()}
                     continue
                 if poll == KVPoll.WaitingForInput and not r["inited"]:
-                    prefix = s.pop_decode_prefix_len()
-                    s.init(len(r["src"]) - prefix // cfg["page_size"], r["aux"])
+                    # As finalize_bootstrap: the decode's cached prefix is
+                    # not sent (start_send_idx).
+                    prefix = s.pop_decode_prefix_len() // cfg["page_size"]
+                    r["prefix"] = prefix
+                    s.init(len(r["src"]) - prefix, r["aux"])
+                    r["sent"] = prefix
                     r["inited"] = True
-                if r["inited"] and not r.get("last") and not (hold and r["sent"] > 0):
+                    if room in cfg.get("prefill_abort", []):
+                        s.abort()
+                        continue
+                if r["inited"] and not r.get("last") and not (hold and r["sent"] > r.get("prefix", 0)):
                     part = r["src"][r["sent"] : r["sent"] + chunk]
                     r["sent"] += len(part)
                     last = r["last"] = r["sent"] == len(r["src"])
+                    st = [np.array([r["slot"]], dtype=np.int64)] if last and r["slot"] is not None else None
                     if s.should_send_kv_chunk(len(part), last):
-                        s.send(np.array(part, dtype=np.int32), None, num_kv_tokens=len(part) * cfg["page_size"])
+                        s.send(np.array(part, dtype=np.int32), st, num_kv_tokens=len(part) * cfg["page_size"])
             if hold and not held and all(KVPoll.Transferring in r["states"] for r in reqs.values()):
                 held = True
                 emit(event="transferring", phase=phase)
@@ -315,8 +346,19 @@ def run_decode(cfg: dict) -> dict:
             recv.init(0)
             if prefill_port is None and getattr(recv, "bootstrap_infos", None):
                 prefill_port = int(recv.bootstrap_infos[0]["rank_port"])
-            dst = [free.pop() for _ in range(npages)]
-            reqs[room] = {"recv": recv, "dst": dst, "aux": i % cfg["aux_rows"], "granted": False, "states": []}
+            # A decode-side cached prefix is not granted (nor sent).
+            prefix = cfg.get("decode_prefix", {}).get(str(room), 0)
+            dst = [free.pop() for _ in range(npages - prefix)]
+            slot = (cfg["state_slots"] - 1 - i % cfg["state_slots"]) if cfg.get("state_slots") else None
+            reqs[room] = {
+                "recv": recv,
+                "dst": dst,
+                "aux": i % cfg["aux_rows"],
+                "granted": False,
+                "states": [],
+                "prefix": prefix,
+                "slot": slot,
+            }
         done = {}
         while len(done) < len(reqs) and time.monotonic() < deadline:
             for room, r in reqs.items():
@@ -326,8 +368,16 @@ def run_decode(cfg: dict) -> dict:
                 poll = int(recv.poll())
                 note_state(r, poll)
                 if poll == KVPoll.WaitingForInput and not r["granted"]:
-                    recv.send_metadata(np.array(r["dst"], dtype=np.int32), r["aux"], None, decode_prefix_len=0)
+                    st = [np.array([r["slot"]], dtype=np.int64)] if r["slot"] is not None else None
+                    recv.send_metadata(
+                        np.array(r["dst"], dtype=np.int32),
+                        r["aux"],
+                        st,
+                        decode_prefix_len=r["prefix"] * cfg["page_size"],
+                    )
                     r["granted"] = True
+                    if room in cfg.get("decode_abort", []):
+                        recv.abort()
                 elif poll == KVPoll.Failed:
                     try:
                         recv.failure_exception()
@@ -335,7 +385,8 @@ def run_decode(cfg: dict) -> dict:
                         done[room] = {"state": "failed", "error": str(e), "states": r["states"], "t": time.monotonic()}
                 elif poll == KVPoll.Success:
                     bad = []
-                    for pos, p in enumerate(r["dst"]):
+                    for k, p in enumerate(r["dst"]):
+                        pos = r["prefix"] + k
                         for b, t in enumerate(kv):
                             got = bytes(t[p * item : (p + 1) * item].numpy())
                             if got != fill(room, pos, b, item):
@@ -344,6 +395,11 @@ def run_decode(cfg: dict) -> dict:
                         got = bytes(t[r["aux"] * n : (r["aux"] + 1) * n].numpy())
                         if got != aux_fill(room, b, n):
                             bad.append(["aux", b])
+                    if r["slot"] is not None:
+                        si = cfg["state_item"]
+                        for b, t in enumerate(cfg["_state"]):
+                            if bytes(t[r["slot"] * si : (r["slot"] + 1) * si].numpy()) != state_fill(room, b, si):
+                                bad.append(["state", b])
                     recv.clear()
                     done[room] = {"state": "success", "bad": bad[:10], "states": r["states"], "t": time.monotonic()}
             if all(r["granted"] for r in reqs.values()) and not any(r.get("told") for r in reqs.values()):

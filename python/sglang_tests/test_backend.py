@@ -157,11 +157,15 @@ def test_prefill_and_decode_processes_move_kv_pages_byte_exact():
     """Two processes, each one SGLang rank with kvmove's manager: the
     prefill runs SGLang's bootstrap server and registers with it, the
     decode discovers the prefill rank through it and grants its pages (in
-    another order than the prefill's); the prefill writes in chunks of
-    three pages. Every request succeeds on both sides, every page of every
-    layer and the auxiliary rows land byte-exact, and the prefill's states
-    only move forward."""
-    cfg = base_config()
+    another order than the prefill's), its auxiliary rows and a state slot
+    of two buffers (as Mamba's); the prefill writes in chunks of three
+    pages, the state with the last. Every request succeeds on both sides,
+    every page of every layer, the auxiliary rows and the state land
+    byte-exact, and the prefill's states only move forward. One request has
+    a prefix the decode already holds (3 pages, announced before the
+    grant): only the rest is granted and sent."""
+    prefix = {str(ROOMS[3][0]): 3}
+    cfg = base_config(state_slots=8, state_item=96, decode_prefix=prefix)
     prefill = Rank("prefill", dict(cfg, phases=[ROOMS]))
     decode = Rank("decode", dict(cfg, phases=[{"bootstrap_port": cfg["bootstrap_port"], "rooms": ROOMS}]))
     try:
@@ -170,6 +174,35 @@ def test_prefill_and_decode_processes_move_kv_pages_byte_exact():
         prefill.kill()
         decode.kill()
     assert_all_landed(p["phases"][0], d["phases"][0], ROOMS)
+
+
+def test_an_abort_on_either_side_ends_the_request_on_both():
+    """The decode aborts a request right after granting it, the prefill
+    aborts another right after init (SGLang's abort() on each side): both
+    end failed on both sides (kvmove cancels the session, so neither waits
+    for a deadline), within seconds; the other requests land."""
+    d_abort, p_abort = ROOMS[0][0], ROOMS[3][0]
+    cfg = base_config(decode_abort=[d_abort], prefill_abort=[p_abort], timeout=60)
+    prefill = Rank("prefill", dict(cfg, phases=[ROOMS]))
+    decode = Rank("decode", dict(cfg, phases=[{"bootstrap_port": cfg["bootstrap_port"], "rooms": ROOMS}]))
+    try:
+        p, d = prefill.wait_for("result")["result"], decode.wait_for("result")["result"]
+    finally:
+        prefill.kill()
+        decode.kill()
+    pr, dr = p["phases"][0]["rooms"], d["phases"][0]["rooms"]
+    for room, _ in ROOMS:
+        a, b = pr[str(room)], dr[str(room)]
+        if room in (d_abort, p_abort):
+            assert a["state"] == "failed" and b["state"] == "failed", (room, a, b)
+        else:
+            assert a["state"] == "success" and b["state"] == "success" and b["bad"] == [], (room, a, b)
+    assert "Aborted by AbortReq" in pr[str(p_abort)]["error"], pr[str(p_abort)]
+    assert "cancel" in dr[str(p_abort)]["error"], dr[str(p_abort)]
+    assert "Aborted by AbortReq" in dr[str(d_abort)]["error"], dr[str(d_abort)]
+    # The session cancelled, or (not yet claimed here) the decode's word.
+    err = pr[str(d_abort)]["error"]
+    assert "cancel" in err or "the decode ended the request" in err, err
 
 
 HELD = [[2001, 9], [2002, 12], [2003, 5], [2004, 30]]

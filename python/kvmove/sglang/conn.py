@@ -248,6 +248,8 @@ class KvmoveKVManager(CommonKVManager):
         self._awaiting: set = set()
         self._verdicts: Dict[int, bool] = {}
         self._waiting_verdict: set = set()
+        # Rooms the decode ended before this side's session existed.
+        self._ended: Dict[int, float] = {}
         self._stopping = threading.Event()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -305,11 +307,10 @@ class KvmoveKVManager(CommonKVManager):
         to claim, or refused at once if its request already ended."""
         self._last_scan = time.monotonic()
         seen = self.engine.grants()
-        if seen or self._verdicts_awaited():
-            # A pair's notifications come before its later grants: read
-            # them now, so a prefix length sent before this grant is in.
-            for n in self.engine.notifications():
-                self._note(n.msg)
+        # A pair's notifications come before its later grants: read them
+        # now, so a prefix length sent before this grant is in.
+        for n in self.engine.notifications():
+            self._note(n.msg)
         # Rebuilt from what the engine holds: a grant that expired unclaimed
         # leaves no entry behind.
         grants = {}
@@ -365,6 +366,16 @@ class KvmoveKVManager(CommonKVManager):
             self._prefix[room] = value
         elif kind == b"v" and room in self._waiting_verdict:
             self._verdicts[room] = bool(value)
+        elif kind == b"a":
+            self._ended[room] = time.monotonic()
+            while len(self._ended) > 65536:
+                self._ended.pop(next(iter(self._ended)))
+
+    def ended(self, room: int) -> bool:
+        """Whether the decode ended ``room``'s request before this side's
+        session existed (then no grant comes, or it was withdrawn)."""
+        with self._lock:
+            return self._ended.pop(room, None) is not None
 
     def verdict(self, room: int) -> Optional[bool]:
         """The decode's verdict on the request of ``room``, if it came."""
@@ -643,6 +654,9 @@ class KvmoveKVSender(BaseKVSender):
         if self.session is None:
             self._claim()
             if self.session is None:
+                if self.kv_mgr.ended(self.bootstrap_room):
+                    self._fail("kvmove: the decode ended the request before its transfer began (aborted or failed there)")
+                    return KVPoll.Failed
                 # Waiting for the decode's grant: no timer runs here; the
                 # session's deadline starts at the grant.
                 return self.conclude if self.conclude is not None else KVPoll.Bootstrapping
@@ -757,6 +771,13 @@ class KvmoveKVReceiver(CommonKVReceiver):
                 self.kv_mgr.later(_cancel_quietly, s)
             if staged:
                 msg = _META + b"v %d %d" % (self.bootstrap_room, 1 if landed else 0)
+                self.kv_mgr.later(_notify_quietly, self.kv_mgr.engine, peer, msg)
+        if not landed:
+            # A prefill rank that has not claimed its grant yet (or got
+            # none) learns it from this; the cancel ends a claimed one.
+            msg = _META + b"a %d 0" % self.bootstrap_room
+            for info, _ in self.targets:
+                peer = _peer_name(info["rank_ip"], info["rank_port"])
                 self.kv_mgr.later(_notify_quietly, self.kv_mgr.engine, peer, msg)
 
     def init(self, prefill_dp_rank: int):
