@@ -24,8 +24,10 @@ What differs from SGLang's Mooncake backend (see :mod:`kvmove.sglang.conn`):
   and whether it is transient) in the message and in ``kvmove_error``.
 
 Supported layouts today: the same attention TP size on both sides, no
-context parallelism, one pipeline stage on the prefill; other layouts fail
-each request at once with a message that says so.
+context parallelism; a prefill with pipeline stages gets one session per
+stage and the decode's verdict on the whole request (see
+:mod:`kvmove.sglang.conn`). Other layouts fail each request at once with a
+message that says so.
 """
 
 BACKEND_NAME = "kvmove"
