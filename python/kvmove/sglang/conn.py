@@ -22,6 +22,25 @@ Per request (``bootstrap_room`` is the session id on both sides):
   outcome (``landed`` only if every granted byte was written), which both
   sides report.
 
+Pipeline stages on the prefill: each stage is a rank with its own engine
+and its own session per request. The decode grants each stage its layers'
+pages (SGLang's own layer partition; the last stage also gets the
+auxiliary row and the state). Each stage publishes its state into SGLang's
+PP consensus store, and stage 0 answers ``poll_pp_consensus`` from it
+(SGLang forwards that answer to the others while requests bootstrap). A
+stage whose session landed reports ``Success`` only once the decode's
+verdict on the whole request says every stage's landed (a notification the
+decode sends each stage when it decides), so the stages never disagree;
+without a verdict within ``VERDICT_WAIT`` the request fails.
+
+A decode that ends a request (abort, failure) cancels its sessions and
+tells each prefill rank, so a rank that had not claimed its grant yet (or
+never got one) fails the request too instead of waiting for a grant.
+
+Notifications between the two sides (``kvmove-sglang/1 KIND ROOM VALUE``):
+``p`` the decode's prefix length (before the grant), ``v`` the verdict,
+``a`` the request ended on the decode.
+
 Grant layout (both sides build it in this order; the prefill checks that
 the grant has exactly the size its own layout needs, else the request fails
 with a message naming both sizes): for each KV buffer (``kv_data_ptrs``),
