@@ -662,6 +662,11 @@ class Engine:
         ``(peer, id, grant)``."""
         return [(p, i, Grant._from_native(g)) for p, i, g in self._native.grants()]
 
+    def grant_keys(self) -> List[Tuple[str, int]]:
+        """Sender: the same grants as :meth:`grants`, as ``(peer, id)``
+        only (cheap to poll often: no ranges copied)."""
+        return [(p, int(i)) for p, i in self._native.grant_keys()]
+
     def stats(self) -> dict:
         """Live resources: endpoints, segments, regions, batches, ..."""
         return self._native.stats()

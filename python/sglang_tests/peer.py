@@ -136,7 +136,9 @@ def setup(role: str, cfg: dict):
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [item] * len(kv)
     start = cfg.get("first_layer", 0)
-    args.kv_layer_ids = list(range(start, start + layers)) * 2
+    # What SGLang's build_kv_layer_ids gives for an ordinary pool: no ids
+    # (the buffers are K of each layer, then V of each layer).
+    args.kv_layer_ids = []
     args.aux_data_ptrs = list(aux_ptrs)
     args.aux_data_lens = list(aux_lens)
     args.aux_item_lens = list(aux_item_lens)
@@ -383,6 +385,13 @@ def run_decode(cfg: dict) -> dict:
                         recv.failure_exception()
                     except Exception as e:  # noqa: BLE001
                         done[room] = {"state": "failed", "error": str(e), "states": r["states"], "t": time.monotonic()}
+                    # SGLang's deferred release: the pages are reused only
+                    # once the backend says no write can reach them.
+                    t0 = time.monotonic()
+                    while not mgr.is_abort_release_safe(room) and time.monotonic() - t0 < 15:
+                        time.sleep(0.01)
+                    done[room]["release_safe"] = mgr.is_abort_release_safe(room)
+                    done[room]["release_safe_after"] = round(time.monotonic() - t0, 3)
                 elif poll == KVPoll.Success:
                     bad = []
                     for k, p in enumerate(r["dst"]):

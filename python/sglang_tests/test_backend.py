@@ -195,6 +195,9 @@ def test_an_abort_on_either_side_ends_the_request_on_both():
         a, b = pr[str(room)], dr[str(room)]
         if room in (d_abort, p_abort):
             assert a["state"] == "failed" and b["state"] == "failed", (room, a, b)
+            # The decode may reuse the pages (SGLang's deferred release
+            # asks), once the session ended on both sides.
+            assert b["release_safe"] is True and b["release_safe_after"] < 10, b
         else:
             assert a["state"] == "success" and b["state"] == "success" and b["bad"] == [], (room, a, b)
     assert "Aborted by AbortReq" in pr[str(p_abort)]["error"], pr[str(p_abort)]

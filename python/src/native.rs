@@ -345,6 +345,13 @@ impl NativeEngine {
         Ok(s.grants().into_iter().map(|(k, g)| (k.peer, k.id, grant_tuple(&g))).collect())
     }
 
+    /// The same grants as `grants`, without their ranges: `(peer, id)`
+    /// (cheap to poll often).
+    fn grant_keys(&self, py: Python<'_>) -> PyResult<Vec<(String, u64)>> {
+        let s = py_result(py, self.core.sessions())?;
+        Ok(s.grants().into_iter().map(|(k, _)| (k.peer, k.id)).collect())
+    }
+
     /// Live resource counts as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);

@@ -94,6 +94,9 @@ _POLL = {
 
 _META = b"kvmove-sglang/1 "
 
+#: The most ranges one grant may hold (kvmove's MAX_GRANT_RANGES).
+MAX_GRANT_RANGES = 65536
+
 
 def _describe(err: Optional[BaseException], state: str) -> str:
     """kvmove's error as SGLang's failure reason: what ended the session,
@@ -148,17 +151,23 @@ def _state_groups(kv_args: KVArgs, state_indices) -> List[Tuple[int, int, List[i
 
 
 def grant_ranges(
-    kv_args: KVArgs, kv_indices, aux_index: Optional[int], state_indices, layers: Optional[Tuple[int, int]] = None
+    kv_args: KVArgs,
+    kv_indices,
+    aux_index: Optional[int],
+    state_indices,
+    layers: Optional[Tuple[int, int]] = None,
+    of_buffer: Optional[List[Optional[int]]] = None,
 ) -> List[Tuple[int, int]]:
     """The decode's grant for one request (see the module's doc); with
     ``layers`` (``start, end``), only the KV buffers of those layers (one
-    prefill pipeline stage's)."""
+    prefill pipeline stage's), ``of_buffer`` giving each buffer's layer."""
     pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
     out: List[Tuple[int, int]] = []
-    ids = list(getattr(kv_args, "kv_layer_ids", None) or [])
     for b, (ptr, item) in enumerate(zip(kv_args.kv_data_ptrs, kv_args.kv_item_lens)):
-        if layers is not None and not (b < len(ids) and layers[0] <= int(ids[b]) < layers[1]):
-            continue
+        if layers is not None:
+            layer = of_buffer[b] if of_buffer is not None and b < len(of_buffer) else None
+            if layer is None or not layers[0] <= layer < layers[1]:
+                continue
         out.extend(_ranges(int(ptr), int(item), pages))
     if aux_index is not None:
         for ptr, item in zip(kv_args.aux_data_ptrs, kv_args.aux_item_lens):
@@ -213,6 +222,27 @@ def _merge_ops(ops: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
     return out
 
 
+def _bounded_put(table: dict, key, value, limit: int = 65536) -> None:
+    """``table[key] = value``, the oldest entries dropped past ``limit``."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > limit:
+        table.pop(next(iter(table)))
+
+
+def buffer_layers(kv_args: KVArgs, is_mla: bool) -> List[Optional[int]]:
+    """The model layer of each KV buffer, as SGLang lays them out: MHA,
+    K of every layer then V of every layer; MLA, one per layer; draft
+    model buffers (``num_draft_entries``, at the end) have none."""
+    n = len(kv_args.kv_data_ptrs)
+    draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    main = n - draft
+    per_layer = 1 if is_mla else 2
+    layers = main // per_layer
+    out: List[Optional[int]] = [b % layers if layers else None for b in range(main)]
+    return out + [None] * draft
+
+
 def _regions(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
     """Overlapping or touching ``(addr, length)`` spans joined."""
     out: List[List[int]] = []
@@ -228,6 +258,12 @@ class KvmoveKVManager(CommonKVManager):
     """One per scheduler process: the rank's kvmove engine, its registered
     KV, auxiliary and state buffers, and (prefill) the grants not yet
     claimed by a sender."""
+
+    # The decode holds a failed request's pages until every session of it
+    # is final: a receiver's session is final only once its sender is quiet
+    # (rule 13 of kvmove's contract), so no write can land after SGLang
+    # reuses them.
+    supports_deferred_decode_kv_release = True
 
     def __init__(
         self,
@@ -250,7 +286,7 @@ class KvmoveKVManager(CommonKVManager):
         self._lock = threading.Lock()
         # Cancels and releases that wait on the peer run here, never on the
         # scheduler's thread.
-        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmove-sglang")
+        self._background = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvmove-sglang")
         # Prefill: grants seen and not yet claimed (room -> peer), decode
         # prefix lengths announced (room -> tokens), rooms whose request
         # ended before its grant came (a grant for them is refused).
@@ -269,10 +305,10 @@ class KvmoveKVManager(CommonKVManager):
         self._waiting_verdict: set = set()
         # Rooms the decode ended before this side's session existed.
         self._ended: Dict[int, float] = {}
+        # Decode: each room's sessions, until SGLang released its pages.
+        self._room_sessions: Dict[int, list] = {}
         self._stopping = threading.Event()
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if disaggregation_mode == DisaggregationMode.PREFILL:
-            threading.Thread(target=self._watch, name="kvmove-sglang-grants", daemon=True).start()
         # CommonKVManager binds a ZeroMQ socket for its own protocol, which
         # kvmove does not use: the engine's port is this rank's port.
         try:
@@ -284,6 +320,8 @@ class KvmoveKVManager(CommonKVManager):
         self.unsupported = self._unsupported_layout()
         if self.unsupported:
             logger.error("kvmove: %s; every request will fail", self.unsupported)
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            threading.Thread(target=self._watch, name="kvmove-sglang-grants", daemon=True).start()
         logger.info(
             "kvmove: %s rank listens on %s (%s)",
             disaggregation_mode.value,
@@ -295,6 +333,17 @@ class KvmoveKVManager(CommonKVManager):
         if self.attn_cp_size != 1:
             return "kvmove's SGLang backend does not support context parallelism yet"
         return None
+
+    # ---- decode: SGLang's deferred release of a failed request's pages ----
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """Whether the pages of ``bootstrap_room`` may be reused: every
+        session of it is final (its sender quiet)."""
+        sessions = self._room_sessions.get(bootstrap_room)
+        return sessions is None or all(s.done for _, s in sessions)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self._room_sessions.pop(bootstrap_room, None)
 
     @property
     def staged(self) -> bool:
@@ -325,15 +374,15 @@ class KvmoveKVManager(CommonKVManager):
         """Reads the grants the engine holds unclaimed: each is a sender's
         to claim, or refused at once if its request already ended."""
         self._last_scan = time.monotonic()
-        seen = self.engine.grants()
+        seen = self.engine.grant_keys()
         # A pair's notifications come before its later grants: read them
         # now, so a prefix length sent before this grant is in.
         for n in self.engine.notifications():
-            self._note(n.msg)
+            self._note(n.peer, n.msg)
         # Rebuilt from what the engine holds: a grant that expired unclaimed
         # leaves no entry behind.
         grants = {}
-        for peer_name, gid, _grant in seen:
+        for peer_name, gid in seen:
             gid = int(gid)
             if gid in self._claimed:
                 continue
@@ -359,6 +408,11 @@ class KvmoveKVManager(CommonKVManager):
         polls (the decode frees those pages at once, not at its deadline)."""
         while not self._stopping.wait(0.02 if self.staged else 0.05):
             with self._lock:
+                # A grant for an ended request comes soon or never: after
+                # the decode's deadline it can no longer come.
+                old = time.monotonic() - self.deadline - 60
+                for room in [r for r, t in self._abandoned.items() if t < old]:
+                    del self._abandoned[room]
                 if self._abandoned or self._awaiting or self._verdicts_awaited():
                     try:
                         self._scan_locked()
@@ -370,10 +424,13 @@ class KvmoveKVManager(CommonKVManager):
         with self._lock:
             self._claimed.discard(room)
 
-    def _note(self, msg: bytes) -> None:
+    def _note(self, peer: str, msg: bytes) -> None:
         """A notification from a decode: ``p ROOM TOKENS`` (its prefix
-        length, before the grant) or ``v ROOM 0|1`` (its verdict on the
-        whole request, with pipeline stages)."""
+        length, before the grant), ``v ROOM 0|1`` (its verdict on the whole
+        request, with pipeline stages) or ``a ROOM 0`` (it ended the
+        request). A prefix and a verdict count only from the peer whose
+        grant the request's sender claims; each table is bounded (the
+        oldest entries go)."""
         if not msg.startswith(_META):
             return
         try:
@@ -381,14 +438,12 @@ class KvmoveKVManager(CommonKVManager):
             room, value = int(room), int(value)
         except ValueError:
             return
-        if kind == b"p" and len(self._prefix) < 65536 and value >= 0:
-            self._prefix[room] = value
+        if kind == b"p" and value >= 0:
+            _bounded_put(self._prefix, (peer, room), value)
         elif kind == b"v" and room in self._waiting_verdict:
-            self._verdicts[room] = bool(value)
+            _bounded_put(self._verdicts, (peer, room), bool(value))
         elif kind == b"a":
-            self._ended[room] = time.monotonic()
-            while len(self._ended) > 65536:
-                self._ended.pop(next(iter(self._ended)))
+            _bounded_put(self._ended, room, time.monotonic())
 
     def ended(self, room: int) -> bool:
         """Whether the decode ended ``room``'s request before this side's
@@ -396,26 +451,29 @@ class KvmoveKVManager(CommonKVManager):
         with self._lock:
             return self._ended.pop(room, None) is not None
 
-    def verdict(self, room: int) -> Optional[bool]:
-        """The decode's verdict on the request of ``room``, if it came."""
+    def verdict(self, peer: str, room: int) -> Optional[bool]:
+        """The decode ``peer``'s verdict on the request of ``room``, if it
+        came."""
         with self._lock:
-            got = self._verdicts.pop(room, None)
+            got = self._verdicts.pop((peer, room), None)
             if got is not None:
                 self._waiting_verdict.discard(room)
             return got
 
-    def forget(self, room: int) -> None:
-        """A staged sender is done with ``room``."""
+    def forget(self, room: int, peer: Optional[str]) -> None:
+        """A sender is done with ``room`` (success or failure)."""
         with self._lock:
             self._waiting_verdict.discard(room)
-            self._verdicts.pop(room, None)
             self._awaiting.discard(room)
+            if peer is not None:
+                self._verdicts.pop((peer, room), None)
+                self._prefix.pop((peer, room), None)
         if self.staged:
             self.request_status.pop(room, None)
 
-    def decode_prefix_len(self, room: int) -> int:
+    def decode_prefix_len(self, peer: Optional[str], room: int) -> int:
         with self._lock:
-            return self._prefix.pop(room, 0)
+            return self._prefix.pop((peer, room), 0)
 
     def abandon(self, room: int) -> None:
         """The request of ``room`` ended before its grant was claimed: a
@@ -465,8 +523,8 @@ class KvmoveKVManager(CommonKVManager):
 
 #: How long a stage of a staged prefill waits, after its own session
 #: landed, for the decode's verdict on the whole request before it fails
-#: the request (twice kvmove's default liveness timeout: the decode is gone).
-VERDICT_WAIT = 10.0
+#: the request (the decode is gone, or cannot reach this stage).
+VERDICT_WAIT = 30.0
 
 
 class KvmoveKVSender(BaseKVSender):
@@ -492,7 +550,10 @@ class KvmoveKVSender(BaseKVSender):
         self.dst_pages: List[List[int]] = []
         self.aux_dst: List[int] = []
         self.cursor: Optional[_Cursor] = None
-        self.pending: List[tuple] = []  # sends made before the grant was mapped
+        # Sends not written yet: made before the grant was mapped, or
+        # waiting for the forward pass that fills their pages (SGLang's
+        # early send of a cached prefix hands a CUDA event for that).
+        self.pending: List[tuple] = []
         self.writes: List[kvmove.SessionWrite] = []
         self.last_sent = False
         self.finished = False
@@ -520,7 +581,7 @@ class KvmoveKVSender(BaseKVSender):
             self.published = value
             self.kv_mgr.update_status(self.bootstrap_room, value)
 
-    def _fail(self, reason: str, err: Optional[BaseException] = None) -> None:
+    def _fail(self, reason: str, err: Optional[BaseException] = None, refuse_grant: bool = True) -> None:
         if self.conclude is not None:
             return
         self.reason = reason
@@ -532,7 +593,7 @@ class KvmoveKVSender(BaseKVSender):
             # The decode frees its pages at once (the session ends on both
             # sides); the cancel waits for the peer, so not here.
             self.kv_mgr.later(self.kv_mgr.end, session, self.bootstrap_room)
-        else:
+        elif refuse_grant:
             self.kv_mgr.abandon(self.bootstrap_room)
 
     def _claim(self) -> None:
@@ -544,7 +605,8 @@ class KvmoveKVSender(BaseKVSender):
         try:
             self.session = self.kv_mgr.engine.send(peer, self.bootstrap_room)
         except kvmove.TransferError as e:
-            self._fail(_describe(e, "could not be opened"), e)
+            self.kv_mgr.unclaim(self.bootstrap_room)
+            self._fail(_describe(e, "could not be opened"), e, refuse_grant=False)
 
     def _map(self) -> None:
         """Maps the grant onto this rank's layout, once init() said how many
@@ -577,32 +639,46 @@ class KvmoveKVSender(BaseKVSender):
             return
         self.cursor = cursor
         self.mapped = True
-        pending, self.pending = self.pending, []
-        for args_ in pending:
-            self._write(*args_)
-            if self.conclude is not None:
+        self._flush()
+
+    def _flush(self) -> None:
+        """Writes the pending sends, in order, as far as their pages are
+        ready."""
+        while self.pending and self.mapped and self.conclude is None:
+            pages, state_indices, event = self.pending[0]
+            if event is not None and not _event_done(event):
                 return
+            self.pending.pop(0)
+            self._write(pages, state_indices)
 
     # ---- BaseKVSender ----
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
+        if self.num_kv_indices < 0:
+            self._fail(f"kvmove: room {self.bootstrap_room} has {self.num_kv_indices} pages to send (a decode prefix longer than the prompt)")
+            return
         # With pipeline stages, SGLang's consensus lets every stage on once
         # all had their grant: this one may not have claimed it yet.
         self._claim()
         self._map()
 
     def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None, **_):
+        # SGLang's early send of a cached prefix, under overlap scheduling,
+        # leaves an event the forward stream records once those pages are
+        # final; the write waits for it (poll() checks it), never the caller.
+        event = getattr(self, "_early_send_wait_event", None)
+        self._early_send_wait_event = None
         if self.conclude is not None or self.num_kv_indices is None:
             return
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        self.pending.append((pages, state_indices, event))
         if not self.mapped:
-            self.pending.append((pages, state_indices))
             self._claim()
             self._map()
             return
-        self._write(pages, state_indices)
+        self._flush()
 
     def _write(self, pages: List[int], state_indices) -> None:
         args = self.kv_mgr.kv_args
@@ -674,12 +750,17 @@ class KvmoveKVSender(BaseKVSender):
             self._claim()
             if self.session is None:
                 if self.kv_mgr.ended(self.bootstrap_room):
-                    self._fail("kvmove: the decode ended the request before its transfer began (aborted or failed there)")
+                    # No grant comes now (or it was withdrawn): none to refuse.
+                    self._fail(
+                        "kvmove: the decode ended the request before its transfer began (aborted or failed there)",
+                        refuse_grant=False,
+                    )
                     return KVPoll.Failed
                 # Waiting for the decode's grant: no timer runs here; the
                 # session's deadline starts at the grant.
                 return self.conclude if self.conclude is not None else KVPoll.Bootstrapping
         self._map()
+        self._flush()
         self._maybe_finish()
         if self.conclude is not None:
             return self.conclude
@@ -694,7 +775,7 @@ class KvmoveKVSender(BaseKVSender):
             if self.kv_mgr.staged:
                 # This stage's bytes landed; the request did once the decode
                 # says every stage's did.
-                verdict = self.kv_mgr.verdict(self.bootstrap_room)
+                verdict = self.kv_mgr.verdict(self.session.peer, self.bootstrap_room)
                 if verdict is None:
                     if time.monotonic() - self.landed_at > VERDICT_WAIT:
                         self._fail(
@@ -725,7 +806,9 @@ class KvmoveKVSender(BaseKVSender):
         return self.kv_mgr.check_status_pp_consensus(self.bootstrap_room)
 
     def pop_decode_prefix_len(self) -> int:
-        return self.kv_mgr.decode_prefix_len(self.bootstrap_room)
+        # Called once the grant is claimed: the prefix its decode announced.
+        peer = self.session.peer if self.session is not None else None
+        return self.kv_mgr.decode_prefix_len(peer, self.bootstrap_room)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # The last chunk always goes: it carries the auxiliary row and ends
@@ -744,7 +827,10 @@ class KvmoveKVSender(BaseKVSender):
         # this rank's session ends (or its grant is refused) at once.
         from_another_rank = self.conclude is None
         self._fail("the request failed on another rank")
-        e = KVTransferError(self.bootstrap_room, self.reason, is_from_another_rank=from_another_rank)
+        reason = self.reason or "kvmove: the request failed on another rank"
+        # SGLang drops a failed sender without clear(): this is its end.
+        self.clear()
+        e = KVTransferError(self.bootstrap_room, reason, is_from_another_rank=from_another_rank)
         e.kvmove_error = self.error
         raise e
 
@@ -752,8 +838,8 @@ class KvmoveKVSender(BaseKVSender):
         session, self.session = self.session, None
         if session is not None:
             self.kv_mgr.later(_release_quietly, session)
-        if self.kv_mgr.staged:
-            self.kv_mgr.forget(self.bootstrap_room)
+        self.pending = []
+        self.kv_mgr.forget(self.bootstrap_room, session.peer if session is not None else None)
 
     def abort(self):
         self._fail("Aborted by AbortReq.")
@@ -795,7 +881,10 @@ class KvmoveKVReceiver(CommonKVReceiver):
             # A prefill rank that has not claimed its grant yet (or got
             # none) learns it from this; the cancel ends a claimed one.
             msg = _META + b"a %d 0" % self.bootstrap_room
-            for info, _ in self.targets:
+            infos = [i for i, _ in self.targets] or [
+                i for i in (getattr(self, "bootstrap_infos", None) or []) if not i.get("is_dummy")
+            ]
+            for info in infos:
                 peer = _peer_name(info["rank_ip"], info["rank_port"])
                 self.kv_mgr.later(_notify_quietly, self.kv_mgr.engine, peer, msg)
 
@@ -809,11 +898,27 @@ class KvmoveKVReceiver(CommonKVReceiver):
         infos = [i for i in (self.bootstrap_infos or []) if not i.get("is_dummy")]
         # SGLang fetched one info per target stage, the last stage first.
         stages = list(reversed(self.target_pp_ranks))
-        if len(self.target_tp_ranks) != 1 or len(self.target_cp_ranks) != 1 or len(infos) != len(stages):
+        if (
+            len(self.target_tp_ranks) != 1
+            or len(self.target_cp_ranks) != 1
+            or len(infos) != len(stages)
+            or self.required_dst_info_num != 1
+            or self.prefill_info.attn_tp_size != self.kv_mgr.attn_tp_size
+        ):
             self._fail(
                 f"kvmove's SGLang backend needs one prefill rank per decode rank and stage (found {len(infos)} "
-                f"for {len(self.target_tp_ranks)} TP ranks and stages {stages}): run prefill and decode with "
-                "the same attention TP size, no CP"
+                f"for {len(self.target_tp_ranks)} TP ranks and stages {stages}; prefill attention TP "
+                f"{self.prefill_info.attn_tp_size}, decode {self.kv_mgr.attn_tp_size}): run prefill and decode "
+                "with the same attention TP size, no CP"
+            )
+            return
+        args = self.kv_mgr.kv_args
+        if len(stages) > 1 and (int(getattr(args, "num_draft_entries", 0) or 0) or getattr(args, "kv_layer_ids", None)):
+            # Draft models' KV, and hybrid pools (whose buffers are only
+            # some layers'), are not yet split by stage.
+            self._fail(
+                "kvmove's SGLang backend does not yet move a draft model's KV, or a hybrid model's, from a "
+                "prefill with pipeline stages to a decode with fewer"
             )
             return
         self.targets = list(zip(infos, stages))
@@ -830,7 +935,11 @@ class KvmoveKVReceiver(CommonKVReceiver):
             return None
         from sglang.srt.distributed.utils import get_pp_indices
 
-        layers = len(set(int(x) for x in self.kv_mgr.kv_args.kv_layer_ids))
+        # SGLang's own partition of the layers into stages (honouring
+        # SGLANG_PP_LAYER_PARTITION: set it alike on both sides; a prefill
+        # stage whose grant does not fit its layers fails the request).
+        layers = sum(1 for x in buffer_layers(self.kv_mgr.kv_args, self.kv_mgr.is_mla_backend) if x is not None)
+        layers //= 1 if self.kv_mgr.is_mla_backend else 2
         return get_pp_indices(layers, stage, info.pp_size)
 
     def send_metadata(
@@ -852,11 +961,20 @@ class KvmoveKVReceiver(CommonKVReceiver):
         engine = self.kv_mgr.engine
         args = self.kv_mgr.kv_args
         last = max(stage for _, stage in self.targets)
+        of_buffer = buffer_layers(args, self.kv_mgr.is_mla_backend)
+        self.kv_mgr._room_sessions[self.bootstrap_room] = self.sessions
         for info, stage in self.targets:
             peer = _peer_name(info["rank_ip"], info["rank_port"])
             layers = self._layers_of(stage)
             mine = (aux_index, state_indices) if layers is None or stage == last else (None, None)
-            ranges = grant_ranges(args, kv_indices, *mine, layers=layers)
+            ranges = grant_ranges(args, kv_indices, *mine, layers=layers, of_buffer=of_buffer)
+            if len(ranges) > MAX_GRANT_RANGES:
+                self._fail(
+                    f"kvmove: room {self.bootstrap_room}'s pages make {len(ranges)} ranges "
+                    f"({len(args.kv_data_ptrs)} KV buffers times the runs of consecutive pages), more than a grant "
+                    f"holds ({MAX_GRANT_RANGES}): a larger --page-size makes fewer"
+                )
+                return
             try:
                 if decode_prefix_len:
                     engine.notify(peer, _META + b"p %d %d" % (self.bootstrap_room, int(decode_prefix_len)))
@@ -895,17 +1013,27 @@ class KvmoveKVReceiver(CommonKVReceiver):
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         # The prefill learns it from the sessions: cancelled on both sides.
+        # SGLang then holds the pages until is_abort_release_safe (every
+        # session final, its sender quiet).
         if self.abort_notified:
             return
         self.abort_notified = True
-        for _, s in self.sessions:
-            self.kv_mgr.later(_cancel_quietly, s)
+        self._end(False)
+
+    def failure_exception(self):
+        # A failure SGLang learned elsewhere (another rank's poll) ends this
+        # rank's sessions too, and tells a staged prefill.
+        self._end(self.conclude_state == KVPoll.Success)
+        super().failure_exception()
 
     def _clear(self) -> None:
         super()._clear()
         sessions, self.sessions = self.sessions, []
-        for _, s in sessions:
-            self.kv_mgr.later(_release_quietly, s)
+        if sessions:
+            self.kv_mgr.later(_retire, self.kv_mgr, self.bootstrap_room, sessions)
+        elif self.kv_mgr._room_sessions.get(self.bootstrap_room) is sessions:
+            # Granted nothing: nothing to wait for.
+            self.kv_mgr._room_sessions.pop(self.bootstrap_room, None)
 
 
 class KvmoveKVBootstrapServer(CommonKVBootstrapServer):
@@ -921,11 +1049,28 @@ def _cancel_quietly(session) -> None:
         logger.debug("kvmove: cancelling %r: %s", session, e)
 
 
+def _event_done(event) -> bool:
+    try:
+        return bool(event.query())
+    except Exception:  # noqa: BLE001 (not an event: nothing to wait for)
+        return True
+
+
 def _notify_quietly(engine, peer: str, msg: bytes) -> None:
     try:
         engine.notify(peer, msg)
     except Exception as e:  # noqa: BLE001 (the peer is gone: its sessions fail)
         logger.debug("kvmove: notifying %s: %s", peer, e)
+
+
+def _retire(mgr, room: int, sessions: list) -> None:
+    """Ends (if need be) and forgets a cleared receiver's sessions, then
+    the room's entry for the deferred release (every session is final by
+    then, so the pages are safe to reuse)."""
+    for _, s in sessions:
+        _release_quietly(s)
+    if mgr._room_sessions.get(room) is sessions:
+        mgr._room_sessions.pop(room, None)
 
 
 def _release_quietly(session) -> None:

@@ -85,10 +85,23 @@ def register() -> None:
 
     if not any(getattr(h, "kvmove", False) for h in _registered_hooks(HookRegistry)):
         HookRegistry.register(_TARGET, _around_get_kv_class, HookType.AROUND)
-        # load_plugins() applies the hooks after every plugin ran; applied
-        # here too, so register() alone (outside load_plugins) is enough.
-        HookRegistry.apply_hooks()
+        if not _inside_load_plugins():
+            # load_plugins() applies every plugin's hooks once all ran
+            # (applying them here would leave the hooks of plugins loaded
+            # after this one on the same targets unapplied); called alone,
+            # register() applies them itself.
+            HookRegistry.apply_hooks()
     logger.debug("kvmove: registered as SGLang transfer backend %r", BACKEND_NAME)
+
+
+def _inside_load_plugins() -> bool:
+    """Whether SGLang's load_plugins() is running this entry point (it
+    sets the plugin being loaded in a context variable)."""
+    try:
+        from sglang.srt.plugins.hook_registry import _current_plugin_source
+    except ImportError:
+        return False
+    return _current_plugin_source.get() is not None
 
 
 def _registered_hooks(registry):
