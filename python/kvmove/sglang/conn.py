@@ -58,6 +58,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import requests
 
 from sglang.srt.disaggregation.base.conn import (
     BaseKVSender,
@@ -573,6 +574,40 @@ class KvmoveKVSender(BaseKVSender):
                 mgr._waiting_verdict.add(self.bootstrap_room)
         if mgr.unsupported:
             self._fail(mgr.unsupported)
+        elif mgr.disaggregation_mode == DisaggregationMode.PREFILL:
+            self._place_dp_rank(req_has_disagg_prefill_dp_rank)
+
+    def _place_dp_rank(self, given: bool) -> None:
+        """With several data-parallel prefill ranks, the decode must learn
+        which one took the request (as SGLang's own senders do): the router
+        said so, the room says so (``follow_bootstrap_room``), or this rank
+        registers it with the bootstrap server."""
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if parallel.num_dp_ranks <= 1 or given:
+            return
+        if (
+            parallel.load_balance_method != "follow_bootstrap_room"
+            or envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()
+        ):
+            try:
+                r = requests.post(
+                    f"http://{self.bootstrap_addr}/register_dp_rank",
+                    json={"bootstrap_room": self.bootstrap_room, "dp_rank": self.kv_mgr.attn_dp_rank},
+                    timeout=5,
+                )
+                if r.status_code != 200:
+                    logger.error("kvmove: registering the prefill dp rank: %s %s", r.status_code, r.text)
+            except Exception as e:  # noqa: BLE001
+                logger.error("kvmove: registering the prefill dp rank: %s", e)
+        elif self.kv_mgr.attn_dp_rank != self.bootstrap_room % parallel.num_dp_ranks:
+            self._fail(
+                f"follow_bootstrap_room conflict: dispatched to dp_rank {self.kv_mgr.attn_dp_rank} but "
+                f"bootstrap_room {self.bootstrap_room} implies dp_rank "
+                f"{self.bootstrap_room % parallel.num_dp_ranks}; set "
+                "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing"
+            )
 
     # ---- helpers ----
 
