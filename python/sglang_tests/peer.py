@@ -725,7 +725,12 @@ def run_decode_queue(cfg: dict) -> dict:
             granted += 1
             if granted == cfg.get("die_after_grants"):
                 # Killed mid-transfer: the prefill has these grants and is
-                # writing (or about to).
+                # writing (or about to). The grants go out on the manager's
+                # threads: wait until they did (each receiver holds its
+                # session), at most 5 s.
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 5 and not all(len(x.recv.sessions) == len(x.recv.targets) for x in transfer):
+                    time.sleep(0.001)
                 time.sleep(cfg.get("die_delay", 0.0))
                 emit(event="dying", t=time.monotonic())
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -306,6 +306,10 @@ class KvmoveKVManager(CommonKVManager):
         self._waiting_verdict: set = set()
         # Rooms the decode ended before this side's session existed.
         self._ended: Dict[int, float] = {}
+        # Prefill with pipeline stages: sessions this stage opened for a
+        # grant before its sender asked (SGLang polls only stage 0's senders
+        # while requests bootstrap; an opened session notices a dead decode).
+        self._opened: Dict[int, "kvmove.SendSession"] = {}
         # Decode: each room's sessions, until SGLang released its pages.
         self._room_sessions: Dict[int, list] = {}
         self._stopping = threading.Event()
@@ -396,10 +400,29 @@ class KvmoveKVManager(CommonKVManager):
         self._grants = grants
         if self._awaiting:
             # This stage has the grant: SGLang's PP consensus may let the
-            # request on once every stage has its own.
+            # request on once every stage has its own. The session is opened
+            # now (its sender takes it), so a decode that dies meanwhile
+            # fails the request on every stage.
             for room in [r for r in self._awaiting if r in grants]:
                 self._awaiting.discard(room)
+                peer = self._grants.pop(room)
+                self._claimed.add(room)
+                try:
+                    self._opened[room] = self.engine.send(peer, room)
+                except kvmove.TransferError as e:
+                    logger.debug("kvmove: opening room %s: %s", room, e)
+                    self.update_status(room, KVPoll.Failed)
+                    self._claimed.discard(room)
+                    continue
                 self.update_status(room, KVPoll.WaitingForInput)
+        for room, sess in list(self._opened.items()):
+            if _POLL.get(sess.poll(), KVPoll.Failed) == KVPoll.Failed:
+                self.update_status(room, KVPoll.Failed)
+
+    def take_opened(self, room: int):
+        """The session the watch thread opened for ``room``, if any."""
+        with self._lock:
+            return self._opened.pop(room, None)
 
     def _verdicts_awaited(self) -> bool:
         return self.staged and bool(self._waiting_verdict)
@@ -414,7 +437,7 @@ class KvmoveKVManager(CommonKVManager):
                 old = time.monotonic() - self.deadline - 60
                 for room in [r for r, t in self._abandoned.items() if t < old]:
                     del self._abandoned[room]
-                if self._abandoned or self._awaiting or self._verdicts_awaited():
+                if self._abandoned or self._awaiting or self._opened or self._verdicts_awaited():
                     try:
                         self._scan_locked()
                     except Exception as e:  # noqa: BLE001 (engine closed)
@@ -466,6 +489,9 @@ class KvmoveKVManager(CommonKVManager):
         with self._lock:
             self._waiting_verdict.discard(room)
             self._awaiting.discard(room)
+            opened = self._opened.pop(room, None)
+            if opened is not None:
+                self.later(self.end, opened, room)
             if peer is not None:
                 self._verdicts.pop((peer, room), None)
                 self._prefix.pop((peer, room), None)
@@ -480,6 +506,10 @@ class KvmoveKVManager(CommonKVManager):
         """The request of ``room`` ended before its grant was claimed: a
         grant that comes for it is cancelled, so the decode frees its pages."""
         with self._lock:
+            opened = self._opened.pop(room, None)
+            if opened is not None:
+                self.later(self.end, opened, room)
+                return
             peer = self._grants.pop(room, None)
             if peer is None:
                 if room in self._claimed:
@@ -633,6 +663,10 @@ class KvmoveKVSender(BaseKVSender):
 
     def _claim(self) -> None:
         if self.session is not None or self.conclude is not None:
+            return
+        opened = self.kv_mgr.take_opened(self.bootstrap_room)
+        if opened is not None:
+            self.session = opened
             return
         peer = self.kv_mgr.claim(self.bootstrap_room)
         if peer is None:
@@ -889,6 +923,12 @@ class KvmoveKVReceiver(CommonKVReceiver):
         self.sessions: List[Tuple[str, kvmove.ReceiveSession]] = []
         self.targets: List[Tuple[dict, int]] = []
         self.told = False
+        # The grants go out on the manager's threads (a grant may wait on a
+        # slow or dead prefill's connection; the scheduler never does).
+        self._grant_running = False
+        self._grant_error: Optional[str] = None
+        self._cleared = False
+        self._guard = threading.Lock()
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
     def _fail(self, reason: str) -> None:
@@ -902,11 +942,13 @@ class KvmoveKVReceiver(CommonKVReceiver):
     def _end(self, landed: bool) -> None:
         """The request is decided: sessions still open are cancelled, and a
         prefill with pipeline stages hears the verdict on every stage."""
-        if self.told:
-            return
-        self.told = True
+        with self._guard:
+            if self.told:
+                return
+            self.told = True
+            sessions = list(self.sessions)
         staged = getattr(getattr(self, "prefill_info", None), "pp_size", 1) > 1
-        for peer, s in self.sessions:
+        for peer, s in sessions:
             if not landed:
                 self.kv_mgr.later(_cancel_quietly, s)
             if staged:
@@ -993,11 +1035,10 @@ class KvmoveKVReceiver(CommonKVReceiver):
         if not self.targets:
             self._fail(f"kvmove: no prefill rank to grant room {self.bootstrap_room} to")
             return
-        engine = self.kv_mgr.engine
         args = self.kv_mgr.kv_args
         last = max(stage for _, stage in self.targets)
         of_buffer = buffer_layers(args, self.kv_mgr.is_mla_backend)
-        self.kv_mgr._room_sessions[self.bootstrap_room] = self.sessions
+        plans = []
         for info, stage in self.targets:
             peer = _peer_name(info["rank_ip"], info["rank_port"])
             layers = self._layers_of(stage)
@@ -1010,25 +1051,64 @@ class KvmoveKVReceiver(CommonKVReceiver):
                     f"holds ({MAX_GRANT_RANGES}): a larger --page-size makes fewer"
                 )
                 return
-            try:
-                if decode_prefix_len:
-                    engine.notify(peer, _META + b"p %d %d" % (self.bootstrap_room, int(decode_prefix_len)))
-                self.sessions.append(
-                    (peer, engine.receive(peer, self.bootstrap_room, ranges, deadline=self.kv_mgr.deadline))
-                )
-            except kvmove.TransferError as e:
-                self._fail(_describe(e, f"grant to {peer} refused"))
-                return
+            plans.append((peer, ranges))
+        # SGLang's deferred release asks the manager about this room.
+        self.kv_mgr._room_sessions[self.bootstrap_room] = self.sessions
+        with self._guard:
+            self._grant_running = True
+        try:
+            self.kv_mgr._background.submit(self._grant_all, plans, int(decode_prefix_len or 0))
+        except RuntimeError:  # the manager is closing
+            with self._guard:
+                self._grant_running = False
+            self._fail("kvmove: the engine is closing")
+
+    def _grant_all(self, plans, prefix: int) -> None:
+        """On a manager thread: one grant per prefill stage (the prefix
+        length first, if any)."""
+        engine = self.kv_mgr.engine
+        sessions = self.sessions
+        try:
+            for peer, ranges in plans:
+                with self._guard:
+                    if self.told:
+                        break
+                try:
+                    if prefix:
+                        engine.notify(peer, _META + b"p %d %d" % (self.bootstrap_room, prefix))
+                    s = engine.receive(peer, self.bootstrap_room, ranges, deadline=self.kv_mgr.deadline)
+                except kvmove.TransferError as e:
+                    self._grant_error = _describe(e, f"grant to {peer} refused")
+                    break
+                with self._guard:
+                    sessions.append((peer, s))
+                    late = self.told
+                if late:
+                    # The request ended while this grant went out.
+                    _cancel_quietly(s)
+        finally:
+            with self._guard:
+                self._grant_running = False
+                cleared = self._cleared
+            if cleared:
+                _retire(self.kv_mgr, self.bootstrap_room, sessions)
 
     def _poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
-        if not self.sessions:
+        if self._grant_running:
+            return KVPoll.WaitingForInput
+        if self._grant_error is not None:
+            self._fail(self._grant_error)
+            return KVPoll.Failed
+        with self._guard:
+            sessions = list(self.sessions)
+        if not sessions:
             # Before the grant: SGLang's discovery state (no waiting timer
             # here: init_time stays unset, the session's deadline replaces it).
             return super()._poll()
         values = []
-        for _, s in self.sessions:
+        for _, s in sessions:
             state = s.poll()
             value = _POLL.get(state, KVPoll.Failed)
             if value == KVPoll.Failed:
@@ -1063,7 +1143,13 @@ class KvmoveKVReceiver(CommonKVReceiver):
 
     def _clear(self) -> None:
         super()._clear()
-        sessions, self.sessions = self.sessions, []
+        with self._guard:
+            self._cleared = True
+            sessions, self.sessions = self.sessions, []
+            busy = self._grant_running
+        if busy:
+            # The grant task retires the sessions when it ends.
+            return
         if sessions:
             self.kv_mgr.later(_retire, self.kv_mgr, self.bootstrap_room, sessions)
         elif self.kv_mgr._room_sessions.get(self.bootstrap_room) is sessions:
