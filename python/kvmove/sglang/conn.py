@@ -289,10 +289,10 @@ class KvmoveKVManager(CommonKVManager):
         # scheduler's thread.
         self._background = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvmove-sglang")
         # Prefill: grants seen and not yet claimed (room -> peer), decode
-        # prefix lengths announced (room -> tokens), rooms whose request
-        # ended before its grant came (a grant for them is refused).
+        # prefix lengths announced ((peer, room) -> tokens), rooms whose
+        # request ended before its grant came (a grant for them is refused).
         self._grants: Dict[int, str] = {}
-        self._prefix: Dict[int, int] = {}
+        self._prefix: Dict[Tuple[str, int], int] = {}
         self._abandoned: Dict[int, float] = {}
         # Rooms whose grant a sender (or a refusal) took: the engine lists a
         # claimed grant until its first write, so a scan must skip them.
@@ -300,9 +300,10 @@ class KvmoveKVManager(CommonKVManager):
         self._last_scan = 0.0
         # Prefill with pipeline stages: rooms whose grant this rank still
         # awaits (the watch thread publishes it to SGLang's PP consensus),
-        # and the decode's verdicts on whole requests (room -> landed?).
+        # and the decode's verdicts on whole requests ((peer, room) ->
+        # landed?), kept for the rooms whose verdict is awaited.
         self._awaiting: set = set()
-        self._verdicts: Dict[int, bool] = {}
+        self._verdicts: Dict[Tuple[str, int], bool] = {}
         self._waiting_verdict: set = set()
         # Rooms the decode ended before this side's session existed.
         self._ended: Dict[int, float] = {}
