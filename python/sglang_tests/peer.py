@@ -679,36 +679,58 @@ def run_decode_queue(cfg: dict) -> dict:
     pages are allocated, its pages held a while after landing (the decode
     running), and SGLang's own poll reduction with its metadata gate (a
     request is done only once its auxiliary row, written by the prefill,
-    carries its bootstrap room) deciding when a request has landed."""
+    carries its bootstrap room) deciding when a request has landed. With
+    ``decode_phases``, one prefill after the other (the next once every
+    request of the one before ended)."""
+    init_gloo(cfg["gloo_port"])
+    classes, mgr, kv, mb, _ = setup("decode", dict(cfg, metadata_buffers=True))
+    phases = cfg.get("decode_phases") or [
+        {"bootstrap_port": cfg["bootstrap_port"], "requests": cfg["requests"][cfg.get("first_request", 0) :]}
+    ]
+    emit(event="ready", engine=mgr.engine.session_id)
+    results = []
+    for phase, spec in enumerate(phases):
+        got = serve_decode(cfg, classes, mgr, kv, mb, spec)
+        if got.get("crash") or got.get("error"):
+            return dict(got, role="decode")
+        results.append(got)
+        emit(event="phase", phase=phase, **got)
+    if len(results) == 1:
+        return dict(results[0], role="decode")
+    return {"role": "decode", "crash": None, "phases": results}
+
+
+def serve_decode(cfg: dict, classes, mgr, kv, mb, spec: dict) -> dict:
+    """One prefill's requests (``spec``) through the decode: see
+    run_decode_queue."""
     import numpy as np
 
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, ReqToMetadataIdxAllocator, poll_and_all_reduce
     from sglang.srt.mem_cache.common import kv_to_page_num
 
-    init_gloo(cfg["gloo_port"])
-    classes, mgr, kv, mb, _ = setup("decode", dict(cfg, metadata_buffers=True))
     item, ps = cfg["item"], cfg["page_size"]
-    addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+    addr = f"127.0.0.1:{spec['bootstrap_port']}"
     deadline = time.monotonic() + cfg["timeout"]
     while not mgr.try_ensure_parallel_info(addr):
         if time.monotonic() > deadline:
-            return {"role": "decode", "error": f"the prefill at {addr} never registered"}
+            return {"error": f"the prefill at {addr} never registered"}
         time.sleep(0.2)
     slots = ReqToMetadataIdxAllocator(cfg["aux_rows"])
     free_pages = list(range(cfg["decode_pages"]))
     free_pages = free_pages[1::2] + free_pages[0::2]
     waiting, transfer, running = [], [], []
     reqs = {}
-    for room, tokens in cfg["requests"][cfg.get("first_request", 0) :]:
+    stage_ports = set()
+    for room, tokens in spec["requests"]:
         recv = classes[KVClassType.RECEIVER](mgr=mgr, bootstrap_addr=addr, bootstrap_room=room)
         recv.init(0)
+        stage_ports.update(int(info["rank_port"]) for info, _ in recv.targets)
         r = Stub(room=room, recv=recv, pages=kv_to_page_num(tokens, ps), dst=None, metadata_buffer_index=-1,
                  req=Stub(bootstrap_host="127.0.0.1"), states=[], log=[], granted_at=None)
         logged_polls(recv, r.log)
         reqs[room] = r
         waiting.append(r)
-    emit(event="ready", engine=mgr.engine.session_id)
     started = time.monotonic()
     granted = 0
     out = {}
@@ -723,17 +745,21 @@ def run_decode_queue(cfg: dict) -> dict:
             r.granted_at = time.monotonic() - started
             transfer.append(r)
             granted += 1
-            if granted == cfg.get("die_after_grants"):
-                # Killed mid-transfer: the prefill has these grants and is
-                # writing (or about to). The grants go out on the manager's
-                # threads: wait until they did (each receiver holds its
-                # session), at most 5 s.
+            if granted in (cfg.get("die_after_grants"), spec.get("announce_after_grants")):
+                # The grants go out on the manager's threads: wait until
+                # they did (each receiver holds its sessions), at most 5 s.
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < 5 and not all(len(x.recv.sessions) == len(x.recv.targets) for x in transfer):
                     time.sleep(0.001)
+            if granted == cfg.get("die_after_grants"):
+                # Killed mid-transfer: the prefill has these grants and is
+                # writing (or about to).
                 time.sleep(cfg.get("die_delay", 0.0))
                 emit(event="dying", t=time.monotonic())
                 os.kill(os.getpid(), signal.SIGKILL)
+            if granted == spec.get("announce_after_grants"):
+                # The test kills the prefill now.
+                emit(event="granted", n=granted, t=time.monotonic())
         max_in_flight = max(max_in_flight, len(transfer))
         if transfer:
             polls = poll_and_all_reduce([r.recv for r in transfer], None, decode_reqs=transfer, metadata_buffers=mb)
@@ -755,12 +781,17 @@ def run_decode_queue(cfg: dict) -> dict:
                     try:
                         r.recv.failure_exception()
                     except Exception as e:  # noqa: BLE001
-                        out[r.room] = {"state": "failed", "error": str(e), "failed_after": time.monotonic() - started}
+                        out[r.room] = {
+                            "state": "failed",
+                            "error": str(e),
+                            "failed_after": time.monotonic() - started,
+                            "t": time.monotonic(),
+                        }
                     running.append((0.0, r))
                 elif poll in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring):
                     keep.append(r)
                 else:
-                    return {"role": "decode", "crash": f"ValueError: Unexpected poll case: {poll}"}
+                    return {"crash": f"ValueError: Unexpected poll case: {poll}"}
             transfer = keep
         # Requests that finished decoding give their pages and slot back
         # (SGLang's clear_slot resets the row's bootstrap room).
@@ -774,7 +805,17 @@ def run_decode_queue(cfg: dict) -> dict:
     rooms = {}
     for room, r in reqs.items():
         rooms[str(room)] = dict(out.get(room, {"state": "timeout"}), states=r.log, granted_after=r.granted_at)
-    return {"role": "decode", "crash": None, "rooms": rooms, "max_in_flight": max_in_flight}
+    links, took = settle(lambda: tcp_links(mgr.engine_port, stage_ports), spec.get("settle_to", -1))
+    return {
+        "crash": None,
+        "rooms": rooms,
+        "max_in_flight": max_in_flight,
+        "links": links,
+        "settled_in": took,
+        "stage_ports": sorted(stage_ports),
+    }
+
+
 
 
 def main() -> None:

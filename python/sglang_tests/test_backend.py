@@ -456,3 +456,58 @@ def test_pipeline_stages_fail_alike_when_the_decode_is_killed_and_serve_a_new_on
             assert dr["state"] == "success" and dr["bad"] == [], (room, dr)
     for p in (p0, p1):
         assert p["links"].get(str(dead_port), 0) == 0, p["links"]
+
+
+def test_the_decode_survives_a_prefill_with_pipeline_stages_killed_mid_transfer():
+    """Two prefill stages; the decode grants its first four requests, then
+    both stage processes are SIGKILLed (a prefill instance dies whole).
+    Every request of that prefill ends on the decode (none waits for ever):
+    those that had not landed fail within kvmove's liveness timeout of the
+    kill; the decode's kvmove sockets to the dead stages close; then the
+    decode serves a new two-stage prefill (a new bootstrap server), every
+    request byte-exact."""
+    port, port2 = free_port(), free_port()
+    first_reqs = [[6000 + i, 16 * (1 + (i * 3) % 6)] for i in range(8)]
+    second_reqs = [[7000 + i, 16 * (1 + (i * 5) % 6)] for i in range(8)]
+    cfg = base_config(
+        bootstrap_port=port,
+        layers=5,
+        pages=256,
+        decode_pages=40,
+        aux_rows=8,
+        decode_seconds=0.2,
+        chunk_pages=1,
+        timeout=120,
+        pp_size=2,
+    )
+    phases = [
+        {"bootstrap_port": port, "requests": first_reqs, "announce_after_grants": 4, "settle_to": 0},
+        {"bootstrap_port": port2, "requests": second_reqs},
+    ]
+    dist1, dist2 = free_port(), free_port()
+    stages = [Rank("prefill-queue", dict(cfg, pp_rank=r, dist_port=dist1, requests=first_reqs)) for r in range(2)]
+    decode = Rank("decode-queue", dict(cfg, pp_size=1, gloo_port=free_port(), decode_phases=phases))
+    second = []
+    try:
+        killed = decode.wait_for("granted")["t"]
+        for s in stages:
+            s.kill()
+        killed = max(killed, time.monotonic())
+        first = decode.wait_for("phase", timeout=120)
+        cfg2 = dict(cfg, bootstrap_port=port2, requests=second_reqs)
+        second = [Rank("prefill-queue", dict(cfg2, pp_rank=r, dist_port=dist2, linger=30)) for r in range(2)]
+        d = decode.wait_for("result", 240)["result"]
+    finally:
+        for r in stages + second + [decode]:
+            r.kill()
+    assert d["crash"] is None, d["crash"]
+    for room, _ in first_reqs:
+        r = first["rooms"][str(room)]
+        assert r["state"] in ("success", "failed"), (room, r)
+        if r["state"] == "failed":
+            assert r["t"] - killed < LIVENESS + 10, (room, r["t"] - killed, r)
+    assert any(r["state"] == "failed" for r in first["rooms"].values()), first["rooms"]
+    assert first["links"] == 0, first
+    later = d["phases"][1]["rooms"]
+    for room, _ in second_reqs:
+        assert later[str(room)]["state"] == "success" and later[str(room)]["bad"] == [], (room, later[str(room)])
