@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import List
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
 
 
@@ -284,6 +282,7 @@ def test_a_prefill_killed_mid_transfer_fails_its_requests_and_the_decode_serves_
 
 
 BOOTSTRAP_TIMEOUT = 2  # seconds: SGLang's default is 300
+KVPoll_Failed = 0  # SGLang's KVPoll.Failed (the tests import no SGLang)
 
 
 def replay(timer_control: bool):
@@ -335,8 +334,6 @@ def test_field_report_replay_a_saturated_decode_stalls_no_request_and_crashes_no
         assert KVPoll_Failed not in pr["states"], (room, pr["states"])
         assert pr["states"][0] == 1 and pr["states"] == sorted(pr["states"]), (room, pr["states"])
 
-
-KVPoll_Failed = 0
 
 
 def test_field_report_replay_fails_with_a_timer_counted_from_arrival():
