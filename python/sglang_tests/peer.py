@@ -33,6 +33,18 @@ def fill(room: int, pos: int, buf: int, item: int) -> bytes:
     return (head + body)[:item]
 
 
+def bad_pages(kv, dst, room: int, item: int, first: int = 0) -> list:
+    """``[position, buffer]`` of each landed page (``dst``: the decode's
+    page of each position from ``first`` on) whose bytes are not the
+    prefill's."""
+    bad = []
+    for k, p in enumerate(dst):
+        for b, t in enumerate(kv):
+            if bytes(t[p * item : (p + 1) * item].numpy()) != fill(room, first + k, b, item):
+                bad.append([first + k, b])
+    return bad
+
+
 def state_fill(room: int, buf: int, item: int) -> bytes:
     head = b"state:%d:%d:" % (buf, room)
     return (head + bytes((room * 3 + buf + i) % 241 for i in range(item)))[:item]
@@ -393,13 +405,7 @@ def run_decode(cfg: dict) -> dict:
                     done[room]["release_safe"] = mgr.is_abort_release_safe(room)
                     done[room]["release_safe_after"] = round(time.monotonic() - t0, 3)
                 elif poll == KVPoll.Success:
-                    bad = []
-                    for k, p in enumerate(r["dst"]):
-                        pos = r["prefix"] + k
-                        for b, t in enumerate(kv):
-                            got = bytes(t[p * item : (p + 1) * item].numpy())
-                            if got != fill(room, pos, b, item):
-                                bad.append([pos, b])
+                    bad = bad_pages(kv, r["dst"], room, item, first=r["prefix"])
                     for b, (t, n) in enumerate(zip(aux, cfg["aux_items"])):
                         got = bytes(t[r["aux"] * n : (r["aux"] + 1) * n].numpy())
                         if got != aux_fill(room, b, n):
@@ -766,11 +772,7 @@ def serve_decode(cfg: dict, classes, mgr, kv, mb, spec: dict) -> dict:
             keep = []
             for r, poll in zip(transfer, polls):
                 if poll == KVPoll.Success:
-                    bad = []
-                    for pos, p in enumerate(r.dst):
-                        for b, t in enumerate(kv):
-                            if bytes(t[p * item : (p + 1) * item].numpy()) != fill(r.room, pos, b, item):
-                                bad.append([pos, b])
+                    bad = bad_pages(kv, r.dst, r.room, item)
                     idx = r.metadata_buffer_index
                     if int(mb.bootstrap_room[idx, 0]) != r.room or int(mb.output_ids[idx, 0]) != r.room % 100000:
                         bad.append(["aux", int(mb.bootstrap_room[idx, 0])])
