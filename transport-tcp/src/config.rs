@@ -152,14 +152,15 @@ pub struct TcpConfig {
     /// [`transport_core::DEFAULT_INBOX`] (1024).
     pub inbox_capacity: usize,
     /// When a deadline or a cancel ends requests whose slices are on the
-    /// wire, the initiator waits this long for the target's answers to
-    /// them before it resets the connections that carry them (rule 5).
-    /// The target answers a slice only once its bytes are applied (for
-    /// device memory, once the copy into the device finished), so what
-    /// answers in time leaves no copy running at the target, and its
-    /// connections live on; what does not (a stalled peer) is reset, as
-    /// before. Must be within [`DRAIN_TIMEOUT_RANGE`] (0..=60 s). Default
-    /// 250 ms.
+    /// wire, the initiator waits for the target's answers to them before
+    /// it resets the connections that carry them (rule 5): until the
+    /// target has been silent this long (each answer starts the wait
+    /// again), at most eight times this long in all. The target answers a
+    /// slice only once its bytes are applied (for device memory, once the
+    /// copy into the device finished), so what answers in time leaves no
+    /// copy running at the target, and its connections live on; what does
+    /// not (a stalled peer) is reset, as before. Must be within
+    /// [`DRAIN_TIMEOUT_RANGE`] (0..=60 s). Default 250 ms.
     #[serde(with = "transport_core::serde_ms")]
     pub drain_timeout: Duration,
     /// Same-host copies: when a peer is a process of this host that this

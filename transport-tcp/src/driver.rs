@@ -28,6 +28,9 @@ use crate::server::Server;
 /// How often a draining batch is checked for its answers (see
 /// [`Inner::quiet`]).
 const DRAIN_POLL: Duration = Duration::from_millis(2);
+/// The most `drain_timeout`s one drain waits in all, however steadily the
+/// target answers.
+const DRAIN_ROUNDS: u32 = 8;
 
 /// An open segment handle.
 #[derive(Debug)]
@@ -246,8 +249,25 @@ impl Inner {
         // so the slices that answer within `drain_timeout` end with no copy
         // left running at the target, and their endpoints live on. A reset
         // alone stops the socket, not a copy the target already started.
-        let until = tokio::time::Instant::now() + self.cfg.drain_timeout;
-        while eps.iter().any(|ep| ep.carries_ended(batch)) && tokio::time::Instant::now() < until {
+        // `drain_timeout` is how long the target may stay silent: every
+        // answer starts it again (a target working through a queue of slow
+        // device copies is drained, not reset under its last copy), up to
+        // `DRAIN_ROUNDS` of them in all (a peer answering just slower than
+        // that is reset all the same).
+        let start = tokio::time::Instant::now();
+        let cap = start + self.cfg.drain_timeout.saturating_mul(DRAIN_ROUNDS);
+        let mut until = start + self.cfg.drain_timeout;
+        let mut left = usize::MAX;
+        loop {
+            let now = tokio::time::Instant::now();
+            let carried: usize = eps.iter().map(|ep| ep.ended_carried(batch)).sum();
+            if carried == 0 || now >= until {
+                break;
+            }
+            if carried < left {
+                left = carried;
+                until = (now + self.cfg.drain_timeout).min(cap);
+            }
             tokio::time::sleep(DRAIN_POLL).await;
         }
         // Every reset is started before any is awaited, so a caller that

@@ -380,6 +380,12 @@ impl Endpoint {
     /// slice stays in its lane's pending map until it ends, also while the
     /// writer streams its payload or the reader receives its answer's.
     pub fn carries_ended(&self, batch: &Arc<Batch>) -> bool {
+        self.ended_carried(batch) > 0
+    }
+
+    /// How many slices of `batch`'s ended requests this endpoint carries
+    /// (on the wire, not yet answered).
+    pub fn ended_carried(&self, batch: &Arc<Batch>) -> usize {
         let reqs: Vec<usize> = self
             .lanes
             .iter()
@@ -393,7 +399,7 @@ impl Endpoint {
                     .collect::<Vec<_>>()
             })
             .collect();
-        reqs.into_iter().any(|i| !batch.is_live(i))
+        reqs.into_iter().filter(|&i| !batch.is_live(i)).count()
     }
 
     /// Queues work for the lanes. Fails it at once if the endpoint died.

@@ -106,8 +106,9 @@
 //! `unregister` the same way (so, unlike a READ through the lanes, none
 //! copies after `unregister` returned).
 //! The rules above hold with one difference for WRITE sources: the peer's
-//! copy reads them until it answers. Ending a request waits
-//! `drain_timeout` for those answers, so normally the source is no longer
+//! copy reads them until it answers. Ending a request waits for those
+//! answers while the peer keeps answering (`drain_timeout` of silence
+//! ends the wait), so normally the source is no longer
 //! read once the request is terminal; a peer that stalls longer (a frozen
 //! process) and then resumes may still read the source of a WRITE already
 //! reported failed, which only changes that failed write's destination

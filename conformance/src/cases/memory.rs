@@ -334,10 +334,11 @@ pub async fn slow_device_copies_stay_quiet(cx: Ctx) -> CaseResult {
     const PARTS: usize = 8;
     const PART: usize = 16 << 10;
     // Each copy slow enough that the 45 ms deadline (or the cancel at
-    // 40 ms) lands while they run, and all eight of one side well inside
-    // a backend's drain of the answers still owed (TCP's `drain_timeout`,
-    // 250 ms: at 30 ms a copy, 240 ms, a CI load of 8 made them outlast it,
-    // and the copy running when the drain gave up landed after the report).
+    // 40 ms) lands while they run, and each well inside a backend's wait
+    // for the answers still owed (TCP's `drain_timeout`, 250 ms of the
+    // target's silence: a drain that gave up while a copy ran would let it
+    // land after the report; when it counted from the end, not from the
+    // last answer, eight copies under a CI load outlasted it).
     const COPY: Duration = Duration::from_millis(15);
     let a = cx.node(&NodeOptions::default()).await?;
     let b = cx.node(&NodeOptions::default()).await?;
