@@ -394,3 +394,76 @@ fn a_rail_without_a_route_is_not_used_and_is_reported_once() {
     assert_eq!(events, Some(1), "opened three times, reported once");
     assert_eq!(gauge, Some(1.0), "one path unusable");
 }
+
+/// Issue 52, the peer's side: each side's rails have a topology (rail 0's
+/// NIC on node 0, rail 1's on node 1) and every local rail is paired with
+/// every peer rail. A source on node 0 written into a destination the peer
+/// holds on node 1 moves over rail 0 to the peer's rail 1 only, as the
+/// peer's descriptor says; a destination the peer registers after it was
+/// opened is learned when a batch first names it; one the peer does not
+/// place is reached from rail 0 over both of the peer's rails.
+#[test]
+fn bytes_go_from_the_rail_near_the_source_to_the_peer_rail_near_the_destination() {
+    use std::collections::BTreeMap;
+    use transport_rails::topology::{Place, Sysfs, Topology};
+    use transport_rails::Pairing;
+    run(async {
+        let fabric = MockFabric::new();
+        let (src, dst, late, unplaced) = (Mem::new(LEN, 1), Mem::new(LEN, 2), Mem::new(LEN, 3), Mem::new(LEN, 4));
+        let proc_a = FakeProc::new("a-src", src.addr(), LEN as u64, 0);
+        let proc_b = FakeProc::new("b-dst", dst.addr(), LEN as u64, 1);
+        let all = RailsConfig { pairing: Pairing::All, ..cfg() };
+        let placed = |tag: &str, proc: &FakeProc| {
+            let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
+            let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+            let rails = vec![host(&fabric, &format!("{tag}.r0")), host(&fabric, &format!("{tag}.r1"))];
+            Rails::placed(rails, None, all.clone(), Some(topo)).unwrap()
+        };
+        let a = placed("a", &proc_a);
+        let b = placed("b", &proc_b);
+        let local = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let by_path = || -> BTreeMap<(usize, usize), u64> {
+            a.paths(seg).unwrap().into_iter().map(|p| ((p.rail.unwrap(), p.peer_rail.unwrap()), p.bytes)).collect()
+        };
+        let write_into = |to: &Mem| {
+            let reqs: Vec<TransferRequest> = (0..LEN as u64 / REQ)
+                .map(|i| TransferRequest::write(local, i * REQ, seg, to.addr() + i * REQ, REQ))
+                .collect();
+            let (a, before) = (a.clone(), by_path());
+            async move {
+                let st = a.wait(a.submit(reqs, SubmitOptions::default()).await.unwrap()).await.unwrap();
+                assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+                let after: BTreeMap<(usize, usize), u64> = a
+                    .paths(seg)
+                    .unwrap()
+                    .into_iter()
+                    .map(|p| ((p.rail.unwrap(), p.peer_rail.unwrap()), p.bytes))
+                    .collect();
+                after.into_iter().map(|(k, v)| (k, v - before[&k])).filter(|&(_, v)| v > 0).collect::<Vec<_>>()
+            }
+        };
+        assert_eq!(by_path().len(), 4, "every rail paired with every peer rail");
+
+        let moved = write_into(&dst).await;
+        assert_eq!(dst.read(), src.read());
+        assert_eq!(moved, vec![((0, 1), LEN as u64)], "rail 0 to the peer's rail 1 only");
+
+        // Registered on the peer after it was opened, also on node 1: the
+        // batch that first names it reads the peer's descriptor again.
+        transport_rails::topology::fabricate::proc_placing(&proc_b.0, late.addr(), LEN as u64, 1).unwrap();
+        b.register(late.region(), Access::REMOTE_RW).unwrap();
+        let moved = write_into(&late).await;
+        assert_eq!(late.read(), src.read());
+        assert_eq!(moved, vec![((0, 1), LEN as u64)], "learned with the region: rail 0 to the peer's rail 1");
+
+        // Not placed by the peer (not in its fake /proc): both peer rails.
+        b.register(unplaced.region(), Access::REMOTE_RW).unwrap();
+        let moved = write_into(&unplaced).await;
+        assert_eq!(unplaced.read(), src.read());
+        let rails: Vec<(usize, usize)> = moved.iter().map(|m| m.0).collect();
+        assert_eq!(rails, vec![(0, 0), (0, 1)], "from rail 0 over both of the peer's rails: {moved:?}");
+        assert!(dst.canaries_intact() && late.canaries_intact() && unplaced.canaries_intact());
+    });
+}

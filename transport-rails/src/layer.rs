@@ -63,7 +63,7 @@ use transport_core::{
 };
 
 use crate::drive::*;
-use crate::paths::{pair, Pairing, PathHealth, PathState, RailList, RailsConfig, Reachability, MAX_RAILS};
+use crate::paths::{pair, NearList, Pairing, PathHealth, PathState, RailList, RailsConfig, Reachability, MAX_RAILS};
 use crate::state::*;
 use crate::topology::Topology;
 
@@ -137,14 +137,17 @@ impl Rails {
             rails: rails.iter().map(|t| t.local_segment_name()).collect(),
             tcp: fallback.as_ref().map(|t| t.local_segment_name()),
         };
-        if rails.len() > 1 || fallback.is_some() {
+        let name = list.rails[0].clone();
+        let list = if rails.len() > 1 || fallback.is_some() {
             rails[0].advertise(&list.format()).map_err(|e| e.with("rails", "rail 0 must advertise the others"))?;
-        }
+            Some(list)
+        } else {
+            None
+        };
         let n = rails.len();
         let mut all = rails;
         all.extend(fallback);
         let max_batch = all.iter().map(|t| t.capabilities().max_batch_len.max(1)).collect();
-        let name = list.rails[0].clone();
         let inner = Arc::new(Inner {
             all,
             rails: n,
@@ -153,6 +156,8 @@ impl Rails {
             epoch: Epoch::start(),
             max_batch,
             topology,
+            list,
+            near_capped: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State {
                 shutdown: false,
                 regions: BTreeMap::new(),
@@ -195,6 +200,31 @@ impl Rails {
     /// The rails (then the fallback) this transport drives.
     pub fn transports(&self) -> &[Arc<dyn Transport>] {
         &self.inner.all
+    }
+}
+
+/// With a topology, rail 0's descriptor lists the rails nearest each
+/// region peers may reach ([`NearList`]), so a peer sends its bytes over
+/// the paths that end there. Called under the state lock after every
+/// change, so the list advertised last is the current one.
+fn advertise_near(inner: &Inner, st: &State) {
+    let (Some(list), Some(_)) = (&inner.list, &inner.topology) else { return };
+    let every = u32::try_from(inner.rails).ok().and_then(|n| 1u32.checked_shl(n)).map_or(u32::MAX, |b| b - 1);
+    let ranges = st
+        .regions
+        .values()
+        .filter(|r| r.remote && r.near & every != every)
+        .map(|r| (r.addr, r.len, r.near & every))
+        .collect();
+    let (near, over) = NearList::new(ranges);
+    if over > 0 && !inner.near_capped.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            left_out = over,
+            "rails: more regions keep to some rails than the descriptor lists; peers send to the rest over every rail"
+        );
+    }
+    if let Err(e) = inner.all[0].advertise(&format!("{}{}", list.format(), near.format())) {
+        tracing::warn!(error = %e, "rails: rail 0 could not advertise the rails nearest each region");
     }
 }
 
@@ -272,7 +302,9 @@ impl Transport for Rails {
         }
         st.next_region += 1;
         let id = RegionId(st.next_region);
-        st.regions.insert(id, Region { ids, len: mem.len() as u64, near });
+        let (addr, remote) = (mem.addr(), access.is_remote());
+        st.regions.insert(id, Region { ids, addr, len: mem.len() as u64, near, remote });
+        advertise_near(inner, &st);
         drop(st);
         if let Some((place, rails)) = chosen {
             let names: Vec<&str> =
@@ -290,6 +322,9 @@ impl Transport for Rails {
                 return Err(Error::shut_down());
             }
             let r = st.regions.remove(&region).ok_or_else(|| Error::unknown_region(region))?;
+            if r.remote {
+                advertise_near(inner, &st);
+            }
             let why = EndReason::Failed(Error::region_unregistered(region));
             for (_, b) in st.batches.iter_mut() {
                 let targets = &b.targets;
@@ -320,7 +355,7 @@ impl Transport for Rails {
         let rail0 = &inner.all[0];
         let control = rail0.open_segment(name).await?;
         match self.open_paths(name, control).await {
-            Ok(paths) => {
+            Ok((paths, peer_near, peer_address)) => {
                 let refused = {
                     let mut st = inner.state.lock();
                     if st.shutdown {
@@ -330,7 +365,15 @@ impl Transport for Rails {
                         let id = SegmentId(st.next_segment);
                         st.segments.insert(
                             id,
-                            Seg { name: name.to_string(), control, paths, closing: false, refreshing: false },
+                            Seg {
+                                name: name.to_string(),
+                                control,
+                                paths,
+                                closing: false,
+                                refreshing: false,
+                                peer_near,
+                                peer_address,
+                            },
                         );
                         return Ok(id);
                     }
@@ -416,7 +459,8 @@ impl Transport for Rails {
             }
             controls
         };
-        self.check_remote(&requests, &controls).await?;
+        let descs = self.check_remote(&requests, &controls).await?;
+        self.learn_near(&descs)?;
         let slice = inner.cfg.slice_size;
         let units: Vec<u64> = requests.iter().map(|r| r.len.div_ceil(slice)).collect();
         // One entry per request: slices are cut as they are handed out, so

@@ -280,6 +280,126 @@ impl RailList {
 /// Most rails per transport (and per advertised list).
 pub const MAX_RAILS: usize = 16;
 
+/// Most ranges a [`NearList`] holds (about 30 bytes of descriptor each).
+pub const MAX_NEAR: usize = 1024;
+
+const NEAR_OPEN: &str = "near(";
+
+/// The rails nearest each region a transport lets its peers reach, written
+/// after its [`RailList`] in rail 0's descriptor address:
+/// `near(<addr>+<len>:<mask>,...)` (hexadecimal; bit `k` of the mask is
+/// rail `k`). A peer sending to one of those ranges prefers the paths that
+/// end on those rails, so the bytes arrive through the NIC nearest the
+/// memory that holds them. Only regions that keep to some of the rails are
+/// listed; anything else is served by every rail. Sorted by address, the
+/// ranges never overlap.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NearList {
+    ranges: Vec<(u64, u64, u32)>,
+}
+
+impl NearList {
+    /// The list of `(addr, len, mask)` ranges: sorted, ranges that touch
+    /// with the same mask merged, empty ranges, empty masks and ranges
+    /// overlapping an earlier one dropped, at most [`MAX_NEAR`] kept.
+    /// Returns it and how many ranges were left out past the bound.
+    pub fn new(mut ranges: Vec<(u64, u64, u32)>) -> (Self, usize) {
+        ranges.sort_unstable();
+        let mut out: Vec<(u64, u64, u32)> = Vec::with_capacity(ranges.len().min(MAX_NEAR));
+        let mut over = 0;
+        for (addr, len, mask) in ranges {
+            let Some(end) = addr.checked_add(len) else { continue };
+            if len == 0 || mask == 0 {
+                continue;
+            }
+            if let Some(last) = out.last_mut() {
+                let last_end = last.0.saturating_add(last.1);
+                if addr < last_end {
+                    continue;
+                }
+                if addr == last_end && mask == last.2 {
+                    last.1 = end - last.0;
+                    continue;
+                }
+            }
+            if out.len() == MAX_NEAR {
+                over += 1;
+                continue;
+            }
+            out.push((addr, len, mask));
+        }
+        (Self { ranges: out }, over)
+    }
+
+    /// The text to append to the descriptor address (empty for an empty
+    /// list, so a transport without a topology advertises what it did).
+    pub fn format(&self) -> String {
+        if self.ranges.is_empty() {
+            return String::new();
+        }
+        let body: Vec<String> = self.ranges.iter().map(|(a, l, m)| format!("{a:x}+{l:x}:{m:x}")).collect();
+        format!(" {NEAR_OPEN}{})", body.join(","))
+    }
+
+    /// The list in a peer's descriptor `address`, whose advertised rails
+    /// number `rails` (empty if it has none). The peer controls this text:
+    /// anything malformed, a mask naming a rail it does not have,
+    /// overlapping ranges or more than [`MAX_NEAR`] of them is a `Protocol`
+    /// error.
+    pub fn parse(address: &str, rails: usize) -> Result<Self> {
+        let Some(start) = address.find(NEAR_OPEN) else { return Ok(Self::default()) };
+        let bad = |why: &str| {
+            Error::new(ErrorKind::Protocol, format!("bad list of near rails in the peer's descriptor: {why}"))
+        };
+        let rest = &address[start + NEAR_OPEN.len()..];
+        let body = &rest[..rest.find(')').ok_or_else(|| bad("no closing parenthesis"))?];
+        let allowed = u32::try_from(rails).ok().and_then(|r| 1u32.checked_shl(r)).map_or(u32::MAX, |b| b - 1);
+        let mut ranges = Vec::new();
+        for entry in body.split(',').filter(|e| !e.is_empty()) {
+            if ranges.len() == MAX_NEAR {
+                return Err(bad(&format!("more than {MAX_NEAR} ranges")));
+            }
+            let hex = |t: &str| u64::from_str_radix(t, 16).ok().filter(|_| !t.is_empty() && t.len() <= 16);
+            let (range, mask) = entry.split_once(':').ok_or_else(|| bad("an entry without ':'"))?;
+            let (addr, len) = range.split_once('+').ok_or_else(|| bad("an entry without '+'"))?;
+            let (Some(addr), Some(len), Some(mask)) = (hex(addr), hex(len), hex(mask)) else {
+                return Err(bad("an entry that is not hexadecimal"));
+            };
+            let mask = u32::try_from(mask).map_err(|_| bad("a mask wider than 32 rails"))?;
+            if len == 0 || addr.checked_add(len).is_none() {
+                return Err(bad("an empty range, or one past the end of the address space"));
+            }
+            if mask == 0 || mask & !allowed != 0 {
+                return Err(bad(&format!("a mask {mask:#x} naming no rail or one of more than {rails}")));
+            }
+            ranges.push((addr, len, mask));
+        }
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(bad("overlapping ranges"));
+        }
+        Ok(Self { ranges })
+    }
+
+    /// The rails nearest the memory at `addr` (a mask), or every rail
+    /// (`u32::MAX`) where the list says nothing.
+    pub fn mask_at(&self, addr: u64) -> u32 {
+        let i = self.ranges.partition_point(|r| r.0 <= addr);
+        match i.checked_sub(1).map(|i| self.ranges[i]) {
+            Some((a, l, m)) if addr - a < l => m,
+            _ => u32::MAX,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+}
+
 /// The 64-bit subnet prefix of a GID written as `gid=<32 hex digits>` in a
 /// descriptor address (RDMA), if there is one.
 pub fn gid_prefix(address: &str) -> Option<&str> {
@@ -471,6 +591,42 @@ mod tests {
         }
         assert_eq!(h.paused_until(ms(2002)), Some(ms(2102)), "back to the first pause");
         assert_eq!(h.pauses(), 5);
+    }
+
+    /// Issue 52: the near rails each region advertises survive the trip
+    /// through a descriptor, are found by address, and a peer's malformed
+    /// or oversized list is refused, never trusted.
+    #[test]
+    fn near_lists_round_trip_and_hostile_ones_are_refused() {
+        let (l, over) = NearList::new(vec![(0x3000, 0x1000, 0b10), (0x1000, 0x1000, 0b01), (0x2000, 0x1000, 0b01)]);
+        assert_eq!((l.len(), over), (2, 0), "touching ranges of one mask merged: {l:?}");
+        let addr = format!("10.0.0.1:5000 gid=fe80 {} {}", RailList::default().format(), l.format());
+        let back = NearList::parse(&addr, 2).unwrap();
+        assert_eq!(back, l);
+        assert_eq!((back.mask_at(0x1000), back.mask_at(0x2fff), back.mask_at(0x3000)), (1, 1, 2));
+        assert_eq!((back.mask_at(0xfff), back.mask_at(0x4000)), (u32::MAX, u32::MAX), "outside: every rail");
+        assert_eq!(NearList::parse("10.0.0.1:5000 rails(a,b)", 2).unwrap(), NearList::default());
+        assert_eq!(NearList::new(Vec::new()).0.format(), "", "nothing to say: the address as before");
+        let (capped, over) = NearList::new((0..MAX_NEAR as u64 + 5).map(|i| (i * 0x2000, 0x1000, 1)).collect());
+        assert_eq!((capped.len(), over), (MAX_NEAR, 5));
+        assert_eq!(NearList::parse(&capped.format(), 1).unwrap(), capped);
+        let too_many = format!("near({})", vec!["0+1:1"; MAX_NEAR + 1].join(","));
+        for bad in [
+            "near(1000+1000:4)".to_owned(),          // rail 2 of 2
+            "near(1000+1000:0)".to_owned(),          // no rail
+            "near(1000+0:1)".to_owned(),             // empty
+            "near(ffffffffffffffff+2:1)".to_owned(), // past the end
+            "near(1000+1000:1,1800+10:2)".to_owned(),
+            "near(1000+1000:1".to_owned(),
+            "near(1000:1)".to_owned(),
+            "near(x+1:1)".to_owned(),
+            "near(1+1:100000000)".to_owned(),
+            "near(00000000000000001+1:1)".to_owned(),
+            too_many,
+        ] {
+            let e = NearList::parse(&bad, 2).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Protocol, "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use transport_core::{
     BatchId, BatchStatus, Error, ErrorKind, RegionId, RequestStatus, Result, SegmentId, TransferRequest,
 };
 
-use crate::paths::{max_moves, PathState, PathVerdict, RailsConfig};
+use crate::paths::{max_moves, NearList, PathState, PathVerdict, RailsConfig};
 use crate::state::*;
 
 impl Inner {
@@ -52,7 +52,7 @@ impl Inner {
                 keep.push_back(slice);
                 continue;
             };
-            let near = near_of(&st.regions, &reqs[slice.req]);
+            let near = wants(&st.regions, &seg.peer_near, &reqs[slice.req], &slice);
             match choose(seg, seg_id, mine, now, &self.cfg, near) {
                 Choice::Path(pi) => {
                     let path = &mut seg.paths[pi];
@@ -63,7 +63,7 @@ impl Inner {
                     let mut next = Some(slice);
                     while let Some(mut s) = next.take() {
                         if !b.ledger.is_live(s.req) {
-                            next = pop_for(queue, seg_id, reqs, &st.regions, near); // decided: dropped whole
+                            next = pop_for(queue, seg_id, reqs, &st.regions, &seg.peer_near, near); // decided: dropped whole
                             continue;
                         }
                         if s.len > self.cfg.slice_size {
@@ -79,11 +79,11 @@ impl Inner {
                         let r = &reqs[s.req];
                         let Some(region) = st.regions.get(&r.local) else {
                             // Unregistered since: the request was decided.
-                            next = pop_for(queue, seg_id, reqs, &st.regions, near);
+                            next = pop_for(queue, seg_id, reqs, &st.regions, &seg.peer_near, near);
                             continue;
                         };
                         if !b.ledger.start(s.req) {
-                            next = pop_for(queue, seg_id, reqs, &st.regions, near);
+                            next = pop_for(queue, seg_id, reqs, &st.regions, &seg.peer_near, near);
                             continue;
                         }
                         requests.push(TransferRequest {
@@ -99,7 +99,7 @@ impl Inner {
                         if sub.bytes >= self.cfg.chunk_bytes || requests.len() >= max {
                             break;
                         }
-                        next = pop_for(queue, seg_id, reqs, &st.regions, near);
+                        next = pop_for(queue, seg_id, reqs, &st.regions, &seg.peer_near, near);
                     }
                     if sub.slices.is_empty() {
                         continue;
@@ -250,26 +250,59 @@ impl Inner {
     }
 }
 
-/// The next queued slice for the same segment, if it is at the front.
+/// The rails a slice keeps to, on either end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Near {
+    /// Ours nearest its local memory (bit `k`: rail `k`).
+    pub(crate) local: u32,
+    /// The peer's nearest its remote memory (bit `j`: the peer's rail `j`),
+    /// as the peer's descriptor says ([`NearList`]).
+    pub(crate) peer: u32,
+}
+
+impl Near {
+    /// Every rail on both ends.
+    #[cfg(test)]
+    pub(crate) const ANY: Near = Near { local: u32::MAX, peer: u32::MAX };
+
+    #[cfg(test)]
+    pub(crate) fn local(local: u32) -> Near {
+        Near { local, peer: u32::MAX }
+    }
+}
+
 /// The next queued slice when it goes to the same segment over the same
-/// rails (its region's [`near_of`] is `near`): one sub-batch carries it too.
+/// rails (its [`wants`] are `near`): one sub-batch carries it too.
 pub(crate) fn pop_for(
     queue: &mut VecDeque<Slice>,
     seg: SegmentId,
     reqs: &[TransferRequest],
     regions: &BTreeMap<RegionId, Region>,
-    near: u32,
+    peer_near: &NearList,
+    near: Near,
 ) -> Option<Slice> {
     match queue.front() {
-        Some(s) if reqs[s.req].segment == seg && near_of(regions, &reqs[s.req]) == near => queue.pop_front(),
+        Some(s) if reqs[s.req].segment == seg && wants(regions, peer_near, &reqs[s.req], s) == near => {
+            queue.pop_front()
+        }
         _ => None,
     }
 }
 
-/// The rails a request's local region keeps to (a mask; every rail for a
-/// region registered without a topology, or unregistered since).
-pub(crate) fn near_of(regions: &BTreeMap<RegionId, Region>, req: &TransferRequest) -> u32 {
-    regions.get(&req.local).map_or(u32::MAX, |r| r.near)
+/// The rails a slice of `req` keeps to: on our side those nearest its
+/// local region (every rail for a region registered without a topology,
+/// or unregistered since), on the peer's those its descriptor names for
+/// the remote memory at the slice (every rail where it names none).
+pub(crate) fn wants(
+    regions: &BTreeMap<RegionId, Region>,
+    peer_near: &NearList,
+    req: &TransferRequest,
+    slice: &Slice,
+) -> Near {
+    Near {
+        local: regions.get(&req.local).map_or(u32::MAX, |r| r.near),
+        peer: peer_near.mask_at(req.remote_addr.saturating_add(slice.off)),
+    }
 }
 
 pub(crate) enum Choice {
@@ -281,21 +314,27 @@ pub(crate) enum Choice {
 /// The path for the next sub-batch of a batch to `seg`: a path on
 /// probation (one sub-batch at a time: its probe), else the RDMA path with
 /// room and the fewest bytes in flight while any is up, else the fallback.
-/// Only among the paths of the rails in `near` (bit `k`: rail `k`) while
-/// any of them is up: a region's bytes keep to the rails nearest its
-/// memory (waiting for room on them), and take the others only while
-/// those are down (paused, or on probation after a pause).
+/// Only among the paths near the memory while any of them is up: those
+/// from a rail in `near.local` to a peer rail in `near.peer` first, else
+/// those from a rail in `near.local`, else those to a peer rail in
+/// `near.peer`. A region's bytes keep to the rails nearest its memory
+/// (waiting for room on them), and take the others only while those are
+/// down (paused, or on probation after a pause).
 pub(crate) fn choose(
     seg: &Seg,
     id: SegmentId,
     mine: &HashMap<(SegmentId, usize), usize>,
     now: Duration,
     cfg: &RailsConfig,
-    near: u32,
+    near: Near,
 ) -> Choice {
-    let is_near = |p: &Path| !p.fallback && near & 1u32.checked_shl(p.k as u32).unwrap_or(0) != 0;
-    let keep_near = seg.paths.iter().any(|p| is_near(p) && p.health.state(now) == PathState::Up);
-    let allowed = |p: &Path| !keep_near || is_near(p);
+    let bit = |k: usize| u32::try_from(k).ok().and_then(|k| 1u32.checked_shl(k)).unwrap_or(0);
+    let ours = |p: &Path| !p.fallback && near.local & bit(p.k) != 0;
+    let theirs = |p: &Path| !p.fallback && p.peer.is_some_and(|j| near.peer & bit(j) != 0);
+    let both = |p: &Path| ours(p) && theirs(p);
+    let tiers: [&dyn Fn(&Path) -> bool; 3] = [&both, &ours, &theirs];
+    let tier = tiers.into_iter().find(|t| seg.paths.iter().any(|p| t(p) && p.health.state(now) == PathState::Up));
+    let allowed = |p: &Path| tier.is_none_or(|t| t(p));
     let room = |i: usize, p: &Path| {
         let mine = mine.get(&(id, i)).copied().unwrap_or(0);
         match p.health.state(now) {
@@ -369,7 +408,15 @@ mod tests {
     }
 
     fn seg(paths: Vec<Path>) -> Seg {
-        Seg { name: "peer".into(), control: SegmentId(1), paths, closing: false, refreshing: false }
+        Seg {
+            name: "peer".into(),
+            control: SegmentId(1),
+            paths,
+            closing: false,
+            refreshing: false,
+            peer_near: NearList::default(),
+            peer_address: String::new(),
+        }
     }
 
     fn pause(p: &mut Path, now: Duration, cfg: &RailsConfig) {
@@ -394,11 +441,11 @@ mod tests {
         let now = Duration::from_secs(1);
         let mut mine = HashMap::new();
         s.paths[0].inflight = 10;
-        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, u32::MAX)), Some(1));
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, Near::ANY)), Some(1));
         mine.insert((id, 1), 1);
-        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, u32::MAX)), Some(0));
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, Near::ANY)), Some(0));
         mine.insert((id, 0), 1);
-        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, u32::MAX)), None, "both full: wait, never the fallback");
+        assert_eq!(picked(choose(&s, id, &mine, now, &cfg, Near::ANY)), None, "both full: wait, never the fallback");
     }
 
     #[test]
@@ -409,25 +456,25 @@ mod tests {
         let t0 = Duration::from_secs(1);
         let mine = HashMap::new();
         pause(&mut s.paths[0], t0, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, u32::MAX)), Some(1), "paused: skipped");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, Near::ANY)), Some(1), "paused: skipped");
         pause(&mut s.paths[1], t0, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, u32::MAX)), Some(2), "no rail up: the fallback");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, Near::ANY)), Some(2), "no rail up: the fallback");
         let later = t0 + Duration::from_millis(150);
         assert_eq!(
-            picked(choose(&s, id, &mine, later, &cfg, u32::MAX)),
+            picked(choose(&s, id, &mine, later, &cfg, Near::ANY)),
             Some(0),
             "back from its pause: the probe first"
         );
         s.paths[0].subs = 1;
         s.paths[1].subs = 1;
         assert_eq!(
-            picked(choose(&s, id, &mine, later, &cfg, u32::MAX)),
+            picked(choose(&s, id, &mine, later, &cfg, Near::ANY)),
             Some(2),
             "probes out: the rest over the fallback"
         );
         let _ = s.paths[1].health.success(later, &cfg);
         s.paths[1].subs = 0;
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, u32::MAX)), Some(1), "a rail is back: off the fallback");
+        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, Near::ANY)), Some(1), "a rail is back: off the fallback");
     }
 
     #[test]
@@ -439,23 +486,83 @@ mod tests {
         let mut mine = HashMap::new();
         let near = 0b10; // rail 1 only
         s.paths[1].inflight = 1 << 20;
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(1), "the near rail, though busier");
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, u32::MAX)), Some(0), "without a topology: the least loaded");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, Near::local(near))), Some(1), "the near rail, though busier");
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, Near::ANY)), Some(0), "without a topology: the least loaded");
         mine.insert((id, 1), 1);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), None, "the near rail full: wait, never the far one");
+        assert_eq!(
+            picked(choose(&s, id, &mine, t0, &cfg, Near::local(near))),
+            None,
+            "the near rail full: wait, never the far one"
+        );
         mine.clear();
         pause(&mut s.paths[1], t0, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(0), "the near rail down: the far one");
+        assert_eq!(
+            picked(choose(&s, id, &mine, t0, &cfg, Near::local(near))),
+            Some(0),
+            "the near rail down: the far one"
+        );
         pause(&mut s.paths[0], t0, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(2), "every rail down: the fallback");
+        assert_eq!(
+            picked(choose(&s, id, &mine, t0, &cfg, Near::local(near))),
+            Some(2),
+            "every rail down: the fallback"
+        );
         let later = t0 + Duration::from_millis(150);
         let _ = s.paths[0].health.success(later, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, near)), Some(1), "back from its pause: its probe");
+        assert_eq!(
+            picked(choose(&s, id, &mine, later, &cfg, Near::local(near))),
+            Some(1),
+            "back from its pause: its probe"
+        );
         s.paths[1].subs = 1;
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, near)), Some(0), "its probe out: the far rail meanwhile");
+        assert_eq!(
+            picked(choose(&s, id, &mine, later, &cfg, Near::local(near))),
+            Some(0),
+            "its probe out: the far rail meanwhile"
+        );
         s.paths[1].subs = 0;
         let _ = s.paths[1].health.success(later, &cfg);
-        assert_eq!(picked(choose(&s, id, &mine, later, &cfg, near)), Some(1), "probed: back on the near rail");
+        assert_eq!(
+            picked(choose(&s, id, &mine, later, &cfg, Near::local(near))),
+            Some(1),
+            "probed: back on the near rail"
+        );
+    }
+
+    /// Issue 52: with every local rail paired with every peer rail, a
+    /// slice goes over the path from the rail nearest its local memory to
+    /// the peer's rail nearest its remote memory; without such a path up,
+    /// over one from the near local rail, then one to the near peer rail.
+    #[test]
+    fn a_slice_goes_from_the_rail_near_its_source_to_the_peer_rail_near_its_destination() {
+        let cfg = RailsConfig { pause_ms: 100, ..RailsConfig::default() };
+        let id = SegmentId(5);
+        let mut paths = Vec::new();
+        for (k, j) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+            let mut p = path(k, false, &cfg);
+            p.peer = Some(j);
+            paths.push(p);
+        }
+        let mut s = seg(paths);
+        let t0 = Duration::from_secs(1);
+        let mine = HashMap::new();
+        let near = Near { local: 0b01, peer: 0b10 };
+        s.paths[1].inflight = 1 << 20;
+        assert_eq!(
+            picked(choose(&s, id, &mine, t0, &cfg, near)),
+            Some(1),
+            "rail 0 to the peer's rail 1, though busiest"
+        );
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, Near::local(0b01))), Some(0), "the peer's side unknown");
+        let theirs = Near { local: u32::MAX, peer: 0b01 };
+        s.paths[2].inflight = 1;
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, theirs)), Some(0), "our side unknown: to the peer's rail 0");
+        pause(&mut s.paths[1], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(0), "that path down: from our near rail");
+        pause(&mut s.paths[0], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(3), "our near rail down: to their near rail");
+        pause(&mut s.paths[3], t0, &cfg);
+        assert_eq!(picked(choose(&s, id, &mine, t0, &cfg, near)), Some(2), "only the far path left");
     }
 
     #[test]
@@ -464,7 +571,7 @@ mod tests {
         let mut s = seg(vec![path(0, false, &cfg)]);
         let now = Duration::from_secs(1);
         pause(&mut s.paths[0], now, &cfg);
-        match choose(&s, SegmentId(5), &HashMap::new(), now, &cfg, u32::MAX) {
+        match choose(&s, SegmentId(5), &HashMap::new(), now, &cfg, Near::ANY) {
             Choice::None(e) => assert!(e.is_transient(), "{e}"),
             _ => panic!("a paused path was chosen"),
         }
@@ -549,7 +656,7 @@ mod tests {
                             PathState::Paused => false,
                         };
                         let rail_up = s.paths.iter().any(|p| !p.fallback && state(p) == PathState::Up);
-                        match choose(&s, id, &mine, now, &cfg, u32::MAX) {
+                        match choose(&s, id, &mine, now, &cfg, Near::ANY) {
                             Choice::Path(i) => {
                                 let p = &s.paths[i];
                                 proptest::prop_assert!(state(p) != PathState::Paused, "a paused path was chosen");

@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use transport_core::lifecycle::{BatchLedger, BatchLimits, BatchTable, DeadlineKey, DeadlineQueue, OwnedTask, TaskSet};
 use transport_core::{BatchId, Capabilities, Error, ErrorKind, RegionId, SegmentId, TransferRequest, Transport};
 
-use crate::paths::{PathHealth, RailsConfig, Reachability};
+use crate::paths::{NearList, PathHealth, RailList, RailsConfig, Reachability};
 use crate::topology::Topology;
 
 pub(crate) struct Inner {
@@ -28,6 +28,11 @@ pub(crate) struct Inner {
     pub(crate) max_batch: Vec<usize>,
     /// Where each rail's NIC sits, when regions keep to their nearest.
     pub(crate) topology: Option<Topology>,
+    /// The rails (and fallback) rail 0 advertises, when it advertises
+    /// (more than one rail, or a fallback).
+    pub(crate) list: Option<RailList>,
+    /// Set once more regions kept to some rails than rail 0 can list.
+    pub(crate) near_capped: std::sync::atomic::AtomicBool,
     pub(crate) state: Mutex<State>,
     pub(crate) tasks: TaskSet,
     /// Woken whenever a driver accounted for finished work.
@@ -56,10 +61,13 @@ pub(crate) struct State {
 pub(crate) struct Region {
     /// Its id on every transport (rails, then the fallback).
     pub(crate) ids: Vec<RegionId>,
+    pub(crate) addr: u64,
     pub(crate) len: u64,
     /// The rails its bytes go over while one of their paths is up: bit
     /// `k` for rail `k` (every bit without a topology).
     pub(crate) near: u32,
+    /// Whether peers may reach it (then rail 0 advertises its `near`).
+    pub(crate) remote: bool,
 }
 
 pub(crate) struct Seg {
@@ -72,6 +80,10 @@ pub(crate) struct Seg {
     /// Rail 0's control handle is being opened again (the peer restarted:
     /// [`Inner::refresh_control`]).
     pub(crate) refreshing: bool,
+    /// The rails of the peer nearest each of its regions, as its rail 0
+    /// descriptor last said ([`NearList`]), and that descriptor's address.
+    pub(crate) peer_near: NearList,
+    pub(crate) peer_address: String,
 }
 
 pub(crate) struct Path {

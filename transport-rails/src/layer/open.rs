@@ -7,7 +7,9 @@ use super::*;
 
 impl Rails {
     /// Opens the paths to the peer whose rail 0 is open as `control`.
-    pub(super) async fn open_paths(&self, name: &str, control: SegmentId) -> Result<Vec<Path>> {
+    /// Also returns the rails of the peer nearest each of its regions, and
+    /// the descriptor address that said so.
+    pub(super) async fn open_paths(&self, name: &str, control: SegmentId) -> Result<(Vec<Path>, NearList, String)> {
         let inner = &self.inner;
         let desc = inner.all[0].segment_descriptor(control)?;
         let list = RailList::parse(&desc.address)?;
@@ -15,6 +17,7 @@ impl Rails {
         if peer.is_empty() {
             peer.push(name.to_string());
         }
+        let near = NearList::parse(&desc.address, peer.len())?;
         // The name the caller opened reaches the peer's rail 0 (it may be
         // spelled differently from the peer's own list). The other rails
         // listen on the same host: only their ports are taken from the
@@ -103,7 +106,7 @@ impl Rails {
                 Err(e) => tracing::warn!(peer = %tcp, error = %e, "rails: the peer's TCP fallback could not be opened"),
             }
         }
-        Ok(paths)
+        Ok((paths, near, desc.address))
     }
 
     pub(super) async fn close_handles(&self, control: SegmentId, paths: &[Path]) {
@@ -114,12 +117,12 @@ impl Rails {
 
     /// Rule 9 before anything moves: each remote range inside one region of
     /// the peer (as rail 0 sees it; re-read once if unknown) that allows
-    /// the operation.
+    /// the operation. Returns the descriptors it read, per segment.
     pub(super) async fn check_remote(
         &self,
         requests: &[TransferRequest],
         controls: &HashMap<SegmentId, (SegmentId, String)>,
-    ) -> Result<()> {
+    ) -> Result<HashMap<SegmentId, SegmentDescriptor>> {
         let rail0 = &self.inner.all[0];
         let mut descs: HashMap<SegmentId, SegmentDescriptor> = HashMap::new();
         let mut refreshed: HashMap<SegmentId, bool> = HashMap::new();
@@ -152,6 +155,22 @@ impl Rails {
                 return Err(Error::new(ErrorKind::AccessDenied, format!("remote region does not allow {:?}", r.op))
                     .with("segment", r.segment)
                     .with("request", i));
+            }
+        }
+        Ok(descs)
+    }
+
+    /// What the peers' descriptors now say of the rails nearest their
+    /// regions (a peer registers memory after we opened it, or restarts).
+    /// A list the peer garbled is a `Protocol` error for the batch.
+    pub(super) fn learn_near(&self, descs: &HashMap<SegmentId, SegmentDescriptor>) -> Result<()> {
+        let mut st = self.inner.state.lock();
+        for (id, d) in descs {
+            let Some(s) = st.segments.get_mut(id) else { continue };
+            if s.peer_address != d.address {
+                let rails = RailList::parse(&d.address)?.map_or(1, |l| l.rails.len());
+                s.peer_near = NearList::parse(&d.address, rails).map_err(|e| e.with("segment", id))?;
+                s.peer_address.clone_from(&d.address);
             }
         }
         Ok(())
