@@ -41,6 +41,7 @@ mod cuda;
 mod device;
 mod error;
 mod fake;
+pub mod numa;
 mod pages;
 pub mod providers;
 mod region;

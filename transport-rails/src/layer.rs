@@ -114,9 +114,10 @@ impl Rails {
     /// ([`crate::topology::nearest`]): striped over them when several are
     /// equally near, over the others (then the fallback) only while no
     /// path of the near ones is up (paused, or on probation after a
-    /// pause). The place of each region is looked up once, at `register`
-    /// (host memory: `/proc/self/numa_maps`, which the kernel builds by
-    /// walking the process's page tables: milliseconds in a large process).
+    /// pause). The place of each region is looked up once, at `register`,
+    /// after the rails registered it (host memory:
+    /// [`crate::topology::host_node`], the kernel's answer for 64 of its
+    /// pages).
     pub fn placed(
         rails: Vec<Arc<dyn Transport>>,
         fallback: Option<Arc<dyn Transport>>,
@@ -276,12 +277,6 @@ impl Transport for Rails {
                 return Err(Error::shut_down());
             }
         }
-        // The rails nearest the memory, as a mask of rail indexes (every
-        // rail without a topology).
-        let chosen = inner.topology.as_ref().map(|t| t.near(&mem));
-        let near = chosen.as_ref().map_or(u32::MAX, |(_, rails)| {
-            rails.iter().fold(0u32, |m, &k| m | 1u32.checked_shl(k as u32).unwrap_or(0))
-        });
         let mut ids = Vec::with_capacity(inner.all.len());
         for (k, t) in inner.all.iter().enumerate() {
             match t.register(mem.clone(), access) {
@@ -294,6 +289,14 @@ impl Transport for Rails {
                 }
             }
         }
+        // The rails nearest the memory, as a mask of rail indexes (every
+        // rail without a topology). Looked up once the rails registered it:
+        // a backend that pins the pages has made them resident, so the
+        // kernel can say where they are.
+        let chosen = inner.topology.as_ref().map(|t| t.near(&mem));
+        let near = chosen.as_ref().map_or(u32::MAX, |(_, rails)| {
+            rails.iter().fold(0u32, |m, &k| m | 1u32.checked_shl(k as u32).unwrap_or(0))
+        });
         let mut st = inner.state.lock();
         if st.shutdown {
             drop(st);

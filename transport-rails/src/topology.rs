@@ -117,27 +117,29 @@ pub struct Topology {
     names: Vec<String>,
     rails: Vec<Place>,
     sysfs: Sysfs,
-    proc_root: PathBuf,
+    /// A fabricated `/proc` to place host memory from (tests).
+    proc_root: Option<PathBuf>,
 }
 
 impl Topology {
     /// The RDMA devices `devices` (one per rail, rail 0 first) as `sysfs`
-    /// places them; host memory is placed from `/proc`.
+    /// places them; host memory is placed by [`host_node`].
     pub fn of_devices(sysfs: Sysfs, devices: &[String]) -> Topology {
         let rails = devices.iter().map(|d| sysfs.rdma_device(d)).collect();
-        Topology { names: devices.to_vec(), rails, sysfs, proc_root: PathBuf::from("/proc") }
+        Topology { names: devices.to_vec(), rails, sysfs, proc_root: None }
     }
 
     /// Rails at the places given (tests, and a caller that placed them
     /// itself), named `rail0`, `rail1`, ...
     pub fn of_places(sysfs: Sysfs, rails: Vec<Place>) -> Topology {
         let names = (0..rails.len()).map(|i| format!("rail{i}")).collect();
-        Topology { names, rails, sysfs, proc_root: PathBuf::from("/proc") }
+        Topology { names, rails, sysfs, proc_root: None }
     }
 
-    /// Host memory placed from `proc_root/self/{maps,numa_maps}` instead.
+    /// Host memory placed from `proc_root/self/{maps,numa_maps}` instead
+    /// ([`host_numa`]): a fabricated `/proc` for tests.
     pub fn with_proc_root(mut self, proc_root: impl Into<PathBuf>) -> Topology {
-        self.proc_root = proc_root.into();
+        self.proc_root = Some(proc_root.into());
         self
     }
 
@@ -158,7 +160,10 @@ impl Topology {
             MemoryKind::Device(d) => {
                 mem.provider().and_then(|p| p.pci_bus_id(d)).map(|b| self.sysfs.pci_device(&b)).unwrap_or_default()
             }
-            MemoryKind::Host => Place::host(host_numa(&self.proc_root, mem.addr(), mem.len() as u64)),
+            MemoryKind::Host => Place::host(match &self.proc_root {
+                Some(root) => host_numa(root, mem.addr(), mem.len() as u64),
+                None => host_node(mem.addr(), mem.len() as u64),
+            }),
         }
     }
 
@@ -275,6 +280,23 @@ impl Sysfs {
             _ => Vec::new(),
         };
         Place { pci, numa }
+    }
+}
+
+/// The NUMA node holding most of the resident pages of `addr .. addr +
+/// len` of this process: the kernel's answer for a sample of its pages
+/// ([`transport_mem::numa::node_of`], microseconds whatever the size of
+/// the process), or where the kernel refuses that call (a container whose
+/// seccomp profile forbids `move_pages`), [`host_numa`] on `/proc`, which
+/// walks the page tables of every mapping of the process (see
+/// `examples/placing_cost.rs`). `None` when nothing says (no page touched
+/// yet, no NUMA support).
+pub fn host_node(addr: u64, len: u64) -> Option<u32> {
+    use transport_mem::numa::{node_of, NoNode};
+    match node_of(addr, len) {
+        Ok(node) => Some(node),
+        Err(NoNode::NotResident) => None,
+        Err(NoNode::Refused(_)) => host_numa(Path::new("/proc"), addr, len),
     }
 }
 
@@ -611,5 +633,26 @@ mod tests {
         if Path::new("/proc/self/numa_maps").exists() {
             assert!(here.is_some(), "a touched buffer has a node");
         }
+    }
+
+    /// The kernel's answer for a sample of pages agrees with numa_maps on
+    /// touched memory, and a region registered before it is touched has
+    /// no place (every rail serves it) rather than a guessed one.
+    #[test]
+    fn host_node_agrees_with_numa_maps() {
+        let mut buf = transport_mem::PageBuf::new(8 << 20).unwrap();
+        let (addr, len) = (buf.as_ptr() as u64, buf.len() as u64);
+        let refused = matches!(transport_mem::numa::node_of(addr, len), Err(transport_mem::numa::NoNode::Refused(_)));
+        if !refused {
+            assert_eq!(host_node(addr, len), None, "nothing touched yet");
+        }
+        buf.fill(7);
+        let maps = host_numa(Path::new("/proc"), addr, len);
+        assert_eq!(host_node(addr, len), maps, "sampled pages against numa_maps (refused: {refused})");
+        let filled = transport_mem::Buffer::from_slice(&[3u8; 1 << 16]).unwrap();
+        let t = Topology::of_places(Sysfs::new("/nonexistent"), vec![Place::host(Some(0))]);
+        let want = host_node(filled.addr(), filled.len() as u64);
+        assert!(want.is_some() || refused, "touched");
+        assert_eq!(t.place_of(&filled.region()).numa, want, "a topology on the real /proc asks the kernel");
     }
 }
