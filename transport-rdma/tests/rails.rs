@@ -48,6 +48,10 @@ async fn node(devices: &[&str], fallback: bool) -> Arc<Rails> {
 }
 
 async fn node_placed(devices: &[&str], fallback: bool, topology: Option<Topology>) -> Arc<Rails> {
+    node_with(devices, fallback, topology, rails_cfg()).await
+}
+
+async fn node_with(devices: &[&str], fallback: bool, topology: Option<Topology>, cfg: RailsConfig) -> Arc<Rails> {
     let mut rails: Vec<Arc<dyn Transport>> = Vec::new();
     for d in devices {
         let c = RdmaConfig {
@@ -70,7 +74,7 @@ async fn node_placed(devices: &[&str], fallback: bool, topology: Option<Topology
     } else {
         None
     };
-    Rails::placed(rails, fb, rails_cfg(), topology).expect("rails")
+    Rails::placed(rails, fb, cfg, topology).expect("rails")
 }
 
 struct Pair {
@@ -340,7 +344,11 @@ struct FakeProc(std::path::PathBuf);
 
 impl FakeProc {
     fn new(addr: u64, len: u64, node: u32) -> FakeProc {
-        let dir = std::env::temp_dir().join(format!("kvmove-proc-{}", std::process::id()));
+        Self::tagged("", addr, len, node)
+    }
+
+    fn tagged(tag: &str, addr: u64, len: u64, node: u32) -> FakeProc {
+        let dir = std::env::temp_dir().join(format!("kvmove-proc-{}{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         transport_rails::topology::fabricate::proc_placing(&dir, addr, len, node).unwrap();
         FakeProc(dir)
@@ -355,8 +363,61 @@ impl Drop for FakeProc {
 
 /// Packets the kernel's soft-RoCE device `device` has sent.
 fn sent_packets(device: &str) -> u64 {
-    let path = format!("/sys/class/infiniband/{device}/ports/1/hw_counters/sent_pkts");
+    packets(device, "sent_pkts")
+}
+
+/// Packets the kernel's soft-RoCE device `device` counts in `counter`.
+fn packets(device: &str, counter: &str) -> u64 {
+    let path = format!("/sys/class/infiniband/{device}/ports/1/hw_counters/{counter}");
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}")).trim().parse().unwrap()
+}
+
+/// Issue 52, the peer's side: the target's topology puts its rail 1's
+/// device nearest the destination (its descriptor says so), and the
+/// initiator, whose source has no place, pairs every rail with every rail:
+/// the bytes arrive through the target's rail 1 device only, from both of
+/// the initiator's devices (the kernel's packet counters show it).
+fn a_destination_receives_over_the_device_nearest_its_memory() {
+    run("a_destination_receives_over_the_device_nearest_its_memory", 300, async {
+        let links = fault_links();
+        assert!(links.len() >= 4, "rails tests need four faultable links, got {links:?}");
+        let src = buffer_with(LEN, 6);
+        let dst = Buffer::new(LEN).unwrap();
+        let proc = FakeProc::tagged("-dst", dst.addr(), LEN as u64, 1);
+        let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
+        let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+        let all = RailsConfig { pairing: transport_rails::Pairing::All, ..rails_cfg() };
+        let a = node_with(&[&links[0].device, &links[1].device], false, None, all).await;
+        let b = node_placed(&[&links[2].device, &links[3].device], false, Some(topo)).await;
+        let lid = a.register(src.region(), Access::LOCAL).unwrap();
+        b.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let seg = a.open_segment(&b.local_segment_name()).await.unwrap();
+        let reqs: Vec<TransferRequest> = (0..LEN as u64 / REQ)
+            .map(|i| TransferRequest::write(lid, i * REQ, seg, dst.addr() + i * REQ, REQ))
+            .collect();
+        let least = (LEN / 1024) as u64;
+        let (r2, r3) = (packets(&links[2].device, "rcvd_pkts"), packets(&links[3].device, "rcvd_pkts"));
+        let id = a.submit(reqs, SubmitOptions::with_timeout(Duration::from_secs(120))).await.unwrap();
+        let st = wait(&*a, id).await;
+        a.release(id).unwrap();
+        assert_eq!(st.state, BatchState::Completed, "{:?}", st.first_error());
+        assert!(dst.to_vec() == src.to_vec(), "bytes");
+        let d2 = packets(&links[2].device, "rcvd_pkts") - r2;
+        let d3 = packets(&links[3].device, "rcvd_pkts") - r3;
+        let paths = a.paths(seg).unwrap();
+        assert!(d3 >= least, "the target's rail 1 device received {d3} packets, fewer than {least}: {paths:?}");
+        assert!(d2 < least / 100, "the target's rail 0 device received {d2} packets while rail 1's got {d3}");
+        let (near, far): (Vec<&PathStatus>, Vec<&PathStatus>) = paths.iter().partition(|p| p.peer_rail == Some(1));
+        assert_eq!(paths.len(), 4, "every rail with every rail: {paths:?}");
+        assert!(far.iter().all(|p| p.bytes == 0), "a path to the target's rail 0 moved bytes: {paths:?}");
+        assert_eq!(near.iter().map(|p| p.bytes).sum::<u64>(), LEN as u64, "{paths:?}");
+        eprintln!(
+            "rails: the destination near the target's rail 1: {d3} packets received on {}, {d2} on {}",
+            links[3].device, links[2].device
+        );
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+    });
 }
 
 /// With a topology that puts the initiator's rail 0 on NUMA node 0 and its
@@ -421,8 +482,12 @@ fn a_region_moves_over_the_device_nearest_its_memory() {
 fn main() {
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 6] = [
         ("a_region_moves_over_the_device_nearest_its_memory", a_region_moves_over_the_device_nearest_its_memory),
+        (
+            "a_destination_receives_over_the_device_nearest_its_memory",
+            a_destination_receives_over_the_device_nearest_its_memory,
+        ),
         ("rail_link_down_mid_batch_completes_byte_exact", rail_link_down_mid_batch_completes_byte_exact),
         (
             "flapping_rail_costs_no_error_and_kernel_qps_stay_bounded",
