@@ -106,6 +106,14 @@ pub struct RdmaConfig {
     /// Bound on QP groups peers may hold into this transport, and
     /// (separately) on the notification channels they may hold.
     pub max_passive: usize,
+    /// The same bounds for the peers of one address (at most `max_passive`
+    /// each; past it the peer's open fails, its error naming the limit, as
+    /// past `max_passive`), so one host, even one holding the secret,
+    /// cannot take every place the others need. An engine holds one QP
+    /// group per endpoint toward this one (at most its `max_endpoints`):
+    /// several engines on one host, or behind one NAT, share the bound.
+    /// At least 1. Default 64.
+    pub max_passive_per_ip: usize,
     /// `wait` polls the completion queue itself, without sleeping, for up
     /// to this many microseconds before it falls back to waiting for the
     /// completion event (which costs a wakeup or two: tens of µs). Small
@@ -146,6 +154,7 @@ impl Default for RdmaConfig {
             ack_timeout: 14,
             retry_count: 7,
             max_passive: 256,
+            max_passive_per_ip: 64,
             busy_poll_us: 200,
             inbox_capacity: transport_core::DEFAULT_INBOX,
         }
@@ -201,6 +210,9 @@ impl RdmaConfig {
         }
         if self.inbox_capacity == 0 {
             return bad("inbox_capacity", "must be at least 1");
+        }
+        if self.max_passive_per_ip == 0 {
+            return bad("max_passive_per_ip", "must be at least 1");
         }
         if self.ack_timeout > 31 || self.retry_count > 7 {
             return bad("ack_timeout", "ack_timeout must be <= 31 and retry_count <= 7");

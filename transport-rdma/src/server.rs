@@ -100,7 +100,7 @@ pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
             }
             let w = weak.clone();
             let task = Task::spawn(&inner.tasks, async move {
-                serve(&w, id, sock, slot).await;
+                serve(&w, id, sock, slot, ip).await;
                 if let Some(inner) = w.upgrade() {
                     inner.with_state(|st, g| {
                         if let Some(me) = st.passive_tasks.remove(&id) {
@@ -152,7 +152,7 @@ fn refuse(inner: &Arc<Inner>, mut sock: TcpStream, reply: Reply) {
     });
 }
 
-async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream, mut slot: Slot) {
+async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream, mut slot: Slot, ip: std::net::IpAddr) {
     let _ = sock.set_nodelay(true);
     let mut sock = BufReader::new(sock);
     let (timeout, secret, limits) = match weak.upgrade() {
@@ -196,14 +196,14 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream, mut slot: S
                 // runtime. Aborted meanwhile (shutdown), it still ends,
                 // and `accept` keeps nothing once shut down.
                 let theirs = Half { gid, lid, mtu, qps };
-                match crate::handshake::off_runtime(move || accept(&inner, id, &theirs)).await {
+                match crate::handshake::off_runtime(move || accept(&inner, id, &theirs, ip)).await {
                     Ok(Ok(r)) => r,
                     Ok(Err(e)) | Err(e) => Reply::Error { message: e.to_string() },
                 }
             }
             first @ (Request::Notify { .. } | Request::Stage { .. } | Request::Unstage { .. }) => {
                 drop(inner);
-                notes(weak, id, sock, timeout, first).await;
+                notes(weak, id, sock, timeout, first, ip).await;
                 // Its staging buffers come back with the channel.
                 if let Some(inner) = weak.upgrade() {
                     inner.drop_leases(id);
@@ -241,10 +241,11 @@ async fn notes(
     mut sock: BufReader<TcpStream>,
     timeout: Duration,
     first: Request,
+    ip: std::net::IpAddr,
 ) {
     let _place = {
         let Some(inner) = weak.upgrade() else { return };
-        match NotesPlace::take(&inner) {
+        match NotesPlace::take(&inner, ip) {
             Ok(p) => p,
             Err(e) => {
                 let _ = wire::send(sock.get_mut(), &Reply::bounded_error(&e)).await;
@@ -307,23 +308,32 @@ async fn notes(
     }
 }
 
-/// A place under `max_passive` taken by a peer's notification channel,
-/// given back when its serving task ends (or is aborted).
+/// A place under `max_passive` (and `max_passive_per_ip` for its
+/// address) taken by a peer's notification channel, given back when its
+/// serving task ends (or is aborted).
 struct NotesPlace {
     inner: Weak<Inner>,
+    ip: std::net::IpAddr,
 }
 
 impl NotesPlace {
-    fn take(inner: &Arc<Inner>) -> Result<Self> {
+    fn take(inner: &Arc<Inner>, ip: std::net::IpAddr) -> Result<Self> {
         let mut st = inner.state.lock();
-        if st.passive_notes >= inner.cfg.max_passive {
+        let here = st.notes_by_ip.get(&ip).copied().unwrap_or(0);
+        if st.passive_notes >= inner.cfg.max_passive || here >= inner.cfg.max_passive_per_ip {
+            let (n, what) = if here >= inner.cfg.max_passive_per_ip {
+                (inner.cfg.max_passive_per_ip, "from this address")
+            } else {
+                (inner.cfg.max_passive, "in all")
+            };
             return Err(Error::new(
                 ErrorKind::ResourceExhausted,
-                format!("notification channels at their limit ({})", inner.cfg.max_passive),
+                format!("notification channels at their limit ({n} {what})"),
             ));
         }
         st.passive_notes += 1;
-        Ok(Self { inner: inner.weak() })
+        *st.notes_by_ip.entry(ip).or_default() += 1;
+        Ok(Self { inner: inner.weak(), ip })
     }
 }
 
@@ -332,11 +342,22 @@ impl Drop for NotesPlace {
         if let Some(inner) = self.inner.upgrade() {
             let mut st = inner.state.lock();
             st.passive_notes = st.passive_notes.saturating_sub(1);
+            uncount(&mut st.notes_by_ip, self.ip);
         }
     }
 }
 
-fn accept(inner: &Arc<Inner>, id: PeerGroupId, theirs: &Half) -> Result<Reply> {
+/// One place of `ip` given back in a per-address count.
+fn uncount(by_ip: &mut std::collections::HashMap<std::net::IpAddr, usize>, ip: std::net::IpAddr) {
+    if let std::collections::hash_map::Entry::Occupied(mut e) = by_ip.entry(ip) {
+        *e.get_mut() = e.get().saturating_sub(1);
+        if *e.get() == 0 {
+            e.remove();
+        }
+    }
+}
+
+fn accept(inner: &Arc<Inner>, id: PeerGroupId, theirs: &Half, ip: std::net::IpAddr) -> Result<Reply> {
     let n = theirs.qps.len();
     if n == 0 || n > MAX_QPS_PER_GROUP {
         return Err(Error::new(ErrorKind::HandshakeFailed, format!("{n} QPs requested (1..={MAX_QPS_PER_GROUP})")));
@@ -344,7 +365,7 @@ fn accept(inner: &Arc<Inner>, id: PeerGroupId, theirs: &Half) -> Result<Reply> {
     inner.link_usable()?;
     // The place is taken under the lock before the QPs are created, so
     // concurrent connects never hold more than `max_passive` groups.
-    let place = PassivePlace::take(inner)?;
+    let place = PassivePlace::take(inner, ip)?;
     let v = inner.verbs()?;
     let group = QpGroup::new(&v, n, inner.lim.max_outstanding_per_qp)?;
     let mtu = group.connect(&v, theirs, inner.timing())?;
@@ -356,20 +377,32 @@ fn accept(inner: &Arc<Inner>, id: PeerGroupId, theirs: &Half) -> Result<Reply> {
         return Err(Error::shut_down());
     }
     let created = group.created;
-    st.passive.insert(id, PassiveConn { qps: group.into_qps(), created });
+    st.passive.insert(id, PassiveConn { qps: group.into_qps(), created, ip });
     Ok(Reply::Connected { gid: mine.gid, lid: mine.lid, mtu: mine.mtu, qps: mine.qps, descriptor })
 }
 
-/// A place under `max_passive` taken for a peer group being built: given
-/// back on drop unless [`PassivePlace::fill`] turned it into the group.
+/// A place under `max_passive` (and `max_passive_per_ip` for its
+/// address) taken for a peer group being built: given back on drop unless
+/// [`PassivePlace::fill`] turned it into the group.
 struct PassivePlace<'a> {
     inner: &'a Inner,
+    ip: std::net::IpAddr,
     held: bool,
 }
 
 impl<'a> PassivePlace<'a> {
-    fn take(inner: &'a Inner) -> Result<Self> {
+    fn take(inner: &'a Inner, ip: std::net::IpAddr) -> Result<Self> {
         let mut st = inner.state.lock();
+        // At most `max_passive` groups: counting those of one address is a
+        // walk over at most that many.
+        let here =
+            st.passive.values().filter(|p| p.ip == ip).count() + st.building_by_ip.get(&ip).copied().unwrap_or(0);
+        if here >= inner.cfg.max_passive_per_ip {
+            return Err(Error::new(
+                ErrorKind::ResourceExhausted,
+                format!("peer QP groups at their limit ({} from this address)", inner.cfg.max_passive_per_ip),
+            ));
+        }
         if st.passive.len() + st.passive_building >= inner.cfg.max_passive {
             return Err(Error::new(
                 ErrorKind::ResourceExhausted,
@@ -377,13 +410,15 @@ impl<'a> PassivePlace<'a> {
             ));
         }
         st.passive_building += 1;
-        Ok(Self { inner, held: true })
+        *st.building_by_ip.entry(ip).or_default() += 1;
+        Ok(Self { inner, ip, held: true })
     }
 
     /// The group is stored (or dropped) under the lock held as `st`: the
     /// place becomes its entry in `State::passive`.
     fn fill(mut self, st: &mut State) {
         st.passive_building = st.passive_building.saturating_sub(1);
+        uncount(&mut st.building_by_ip, self.ip);
         self.held = false;
     }
 }
@@ -393,6 +428,7 @@ impl Drop for PassivePlace<'_> {
         if self.held {
             let mut st = self.inner.state.lock();
             st.passive_building = st.passive_building.saturating_sub(1);
+            uncount(&mut st.building_by_ip, self.ip);
         }
     }
 }

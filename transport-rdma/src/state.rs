@@ -218,6 +218,9 @@ pub(crate) struct PassiveConn {
     pub qps: Vec<Qp>,
     /// When its QPs were created (async events read before that are not about it).
     pub created: Instant,
+    /// The address its side-channel connection came from
+    /// (`max_passive_per_ip`).
+    pub ip: std::net::IpAddr,
 }
 
 /// Work requests of one request that were posted on a QP now in the
@@ -323,10 +326,14 @@ pub(crate) struct State {
     pub wr_ids: WrIds,
     pub passive: HashMap<PeerGroupId, PassiveConn>,
     pub passive_tasks: HashMap<PeerGroupId, Task>,
-    /// Peer groups being built: places under `max_passive` already taken.
+    /// Peer groups being built: places under `max_passive` already taken,
+    /// in all and per address.
     pub passive_building: usize,
-    /// Notification channels peers hold into us (at most `max_passive`).
+    pub building_by_ip: HashMap<std::net::IpAddr, usize>,
+    /// Notification channels peers hold into us (at most `max_passive`),
+    /// in all and per address (at most `max_passive_per_ip`).
     pub passive_notes: usize,
+    pub notes_by_ip: HashMap<std::net::IpAddr, usize>,
     /// Unregistered regions whose MR a QP still pins (work was posted on it
     /// through a QP not yet destroyed): dropped here, never by a caller's
     /// future, once no QP holds them ([`State::prune_retiring`]).
@@ -370,7 +377,9 @@ impl State {
             passive: HashMap::new(),
             passive_tasks: HashMap::new(),
             passive_building: 0,
+            building_by_ip: HashMap::new(),
             passive_notes: 0,
+            notes_by_ip: HashMap::new(),
             retiring: Vec::new(),
             staging: None,
             remote_staging: None,

@@ -407,7 +407,10 @@ fn another_host_is_refused_without_a_secret_and_served_with_one() {
             server.register(mem.region(), Access::REMOTE_RW).unwrap();
             let addr = server.local_segment_name();
             let mut client = ns.command(&std::env::current_exe().unwrap().to_string_lossy());
-            client.env("KVMOVE_SIDE_CHANNEL_CLIENT", &addr).env_remove("KVMOVE_SIDE_CHANNEL_SECRET");
+            client
+                .env("KVMOVE_SIDE_CHANNEL_CLIENT", &addr)
+                .env_remove("KVMOVE_SIDE_CHANNEL_SECRET")
+                .env_remove("KVMOVE_SIDE_CHANNEL_SEND");
             if let Some(k) = secret {
                 client.env("KVMOVE_SIDE_CHANNEL_SECRET", k);
             }
@@ -436,16 +439,92 @@ fn another_host_is_refused_without_a_secret_and_served_with_one() {
     });
 }
 
-/// The client side of the protected-mode test, run in its namespace:
-/// the handshake with `secret`, then `describe` once ready; prints every
+/// The `connect` line of a raw QP group of one QP toward `gid` (a QP
+/// number nobody owns: the group is built and held, nothing is sent).
+fn raw_connect(gid: &str) -> String {
+    format!(r#"{{"op":"connect","gid":"{gid}","lid":0,"mtu":3,"qps":[{{"qpn":17,"psn":1}}]}}"#)
+}
+
+/// The `gid=` of a descriptor's address (32 hex digits).
+fn gid_of(address: &str) -> String {
+    let at = address.find("gid=").expect("a gid in the address") + 4;
+    address[at..at + 32].to_string()
+}
+
+/// Issue 49: a host holding the secret builds at most
+/// `max_passive_per_ip` QP groups (here 2 of `max_passive` 8): its third
+/// is refused with the limit named, while a peer at another address (a
+/// network namespace the test made) still builds one; once one of the
+/// host's groups is closed it builds one again. Without the per-address
+/// bound the host took places up to `max_passive`.
+fn one_address_holds_at_most_its_share_of_qp_groups() {
+    run("one_address_holds_at_most_its_share_of_qp_groups", 120, async {
+        let ns = Netns::new("rpq");
+        let cfg = RdmaConfig {
+            listen: format!("{}:0", ns.here()),
+            max_passive: 8,
+            max_passive_per_ip: 2,
+            ..with_secret(Some(SECRET))
+        };
+        let server = transport(cfg).await;
+        let addr = server.local_segment_name();
+        let connect = raw_connect(&gid_of(&server.local_descriptor().unwrap().address));
+        let base = my_qps();
+        let mut held = Vec::new();
+        for i in 0..3 {
+            let mut s = greeted(&addr, Some(SECRET)).await;
+            s.get_mut().write_all(format!("{connect}\n").as_bytes()).await.unwrap();
+            let a = line(&mut s).await.expect("an answer");
+            if i < 2 {
+                assert_eq!(a["result"], "connected", "group {i} from this host: {a}");
+                held.push(s);
+            } else {
+                assert_eq!(a["result"], "error", "a third group from this host: {a}");
+                let msg = a["message"].as_str().unwrap_or_default();
+                assert!(msg.contains("at their limit (2 from this address)"), "{msg}");
+            }
+        }
+        assert_eq!(my_qps(), base + 2, "two groups of one QP:\n{}", qp_table());
+        // Another address: its group is built.
+        let mut client = ns.command(&std::env::current_exe().unwrap().to_string_lossy());
+        client
+            .env("KVMOVE_SIDE_CHANNEL_CLIENT", &addr)
+            .env("KVMOVE_SIDE_CHANNEL_SECRET", SECRET)
+            .env("KVMOVE_SIDE_CHANNEL_SEND", &connect);
+        let out = tokio::task::spawn_blocking(move || client.output()).await.unwrap().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(said.contains("\"result\":\"connected\""), "the peer at another address: {said}");
+        // One of this host's groups closed: its place comes back.
+        drop(held.pop());
+        let mut again = None;
+        for _ in 0..100 {
+            let mut s = greeted(&addr, Some(SECRET)).await;
+            s.get_mut().write_all(format!("{connect}\n").as_bytes()).await.unwrap();
+            let a = line(&mut s).await.expect("an answer");
+            if a["result"] == "connected" {
+                again = Some(s);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(again.is_some(), "the place of a closed group never came back");
+        drop((again, held));
+        server.shutdown().await.unwrap();
+        assert_eq!(my_qps(), base, "{}", qp_table());
+    });
+}
+
+/// The client side of the tests run in a namespace: the handshake with
+/// `secret`, then `send` (`describe` without it) once ready; prints every
 /// answer, a JSON line each.
-async fn namespace_client(addr: &str, secret: Option<&str>) {
+async fn namespace_client(addr: &str, secret: Option<&str>, send: Option<&str>) {
     let (s, answers) = greet(addr, secret).await;
     for a in &answers {
         println!("{a}");
     }
     if let Some(mut s) = s {
-        s.get_mut().write_all(b"{\"op\":\"describe\"}\n").await.unwrap();
+        let req = send.unwrap_or(r#"{"op":"describe"}"#);
+        s.get_mut().write_all(format!("{req}\n").as_bytes()).await.unwrap();
         if let Some(d) = line(&mut s).await {
             println!("{d}");
         }
@@ -455,11 +534,13 @@ async fn namespace_client(addr: &str, secret: Option<&str>) {
 fn main() {
     if let Ok(addr) = std::env::var("KVMOVE_SIDE_CHANNEL_CLIENT") {
         let secret = std::env::var("KVMOVE_SIDE_CHANNEL_SECRET").ok();
-        return rt().block_on(namespace_client(&addr, secret.as_deref()));
+        let send = std::env::var("KVMOVE_SIDE_CHANNEL_SEND").ok();
+        return rt().block_on(namespace_client(&addr, secret.as_deref(), send.as_deref()));
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 9] = [
+        ("one_address_holds_at_most_its_share_of_qp_groups", one_address_holds_at_most_its_share_of_qp_groups),
         ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
         ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
         (
