@@ -68,7 +68,8 @@
 //!   answer at most `handshake_timeout_ms`. A failed channel is dropped at
 //!   once and the next notification opens a new one; `close_segment`,
 //!   `shutdown` and the idle reaper close it; peers may hold at most
-//!   `max_passive` of them.
+//!   `max_passive` of them, those of one address `max_passive_per_ip`
+//!   (QP groups have the same two bounds).
 //! * **Latency**: `wait` polls the CQ itself for up to `busy_poll_us`
 //!   before it sleeps on the completion event, so a small transfer is seen
 //!   at polling latency instead of after two thread wakeups. The path from
