@@ -80,6 +80,13 @@ async fn make(h: &TcpHarness, opts: &NodeOptions, listen: SocketAddr, inbox: Opt
         // Through the sockets, device memory goes through staging buffers
         // (off by default): the device cases run both ways.
         staging_buffers: if h.path == Path::Sockets { 16 } else { 0 },
+        // A deadline or cancel waits for the target's answers until it is
+        // silent this long, then resets (a copy the target had started can
+        // land after that: docs/CONTRACT.md, tcp row). Beside the rest of
+        // CI on two cores a target stalls past the default 250 ms, and
+        // `memory::slow_device_copies_stay_quiet` saw a copy land after
+        // the report (ci65, ci67); a second of silence is a stalled peer.
+        drain_timeout: Duration::from_secs(1),
         ..TcpConfig::default()
     };
     let t = Arc::new(TcpTransport::new(cfg).await?);
