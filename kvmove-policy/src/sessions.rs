@@ -226,6 +226,15 @@ impl Sessions {
         self.inner.table.lock().counts()
     }
 
+    /// How often this engine's timer found it had not run for a quarter
+    /// of the liveness timeout or more (a stopped or starved process): a
+    /// pause. Silence during a pause is not counted against its peers
+    /// (docs/CONTRACT.md, rule 13), so a peer silent only as long as this
+    /// side paused is not given up on.
+    pub fn pauses(&self) -> u64 {
+        self.inner.table.lock().pauses()
+    }
+
     /// The segment handle this engine uses toward `peer` (opened on first
     /// use, shared by control messages and writes; do not close it). The
     /// engine closes it once `peer` has no session, no message queued and

@@ -268,12 +268,21 @@ pub async fn frozen_side(cx: Ctx) -> CaseResult {
         let duo = frozen_duo(&cx, id).await?;
         let before = duo.d.mem.snapshot();
         duo.write_ok(id, &all, &what).await?;
+        let paused = duo.p.s.pauses();
         duo.d.s.hold(true);
         duo.finish(id)?;
         tokio::time::sleep(d).await;
         duo.d.s.hold(false);
         let (a, b) = agree(&duo, id, within, &what).await?;
-        if d > LIVENESS {
+        // A sender whose own timer stalled meanwhile (a loaded machine:
+        // ci68) does not count that time as the receiver's silence, so it
+        // may still hear the receiver land; the ends must agree all the
+        // same, with the bytes.
+        let sender_paused = duo.p.s.pauses() > paused;
+        if d > LIVENESS && sender_paused && a == b && b.name() == "landed" {
+            let now = duo.d.mem.snapshot();
+            expect_bytes(&duo.d.mem, &now, &duo.model(&before, &all), &what)?;
+        } else if d > LIVENESS {
             ensure!(is_unknown(&a), "{what}: the sender ended {}, expected outcome_unknown", describe(&a));
             ensure!(
                 b.name() == "failed",
