@@ -150,10 +150,7 @@ fn a_paused_rail_is_probed_and_taken_back_while_the_other_carries_on() {
         let paths = a.paths(seg).unwrap();
         // Paused, or already past its pause when the batch over rail 0
         // took longer than it (a loaded machine: ci70): taken out either way.
-        assert!(
-            matches!(paths[1].state, PathState::Paused | PathState::Probation) && paths[1].pauses > 0,
-            "{paths:?}"
-        );
+        assert!(matches!(paths[1].state, PathState::Paused | PathState::Probation) && paths[1].pauses > 0, "{paths:?}");
         assert_eq!(paths[1].bytes, 0, "{paths:?}");
         flaky.set_fault_plan(FaultPlan::default()).unwrap();
         // Past its pause (200 ms, doubled after every failed probe, at most 400 ms).
