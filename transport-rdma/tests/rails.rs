@@ -343,10 +343,6 @@ fn every_rail_down_moves_over_tcp_then_back_to_rdma() {
 struct FakeProc(std::path::PathBuf);
 
 impl FakeProc {
-    fn new(addr: u64, len: u64, node: u32) -> FakeProc {
-        Self::tagged("", addr, len, node)
-    }
-
     fn tagged(tag: &str, addr: u64, len: u64, node: u32) -> FakeProc {
         let dir = std::env::temp_dir().join(format!("kvmove-proc-{}{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -359,6 +355,15 @@ impl Drop for FakeProc {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Rail 0's NIC on NUMA node 0, rail 1's on node 1, and `LEN` bytes at
+/// `addr` on node 1 (a fake /proc, kept while the first value lives).
+fn node1_topology(tag: &str, addr: u64) -> (FakeProc, Topology) {
+    let proc = FakeProc::tagged(tag, addr, LEN as u64, 1);
+    let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
+    let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+    (proc, topo)
 }
 
 /// Packets the kernel's soft-RoCE device `device` has sent.
@@ -383,9 +388,7 @@ fn a_destination_receives_over_the_device_nearest_its_memory() {
         assert!(links.len() >= 4, "rails tests need four faultable links, got {links:?}");
         let src = buffer_with(LEN, 6);
         let dst = Buffer::new(LEN).unwrap();
-        let proc = FakeProc::tagged("-dst", dst.addr(), LEN as u64, 1);
-        let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
-        let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+        let (_proc, topo) = node1_topology("-dst", dst.addr());
         let all = RailsConfig { pairing: transport_rails::Pairing::All, ..rails_cfg() };
         let a = node_with(&[&links[0].device, &links[1].device], false, None, all).await;
         let b = node_placed(&[&links[2].device, &links[3].device], false, Some(topo)).await;
@@ -430,9 +433,7 @@ fn a_region_moves_over_the_device_nearest_its_memory() {
         assert!(links.len() >= 4, "rails tests need four faultable links, got {links:?}");
         let src = buffer_with(LEN, 5);
         let dst = Buffer::new(LEN).unwrap();
-        let proc = FakeProc::new(src.addr(), LEN as u64, 1);
-        let places = vec![Place { pci: Vec::new(), numa: Some(0) }, Place { pci: Vec::new(), numa: Some(1) }];
-        let topo = Topology::of_places(Sysfs::new("/nonexistent"), places).with_proc_root(&proc.0);
+        let (_proc, topo) = node1_topology("", src.addr());
         let a = node_placed(&[&links[0].device, &links[1].device], false, Some(topo)).await;
         let b = node(&[&links[2].device, &links[3].device], false).await;
         let lid = a.register(src.region(), Access::LOCAL).unwrap();
