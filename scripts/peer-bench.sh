@@ -2,7 +2,10 @@
 # peer-bench.sh: kvmove next to the engines it replaces, on this host
 # (python/bench/peers.py says what is measured and how).
 #
-#   scripts/peer-bench.sh [ROUNDS]        # default 3 rounds
+#   scripts/peer-bench.sh [ROUNDS] [FAULT_ROUNDS]   # default 3 and 2 rounds
+#
+# The batch and round-trip rows first, then the faults (peers.py --faults:
+# the target killed, restarted, frozen; about 5 minutes a round).
 #
 # The peers and kvmove's wheel are installed into target/peers-venv by
 # scripts/peers-venv.sh. iperf3 on loopback
@@ -11,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
+FAULT_ROUNDS=${2:-2}
 V=target/peers-venv
 scripts/peers-venv.sh
 
@@ -38,5 +42,8 @@ echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 ceiling
 # Run from outside python/ so `import kvmove` is the installed wheel.
 (cd target && "../$V/bin/python" ../python/bench/peers.py --rounds "$ROUNDS" --json peer-bench.json)
+if [ "$FAULT_ROUNDS" -gt 0 ]; then
+    (cd target && "../$V/bin/python" ../python/bench/peers.py --faults "$FAULT_ROUNDS" --json peer-faults.json)
+fi
 ceiling
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -2,6 +2,7 @@
 
     python bench/peers.py [--rounds N] [--systems a,b,...] [--json FILE]
     python bench/peers.py --rtt PAIRS [--systems a,b,...]
+    python bench/peers.py --faults ROUNDS [--freeze S] [--systems a,b,...]
 
 Each *system* runs a target process (it registers a 64 MiB host buffer) and
 an initiator process (the same size), both started from this file
@@ -38,6 +39,13 @@ Systems:
 * ``kvmove-tcp``: ``kvmove.Engine`` with same-host copies off
   (``[backend.tcp] same_host = false``): every byte through the sockets, as
   between two hosts.
+
+``--faults ROUNDS`` runs only the faults of the target: SIGKILL, a
+restart on the same address, SIGSTOP (at most ``--freeze`` seconds,
+default 40), with the initiator making single 4 KiB writes back to back;
+time to the first error, a call's time to a dead address, time to the
+first success after the restart and the failed tries before it, and what
+a freeze does to the calls (``fault_round`` says exactly how).
 
 ``--rtt PAIRS`` runs only the single write, from PAIRS fresh process pairs
 per system alternated pair by pair, and counts the context switches per
@@ -106,9 +114,9 @@ def cpu_seconds(pid):
 
 
 class Mooncake:
-    def __init__(self, module):
+    def __init__(self, module, port=None):
         self.te = module.TransferEngine()
-        rc = self.te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        rc = self.te.initialize(f"127.0.0.1:{port}" if port else "127.0.0.1", "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise RuntimeError(f"initialize: {rc}")
         self.buf = np.zeros(SIZE, dtype=np.uint8)
@@ -190,10 +198,10 @@ class Nixl:
 class Engine:
     """``kvmove.Engine``: kvmove's own Python API."""
 
-    def __init__(self, config=None):
+    def __init__(self, config=None, port=None):
         import kvmove
 
-        self.e = kvmove.Engine(config=config)
+        self.e = kvmove.Engine(config=config, port=port)
         self.buf = np.zeros(SIZE, dtype=np.uint8)
         self.region = self.e.register(self.buf)
 
@@ -214,15 +222,18 @@ class Engine:
         self.e.close()
 
 
-def make(system):
+def make(system, port=None):
+    """``system``'s side; listening on ``port`` of loopback where the API
+    lets its caller choose (Mooncake's and kvmove's; NIXL's agents are
+    reached by their metadata, handed over again after a restart)."""
     if system == "mooncake":
         from mooncake import engine
 
-        return Mooncake(engine)
+        return Mooncake(engine, port)
     if system == "kvmove-mooncake":
         from kvmove import mooncake
 
-        return Mooncake(mooncake)
+        return Mooncake(mooncake, port)
     if system in ("nixl", "nixl-tcp"):
         try:
             from nixl import _api
@@ -234,18 +245,18 @@ def make(system):
 
         return Nixl(nixl)
     if system == "kvmove":
-        return Engine()
+        return Engine(port=port)
     if system == "kvmove-tcp":
-        return Engine(config="[backend]\nkind = \"tcp\"\n[backend.tcp]\nsame_host = false\n")
+        return Engine(config="[backend]\nkind = \"tcp\"\n[backend.tcp]\nsame_host = false\n", port=port)
     raise SystemExit(f"unknown system {system}")
 
 
 # ---- a peer process ------------------------------------------------------------
 
 
-def serve(system):
+def serve(system, port=None):
     """One side, driven one JSON command per line on stdin."""
-    e = make(system)
+    e = make(system, port)
     out = sys.stdout
 
     def say(obj):
@@ -254,6 +265,7 @@ def serve(system):
 
     say({"ready": e.info()})
     ready = None  # the batch "prep" made ready, for "once"
+    call = None  # the single write of "call"
     for line in sys.stdin:
         cmd = json.loads(line)
         c = cmd["cmd"]
@@ -308,22 +320,41 @@ def serve(system):
                     lat.append(time.perf_counter() - t)
             lat.sort()
             say({"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6})
+        elif c in ("call", "reconnect"):
+            # --faults: one 4 KiB write ("reconnect": first connect to the
+            # restarted target, whose memory is new), whatever it ends in.
+            # CLOCK_MONOTONIC is the host's: the times compare with the
+            # parent's.
+            t0 = time.monotonic()
+            try:
+                if c == "reconnect":
+                    call = None
+                    e.connect(cmd["info"])
+                if call is None:
+                    call = e.prepare("write", 4096, 1)
+                call()
+                err = None
+            except Exception as x:  # noqa: BLE001 (every API's failure is a result here)
+                err = f"{type(x).__name__}: {x}"
+            say({"t0": t0, "t1": time.monotonic(), "err": err})
         elif c == "quit":
             e.close()
             say({"ok": True})
             return
 
 
-def Proc(system):
-    """The side of ``system``; ``NAME@DIR`` is NAME with ``DIR`` first on
-    ``PYTHONPATH`` (another build of kvmove: its wheel unpacked there)."""
+def Proc(system, port=None):
+    """The side of ``system`` (listening on ``port`` where it can);
+    ``NAME@DIR`` is NAME with ``DIR`` first on ``PYTHONPATH`` (another
+    build of kvmove: its wheel unpacked there)."""
     env = dict(os.environ)
     name, _, path = system.partition("@")
     if path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
     if name == "nixl-tcp":
         env["UCX_TLS"] = "tcp"
-    return LineProc([os.path.abspath(__file__), "--serve", name], env=env)
+    argv = [os.path.abspath(__file__), "--serve", name] + (["--port", str(port)] if port else [])
+    return LineProc(argv, env=env)
 
 
 def rtt_pairs(systems, pairs):
@@ -387,6 +418,161 @@ def run_system(system, verify):
         target.stop()
 
 
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ask_within(proc, limit, **cmd):
+    """``proc.ask(**cmd)``, or None if no answer came within ``limit`` s
+    (the process is then killed: a call blocked on a frozen peer)."""
+    import threading
+
+    out = []
+
+    def ask():
+        try:
+            out.append(proc.ask(**cmd))
+        except (RuntimeError, OSError, ValueError):
+            pass  # killed below, or died: no answer
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        proc.kill()
+        t.join(5)
+        return None
+    return out[0] if out else None
+
+
+def fault_round(system, freeze_s):
+    """One system through three faults of its target, the initiator making
+    one 4 KiB write at a time (each timed in the initiator), back to back:
+
+    * ``kill``: SIGKILL; ``first error ms`` from the kill to the end of the
+      first failed call; ``dead call ms``, the median of the next 5 calls
+      (to an address nobody listens on);
+    * ``restart``: a new target on the same address (Mooncake's and kvmove's;
+      NIXL's agent is reached by its metadata, handed over with each try);
+      each try connects to it (its memory is new) and writes; ``first
+      success s`` from when it listened to the end of the first try that
+      succeeded, ``failed tries`` before it;
+    * ``freeze``: SIGSTOP of the new target for up to ``freeze_s``;
+      ``frozen error s`` from the stop to the end of the first failed call
+      (None: none within ``freeze_s``), ``next call s`` the call after it,
+      ``longest call s`` of the freeze (a call still blocked ``freeze_s``
+      + 30 s after it began is ended by killing the initiator: ``frozen
+      call killed``); then SIGCONT.
+
+    Same-host paths write into a frozen process's memory, so their calls
+    keep completing through a freeze.
+    """
+    import signal
+
+    port = free_port()
+    target, init = Proc(system, port), Proc(system)
+    res = {}
+    try:
+        init.ask(cmd="connect", info=target.ready)
+        for _ in range(20):
+            r = init.ask(cmd="call")
+            if r["err"]:
+                raise RuntimeError(f"{system}: a write before the faults failed: {r['err']}")
+        # kill
+        t_kill = time.monotonic()
+        target.kill()
+        first = None
+        for _ in range(100000):
+            r = ask_within(init, 60, cmd="call")
+            if r is None:
+                raise RuntimeError(f"{system}: a call after the kill blocked 60 s")
+            if r["err"]:
+                first = r
+                break
+            if time.monotonic() - t_kill > 10:
+                break
+        res["first error ms"] = (first["t1"] - t_kill) * 1e3 if first else None
+        res["kill error"] = first["err"][:160] if first else None
+        dead = [init.ask(cmd="call") for _ in range(5)]
+        res["dead call ms"] = statistics.median((r["t1"] - r["t0"]) * 1e3 for r in dead)
+        # restart on the same address
+        target = Proc(system, port)
+        t_up = time.monotonic()
+        failed, ok = 0, None
+        while time.monotonic() - t_up < 20:
+            r = ask_within(init, 60, cmd="reconnect", info=target.ready)
+            if r is None:
+                raise RuntimeError(f"{system}: a try after the restart blocked 60 s")
+            if not r["err"]:
+                ok = r
+                break
+            failed += 1
+            res["restart error"] = r["err"][:160]
+        res["first success s"] = (ok["t1"] - t_up) if ok else None
+        res["failed tries"] = failed
+        # freeze
+        t_stop = time.monotonic()
+        os.kill(target.p.pid, signal.SIGSTOP)
+        err, longest, nxt = None, 0.0, None
+        try:
+            while time.monotonic() - t_stop < freeze_s:
+                r = ask_within(init, freeze_s + 30, cmd="call")
+                if r is None:
+                    res["frozen call killed"] = True  # blocked past freeze_s + 30 s
+                    longest = freeze_s + 30
+                    break
+                longest = max(longest, r["t1"] - r["t0"])
+                if r["err"]:
+                    err = r
+                    n = ask_within(init, freeze_s + 30, cmd="call")
+                    nxt = (n["t1"] - n["t0"]) if n else None
+                    break
+        finally:
+            os.kill(target.p.pid, signal.SIGCONT)
+        res["frozen error s"] = (err["t1"] - t_stop) if err else None
+        res["frozen error"] = err["err"][:160] if err else None
+        res["next call s"] = nxt
+        res["longest call s"] = longest
+        return res
+    finally:
+        for p in (init, target):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 (killed above)
+                pass
+
+
+def faults(systems, rounds, freeze_s):
+    """``fault_round`` for every system, alternated, ``rounds`` times; a
+    table of min / median / max per number, and each round's errors."""
+    got = {s: [] for s in systems}
+    for r in range(rounds):
+        for s in systems:
+            try:
+                res = fault_round(s, freeze_s)
+            except RuntimeError as e:
+                res = {"failed": str(e)}
+            got[s].append(res)
+            print(f"round {r + 1} {s}: {json.dumps(res)}", flush=True)
+    keys = ["first error ms", "dead call ms", "first success s", "failed tries", "frozen error s", "next call s",
+            "longest call s"]  # fmt: skip
+    print("\n| fault | " + " | ".join(systems) + " |")
+    print("|---|" + "---|" * len(systems))
+    for k in keys:
+        cells = []
+        for s in systems:
+            v = sorted(x[k] for x in got[s] if x.get(k) is not None)
+            none = sum(1 for x in got[s] if x.get(k) is None)
+            cell = f"{v[0]:.3g} / {statistics.median(v):.3g} / {v[-1]:.3g}" if v else "-"
+            cells.append(cell + (f" ({none} none)" if none and v else ""))
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    return got
+
+
 def interleave(systems, rounds):
     """Every system's two processes up at once; per workload, one batch of
     each system in turn, ``rounds`` x ``REPEAT`` times, so a change in the
@@ -428,9 +614,12 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--interleave", action="store_true", help="alternate the systems batch by batch (see interleave)")
     ap.add_argument("--rtt", type=int, metavar="PAIRS", help="only the single write, from PAIRS fresh process pairs per system")
+    ap.add_argument("--faults", type=int, metavar="ROUNDS", help="only the faults (kill, restart, freeze), ROUNDS rounds")
+    ap.add_argument("--freeze", type=float, default=40.0, help="--faults: how long the target stays frozen at most, s")
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        serve(a.serve)
+        serve(a.serve, a.port)
         return
     systems = a.systems.split(",")
     if a.interleave:
@@ -438,6 +627,12 @@ def main():
         return
     if a.rtt:
         rtt_pairs(systems, a.rtt)
+        return
+    if a.faults:
+        got = faults(systems, a.faults, a.freeze)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(got, f, indent=1)
         return
     rounds = []
     for r in range(a.rounds):
