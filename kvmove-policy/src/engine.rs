@@ -185,7 +185,9 @@ impl Engine {
     /// connection limit, a listener not up yet, a handshake slot taken by a
     /// flood) is asked again (rule 8: transient failures are retried), with
     /// the retry policy's backoff, up to `retry.max_attempts` tries and
-    /// within `deadline.base`; the one call counts once toward the breaker.
+    /// within `deadline.base` (a refusal by the peer's host, nothing
+    /// listening there, only once more: [`Error::nothing_listens`]); the
+    /// one call counts once toward the breaker.
     /// The error of the last try says how many were made, over how long.
     /// A failure that took its time (a handshake that timed out) is not
     /// retried here: the caller already waited for it.
@@ -209,7 +211,11 @@ impl Engine {
                 Err(e) => {
                     let answered = match e.kind() {
                         ErrorKind::ConnectionReset => true,
-                        ErrorKind::ConnectionRefused => admit != Admit::Probe,
+                        // Its host said nothing listens: asked once more
+                        // (a listener about to come up), not every attempt.
+                        ErrorKind::ConnectionRefused => {
+                            admit != Admit::Probe && !(attempt > 1 && e.nothing_listens())
+                        }
                         _ => false,
                     };
                     answered && attempt < self.inner.cfg.retry.max_attempts

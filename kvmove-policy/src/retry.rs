@@ -12,6 +12,10 @@
 //! The rules, in one place:
 //! - a request is retried only after a transient failure other than
 //!   `PeerUnavailable` (the breaker already said no), or a timeout;
+//! - a connection the peer's host refused (nothing listens there,
+//!   [`Error::nothing_listens`]) is tried again only after the first
+//!   attempt: a peer that was killed is reported after the first backoff,
+//!   not after every attempt;
 //! - never after it completed, never after a permanent error;
 //! - at most `max_attempts` attempts in all (the first included);
 //! - a cancelled transfer ends every request that has not completed or
@@ -158,7 +162,8 @@ impl Retry {
             let st = results.next().unwrap_or_else(|| {
                 RequestStatus::Failed(Error::new(ErrorKind::Internal, "the backend reported no status for a request"))
             });
-            if !self.cancelled && retryable(&st) && self.attempts < self.max_attempts {
+            let down = matches!(&st, RequestStatus::Failed(e) if e.nothing_listens()) && self.attempts > 1;
+            if !self.cancelled && retryable(&st) && !down && self.attempts < self.max_attempts {
                 self.next.push(idx);
             }
             if let Some(s) = self.status.get_mut(idx) {
@@ -262,6 +267,28 @@ mod tests {
         let o = r.finish();
         assert_eq!(o.requests[0].error().map(Error::kind), Some(ErrorKind::PeerUnavailable));
         assert!(o.requests[1].is_completed());
+    }
+
+    #[test]
+    fn a_host_refusing_is_tried_again_once() {
+        let down = || {
+            RequestStatus::Failed(Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)))
+        };
+        let busy = || RequestStatus::Failed(Error::new(ErrorKind::ConnectionRefused, "the peer is busy"));
+        // A killed peer: the established connection broke, then its host
+        // refused the reconnect: over, though attempts are left.
+        let mut r = Retry::new(2, 4);
+        assert_eq!(r.ended([transient(), busy()]), &[0, 1]);
+        assert_eq!(r.start_next(), Some(&[0, 1][..]));
+        assert_eq!(r.ended([down(), busy()]), &[1], "a refusal after the first attempt ends the request");
+        // Refused at the first attempt (not up yet): asked once more.
+        let mut r = Retry::new(1, 4);
+        assert_eq!(r.ended([down()]), &[0]);
+        assert_eq!(r.start_next(), Some(&[0][..]));
+        assert!(r.ended([down()]).is_empty());
+        let o = r.finish();
+        assert_eq!(o.attempts, 2);
+        assert!(o.requests[0].error().is_some_and(Error::nothing_listens));
     }
 
     #[test]

@@ -196,12 +196,14 @@ pub struct Error {
     message: String,
     context: Vec<(&'static str, String)>,
     source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+    /// See [`Error::nothing_listens`].
+    nothing_listens: bool,
 }
 
 impl Error {
     /// A new error of `kind` with a human message.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), context: Vec::new(), source: None }
+        Self { kind, message: message.into(), context: Vec::new(), source: None, nothing_listens: false }
     }
 
     /// Adds a key/value of context (`peer`, `segment`, `request`, ...).
@@ -239,6 +241,18 @@ impl Error {
     /// Looks up one context value.
     pub fn context_value(&self, key: &str) -> Option<&str> {
         self.context.iter().find(|(k, _)| *k == key).map(|(_, v)| v.as_str())
+    }
+
+    /// Whether the peer's host refused the connection itself
+    /// (`ECONNREFUSED`, a `ConnectionRefused` made from the OS error):
+    /// the host answers and nothing listens on the port, so the peer is
+    /// down now (killed, or not started yet). False for a peer's own
+    /// refusal (busy at its connection limit), a connect that timed out,
+    /// and an error rebuilt from another's message. The policy engine
+    /// retries such a refusal at most once (after the first backoff), so
+    /// a dead peer is reported as soon as the kernel knows.
+    pub fn nothing_listens(&self) -> bool {
+        self.nothing_listens
     }
 }
 
@@ -346,7 +360,7 @@ impl From<std::io::Error> for Error {
             K::OutOfMemory => ErrorKind::ResourceExhausted,
             _ => ErrorKind::Io,
         };
-        Error::new(kind, e.to_string())
+        Error { nothing_listens: e.kind() == K::ConnectionRefused, ..Error::new(kind, e.to_string()) }
     }
 }
 
@@ -356,6 +370,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_hosts_own_refusal_says_nothing_listens() {
+        let refused = Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)).with("peer", "p");
+        assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
+        assert!(refused.nothing_listens() && refused.clone().nothing_listens());
+        assert!(!Error::new(ErrorKind::ConnectionRefused, "the peer is busy").nothing_listens());
+        assert!(!Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset)).nothing_listens());
+    }
 
     #[test]
     fn classification_matches_design() {
