@@ -213,9 +213,7 @@ impl Engine {
                         ErrorKind::ConnectionReset => true,
                         // Its host said nothing listens: asked once more
                         // (a listener about to come up), not every attempt.
-                        ErrorKind::ConnectionRefused => {
-                            admit != Admit::Probe && !(attempt > 1 && e.nothing_listens())
-                        }
+                        ErrorKind::ConnectionRefused => admit != Admit::Probe && !(attempt > 1 && e.nothing_listens()),
                         _ => false,
                     };
                     answered && attempt < self.inner.cfg.retry.max_attempts

@@ -271,9 +271,7 @@ mod tests {
 
     #[test]
     fn a_host_refusing_is_tried_again_once() {
-        let down = || {
-            RequestStatus::Failed(Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)))
-        };
+        let down = || RequestStatus::Failed(Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)));
         let busy = || RequestStatus::Failed(Error::new(ErrorKind::ConnectionRefused, "the peer is busy"));
         // A killed peer: the established connection broke, then its host
         // refused the reconnect: over, though attempts are left.

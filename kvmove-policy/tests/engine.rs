@@ -278,6 +278,28 @@ async fn breaker_opens_fails_fast_and_closes_after_probe() {
     assert_eq!(e.breaker_state("peer-3"), BreakerState::Closed);
 }
 
+/// Issue 55 item 3: a killed peer is reported as soon as its host says
+/// nothing listens. Its connection broke (attempt 1), its host refused
+/// the reconnect (attempt 2): over, with two of four attempts spent. A
+/// refusal by the peer itself (busy) keeps every attempt.
+#[tokio::test]
+async fn a_host_refusing_the_reconnect_ends_the_transfer() {
+    let t = Scripted::new(|r, n| match (r.remote_addr, n) {
+        (1000, 1) => failed(ErrorKind::ConnectionReset),
+        (1000, _) => RequestStatus::Failed(std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into()),
+        _ => failed(ErrorKind::ConnectionRefused),
+    });
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    let out = with_timeout(e.transfer(reqs(3, 1))).await.unwrap();
+    assert_eq!(out.state, BatchState::Failed);
+    assert!(out.first_error().is_some_and(Error::nothing_listens), "{:?}", out.first_error());
+    assert_eq!((out.attempts, t.submissions(1000)), (2, 2));
+    // The peer's own refusal (busy): every attempt.
+    let out =
+        with_timeout(e.transfer(vec![TransferRequest::write(RegionId(1), 0, SegmentId(4), 1001, 8)])).await.unwrap();
+    assert_eq!((out.state, out.attempts, t.submissions(1001)), (BatchState::Failed, 4, 4));
+}
+
 #[tokio::test]
 async fn open_segment_failures_feed_the_breaker() {
     let t = Scripted::new(|_, _| RequestStatus::Completed);
