@@ -566,9 +566,10 @@ class nixl_agent:
                 li, ri = given
             (_, ll, _), (_, rl, _) = (ld[bad], rd[bad]) if li is None else (ld[int(li[bad])], rd[int(ri[bad])])
             raise nixlInvalidParamError(f"descriptor pair {bad}: local length {ll} != remote length {rl}")
-        notif = _notif_bytes(notif_msg)
+        notif = _notif_bytes(notif_msg) if notif_msg else b""
         remote = _agent_name(remote)
-        self._target(remote)  # the remote agent must be known now
+        if remote not in self._remotes:
+            self._target(remote)  # the remote agent must be known now (or be this one)
         return nixl_xfer_handle(self, op, remote, ops, notif)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
@@ -589,12 +590,13 @@ class nixl_agent:
             )
         handle._pending = None
         notif = _notif_bytes(notif_msg) if notif_msg else handle._notif
-        with self._lock:
-            r = self._remotes.get(handle.remote_agent)
+        # One look at the dict (whole under the GIL; writers hold _lock).
+        r = self._remotes.get(handle.remote_agent)
         # A known remote agent's session id, else loopback's (or an unknown
         # agent: raises).
         target = r.session_id if r is not None else self._target(handle.remote_agent)
-        self._need_engine()
+        if self._engine is None:
+            self._need_engine()
         wire = _encode_notif(self.name, notif) if notif else None
         ops = handle._ops
         handle._native = None
@@ -620,7 +622,11 @@ class nixl_agent:
         """Opens the session if needed and posts ``ops``; raises the NIXL
         error of a refusal (the remote agent is then not notified)."""
         eng = self._need_engine()
-        session = self._session(r) if r is not None else self._loopback_session()
+        # A connected remote's session (one look; _session takes the lock
+        # and connects when there is none).
+        session = r.session if r is not None else self._loopback_session()
+        if session is None:
+            session = self._session(r)
         try:
             x = eng._native.submit_nixl(session._seg, ops, target if wire is not None else None, wire)
         except TransferError as e:
@@ -691,7 +697,9 @@ class nixl_agent:
             if j.error is not None:
                 handle._active = False
                 raise j.error
-        x = self._posted(handle)
+        x = handle._native if j is None and type(handle) is nixl_xfer_handle else None
+        if x is None:
+            x = self._posted(handle)
         # Only a caller polling this same handle back to back may be made
         # to wait; one going over several handles never is.
         same, self._last_polled = self._last_polled == id(handle), id(handle)

@@ -60,6 +60,13 @@ class nixl_xfer_handle:
     """A transfer request (``make_prepped_xfer`` / ``initialize_xfer``),
     posted by ``transfer``. Releasing one still running cancels it."""
 
+    # One is made per request: slots make that, and every look at one on
+    # the transfer's path, cheaper.
+    __slots__ = (
+        "_agent", "op", "remote_agent", "_ops", "_notif", "_native", "_session", "_pending", "_polled",
+        "_released", "_active",
+    )  # fmt: skip
+
     def __init__(self, agent: "nixl_agent", op: str, remote: str, ops: NixlOps, notif: bytes):
         self._agent = agent
         self.op = op
@@ -142,8 +149,11 @@ class _Courier:
         return j
 
     def idle(self) -> bool:
-        with self._cv:
-            return not self._jobs
+        # Read without the lock (one look at a list the GIL keeps whole):
+        # a job appended just after this look could be appended just after
+        # a locked one as well, so the lock would promise nothing more, and
+        # this is on every transfer's path.
+        return not self._jobs
 
     def _run(self) -> None:
         while True:
