@@ -47,9 +47,9 @@ time to the first error, a call's time to a dead address, time to the
 first success after the restart and the failed tries before it, and what
 a freeze does to the calls (``fault_round`` says exactly how).
 
-``--rtt PAIRS`` runs only the single write, from PAIRS fresh process pairs
-per system alternated pair by pair, and counts the context switches per
-write of both processes (every thread). A system named ``NAME@DIR`` runs
+``--rtt PAIRS`` runs only the single write (``--op read``: read), from
+PAIRS fresh process pairs per system alternated pair by pair, and counts
+the context switches per call of both processes (every thread). A system named ``NAME@DIR`` runs
 NAME with ``DIR`` first on ``PYTHONPATH``: another build of kvmove, its
 wheel unpacked there (``--systems kvmove-tcp@/tmp/before,kvmove-tcp``
 compares two builds).
@@ -357,11 +357,11 @@ def Proc(system, port=None):
     return LineProc(argv, env=env)
 
 
-def rtt_pairs(systems, pairs):
-    """Only the single 4 KiB write, each time from a fresh target and
-    initiator (no batches before it), the systems alternated pair by pair:
-    p50 / p99 and context switches per write (both processes, every
-    thread), then the median over the pairs."""
+def rtt_pairs(systems, pairs, op="write"):
+    """Only the single 4 KiB ``op`` (write or read), each time from a fresh
+    target and initiator (no batches before it), the systems alternated
+    pair by pair: p50 / p99 and context switches per call (both processes,
+    every thread), then the median over the pairs."""
     got = {s: [] for s in systems}
     for p in range(pairs):
         for s in systems:
@@ -369,14 +369,14 @@ def rtt_pairs(systems, pairs):
             try:
                 init.ask(cmd="connect", info=target.ready)
                 before = context_switches(target.p.pid) + context_switches(init.p.pid)
-                r = init.ask(cmd="rtt")
+                r = init.ask(cmd="rtt", op=op)
                 per = (context_switches(target.p.pid) + context_switches(init.p.pid) - before) / (RTT_N + 20)
             finally:
                 init.stop()
                 target.stop()
             got[s].append((r["p50_us"], r["p99_us"], per))
-            print(f"pair {p + 1} {s}: p50 {r['p50_us']:.1f} us, p99 {r['p99_us']:.1f} us, {per:.2f} switches/write", flush=True)
-    print("\n| system | p50 us, median (min-max) | p99 us, median | switches per write, median |")
+            print(f"pair {p + 1} {s}: p50 {r['p50_us']:.1f} us, p99 {r['p99_us']:.1f} us, {per:.2f} switches/{op}", flush=True)
+    print(f"\n| system, one 4 KiB {op} | p50 us, median (min-max) | p99 us, median | switches per {op}, median |")
     print("|---|---|---|---|")
     for s, v in got.items():
         p50 = [x[0] for x in v]
@@ -614,6 +614,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--interleave", action="store_true", help="alternate the systems batch by batch (see interleave)")
     ap.add_argument("--rtt", type=int, metavar="PAIRS", help="only the single write, from PAIRS fresh process pairs per system")
+    ap.add_argument("--op", default="write", choices=["write", "read"], help="--rtt: the single write or read")
     ap.add_argument("--faults", type=int, metavar="ROUNDS", help="only the faults (kill, restart, freeze), ROUNDS rounds")
     ap.add_argument("--freeze", type=float, default=40.0, help="--faults: how long the target stays frozen at most, s")
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -626,7 +627,7 @@ def main():
         interleave(systems, a.rounds)
         return
     if a.rtt:
-        rtt_pairs(systems, a.rtt)
+        rtt_pairs(systems, a.rtt, a.op)
         return
     if a.faults:
         got = faults(systems, a.faults, a.freeze)
