@@ -26,8 +26,7 @@
 //! access. Each lease is answered with the rkey of a registration of its
 //! own (the leased bytes, remote write or read as leased), deregistered
 //! when the lease ends: a peer reaches no other buffer of the pool, and
-//! this one only while it holds it. The slice's ledger unit ends only
-//! after the last answer.
+//! this one only while it holds it. The slice's ledger unit ends only after the last answer.
 //!
 //! Copies run on the blocking pool, never under the state lock; each is a
 //! started ledger unit from before it begins until its slice is done, so a
