@@ -39,10 +39,7 @@ impl MemPath {
 /// The pinned host buffers staged slices pass through.
 #[derive(Debug)]
 pub(crate) struct Staging {
-    /// One registration over all the buffers, `slot_len` bytes each, for
-    /// local access only: this side's own work requests post on it. Peers
-    /// reach a buffer of the pool they lease only through the lease's own
-    /// registration ([`Lease::reg`]).
+    /// One registration over all the buffers, `slot_len` bytes each.
     pub reg: Registration,
     pub slot_len: u32,
     pub slots: u32,
@@ -52,8 +49,8 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// `slots` buffers of `slot_len` bytes, registered once for local
-    /// access. Pinned for
+    /// `slots` buffers of `slot_len` bytes, registered once; peers may read
+    /// and write them if `remote` (the target's pool). Pinned for
     /// `provider`'s copies (the device of the staged region that made the
     /// pool: CUDA copies from pinned memory at full speed), or unpinned
     /// where that provider refuses (logged).
@@ -61,6 +58,7 @@ impl Staging {
         pd: &Arc<Pd>,
         slots: u32,
         slot_len: u32,
+        remote: bool,
         provider: Option<&Arc<dyn DeviceMemory>>,
     ) -> Result<Self> {
         let len = usize::try_from(u64::from(slots) * u64::from(slot_len))
@@ -75,7 +73,7 @@ impl Staging {
             None => Buffer::new(len),
         }
         .map_err(|e| Error::from(e).with("staging_bytes", len))?;
-        let reg = Registration::new(pd, buf.region(), false, false)?;
+        let reg = Registration::new(pd, buf.region(), remote, remote)?;
         Ok(Self { reg, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
     }
 
@@ -178,16 +176,8 @@ pub(crate) struct Lease {
     pub write: bool,
     pub addr: u64,
     pub len: u32,
-    /// A copy between the buffer and device memory, or the lease's
-    /// registration, is under way (the channel's close leaves the lease
-    /// to whoever does it).
+    /// A copy between the buffer and device memory is running.
     pub copying: bool,
-    /// The lease's own registration of its `len` bytes of the buffer, with
-    /// remote write for a write and remote read for a read: its rkey is
-    /// what the peer is given, so it reaches this buffer alone, only the
-    /// way the lease allows, and only until the lease ends (dropping it
-    /// deregisters it). `None` until registered.
-    pub reg: Option<Registration>,
 }
 
 /// Slices of requests into a peer's staged memory, driven on endpoint `ep`.

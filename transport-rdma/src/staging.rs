@@ -23,10 +23,7 @@
 //! (`unstage`; for a write the target copies the buffer into its device
 //! memory first). Leases belong to the channel: its close frees them, and
 //! the target checks every range against its staged regions and their
-//! access. Each lease is answered with the rkey of a registration of its
-//! own (the leased bytes, remote write or read as leased), deregistered
-//! when the lease ends: a peer reaches no other buffer of the pool, and
-//! this one only while it holds it. The slice's ledger unit ends only after the last answer.
+//! access. The slice's ledger unit ends only after the last answer.
 //!
 //! Copies run on the blocking pool, never under the state lock; each is a
 //! started ledger unit from before it begins until its slice is done, so a
@@ -212,10 +209,10 @@ impl Inner {
     pub(crate) fn ensure_staging(&self, st: &mut State, pd: &Arc<Pd>, mem: &MemoryRegion, remote: bool) -> Result<()> {
         let (slots, len, provider) = (self.cfg.staging_buffers, self.cfg.slice_size, mem.provider());
         if st.staging.is_none() {
-            st.staging = Some(Staging::new(pd, slots, len, provider)?);
+            st.staging = Some(Staging::new(pd, slots, len, false, provider)?);
         }
         if remote && st.remote_staging.is_none() {
-            st.remote_staging = Some(Staging::new(pd, slots, len, provider)?);
+            st.remote_staging = Some(Staging::new(pd, slots, len, true, provider)?);
         }
         Ok(())
     }
@@ -314,10 +311,10 @@ fn lease(st: &mut State, chan: PeerGroupId, write: bool, addr: u64, len: u32) ->
             return Err(e);
         }
     };
-    // Busy until its registration is made (and, for a read, its copy):
-    // the channel's close leaves it to `stage`.
-    st.leases.insert(slot, Lease { chan, write, addr, len, copying: true, reg: None });
-    Ok(Some(Leased { slot, buffer, device, at }))
+    let addr_of = pool.reg.mem().addr() + pool.offset(slot);
+    let rkey = pool.reg.rkey();
+    st.leases.insert(slot, Lease { chan, write, addr, len, copying: !write });
+    Ok(Some(Leased { slot, buffer, device, at, addr: addr_of, rkey }))
 }
 
 /// The most remote staging buffers one notification channel may hold at
@@ -333,26 +330,22 @@ pub(crate) fn leases_per_channel(slots: u32) -> usize {
 /// A remote staging buffer just leased.
 struct Leased {
     slot: u32,
-    /// The leased bytes of the buffer.
     buffer: MemoryRegion,
     device: MemoryRegion,
     at: usize,
+    addr: u64,
+    rkey: u32,
 }
 
 impl State {
-    /// Gives remote staging buffer `slot` back. Returns the lease's
-    /// registration, for the caller to drop once the lock is released
-    /// (`ibv_dereg_mr`: from then on its rkey reaches nothing).
-    #[must_use = "the lease's registration is deregistered when dropped, outside the lock"]
-    fn end_lease(&mut self, slot: u32) -> Option<Registration> {
-        let reg = self.leases.remove(&slot).and_then(|l| {
+    /// Gives remote staging buffer `slot` back.
+    fn end_lease(&mut self, slot: u32) {
+        if self.leases.remove(&slot).is_some() {
             if let Some(p) = self.remote_staging.as_mut() {
                 p.free.push(slot);
             }
-            l.reg
-        });
+        }
         self.release_staging();
-        reg
     }
 
     /// Posts a driver's work request on endpoint `ep` if a QP has room
@@ -431,63 +424,39 @@ impl Inner {
     pub(crate) async fn stage(&self, chan: PeerGroupId, write: bool, addr: u64, len: u32) -> Reply {
         let taken = {
             let mut g = self.state.lock();
-            let pd = g.verbs.as_ref().map(|v| v.pd.clone()).ok_or_else(Error::shut_down);
-            pd.and_then(|pd| lease(&mut g, chan, write, addr, len).map(|l| l.map(|l| (l, pd))))
+            lease(&mut g, chan, write, addr, len)
         };
-        let (l, pd) = match taken {
+        let l = match taken {
             Ok(Some(l)) => l,
             Ok(None) => return Reply::Busy,
             Err(e) => return stage_failed(&e),
         };
-        let copied = if write {
-            Ok(())
-        } else {
+        if !write {
             let (buffer, device, at) = (l.buffer.clone(), l.device.clone(), l.at);
-            off_runtime(move || buffer.copy_from(0, &device, at, len as usize)).await
-        };
-        // The lease's own registration, made off the lock.
-        let reg = copied.and_then(|()| Ok(Registration::new(&pd, l.buffer.clone(), !write, write)?));
-        let mut st = self.state.lock();
-        let reg = match reg {
-            Ok(reg) => reg,
-            Err(e) => {
-                let gone = st.end_lease(l.slot);
-                drop(st);
-                drop(gone);
+            let copied = off_runtime(move || buffer.copy_from(0, &device, at, len as usize)).await;
+            let mut st = self.state.lock();
+            if let Err(e) = copied {
+                st.end_lease(l.slot);
                 return stage_failed(&e);
             }
-        };
-        let (at, rkey) = (reg.mem().addr(), reg.rkey());
-        match st.leases.get_mut(&l.slot) {
-            Some(lease) => {
+            if let Some(lease) = st.leases.get_mut(&l.slot) {
                 lease.copying = false;
-                lease.reg = Some(reg);
-            }
-            // Ended meanwhile (shutdown): the registration goes.
-            None => {
-                drop(st);
-                drop(reg);
-                return stage_failed(&Error::shut_down());
             }
         }
-        Reply::Staged { slot: l.slot, addr: at, rkey }
+        Reply::Staged { slot: l.slot, addr: l.addr, rkey: l.rkey }
     }
 
     /// Serves a peer's `unstage`: copies a written buffer into its range
     /// first if `commit`, then frees it. A slot this channel does not hold
     /// is a protocol error (the channel closes).
     pub(crate) async fn unstage(&self, chan: PeerGroupId, slot: u32, commit: bool) -> Result<Reply> {
-        // The lease's registration goes first (deregistered once the lock
-        // is released, before any copy): the peer can no longer reach the
-        // buffer, so what is committed is what it held when `unstage` came.
-        let (job, reg) = {
+        let job = {
             let mut g = self.state.lock();
             let st = &mut *g;
             let l = st.leases.get_mut(&slot).filter(|l| l.chan == chan && !l.copying).ok_or_else(|| {
                 Error::new(ErrorKind::Protocol, format!("staging buffer {slot} is not held by this channel"))
             })?;
-            let reg = l.reg.take();
-            let job = if commit && l.write {
+            if commit && l.write {
                 let (addr, len) = (l.addr, l.len);
                 let region =
                     st.regions.values().find(|r| r.path == MemPath::Staged && r.mem.contains(addr, u64::from(len)));
@@ -496,34 +465,28 @@ impl Inner {
                     (Some(r), Ok(buffer)) => {
                         l.copying = true;
                         let at = usize::try_from(addr - r.mem.addr()).unwrap_or(usize::MAX);
-                        Ok(Some((buffer, r.mem.clone(), at, len)))
+                        Some((buffer, r.mem.clone(), at, len))
                     }
-                    (None, _) => Err(Error::new(ErrorKind::Unregistered, "the staged region went")),
-                    (_, Err(e)) => Err(e),
+                    (None, _) => {
+                        st.end_lease(slot);
+                        return Ok(stage_failed(&Error::new(ErrorKind::Unregistered, "the staged region went")));
+                    }
+                    (_, Err(e)) => {
+                        st.end_lease(slot);
+                        return Ok(stage_failed(&e));
+                    }
                 }
             } else {
-                Ok(None)
-            };
-            let job = match job {
-                Ok(job) => job,
-                Err(e) => {
-                    let gone = st.end_lease(slot);
-                    drop(g);
-                    drop((reg, gone));
-                    return Ok(stage_failed(&e));
-                }
-            };
-            (job, reg)
+                None
+            }
         };
-        drop(reg);
         let copied = match job {
             Some((buffer, device, at, len)) => {
                 off_runtime(move || device.copy_from(at, &buffer, 0, len as usize)).await
             }
             None => Ok(()),
         };
-        let gone = self.state.lock().end_lease(slot);
-        drop(gone);
+        self.state.lock().end_lease(slot);
         Ok(match copied {
             Ok(()) => Reply::Unstaged,
             Err(e) => stage_failed(&e),
@@ -531,16 +494,15 @@ impl Inner {
     }
 
     /// The channel `chan` closed: its buffers come back (one with a copy
-    /// or registration still under way stays out: the task doing it was
-    /// aborted with the channel's, at shutdown).
+    /// still running stays out: the copy's task was aborted with the
+    /// channel's, at shutdown).
     pub(crate) fn drop_leases(&self, chan: PeerGroupId) {
-        let gone: Vec<Registration> = {
-            let mut st = self.state.lock();
-            let mine: Vec<u32> =
-                st.leases.iter().filter(|(_, l)| l.chan == chan && !l.copying).map(|(slot, _)| *slot).collect();
-            mine.into_iter().filter_map(|slot| st.end_lease(slot)).collect()
-        };
-        drop(gone); // ibv_dereg_mr, off the lock
+        let mut st = self.state.lock();
+        let mine: Vec<u32> =
+            st.leases.iter().filter(|(_, l)| l.chan == chan && !l.copying).map(|(slot, _)| *slot).collect();
+        for slot in mine {
+            st.end_lease(slot);
+        }
     }
 
     /// Starts driver `d` (counted among the transport's tasks).

@@ -513,7 +513,7 @@ impl Transport for RdmaTransport {
             // not keep its pinned buffers until its last handle drops).
             g.regions.extend(st.staging.take().map(|s| s.reg));
             g.regions.extend(st.remote_staging.take().map(|s| s.reg));
-            g.regions.extend(st.leases.drain().filter_map(|(_, l)| l.reg));
+            st.leases.clear();
             g.regions.append(&mut st.retiring);
             st.verbs.take()
         }); // QPs are gone already; MRs now
