@@ -57,7 +57,11 @@ impl Inner {
     /// See [`Engine::probe`].
     pub(super) async fn probe(self: &Arc<Self>, name: &str) -> Result<()> {
         let t = &self.transport;
-        self.tried(name);
+        // The peer counts as tried when the probe failed (below), not when
+        // it started: a call that comes while a probe is out may probe
+        // itself once the interval since the last failure passed, instead
+        // of failing fast beside a probe that finds the peer back (a call
+        // 200 ms after a restart failed so under load, ci71).
         let result = match t.open_segment(name).await {
             Ok(seg) => {
                 let r = self.read_one(seg).await;
