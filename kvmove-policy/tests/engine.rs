@@ -381,6 +381,34 @@ async fn flaky_down(attempts: u32) -> (Arc<Scripted>, Engine) {
     (t, e)
 }
 
+/// ci71: a probe that is still out does not hold calls back. The peer
+/// counts as tried when a probe failed, not when it started, so a call
+/// that comes a probe interval after the last failed probe probes the peer
+/// itself, beside a slow probe that is about to find it back, instead of
+/// failing fast. Virtual time; the background prober's probes (20, 60,
+/// 140, 300, 620, 1260, 2260 ms, all refused or later) stay clear of it.
+#[tokio::test(start_paused = true)]
+async fn a_call_beside_a_probe_still_out_may_probe() {
+    let (t, e) = flaky_down(1).await;
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+    {
+        let mut f = t.flaky.lock();
+        f.refuse = false;
+        f.delay = Duration::from_millis(50);
+    }
+    let e = Arc::new(e);
+    let probing = tokio::spawn({
+        let e = e.clone();
+        async move { e.probe("flaky").await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let seg = e.open_segment("flaky").await;
+    assert!(seg.is_ok(), "a call beside a probe that was out failed: {seg:?}");
+    assert!(probing.await.unwrap().is_ok());
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
+}
+
 /// Issue 55 item 3: a call to a peer whose breaker is open probes it
 /// (one connect) when the peer was last tried at least
 /// `breaker.probe_interval` ago, so the first call after a restart
