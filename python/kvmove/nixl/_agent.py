@@ -595,8 +595,7 @@ class nixl_agent:
         # A known remote agent's session id, else loopback's (or an unknown
         # agent: raises).
         target = r.session_id if r is not None else self._target(handle.remote_agent)
-        if self._engine is None:
-            self._need_engine()
+        self._need_engine()
         wire = _encode_notif(self.name, notif) if notif else None
         ops = handle._ops
         handle._native = None
