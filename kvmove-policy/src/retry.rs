@@ -16,6 +16,12 @@
 //!   [`Error::nothing_listens`]) is tried again only after the first
 //!   attempt: a peer that was killed is reported after the first backoff,
 //!   not after every attempt;
+//! - after a first attempt whose retried requests all failed because
+//!   their established connection broke (`ConnectionReset`), the second
+//!   attempt starts at once ([`Retry::at_once`]): the reconnect either
+//!   finds the peer (an idle connection reclaimed, a peer back) or is
+//!   refused by its host, so a killed peer is reported as soon as the
+//!   kernel reports the break; later attempts back off as before;
 //! - never after it completed, never after a permanent error;
 //! - at most `max_attempts` attempts in all (the first included);
 //! - a cancelled transfer ends every request that has not completed or
@@ -124,6 +130,9 @@ pub struct Retry {
     attempts: u32,
     max_attempts: u32,
     cancelled: bool,
+    /// The attempt that ended was the first, and every request chosen for
+    /// the next failed because its connection broke.
+    broke: bool,
 }
 
 impl Retry {
@@ -137,6 +146,7 @@ impl Retry {
             attempts: 1,
             max_attempts: max_attempts.max(1),
             cancelled: false,
+            broke: false,
         }
     }
 
@@ -158,6 +168,7 @@ impl Retry {
     pub fn ended(&mut self, results: impl IntoIterator<Item = RequestStatus>) -> &[usize] {
         let current = std::mem::take(&mut self.current);
         let mut results = results.into_iter();
+        let mut broke = self.attempts == 1;
         for idx in current {
             let st = results.next().unwrap_or_else(|| {
                 RequestStatus::Failed(Error::new(ErrorKind::Internal, "the backend reported no status for a request"))
@@ -165,12 +176,25 @@ impl Retry {
             let down = matches!(&st, RequestStatus::Failed(e) if e.nothing_listens()) && self.attempts > 1;
             if !self.cancelled && retryable(&st) && !down && self.attempts < self.max_attempts {
                 self.next.push(idx);
+                broke &= matches!(&st, RequestStatus::Failed(e) if e.kind() == ErrorKind::ConnectionReset);
             }
             if let Some(s) = self.status.get_mut(idx) {
                 *s = st;
             }
         }
+        self.broke = broke && !self.next.is_empty();
         &self.next
+    }
+
+    /// Whether the next attempt may start without a backoff: the attempt
+    /// that ended was the transfer's first, and every request chosen for
+    /// the next one failed because its established connection broke
+    /// (`ConnectionReset`). A break is not a sign of load: reconnecting at
+    /// once finds the peer, or its host refuses (nothing listens) and the
+    /// transfer ends, as soon as the kernel reported the break. At most
+    /// one attempt of a transfer goes without a pause.
+    pub fn at_once(&self) -> bool {
+        self.broke
     }
 
     /// The requests chosen for the next attempt (by [`Retry::ended`], less
@@ -287,6 +311,28 @@ mod tests {
         let o = r.finish();
         assert_eq!(o.attempts, 2);
         assert!(o.requests[0].error().is_some_and(Error::nothing_listens));
+    }
+
+    #[test]
+    fn only_a_first_attempt_that_broke_goes_again_at_once() {
+        let timeout = || RequestStatus::TimedOut;
+        // Every retried request's connection broke at the first attempt.
+        let mut r = Retry::new(3, 4);
+        let permanent = RequestStatus::Failed(Error::new(ErrorKind::InvalidRequest, "bad"));
+        assert_eq!(r.ended([transient(), RequestStatus::Completed, permanent]), &[0]);
+        assert!(r.at_once());
+        assert_eq!(r.start_next(), Some(&[0][..]));
+        // Broken again: the third attempt backs off.
+        assert_eq!(r.ended([transient()]), &[0]);
+        assert!(!r.at_once(), "only the second attempt goes without a pause");
+        // One of them timed out: the peer may be slow, so a pause.
+        let mut r = Retry::new(2, 4);
+        assert_eq!(r.ended([transient(), timeout()]), &[0, 1]);
+        assert!(!r.at_once());
+        // Nothing left to retry.
+        let mut r = Retry::new(1, 1);
+        assert!(r.ended([transient()]).is_empty());
+        assert!(!r.at_once());
     }
 
     #[test]

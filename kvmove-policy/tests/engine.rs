@@ -300,6 +300,32 @@ async fn a_host_refusing_the_reconnect_ends_the_transfer() {
     assert_eq!((out.state, out.attempts, t.submissions(1001)), (BatchState::Failed, 4, 4));
 }
 
+/// Issue 55 item 3: a killed peer is reported as soon as the kernel
+/// reports the break. The first attempt's connection broke, so the
+/// reconnect goes at once, and its host's refusal ends the transfer: no
+/// backoff in between (the default policy's 20 ms). A first attempt that
+/// timed out still backs off. Virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_broken_connection_is_tried_again_at_once() {
+    let t = Scripted::new(|r, n| match (r.remote_addr, n) {
+        (1000, 1) => failed(ErrorKind::ConnectionReset),
+        (1000, _) => RequestStatus::Failed(std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into()),
+        (_, 1) => RequestStatus::TimedOut,
+        _ => RequestStatus::Completed,
+    });
+    let e = Engine::new(t.clone(), PolicyConfig::default()).unwrap();
+    let start = tokio::time::Instant::now();
+    let out = with_timeout(e.transfer(reqs(3, 1))).await.unwrap();
+    assert!(out.first_error().is_some_and(Error::nothing_listens), "{:?}", out.first_error());
+    assert_eq!(out.attempts, 2);
+    assert!(start.elapsed() < Duration::from_millis(1), "the reconnect waited {:?}", start.elapsed());
+    let start = tokio::time::Instant::now();
+    let out =
+        with_timeout(e.transfer(vec![TransferRequest::write(RegionId(1), 0, SegmentId(4), 1001, 8)])).await.unwrap();
+    assert!(out.is_success() && out.attempts == 2, "{out:?}");
+    assert!(start.elapsed() >= Duration::from_millis(15), "a timeout was retried after {:?}", start.elapsed());
+}
+
 #[tokio::test]
 async fn open_segment_failures_feed_the_breaker() {
     let t = Scripted::new(|_, _| RequestStatus::Completed);

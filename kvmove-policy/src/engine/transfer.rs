@@ -490,7 +490,9 @@ impl Driver {
             if self.cancelled() {
                 break;
             }
-            let pause = {
+            let pause = if retry.at_once() {
+                std::time::Duration::ZERO
+            } else {
                 let mut rng = self.inner.rng.lock();
                 backoff(&self.inner.cfg.retry, retry.attempts(), &mut *rng)
             };
