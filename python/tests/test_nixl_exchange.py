@@ -373,15 +373,18 @@ def test_work_waiting_for_a_frozen_peer_is_bounded(spawn_peer, agents, monkeypat
     assert [m for _, m in got] == [f"n:{i}" for i in range(8)], got
 
 
-def test_forgetting_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, monkeypatch, tmp_path):
+@pytest.mark.parametrize("drop", ["forget", "remove"])
+def test_dropping_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, monkeypatch, tmp_path, drop):
     """When a transfer to a peer fails as gone, ``check_xfer_state`` (and
     ``transfer``) drop its session (``_forget_session``; called here
     directly, as those calls do, since a frozen peer never fails a READ on
-    cue). Closing that session ends its other transfers and waits for
-    their answers, up to the engine's drain timeout when the peer is
-    frozen: that wait is not the caller's, who returns at once (vLLM calls
-    these on its engine thread). The transfers still in flight end, and
-    once the peer runs again a new READ goes through a fresh session."""
+    cue); ``remove_remote_agent`` drops it too (vLLM's cleanup of a peer it
+    gave up on). Closing that session ends its other transfers and waits
+    for their answers, up to the engine's drain timeout when the peer is
+    frozen: that wait is not the caller's, who returns at once (vLLM makes
+    these calls on its engine thread). The transfers still in flight end,
+    and once the peer runs again a new READ goes through a fresh session
+    (after the agent's metadata is loaded again, once removed)."""
     prefill = nixl_peer(spawn_peer)
     assert prefill.ask("fill 9") == "ok"
     # A drain timeout of 3 s (default 250 ms) makes the close's wait on the
@@ -413,8 +416,11 @@ def test_forgetting_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, m
         assert all(decode.check_xfer_state(h) == "PROC" for h in handles)
         time.sleep(0.5)  # their requests written to the frozen peer's sockets
         r, session = handles[0]._session
-        _, took = timed(lambda: decode._forget_session(r, session))
-        assert took < AT_ONCE, f"forgetting the frozen peer's session held the caller {took:.2f} s"
+        if drop == "forget":
+            _, took = timed(lambda: decode._forget_session(r, session))
+        else:
+            _, took = timed(lambda: decode.remove_remote_agent(name))
+        assert took < AT_ONCE, f"dropping the frozen peer's session ({drop}) held the caller {took:.2f} s"
         assert r.session is None, "the next transfer opens a fresh session"
         # The session's transfers end (cancelled by the close) while the
         # peer is still frozen.
@@ -431,6 +437,8 @@ def test_forgetting_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, m
         assert ended == len(handles), "the closed session's transfers ended"
     finally:
         prefill.resume()
+    if drop == "remove":
+        name, remote = vllm_handshake(decode, prefill)
     want = expect_read(kv, 9, [3], [5])
     # The transfers reset by the close count against the peer: its breaker
     # may be open for a moment, and the next request tries again.

@@ -83,6 +83,29 @@ def _outside(side: str, descs: _DList, bad: int, agent: str) -> nixlNotFoundErro
 # ---- the agent ----
 
 
+def _close_aside(session) -> None:
+    """Closes ``session`` on a thread of its own. The close ends the
+    session's transfers still running and waits for the peer's answers (up
+    to the engine's ``drain_timeout`` on a frozen peer) before it resets
+    the connections; the calls that drop a session (``check_xfer_state``,
+    ``transfer``, ``remove_remote_agent``) run on vLLM's engine thread and
+    must not wait for a peer."""
+
+    def close():
+        try:
+            session.close()
+        except TransferError:
+            pass
+
+    # Not a daemon: a daemon thread inside the engine's call when the
+    # interpreter finalizes would be torn down mid-call; exit waits for
+    # this one instead (bounded by the engine's drain timeouts).
+    try:
+        threading.Thread(target=close, name="kvmove-nixl-close").start()
+    except RuntimeError:  # the interpreter is shutting down: no new threads
+        close()
+
+
 class nixl_agent:
     """A NIXL agent served by kvmove (host memory, TCP or RDMA).
 
@@ -357,7 +380,10 @@ class nixl_agent:
             old = self._remotes.pop(agent, None)
         if old is not None:
             old.courier.close()
-            self._close_session(old)
+            with self._lock:
+                s, old.session = old.session, None
+            if s is not None:
+                _close_aside(s)
 
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
         """Whether ``agent``'s metadata was loaded (and, with ``descs``,
@@ -418,15 +444,6 @@ class nixl_agent:
             except TransferError:
                 pass
         return session
-
-    def _close_session(self, r: _Remote) -> None:
-        with self._lock:
-            s, r.session = r.session, None
-        if s is not None:
-            try:
-                s.close()
-            except TransferError:
-                pass
 
     # ---- transfers ----
 
@@ -649,32 +666,16 @@ class nixl_agent:
 
     def _forget_session(self, r: _Remote, session) -> None:
         """Drops a session to a peer that went away, so the next transfer
-        opens a fresh one (a restarted peer has new keys). The close runs on
-        a thread of its own: it ends the session's other transfers to that
-        peer and waits for their answers (up to the engine's
-        ``drain_timeout`` when the peer is frozen) before it resets the
-        connections, and this is called from ``check_xfer_state`` and
-        ``transfer``, which vLLM calls on its engine thread and NIXL
-        documents as non-blocking."""
+        opens a fresh one (a restarted peer has new keys), and closes it
+        aside (:func:`_close_aside`): this is called from
+        ``check_xfer_state`` and ``transfer``, which vLLM calls on its
+        engine thread and NIXL documents as non-blocking."""
         with self._lock:
             r.gone = True
             if r.session is not session:
                 return
             r.session = None
-
-        def close():
-            try:
-                session.close()
-            except TransferError:
-                pass
-
-        # Not a daemon: a daemon thread inside the engine's call when the
-        # interpreter finalizes would be torn down mid-call; exit waits for
-        # this one instead (bounded by the engine's drain timeouts).
-        try:
-            threading.Thread(target=close, name="kvmove-nixl-close").start()
-        except RuntimeError:  # the interpreter is shutting down: no new threads
-            close()
+        _close_aside(session)
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"PROC"`` while running, ``"DONE"`` once every byte landed and
