@@ -279,6 +279,71 @@ def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
     decode.release_xfer_handle(h)
 
 
+def test_work_queued_for_a_frozen_peer_does_not_wait_for_it_forever(spawn_peer, agents, monkeypatch):
+    """A notification to a frozen peer holds its agent's courier until the
+    engine gives up on the answer (30 s), and transfers posted meanwhile
+    queue behind it, in order (vLLM sends a heartbeat to its prefill every
+    5 s: in the vLLM check a READ queued so never ended until the prefill
+    resumed, 78 s later). Such queued work fails at once when the peer is
+    found gone (a transfer to it failed so), and a transfer queued longer
+    than ``_QUEUE_LIMIT`` fails unposted; the peer, once it runs again,
+    serves a new READ."""
+    prefill = nixl_peer(spawn_peer)
+    assert prefill.ask("fill 6") == "ok"
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    st, _ = vllm_read(decode, local, remote, [0], [0], b"warm")
+    assert st == "DONE"
+
+    def queued_read(blocks):
+        h = decode.make_prepped_xfer("READ", local, desc_ids(blocks), remote, desc_ids(blocks), notif_msg=b"r")
+        assert decode.transfer(h) == "PROC"
+        assert h._pending is not None, "the READ was posted, not queued behind the notification"
+        return h
+
+    def failure(h, limit):
+        """The error ``check_xfer_state(h)`` raises within ``limit`` s."""
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            try:
+                decode.check_xfer_state(h)
+            except nixlRemoteDisconnectError as e:
+                return e
+            time.sleep(0.01)
+        raise AssertionError(f"the queued READ still waits after {limit} s")
+
+    prefill.pause()
+    try:
+        decode.send_notif(name, b"hb:1")  # holds the courier: the peer is frozen
+        time.sleep(0.2)
+        # Found gone (as check_xfer_state does for a transfer that failed
+        # so; called directly: a frozen peer fails nothing on cue).
+        h = queued_read([1])
+        r = decode._remote(name)
+        _, took = timed(lambda: decode._forget_session(r, r.session))
+        assert took < AT_ONCE
+        e, took = timed(lambda: failure(h, AT_ONCE))
+        assert "found gone" in str(e) and h._native is None, e
+        # Queued past the limit: fails, never posted.
+        monkeypatch.setattr("kvmove.nixl._agent._QUEUE_LIMIT", 1.0)
+        h2 = queued_read([2])
+        e = failure(h2, 1.0 + 3 * AT_ONCE)
+        assert "waited" in str(e) and h2._native is None, e
+        time.sleep(0.5)
+        assert h2._native is None, "the READ that gave up was posted later"
+    finally:
+        prefill.resume()
+    monkeypatch.setattr("kvmove.nixl._agent._QUEUE_LIMIT", 30.0)
+    want = expect_read(kv, 6, [3], [3])
+    st, _ = vllm_read(decode, local, remote, [3], [3], b"after")
+    assert st == "DONE"
+    assert np.array_equal(kv, want), "a READ after the peer resumed lands"
+    for x in (h, h2):
+        decode.release_xfer_handle(x)
+
+
 def spin(agent, h, n=300):
     """Polls ``h`` ``n`` times back to back: (states seen, wall s, CPU s)."""
     wall, cpu = time.monotonic(), time.process_time()

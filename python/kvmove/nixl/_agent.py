@@ -31,6 +31,7 @@ from ._base import (
     nixlRemoteDisconnectError,
     _SPIN_GAP,
     _SPIN_WAIT,
+    _QUEUE_LIMIT,
     _from_kvmove,
 )
 from ._descs import (
@@ -676,6 +677,18 @@ class nixl_agent:
                 return
             r.session = None
         _close_aside(session)
+        self._drop_waiting(r, "a transfer")
+
+    def _drop_waiting(self, r: _Remote, finder: str) -> None:
+        """``r`` was found gone: the work queued for it and not started
+        (posts, notifications) fails now instead of waiting, each behind
+        the last, for a peer that does not answer (the work running goes
+        on; work queued later reconnects)."""
+        n = r.courier.drop_waiting(
+            nixlRemoteDisconnectError(f"agent {r.name!r} was found gone by {finder} before this was posted")
+        )
+        if n:
+            logger.warning("%d operations queued for agent %r failed: %s found it gone", n, r.name, finder)
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """``"PROC"`` while running, ``"DONE"`` once every byte landed and
@@ -691,8 +704,16 @@ class nixl_agent:
             same, self._last_polled = self._last_polled == id(handle), id(handle)
             spinning = same and time.monotonic() - handle._polled < _SPIN_GAP
             if not (j.done() or spinning and j.wait(_SPIN_WAIT)):
-                handle._polled = time.monotonic()
-                return "PROC"
+                handle._polled = now = time.monotonic()
+                # Queued too long behind work its peer does not answer: it
+                # fails, unless it started meanwhile (its own deadlines end it).
+                if now - j.since < _QUEUE_LIMIT or not j.withdraw(
+                    nixlRemoteDisconnectError(
+                        f"{handle.op} with agent {handle.remote_agent!r} waited {now - j.since:.0f} s, not "
+                        "posted, behind earlier work for that agent, which it does not answer"
+                    )
+                ):
+                    return "PROC"
             handle._pending = None
             if j.error is not None:
                 handle._active = False
@@ -819,6 +840,7 @@ class nixl_agent:
                     logger.warning("send_notif to agent %r was not delivered: %s", remote_agent_name, e)
                     if r is not None and _peer_gone(e):
                         r.gone = True
+                        self._drop_waiting(r, "a notification")
                     return
 
         if r is None:  # this agent itself

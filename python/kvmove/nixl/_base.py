@@ -97,6 +97,11 @@ class nixlNoTelemetryError(nixlError):
 # posted transfer's own poll does the same in Rust: NixlXfer.poll).
 _SPIN_GAP = 0.0005
 _SPIN_WAIT = 0.001
+# The longest a transfer waits, not started, behind earlier work for its
+# peer (a notification to a frozen peer holds the courier until the
+# engine's answer timeout, 30 s): then it fails, as a transfer whose peer
+# does not answer its notification does.
+_QUEUE_LIMIT = 30.0
 
 
 def _from_kvmove(e: TransferError, doing: str) -> nixlError:

@@ -5,6 +5,7 @@ does the work that may wait on it, and its regions."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -133,7 +134,7 @@ class _Courier:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, job) -> "_Job":
-        j = _Job(job)
+        j = _Job(job, self)
         with self._cv:
             if self._closed:
                 raise nixlBackendError(f"agent {self._name!r} was removed or the agent closed")
@@ -171,17 +172,36 @@ class _Courier:
         """Drops the jobs that have not started (each ends with an error)."""
         with self._cv:
             self._closed = True
+        self.drop_waiting(nixlBackendError(f"agent {self._name!r} was removed or the agent closed before this ran"))
+
+    def drop_waiting(self, error: BaseException) -> int:
+        """Ends every job that has not started with ``error`` (the one
+        running, if any, goes on); returns how many."""
+        with self._cv:
             dropped, self._jobs = self._jobs[1:], self._jobs[:1]
             self._cv.notify()
         for j in dropped:
-            j.drop(nixlBackendError(f"agent {self._name!r} was removed or the agent closed before this ran"))
+            j.drop(error)
+        return len(dropped)
+
+    def _withdraw(self, job: "_Job", error: BaseException) -> bool:
+        with self._cv:
+            # The first job is running, or about to.
+            if job not in self._jobs[1:]:
+                return False
+            self._jobs.remove(job)
+        job.drop(error)
+        return True
 
 
 class _Job:
     """One job of a :class:`_Courier`: done, or failed with an error."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, courier: _Courier):
         self._fn = fn
+        self._courier = courier
+        #: When it was queued (``time.monotonic()``).
+        self.since = time.monotonic()
         self._done = threading.Event()
         self.error: Optional[BaseException] = None
         self.cancelled = False
@@ -194,6 +214,12 @@ class _Job:
             self.error = e
         finally:
             self._done.set()
+
+    def withdraw(self, error: BaseException) -> bool:
+        """Takes the job out of its courier's queue, ending it with
+        ``error``, if it has not started (True); False once it runs or
+        ran."""
+        return self._courier._withdraw(self, error)
 
     def drop(self, error: BaseException) -> None:
         self.error = error
