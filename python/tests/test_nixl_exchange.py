@@ -4,8 +4,10 @@ byte checked, notifications checked against the data when they arrive, a
 peer killed and restarted, bad descriptors."""
 
 import json
+import logging
 import os
 import subprocess
+import threading
 import time
 import uuid
 
@@ -342,6 +344,38 @@ def test_work_queued_for_a_frozen_peer_does_not_wait_for_it_forever(spawn_peer, 
     assert np.array_equal(kv, want), "a READ after the peer resumed lands"
     for x in (h, h2):
         decode.release_xfer_handle(x)
+
+
+def test_a_call_that_holds_its_caller_is_logged(agents, monkeypatch, caplog):
+    """A call NIXL makes non-blocking that waits longer than ``_HOLD_WARN``
+    (here for the agent's lock, which another thread holds) is logged with
+    its name and duration: how a hold of vLLM's engine thread shows in the
+    server's log (the vLLM check fails on such a line). One that does not
+    wait is not."""
+    monkeypatch.setattr("kvmove.nixl._base._HOLD_WARN", 0.1)
+    a = agents(str(uuid.uuid4()))
+    a.get_new_notifs()  # the engine started
+    caplog.set_level(logging.WARNING, logger="kvmove.nixl")
+    a.get_new_notifs()
+    assert not [r for r in caplog.records if "held its caller" in r.getMessage()]
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        with a._lock:
+            taken.set()
+            release.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert taken.wait(5)
+        threading.Timer(0.3, release.set).start()
+        a.get_new_notifs()
+    finally:
+        release.set()
+        t.join()
+    held = [r.getMessage() for r in caplog.records if "held its caller" in r.getMessage()]
+    assert len(held) == 1 and held[0].startswith("get_new_notifs held its caller 0."), held
 
 
 def spin(agent, h, n=300):

@@ -32,6 +32,8 @@ from ._base import (
     _SPIN_GAP,
     _SPIN_WAIT,
     _QUEUE_LIMIT,
+    _non_blocking,
+    _held,
     _from_kvmove,
 )
 from ._descs import (
@@ -373,6 +375,7 @@ class nixl_agent:
             self._remotes[name] = _Remote(name, sid, regions, backend, metadata)
         return name.encode()
 
+    @_non_blocking
     def remove_remote_agent(self, agent: str) -> None:
         """Forgets a remote agent and closes the session to it; transfers
         to it can no longer be made. An unknown name is ignored."""
@@ -399,6 +402,7 @@ class nixl_agent:
         d = self.get_xfer_descs(descs, "DRAM" if not isinstance(descs, _DList) else None)
         return _uncovered(r.starts, r.ends, d) < 0
 
+    @_non_blocking
     def make_connection(self, remote_agent: str, backends: Sequence[str] = ()) -> None:
         """Starts opening the session to ``remote_agent`` now rather than
         at the first transfer, and returns at once (as NIXL does); a failure
@@ -730,10 +734,14 @@ class nixl_agent:
         handle._active = False
         if st != "ERR":
             return st
+        # The paths above wait 1 ms at most (a spinning caller's poll); this
+        # one is timed (the hot ones are not wrapped in _non_blocking).
+        start = time.monotonic()
         e = x.error()
         r, session = handle._session or (None, None)
         if r is not None and _peer_gone(e):
             self._forget_session(r, session)
+        _held("check_xfer_state", start)
         raise _from_kvmove(e, f"{handle.op} with agent {handle.remote_agent!r} failed")
 
     def _posted(self, handle: nixl_xfer_handle):
@@ -779,6 +787,7 @@ class nixl_agent:
                 if len(batch) < 1024:
                     return got
 
+    @_non_blocking
     def get_new_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
         """Notifications received since the last call, as ``{agent name:
         [message, ...]}`` (each sender's in the order sent)."""
@@ -807,6 +816,7 @@ class nixl_agent:
                 return True
         return False
 
+    @_non_blocking
     def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: Optional[str] = None) -> None:
         """Sends a notification not tied to a transfer. Returns at once, as
         NIXL does: the message is delivered in order with this agent's other

@@ -4,7 +4,9 @@ them."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Optional
 
 from .._native import TransferError
@@ -102,6 +104,35 @@ _SPIN_WAIT = 0.001
 # engine's answer timeout, 30 s): then it fails, as a transfer whose peer
 # does not answer its notification does.
 _QUEUE_LIMIT = 30.0
+# A call NIXL makes non-blocking that took longer than this (seconds) held
+# its caller (vLLM makes these calls on its engine thread): logged, so a
+# hold shows in the serving engine's log (the vLLM check looks for it).
+_HOLD_WARN = 1.0
+
+
+def _held(name: str, start: float) -> None:
+    """Logs a call ``name`` that began at ``start`` (``time.monotonic()``)
+    if it has taken longer than ``_HOLD_WARN``."""
+    took = time.monotonic() - start
+    if took > _HOLD_WARN:
+        logger.warning("%s held its caller %.2f s (NIXL makes it non-blocking)", name, took)
+
+
+def _non_blocking(fn):
+    """Wraps an agent method NIXL documents as non-blocking, one not on a
+    single transfer's path (the wrapper costs 0.2 us a call): a call that
+    takes longer than ``_HOLD_WARN`` is logged with its duration."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        start = time.monotonic()
+        try:
+            return fn(*args, **kw)
+        finally:
+            _held(name, start)
+
+    return call
 
 
 def _from_kvmove(e: TransferError, doing: str) -> nixlError:

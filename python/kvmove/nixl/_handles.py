@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .._native import NixlOps, nixl_uncovered
-from ._base import nixlBackendError
+from ._base import _held, nixlBackendError
 from ._descs import _DList, nixlXferDList
 
 
@@ -95,7 +95,11 @@ class nixl_xfer_handle:
             j.cancelled = True
         x = self._native
         if x is not None and x.state() == "PROC":
+            # Waits until the transfer is quiet: timed, as the calls NIXL
+            # makes non-blocking are (_non_blocking).
+            start = time.monotonic()
             x.cancel()
+            _held("release_xfer_handle", start)
 
     def __del__(self):
         try:
