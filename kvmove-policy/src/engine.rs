@@ -186,7 +186,8 @@ impl Engine {
     /// flood) is asked again (rule 8: transient failures are retried), with
     /// the retry policy's backoff, up to `retry.max_attempts` tries and
     /// within `deadline.base` (a refusal by the peer's host, nothing
-    /// listening there, only once more: [`Error::nothing_listens`]); the
+    /// listening there, only once more, for a listener about to come up:
+    /// [`Error::nothing_listens`]; a transfer's is not retried); the
     /// one call counts once toward the breaker.
     /// The error of the last try says how many were made, over how long.
     /// A failure that took its time (a handshake that timed out) is not

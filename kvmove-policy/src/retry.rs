@@ -13,9 +13,9 @@
 //! - a request is retried only after a transient failure other than
 //!   `PeerUnavailable` (the breaker already said no), or a timeout;
 //! - a connection the peer's host refused (nothing listens there,
-//!   [`Error::nothing_listens`]) is tried again only after the first
-//!   attempt: a peer that was killed is reported after the first backoff,
-//!   not after every attempt;
+//!   [`Error::nothing_listens`]) is not tried again: the segment was open,
+//!   so the peer was there, and is gone (opening a segment asks once more,
+//!   for a listener about to come up: `Engine::open_segment`);
 //! - after a first attempt whose retried requests all failed because
 //!   their established connection broke (`ConnectionReset`), the second
 //!   attempt starts at once ([`Retry::at_once`]): the reconnect either
@@ -173,7 +173,7 @@ impl Retry {
             let st = results.next().unwrap_or_else(|| {
                 RequestStatus::Failed(Error::new(ErrorKind::Internal, "the backend reported no status for a request"))
             });
-            let down = matches!(&st, RequestStatus::Failed(e) if e.nothing_listens()) && self.attempts > 1;
+            let down = matches!(&st, RequestStatus::Failed(e) if e.nothing_listens());
             if !self.cancelled && retryable(&st) && !down && self.attempts < self.max_attempts {
                 self.next.push(idx);
                 broke &= matches!(&st, RequestStatus::Failed(e) if e.kind() == ErrorKind::ConnectionReset);
@@ -294,7 +294,7 @@ mod tests {
     }
 
     #[test]
-    fn a_host_refusing_is_tried_again_once() {
+    fn a_host_refusing_ends_the_request() {
         let down = || RequestStatus::Failed(Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)));
         let busy = || RequestStatus::Failed(Error::new(ErrorKind::ConnectionRefused, "the peer is busy"));
         // A killed peer: the established connection broke, then its host
@@ -302,15 +302,17 @@ mod tests {
         let mut r = Retry::new(2, 4);
         assert_eq!(r.ended([transient(), busy()]), &[0, 1]);
         assert_eq!(r.start_next(), Some(&[0, 1][..]));
-        assert_eq!(r.ended([down(), busy()]), &[1], "a refusal after the first attempt ends the request");
-        // Refused at the first attempt (not up yet): asked once more.
-        let mut r = Retry::new(1, 4);
-        assert_eq!(r.ended([down()]), &[0]);
-        assert_eq!(r.start_next(), Some(&[0][..]));
-        assert!(r.ended([down()]).is_empty());
+        assert_eq!(r.ended([down(), busy()]), &[1], "a refusal by the host ends the request");
+        // Refused at the first attempt (the peer died between two
+        // transfers): over at once; the peer's own refusal (busy) is not.
+        let mut r = Retry::new(2, 4);
+        assert_eq!(r.ended([down(), busy()]), &[1]);
+        assert_eq!(r.start_next(), Some(&[1][..]));
+        assert!(r.ended([RequestStatus::Completed]).is_empty());
         let o = r.finish();
         assert_eq!(o.attempts, 2);
         assert!(o.requests[0].error().is_some_and(Error::nothing_listens));
+        assert!(o.requests[1].is_completed());
     }
 
     #[test]

@@ -286,7 +286,7 @@ async fn breaker_opens_fails_fast_and_closes_after_probe() {
 async fn a_host_refusing_the_reconnect_ends_the_transfer() {
     let t = Scripted::new(|r, n| match (r.remote_addr, n) {
         (1000, 1) => failed(ErrorKind::ConnectionReset),
-        (1000, _) => RequestStatus::Failed(std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into()),
+        (1000 | 1002, _) => RequestStatus::Failed(std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into()),
         _ => failed(ErrorKind::ConnectionRefused),
     });
     let e = Engine::new(t.clone(), fast_policy()).unwrap();
@@ -294,6 +294,12 @@ async fn a_host_refusing_the_reconnect_ends_the_transfer() {
     assert_eq!(out.state, BatchState::Failed);
     assert!(out.first_error().is_some_and(Error::nothing_listens), "{:?}", out.first_error());
     assert_eq!((out.attempts, t.submissions(1000)), (2, 2));
+    // Refused by the host at the first attempt (the peer died between two
+    // transfers): one attempt.
+    let out =
+        with_timeout(e.transfer(vec![TransferRequest::write(RegionId(1), 0, SegmentId(5), 1002, 8)])).await.unwrap();
+    assert!(out.first_error().is_some_and(Error::nothing_listens), "{:?}", out.first_error());
+    assert_eq!((out.attempts, t.submissions(1002)), (1, 1));
     // The peer's own refusal (busy): every attempt.
     let out =
         with_timeout(e.transfer(vec![TransferRequest::write(RegionId(1), 0, SegmentId(4), 1001, 8)])).await.unwrap();

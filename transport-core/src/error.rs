@@ -249,8 +249,9 @@ impl Error {
     /// down now (killed, or not started yet). False for a peer's own
     /// refusal (busy at its connection limit), a connect that timed out,
     /// and an error rebuilt from another's message. The policy engine
-    /// retries such a refusal at most once (after the first backoff), so
-    /// a dead peer is reported as soon as the kernel knows.
+    /// does not retry a transfer's request refused so, and asks once more
+    /// when opening a segment, so a dead peer is reported as soon as the
+    /// kernel knows.
     pub fn nothing_listens(&self) -> bool {
         self.nothing_listens
     }
