@@ -496,7 +496,7 @@ def main():
         threads[0].start()
         lat = []
         while len(stuck) < 2 and time.monotonic() - frozen_at < args.freeze:
-            if not threads[1].is_alive() and time.monotonic() - frozen_at >= STAGGER:
+            if threads[1].ident is None and time.monotonic() - frozen_at >= STAGGER:  # not started yet
                 threads[1].start()
             t0 = time.monotonic()
             plain(decode.port, ps[0], max_tokens=4)
