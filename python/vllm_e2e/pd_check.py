@@ -467,13 +467,15 @@ def main():
 
         # 3. The prefill frozen: the decode serves unrelated requests at
         # once, while two reads from the frozen prefill wait and then fail.
-        # The second read starts STAGGER s after the first, so the two fail
-        # that far apart: a call on vLLM's engine thread that waits for the
-        # frozen peer when the first fails (the stand-in's close of the
-        # dropped session did, until its other transfer ended: a plain
-        # request held 4.5 s when both started together, issue 55) holds
-        # the decode past the bound below. The freeze lasts until both
-        # reads have ended, so the failure path runs while frozen.
+        # The freeze lasts until both reads have ended, so the failure path
+        # runs while frozen: there a call on vLLM's engine thread once
+        # waited for the frozen peer (the stand-in's close of the dropped
+        # session, until its other read ended: a plain request held 4.5 s,
+        # issue 55), which the stand-in now logs and this step fails on.
+        # The second read starts STAGGER s after the first, posted while
+        # the stand-in's courier for that peer is busy with vLLM's
+        # heartbeats (it once waited behind them until the prefill
+        # resumed).
         params = []
         for p in ps[:2]:
             pre = post(prefill.port, {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0,
