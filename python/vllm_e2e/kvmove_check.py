@@ -330,7 +330,7 @@ def phase_tokens(prefill, decode, proxy, ps, ref):
     check(again == ref[-1], f"the {LENGTHS[-1]}-token prompt again: decode tokens equal the reference")
     sends_ended(prefill.trace_path, n, 1)  # its send traced before the extra rounds count theirs
 
-    # Under load the decode's step loop may grant late (ci of 45ce3ed: one
+    # Under load the decode's step loop may grant late (ci of d91cf14: one
     # early grant of six): then fresh prompts of the three longest lengths
     # (nothing of them cached on either side; their reference computed
     # after), up to EXTRA_OVERLAP_ROUNDS times, until two were granted early.
