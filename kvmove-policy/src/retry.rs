@@ -130,9 +130,6 @@ pub struct Retry {
     attempts: u32,
     max_attempts: u32,
     cancelled: bool,
-    /// The attempt that ended was the first, and every request chosen for
-    /// the next failed because its connection broke.
-    broke: bool,
 }
 
 impl Retry {
@@ -146,7 +143,6 @@ impl Retry {
             attempts: 1,
             max_attempts: max_attempts.max(1),
             cancelled: false,
-            broke: false,
         }
     }
 
@@ -168,7 +164,6 @@ impl Retry {
     pub fn ended(&mut self, results: impl IntoIterator<Item = RequestStatus>) -> &[usize] {
         let current = std::mem::take(&mut self.current);
         let mut results = results.into_iter();
-        let mut broke = self.attempts == 1;
         for idx in current {
             let st = results.next().unwrap_or_else(|| {
                 RequestStatus::Failed(Error::new(ErrorKind::Internal, "the backend reported no status for a request"))
@@ -176,13 +171,11 @@ impl Retry {
             let down = matches!(&st, RequestStatus::Failed(e) if e.nothing_listens());
             if !self.cancelled && retryable(&st) && !down && self.attempts < self.max_attempts {
                 self.next.push(idx);
-                broke &= matches!(&st, RequestStatus::Failed(e) if e.kind() == ErrorKind::ConnectionReset);
             }
             if let Some(s) = self.status.get_mut(idx) {
                 *s = st;
             }
         }
-        self.broke = broke && !self.next.is_empty();
         &self.next
     }
 
@@ -194,7 +187,8 @@ impl Retry {
     /// transfer ends, as soon as the kernel reported the break. At most
     /// one attempt of a transfer goes without a pause.
     pub fn at_once(&self) -> bool {
-        self.broke
+        let broke = |&i: &usize| matches!(self.status.get(i), Some(RequestStatus::Failed(e)) if e.kind() == ErrorKind::ConnectionReset);
+        self.attempts == 1 && !self.next.is_empty() && self.next.iter().all(broke)
     }
 
     /// The requests chosen for the next attempt (by [`Retry::ended`], less
