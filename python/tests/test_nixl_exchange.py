@@ -18,7 +18,6 @@ from kvmove.nixl import (
     nixl_agent,
     nixl_agent_config,
     nixlInvalidParamError,
-    nixlMismatchError,
     nixlNotFoundError,
     nixlNotSupportedError,
     nixlRemoteDisconnectError,
@@ -59,6 +58,19 @@ def agents():
 
 def nixl_peer(spawn_peer):
     return spawn_peer(nbytes=NBYTES, script="nixlpeer.py")
+
+
+def filled_pair(spawn_peer, agents, seed):
+    """A prefill peer whose memory holds pattern ``seed`` and a decode
+    agent (fresh name) with its KV registered and the prefill's metadata
+    loaded: ``(prefill, decode, kv, local handle, agent name, remote handle)``."""
+    prefill = nixl_peer(spawn_peer)
+    assert prefill.ask(f"fill {seed}") == "ok"
+    decode = agents(str(uuid.uuid4()))
+    kv = np.zeros(NBYTES, dtype=np.uint8)
+    _, local = register_kv(decode, kv)
+    name, remote = vllm_handshake(decode, prefill)
+    return prefill, decode, kv, local, name, remote
 
 
 def test_vllm_decode_reads_from_prefill(spawn_peer, agents):
@@ -128,12 +140,7 @@ def test_peer_killed_and_restarted(spawn_peer, agents, monkeypatch):
     DONE); after remove_remote_agent and add_remote_agent of the restarted
     prefill's metadata, reads work again and notifications reach it."""
     monkeypatch.setenv("KVMOVE_POLICY", json.dumps({"retry": {"max_attempts": 2}}))
-    prefill = nixl_peer(spawn_peer)
-    assert prefill.ask("fill 3") == "ok"
-    decode = agents(str(uuid.uuid4()))
-    kv = np.zeros(NBYTES, dtype=np.uint8)
-    _, local = register_kv(decode, kv)
-    name, remote = vllm_handshake(decode, prefill)
+    prefill, decode, kv, local, name, remote = filled_pair(spawn_peer, agents, 3)
     st, _ = vllm_read(decode, local, remote, [0], [1], b"a:1")
     assert st == "DONE"
     assert json.loads(prefill.ask("notifs 1 10")) == [[decode.name, "a:1"]]
@@ -235,12 +242,7 @@ def test_calls_to_a_frozen_peer_return_at_once(spawn_peer, agents):
     ``transfer`` and ``check_xfer_state`` return at once, as NIXL's do (vLLM
     calls them from its engine thread); once prefill runs again the queued
     work is done in order: the READ lands, every notification arrives."""
-    prefill = nixl_peer(spawn_peer)
-    assert prefill.ask("fill 5") == "ok"
-    decode = agents(str(uuid.uuid4()))
-    kv = np.zeros(NBYTES, dtype=np.uint8)
-    _, local = register_kv(decode, kv)
-    name, remote = vllm_handshake(decode, prefill)
+    prefill, decode, kv, local, name, remote = filled_pair(spawn_peer, agents, 5)
     want = expect_read(kv, 5, [0, 1], [4, 5])
 
     prefill.pause()
@@ -290,12 +292,7 @@ def test_work_queued_for_a_frozen_peer_does_not_wait_for_it_forever(spawn_peer, 
     found gone (a transfer to it failed so), and a transfer queued longer
     than ``_QUEUE_LIMIT`` fails unposted; the peer, once it runs again,
     serves a new READ."""
-    prefill = nixl_peer(spawn_peer)
-    assert prefill.ask("fill 6") == "ok"
-    decode = agents(str(uuid.uuid4()))
-    kv = np.zeros(NBYTES, dtype=np.uint8)
-    _, local = register_kv(decode, kv)
-    name, remote = vllm_handshake(decode, prefill)
+    prefill, decode, kv, local, name, remote = filled_pair(spawn_peer, agents, 6)
     st, _ = vllm_read(decode, local, remote, [0], [0], b"warm")
     assert st == "DONE"
 
@@ -484,17 +481,12 @@ def test_dropping_a_frozen_peer_does_not_hold_the_caller(spawn_peer, agents, mon
     these calls on its engine thread). The transfers still in flight end,
     and once the peer runs again a new READ goes through a fresh session
     (after the agent's metadata is loaded again, once removed)."""
-    prefill = nixl_peer(spawn_peer)
-    assert prefill.ask("fill 9") == "ok"
     # A drain timeout of 3 s (default 250 ms) makes the close's wait on the
-    # frozen peer plain to see.
+    # frozen peer plain to see (the decode's engine reads it).
     cfg = tmp_path / "kvmove.toml"
     cfg.write_text("[backend.tcp]\ndrain_timeout = 3000\n")
     monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
-    decode = agents(str(uuid.uuid4()))
-    kv = np.zeros(NBYTES, dtype=np.uint8)
-    _, local = register_kv(decode, kv)
-    name, remote = vllm_handshake(decode, prefill)
+    prefill, decode, kv, local, name, remote = filled_pair(spawn_peer, agents, 9)
     st, _ = vllm_read(decode, local, remote, [0], [0], b"warm")
     assert st == "DONE"  # connected: the READs below are posted at once
     prefill.pause()
