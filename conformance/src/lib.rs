@@ -158,7 +158,7 @@
 //! | `policy::breaker_opens_and_recovers` | 8 | - | breaker opens at its threshold, fails fast, half-opens, closes on a good probe |
 //! | `policy::breaker_is_per_peer` | 8 | - | an open breaker for one peer does not block another |
 //! | `policy::breaker_recovers_after_peer_restart` | 8 | Kill | real peer kill opens the breaker; after restart and cool-down a probe closes it |
-//! | `policy::first_call_after_restart_reaches_the_peer` | 8 | Kill | peer killed, breaker open (60 s cool-down): calls fail fast but one per probe interval; peer back: the first call two intervals later reaches it |
+//! | `policy::first_call_after_restart_reaches_the_peer` | 8 | Kill | peer killed, breaker open (60 s cool-down): a burst of calls fails fast but one per probe interval (1 ms for a refusing host); peer back: the first call two intervals later reaches it |
 //! | `policy::prober_closes_breaker_when_peer_returns` | 8 | Kill | peer killed, breaker open (60 s cool-down), peer back: the background prober closes the breaker within seconds |
 //! | `policy::deadline_from_config` | 8 | Stall | DeadlineConfig reaches the backend: stalled engine transfer times out, quiet after |
 //! | `backpressure::full_budget_pushes_back` | 8 | Stall | full budget: try_submit is Backpressure, submit waits and completes |

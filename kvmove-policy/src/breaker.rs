@@ -25,6 +25,10 @@ pub enum BreakerState {
 #[derive(Debug, Clone)]
 pub struct Breaker {
     state: State,
+    /// Whether the peer's host itself refused the last try (nothing
+    /// listens there): a try costs one refused connect, so an open
+    /// breaker lets calls probe every `cfg.refused_probe_interval`.
+    refused: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -60,7 +64,7 @@ pub enum Admit {
 
 impl Default for Breaker {
     fn default() -> Self {
-        Self { state: State::Closed { failures: 0 } }
+        Self { state: State::Closed { failures: 0 }, refused: false }
     }
 }
 
@@ -79,9 +83,10 @@ impl Breaker {
 
     /// Asks to send work at `now`. An open breaker lets one call through
     /// as a probe once its cool-down ended, or earlier when the peer was
-    /// last tried at least `cfg.probe_interval` ago: a peer that came back
-    /// is found by the first call after it did, and a dead one costs at
-    /// most one call's attempt per interval.
+    /// last tried at least `cfg.probe_interval` ago (`cfg.refused_probe_interval`
+    /// when its host refused that try): a peer that came back is found by
+    /// the first call after it did, and a dead one costs at most one
+    /// call's attempt per interval.
     pub fn admit(&mut self, now: Duration, cfg: &BreakerConfig) -> Admit {
         match self.state {
             State::Closed { .. } => Admit::Yes,
@@ -90,7 +95,7 @@ impl Breaker {
                 Admit::Probe
             }
             State::Open { until, last_probe } => {
-                let next = last_probe.saturating_add(cfg.probe_interval);
+                let next = last_probe.saturating_add(self.interval(cfg));
                 if now >= next {
                     self.state = State::HalfOpen { probing: true, reopen: Some(until) };
                     Admit::Probe
@@ -106,6 +111,15 @@ impl Breaker {
         }
     }
 
+    /// How long after a try of an open breaker's peer a call may probe it.
+    fn interval(&self, cfg: &BreakerConfig) -> Duration {
+        if self.refused {
+            cfg.refused_probe_interval.min(cfg.probe_interval)
+        } else {
+            cfg.probe_interval
+        }
+    }
+
     /// Whether a call let through as the probe is out and its verdict not
     /// in yet (calls meanwhile are answered [`Admit::No`] with no wait).
     pub fn probing(&self) -> bool {
@@ -114,22 +128,27 @@ impl Breaker {
 
     /// The peer was tried at `now` outside [`admit`](Self::admit) (the
     /// background prober, `Engine::probe`): an open breaker counts its
-    /// probe interval from here.
-    pub fn on_probe(&mut self, now: Duration) {
+    /// probe interval from here (`refused`: its host refused the probe).
+    pub fn on_probe(&mut self, now: Duration, refused: bool) {
         if let State::Open { until, .. } = self.state {
             self.state = State::Open { until, last_probe: now };
+            self.refused = refused;
         }
     }
 
     /// Work to the peer succeeded: the breaker closes.
     pub fn on_success(&mut self) {
         self.state = State::Closed { failures: 0 };
+        self.refused = false;
     }
 
     /// Work to the peer failed because of the peer (see
     /// [`transport_core::ErrorKind::is_peer_failure`]). A probe let
     /// through before the cool-down ended leaves the cool-down as it was.
-    pub fn on_failure(&mut self, now: Duration, cfg: &BreakerConfig) {
+    /// `refused`: the peer's host refused the connection itself
+    /// ([`transport_core::Error::nothing_listens`]).
+    pub fn on_failure(&mut self, now: Duration, cfg: &BreakerConfig, refused: bool) {
+        self.refused = refused;
         self.state = match self.state {
             State::Closed { failures } if failures.saturating_add(1) < cfg.failure_threshold => {
                 State::Closed { failures: failures + 1 }
@@ -163,13 +182,14 @@ mod tests {
 
     #[test]
     fn opens_at_threshold_probes_after_cooldown_and_closes() {
-        let cfg = BreakerConfig { failure_threshold: 3, cooldown: 10 * S, probe_interval: 10 * S };
+        let cfg =
+            BreakerConfig { failure_threshold: 3, cooldown: 10 * S, probe_interval: 10 * S, refused_probe_interval: S };
         let mut b = Breaker::default();
         for _ in 0..2 {
-            b.on_failure(S, &cfg);
+            b.on_failure(S, &cfg, false);
             assert_eq!(b.admit(S, &cfg), Admit::Yes);
         }
-        b.on_failure(S, &cfg);
+        b.on_failure(S, &cfg, false);
         assert_eq!(b.state(S), BreakerState::Open);
         assert_eq!(b.admit(2 * S, &cfg), Admit::No { retry_after: 9 * S });
         assert_eq!(b.state(11 * S), BreakerState::HalfOpen);
@@ -182,15 +202,15 @@ mod tests {
 
     #[test]
     fn failed_probe_reopens_and_success_resets_count() {
-        let cfg = BreakerConfig { failure_threshold: 2, cooldown: S, probe_interval: S };
+        let cfg = BreakerConfig { failure_threshold: 2, cooldown: S, probe_interval: S, refused_probe_interval: S };
         let mut b = Breaker::default();
-        b.on_failure(Duration::ZERO, &cfg);
+        b.on_failure(Duration::ZERO, &cfg, false);
         b.on_success();
-        b.on_failure(Duration::ZERO, &cfg);
+        b.on_failure(Duration::ZERO, &cfg, false);
         assert_eq!(b.state(Duration::ZERO), BreakerState::Closed, "success reset the count");
-        b.on_failure(Duration::ZERO, &cfg);
+        b.on_failure(Duration::ZERO, &cfg, false);
         assert_eq!(b.admit(S, &cfg), Admit::Probe);
-        b.on_failure(S, &cfg);
+        b.on_failure(S, &cfg, false);
         assert_eq!(b.state(S), BreakerState::Open);
         assert_eq!(b.admit(2 * S, &cfg), Admit::Probe, "never a permanent blacklist");
         b.on_abandoned_probe(2 * S);
@@ -204,18 +224,23 @@ mod tests {
     #[test]
     fn an_open_breaker_lets_one_call_probe_per_interval() {
         let ms = Duration::from_millis;
-        let cfg = BreakerConfig { failure_threshold: 1, cooldown: 10 * S, probe_interval: ms(100) };
+        let cfg = BreakerConfig {
+            failure_threshold: 1,
+            cooldown: 10 * S,
+            probe_interval: ms(100),
+            refused_probe_interval: ms(100),
+        };
         let mut b = Breaker::default();
-        b.on_failure(S, &cfg);
+        b.on_failure(S, &cfg, false);
         assert_eq!(b.state(S), BreakerState::Open);
         assert_eq!(b.admit(S + ms(99), &cfg), Admit::No { retry_after: ms(1) }, "the opening failure was a try");
         assert_eq!(b.admit(S + ms(100), &cfg), Admit::Probe);
         assert_eq!(b.state(S + ms(100)), BreakerState::Open, "a call's probe leaves it open until it answers");
         assert_eq!(b.admit(S + ms(100), &cfg), Admit::No { retry_after: Duration::ZERO }, "one probe at a time");
-        b.on_failure(S + ms(150), &cfg);
+        b.on_failure(S + ms(150), &cfg, false);
         assert_eq!(b.state(S + ms(150)), BreakerState::Open);
         assert_eq!(b.admit(S + ms(249), &cfg), Admit::No { retry_after: ms(1) }, "counted from the probe's end");
-        b.on_probe(S + ms(240));
+        b.on_probe(S + ms(240), false);
         assert_eq!(b.admit(S + ms(300), &cfg), Admit::No { retry_after: ms(40) }, "a background probe counts");
         assert_eq!(b.state(11 * S), BreakerState::HalfOpen, "the failed early probe kept the cool-down's end");
         // Abandoned: the next call may probe one interval later.
@@ -228,8 +253,44 @@ mod tests {
         assert_eq!(b.admit(S + ms(450), &cfg), Admit::Yes);
         // An interval as long as the cool-down: only the cool-down's probe.
         let slow = BreakerConfig { probe_interval: 10 * S, ..cfg };
-        b.on_failure(20 * S, &slow);
+        b.on_failure(20 * S, &slow, false);
         assert!(matches!(b.admit(29 * S, &slow), Admit::No { .. }));
         assert_eq!(b.admit(30 * S, &slow), Admit::Probe);
+    }
+
+    /// Issue 55 item 3: a peer whose host refused the last try (nothing
+    /// listens: killed, or restarting) is probed every
+    /// `refused_probe_interval`, a try that timed out or broke every
+    /// `probe_interval`; the shorter interval never exceeds the longer.
+    #[test]
+    fn a_refusing_host_is_probed_at_the_shorter_interval() {
+        let ms = Duration::from_millis;
+        let cfg = BreakerConfig {
+            failure_threshold: 1,
+            cooldown: 10 * S,
+            probe_interval: ms(100),
+            refused_probe_interval: ms(1),
+        };
+        let mut b = Breaker::default();
+        b.on_failure(S, &cfg, true);
+        assert_eq!(b.state(S), BreakerState::Open);
+        assert_eq!(b.admit(S, &cfg), Admit::No { retry_after: ms(1) }, "the refusal that opened it was a try");
+        assert_eq!(b.admit(S + ms(1), &cfg), Admit::Probe);
+        b.on_failure(S + ms(1), &cfg, true);
+        assert_eq!(b.admit(S + ms(2), &cfg), Admit::Probe, "refused again: one millisecond on");
+        // The probe timed out: the peer's host no longer answers.
+        b.on_failure(S + ms(500), &cfg, false);
+        assert_eq!(b.admit(S + ms(501), &cfg), Admit::No { retry_after: ms(99) });
+        // The background prober was refused: the short interval again.
+        b.on_probe(S + ms(550), true);
+        assert_eq!(b.admit(S + ms(551), &cfg), Admit::Probe);
+        b.on_success();
+        // A success forgets the refusal: the next opening failure timed out.
+        b.on_failure(2 * S, &cfg, false);
+        assert!(matches!(b.admit(2 * S + ms(50), &cfg), Admit::No { .. }));
+        // Never longer than the probe interval.
+        let odd = BreakerConfig { refused_probe_interval: S, ..cfg };
+        b.on_failure(3 * S, &odd, true);
+        assert_eq!(b.admit(3 * S + ms(100), &odd), Admit::Probe);
     }
 }

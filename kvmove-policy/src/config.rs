@@ -129,11 +129,25 @@ pub struct BreakerConfig {
     /// cool-down's probe.
     #[serde(rename = "probe_interval_ms", with = "transport_core::serde_ms")]
     pub probe_interval: Duration,
+    /// The probe interval after a try that the peer's host refused itself
+    /// (nothing listens on the port: the peer was killed or is
+    /// restarting). Such a try is one refused connect, no handshake and no
+    /// timeout, so calls probe more often and the first call a
+    /// millisecond after the peer listens again finds it. Default 1 ms
+    /// (a dead peer's host answers at most a thousand connects a second
+    /// per engine); never longer than `probe_interval`.
+    #[serde(rename = "refused_probe_interval_ms", with = "transport_core::serde_ms")]
+    pub refused_probe_interval: Duration,
 }
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        Self { failure_threshold: 5, cooldown: Duration::from_secs(2), probe_interval: Duration::from_millis(100) }
+        Self {
+            failure_threshold: 5,
+            cooldown: Duration::from_secs(2),
+            probe_interval: Duration::from_millis(100),
+            refused_probe_interval: Duration::from_millis(1),
+        }
     }
 }
 

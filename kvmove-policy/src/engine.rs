@@ -44,7 +44,9 @@ pub use transfer::{Probe, Transfer};
 ///   probe (the next open or transfer) goes through and closes the breaker
 ///   if it succeeds. Before that, one call goes through as the probe (one
 ///   connect) when the peer was last tried `breaker.probe_interval` ago or
-///   more (default 100 ms), so the first call after a peer restarted
+///   more (default 100 ms; `breaker.refused_probe_interval`, 1 ms, when
+///   its host refused that try: nothing listens there, and a refused
+///   connect costs no timeout), so the first call after a peer restarted
 ///   succeeds, and a dead peer costs one call's attempt per interval; its
 ///   failure leaves the cool-down as it was. Meanwhile a background
 ///   prober asks the peer
@@ -236,7 +238,7 @@ impl Engine {
         };
         match &result {
             Ok(_) => self.inner.record(name, PeerVerdict::Healthy),
-            Err(e) if e.kind().is_peer_failure() => self.inner.record(name, PeerVerdict::Failed),
+            Err(e) if e.kind().is_peer_failure() => self.inner.record(name, PeerVerdict::failed(e)),
             Err(_) if admit == Admit::Probe => self.inner.record(name, PeerVerdict::Unknown),
             Err(_) => {}
         }
@@ -517,7 +519,8 @@ impl Inner {
             let (before, probed) = (b.state(now), b.probing());
             match verdict {
                 PeerVerdict::Healthy => b.on_success(),
-                PeerVerdict::Failed => b.on_failure(now, &self.cfg.breaker),
+                PeerVerdict::Failed => b.on_failure(now, &self.cfg.breaker, false),
+                PeerVerdict::Refused => b.on_failure(now, &self.cfg.breaker, true),
                 PeerVerdict::Unknown => b.on_abandoned_probe(now),
             }
             (before, b.state(now), probed)

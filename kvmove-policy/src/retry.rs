@@ -86,15 +86,32 @@ pub enum PeerVerdict {
     /// A request to it timed out or failed with a peer failure
     /// ([`ErrorKind::is_peer_failure`]).
     Failed,
+    /// A request to it failed because its host refused the connection
+    /// itself ([`transport_core::Error::nothing_listens`]): failed, and
+    /// cheap to try again (its breaker probes it more often).
+    Refused,
     /// Its requests ended for reasons that say nothing about it
     /// (cancelled, refused locally, a permanent request error).
     Unknown,
 }
 
+impl PeerVerdict {
+    /// The verdict of a peer failure `e`: [`PeerVerdict::Refused`] when
+    /// its host refused the connection itself, else `Failed`.
+    pub fn failed(e: &Error) -> Self {
+        if e.nothing_listens() {
+            Self::Refused
+        } else {
+            Self::Failed
+        }
+    }
+}
+
 /// One verdict per peer from an attempt: `requests[k]` ended with
 /// `results[k]` and went to peer `peer_of[requests[k]]` (of `peers`).
 /// `None` for a peer the attempt did not reach. A failure outweighs a
-/// success: one timed-out request makes the peer `Failed`.
+/// success: one timed-out request makes the peer `Failed` (and any other
+/// failure outweighs a refusal).
 pub fn verdicts(
     requests: &[usize],
     results: &[RequestStatus],
@@ -106,12 +123,14 @@ pub fn verdicts(
         let v = match st {
             RequestStatus::Completed => PeerVerdict::Healthy,
             RequestStatus::TimedOut => PeerVerdict::Failed,
+            RequestStatus::Failed(e) if e.kind().is_peer_failure() && e.nothing_listens() => PeerVerdict::Refused,
             RequestStatus::Failed(e) if e.kind().is_peer_failure() => PeerVerdict::Failed,
             _ => PeerVerdict::Unknown,
         };
         let Some(slot) = peer_of.get(idx).and_then(|&p| out.get_mut(p)) else { continue };
         *slot = Some(match (*slot, v) {
             (Some(PeerVerdict::Failed), _) | (_, PeerVerdict::Failed) => PeerVerdict::Failed,
+            (Some(PeerVerdict::Refused), _) | (_, PeerVerdict::Refused) => PeerVerdict::Refused,
             (Some(PeerVerdict::Healthy), _) | (_, PeerVerdict::Healthy) => PeerVerdict::Healthy,
             _ => PeerVerdict::Unknown,
         });

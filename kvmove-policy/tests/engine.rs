@@ -28,10 +28,12 @@ struct Scripted {
 }
 
 /// The peer "flaky": `resets` opens reset in the handshake, then each is
-/// refused while `refuse`, else served; `opens` counts them.
+/// refused while `refuse` (by its host, nothing listening, while
+/// `host_refuses`), else served; `opens` counts them.
 #[derive(Default)]
 struct Flaky {
     refuse: bool,
+    host_refuses: bool,
     resets: u32,
     opens: u32,
     /// How long each open takes to answer.
@@ -92,6 +94,9 @@ impl Transport for Scripted {
             if f.resets > 0 {
                 f.resets -= 1;
                 return Err(Error::new(ErrorKind::ConnectionReset, "early eof in the handshake"));
+            }
+            if f.host_refuses {
+                return Err(Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)));
             }
             if f.refuse {
                 return Err(Error::new(ErrorKind::ConnectionRefused, "nobody listens"));
@@ -405,6 +410,7 @@ async fn flaky_down(attempts: u32) -> (Arc<Scripted>, Engine) {
         failure_threshold: 1,
         cooldown: Duration::from_secs(10),
         probe_interval: Duration::from_millis(100),
+        ..Default::default()
     };
     let e = Engine::new(t.clone(), p).unwrap();
     t.flaky.lock().refuse = true;
@@ -479,6 +485,63 @@ async fn a_call_to_an_open_breaker_probes_once_per_interval() {
     t.flaky.lock().refuse = false;
     let seg = e.open_segment("flaky").await;
     assert!(seg.is_ok(), "the first call after the restart: {seg:?}");
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
+}
+
+/// Issue 55 item 3: a peer whose host refuses (nothing listens: killed,
+/// restarting at its address) is probed by a call every
+/// `refused_probe_interval` (1 ms), not every `probe_interval`: a dead
+/// peer called back to back costs at most one connect a millisecond (a
+/// storm of calls still fails fast), and the first call a millisecond
+/// after it listens again finds it. Virtual time, advanced by hand (a
+/// sleep's timer has a millisecond's grain).
+#[tokio::test(start_paused = true)]
+async fn a_host_that_refuses_is_probed_every_millisecond() {
+    let (t, e) = flaky_down(4).await;
+    {
+        let mut f = t.flaky.lock();
+        f.refuse = false;
+        f.host_refuses = true;
+    }
+    // The breaker opened on a refusal by the peer itself (its connection
+    // limit: not the host's): the long interval, until a call's probe or
+    // the prober's at 20 ms is refused by the host.
+    let before = t.flaky.lock().opens;
+    let (mut fast, mut probed) = (0u32, 0u32);
+    // 100 ms of calls every 100 us (1000 calls).
+    for _ in 0..1000 {
+        let err = e.open_segment("flaky").await.unwrap_err();
+        match err.kind() {
+            ErrorKind::PeerUnavailable => fast += 1,
+            ErrorKind::ConnectionRefused => {
+                assert!(err.nothing_listens(), "{err}");
+                assert_eq!(err.context_value("attempts"), None, "a refused probe is one connect: {err}");
+                probed += 1
+            }
+            k => panic!("a call to a dead peer failed with {k}: {err}"),
+        }
+        tokio::time::advance(Duration::from_micros(100)).await;
+    }
+    let opens = t.flaky.lock().opens - before;
+    // Every millisecond from the prober's refusal at 20 ms: about 80.
+    assert!((60..=101).contains(&probed), "{probed} of 1000 calls in 100 ms probed the refusing host");
+    assert!(opens <= probed + 3, "{opens} connects in 100 ms: {probed} probing calls and the prober's");
+    assert_eq!(fast + probed, 1000);
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Open);
+
+    // It listens again; the calls go on every 100 us: one of the first
+    // eleven after it finds it (within a millisecond and one call).
+    t.flaky.lock().host_refuses = false;
+    let mut failed = 0;
+    loop {
+        match e.open_segment("flaky").await {
+            Ok(_) => break,
+            Err(err) => assert_eq!(err.kind(), ErrorKind::PeerUnavailable, "{err}"),
+        }
+        failed += 1;
+        assert!(failed <= 10, "{failed} calls failed fast after the peer listened again");
+        tokio::time::advance(Duration::from_micros(100)).await;
+    }
     assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
 }
 

@@ -362,28 +362,39 @@ pub async fn breaker_recovers_after_peer_restart(cx: Ctx) -> CaseResult {
 
 /// With real faults: the peer is killed and the breaker opens (cool-down
 /// 60 s); calls meanwhile fail fast (`PeerUnavailable`, except a call's
-/// probe once per `probe_interval`: refused, one attempt). The peer
+/// probe once per probe interval: `refused_probe_interval` when the host
+/// refused the last try, as a killed TCP peer's does, else
+/// `probe_interval`; refused, one attempt): a burst of calls back to back
+/// costs at most one connect per interval, never one per call. The peer
 /// restarts on its address; the first call made two probe intervals later
 /// reaches it (its own probe, or the background prober's before it), long
 /// before the cool-down would have let one through.
 pub async fn first_call_after_restart_reaches_the_peer(cx: Ctx) -> CaseResult {
     let opts = NodeOptions::default();
     let (p, engine, peer) = killed_peer_with_open_breaker(&cx, &opts, Duration::from_secs(60)).await?;
-    let interval = PolicyConfig::default().breaker.probe_interval;
-    // Down: a burst of calls, all refused, nearly all fast.
+    let breaker = PolicyConfig::default().breaker;
+    let (interval, shortest) = (breaker.probe_interval, breaker.refused_probe_interval);
+    // Down: a burst of calls, all refused, at most one probe per interval.
     let (mut fast, mut refused) = (0u32, 0u32);
-    for _ in 0..50 {
+    let burst = Instant::now();
+    for _ in 0..200 {
         match bounded("engine open", engine.open_segment(&peer)).await? {
             Ok(_) => return Err(CaseError::Fail("opening a killed peer through the engine succeeded".into())),
             Err(e) if e.kind() == ErrorKind::PeerUnavailable => fast += 1,
             Err(e) => {
                 ensure!(e.is_transient(), "a call to a killed peer failed with a permanent {e}");
+                ensure!(e.context_value("attempts").is_none(), "a call's probe of a killed peer asked again: {e}");
                 refused += 1;
             }
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    ensure!(fast > 0, "no call to the killed peer failed fast ({refused} were tried)");
+    let took = burst.elapsed();
+    let most = took.as_micros() / shortest.as_micros().max(1) + 2;
+    ensure!(
+        u128::from(refused) <= most,
+        "{refused} of 200 calls to the killed peer in {took:?} probed it ({fast} failed fast): more than one per \
+         {shortest:?}"
+    );
     let b2 = cx.restart(&p.b, &opts).await?;
     let mem = cx.guarded(LEN, 38)?;
     b2.transport.register(mem.region(), Access::REMOTE_RW)?;

@@ -88,9 +88,9 @@ impl Inner {
             Ok(()) => self.record(name, PeerVerdict::Healthy),
             Err(e) if e.kind().is_peer_failure() => {
                 if self.breaker_closed(name) {
-                    self.record(name, PeerVerdict::Failed);
+                    self.record(name, PeerVerdict::failed(e));
                 } else {
-                    self.tried(name);
+                    self.tried(name, e.nothing_listens());
                 }
             }
             Err(_) => {}
@@ -138,11 +138,12 @@ impl Inner {
     }
 
     /// The peer was just tried outside the breaker's admission: an open
-    /// breaker lets the next call probe only a probe interval from now.
-    fn tried(&self, peer: &str) {
+    /// breaker lets the next call probe only a probe interval from now
+    /// (`refused`: its host refused the try).
+    fn tried(&self, peer: &str, refused: bool) {
         let now = self.clock.now();
         if let Some(b) = self.breakers.lock().get_mut(peer) {
-            b.on_probe(now);
+            b.on_probe(now, refused);
         }
     }
 
