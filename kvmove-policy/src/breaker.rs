@@ -120,6 +120,12 @@ impl Breaker {
         }
     }
 
+    /// Whether the peer's host refused the last try recorded (by a
+    /// failure or a probe; a success clears it).
+    pub fn refused(&self) -> bool {
+        self.refused
+    }
+
     /// Whether a call let through as the probe is out and its verdict not
     /// in yet (calls meanwhile are answered [`Admit::No`] with no wait).
     pub fn probing(&self) -> bool {

@@ -188,7 +188,8 @@ impl Engine {
     /// flood) is asked again (rule 8: transient failures are retried), with
     /// the retry policy's backoff, up to `retry.max_attempts` tries and
     /// within `deadline.base` (a refusal by the peer's host, nothing
-    /// listening there, only once more, for a listener about to come up:
+    /// listening there, only once more, for a listener about to come up,
+    /// and not at all when the host refused the peer's last try as well:
     /// [`Error::nothing_listens`]; a transfer's is not retried); the
     /// one call counts once toward the breaker.
     /// The error of the last try says how many were made, over how long.
@@ -215,8 +216,14 @@ impl Engine {
                     let answered = match e.kind() {
                         ErrorKind::ConnectionReset => true,
                         // Its host said nothing listens: asked once more
-                        // (a listener about to come up), not every attempt.
-                        ErrorKind::ConnectionRefused => admit != Admit::Probe && !(attempt > 1 && e.nothing_listens()),
+                        // (a listener about to come up), not every attempt,
+                        // and not when its host refused the peer's last try
+                        // too (that try was the chance to come up: a call
+                        // to a dead address fails at its first refusal).
+                        ErrorKind::ConnectionRefused if e.nothing_listens() => {
+                            admit != Admit::Probe && attempt == 1 && !self.inner.last_refused(name)
+                        }
+                        ErrorKind::ConnectionRefused => admit != Admit::Probe,
                         _ => false,
                     };
                     answered && attempt < self.inner.cfg.retry.max_attempts
@@ -537,6 +544,12 @@ impl Inner {
         if opened {
             self.start_prober(peer);
         }
+    }
+
+    /// Whether the last try of `peer` was refused by its host (nothing
+    /// listened there), as its breaker recorded it.
+    fn last_refused(&self, peer: &str) -> bool {
+        self.breakers.lock().get(peer).is_some_and(Breaker::refused)
     }
 
     /// Whether `peer`'s breaker is closed now (peers never seen: yes).

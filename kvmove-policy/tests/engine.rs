@@ -545,6 +545,41 @@ async fn a_host_that_refuses_is_probed_every_millisecond() {
     assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
 }
 
+/// Issue 55 item 3: opening a segment whose host refuses asks once more
+/// after the first backoff (a listener about to come up), but a call to a
+/// peer whose host refused its last try too fails at its first refusal:
+/// that earlier try was the chance to come up, and a program that opens a
+/// session per call (the Mooncake and NIXL stand-ins after a failure)
+/// would otherwise wait a backoff at every call to a dead address. A
+/// success forgets the refusal. Virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_host_refusing_again_is_not_asked_twice() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    let mut p = PolicyConfig::default();
+    p.breaker.failure_threshold = 100;
+    let e = Engine::new(t.clone(), p).unwrap();
+    t.flaky.lock().host_refuses = true;
+    let opens = || t.flaky.lock().opens;
+    let call = || async {
+        let (before, start) = (opens(), tokio::time::Instant::now());
+        let err = e.open_segment("flaky").await.unwrap_err();
+        assert!(err.nothing_listens(), "{err}");
+        (opens() - before, start.elapsed())
+    };
+    let (asked, took) = call().await;
+    assert_eq!(asked, 2, "the first refusal is asked once more");
+    assert!(took >= Duration::from_millis(10), "after the first backoff: {took:?}");
+    for _ in 0..3 {
+        assert_eq!(call().await, (1, Duration::ZERO), "refused again: one connect, no wait");
+    }
+    assert_eq!(e.breaker_state("flaky"), BreakerState::Closed);
+    // Back, then gone again: asked once more, as at first.
+    t.flaky.lock().host_refuses = false;
+    e.open_segment("flaky").await.unwrap();
+    t.flaky.lock().host_refuses = true;
+    assert_eq!(call().await.0, 2);
+}
+
 /// Calls that find the probe of a peer's open breaker out wait for its
 /// verdict instead of failing fast beside it: right after a restart,
 /// eight calls at once (a handoff's writes, layer by layer) all reach the
