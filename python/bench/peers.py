@@ -35,6 +35,9 @@ Systems:
   kernel copy between the two processes), not a network;
 * ``nixl-tcp``: the same with ``UCX_TLS=tcp`` (a network transport);
 * ``kvmove-nixl``: ``kvmove.nixl.nixl_agent`` (kvmove's default path);
+* ``kvmove-nixl-tcp``: the same with same-host copies off (a
+  ``KVMOVE_CONFIG`` file with ``kvmove-tcp``'s config): NIXL's API over
+  the network path;
 * ``kvmove``: ``kvmove.Engine`` (kvmove's own API, default path);
 * ``kvmove-tcp``: ``kvmove.Engine`` with same-host copies off
   (``[backend.tcp] same_host = false``): every byte through the sockets, as
@@ -64,7 +67,8 @@ Rounds alternate the systems (each round runs every system once, in
 order); the table gives min / median / max over the rounds and, per round,
 the ratio of each kvmove API to its peer: same-host path to same-host
 path (``kvmove / nixl``, ``kvmove-nixl / nixl``), network path to network
-path (``kvmove-tcp / nixl-tcp``, ``kvmove-tcp / mooncake``), and each API's
+path (``kvmove-tcp / nixl-tcp``, ``kvmove-nixl-tcp / nixl-tcp``,
+``kvmove-tcp / mooncake``), and each API's
 default to its peer's (``kvmove-mooncake / mooncake``: Mooncake's TCP
 transport has no same-host path). ``scripts/peer-bench.sh``
 installs the peers into a virtualenv of their own and runs this with the
@@ -93,7 +97,9 @@ SIZE = 64 << 20
 WORKLOADS = [("1MiBx64", 1 << 20, 64), ("64KiBx256", 64 << 10, 256), ("4KiBx1024", 4 << 10, 1024)]
 REPEAT = 20
 RTT_N = 300
-SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl", "kvmove", "kvmove-tcp"]
+SYSTEMS = ["mooncake", "kvmove-mooncake", "nixl-tcp", "nixl", "kvmove-nixl", "kvmove-nixl-tcp", "kvmove", "kvmove-tcp"]
+# kvmove's network path on one host: every byte through the sockets.
+TCP_ONLY = '[backend]\nkind = "tcp"\n[backend.tcp]\nsame_host = false\n'
 
 
 def pattern(seed, n):
@@ -240,14 +246,14 @@ def make(system, port=None):
         except ImportError:
             from nixl_cu12 import _api
         return Nixl(_api)
-    if system == "kvmove-nixl":
+    if system in ("kvmove-nixl", "kvmove-nixl-tcp"):
         from kvmove import nixl
 
         return Nixl(nixl)
     if system == "kvmove":
         return Engine(port=port)
     if system == "kvmove-tcp":
-        return Engine(config="[backend]\nkind = \"tcp\"\n[backend.tcp]\nsame_host = false\n", port=port)
+        return Engine(config=TCP_ONLY, port=port)
     raise SystemExit(f"unknown system {system}")
 
 
@@ -353,6 +359,12 @@ def Proc(system, port=None):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
     if name == "nixl-tcp":
         env["UCX_TLS"] = "tcp"
+    if name == "kvmove-nixl-tcp":
+        # The NIXL stand-in reads its engine's config from a file.
+        cfg = os.path.join(os.path.abspath("."), "kvmove-tcp-only.toml")
+        with open(cfg, "w") as f:
+            f.write(TCP_ONLY)
+        env["KVMOVE_CONFIG"] = cfg
     argv = [os.path.abspath(__file__), "--serve", name] + (["--port", str(port)] if port else [])
     return LineProc(argv, env=env)
 
@@ -655,6 +667,7 @@ def main():
         ("kvmove", "nixl"),
         ("kvmove-nixl", "nixl"),
         ("kvmove-tcp", "nixl-tcp"),
+        ("kvmove-nixl-tcp", "nixl-tcp"),
         ("kvmove-tcp", "mooncake"),
         ("kvmove-mooncake", "mooncake"),
         ("kvmove-nixl", "kvmove"),
