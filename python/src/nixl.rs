@@ -581,6 +581,25 @@ impl NixlXfer {
         self.shared.done.borrow().clone()
     }
 
+    /// How long this poll spins on the caller's thread: a caller polling
+    /// a young transfer back to back that it can finish (`may_wait`: the
+    /// agent's last post or poll was of it; younger than `SPIN_FREE`; no
+    /// task drives it yet) looks until the transfer is `SPIN_FREE` old or
+    /// ended, with the transport told that it polls ([`Probe::spin`], as
+    /// `kvmove.Engine`'s calls do): the answer is applied on this thread,
+    /// and no engine thread is woken for it (over TCP a thread hop saved,
+    /// a third of a 4 KiB write's time on this 2-vCPU machine); any other
+    /// poll, not at all.
+    fn spin_for(&self, may_wait: bool) -> Duration {
+        let age = self.shared.started.elapsed();
+        if !may_wait || age >= SPIN_FREE || self.probe.is_none() || self.task.lock().is_none() {
+            return Duration::ZERO;
+        }
+        let now = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
+        self.shared.polled.store(now, Ordering::Relaxed);
+        SPIN_FREE.saturating_sub(age)
+    }
+
     /// Applies the answers that have arrived, on the caller's thread (GIL
     /// released), and if that completed the transfer, finishes it here:
     /// its task, not started yet, runs on this thread (it finds the
@@ -588,10 +607,12 @@ impl NixlXfer {
     /// runs already, the end is reported at once. Then, for a caller
     /// spinning on this handle (`yield_cpu`), gives the CPU up once: on a
     /// machine with few CPUs the threads that answer it may need this one.
-    fn progress(&self, py: Python<'_>, yield_cpu: bool) {
+    /// With a `spin`, looks for that long first ([`Probe::spin`]).
+    fn progress(&self, py: Python<'_>, yield_cpu: bool, spin: Duration) {
         let Some(probe) = &self.probe else { return };
         py.allow_threads(|| {
-            if !self.core.in_rt(|| probe.completed()) {
+            let done = self.core.in_rt(|| if spin.is_zero() { probe.completed() } else { probe.spin(spin) });
+            if !done {
                 if yield_cpu {
                     std::thread::yield_now();
                 }
@@ -630,22 +651,23 @@ impl NixlXfer {
         matches!(self.finished(), Some(Finished { error: Some(_), .. }))
     }
 
-    /// [`NixlXfer::state`] for a caller that polls in a loop: once the
-    /// transfer is 250 us old, a poll that comes within 500 us of its
-    /// previous one, with `may_wait` (the agent's last poll was of this
-    /// same transfer), waits (GIL released) up to 1 ms for the end before
-    /// it answers `"PROC"`, so a
+    /// [`NixlXfer::state`] for a caller that polls in a loop: before the
+    /// transfer is 250 us old, such a poll spins on this thread until then
+    /// (`spin_for`); after, a poll that comes within 500 us of its
+    /// previous one, with `may_wait` (the agent's last poll or post was of
+    /// this same transfer), waits (GIL released) up to 1 ms for the end
+    /// before it answers `"PROC"`, so a
     /// spinning caller sleeps while the engine's threads move the bytes,
     /// and learns the end as soon as it comes. A caller that polls other
     /// transfers in between (a serving engine's step over its pending
     /// handles) or polls 500 us apart or more never waits.
     fn poll(&self, py: Python<'_>, may_wait: bool) -> &'static str {
         if self.finished().is_none() {
-            self.progress(py, may_wait);
+            self.progress(py, may_wait, self.spin_for(may_wait));
         }
         let st = state_of(&self.finished());
         let age = self.shared.started.elapsed();
-        if st == "PROC" && may_wait && age < SPIN_FREE {
+        if st == "PROC" && may_wait && age < SPIN_FREE && self.probe.is_some() {
             // A caller spinning on it, early: its next poll may finish it.
             return st;
         }

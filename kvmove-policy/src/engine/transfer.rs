@@ -211,7 +211,7 @@ impl Transfer {
     /// it inside the engine's runtime context.
     pub fn spin(&self, budget: std::time::Duration) -> bool {
         let start = std::time::Instant::now();
-        let _polling = self.first_batch().map(|(transport, batch)| Polling::new(transport, batch));
+        let _polling = first_batch(&self.mode).map(|(transport, batch)| Polling::new(transport, batch));
         loop {
             if self.progress() {
                 return true;
@@ -220,17 +220,6 @@ impl Transfer {
                 return false;
             }
             std::thread::yield_now();
-        }
-    }
-
-    /// The first attempt's transport and batch while no driver runs it.
-    fn first_batch(&self) -> Option<(Arc<dyn Transport>, BatchId)> {
-        match &*self.mode.lock() {
-            Mode::Unstarted(lazy) => match &lazy.first {
-                Ok(batch) => Some((lazy.driver.inner.transport.clone(), *batch)),
-                Err(_) => None,
-            },
-            _ => None,
         }
     }
 
@@ -363,6 +352,29 @@ impl Probe {
         let Some(mode) = self.mode.upgrade() else { return false };
         look(&mode) == Look::Completed
     }
+
+    /// [`Probe::completed`] in a loop for at most `budget`, yielding the
+    /// CPU between looks, while telling the transport that a caller polls
+    /// the first attempt's batch (as [`Transfer::spin`]: its answers are
+    /// applied on this thread, no backend thread woken for them). Ends
+    /// early, `false`, once the transfer ended otherwise. Call it inside
+    /// the engine's runtime context.
+    pub fn spin(&self, budget: std::time::Duration) -> bool {
+        let Some(mode) = self.mode.upgrade() else { return false };
+        let start = std::time::Instant::now();
+        let _polling = first_batch(&mode).map(|(transport, batch)| Polling::new(transport, batch));
+        loop {
+            match look(&mode) {
+                Look::Completed => return true,
+                Look::Ended => return false,
+                Look::Running => {}
+            }
+            if start.elapsed() >= budget {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
 }
 
 /// A caller polling a batch ([`Transfer::spin`]): says so to the
@@ -393,6 +405,17 @@ enum Look {
     Completed,
     /// Ended otherwise, or finished by a waiter.
     Ended,
+}
+
+/// The first attempt's transport and batch while no driver runs it.
+fn first_batch(mode: &parking_lot::Mutex<Mode>) -> Option<(Arc<dyn Transport>, BatchId)> {
+    match &*mode.lock() {
+        Mode::Unstarted(lazy) => match &lazy.first {
+            Ok(batch) => Some((lazy.driver.inner.transport.clone(), *batch)),
+            Err(_) => None,
+        },
+        _ => None,
+    }
 }
 
 /// Polls the first attempt's batch (the transport makes progress on the

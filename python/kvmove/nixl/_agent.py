@@ -625,6 +625,10 @@ class nixl_agent:
             # Connected (or loopback): posting does not wait on the peer.
             self._post(handle, r, ops, target, wire)
             handle._active = True
+            # A caller that polls this handle next, back to back, spins on
+            # it (check_xfer_state's may_wait): its second poll may finish
+            # it on this thread.
+            self._last_polled = id(handle)
             # Failed already: raise as check_xfer_state does. Done already:
             # still "PROC" (check_xfer_state reports the end), so whether a
             # post is active never depends on how fast it was. (`refused`
