@@ -420,8 +420,8 @@ class nixl_agent:
 
     def _remote(self, name: str) -> _Remote:
         name = _agent_name(name)
-        with self._lock:
-            r = self._remotes.get(name)
+        # One look at the dict, whole under the GIL (writers hold _lock).
+        r = self._remotes.get(name)
         if r is None:
             raise nixlNotFoundError(f"unknown remote agent {name!r} (load its metadata with add_remote_agent)")
         return r
@@ -554,6 +554,7 @@ class nixl_agent:
             bounds = self._local_bounds()
         # Both lists are checked against the registrations in the same call
         # into Rust that pairs them.
+        remote_agent = _agent_name(remote_agent)
         bounds += self._remote_bounds(remote_agent)
         return self._new_xfer(op, ld, None, rd, None, remote_agent, notif_msg, bounds)
 
