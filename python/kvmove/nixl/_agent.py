@@ -544,6 +544,20 @@ class nixl_agent:
         """A transfer between two descriptor lists of the same length
         (``get_xfer_descs``): local descriptor ``i`` with remote descriptor
         ``i``. Checked as ``prep_xfer_dlist`` checks them."""
+        if type(local_descs) is nixlXferDList and type(remote_descs) is nixlXferDList and not backends:
+            # The common call, two lists from get_xfer_descs to a known
+            # remote agent: one call into Rust, which checks both lists
+            # against the registrations as the path below does. Anything
+            # else, or any check failing, takes that path, which says what
+            # is wrong.
+            name = remote_agent.decode() if type(remote_agent) is bytes else remote_agent
+            r, local_bounds = self._remotes.get(name), self._bounds  # one look each, under the GIL
+            lrows, rrows = local_descs._raw, remote_descs._raw
+            if r is not None and local_bounds is not None and lrows and len(lrows) == len(rrows):
+                if operation == "WRITE" or operation == "READ":
+                    ops = NixlOps.pairs(operation == "WRITE", lrows, rrows, None, None, *local_bounds, r.starts, r.ends)[0]
+                    if ops is not None:
+                        return nixl_xfer_handle(self, operation, name, ops, _notif_bytes(notif_msg) if notif_msg else b"")
         op = _operation(operation)
         self._check_backends(backends)
         ld = self.get_xfer_descs(local_descs, "DRAM" if not isinstance(local_descs, _DList) else None)
