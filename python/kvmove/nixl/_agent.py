@@ -550,7 +550,7 @@ class nixl_agent:
             # against the registrations as the path below does. Anything
             # else, or any check failing, takes that path, which says what
             # is wrong.
-            name = remote_agent.decode() if type(remote_agent) is bytes else remote_agent
+            name = remote_agent.decode("utf-8", "replace") if type(remote_agent) is bytes else remote_agent
             r, local_bounds = self._remotes.get(name), self._bounds  # one look each, under the GIL
             lrows, rrows = local_descs._raw, remote_descs._raw
             if r is not None and local_bounds is not None and lrows and len(lrows) == len(rrows):
