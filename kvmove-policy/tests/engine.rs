@@ -419,6 +419,32 @@ async fn flaky_down(attempts: u32) -> (Arc<Scripted>, Engine) {
     (t, e)
 }
 
+/// `n` calls that open the peer "flaky" while it is down, `gap` apart in
+/// virtual time (slept; advanced by hand under a millisecond, a sleep's
+/// timer grain): (failed fast, probed it, probes its host refused). A
+/// probe is one connect, and nothing else fails a call.
+async fn calls_while_down(e: &Engine, n: u32, gap: Duration) -> (u32, u32, u32) {
+    let (mut fast, mut probed, mut by_host) = (0u32, 0u32, 0u32);
+    for _ in 0..n {
+        let err = e.open_segment("flaky").await.unwrap_err();
+        match err.kind() {
+            ErrorKind::PeerUnavailable => fast += 1,
+            ErrorKind::ConnectionRefused => {
+                assert_eq!(err.context_value("attempts"), None, "a refused probe is one connect: {err}");
+                probed += 1;
+                by_host += u32::from(err.nothing_listens());
+            }
+            k => panic!("a call to a dead peer failed with {k}: {err}"),
+        }
+        if gap < Duration::from_millis(1) {
+            tokio::time::advance(gap).await;
+        } else {
+            tokio::time::sleep(gap).await;
+        }
+    }
+    (fast, probed, by_host)
+}
+
 /// ci71: a probe that is still out does not hold calls back. The peer
 /// counts as tried when a probe failed, not when it started, so a call
 /// that comes a probe interval after the last failed probe probes the peer
@@ -459,19 +485,7 @@ async fn a_call_to_an_open_breaker_probes_once_per_interval() {
 
     // Down for a second, called every millisecond.
     let before = t.flaky.lock().opens;
-    let (mut fast, mut probed) = (0u32, 0u32);
-    for _ in 0..1000 {
-        let err = e.open_segment("flaky").await.unwrap_err();
-        match err.kind() {
-            ErrorKind::PeerUnavailable => fast += 1,
-            ErrorKind::ConnectionRefused => {
-                assert_eq!(err.context_value("attempts"), None, "a refused probe is one connect: {err}");
-                probed += 1
-            }
-            k => panic!("a call to a dead peer failed with {k}: {err}"),
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let (fast, probed, _) = calls_while_down(&e, 1000, Duration::from_millis(1)).await;
     let opens = t.flaky.lock().opens - before;
     // The background prober tried at 20, 60, 140, 300 and 620 ms.
     assert!((1..=11).contains(&probed), "{probed} of 1000 calls probed the dead peer in a second");
@@ -507,21 +521,9 @@ async fn a_host_that_refuses_is_probed_every_millisecond() {
     // limit: not the host's): the long interval, until a call's probe or
     // the prober's at 20 ms is refused by the host.
     let before = t.flaky.lock().opens;
-    let (mut fast, mut probed) = (0u32, 0u32);
     // 100 ms of calls every 100 us (1000 calls).
-    for _ in 0..1000 {
-        let err = e.open_segment("flaky").await.unwrap_err();
-        match err.kind() {
-            ErrorKind::PeerUnavailable => fast += 1,
-            ErrorKind::ConnectionRefused => {
-                assert!(err.nothing_listens(), "{err}");
-                assert_eq!(err.context_value("attempts"), None, "a refused probe is one connect: {err}");
-                probed += 1
-            }
-            k => panic!("a call to a dead peer failed with {k}: {err}"),
-        }
-        tokio::time::advance(Duration::from_micros(100)).await;
-    }
+    let (fast, probed, by_host) = calls_while_down(&e, 1000, Duration::from_micros(100)).await;
+    assert_eq!(by_host, probed, "every probe was refused by the peer's host");
     let opens = t.flaky.lock().opens - before;
     // Every millisecond from the prober's refusal at 20 ms: about 80.
     assert!((60..=101).contains(&probed), "{probed} of 1000 calls in 100 ms probed the refusing host");
