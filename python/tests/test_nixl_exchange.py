@@ -375,6 +375,23 @@ def test_a_call_that_holds_its_caller_is_logged(agents, monkeypatch, caplog):
     assert len(held) == 1 and held[0].startswith("get_new_notifs held its caller 0."), held
 
 
+def tcp_config(monkeypatch, tmp_path, option: str):
+    """The agents and peers made after this run kvmove's TCP backend on
+    loopback with ``option`` in its ``[backend.tcp]`` table."""
+    cfg = tmp_path / "kvmove.toml"
+    cfg.write_text(f'[backend]\nkind = "tcp"\n[backend.tcp]\nlisten = "127.0.0.1:0"\n{option}\n')
+    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
+
+
+def read_block(agent, local, remote, block: int):
+    """One READ of ``block`` of every region into the same local block,
+    polled until DONE, then released."""
+    h = agent.make_prepped_xfer("READ", local, desc_ids([block]), remote, desc_ids([block]))
+    agent.transfer(h)
+    assert wait_state(agent, h) == "DONE"
+    agent.release_xfer_handle(h)
+
+
 def spin(agent, h, n=300):
     """Polls ``h`` ``n`` times back to back: (states seen, wall s, CPU s)."""
     wall, cpu = time.monotonic(), time.process_time()
@@ -394,9 +411,7 @@ def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents, monkey
     the loops see DONE and the bytes are right. (Small reads from a same-host
     peer are copied straight out of its memory, frozen or not: they are
     turned off here, so the transfers need the peers.)"""
-    cfg = tmp_path / "kvmove.toml"
-    cfg.write_text('[backend]\nkind = "tcp"\n[backend.tcp]\nlisten = "127.0.0.1:0"\ndirect_reads = false\n')
-    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
+    tcp_config(monkeypatch, tmp_path, "direct_reads = false")
     connected, unconnected = nixl_peer(spawn_peer), nixl_peer(spawn_peer)
     for i, p in enumerate((connected, unconnected)):
         assert p.ask(f"fill {7 + i}") == "ok"
@@ -404,10 +419,7 @@ def test_a_caller_spinning_on_check_xfer_state_sleeps(spawn_peer, agents, monkey
     kv = np.zeros(NBYTES, dtype=np.uint8)
     _, local = register_kv(decode, kv)
     name, remote = vllm_handshake(decode, connected)
-    first = decode.make_prepped_xfer("READ", local, desc_ids([1]), remote, desc_ids([1]))
-    decode.transfer(first)
-    assert wait_state(decode, first) == "DONE"
-    decode.release_xfer_handle(first)
+    read_block(decode, local, remote, 1)
     name2, remote2 = vllm_handshake(decode, unconnected)
     want = expect_read(expect_read(kv, 7, [1, 2], [1, 3]), 8, [4], [5])
     handles = []
@@ -458,20 +470,14 @@ def test_a_caller_polling_at_once_gets_done_at_its_first_poll(spawn_peer, agents
     DONE for 0.4-8 % of 3000 such writes and a write took 43-46 us, with
     it 99.97 % and 23-29 us (2 vCPUs, p50). One READ at a time, one block
     of every region each, bytes checked."""
-    cfg = tmp_path / "kvmove.toml"
-    cfg.write_text('[backend]\nkind = "tcp"\n[backend.tcp]\nlisten = "127.0.0.1:0"\nsame_host = false\n')
-    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
+    tcp_config(monkeypatch, tmp_path, "same_host = false")
     prefill = nixl_peer(spawn_peer)
     assert prefill.ask("fill 11") == "ok"
     decode = agents(str(uuid.uuid4()))
     kv = np.zeros(NBYTES, dtype=np.uint8)
     _, local = register_kv(decode, kv)
     name, remote = vllm_handshake(decode, prefill)
-    # The connection is made by the first transfer.
-    h = decode.make_prepped_xfer("READ", local, desc_ids([0]), remote, desc_ids([0]))
-    decode.transfer(h)
-    assert wait_state(decode, h) == "DONE"
-    decode.release_xfer_handle(h)
+    read_block(decode, local, remote, 0)  # the connection is made by the first transfer
     want = expect_read(kv, 11, [0], [0])
     firsts, rounds = [], 40
     for k in range(rounds):
