@@ -123,8 +123,7 @@ pub fn verdicts(
         let v = match st {
             RequestStatus::Completed => PeerVerdict::Healthy,
             RequestStatus::TimedOut => PeerVerdict::Failed,
-            RequestStatus::Failed(e) if e.kind().is_peer_failure() && e.nothing_listens() => PeerVerdict::Refused,
-            RequestStatus::Failed(e) if e.kind().is_peer_failure() => PeerVerdict::Failed,
+            RequestStatus::Failed(e) if e.kind().is_peer_failure() => PeerVerdict::failed(e),
             _ => PeerVerdict::Unknown,
         };
         let Some(slot) = peer_of.get(idx).and_then(|&p| out.get_mut(p)) else { continue };
