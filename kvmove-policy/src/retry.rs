@@ -382,4 +382,18 @@ mod tests {
         );
         assert_eq!(v, vec![Some(PeerVerdict::Failed), Some(PeerVerdict::Unknown), None]);
     }
+
+    /// Issue 55: a request its peer's host refused (nothing listens) makes
+    /// the peer `Refused` (its breaker probes it sooner); a peer's own
+    /// refusal (busy) is `Failed`, and any other failure outweighs a
+    /// refusal, as a refusal outweighs a success.
+    #[test]
+    fn a_refusal_by_the_host_is_its_own_verdict() {
+        let host = || RequestStatus::Failed(Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)));
+        let busy = RequestStatus::Failed(Error::new(ErrorKind::ConnectionRefused, "busy"));
+        let peer_of = [0, 0, 1, 1, 2];
+        let results = [host(), RequestStatus::Completed, host(), RequestStatus::TimedOut, busy];
+        let v = verdicts(&[0, 1, 2, 3, 4], &results, &peer_of, 3);
+        assert_eq!(v, vec![Some(PeerVerdict::Refused), Some(PeerVerdict::Failed), Some(PeerVerdict::Failed)]);
+    }
 }
