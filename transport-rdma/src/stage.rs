@@ -10,7 +10,7 @@ use transport_core::lifecycle::EndpointId;
 use transport_core::{Buffer, DeviceMemory, Error, ErrorKind, MemoryRegion, Result, SegmentId};
 
 use crate::ids::{PeerGroupId, Slice};
-use crate::verbs::{Pd, Registration};
+use crate::verbs::{Binder, Pd, Registration, Window};
 
 /// How the NIC reaches a registered region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,11 +36,33 @@ impl MemPath {
     }
 }
 
+/// Who reaches a pool of staging buffers, and how.
+#[derive(Debug)]
+pub(crate) enum Reach {
+    /// This side's own work requests only (the initiator's pool).
+    Local,
+    /// Peers, each lease through a memory window of its own bound to the
+    /// leased bytes (the target's pool where the device has windows): no
+    /// registration of the pool has remote access.
+    Windows(Arc<parking_lot::Mutex<Binder>>),
+    /// Peers, through the pool's one registration (the target's pool on
+    /// a device without memory windows): a lease's rkey reaches every
+    /// buffer of the pool for as long as the pool lives.
+    Pool,
+}
+
 /// The pinned host buffers staged slices pass through.
 #[derive(Debug)]
 pub(crate) struct Staging {
     /// One registration over all the buffers, `slot_len` bytes each.
     pub reg: Registration,
+    pub reach: Reach,
+    /// With [`Reach::Windows`], one registration per buffer that windows
+    /// bind to, none with remote access of its own. One per buffer, not
+    /// one for the pool, because soft-RoCE checks a window's range against
+    /// its registration only: a window on one buffer's registration
+    /// reaches no other buffer on any device.
+    pub windows: Vec<Registration>,
     pub slot_len: u32,
     pub slots: u32,
     pub free: Vec<u32>,
@@ -49,16 +71,15 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// `slots` buffers of `slot_len` bytes, registered once; peers may read
-    /// and write them if `remote` (the target's pool). Pinned for
-    /// `provider`'s copies (the device of the staged region that made the
-    /// pool: CUDA copies from pinned memory at full speed), or unpinned
-    /// where that provider refuses (logged).
+    /// `slots` buffers of `slot_len` bytes, registered once, for `reach`.
+    /// Pinned for `provider`'s copies (the device of the staged region
+    /// that made the pool: CUDA copies from pinned memory at full speed),
+    /// or unpinned where that provider refuses (logged).
     pub(crate) fn new(
         pd: &Arc<Pd>,
         slots: u32,
         slot_len: u32,
-        remote: bool,
+        reach: Reach,
         provider: Option<&Arc<dyn DeviceMemory>>,
     ) -> Result<Self> {
         let len = usize::try_from(u64::from(slots) * u64::from(slot_len))
@@ -73,8 +94,17 @@ impl Staging {
             None => Buffer::new(len),
         }
         .map_err(|e| Error::from(e).with("staging_bytes", len))?;
+        let remote = matches!(reach, Reach::Pool);
         let reg = Registration::new(pd, buf.region(), remote, remote)?;
-        Ok(Self { reg, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
+        let mut windows = Vec::new();
+        if let Reach::Windows(_) = reach {
+            for slot in 0..slots {
+                let at = usize::try_from(u64::from(slot) * u64::from(slot_len))
+                    .map_err(|_| Error::new(ErrorKind::Internal, "staging offset"))?;
+                windows.push(Registration::for_windows(pd, reg.mem().sub(at, slot_len as usize)?)?);
+            }
+        }
+        Ok(Self { reg, reach, windows, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
     }
 
     /// Host memory held.
@@ -176,8 +206,13 @@ pub(crate) struct Lease {
     pub write: bool,
     pub addr: u64,
     pub len: u32,
-    /// A copy between the buffer and device memory is running.
+    /// A copy between the buffer and device memory, or the bind of its
+    /// window, is under way.
     pub copying: bool,
+    /// The window the peer reaches the leased bytes through
+    /// ([`Reach::Windows`]): dropping it (outside the state lock) ends the
+    /// peer's access.
+    pub window: Option<Window>,
 }
 
 /// Slices of requests into a peer's staged memory, driven on endpoint `ep`.

@@ -23,7 +23,13 @@
 //! (`unstage`; for a write the target copies the buffer into its device
 //! memory first). Leases belong to the channel: its close frees them, and
 //! the target checks every range against its staged regions and their
-//! access. The slice's ledger unit ends only after the last answer.
+//! access. Each lease is answered with the key of a memory window of its
+//! own, bound to the leased bytes only and only the way leased, and
+//! deallocated when the lease ends, before a committing copy (the pool's
+//! own registration is local: [`Reach::Windows`]); a device without
+//! windows falls back to the pool's registration for peers
+//! ([`Reach::Pool`], logged). The slice's ledger unit ends only after the
+//! last answer.
 //!
 //! Copies run on the blocking pool, never under the state lock; each is a
 //! started ledger unit from before it begins until its slice is done, so a
@@ -47,9 +53,9 @@ use transport_core::{
 };
 
 pub(crate) use crate::counters::count_path;
-pub(crate) use crate::stage::{no_staging, CopyDir, Drive, Lease, MemPath, StageCopy, Staging, STAGED_KEY};
+pub(crate) use crate::stage::{no_staging, CopyDir, Drive, Lease, MemPath, Reach, StageCopy, Staging, STAGED_KEY};
 use crate::state::{Graveyard, Inner, Limits, PeerGroupId, Slice, State, WrRef};
-use crate::verbs::{Pd, Registration, WorkRequest};
+use crate::verbs::{Binder, Pd, Registration, Window, WorkRequest};
 use crate::wire::{Reply, Request};
 
 /// Staged slices a driver has in flight at once.
@@ -209,12 +215,31 @@ impl Inner {
     pub(crate) fn ensure_staging(&self, st: &mut State, pd: &Arc<Pd>, mem: &MemoryRegion, remote: bool) -> Result<()> {
         let (slots, len, provider) = (self.cfg.staging_buffers, self.cfg.slice_size, mem.provider());
         if st.staging.is_none() {
-            st.staging = Some(Staging::new(pd, slots, len, false, provider)?);
+            st.staging = Some(Staging::new(pd, slots, len, Reach::Local, provider)?);
         }
         if remote && st.remote_staging.is_none() {
-            st.remote_staging = Some(Staging::new(pd, slots, len, true, provider)?);
+            let reach = self.remote_reach(st);
+            st.remote_staging = Some(Staging::new(pd, slots, len, reach, provider)?);
         }
         Ok(())
+    }
+
+    /// How peers reach the pool they lease from: through a memory window
+    /// per lease where the device has them, else through the pool's one
+    /// registration (logged: a lease's key then reaches the whole pool).
+    fn remote_reach(&self, st: &State) -> Reach {
+        let Some(v) = st.verbs.as_ref() else { return Reach::Pool };
+        match Window::new(&v.pd).and_then(|_| Binder::new(&v.ctx, &v.pd, &v.port, self.timing())) {
+            Ok(b) => Reach::Windows(Arc::new(parking_lot::Mutex::new(b))),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "rdma: no memory windows on this device: peers reach the staging buffers through one \
+                     registration (the key of a lease reaches every buffer of the pool while it lives)"
+                );
+                Reach::Pool
+            }
+        }
     }
 
     /// Runs `c` on the blocking pool (inline without a runtime), then
@@ -269,8 +294,13 @@ fn ended() -> Error {
 
 /// Runs a copy on the blocking pool.
 async fn off_runtime(f: impl FnOnce() -> std::result::Result<(), MemError> + Send + 'static) -> Result<()> {
+    blocking(move || f().map_err(Error::from)).await
+}
+
+/// Runs `f` (copies, binds, deallocations) on the blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r.map_err(Error::from),
+        Ok(r) => r,
         Err(_) => Err(Error::new(ErrorKind::Internal, "a staging copy did not finish")),
     }
 }
@@ -312,9 +342,19 @@ fn lease(st: &mut State, chan: PeerGroupId, write: bool, addr: u64, len: u32) ->
         }
     };
     let addr_of = pool.reg.mem().addr() + pool.offset(slot);
-    let rkey = pool.reg.rkey();
-    st.leases.insert(slot, Lease { chan, write, addr, len, copying: !write });
-    Ok(Some(Leased { slot, buffer, device, at, addr: addr_of, rkey }))
+    let (rkey, window) = match (&pool.reach, pool.windows.get(slot as usize)) {
+        (Reach::Windows(b), Some(reg)) => (0, Some((b.clone(), reg.share()))),
+        (Reach::Windows(_), None) => {
+            pool.free.push(slot);
+            return Err(Error::new(ErrorKind::Internal, format!("staging buffer {slot} has no registration")));
+        }
+        (Reach::Pool | Reach::Local, _) => (pool.reg.rkey(), None),
+    };
+    // Busy (the channel's close leaves it to `stage`) until filled for a
+    // read and its window bound.
+    let copying = !write || window.is_some();
+    st.leases.insert(slot, Lease { chan, write, addr, len, copying, window: None });
+    Ok(Some(Leased { slot, buffer, device, at, addr: addr_of, rkey, window }))
 }
 
 /// The most remote staging buffers one notification channel may hold at
@@ -334,18 +374,27 @@ struct Leased {
     device: MemoryRegion,
     at: usize,
     addr: u64,
+    /// The pool's key ([`Reach::Pool`]); with windows, the window's.
     rkey: u32,
+    /// What the lease's window is bound with: the binder and the
+    /// buffer's registration ([`Reach::Windows`]).
+    window: Option<(Arc<parking_lot::Mutex<Binder>>, Registration)>,
 }
 
 impl State {
-    /// Gives remote staging buffer `slot` back.
-    fn end_lease(&mut self, slot: u32) {
-        if self.leases.remove(&slot).is_some() {
+    /// Gives remote staging buffer `slot` back. Returns the lease's
+    /// window, for the caller to drop once the state lock is released
+    /// (`ibv_dealloc_mw`: from then on its key reaches nothing).
+    #[must_use = "the lease's window is deallocated when dropped, outside the lock"]
+    fn end_lease(&mut self, slot: u32) -> Option<Window> {
+        let window = self.leases.remove(&slot).and_then(|l| {
             if let Some(p) = self.remote_staging.as_mut() {
                 p.free.push(slot);
             }
-        }
+            l.window
+        });
         self.release_staging();
+        window
     }
 
     /// Posts a driver's work request on endpoint `ep` if a QP has room
@@ -431,32 +480,63 @@ impl Inner {
             Ok(None) => return Reply::Busy,
             Err(e) => return stage_failed(&e),
         };
-        if !write {
-            let (buffer, device, at) = (l.buffer.clone(), l.device.clone(), l.at);
-            let copied = off_runtime(move || buffer.copy_from(0, &device, at, len as usize)).await;
-            let mut st = self.state.lock();
-            if let Err(e) = copied {
-                st.end_lease(l.slot);
+        if write && l.window.is_none() {
+            return Reply::Staged { slot: l.slot, addr: l.addr, rkey: l.rkey };
+        }
+        // For a read, the range into the buffer; then the lease's window,
+        // bound only to the leased bytes and only the way leased.
+        let (buffer, device, at, bind) = (l.buffer, l.device, l.at, l.window);
+        let made = blocking(move || {
+            if !write {
+                buffer.copy_from(0, &device, at, len as usize)?;
+            }
+            match bind {
+                Some((binder, reg)) => Ok(Some(binder.lock().window(&reg, 0, len, write)?)),
+                None => Ok(None),
+            }
+        })
+        .await;
+        let mut st = self.state.lock();
+        let window = match made {
+            Ok(w) => w,
+            Err(e) => {
+                let gone = st.end_lease(l.slot);
+                drop(st);
+                drop(gone);
                 return stage_failed(&e);
             }
-            if let Some(lease) = st.leases.get_mut(&l.slot) {
+        };
+        let rkey = window.as_ref().map_or(l.rkey, Window::rkey);
+        match st.leases.get_mut(&l.slot) {
+            Some(lease) => {
                 lease.copying = false;
+                lease.window = window;
+                Reply::Staged { slot: l.slot, addr: l.addr, rkey }
+            }
+            // Ended meanwhile (shutdown): the window goes.
+            None => {
+                drop(st);
+                drop(window);
+                stage_failed(&Error::shut_down())
             }
         }
-        Reply::Staged { slot: l.slot, addr: l.addr, rkey: l.rkey }
     }
 
     /// Serves a peer's `unstage`: copies a written buffer into its range
     /// first if `commit`, then frees it. A slot this channel does not hold
     /// is a protocol error (the channel closes).
     pub(crate) async fn unstage(&self, chan: PeerGroupId, slot: u32, commit: bool) -> Result<Reply> {
-        let job = {
+        // The lease's window goes first, before any copy: once it is
+        // deallocated the peer no longer reaches the buffer, so what is
+        // committed is what the buffer held when `unstage` came.
+        let (job, window) = {
             let mut g = self.state.lock();
             let st = &mut *g;
             let l = st.leases.get_mut(&slot).filter(|l| l.chan == chan && !l.copying).ok_or_else(|| {
                 Error::new(ErrorKind::Protocol, format!("staging buffer {slot} is not held by this channel"))
             })?;
-            if commit && l.write {
+            let window = l.window.take();
+            let job = if commit && l.write {
                 let (addr, len) = (l.addr, l.len);
                 let region =
                     st.regions.values().find(|r| r.path == MemPath::Staged && r.mem.contains(addr, u64::from(len)));
@@ -465,28 +545,39 @@ impl Inner {
                     (Some(r), Ok(buffer)) => {
                         l.copying = true;
                         let at = usize::try_from(addr - r.mem.addr()).unwrap_or(usize::MAX);
-                        Some((buffer, r.mem.clone(), at, len))
+                        Ok(Some((buffer, r.mem.clone(), at, len)))
                     }
-                    (None, _) => {
-                        st.end_lease(slot);
-                        return Ok(stage_failed(&Error::new(ErrorKind::Unregistered, "the staged region went")));
-                    }
-                    (_, Err(e)) => {
-                        st.end_lease(slot);
-                        return Ok(stage_failed(&e));
-                    }
+                    (None, _) => Err(Error::new(ErrorKind::Unregistered, "the staged region went")),
+                    (_, Err(e)) => Err(e),
                 }
             } else {
-                None
+                Ok(None)
+            };
+            match job {
+                Ok(job) => (job, window),
+                Err(e) => {
+                    let gone = st.end_lease(slot);
+                    drop(g);
+                    drop((window, gone));
+                    return Ok(stage_failed(&e));
+                }
             }
         };
-        let copied = match job {
-            Some((buffer, device, at, len)) => {
-                off_runtime(move || device.copy_from(at, &buffer, 0, len as usize)).await
+        let copied = match (job, window) {
+            (None, None) => Ok(()),
+            (job, window) => {
+                blocking(move || {
+                    drop(window);
+                    match job {
+                        Some((buffer, device, at, len)) => Ok(device.copy_from(at, &buffer, 0, len as usize)?),
+                        None => Ok(()),
+                    }
+                })
+                .await
             }
-            None => Ok(()),
         };
-        self.state.lock().end_lease(slot);
+        let gone = self.state.lock().end_lease(slot);
+        drop(gone);
         Ok(match copied {
             Ok(()) => Reply::Unstaged,
             Err(e) => stage_failed(&e),
@@ -497,12 +588,13 @@ impl Inner {
     /// still running stays out: the copy's task was aborted with the
     /// channel's, at shutdown).
     pub(crate) fn drop_leases(&self, chan: PeerGroupId) {
-        let mut st = self.state.lock();
-        let mine: Vec<u32> =
-            st.leases.iter().filter(|(_, l)| l.chan == chan && !l.copying).map(|(slot, _)| *slot).collect();
-        for slot in mine {
-            st.end_lease(slot);
-        }
+        let gone: Vec<Window> = {
+            let mut st = self.state.lock();
+            let mine: Vec<u32> =
+                st.leases.iter().filter(|(_, l)| l.chan == chan && !l.copying).map(|(slot, _)| *slot).collect();
+            mine.into_iter().filter_map(|slot| st.end_lease(slot)).collect()
+        };
+        drop(gone); // ibv_dealloc_mw, off the lock
     }
 
     /// Starts driver `d` (counted among the transport's tasks).

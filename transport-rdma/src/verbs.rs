@@ -1,6 +1,7 @@
 //! Every `unsafe` of the crate: owned wrappers around verbs objects (this
 //! file: device, context, async events, PD, completion channel, CQ;
-//! `verbs/qp.rs`: memory registrations and QPs).
+//! `verbs/qp.rs`: memory registrations and QPs; `verbs/mw.rs`: memory
+//! windows).
 //!
 //! Each verb is called through [`check`], which turns the C convention
 //! (null pointer, `-1` + errno, or a positive errno) into a [`VerbsError`]
@@ -22,8 +23,10 @@ use rdma_sys as ffi;
 
 use crate::error::VerbsError;
 
+mod mw;
 mod qp;
 
+pub(crate) use mw::{Binder, Window};
 pub(crate) use qp::{Qp, QpTiming, Registration, RemoteQp, WorkRequest};
 
 /// What a verb returns, and how to tell success from failure.

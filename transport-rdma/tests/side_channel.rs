@@ -282,6 +282,156 @@ fn a_peer_with_the_secret_leases_at_most_half_the_staging_pool() {
     });
 }
 
+/// A staging lease's rkey reaches the leased bytes of its own buffer, the
+/// way the lease allows, and only while it is held (the threat model's
+/// "what rkeys expose"): each lease gets a memory window of its own. With
+/// one registration over the whole pool, as before, the key of one lease
+/// reached every buffer, other peers' staged bytes included, and kept
+/// working after the lease ended.
+///
+/// A peer with the secret leases two buffers, then an engine of its own
+/// posts RDMA with the first lease's key: through a proxy (also holding
+/// the secret) that answers its `describe` and `connect` with a
+/// descriptor naming both buffers under that key.
+fn a_lease_key_reaches_its_own_buffer_and_only_while_leased() {
+    run("a_lease_key_reaches_its_own_buffer_and_only_while_leased", 120, async {
+        use transport_core::FakeDevice;
+        const LEN: usize = 4096;
+        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: 4, ..with_secret(Some(SECRET)) };
+        let server = transport(cfg.clone()).await;
+        let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
+        let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
+        server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
+        let addr = server.local_segment_name();
+        let mut chan = greeted(&addr, Some(SECRET)).await;
+        async fn ask(c: &mut BufReader<TcpStream>, req: String) -> serde_json::Value {
+            c.get_mut().write_all(format!("{req}\n").as_bytes()).await.unwrap();
+            line(c).await.expect("an answer")
+        }
+        let stage = |at: u64| format!(r#"{{"op":"stage","write":true,"addr":{at},"len":{LEN}}}"#);
+        let a = ask(&mut chan, stage(dmem.addr())).await;
+        let b = ask(&mut chan, stage(dmem.addr() + LEN as u64)).await;
+        assert!(a["result"] == "staged" && b["result"] == "staged", "two leases: {a} {b}");
+        let (a_addr, b_addr) = (a["addr"].as_u64().unwrap(), b["addr"].as_u64().unwrap());
+        let key = a["rkey"].as_u64().unwrap();
+        assert_ne!(a_addr, b_addr);
+        let proxy = rewriting_proxy(&addr, vec![(a_addr, key), (b_addr, key)]).await;
+        let peer = transport(cfg).await;
+        let src = buffer_with(LEN, 9);
+        let l = peer.register(src.region(), Access::LOCAL).unwrap();
+        let seg = peer.open_segment(&proxy).await.unwrap();
+        let one = |req: TransferRequest| {
+            let peer = &peer;
+            async move {
+                let b = peer.submit(vec![req], Default::default()).await.unwrap();
+                let st = wait(peer, b).await;
+                peer.release(b).unwrap();
+                (st.state, st.first_error().map(|e| e.to_string()))
+            }
+        };
+        // Its own buffer, as leased: the write lands (committed below).
+        let (state, e) = one(TransferRequest::write(l, 0, seg, a_addr, LEN as u64)).await;
+        assert_eq!(state, BatchState::Completed, "a write with the lease's key into its buffer: {e:?}");
+        // Another buffer of the pool: refused by the device.
+        let (state, e) = one(TransferRequest::write(l, 0, seg, b_addr, LEN as u64)).await;
+        assert_ne!(state, BatchState::Completed, "the key of one lease wrote into another lease's buffer");
+        println!("into another buffer: {state:?} {e:?}");
+        // A read with a write lease's key: refused.
+        let (state, e) = one(TransferRequest::read(l, 0, seg, a_addr, LEN as u64)).await;
+        assert_ne!(state, BatchState::Completed, "a write lease's key read its buffer");
+        println!("a read: {state:?} {e:?}");
+        // Committed: the first write is in the device memory; nothing of
+        // the second reached the other buffer.
+        let slot = |v: &serde_json::Value| v["slot"].as_u64().unwrap();
+        let done = ask(&mut chan, format!(r#"{{"op":"unstage","slot":{},"commit":true}}"#, slot(&a))).await;
+        assert_eq!(done["result"], "unstaged", "{done}");
+        let done = ask(&mut chan, format!(r#"{{"op":"unstage","slot":{},"commit":true}}"#, slot(&b))).await;
+        assert_eq!(done["result"], "unstaged", "{done}");
+        let landed = dmem.to_vec();
+        assert!(landed[..LEN] == pattern(LEN, 9)[..], "the write with the lease's key was committed");
+        assert!(landed[LEN..2 * LEN].iter().all(|&x| x == 0), "no byte reached the other lease's buffer");
+        // The lease ended: its key reaches nothing any more.
+        let (state, e) = one(TransferRequest::write(l, 0, seg, a_addr, LEN as u64)).await;
+        assert_ne!(state, BatchState::Completed, "a lease's key still wrote after unstage");
+        println!("after unstage: {state:?} {e:?}");
+        peer.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A man in the middle holding the secret, for `target`: each connection
+/// gets the handshake, then its lines go to the target (over a handshaken
+/// connection of the proxy's own) and back, except that every descriptor
+/// the target answers names the proxy and has one region per `(addr,
+/// key)` of `regions` (4 KiB, the target's first region's access). Returns
+/// the proxy's address; it serves until the runtime ends.
+async fn rewriting_proxy(target: &str, regions: Vec<(u64, u64)>) -> String {
+    use transport_control::auth::{self, Role};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let me = listener.local_addr().unwrap().to_string();
+    let (target, name) = (target.to_string(), me.clone());
+    let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let (target, name, regions) = (target.clone(), name.clone(), regions.clone());
+            tokio::spawn(async move {
+                let mut down = BufReader::new(sock);
+                let hello = line(&mut down).await.expect("a hello");
+                let cn: Vec<u8> = (0..auth::NONCE_LEN)
+                    .map(|i| u8::from_str_radix(&hello["nonce"].as_str().unwrap()[2 * i..2 * i + 2], 16).unwrap())
+                    .collect();
+                let sn = auth::nonce();
+                let challenge = format!("{{\"result\":\"challenge\",\"nonce\":\"{}\",\"auth\":true}}\n", hex(&sn));
+                down.get_mut().write_all(challenge.as_bytes()).await.unwrap();
+                let _their_proof = line(&mut down).await.expect("an auth");
+                let proof = hex(&auth::prove(auth::RDMA, SECRET.as_bytes(), Role::Server, &cn, &sn));
+                down.get_mut()
+                    .write_all(format!("{{\"result\":\"ready\",\"proof\":\"{proof}\"}}\n").as_bytes())
+                    .await
+                    .unwrap();
+                let up = greeted(&target, Some(SECRET)).await;
+                // Both sides wait for an answer before they send more: nothing is buffered.
+                let (dr, mut dw) = down.into_inner().into_split();
+                let (ur, mut uw) = up.into_inner().into_split();
+                tokio::spawn(async move {
+                    let mut dr = BufReader::new(dr);
+                    let mut l = String::new();
+                    while dr.read_line(&mut l).await.unwrap_or(0) > 0 {
+                        if uw.write_all(l.as_bytes()).await.is_err() {
+                            break;
+                        }
+                        l.clear();
+                    }
+                });
+                let mut ur = BufReader::new(ur);
+                let mut l = String::new();
+                while ur.read_line(&mut l).await.unwrap_or(0) > 0 {
+                    let mut v: serde_json::Value = serde_json::from_str(&l).unwrap();
+                    if let Some(d) = v.get_mut("descriptor") {
+                        let mut region = d["regions"][0].clone();
+                        let crafted: Vec<serde_json::Value> = regions
+                            .iter()
+                            .map(|&(addr, key)| {
+                                region["addr"] = addr.into();
+                                region["len"] = 4096.into();
+                                region["key"] = key.into();
+                                region.clone()
+                            })
+                            .collect();
+                        d["regions"] = crafted.into();
+                        d["name"] = name.clone().into();
+                    }
+                    if dw.write_all(format!("{v}\n").as_bytes()).await.is_err() {
+                        break;
+                    }
+                    l.clear();
+                }
+            });
+        }
+    });
+    me
+}
+
 /// Silent connections, and ones that stop after their hello, are closed
 /// at `handshake_timeout`; while they are open a peer with the secret gets
 /// through.
@@ -539,7 +689,7 @@ fn main() {
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 9] = [
+    let tests: [(&str, fn()); 10] = [
         ("one_address_holds_at_most_its_share_of_qp_groups", one_address_holds_at_most_its_share_of_qp_groups),
         ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
         ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
@@ -550,6 +700,10 @@ fn main() {
         (
             "a_peer_with_the_secret_leases_at_most_half_the_staging_pool",
             a_peer_with_the_secret_leases_at_most_half_the_staging_pool,
+        ),
+        (
+            "a_lease_key_reaches_its_own_buffer_and_only_while_leased",
+            a_lease_key_reaches_its_own_buffer_and_only_while_leased,
         ),
         ("slow_handshakes_are_closed_at_the_deadline", slow_handshakes_are_closed_at_the_deadline),
         (

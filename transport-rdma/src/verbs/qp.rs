@@ -25,7 +25,7 @@ const HOP_LIMIT: u8 = 64;
 /// go: the transport's region table, a retiring list, or a [`Qp`] that
 /// posted work on it (which holds it until the QP is destroyed).
 #[derive(Debug)]
-struct Mr {
+pub(super) struct Mr {
     mr: NonNull<ffi::ibv_mr>,
     /// Freed only after `ibv_dereg_mr` succeeded; leaked if it failed (the
     /// pages may still be pinned and reachable by the NIC).
@@ -38,9 +38,13 @@ unsafe impl Send for Mr {}
 // SAFETY: see `Context`.
 unsafe impl Sync for Mr {}
 
-/// Local write always, remote read / write as asked.
-fn access_flags(remote_read: bool, remote_write: bool) -> ffi::ibv_access_flags {
+/// Local write always, remote read / write as asked (and binding memory
+/// windows to it, for a registration peers reach only through windows).
+fn access_flags(remote_read: bool, remote_write: bool, windows: bool) -> ffi::ibv_access_flags {
     let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
+    if windows {
+        access |= ffi::ibv_access_flags::IBV_ACCESS_MW_BIND;
+    }
     if remote_read {
         access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
     }
@@ -63,8 +67,9 @@ impl Mr {
         dmabuf: Option<&transport_mem::DmaBuf>,
         remote_read: bool,
         remote_write: bool,
+        windows: bool,
     ) -> Result<Self, VerbsError> {
-        let access = access_flags(remote_read, remote_write).0 as c_int;
+        let access = access_flags(remote_read, remote_write, windows).0 as c_int;
         // For both: the PD is live. `mem` is valid for its whole range while
         // any clone of it lives (a `Buffer` owns it; `from_raw`'s and
         // `from_device`'s callers promised it); this clone is stored in the
@@ -89,6 +94,11 @@ impl Mr {
             })?,
         };
         Ok(Mr { mr, mem: ManuallyDrop::new(mem), _pd: pd.clone() })
+    }
+
+    /// The MR (live while `self` is).
+    pub(super) fn as_ptr(&self) -> *mut ffi::ibv_mr {
+        self.mr.as_ptr()
     }
 
     fn lkey(&self) -> u32 {
@@ -138,7 +148,14 @@ impl Registration {
         remote_read: bool,
         remote_write: bool,
     ) -> Result<Self, VerbsError> {
-        Ok(Self { mr: Arc::new(Mr::register(pd, mem, None, remote_read, remote_write)?) })
+        Ok(Self { mr: Arc::new(Mr::register(pd, mem, None, remote_read, remote_write, false)?) })
+    }
+
+    /// Registers `mem` for local write and for memory windows
+    /// ([`super::Window`]): its own rkey reaches nothing, a peer reaches
+    /// only what a window bound to it allows.
+    pub(crate) fn for_windows(pd: &Arc<Pd>, mem: MemoryRegion) -> Result<Self, VerbsError> {
+        Ok(Self { mr: Arc::new(Mr::register(pd, mem, None, false, false, true)?) })
     }
 
     /// Registers device memory through a dma-buf that exports it
@@ -150,7 +167,7 @@ impl Registration {
         remote_read: bool,
         remote_write: bool,
     ) -> Result<Self, VerbsError> {
-        Ok(Self { mr: Arc::new(Mr::register(pd, mem, Some(buf), remote_read, remote_write)?) })
+        Ok(Self { mr: Arc::new(Mr::register(pd, mem, Some(buf), remote_read, remote_write, false)?) })
     }
 
     /// The memory registered.
@@ -161,6 +178,17 @@ impl Registration {
     /// The key peers use to reach it.
     pub(crate) fn rkey(&self) -> u32 {
         self.mr.rkey()
+    }
+
+    /// Another owner of the same registration (the MR is deregistered when
+    /// the last owner drops; [`Registration::pinned`] counts this one too).
+    pub(crate) fn share(&self) -> Registration {
+        Registration { mr: self.mr.clone() }
+    }
+
+    /// The MR itself, for a window bound to it to keep (`super::mw`).
+    pub(super) fn shared(&self) -> Arc<Mr> {
+        self.mr.clone()
     }
 
     /// Whether a QP still holds it (work was posted on it and the QP is
@@ -245,6 +273,11 @@ impl Qp {
         use ffi::ibv_qp_attr_mask as M;
         me.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS)?;
         Ok(me)
+    }
+
+    /// The QP, for binding windows through it (`super::mw`).
+    pub(super) fn as_ptr(&self) -> *mut ffi::ibv_qp {
+        self.qp.as_ptr()
     }
 
     pub(crate) fn qpn(&self) -> u32 {
