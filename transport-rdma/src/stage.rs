@@ -107,6 +107,14 @@ impl Staging {
         Ok(Self { reg, reach, windows, slot_len, slots, free: (0..slots).rev().collect(), waiting: Vec::new() })
     }
 
+    /// Its registrations, to deregister outside the state lock (the
+    /// binder of [`Reach::Windows`] goes with `self`).
+    pub(crate) fn into_registrations(self) -> Vec<Registration> {
+        let mut regs = self.windows;
+        regs.push(self.reg);
+        regs
+    }
+
     /// Host memory held.
     pub(crate) fn bytes(&self) -> u64 {
         self.reg.mem().len() as u64

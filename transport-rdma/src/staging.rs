@@ -164,13 +164,13 @@ impl State {
         let staged = self.any_staged();
         if !staged && self.staging.as_ref().is_some_and(Staging::all_back) {
             if let Some(s) = self.staging.take() {
-                self.retiring.push(s.reg);
+                self.retiring.extend(s.into_registrations());
             }
         }
         let exposed = self.regions.values().any(|r| r.path == MemPath::Staged && r.access.is_remote());
         if !exposed && self.leases.is_empty() && self.remote_staging.as_ref().is_some_and(Staging::all_back) {
             if let Some(s) = self.remote_staging.take() {
-                self.retiring.push(s.reg);
+                self.retiring.extend(s.into_registrations());
             }
         }
     }

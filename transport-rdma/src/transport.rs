@@ -21,7 +21,7 @@ use transport_core::{
 use crate::background::{self, Drain};
 use crate::config::RdmaConfig;
 use crate::handshake;
-use crate::staging::{self, MemPath};
+use crate::staging::{self, MemPath, Staging};
 use crate::state::{Inner, Limits, LocalRegion, Segment, State, Verbs};
 use crate::verbs::{CompChannel, Context, Cq, Pd, Registration, POLL_BATCH};
 use crate::wire;
@@ -511,8 +511,8 @@ impl Transport for RdmaTransport {
             g.regions.extend(std::mem::take(&mut st.regions).into_values().filter_map(|r| r.reg));
             // Both staging pools go with the regions (a killed node must
             // not keep its pinned buffers until its last handle drops).
-            g.regions.extend(st.staging.take().map(|s| s.reg));
-            g.regions.extend(st.remote_staging.take().map(|s| s.reg));
+            g.regions.extend(st.staging.take().map(Staging::into_registrations).unwrap_or_default());
+            g.regions.extend(st.remote_staging.take().map(Staging::into_registrations).unwrap_or_default());
             st.leases.clear();
             g.regions.append(&mut st.retiring);
             st.verbs.take()
