@@ -220,9 +220,23 @@ async fn carry(
                     break Error::new(ErrorKind::Protocol, "the peer sent an unasked-for message on the notification channel");
                 };
                 let e = match reply {
+                    Reply::Staged { slot, .. } => {
+                        if answer.send(Ok(reply)).is_err() {
+                            // Its asker gave up (timed out) before the
+                            // peer leased the buffer: nobody will use or
+                            // give it back, so the carrier does, or the
+                            // channel would hold it until it closes.
+                            let (dropped, _) = oneshot::channel();
+                            let back = Request::Unstage { slot, commit: false };
+                            match tokio::time::timeout(limit, wire::send(lines.get_mut(), &back)).await {
+                                Ok(Ok(())) => waiting.push_back(dropped),
+                                _ => break Error::new(ErrorKind::ConnectionReset, "notification channel write failed"),
+                            }
+                        }
+                        continue;
+                    }
                     Reply::NotifyAck
                     | Reply::Busy
-                    | Reply::Staged { .. }
                     | Reply::Unstaged
                     | Reply::StageFailed { .. } => {
                         let _ = answer.send(Ok(reply));

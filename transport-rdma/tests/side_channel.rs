@@ -359,6 +359,53 @@ fn a_lease_key_reaches_its_own_buffer_and_only_while_leased() {
     });
 }
 
+/// A lease the target answers after its asker gave up (the `stage` ask
+/// timed out at `handshake_timeout_ms`) is given back by the initiator's
+/// notification channel at once: nobody else would give it back before
+/// the channel closes, and with half the pool per channel (a pool of two
+/// here: one lease) that channel's next staged slice would be answered
+/// `busy` for as long as it lives.
+fn a_lease_answered_after_its_asker_gave_up_is_given_back() {
+    run("a_lease_answered_after_its_asker_gave_up_is_given_back", 120, async {
+        use transport_core::{FakeDevice, SubmitOptions};
+        const LEN: u64 = 4096;
+        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: 2, ..with_secret(Some(SECRET)) };
+        let server = transport(cfg).await;
+        let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
+        let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
+        dmem.fill(7);
+        server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
+        let peer = transport(RdmaConfig { handshake_timeout_ms: 500, ..with_secret(Some(SECRET)) }).await;
+        let dst = Buffer::new(LEN as usize).unwrap();
+        let l = peer.register(dst.region(), Access::LOCAL).unwrap();
+        let seg = peer.open_segment(&server.local_segment_name()).await.unwrap();
+        let at = dmem.addr();
+        let read = |timeout: Duration| {
+            let peer = &peer;
+            async move {
+                let opts = SubmitOptions { timeout: Some(timeout), ..Default::default() };
+                let b = peer.submit(vec![TransferRequest::read(l, 0, seg, at, LEN)], opts).await.unwrap();
+                let st = wait(peer, b).await;
+                peer.release(b).unwrap();
+                (st.state, st.first_error().map(|e| e.to_string()))
+            }
+        };
+        // The target fills the buffer (a read) slower than the ask waits.
+        dev.delay_copies(Duration::from_millis(1500));
+        let (state, e) = read(Duration::from_secs(10)).await;
+        assert_ne!(state, BatchState::Completed, "a read whose lease came after the ask's limit");
+        println!("the read whose lease came late: {state:?} {e:?}");
+        dev.delay_copies(Duration::ZERO);
+        // The late `staged` reaches the channel and is given back.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let (state, e) = read(Duration::from_secs(5)).await;
+        assert_eq!(state, BatchState::Completed, "the channel leases again: {e:?}");
+        assert!(dst.to_vec().iter().all(|&b| b == 7), "the bytes were read");
+        peer.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// A man in the middle holding the secret, for `target`: each connection
 /// gets the handshake, then its lines go to the target (over a handshaken
 /// connection of the proxy's own) and back, except that every descriptor
@@ -689,7 +736,7 @@ fn main() {
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 10] = [
+    let tests: [(&str, fn()); 11] = [
         ("one_address_holds_at_most_its_share_of_qp_groups", one_address_holds_at_most_its_share_of_qp_groups),
         ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
         ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
@@ -704,6 +751,10 @@ fn main() {
         (
             "a_lease_key_reaches_its_own_buffer_and_only_while_leased",
             a_lease_key_reaches_its_own_buffer_and_only_while_leased,
+        ),
+        (
+            "a_lease_answered_after_its_asker_gave_up_is_given_back",
+            a_lease_answered_after_its_asker_gave_up_is_given_back,
         ),
         ("slow_handshakes_are_closed_at_the_deadline", slow_handshakes_are_closed_at_the_deadline),
         (
