@@ -6,6 +6,8 @@
 //!                                           # is fake-device memory staged through host buffers)
 //!   rdma_bench lat <page-bytes> <iterations> # prints p50/p99 of one write, submit to completed
 //!   rdma_bench pingpong <bytes> <iterations> # ib_write_lat's method: half a write ping-pong
+//!   rdma_bench first <bytes> <iterations>   # a fresh initiator's open + first write, p50,
+//!                                           # beside a plain TCP round trip on loopback
 //!   rdma_bench notify <bytes> <rounds>      # rule 11: a batch's completion on the sender
 //!                                           # vs the receiver seeing its attached notification
 //!   rdma_bench railbw <page-bytes> <seconds> <rails>
@@ -30,7 +32,7 @@ type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: rdma_bench bw|lat|pingpong|notify <page-bytes> <seconds|iterations|rounds>\n       \
+        "usage: rdma_bench bw|lat|pingpong|notify|first <page-bytes> <seconds|iterations|rounds>\n       \
          rdma_bench railbw <page-bytes> <seconds> <rails>"
     );
     std::process::exit(2)
@@ -406,6 +408,62 @@ async fn rail_bw(size: u64, secs: u64, r: usize) -> Result<(), BoxErr> {
     }
 }
 
+/// `first`: what a peer's first transfer costs. Per iteration a fresh
+/// initiator transport opens the target's segment (the side channel's
+/// handshake, descriptor, QP group) and writes `size` bytes once; prints
+/// the p50 of open + write, beside the p50 round trip of a plain TCP
+/// ping-pong on loopback measured in the same run (the side channel's
+/// unit of cost).
+async fn first_transfer(size: u64, n: u64) -> Result<(), BoxErr> {
+    use std::io::{Read, Write};
+    let cfg = RdmaConfig { device: std::env::var("RDMA_TEST_DEVICE").ok(), ..RdmaConfig::default() };
+    let server = RdmaTransport::new(cfg.clone()).await?;
+    let remote = Buffer::new(size.max(4096) as usize)?.region();
+    server.register(remote.clone(), Access::REMOTE_RW)?;
+    let name = server.local_segment_name();
+    let mut took = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let client = RdmaTransport::new(cfg.clone()).await?;
+        let src = Buffer::new(size.max(1) as usize)?;
+        let lid = client.register(src.region(), Access::LOCAL)?;
+        let t0 = Instant::now();
+        let seg = client.open_segment(&name).await?;
+        let b = client
+            .submit(vec![TransferRequest::write(lid, 0, seg, remote.addr(), size)], SubmitOptions::default())
+            .await?;
+        reap(&client, Some(b)).await?;
+        took.push(t0.elapsed().as_secs_f64() * 1e6);
+        client.shutdown().await?;
+    }
+    server.shutdown().await?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let at = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 1];
+        while s.read(&mut b)? == 1 {
+            s.write_all(&b)?;
+        }
+        Ok(())
+    });
+    let mut s = std::net::TcpStream::connect(at)?;
+    s.set_nodelay(true)?;
+    let mut rtt = Vec::with_capacity(200);
+    let mut b = [7u8; 1];
+    for _ in 0..200 {
+        let t0 = Instant::now();
+        s.write_all(&b)?;
+        s.read_exact(&mut b)?;
+        rtt.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(s);
+    let _ = echo.join();
+    let (f50, r50) = (pct(&mut took, 0.5), pct(&mut rtt, 0.5));
+    println!("ours first_transfer size={size} n={n} p50_us={f50:.0} tcp_rtt_p50_us={r50:.1}");
+    Ok(())
+}
+
 fn main() -> Result<(), BoxErr> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() == 5 && args[1] == "railbw" {
@@ -420,6 +478,10 @@ fn main() -> Result<(), BoxErr> {
     }
     let size: u64 = args[2].parse().unwrap_or_else(|_| usage());
     let n: u64 = args[3].parse().unwrap_or_else(|_| usage());
+    if args[1] == "first" {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        return rt.block_on(first_transfer(size, n.max(1)));
+    }
     if args[1] == "pingpong" {
         let cfg = RdmaConfig { device: std::env::var("RDMA_TEST_DEVICE").ok(), ..RdmaConfig::default() };
         let mut lat = pingpong(cfg, size.max(1), n.max(1))?;
