@@ -146,9 +146,11 @@ def assert_all_landed(p: dict, d: dict, rooms) -> None:
         assert dr["state"] == "success", (room, dr)
         assert dr["bad"] == [], (room, dr["bad"])
         # Bootstrapping -> WaitingForInput -> (Transferring) -> Success,
-        # never back.
-        assert pr["states"][0] == 1 and pr["states"][-1] == 4, pr["states"]
-        assert pr["states"] == sorted(pr["states"]), pr["states"]
+        # never back. A sender whose decode had granted before its first
+        # poll (a decode already waiting for this prefill) starts at
+        # WaitingForInput.
+        assert pr["states"][0] in (1, 2) and pr["states"][-1] == 4, pr["states"]
+        assert pr["states"] == sorted(set(pr["states"])), pr["states"]
 
 
 def test_prefill_and_decode_processes_move_kv_pages_byte_exact():
