@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 
 use super::qp::{Mr, Qp, QpTiming, Registration, RemoteQp};
-use super::{check, log_release, CompChannel, Completion, Context, Cq, Pd, PortInfo};
+use super::{check, CompChannel, Completion, Context, Cq, Pd, PortInfo};
 use crate::error::VerbsError;
 
 /// Longest wait for a bind's completion: a bind is local work of the
@@ -64,7 +64,12 @@ impl Drop for Window {
         // the matching dealloc verb), deallocated once. A bound window is
         // invalidated by it; the registration it was bound to is released
         // after this body (field drop).
-        log_release("ibv_dealloc_mw", unsafe { ffi::ibv_dealloc_mw(self.mw.as_ptr()) });
+        let rc = unsafe { ffi::ibv_dealloc_mw(self.mw.as_ptr()) };
+        if let Err(e) = check("ibv_dealloc_mw", rc) {
+            // The window may still reach the memory: keep it registered.
+            tracing::error!("{e}; leaking the registration the window was bound to");
+            std::mem::forget(self.bound.take());
+        }
     }
 }
 
