@@ -89,6 +89,33 @@ async fn engine_write(a: Arc<dyn Transport>, b: &RdmaTransport, dst: &Buffer, se
     Ok(())
 }
 
+/// A target with the secret, `slots` staging buffers of 64 KiB, and 1 MiB
+/// of fake-device memory registered for peers (staged: it has no rkey).
+async fn staged_target(
+    slots: u32,
+) -> (RdmaConfig, RdmaTransport, Arc<transport_core::FakeDevice>, transport_core::MemoryRegion) {
+    use transport_core::FakeDevice;
+    let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: slots, ..with_secret(Some(SECRET)) };
+    let server = transport(cfg.clone()).await;
+    let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
+    let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
+    server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
+    (cfg, server, dev, dmem)
+}
+
+/// One request in a batch of its own, waited for and released: its end
+/// state and first error.
+async fn one_request(
+    t: &RdmaTransport,
+    req: TransferRequest,
+    opts: transport_core::SubmitOptions,
+) -> (BatchState, Option<String>) {
+    let b = t.submit(vec![req], opts).await.unwrap();
+    let st = wait(t, b).await;
+    t.release(b).unwrap();
+    (st.state, st.first_error().map(|e| e.to_string()))
+}
+
 /// A `describe` without the handshake, or after a wrong proof, is
 /// answered no descriptor (no address, no rkey): a clear error naming the
 /// version, or `denied`. With the secret it is answered.
@@ -212,13 +239,8 @@ fn notifications_and_leases_without_the_secret_are_refused() {
 /// took the whole pool (4 of 4: checked in the soft-RoCE VM).
 fn a_peer_with_the_secret_leases_at_most_half_the_staging_pool() {
     run("a_peer_with_the_secret_leases_at_most_half_the_staging_pool", 120, async {
-        use transport_core::FakeDevice;
         const SLOTS: u32 = 4;
-        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: SLOTS, ..with_secret(Some(SECRET)) };
-        let server = transport(cfg.clone()).await;
-        let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
-        let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
-        server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
+        let (cfg, server, _dev, dmem) = staged_target(SLOTS).await;
         let addr = server.local_segment_name();
         // The greedy peer: stage requests, never an unstage.
         let mut greedy = greeted(&addr, Some(SECRET)).await;
@@ -295,13 +317,8 @@ fn a_peer_with_the_secret_leases_at_most_half_the_staging_pool() {
 /// descriptor naming both buffers under that key.
 fn a_lease_key_reaches_its_own_buffer_and_only_while_leased() {
     run("a_lease_key_reaches_its_own_buffer_and_only_while_leased", 120, async {
-        use transport_core::FakeDevice;
         const LEN: usize = 4096;
-        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: 4, ..with_secret(Some(SECRET)) };
-        let server = transport(cfg.clone()).await;
-        let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
-        let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
-        server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
+        let (cfg, server, _dev, dmem) = staged_target(4).await;
         let addr = server.local_segment_name();
         let mut chan = greeted(&addr, Some(SECRET)).await;
         async fn ask(c: &mut BufReader<TcpStream>, req: String) -> serde_json::Value {
@@ -320,15 +337,7 @@ fn a_lease_key_reaches_its_own_buffer_and_only_while_leased() {
         let src = buffer_with(LEN, 9);
         let l = peer.register(src.region(), Access::LOCAL).unwrap();
         let seg = peer.open_segment(&proxy).await.unwrap();
-        let one = |req: TransferRequest| {
-            let peer = &peer;
-            async move {
-                let b = peer.submit(vec![req], Default::default()).await.unwrap();
-                let st = wait(peer, b).await;
-                peer.release(b).unwrap();
-                (st.state, st.first_error().map(|e| e.to_string()))
-            }
-        };
+        let one = |req: TransferRequest| one_request(&peer, req, Default::default());
         // Its own buffer, as leased: the write lands (committed below).
         let (state, e) = one(TransferRequest::write(l, 0, seg, a_addr, LEN as u64)).await;
         assert_eq!(state, BatchState::Completed, "a write with the lease's key into its buffer: {e:?}");
@@ -367,28 +376,18 @@ fn a_lease_key_reaches_its_own_buffer_and_only_while_leased() {
 /// `busy` for as long as it lives.
 fn a_lease_answered_after_its_asker_gave_up_is_given_back() {
     run("a_lease_answered_after_its_asker_gave_up_is_given_back", 120, async {
-        use transport_core::{FakeDevice, SubmitOptions};
+        use transport_core::SubmitOptions;
         const LEN: u64 = 4096;
-        let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: 2, ..with_secret(Some(SECRET)) };
-        let server = transport(cfg).await;
-        let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
-        let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
+        let (_, server, dev, dmem) = staged_target(2).await;
         dmem.fill(7);
-        server.register(dmem.clone(), Access::REMOTE_RW).unwrap();
         let peer = transport(RdmaConfig { handshake_timeout_ms: 500, ..with_secret(Some(SECRET)) }).await;
         let dst = Buffer::new(LEN as usize).unwrap();
         let l = peer.register(dst.region(), Access::LOCAL).unwrap();
         let seg = peer.open_segment(&server.local_segment_name()).await.unwrap();
         let at = dmem.addr();
         let read = |timeout: Duration| {
-            let peer = &peer;
-            async move {
-                let opts = SubmitOptions { timeout: Some(timeout), ..Default::default() };
-                let b = peer.submit(vec![TransferRequest::read(l, 0, seg, at, LEN)], opts).await.unwrap();
-                let st = wait(peer, b).await;
-                peer.release(b).unwrap();
-                (st.state, st.first_error().map(|e| e.to_string()))
-            }
+            let opts = SubmitOptions { timeout: Some(timeout), ..Default::default() };
+            one_request(&peer, TransferRequest::read(l, 0, seg, at, LEN), opts)
         };
         // The target fills the buffer (a read) slower than the ask waits.
         dev.delay_copies(Duration::from_millis(1500));
