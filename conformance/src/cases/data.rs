@@ -131,7 +131,12 @@ async fn check_plan(p: &Pair, plan: &Plan, read: bool) -> CaseResult {
     for r in &reqs {
         model.apply(p, r);
     }
+    let start = Instant::now();
     complete(p.t(), reqs.clone()).await?;
+    if start.elapsed() > Duration::from_secs(5) {
+        let bytes: u64 = reqs.iter().map(|r| r.len).sum();
+        eprintln!("random batch of {} requests ({bytes} bytes) took {:?}", reqs.len(), start.elapsed());
+    }
     model.check(p, "after a random batch").map_err(|e| explain(p, &before, &model, &reqs, e))
 }
 
@@ -214,11 +219,24 @@ pub async fn random_batches_match_model(cx: Ctx) -> CaseResult {
     let handle = tokio::runtime::Handle::current();
     let pp = p.clone();
     let result = tokio::task::spawn_blocking(move || {
-        let config = Config { cases: 12, failure_persistence: None, max_shrink_iters: 64, ..Config::default() };
+        // Shrinking is bounded in time too, so a failure is reported
+        // within the case's bound rather than cut off by it.
+        let config = Config {
+            cases: 12,
+            failure_persistence: None,
+            max_shrink_iters: 64,
+            max_shrink_time: 30_000,
+            ..Config::default()
+        };
         let mut runner = TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
         runner
             .run(&plan_strategy(), |plan| {
-                handle.block_on(check_plan(&pp, &plan, read)).map_err(|e| TestCaseError::fail(e.to_string()))
+                handle.block_on(check_plan(&pp, &plan, read)).map_err(|e| {
+                    // Shown as it happens: shrinking may run past the
+                    // case's bound and hide the first failure.
+                    eprintln!("random batch of {} requests failed: {e}", plan.len());
+                    TestCaseError::fail(e.to_string())
+                })
             })
             .map_err(|e| e.to_string())
     })
