@@ -124,6 +124,16 @@ pub struct RdmaConfig {
     /// a transient `Backpressure`; at least 1. Default
     /// [`transport_core::DEFAULT_INBOX`] (1024).
     pub inbox_capacity: usize,
+    /// Whether a peer's staging lease is answered with the key of a memory
+    /// window of its own, bound to the leased bytes only, the way leased,
+    /// and deallocated when the lease ends (where the device has windows),
+    /// instead of the key of the pool's one registration, which reaches
+    /// every buffer of the pool while the pool lives. Off by default: on
+    /// soft-RoCE under load, QPs writing and reading through window keys
+    /// were seen to stop completing work (no completion and no error for
+    /// minutes; the cause is not found yet), see the README's threat
+    /// model.
+    pub staging_windows: bool,
 }
 
 impl Default for RdmaConfig {
@@ -157,6 +167,7 @@ impl Default for RdmaConfig {
             max_passive_per_ip: 64,
             busy_poll_us: 200,
             inbox_capacity: transport_core::DEFAULT_INBOX,
+            staging_windows: false,
         }
     }
 }

@@ -42,11 +42,11 @@ pub(crate) enum Reach {
     /// This side's own work requests only (the initiator's pool).
     Local,
     /// Peers, each lease through a memory window of its own bound to the
-    /// leased bytes (the target's pool where the device has windows): no
-    /// registration of the pool has remote access.
+    /// leased bytes (the target's pool with `staging_windows`, where the
+    /// device has windows): no registration of the pool has remote access.
     Windows(Arc<parking_lot::Mutex<Binder>>),
-    /// Peers, through the pool's one registration (the target's pool on
-    /// a device without memory windows): a lease's rkey reaches every
+    /// Peers, through the pool's one registration (the target's pool by
+    /// default, or on a device without memory windows): a lease's rkey reaches every
     /// buffer of the pool for as long as the pool lives.
     Pool,
 }

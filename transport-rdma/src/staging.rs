@@ -23,13 +23,14 @@
 //! (`unstage`; for a write the target copies the buffer into its device
 //! memory first). Leases belong to the channel: its close frees them, and
 //! the target checks every range against its staged regions and their
-//! access. Each lease is answered with the key of a memory window of its
-//! own, bound to the leased bytes only and only the way leased, and
-//! deallocated when the lease ends, before a committing copy (the pool's
-//! own registration is local: [`Reach::Windows`]); a device without
-//! windows falls back to the pool's registration for peers
-//! ([`Reach::Pool`], logged). The slice's ledger unit ends only after the
-//! last answer.
+//! access. By default a lease is answered with the key of the pool's
+//! registration ([`Reach::Pool`]: it reaches the whole pool). With
+//! `staging_windows` each lease is answered with the key of a memory
+//! window of its own, bound to the leased bytes only and only the way
+//! leased, and deallocated when the lease ends, before a committing copy
+//! (the pool's own registration is local: [`Reach::Windows`]); a device
+//! without windows then falls back to the pool's registration (logged).
+//! The slice's ledger unit ends only after the last answer.
 //!
 //! Copies run on the blocking pool, never under the state lock; each is a
 //! started ledger unit from before it begins until its slice is done, so a
@@ -224,10 +225,14 @@ impl Inner {
         Ok(())
     }
 
-    /// How peers reach the pool they lease from: through a memory window
-    /// per lease where the device has them, else through the pool's one
-    /// registration (logged: a lease's key then reaches the whole pool).
+    /// How peers reach the pool they lease from: with `staging_windows`,
+    /// through a memory window per lease where the device has them, else
+    /// through the pool's one registration (logged where windows were
+    /// asked for: a lease's key then reaches the whole pool).
     fn remote_reach(&self, st: &State) -> Reach {
+        if !self.cfg.staging_windows {
+            return Reach::Pool;
+        }
         let Some(v) = st.verbs.as_ref() else { return Reach::Pool };
         match Window::new(&v.pd).and_then(|_| Binder::new(&v.ctx, &v.pd, &v.port, self.timing())) {
             Ok(b) => Reach::Windows(Arc::new(parking_lot::Mutex::new(b))),

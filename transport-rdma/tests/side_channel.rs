@@ -89,13 +89,15 @@ async fn engine_write(a: Arc<dyn Transport>, b: &RdmaTransport, dst: &Buffer, se
     Ok(())
 }
 
-/// A target with the secret, `slots` staging buffers of 64 KiB, and 1 MiB
-/// of fake-device memory registered for peers (staged: it has no rkey).
+/// A target with the secret, `slots` staging buffers of 64 KiB leased
+/// through memory windows (`staging_windows`), and 1 MiB of fake-device
+/// memory registered for peers (staged: it has no rkey).
 async fn staged_target(
     slots: u32,
 ) -> (RdmaConfig, RdmaTransport, Arc<transport_core::FakeDevice>, transport_core::MemoryRegion) {
     use transport_core::FakeDevice;
-    let cfg = RdmaConfig { slice_size: 64 << 10, staging_buffers: slots, ..with_secret(Some(SECRET)) };
+    let cfg =
+        RdmaConfig { slice_size: 64 << 10, staging_buffers: slots, staging_windows: true, ..with_secret(Some(SECRET)) };
     let server = transport(cfg.clone()).await;
     let dev = Arc::new(FakeDevice::new(0, 4 << 20).unwrap());
     let dmem = FakeDevice::region(&dev, 1 << 20).unwrap();
