@@ -302,6 +302,28 @@ async fn off_runtime(f: impl FnOnce() -> std::result::Result<(), MemError> + Sen
     blocking(move || f().map_err(Error::from)).await
 }
 
+/// How long one step of a staged slice (the lease, the work request, the
+/// unstage) may take before it is logged: each is bounded otherwise
+/// (`handshake_timeout_ms`, the QP's retries), so one past this is a peer
+/// or a QP that stopped answering without failing.
+const STEP_LOGGED_AFTER: Duration = Duration::from_secs(10);
+
+/// Runs `f`, step `what` of slice `s`, logging at warn if it takes longer
+/// than [`STEP_LOGGED_AFTER`] (and again when it ends).
+async fn watched<T>(what: &str, s: Slice, f: impl std::future::Future<Output = T>) -> T {
+    let mut f = std::pin::pin!(f);
+    let from = std::time::Instant::now();
+    match tokio::time::timeout(STEP_LOGGED_AFTER, &mut f).await {
+        Ok(v) => v,
+        Err(_) => {
+            tracing::warn!(slice = ?s, step = what, "rdma: a staged slice's step has taken 10 s");
+            let v = f.await;
+            tracing::warn!(slice = ?s, step = what, took_ms = from.elapsed().as_millis() as u64, "rdma: the slow staged step ended");
+            v
+        }
+    }
+}
+
 /// Runs `f` (copies, binds, deallocations) on the blocking pool.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     match tokio::task::spawn_blocking(f).await {
@@ -724,10 +746,12 @@ impl Inner {
             let (buf, dev) = (buffer(slot)?, mem.clone());
             off_runtime(move || buf.copy_from(0, &dev, at, s.len as usize)).await?;
         }
-        let (rslot, raddr, rkey) = self.lease_remote(seg, s, write, spec.remote_addr + s.offset).await?;
-        let moved = self.post_and_wait(ep, s, local, raddr, rkey, !write).await;
+        let (rslot, raddr, rkey) =
+            watched("lease", s, self.lease_remote(seg, s, write, spec.remote_addr + s.offset)).await?;
+        let moved = watched("post", s, self.post_and_wait(ep, s, local, raddr, rkey, !write)).await;
         let commit = write && moved.is_ok() && self.live(s);
-        let unstaged = self.ask(seg, Request::Unstage { slot: rslot, commit }, "staging request").await;
+        let unstaged =
+            watched("unstage", s, self.ask(seg, Request::Unstage { slot: rslot, commit }, "staging request")).await;
         moved?;
         match unstaged? {
             Reply::Unstaged => {}
