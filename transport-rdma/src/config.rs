@@ -131,8 +131,7 @@ pub struct RdmaConfig {
     /// every buffer of the pool while the pool lives. Off by default: on
     /// soft-RoCE under load, QPs writing and reading through window keys
     /// were seen to stop completing work (no completion and no error for
-    /// minutes; the cause is not found yet), see the README's threat
-    /// model.
+    /// minutes; the cause is not found yet), see `docs/THREAT_MODEL.md`.
     pub staging_windows: bool,
 }
 
