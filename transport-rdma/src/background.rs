@@ -1,6 +1,6 @@
 //! The background work of a transport: the CQ poller (and the CQ draining
 //! that busy-polling waiters share with it), the reaper (flushed and idle
-//! endpoints), and the async events (read on a thread of their own,
+//! endpoints, kept side channels past their use), and the async events (read on a thread of their own,
 //! applied on a task). All of it holds only a weak reference to [`Inner`]
 //! and is counted in its [`TaskSet`](transport_core::lifecycle::TaskSet).
 
@@ -85,7 +85,16 @@ pub(crate) async fn reaper(weak: Weak<Inner>) {
     loop {
         tokio::time::sleep(period).await;
         let Some(inner) = weak.upgrade() else { return };
-        inner.with_state(|st, g| st.reap(&inner.lim, false, g));
+        let limit = inner.cfg.handshake_timeout();
+        inner.with_state(|st, g| {
+            st.reap(&inner.lim, false, g);
+            // Kept side channels the peer no longer waits on are closed.
+            for s in st.segments.values_mut() {
+                if s.spare.as_ref().is_some_and(|sp| !sp.fresh(limit)) {
+                    s.spare = None;
+                }
+            }
+        });
     }
 }
 

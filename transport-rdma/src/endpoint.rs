@@ -116,7 +116,9 @@ impl Inner {
         let reserved = Reservation { inner: self.weak(), id: Some(id) };
         self.link_usable()?;
         let building = Instant::now();
-        let built = self.build(&name, reserved).await;
+        // The side channel that read the descriptor, if no endpoint took it.
+        let spare = self.with_state(|st, _| st.segments.get_mut(&seg).and_then(|s| s.spare.take()));
+        let built = self.build(&name, reserved, spare).await;
         tracing::debug!(segment = %name, took_ms = building.elapsed().as_millis() as u64, ok = built.is_ok(), "rdma: endpoint build");
         let (bringup, stream, peer) = built?;
         let (group, mut reserved) = bringup.finish();
@@ -162,12 +164,13 @@ impl Inner {
         &self,
         name: &str,
         reserved: Reservation,
+        spare: Option<handshake::Spare>,
     ) -> Result<(Bringup<Reservation>, TcpStream, transport_core::SegmentDescriptor)> {
         let v = self.verbs()?;
         let group =
             Bringup::create(v.clone(), self.cfg.qps_per_endpoint, self.lim.max_outstanding_per_qp, reserved).await?;
-        handshake::connect(v, group, name, self.timing(), self.cfg.handshake_timeout(), self.cfg.secret.as_deref())
-            .await
+        let secret = self.cfg.secret.as_deref();
+        handshake::connect(v, group, name, self.timing(), self.cfg.handshake_timeout(), secret, spare).await
     }
 }
 

@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! client: {"op":"hello","version":2,"nonce":CN}
-//! server: {"result":"challenge","nonce":SN,"auth":BOOL}     (or busy / denied / error)
+//! server: {"result":"challenge","nonce":SN,"auth":BOOL,"proof":Q}   (or busy / denied / error)
 //! client: {"op":"auth","proof":P}                           (P empty without a secret)
+//! client: its first request, at once                        (see below)
 //! server: {"result":"ready","proof":Q}                      (or busy / denied)
+//! server: the answer to the first request
 //! ```
 //!
 //! With a secret (`RdmaConfig::secret`) each side proves it holds it,
@@ -15,6 +17,16 @@
 //! with a secret refuses a server that asks for none. Without a secret the
 //! server answers only its own host (protected mode,
 //! `transport_control::access`) unless `insecure` is set.
+//!
+//! The server's proof comes with the challenge (and again with `ready`,
+//! for clients from before that): a client that has checked it, or that
+//! has no secret, sends its first request right behind `auth`, so the
+//! handshake costs one round trip more than a bare request, not two. The
+//! server still reads that request only after it has checked the proof,
+//! and the client reads the answer only after `ready`. A proof in the
+//! challenge is answered to a client that has not proven anything yet; it
+//! is an HMAC over the client's nonce and one the server just drew, in the
+//! server's role, so it proves nothing in any other handshake.
 //!
 //! A peer of version 1 (a kvmove from before this handshake) opens with a
 //! request instead: it is answered an error that says so, and the
@@ -71,7 +83,8 @@ pub(crate) async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
     // A well-formed hello: silent connections give way before this one.
     slot.proved(limits, Proven::Hello);
     let sn = auth::nonce();
-    let challenge = Reply::Challenge { nonce: hex(&sn), auth: secret.is_some() };
+    let ours = secret.map(|k| hex(&auth::prove(auth::RDMA, k.as_bytes(), Role::Server, &cn, &sn))).unwrap_or_default();
+    let challenge = Reply::Challenge { nonce: hex(&sn), auth: secret.is_some(), proof: ours.clone() };
     wire::send(s.get_mut(), &challenge).await.map_err(|e| Refused(e.to_string()))?;
     let proof = match wire::recv_limited::<_, Request>(s, HELLO_LINE).await {
         Ok(Request::Auth { proof }) => proof,
@@ -81,23 +94,18 @@ pub(crate) async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
         }
         Err(e) => return Err(Refused(e.to_string())),
     };
-    let answer = match secret {
-        None => String::new(),
-        Some(k) => {
-            let ok =
-                unhex(&proof, 32).is_some_and(|p| auth::verify(auth::RDMA, k.as_bytes(), Role::Client, &cn, &sn, &p));
-            if !ok {
-                let message = "authentication failed: the proof of the shared secret is wrong or missing".into();
-                return refuse(s, Reply::Denied { message }).await;
-            }
-            hex(&auth::prove(auth::RDMA, k.as_bytes(), Role::Server, &cn, &sn))
+    if let Some(k) = secret {
+        let ok = unhex(&proof, 32).is_some_and(|p| auth::verify(auth::RDMA, k.as_bytes(), Role::Client, &cn, &sn, &p));
+        if !ok {
+            let message = "authentication failed: the proof of the shared secret is wrong or missing".into();
+            return refuse(s, Reply::Denied { message }).await;
         }
-    };
+    }
     if let Err(why) = slot.promote(limits) {
         tracing::warn!(reason = why, "side channel: refused after the handshake (answered busy)");
         return refuse(s, Reply::Busy).await;
     }
-    wire::send(s.get_mut(), &Reply::Ready { proof: answer }).await.map_err(|e| Refused(e.to_string()))
+    wire::send(s.get_mut(), &Reply::Ready { proof: ours }).await.map_err(|e| Refused(e.to_string()))
 }
 
 /// Whether a well-formed hello of this version is already waiting in a
@@ -134,25 +142,33 @@ async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// The client's side, on a fresh connection to `peer`: the handshake, with
-/// `secret` if set. Errors: `ConnectionRefused` (transient) when the peer
-/// is busy; `AuthFailed` when either side's proof fails, a secret is
-/// missing on one side, or the peer's protected mode refuses this host;
-/// `HandshakeFailed` for another version or a peer that does not follow
-/// the handshake.
+/// `secret` if set, and then `first` (the connection's first request, if
+/// given):
+/// right behind `auth` where the challenge allows it (no secret, or the
+/// server's proof in the challenge checked), else after `ready`. Its
+/// answer is the caller's to read. Errors: `ConnectionRefused`
+/// (transient) when the peer is busy; `AuthFailed` when either side's
+/// proof fails, a secret is missing on one side, or the peer's protected
+/// mode refuses this host; `HandshakeFailed` for another version or a
+/// peer that does not follow the handshake.
 pub(crate) async fn hello<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut BufReader<S>,
     secret: Option<&str>,
     peer: &str,
+    first: Option<&Request>,
 ) -> Result<()> {
     let failed = |kind: ErrorKind, why: String| Error::new(kind, why).with("segment", peer);
     let cn = auth::nonce();
     wire::send(s.get_mut(), &Request::Hello { version: VERSION, nonce: hex(&cn) }).await?;
-    let (sn, wants_proof) = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
-        Reply::Challenge { nonce, auth } => match unhex(&nonce, NONCE_LEN) {
-            Some(n) => (n, auth),
+    let (sn, wants_proof, early) = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
+        Reply::Challenge { nonce, auth, proof } => match unhex(&nonce, NONCE_LEN) {
+            Some(n) => (n, auth, proof),
             None => return Err(failed(ErrorKind::Protocol, "malformed challenge: the nonce".into())),
         },
         other => return Err(refusal(other, peer)),
+    };
+    let server_proven = |proof: &str, k: &str| {
+        unhex(proof, 32).is_some_and(|p| auth::verify(auth::RDMA, k.as_bytes(), Role::Server, &cn, &sn, &p))
     };
     let proof = match (secret, wants_proof) {
         (Some(k), true) => hex(&auth::prove(auth::RDMA, k.as_bytes(), Role::Client, &cn, &sn)),
@@ -170,17 +186,25 @@ pub(crate) async fn hello<S: AsyncRead + AsyncWrite + Unpin>(
         }
         (None, false) => String::new(),
     };
+    // A proof in the challenge that is missing or wrong (a server from
+    // before it, an impostor, or a secret that differs: the server then
+    // says so, answering the proof below): the request waits for `ready`.
+    let sent_early = secret.is_none_or(|k| server_proven(&early, k));
     wire::send(s.get_mut(), &Request::Auth { proof }).await?;
+    if let Some(first) = first.filter(|_| sent_early) {
+        wire::send(s.get_mut(), first).await?;
+    }
     let server_proof = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
         Reply::Ready { proof } => proof,
         other => return Err(refusal(other, peer)),
     };
     if let Some(k) = secret {
-        let ok = unhex(&server_proof, 32)
-            .is_some_and(|p| auth::verify(auth::RDMA, k.as_bytes(), Role::Server, &cn, &sn, &p));
-        if !ok {
+        if !server_proven(&server_proof, k) {
             return Err(failed(ErrorKind::AuthFailed, "the peer did not prove the shared secret".into()));
         }
+    }
+    if let Some(first) = first.filter(|_| !sent_early) {
+        wire::send(s.get_mut(), first).await?;
     }
     Ok(())
 }
@@ -237,7 +261,7 @@ mod tests {
         let (mut a, mut b) = (BufReader::new(a), BufReader::new(b));
         let (c, s) = tokio::join!(
             async move {
-                let r = hello(&mut a, client, "peer").await;
+                let r = hello(&mut a, client, "peer", None).await;
                 // The client closes after a failure, as its callers do.
                 drop(a);
                 r
@@ -336,6 +360,83 @@ mod tests {
         let (out, r) = raw(&[&hello, &auth]).await;
         assert!(out.contains("\"result\":\"challenge\"") && out.contains("\"result\":\"denied\""), "{out}");
         assert!(r.is_err());
+    }
+
+    /// A server played by hand over a pipe, with the secret "k": reads the
+    /// hello, answers a challenge carrying `proof` (the right one if
+    /// `None`), and gives back the client's pipe end, the server's end
+    /// and both nonces. The client runs `hello(.., Some(describe))`.
+    async fn by_hand(
+        proof: Option<&str>,
+    ) -> (tokio::task::JoinHandle<Result<()>>, BufReader<DuplexStream>, Vec<u8>, Vec<u8>) {
+        let (a, b) = tokio::io::duplex(4096);
+        let client = tokio::spawn(async move {
+            let mut a = BufReader::new(a);
+            let r = hello(&mut a, Some("k"), "peer", Some(&Request::Describe)).await;
+            // Held open until the test has read what it needs.
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            r
+        });
+        let mut b = BufReader::new(b);
+        let cn = match wire::recv::<_, Request>(&mut b).await.unwrap() {
+            Request::Hello { nonce, .. } => unhex(&nonce, NONCE_LEN).unwrap(),
+            other => panic!("{other:?}"),
+        };
+        let sn = auth::nonce();
+        let right = hex(&auth::prove(auth::RDMA, b"k", Role::Server, &cn, &sn));
+        let proof = proof.map_or(right, str::to_string);
+        wire::send(b.get_mut(), &Reply::Challenge { nonce: hex(&sn), auth: true, proof }).await.unwrap();
+        (client, b, cn, sn.to_vec())
+    }
+
+    /// Issue 49 (the first transfer within one round trip of a bare
+    /// request): with the server's proof in the challenge the client sends
+    /// its first request right behind its proof, before `ready`.
+    #[tokio::test]
+    async fn the_first_request_follows_auth_before_ready() {
+        let (client, mut b, cn, sn) = by_hand(None).await;
+        let limit = std::time::Duration::from_secs(2);
+        let auth = tokio::time::timeout(limit, wire::recv::<_, Request>(&mut b)).await.unwrap().unwrap();
+        let Request::Auth { proof } = auth else { panic!("{auth:?}") };
+        assert!(auth::verify(auth::RDMA, b"k", Role::Client, &cn, &sn, &unhex(&proof, 32).unwrap()));
+        let first = tokio::time::timeout(limit, wire::recv::<_, Request>(&mut b)).await;
+        assert!(matches!(first, Ok(Ok(Request::Describe))), "the request came behind auth: {first:?}");
+        let ours = hex(&auth::prove(auth::RDMA, b"k", Role::Server, &cn, &sn));
+        wire::send(b.get_mut(), &Reply::Ready { proof: ours }).await.unwrap();
+        client.await.unwrap().unwrap();
+    }
+
+    /// A server from before the proof in the challenge: the client sends its
+    /// request only once `ready` proved the server.
+    #[tokio::test]
+    async fn without_a_proof_in_the_challenge_the_request_waits_for_ready() {
+        let (client, mut b, cn, sn) = by_hand(Some("")).await;
+        let auth = wire::recv::<_, Request>(&mut b).await.unwrap();
+        assert!(matches!(auth, Request::Auth { .. }), "{auth:?}");
+        let early = tokio::time::timeout(std::time::Duration::from_millis(200), wire::recv::<_, Request>(&mut b)).await;
+        assert!(early.is_err(), "nothing before ready: {early:?}");
+        let ours = hex(&auth::prove(auth::RDMA, b"k", Role::Server, &cn, &sn));
+        wire::send(b.get_mut(), &Reply::Ready { proof: ours }).await.unwrap();
+        assert!(matches!(wire::recv::<_, Request>(&mut b).await, Ok(Request::Describe)));
+        client.await.unwrap().unwrap();
+    }
+
+    /// A wrong proof in the challenge (an impostor, or another secret)
+    /// gets no request: the client sends its own proof (a server with
+    /// another secret then says why it refuses) and fails.
+    #[tokio::test]
+    async fn a_wrong_proof_in_the_challenge_gets_no_request() {
+        let (client, mut b, _, _) = by_hand(Some(&"00".repeat(32))).await;
+        let auth = wire::recv::<_, Request>(&mut b).await.unwrap();
+        assert!(matches!(auth, Request::Auth { .. }), "{auth:?}");
+        let early = tokio::time::timeout(std::time::Duration::from_millis(200), wire::recv::<_, Request>(&mut b)).await;
+        assert!(early.is_err(), "nothing before ready: {early:?}");
+        wire::send(b.get_mut(), &Reply::Ready { proof: "00".repeat(32) }).await.unwrap();
+        let e = client.await.unwrap().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AuthFailed, "{e}");
+        let mut rest = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut b, &mut rest).await.unwrap();
+        assert!(rest.is_empty(), "sent to a server that did not prove the secret: {}", String::from_utf8_lossy(&rest));
     }
 
     #[test]

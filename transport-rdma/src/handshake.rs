@@ -175,11 +175,49 @@ impl<P: Send + 'static> Drop for Bringup<P> {
     }
 }
 
+/// A side-channel connection past its handshake and a `describe`, kept
+/// by a segment handle so that its first endpoint connects over it: the
+/// server waits `handshake_timeout` for that next request (`server.rs`),
+/// so an open segment's first transfer costs one TCP connection and one
+/// handshake, not two of each.
+#[derive(Debug)]
+pub(crate) struct Spare {
+    stream: BufReader<TcpStream>,
+    since: Instant,
+}
+
+impl Spare {
+    /// Whether the peer is still waiting on it, with a margin of half the
+    /// timeout (`limit`) both sides are configured with.
+    pub(crate) fn fresh(&self, limit: Duration) -> bool {
+        self.since.elapsed() < limit / 2
+    }
+}
+
+/// A new connection to `name`: the handshake and `request` (sent with the
+/// handshake's last message where it allows), and the reply.
+async fn greeted(name: &str, secret: Option<&str>, request: &Request) -> Result<(BufReader<TcpStream>, Reply)> {
+    let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
+    s.set_nodelay(true)?;
+    let mut s = BufReader::new(s);
+    crate::greet::hello(&mut s, secret, name, Some(request)).await?;
+    let reply = wire::recv::<_, Reply>(&mut s).await?;
+    Ok((s, reply))
+}
+
+/// Sends `request` over `s`, past its handshake, and reads the reply.
+async fn ask(s: &mut BufReader<TcpStream>, request: &Request) -> Result<Reply> {
+    wire::send(s.get_mut(), request).await?;
+    wire::recv::<_, Reply>(s).await
+}
+
 /// The connecting side: sends `group`'s half to the segment `name` and
 /// brings the QPs up toward the reply (off the runtime). Returns the group,
 /// the side channel (kept open for the endpoint's life: its close makes
 /// the peer destroy its half) and the peer's descriptor as of now. On
-/// failure the group is dropped.
+/// failure the group is dropped. A fresh `spare` is asked first; if the
+/// peer closed it (its timeout passed, or a server that takes one request
+/// a connection), a new connection is made, within the same `limit`.
 pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
     v: Arc<Verbs>,
     group: G,
@@ -187,17 +225,22 @@ pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
     timing: QpTiming,
     limit: Duration,
     secret: Option<&str>,
+    spare: Option<Spare>,
 ) -> Result<(G, TcpStream, SegmentDescriptor)> {
     let hello = group.borrow().hello(&v, v.port.active_mtu);
     let request = Request::Connect { gid: hello.gid, lid: hello.lid, mtu: hello.mtu, qps: hello.qps };
     let work = async {
-        let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
-        s.set_nodelay(true)?;
-        let mut s = BufReader::new(s);
-        crate::greet::hello(&mut s, secret, name).await?;
-        wire::send(s.get_mut(), &request).await?;
-        let reply = wire::recv::<_, Reply>(&mut s).await?;
-        Ok::<_, Error>((s, reply))
+        if let Some(mut spare) = spare.filter(|s| s.fresh(limit)) {
+            match ask(&mut spare.stream, &request).await {
+                Ok(reply) => return Ok((spare.stream, reply)),
+                // Closed unanswered: the peer never saw the request (it
+                // reads nothing once it closed), so asking anew is safe.
+                Err(e) => {
+                    tracing::debug!(segment = %name, error = %e, "rdma: the kept side channel was closed; connecting anew")
+                }
+            }
+        }
+        greeted(name, secret, &request).await
     };
     let (stream, reply) = match tokio::time::timeout(limit, work).await {
         Ok(r) => r?,
@@ -224,21 +267,22 @@ pub(crate) async fn connect<G: Borrow<QpGroup> + Send + 'static>(
     Ok((group, stream.into_inner(), desc))
 }
 
-/// Asks the peer `name` for its descriptor over the side channel.
-pub(crate) async fn fetch_descriptor(name: &str, limit: Duration, secret: Option<&str>) -> Result<SegmentDescriptor> {
+/// Asks the peer `name` for its descriptor over the side channel; the
+/// connection comes back with it, for the segment's first endpoint.
+pub(crate) async fn fetch_descriptor(
+    name: &str,
+    limit: Duration,
+    secret: Option<&str>,
+) -> Result<(SegmentDescriptor, Spare)> {
     let work = async {
-        let s = TcpStream::connect(name).await.map_err(|e| Error::from(e).with("segment", name))?;
-        s.set_nodelay(true)?;
-        let mut s = BufReader::new(s);
-        crate::greet::hello(&mut s, secret, name).await?;
-        wire::send(s.get_mut(), &Request::Describe).await?;
-        match wire::recv::<_, Reply>(&mut s).await? {
-            Reply::Descriptor { descriptor } => Ok(descriptor),
+        let (s, reply) = greeted(name, secret, &Request::Describe).await?;
+        match reply {
+            Reply::Descriptor { descriptor } => Ok((descriptor, s)),
             Reply::Error { message } => Err(Error::new(ErrorKind::HandshakeFailed, message)),
             other => Err(Error::new(ErrorKind::Protocol, format!("unexpected reply {other:?}"))),
         }
     };
-    let d = match tokio::time::timeout(limit, work).await {
+    let (d, stream) = match tokio::time::timeout(limit, work).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(Error::new(
@@ -251,7 +295,7 @@ pub(crate) async fn fetch_descriptor(name: &str, limit: Duration, secret: Option
         return Err(Error::new(ErrorKind::HandshakeFailed, format!("segment is served by {:?}, not rdma", d.backend))
             .with("segment", name));
     }
-    Ok(d)
+    Ok((d, Spare { stream, since: Instant::now() }))
 }
 
 #[cfg(test)]

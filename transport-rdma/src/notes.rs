@@ -149,7 +149,8 @@ impl Inner {
             };
             stream.set_nodelay(true)?;
             let mut stream = BufReader::new(stream);
-            match tokio::time::timeout(limit, crate::greet::hello(&mut stream, self.cfg.secret.as_deref(), &name)).await
+            match tokio::time::timeout(limit, crate::greet::hello(&mut stream, self.cfg.secret.as_deref(), &name, None))
+                .await
             {
                 Ok(r) => r?,
                 Err(_) => {

@@ -42,6 +42,10 @@ const HOLD_BUF: usize = 256;
 const REFUSE_WAIT: Duration = Duration::from_secs(1);
 /// Refused connections answered at once (past that, best effort).
 const MAX_REFUSING: usize = 64;
+/// `describe` requests one connection may make (each may be followed by
+/// another request): the initiator makes one, then connects its QP group
+/// over the same connection or closes it.
+const MAX_DESCRIBES: usize = 4;
 
 pub(crate) async fn listen(weak: Weak<Inner>, listener: TcpListener) {
     loop {
@@ -180,17 +184,31 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream, mut slot: S
             return;
         }
     }
-    let req = match tokio::time::timeout(timeout, wire::recv::<_, Request>(&mut sock)).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            let _ = wire::send(sock.get_mut(), &Reply::Error { message: e.to_string() }).await;
-            return;
-        }
-        Err(_) => return,
-    };
-    let reply = match weak.upgrade() {
-        Some(inner) => match req {
-            Request::Describe => Reply::Descriptor { descriptor: inner.descriptor() },
+    // A `describe` leaves the connection open for one more request, at
+    // most `handshake_timeout` away (the initiator's first endpoint then
+    // connects its QP group over it, without a second TCP connection and
+    // handshake: `handshake::connect`); anything else is the last request.
+    let mut describes = 0;
+    let reply = loop {
+        let req = match tokio::time::timeout(timeout, wire::recv::<_, Request>(&mut sock)).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                let _ = wire::send(sock.get_mut(), &Reply::Error { message: e.to_string() }).await;
+                return;
+            }
+            Err(_) => return,
+        };
+        let Some(inner) = weak.upgrade() else { return };
+        break match req {
+            Request::Describe => {
+                describes += 1;
+                let reply = Reply::Descriptor { descriptor: inner.descriptor() };
+                drop(inner);
+                if wire::send(sock.get_mut(), &reply).await.is_err() || describes >= MAX_DESCRIBES {
+                    return;
+                }
+                continue;
+            }
             Request::Connect { gid, lid, mtu, qps } => {
                 // QP bring-up blocks its thread (see `handshake`): off the
                 // runtime. Aborted meanwhile (shutdown), it still ends,
@@ -213,8 +231,7 @@ async fn serve(weak: &Weak<Inner>, id: PeerGroupId, sock: TcpStream, mut slot: S
             Request::Hello { .. } | Request::Auth { .. } => {
                 Reply::Error { message: "the handshake is over: a request was expected".into() }
             }
-        },
-        None => return,
+        };
     };
     let connected = matches!(reply, Reply::Connected { .. });
     if wire::send(sock.get_mut(), &reply).await.is_err() || !connected {

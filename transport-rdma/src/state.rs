@@ -72,11 +72,14 @@ pub(crate) struct Segment {
     pub notes: Option<NoteChannel>,
     /// Serialises opening the notification channel.
     pub notes_lock: Arc<tokio::sync::Mutex<()>>,
+    /// The side channel that read `desc`, for the first endpoint to
+    /// connect over (taken by it; dropped with the handle).
+    pub spare: Option<crate::handshake::Spare>,
 }
 
 impl Segment {
-    pub(crate) fn new(desc: SegmentDescriptor) -> Self {
-        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default() }
+    pub(crate) fn new(desc: SegmentDescriptor, spare: crate::handshake::Spare) -> Self {
+        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default(), spare: Some(spare) }
     }
 }
 

@@ -214,7 +214,7 @@ impl Inner {
                 Started::Created(id) => break id,
                 Started::Stale(i, seg, name) => {
                     refreshed.push(seg);
-                    let d =
+                    let (d, spare) =
                         handshake::fetch_descriptor(&name, self.cfg.handshake_timeout(), self.cfg.secret.as_deref())
                             .await
                             .map_err(|e| e.with("request", i))?;
@@ -222,6 +222,7 @@ impl Inner {
                     let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg).with("request", i))?;
                     let restarted = d.generation != s.desc.generation;
                     s.desc = d;
+                    s.spare = Some(spare);
                     if restarted {
                         return Err(peer_restarted(seg).with("request", i));
                     }

@@ -305,7 +305,7 @@ impl Transport for RdmaTransport {
         if self.inner.state.lock().shutdown {
             return Err(Error::shut_down());
         }
-        let desc =
+        let (desc, spare) =
             handshake::fetch_descriptor(name, self.inner.cfg.handshake_timeout(), self.inner.cfg.secret.as_deref())
                 .await?;
         let mut st = self.inner.state.lock();
@@ -313,7 +313,7 @@ impl Transport for RdmaTransport {
             return Err(Error::shut_down());
         }
         let id = st.new_segment_id();
-        st.segments.insert(id, Segment::new(desc));
+        st.segments.insert(id, Segment::new(desc, spare));
         Ok(id)
     }
 

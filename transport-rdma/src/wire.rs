@@ -95,11 +95,16 @@ pub(crate) enum Request {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub(crate) enum Reply {
-    /// The answer to `hello`: the server's nonce (hex), and whether it
-    /// wants a proof of the shared secret.
+    /// The answer to `hello`: the server's nonce (hex), whether it wants a
+    /// proof of the shared secret, and (with a secret) its own proof, the
+    /// same as `ready` carries: a client that checked it may send its
+    /// first request right behind its `auth` (`greet::hello`). Absent from
+    /// servers before it was added (the client then waits for `ready`).
     Challenge {
         nonce: String,
         auth: bool,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        proof: String,
     },
     /// The handshake is done: the server's proof (hex; empty without a
     /// secret).

@@ -480,6 +480,82 @@ async fn rewriting_proxy(target: &str, regions: Vec<(u64, u64)>) -> String {
     me
 }
 
+/// A relay to `target` counting the connections made through it; every
+/// line the target answers has the target's address replaced by the
+/// relay's (so the descriptor sends the initiator's endpoints through it
+/// too). Returns the relay's address and the count.
+async fn counting_relay(target: &str) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let me = listener.local_addr().unwrap().to_string();
+    let count = Arc::new(AtomicUsize::new(0));
+    let (target, name, n) = (target.to_string(), me.clone(), count.clone());
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            n.fetch_add(1, Ordering::SeqCst);
+            let Ok(up) = TcpStream::connect(&target).await else { continue };
+            let (target, name) = (target.clone(), name.clone());
+            let _ = (down.set_nodelay(true), up.set_nodelay(true));
+            let (mut dr, mut dw) = down.into_split();
+            let (ur, mut uw) = up.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut dr, &mut uw).await;
+                let _ = uw.shutdown().await;
+            });
+            tokio::spawn(async move {
+                let mut ur = BufReader::new(ur);
+                let mut l = String::new();
+                while ur.read_line(&mut l).await.unwrap_or(0) > 0 {
+                    if dw.write_all(l.replace(&target, &name).as_bytes()).await.is_err() {
+                        break;
+                    }
+                    l.clear();
+                }
+                let _ = dw.shutdown().await;
+            });
+        }
+    });
+    (me, count)
+}
+
+/// Issue 49 (the handshake must not slow the first transfer by more than
+/// a round trip): an opened segment's first endpoint connects its QP
+/// group over the connection that read the descriptor, so the open and
+/// the first write make one side-channel connection and one handshake
+/// (with version 1's protocol they made two connections, the handshake
+/// made them two handshakes). A connection the target closed meanwhile
+/// (its `handshake_timeout` passed) is replaced, and the write completes.
+fn an_open_and_its_first_write_make_one_side_channel_connection() {
+    run("an_open_and_its_first_write_make_one_side_channel_connection", 120, async {
+        use std::sync::atomic::Ordering;
+        let server = transport(RdmaConfig { handshake_timeout_ms: 1500, ..with_secret(Some(SECRET)) }).await;
+        let dst = Buffer::new(1 << 16).unwrap();
+        server.register(dst.region(), Access::REMOTE_RW).unwrap();
+        let (relay, count) = counting_relay(&server.local_segment_name()).await;
+        let client = transport(RdmaConfig { handshake_timeout_ms: 8000, ..with_secret(Some(SECRET)) }).await;
+        let src = buffer_with(1 << 16, 7);
+        let l = client.register(src.region(), Access::LOCAL).unwrap();
+        for (round, pause) in [(0, 0), (1, 2500)] {
+            let before = count.load(Ordering::SeqCst);
+            let seg = client.open_segment(&relay).await.unwrap();
+            // Round 1: the target closes the kept connection at 1.5 s.
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+            let req = TransferRequest::write(l, 0, seg, dst.addr(), 1 << 16);
+            let (state, err) = one_request(&client, req, Default::default()).await;
+            assert_eq!(state, BatchState::Completed, "round {round}: {err:?}");
+            assert_eq!(dst.to_vec(), pattern(1 << 16, 7), "round {round}");
+            let made = count.load(Ordering::SeqCst) - before;
+            let want = if round == 0 { 1 } else { 2 };
+            assert_eq!(made, want, "round {round}: side-channel connections for an open and its first write");
+            client.close_segment(seg).await.unwrap();
+            dst.fill(0);
+        }
+        client.unregister(l).await.unwrap();
+        client.shutdown().await.unwrap();
+        server.shutdown().await.unwrap();
+    });
+}
+
 /// Silent connections, and ones that stop after their hello, are closed
 /// at `handshake_timeout`; while they are open a peer with the secret gets
 /// through.
@@ -737,7 +813,11 @@ fn main() {
     }
     let mut args = libtest_mimic::Arguments::from_args();
     args.test_threads = Some(1);
-    let tests: [(&str, fn()); 11] = [
+    let tests: [(&str, fn()); 12] = [
+        (
+            "an_open_and_its_first_write_make_one_side_channel_connection",
+            an_open_and_its_first_write_make_one_side_channel_connection,
+        ),
         ("one_address_holds_at_most_its_share_of_qp_groups", one_address_holds_at_most_its_share_of_qp_groups),
         ("unauthenticated_describe_gets_no_descriptor", unauthenticated_describe_gets_no_descriptor),
         ("qp_group_flood_without_the_secret_builds_no_qp", qp_group_flood_without_the_secret_builds_no_qp),
