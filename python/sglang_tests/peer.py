@@ -12,11 +12,16 @@ methods in the order SGLang's queues do (``prefill.py``: ``poll`` until
 ``Success``; ``decode.py``: ``try_ensure_parallel_info``, ``init``,
 ``send_metadata``, ``poll``), and the KV pools are plain CPU tensors laid
 out as SGLang's (one buffer per layer for K and one for V, ``item_len`` the
-bytes of one page). It prints one JSON line: what happened to each room.
+bytes of one page). The ``prefill-queue`` role runs SGLang's own
+``PrefillBootstrapQueue`` and the ``decode-sglang-queues`` role SGLang's
+own decode queues over its real CPU pools (each function's docstring lists
+what stands in for the rest). It prints one JSON line: what happened to
+each room.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import signal
@@ -79,14 +84,31 @@ def global_buffer(cfg: dict, b: int, local_layers: int) -> int:
     return cfg["layers"] + start + (b - local_layers)
 
 
-def setup(role: str, cfg: dict):
-    import torch
-
+def sglang_server_args(role: str, cfg: dict):
+    """SGLang's plugin loader (kvmove's entry point) and its configuration
+    for this rank (``ServerArgs``, ``publish``), as a scheduler process
+    starts."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
     load_plugins()
+    server_args = ServerArgs(
+        model_path="dummy",
+        disaggregation_mode=role.split("-")[0],
+        disaggregation_transfer_backend="kvmove",
+        host="127.0.0.1",
+        disaggregation_bootstrap_port=cfg["bootstrap_port"],
+        pp_size=cfg.get("pp_size", 1),
+    )
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=cfg.get("pp_rank", 0)))
+    return server_args
+
+
+def setup(role: str, cfg: dict):
+    import torch
+
+    server_args = sglang_server_args(role, cfg)
     from sglang.srt.disaggregation.utils import (
         DisaggregationMode,
         KVClassType,
@@ -95,15 +117,6 @@ def setup(role: str, cfg: dict):
     )
 
     pp_size, pp_rank = cfg.get("pp_size", 1), cfg.get("pp_rank", 0)
-    server_args = ServerArgs(
-        model_path="dummy",
-        disaggregation_mode=role.split("-")[0],
-        disaggregation_transfer_backend="kvmove",
-        host="127.0.0.1",
-        disaggregation_bootstrap_port=cfg["bootstrap_port"],
-        pp_size=pp_size,
-    )
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=pp_rank))
     from sglang.srt.runtime_context import get_parallel
 
     if pp_size == 1:
@@ -819,6 +832,210 @@ def serve_decode(cfg: dict, classes, mgr, kv, mb, spec: dict) -> dict:
 
 
 
+def run_decode_sglang_queues(cfg: dict) -> dict:
+    """The decode side through SGLang's own decode queues: requests enter
+    ``DecodePreallocQueue.add`` (which makes kvmove's receiver and calls its
+    ``init``), and each scheduler step is SGLang's ``process_decode_queue``
+    (``pop_preallocated``: the handshake poll, the admission budget, the
+    page allocation from the real pool and the grant through the receiver's
+    ``send_metadata``; ``DecodeTransferQueue.pop_transferred``: SGLang's
+    poll reduction with its metadata gate, ``_commit_transfer_to_req``
+    reading the auxiliary row into the request and checking its bootstrap
+    room, the metadata slot cleared and freed). The manager is made by
+    ``DecodePreallocQueue._init_kv_manager`` from the real pool's buffers.
+    A request that arrived is held ``decode_seconds`` in the running batch
+    (its tokens count as retractable in SGLang's budget), then finished as
+    SGLang finishes a request whose only token is the prefill's
+    (``process_batch_result_prebuilt``: ``update_finish_state``,
+    ``release_kv_cache`` back to the tree cache and pools), so waiting
+    requests get its pages. What is SGLang's, real on CPU: the KV pool
+    (``MHATokenToKVPool``, device "cpu"), its paged allocator
+    (``PagedTokenToKVPoolAllocator``), ``DecodeReqToTokenPool``, the tree
+    cache (``UnifiedRadixCache``, disabled as a decode's is by default),
+    ``MetadataBuffers``, ``ReqToMetadataIdxAllocator``, ``Req`` (with
+    ``SamplingParams``), the attention TP group (``GroupCoordinator`` on
+    gloo, one rank). Stubbed: the scheduler (a ``Stub`` with the attributes
+    those methods read: no model, so ``tp_worker``/``model_config`` give
+    the pool's dtype and layer count; features off: LoRA, HiSparse,
+    HiCache, priority, metrics; ``output_streamer`` takes the requests
+    SGLang streams to the client, of which an aborted one ends here as
+    failed; the reasoning-token hook does nothing), the forward pass (the
+    decode's tokens are not computed: a request runs for ``decode_seconds``
+    and stops at its length). Each request's pages are read from ``req_to_token_pool`` as
+    SGLang addresses them and compared with the prefill's bytes."""
+    import torch
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.disaggregation import decode as decode_mod
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    server_args = sglang_server_args("decode", cfg)
+    parallel_state.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{cfg['gloo_port']}",
+        local_rank=0,
+        backend="gloo",
+    )
+    attn_tp = parallel_state.init_model_parallel_group(
+        [[0]], 0, "gloo", use_pynccl=False, use_custom_allreduce=False, group_name="attn_tp"
+    )
+    get_parallel().override_permanently(pp_group=None, attn_tp_group=attn_tp)
+
+    ps, item, layers = cfg["page_size"], cfg["item"], cfg["layers"]
+    tokens = cfg["decode_pages"] * ps
+    # One KV head of item/(2*ps) bf16 values: a page is ``item`` bytes in
+    # each buffer, as the prefill's.
+    pool = MHATokenToKVPool(
+        tokens, ps, torch.bfloat16, head_num=1, head_dim=item // (2 * ps), layer_num=layers,
+        device="cpu", enable_memory_saver=False,
+    )
+    allocator = PagedTokenToKVPoolAllocator(tokens, ps, torch.bfloat16, "cpu", pool, need_sort=False)
+    rows = cfg["aux_rows"]
+    req_to_token = decode_mod.DecodeReqToTokenPool(
+        size=rows, max_context_len=cfg.get("max_context", 4096), device="cpu", enable_memory_saver=False,
+        pre_alloc_size=rows,
+    )
+    params = CacheInitParams(disable=True, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator, page_size=ps)
+    params.tree_components = (ComponentType.FULL,)
+    tree = UnifiedRadixCache(params)
+    mb = MetadataBuffers(rows, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0)
+    slots = ReqToMetadataIdxAllocator(rows)
+    streamed = []
+    sched = Stub(
+        server_args=server_args,
+        disaggregation_mode=decode_mod.DisaggregationMode.DECODE,
+        tp_worker=Stub(is_hybrid_swa=False, model_runner=Stub(kv_cache_dtype_str="bfloat16")),
+        model_config=Stub(num_hidden_layers=layers),
+        random_seed=0,
+        enable_hisparse=False,
+        enable_lora=False,
+        enable_priority_scheduling=False,
+        enable_decode_hicache=False,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        metrics_reporter=Stub(enable_metrics=False),
+        scheduler_stage_metrics=None,
+        output_streamer=Stub(stream_output=lambda reqs, *a, **k: streamed.extend(reqs)),
+        batch_result_processor=Stub(_maybe_update_reasoning_tokens=lambda req, tok: None),
+        retire_unadmitted_request=lambda req: streamed.append(req),
+        running_batch=Stub(reqs=[]),
+        waiting_queue=[],
+        last_batch=None,
+        tree_cache=tree,
+        token_to_kv_pool_allocator=allocator,
+        disagg_decode_prealloc_queue=None,
+    )
+    transfer = decode_mod.DecodeTransferQueue(slots, mb, sched, tree)
+    prealloc = decode_mod.DecodePreallocQueue(
+        req_to_token, allocator, None, slots, mb, sched, transfer, tree,
+        gpu_id=0, bootstrap_port=cfg["bootstrap_port"], max_total_num_tokens=tokens,
+        num_reserved_decode_tokens=cfg.get("reserved_decode_tokens", ps), transfer_backend=TransferBackend("kvmove"),
+    )
+    sched.disagg_decode_prealloc_queue = prealloc
+    sched.disagg_decode_transfer_queue = transfer
+    mgr = prealloc.kv_manager
+    kv = [t.view(torch.uint8).reshape(-1) for t in list(pool.k_buffer) + list(pool.v_buffer)]
+    assert [t.data_ptr() for t in kv] == mgr.kv_args.kv_data_ptrs, "the pool's buffers are not the ones registered"
+    emit(event="ready", engine=mgr.engine.session_id)
+
+    deadline = time.monotonic() + cfg["timeout"]
+    reqs, logs, out = {}, {}, {}
+    for room, ntok in cfg["requests"]:
+        # One new token: the prefill's; the request is then finished.
+        sampling = SamplingParams(max_new_tokens=1)
+        sampling.normalize(None)  # as SGLang's tokenizer manager does
+        req = Req(
+            f"r{room}", "", array.array("q", [7] * ntok), sampling,
+            bootstrap_host="127.0.0.1", bootstrap_port=cfg["bootstrap_port"], bootstrap_room=room,
+        )
+        prealloc.add(req)
+        reqs[room] = req
+    # SGLang makes the receivers in add (the fast path resolves the prefill
+    # once its parallel info is cached, else pop_preallocated does).
+    for dr in prealloc.queue:
+        logs[dr.req.bootstrap_room] = []
+        logged_polls(dr.kv_receiver, logs[dr.req.bootstrap_room])
+    started = time.monotonic()
+    running = []  # (finish at, req)
+    max_in_flight = max_waiting = 0
+    crash = None
+    def crashed(e: Exception) -> str:
+        import traceback
+
+        return f"{type(e).__name__}: {e} at {traceback.format_exc().splitlines()[-3].strip()}"
+
+    while (len(out) < len(reqs) or running) and time.monotonic() < deadline:
+        try:
+            decode_mod.SchedulerDisaggregationDecodeMixin.process_decode_queue(sched)
+        except Exception as e:  # noqa: BLE001 (a queue that raises kills a scheduler)
+            crash = crashed(e)
+            break
+        waiting = sum(1 for dr in prealloc.queue if dr.waiting_for_input)
+        max_waiting = max(max_waiting, waiting)
+        max_in_flight = max(max_in_flight, len(transfer.queue))
+        for dr in transfer.queue:
+            r = dr.req
+            if getattr(r, "granted_after", None) is None:
+                r.granted_after = time.monotonic() - started
+        for req in sched.waiting_queue:
+            # Arrived: SGLang committed the auxiliary row to the request;
+            # its pages are those its row of req_to_token names.
+            room = req.bootstrap_room
+            n = len(req.origin_input_ids)
+            idx = req_to_token.req_to_token[req.kv.req_pool_idx][:n]
+            dst = [int(p) for p in kv_to_page_indices(idx, ps)] if n else []
+            bad = bad_pages(kv, dst, room, item)
+            if list(req.output_ids) != [room % 100000]:
+                bad.append(["aux", list(req.output_ids)])
+            out[room] = {"state": "success", "bad": bad[:10], "pages": dst}
+            running.append((time.monotonic() + cfg["decode_seconds"], req))
+            sched.running_batch.reqs.append(req)
+        sched.waiting_queue = []
+        for req in streamed:
+            if isinstance(req.finished_reason, FINISH_ABORT) and req.bootstrap_room not in out:
+                out[req.bootstrap_room] = {"state": "failed", "error": req.finished_reason.message}
+        streamed.clear()
+        now = time.monotonic()
+        done = [r for t, r in running if t <= now]
+        if done:
+            # The decode finished them: SGLang's own release.
+            running = [(t, r) for t, r in running if t > now]
+            sched.running_batch.reqs = [r for _, r in running]
+            try:
+                SchedulerBatchResultProcessor.process_batch_result_prebuilt(sched, Stub(reqs=done, return_logprob=False))
+            except Exception as e:  # noqa: BLE001
+                crash = crashed(e)
+                break
+        time.sleep(0.005)
+    rooms = {}
+    for room, req in reqs.items():
+        rooms[str(room)] = dict(out.get(room, {"state": "timeout"}), states=logs.get(room, []),
+                                granted_after=getattr(req, "granted_after", None))
+    return {
+        "role": "decode",
+        "crash": crash,
+        "rooms": rooms,
+        "max_in_flight": max_in_flight,
+        "max_waiting": max_waiting,
+        # What SGLang's release gave back once every request finished.
+        "free_pages_end": allocator.available_size() // ps,
+        "free_rows_end": req_to_token.available_size(),
+        "free_slots_end": slots.available_size(),
+    }
+
+
+
 
 def main() -> None:
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
@@ -828,6 +1045,7 @@ def main() -> None:
         "decode": run_decode,
         "prefill-queue": run_prefill_queue,
         "decode-queue": run_decode_queue,
+        "decode-sglang-queues": run_decode_sglang_queues,
     }[role]
     result = run(cfg)
     print(json.dumps({"result": result}, default=str), flush=True)

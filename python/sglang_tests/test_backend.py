@@ -510,3 +510,52 @@ def test_the_decode_survives_a_prefill_with_pipeline_stages_killed_mid_transfer(
     later = d["phases"][1]["rooms"]
     for room, _ in second_reqs:
         assert later[str(room)]["state"] == "success" and later[str(room)]["bad"] == [], (room, later[str(room)])
+
+
+def test_sglang_decode_queues_preallocate_and_receive_kv_byte_exact():
+    """Both sides through SGLang's own queues: the prefill's
+    PrefillBootstrapQueue (``prefill-queue``) and the decode's
+    DecodePreallocQueue and DecodeTransferQueue driven by SGLang's
+    process_decode_queue (``decode-sglang-queues``), over SGLang's real CPU
+    pools (MHATokenToKVPool, its paged allocator, DecodeReqToTokenPool, the
+    tree cache, MetadataBuffers) and real Req objects; the decode's
+    manager is built by SGLang's _init_kv_manager. The decode has 12 pages
+    for 16 requests needing 58 (each held 0.5 s after it landed), so
+    requests wait in the prealloc queue for pages SGLang's own release
+    frees. No queue raises, none fails, every request lands byte-exact in
+    the pages SGLang's allocator chose (read from req_to_token) and its
+    first token, committed from the auxiliary row by SGLang, is the
+    prefill's. Stubbed (peer.py says which): the schedulers, the forward
+    passes, the prefill's requests."""
+    port = free_port()
+    requests = [[8000 + i, 16 * (1 + (i * 5) % 6) - (i % 3)] for i in range(16)]
+    cfg = base_config(
+        bootstrap_port=port,
+        pages=256,
+        decode_pages=12,
+        aux_rows=8,
+        decode_seconds=0.5,
+        requests=requests,
+        chunk_pages=2,
+        timeout=60,
+    )
+    prefill = Rank("prefill-queue", dict(cfg, gloo_port=free_port(), linger=30))
+    decode = Rank("decode-sglang-queues", dict(cfg, gloo_port=free_port()))
+    try:
+        p, d = prefill.wait_for("result", 120)["result"], decode.wait_for("result", 120)["result"]
+    finally:
+        prefill.kill()
+        decode.kill()
+    assert p["crash"] is None and d["crash"] is None, (p["crash"], d["crash"])
+    assert d["max_waiting"] > 0, "no request ever waited for pages: the decode was not short of them"
+    # Every request finished and SGLang's release gave everything back.
+    assert d["free_pages_end"] == cfg["decode_pages"], f"pages not given back: {d['free_pages_end']}"
+    assert d["free_rows_end"] == 2 * cfg["aux_rows"] and d["free_slots_end"] == cfg["aux_rows"], d
+    for room, ntok in requests:
+        pr, dr = p["rooms"][str(room)], d["rooms"][str(room)]
+        assert pr["state"] == "success", (room, pr)
+        assert KVPoll_Failed not in pr["states"] and pr["states"] == sorted(pr["states"]), (room, pr["states"])
+        assert dr["state"] == "success", (room, dr)
+        assert KVPoll_Failed not in dr["states"] and dr["states"] == sorted(dr["states"]), (room, dr["states"])
+        assert len(dr["pages"]) == -(-ntok // cfg["page_size"]), (room, dr)
+        assert dr["bad"] == [], f"request {room}: pages or aux row not the prefill's: {dr['bad']}"
