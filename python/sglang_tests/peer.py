@@ -831,7 +831,6 @@ def serve_decode(cfg: dict, classes, mgr, kv, mb, spec: dict) -> dict:
     }
 
 
-
 def run_decode_sglang_queues(cfg: dict) -> dict:
     """The decode side through SGLang's own decode queues: requests enter
     ``DecodePreallocQueue.add`` (which makes kvmove's receiver and calls its
@@ -861,8 +860,9 @@ def run_decode_sglang_queues(cfg: dict) -> dict:
     SGLang streams to the client, of which an aborted one ends here as
     failed; the reasoning-token hook does nothing), the forward pass (the
     decode's tokens are not computed: a request runs for ``decode_seconds``
-    and stops at its length). Each request's pages are read from ``req_to_token_pool`` as
-    SGLang addresses them and compared with the prefill's bytes."""
+    and stops at its length). Each request's pages are read from
+    ``req_to_token_pool`` as SGLang addresses them and compared with the
+    prefill's bytes."""
     import torch
 
     from sglang.srt.distributed import parallel_state
@@ -970,6 +970,7 @@ def run_decode_sglang_queues(cfg: dict) -> dict:
     running = []  # (finish at, req)
     max_in_flight = max_waiting = 0
     crash = None
+
     def crashed(e: Exception) -> str:
         import traceback
 
@@ -1033,8 +1034,6 @@ def run_decode_sglang_queues(cfg: dict) -> dict:
         "free_rows_end": req_to_token.available_size(),
         "free_slots_end": slots.available_size(),
     }
-
-
 
 
 def main() -> None:
