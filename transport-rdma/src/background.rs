@@ -1,8 +1,9 @@
 //! The background work of a transport: the CQ poller (and the CQ draining
 //! that busy-polling waiters share with it), the reaper (flushed and idle
-//! endpoints, kept side channels past their use), and the async events (read on a thread of their own,
-//! applied on a task). All of it holds only a weak reference to [`Inner`]
-//! and is counted in its [`TaskSet`](transport_core::lifecycle::TaskSet).
+//! endpoints, kept side channels past their use), and the async events
+//! (read on a thread of their own, applied on a task). All of it holds only
+//! a weak reference to [`Inner`] and is counted in its
+//! [`TaskSet`](transport_core::lifecycle::TaskSet).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
