@@ -506,7 +506,8 @@ class SendSession(_Handoff):
 class Engine:
     """A transfer engine.
 
-    ``protocol`` is ``"tcp"`` (default) or ``"rdma"``; it listens on
+    ``protocol`` is ``"tcp"`` or ``"rdma"`` (default: the backend
+    ``config`` names, else ``"tcp"``); it listens on
     ``host:port`` (default ``127.0.0.1``, port 0 picks a free one) and peers
     reach it by :attr:`session_id`. ``policy`` is a dict with the keys of
     the Rust ``PolicyConfig``, e.g. ``{"retry": {"max_attempts": 2},

@@ -148,6 +148,14 @@ pub(crate) fn engine_config(opts: Option<&BackendOptions>, base: Option<&str>) -
     kvmove::EngineConfig::from_toml_named(&text, "kvmove config")
 }
 
+/// The backend kind a config's text names (`[backend] kind`), if it names
+/// one; a config that does not parse is left to [`engine_config`], which
+/// says what is wrong.
+pub(crate) fn config_kind(base: Option<&str>) -> Option<String> {
+    let table: toml::Table = base?.parse().ok()?;
+    table.get("backend")?.get("kind")?.as_str().map(|k| k.trim().to_ascii_lowercase())
+}
+
 fn sub_table<'a>(t: &'a mut toml::Table, key: &str) -> Result<&'a mut toml::Table> {
     t.entry(key.to_owned())
         .or_insert_with(|| toml::Value::Table(toml::Table::new()))

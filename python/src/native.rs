@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use transport_core::{Error, ErrorKind, Opcode, Result, SegmentId};
 
-use crate::backend::{engine_config, split_host_port, BackendOptions};
+use crate::backend::{config_kind, engine_config, split_host_port, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::devmem::Want;
 use crate::errors::{invalid, to_pyerr};
@@ -103,7 +103,12 @@ impl NativeEngine {
                         return Err(invalid("port given both in host and as port, differently"));
                     }
                 }
-                let protocol = protocol.unwrap_or("tcp").trim().to_ascii_lowercase();
+                // Not given: the config's backend (a host given with a
+                // config moves the listener, not the backend), else TCP.
+                let protocol = match protocol {
+                    Some(p) => p.trim().to_ascii_lowercase(),
+                    None => config_kind(config).unwrap_or_else(|| "tcp".into()),
+                };
                 if !matches!(protocol.as_str(), "tcp" | "rdma") {
                     return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
                         .with("protocol", protocol));

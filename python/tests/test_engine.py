@@ -170,6 +170,19 @@ def test_backend_chosen_by_config(tmp_path):
         with a.register(src) as rs, b.register(dst) as rd, a.connect(b.session_id) as s:
             s.write(rs.addr, rd.addr, 4096)
         assert dst == src
+    # A host (and port) given beside a config moves the listener only: the
+    # backend stays the one the config names (the SGLang backend passes
+    # SGLang's address and KVMOVE_CONFIG's text so).
+    with kvmove.Engine(host="127.0.0.1", port=0, config=cfg) as c:
+        assert c.backend == "tcp" and c.session_id.startswith("127.0.0.1:")
+    try:
+        d = kvmove.Engine(host="127.0.0.1", port=0, config='[backend]\nkind = "rdma"\n')
+    except kvmove.TransferError as e:
+        # A build without RDMA, or no device: refused, naming RDMA.
+        assert "rdma" in str(e).lower(), e
+    else:
+        with d:
+            assert d.backend == "rdma"
     with pytest.raises(kvmove.PermanentError) as info:
         kvmove.Engine(config="[backend.tcp]\nlane = 1\n")
     assert info.value.kind == "config" and "lane" in str(info.value)
