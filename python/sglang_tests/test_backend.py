@@ -559,3 +559,31 @@ def test_sglang_decode_queues_preallocate_and_receive_kv_byte_exact():
         assert KVPoll_Failed not in dr["states"] and dr["states"] == sorted(dr["states"]), (room, dr["states"])
         assert len(dr["pages"]) == -(-ntok // cfg["page_size"]), (room, dr)
         assert dr["bad"] == [], f"request {room}: pages or aux row not the prefill's: {dr['bad']}"
+
+
+def test_kvmove_config_picks_the_backend_of_the_manager_s_engine(tmp_path):
+    """``KVMOVE_CONFIG`` (a kvmove TOML file) picks the backend of the
+    engine kvmove's manager starts, while the engine still listens on
+    SGLang's address: a file naming RDMA is honoured (this build has no
+    RDMA, so the decode rank fails at start naming it, where it silently
+    ran TCP before), and one naming TCP with its own secret serves the
+    rank. What runs: SGLang's configuration and kvmove's manager, made by
+    ``peer.py``'s setup as in the other tests."""
+    rdma = tmp_path / "rdma.toml"
+    rdma.write_text('[backend]\nkind = "rdma"\n')
+    decode = Rank("decode", base_config(phases=[]), env={"KVMOVE_CONFIG": str(rdma)})
+    try:
+        decode.p.wait(120)
+    finally:
+        decode.kill()
+    err = "".join(decode.err)
+    assert decode.p.returncode != 0, "the decode rank started with KVMOVE_CONFIG naming RDMA in a build without it"
+    assert "rdma" in err.lower(), err[-3000:]
+    tcp = tmp_path / "tcp.toml"
+    tcp.write_text('[backend]\nkind = "tcp"\n[backend.tcp]\nsecret = "from-the-file"\nlanes = 1\n')
+    decode = Rank("decode", base_config(phases=[]), env={"KVMOVE_CONFIG": str(tcp)})
+    try:
+        ready = decode.wait_for("ready", 120)
+        assert ready["engine"].startswith("127.0.0.1:"), ready
+    finally:
+        decode.kill()

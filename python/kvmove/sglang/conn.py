@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -276,7 +277,15 @@ class KvmoveKVManager(CommonKVManager):
         # The engine first: the prefill registers its address with the
         # bootstrap server inside CommonKVManager.__init__.
         host = get_local_ip_auto()
-        self.engine = kvmove.Engine(host=host, port=0)
+        # KVMOVE_CONFIG (a kvmove TOML file) picks the backend (TCP by
+        # default, RDMA) and its options; the engine listens on SGLang's
+        # address whatever the file says, as SGLang registers that one.
+        config = None
+        path = os.environ.get("KVMOVE_CONFIG")
+        if path:
+            with open(path, encoding="utf-8") as f:
+                config = f.read()
+        self.engine = kvmove.Engine(host=host, port=0, config=config)
         self.engine_port = int(self.engine.session_id.rsplit(":", 1)[1])
         spans = list(zip(args.kv_data_ptrs, args.kv_data_lens))
         spans += list(zip(args.aux_data_ptrs or [], args.aux_data_lens or []))
