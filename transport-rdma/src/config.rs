@@ -101,7 +101,12 @@ pub struct RdmaConfig {
     pub flush_timeout_ms: u64,
     /// Local ACK timeout exponent (4.096 us * 2^n) of the QPs.
     pub ack_timeout: u8,
-    /// Transport retries before a completion fails with RetryExceeded.
+    /// Transport retries before a completion fails with RetryExceeded
+    /// (0-7; default 6). Soft-RoCE (`rdma_rxe`) takes 7 as "retry
+    /// forever" (its completer never counts 7 down), so there a QP whose
+    /// peer stopped answering (the peer's QP in error and its NAK lost)
+    /// retries for as long as the endpoint lives, with no completion and
+    /// no error; 6 fails it after about seven ACK timeouts everywhere.
     pub retry_count: u8,
     /// Bound on QP groups peers may hold into this transport, and
     /// (separately) on the notification channels they may hold.
@@ -161,7 +166,7 @@ impl Default for RdmaConfig {
             max_handshaking_per_ip: 256,
             flush_timeout_ms: 2_000,
             ack_timeout: 14,
-            retry_count: 7,
+            retry_count: 6,
             max_passive: 256,
             max_passive_per_ip: 64,
             busy_poll_us: 200,

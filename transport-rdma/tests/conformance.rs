@@ -80,10 +80,11 @@ fn cfg(opts: &NodeOptions, listen: String, device: Option<String>, inbox: usize)
         inbox_capacity: inbox,
         max_endpoints: opts.max_endpoints,
         idle_timeout_ms: opts.idle_timeout.as_millis().max(1) as u64,
-        // ~0.5 s ACK timeout x 7 retries: a stalled QP retransmits for ~4 s
-        // before it gives up, longer than any stall of the suite.
+        // ~0.5 s ACK timeout, 6 retries: a stalled QP retransmits for
+        // ~3.8 s before it gives up, longer than any stall of the suite
+        // (7 would be forever on soft-RoCE: `RdmaConfig::retry_count`).
         ack_timeout: 17,
-        retry_count: 7,
+        retry_count: 6,
         ..base
     }
 }
