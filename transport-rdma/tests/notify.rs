@@ -311,7 +311,7 @@ fn notify_after_finds_every_byte_landed() {
         // invalid request" (seen in about half the runs; none at 14 or 17).
         let links = fault_links();
         let dev = |i: usize| links.get(i).map(|l| l.device.clone()).or(config().device);
-        let base = RdmaConfig { ack_timeout: 17, retry_count: 7, ..config() };
+        let base = RdmaConfig { ack_timeout: 17, retry_count: 6, ..config() };
         let client_cfg = RdmaConfig {
             device: dev(0),
             qps_per_endpoint: 4,
