@@ -287,31 +287,32 @@ BOOTSTRAP_TIMEOUT = 2  # seconds: SGLang's default is 300
 KVPoll_Failed = 0  # SGLang's KVPoll.Failed (the tests import no SGLang)
 
 
-def replay(timer_control: bool):
-    """Runs the field report's prefill/decode pair (see the tests below)."""
-    port = free_port()
-    # 24 requests of 1 to 8 pages; the decode has 24 pages and 8 metadata
-    # rows, and holds each request's pages 1 s after it landed.
-    requests = [[3000 + i, 16 * (1 + (i * 5) % 8) - (i % 3)] for i in range(24)]
-    cfg = base_config(
-        bootstrap_port=port,
-        pages=256,
-        decode_pages=24,
-        aux_rows=8,
-        decode_seconds=1.0,
-        requests=requests,
-        chunk_pages=2,
-        timeout=120,
-    )
-    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)}
+def queue_pair(decode_role: str, requests, env=None, timer_control=False, **over):
+    """A prefill through SGLang's PrefillBootstrapQueue (``prefill-queue``)
+    and a decode (``decode_role``) with 8 metadata rows serving
+    ``requests``; ``over`` sets ``decode_pages``, ``decode_seconds`` (how
+    long a landed request holds its pages) and ``timeout``. Both results."""
+    cfg = base_config(pages=256, aux_rows=8, requests=requests, chunk_pages=2, **over)
     # The prefill stays up after its own requests ended (as a server does).
     prefill = Rank("prefill-queue", dict(cfg, gloo_port=free_port(), timer_control=timer_control, linger=30), env)
-    decode = Rank("decode-queue", dict(cfg, gloo_port=free_port()), env)
+    decode = Rank(decode_role, dict(cfg, gloo_port=free_port()), env)
     try:
-        p, d = prefill.wait_for("result", 240)["result"], decode.wait_for("result", 240)["result"]
+        wait = 2 * cfg["timeout"]
+        return prefill.wait_for("result", wait)["result"], decode.wait_for("result", wait)["result"]
     finally:
         prefill.kill()
         decode.kill()
+
+
+def replay(timer_control: bool):
+    """Runs the field report's prefill/decode pair (see the tests below)."""
+    # 24 requests of 1 to 8 pages; the decode has 24 pages and 8 metadata
+    # rows, and holds each request's pages 1 s after it landed.
+    requests = [[3000 + i, 16 * (1 + (i * 5) % 8) - (i % 3)] for i in range(24)]
+    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT)}
+    p, d = queue_pair(
+        "decode-queue", requests, env, timer_control, decode_pages=24, decode_seconds=1.0, timeout=120
+    )
     return requests, p, d
 
 
@@ -527,37 +528,22 @@ def test_sglang_decode_queues_preallocate_and_receive_kv_byte_exact():
     first token, committed from the auxiliary row by SGLang, is the
     prefill's. Stubbed (peer.py says which): the schedulers, the forward
     passes, the prefill's requests."""
-    port = free_port()
     requests = [[8000 + i, 16 * (1 + (i * 5) % 6) - (i % 3)] for i in range(16)]
-    cfg = base_config(
-        bootstrap_port=port,
-        pages=256,
-        decode_pages=12,
-        aux_rows=8,
-        decode_seconds=0.5,
-        requests=requests,
-        chunk_pages=2,
-        timeout=60,
-    )
-    prefill = Rank("prefill-queue", dict(cfg, gloo_port=free_port(), linger=30))
-    decode = Rank("decode-sglang-queues", dict(cfg, gloo_port=free_port()))
-    try:
-        p, d = prefill.wait_for("result", 120)["result"], decode.wait_for("result", 120)["result"]
-    finally:
-        prefill.kill()
-        decode.kill()
+    decode_pages = 12
+    p, d = queue_pair("decode-sglang-queues", requests, decode_pages=decode_pages, decode_seconds=0.5, timeout=60)
     assert p["crash"] is None and d["crash"] is None, (p["crash"], d["crash"])
     assert d["max_waiting"] > 0, "no request ever waited for pages: the decode was not short of them"
     # Every request finished and SGLang's release gave everything back.
-    assert d["free_pages_end"] == cfg["decode_pages"], f"pages not given back: {d['free_pages_end']}"
-    assert d["free_rows_end"] == 2 * cfg["aux_rows"] and d["free_slots_end"] == cfg["aux_rows"], d
+    assert d["free_pages_end"] == decode_pages, f"pages not given back: {d['free_pages_end']}"
+    # queue_pair's 8 metadata rows (the request pool has twice as many).
+    assert d["free_rows_end"] == 16 and d["free_slots_end"] == 8, d
     for room, ntok in requests:
         pr, dr = p["rooms"][str(room)], d["rooms"][str(room)]
         assert pr["state"] == "success", (room, pr)
         assert KVPoll_Failed not in pr["states"] and pr["states"] == sorted(pr["states"]), (room, pr["states"])
         assert dr["state"] == "success", (room, dr)
         assert KVPoll_Failed not in dr["states"] and dr["states"] == sorted(dr["states"]), (room, dr["states"])
-        assert len(dr["pages"]) == -(-ntok // cfg["page_size"]), (room, dr)
+        assert len(dr["pages"]) == -(-ntok // base_config()["page_size"]), (room, dr)
         assert dr["bad"] == [], f"request {room}: pages or aux row not the prefill's: {dr['bad']}"
 
 
