@@ -134,9 +134,10 @@ pub struct RdmaConfig {
     /// and deallocated when the lease ends (where the device has windows),
     /// instead of the key of the pool's one registration, which reaches
     /// every buffer of the pool while the pool lives. Off by default: on
-    /// soft-RoCE under load, QPs writing and reading through window keys
-    /// were seen to stop completing work (no completion and no error for
-    /// minutes; the cause is not found yet), see `docs/THREAT_MODEL.md`.
+    /// soft-RoCE under load, the target's QP of a peer writing and reading
+    /// through window keys was seen to go to the error state (the cause is
+    /// not found; with `retry_count` 7 the peer then hung, with 6 its
+    /// slice fails, transient), see `docs/THREAT_MODEL.md`.
     pub staging_windows: bool,
 }
 
