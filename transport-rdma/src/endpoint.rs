@@ -164,7 +164,7 @@ impl Inner {
         &self,
         name: &str,
         reserved: Reservation,
-        spare: Option<handshake::Spare>,
+        spare: Option<crate::wire::Spare>,
     ) -> Result<(Bringup<Reservation>, TcpStream, transport_core::SegmentDescriptor)> {
         let v = self.verbs()?;
         let group =

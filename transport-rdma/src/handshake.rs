@@ -27,7 +27,7 @@ use transport_core::{Error, ErrorKind, Result, SegmentDescriptor};
 
 use crate::state::Verbs;
 use crate::verbs::{Qp, QpTiming, RemoteQp};
-use crate::wire::{self, QpInfo, Reply, Request};
+use crate::wire::{self, QpInfo, Reply, Request, Spare};
 
 /// `ibv_mtu` values: 1 = 256 bytes ... 5 = 4096 bytes.
 const IBV_MTU_MIN: u32 = 1;
@@ -172,25 +172,6 @@ impl<P: Send + 'static> Drop for Bringup<P> {
             Ok(rt) => drop(rt.spawn_blocking(destroy)),
             Err(_) => destroy(),
         }
-    }
-}
-
-/// A side-channel connection past its handshake and a `describe`, kept
-/// by a segment handle so that its first endpoint connects over it: the
-/// server waits `handshake_timeout` for that next request (`server.rs`),
-/// so an open segment's first transfer costs one TCP connection and one
-/// handshake, not two of each.
-#[derive(Debug)]
-pub(crate) struct Spare {
-    stream: BufReader<TcpStream>,
-    since: Instant,
-}
-
-impl Spare {
-    /// Whether the peer is still waiting on it, with a margin of half the
-    /// timeout (`limit`) both sides are configured with.
-    pub(crate) fn fresh(&self, limit: Duration) -> bool {
-        self.since.elapsed() < limit / 2
     }
 }
 

@@ -74,11 +74,11 @@ pub(crate) struct Segment {
     pub notes_lock: Arc<tokio::sync::Mutex<()>>,
     /// The side channel that read `desc`, for the first endpoint to
     /// connect over (taken by it; dropped with the handle).
-    pub spare: Option<crate::handshake::Spare>,
+    pub spare: Option<crate::wire::Spare>,
 }
 
 impl Segment {
-    pub(crate) fn new(desc: SegmentDescriptor, spare: crate::handshake::Spare) -> Self {
+    pub(crate) fn new(desc: SegmentDescriptor, spare: crate::wire::Spare) -> Self {
         Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default(), spare: Some(spare) }
     }
 }

@@ -317,6 +317,25 @@ pub(crate) struct Ask {
     pub answer: tokio::sync::oneshot::Sender<transport_core::Result<Reply>>,
 }
 
+/// A side-channel connection past its handshake and a `describe`, kept
+/// by a segment handle so that its first endpoint connects over it
+/// (`handshake::connect`): the server waits `handshake_timeout` for that
+/// next request (`server.rs`), so an open segment's first transfer costs
+/// one TCP connection and one handshake, not two of each.
+#[derive(Debug)]
+pub(crate) struct Spare {
+    pub stream: BufReader<tokio::net::TcpStream>,
+    pub since: std::time::Instant,
+}
+
+impl Spare {
+    /// Whether the peer is still waiting on it, with a margin of half the
+    /// timeout (`limit`) both sides are configured with.
+    pub(crate) fn fresh(&self, limit: std::time::Duration) -> bool {
+        self.since.elapsed() < limit / 2
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
