@@ -143,10 +143,9 @@ async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(
 
 /// The client's side, on a fresh connection to `peer`: the handshake, with
 /// `secret` if set, and then `first` (the connection's first request, if
-/// given):
-/// right behind `auth` where the challenge allows it (no secret, or the
-/// server's proof in the challenge checked), else after `ready`. Its
-/// answer is the caller's to read. Errors: `ConnectionRefused`
+/// given): right behind `auth` where the challenge allows it (no secret,
+/// or the server's proof in the challenge checked), else after `ready`.
+/// Its answer is the caller's to read. Errors: `ConnectionRefused`
 /// (transient) when the peer is busy; `AuthFailed` when either side's
 /// proof fails, a secret is missing on one side, or the peer's protected
 /// mode refuses this host; `HandshakeFailed` for another version or a
