@@ -78,8 +78,8 @@ pub(crate) struct Segment {
 }
 
 impl Segment {
-    pub(crate) fn new(desc: SegmentDescriptor, spare: crate::wire::Spare) -> Self {
-        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default(), spare: Some(spare) }
+    pub(crate) fn new(desc: SegmentDescriptor, spare: Option<crate::wire::Spare>) -> Self {
+        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default(), spare }
     }
 }
 
