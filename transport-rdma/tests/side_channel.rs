@@ -382,7 +382,9 @@ fn a_lease_answered_after_its_asker_gave_up_is_given_back() {
         const LEN: u64 = 4096;
         let (_, server, dev, dmem) = staged_target(2).await;
         dmem.fill(7);
-        let peer = transport(RdmaConfig { handshake_timeout_ms: 500, ..with_secret(Some(SECRET)) }).await;
+        // An ask waits 1.5 s (a loaded VM's lease, window bind and copy
+        // took more than 500 ms in CI), the late copy 4 s.
+        let peer = transport(RdmaConfig { handshake_timeout_ms: 1500, ..with_secret(Some(SECRET)) }).await;
         let dst = Buffer::new(LEN as usize).unwrap();
         let l = peer.register(dst.region(), Access::LOCAL).unwrap();
         let seg = peer.open_segment(&server.local_segment_name()).await.unwrap();
@@ -392,13 +394,13 @@ fn a_lease_answered_after_its_asker_gave_up_is_given_back() {
             one_request(&peer, TransferRequest::read(l, 0, seg, at, LEN), opts)
         };
         // The target fills the buffer (a read) slower than the ask waits.
-        dev.delay_copies(Duration::from_millis(1500));
+        dev.delay_copies(Duration::from_millis(4000));
         let (state, e) = read(Duration::from_secs(10)).await;
         assert_ne!(state, BatchState::Completed, "a read whose lease came after the ask's limit");
         println!("the read whose lease came late: {state:?} {e:?}");
         dev.delay_copies(Duration::ZERO);
         // The late `staged` reaches the channel and is given back.
-        tokio::time::sleep(Duration::from_millis(2500)).await;
+        tokio::time::sleep(Duration::from_millis(5000)).await;
         let (state, e) = read(Duration::from_secs(5)).await;
         assert_eq!(state, BatchState::Completed, "the channel leases again: {e:?}");
         assert!(dst.to_vec().iter().all(|&b| b == 7), "the bytes were read");
