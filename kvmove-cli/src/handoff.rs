@@ -153,6 +153,8 @@ pub struct HandoffReport {
     /// Requests whose two sides ended differently (one landed or waiting,
     /// the other failed), or a landed request whose bytes were wrong.
     pub disagreements: usize,
+    /// Of those, the landed requests whose bytes were wrong.
+    pub wrong_bytes: usize,
     /// Arrival to grant (sessions) or to the destination (today).
     pub grant_wait: Latency,
     /// Arrival to landed, as the sender learns it.
@@ -241,6 +243,7 @@ impl Book {
             landed: self.sender_final.values().filter(|s| *s == "landed").count(),
             failed,
             disagreements,
+            wrong_bytes: self.bad_bytes,
             grant_wait: Latency::of(self.grant_wait.clone()),
             time_to_landed: Latency::of(self.landed_at_sender.clone()),
             notify_delay: Latency::of(notify_delay),

@@ -415,6 +415,7 @@ pub fn handoff_json(c: &crate::handoff::HandoffConfig, rs: &[crate::handoff::Han
                 "landed": r.landed,
                 "failed": r.failed,
                 "disagreements": r.disagreements,
+                "wrong_bytes": r.wrong_bytes,
                 "grant_wait": lat(&r.grant_wait),
                 "time_to_landed": lat(&r.time_to_landed),
                 "notify_delay": lat(&r.notify_delay),
