@@ -1,5 +1,6 @@
 //! The control plane the backends share (TCP's framed protocol and RDMA's
-//! side channel): how a peer proves it holds the shared secret
+//! side channel): the handshake every control connection opens with
+//! ([`handshake`]), how a peer proves it holds the shared secret
 //! ([`auth`]), who may connect while nobody has proven anything yet
 //! ([`admission`]), where the secret comes from and whom an engine
 //! without one answers ([`access`]), and the secret itself, never printed
@@ -12,6 +13,7 @@
 pub mod access;
 pub mod admission;
 pub mod auth;
+pub mod handshake;
 mod secret;
 #[cfg(feature = "testing")]
 pub mod testing;
