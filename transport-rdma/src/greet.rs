@@ -10,9 +10,11 @@
 //! server: the answer to the first request
 //! ```
 //!
-//! With a secret (`RdmaConfig::secret`) each side proves it holds it,
-//! as the TCP backend's handshake does (`transport_control::auth`, domain
-//! `kvmove-rdma/2`): the client's proof before anything is answered, the
+//! What is decided (versions, proofs, whether the first request may go
+//! early) is `transport_control::handshake`'s, the machines the TCP
+//! backend's handshake runs too; this module carries them in JSON lines.
+//! With a secret (`RdmaConfig::secret`) each side proves it holds it
+//! (`transport_control::auth`, domain `kvmove-rdma/2`): the client's proof before anything is answered, the
 //! server's so that no impostor is sent a QP or a notification. A client
 //! with a secret refuses a server that asks for none. Without a secret the
 //! server answers only its own host (protected mode,
@@ -35,7 +37,8 @@
 
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use transport_control::admission::{Limits, Proven, Slot};
-use transport_control::auth::{self, Role, NONCE_LEN};
+use transport_control::auth::{self, NONCE_LEN};
+use transport_control::handshake::{self, PROOF_LEN};
 use transport_core::{Error, ErrorKind, Result};
 
 use crate::wire::{self, hex, Reply, Request};
@@ -65,14 +68,11 @@ pub(crate) async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
     slot: &mut Slot,
     limits: &Limits,
 ) -> std::result::Result<(), Refused> {
-    let cn = match wire::recv_limited::<_, Request>(s, HELLO_LINE).await {
-        Ok(Request::Hello { version, nonce }) if version == VERSION => match unhex(&nonce, NONCE_LEN) {
-            Some(n) => n,
-            None => return refuse(s, Reply::Error { message: "malformed hello: the nonce".into() }).await,
-        },
-        Ok(Request::Hello { version, .. }) => {
-            let message = format!("side channel version {version}; this peer speaks {VERSION}: upgrade both ends");
-            return refuse(s, Reply::Error { message }).await;
+    let hello = match wire::recv_limited::<_, Request>(s, HELLO_LINE).await {
+        // A nonce that is not hex is one of the wrong length to the machine.
+        Ok(Request::Hello { version, nonce }) => {
+            let cn = unhex(&nonce, NONCE_LEN).unwrap_or_default();
+            handshake::Server::hello(auth::RDMA, secret.map(str::as_bytes), VERSION, version, &cn)
         }
         Ok(_) => return refuse(s, Reply::Error { message: OLD_PEER.into() }).await,
         Err(e) if e.kind() == ErrorKind::Protocol => {
@@ -80,27 +80,26 @@ pub(crate) async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
         }
         Err(e) => return Err(Refused(e.to_string())),
     };
+    let (hs, challenge) = match hello {
+        Ok(h) => h,
+        Err(r) => return refuse(s, Reply::Error { message: r.to_string() }).await,
+    };
     // A well-formed hello: silent connections give way before this one.
     slot.proved(limits, Proven::Hello);
-    let sn = auth::nonce();
-    let ours = secret.map(|k| hex(&auth::prove(auth::RDMA, k.as_bytes(), Role::Server, &cn, &sn))).unwrap_or_default();
-    let challenge = Reply::Challenge { nonce: hex(&sn), auth: secret.is_some(), proof: ours.clone() };
-    wire::send(s.get_mut(), &challenge).await.map_err(|e| Refused(e.to_string()))?;
+    let reply = Reply::Challenge { nonce: hex(hs.nonce()), auth: challenge.auth, proof: hex(&challenge.proof) };
+    wire::send(s.get_mut(), &reply).await.map_err(|e| Refused(e.to_string()))?;
     let proof = match wire::recv_limited::<_, Request>(s, HELLO_LINE).await {
-        Ok(Request::Auth { proof }) => proof,
+        Ok(Request::Auth { proof }) => unhex(&proof, PROOF_LEN).unwrap_or_default(),
         Ok(_) => return refuse(s, Reply::Error { message: "expected auth".into() }).await,
         Err(e) if e.kind() == ErrorKind::Protocol => {
             return refuse(s, Reply::Error { message: format!("malformed auth: {e}") }).await
         }
         Err(e) => return Err(Refused(e.to_string())),
     };
-    if let Some(k) = secret {
-        let ok = unhex(&proof, 32).is_some_and(|p| auth::verify(auth::RDMA, k.as_bytes(), Role::Client, &cn, &sn, &p));
-        if !ok {
-            let message = "authentication failed: the proof of the shared secret is wrong or missing".into();
-            return refuse(s, Reply::Denied { message }).await;
-        }
-    }
+    let ours = match hs.auth(&proof) {
+        Ok(p) => hex(&p),
+        Err(r) => return refuse(s, Reply::Denied { message: r.to_string() }).await,
+    };
     if let Err(why) = slot.promote(limits) {
         tracing::warn!(reason = why, "side channel: refused after the handshake (answered busy)");
         return refuse(s, Reply::Busy).await;
@@ -156,53 +155,29 @@ pub(crate) async fn hello<S: AsyncRead + AsyncWrite + Unpin>(
     peer: &str,
     first: Option<&Request>,
 ) -> Result<()> {
-    let failed = |kind: ErrorKind, why: String| Error::new(kind, why).with("segment", peer);
-    let cn = auth::nonce();
-    wire::send(s.get_mut(), &Request::Hello { version: VERSION, nonce: hex(&cn) }).await?;
-    let (sn, wants_proof, early) = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
-        Reply::Challenge { nonce, auth, proof } => match unhex(&nonce, NONCE_LEN) {
-            Some(n) => (n, auth, proof),
-            None => return Err(failed(ErrorKind::Protocol, "malformed challenge: the nonce".into())),
-        },
+    let mut hs = handshake::Client::new(auth::RDMA, secret.map(str::as_bytes));
+    wire::send(s.get_mut(), &Request::Hello { version: VERSION, nonce: hex(hs.nonce()) }).await?;
+    let a = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
+        Reply::Challenge { nonce, auth, proof } => {
+            let sn = unhex(&nonce, NONCE_LEN).unwrap_or_default();
+            hs.challenge(&sn, auth, &unhex(&proof, PROOF_LEN).unwrap_or_default())
+        }
         other => return Err(refusal(other, peer)),
-    };
-    let server_proven = |proof: &str, k: &str| {
-        unhex(proof, 32).is_some_and(|p| auth::verify(auth::RDMA, k.as_bytes(), Role::Server, &cn, &sn, &p))
-    };
-    let proof = match (secret, wants_proof) {
-        (Some(k), true) => hex(&auth::prove(auth::RDMA, k.as_bytes(), Role::Client, &cn, &sn)),
-        (None, true) => {
-            return Err(failed(
-                ErrorKind::AuthFailed,
-                "the peer requires a shared secret and none is set here (secret, KVMOVE_SECRET)".into(),
-            ))
-        }
-        (Some(_), false) => {
-            return Err(failed(
-                ErrorKind::AuthFailed,
-                "the peer asks for no shared secret but one is set here: refusing an unauthenticated peer".into(),
-            ))
-        }
-        (None, false) => String::new(),
-    };
+    }
+    .map_err(|e| e.with("segment", peer))?;
     // A proof in the challenge that is missing or wrong (a server from
     // before it, an impostor, or a secret that differs: the server then
     // says so, answering the proof below): the request waits for `ready`.
-    let sent_early = secret.is_none_or(|k| server_proven(&early, k));
-    wire::send(s.get_mut(), &Request::Auth { proof }).await?;
-    if let Some(first) = first.filter(|_| sent_early) {
+    wire::send(s.get_mut(), &Request::Auth { proof: hex(&a.proof) }).await?;
+    if let Some(first) = first.filter(|_| a.early) {
         wire::send(s.get_mut(), first).await?;
     }
-    let server_proof = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
-        Reply::Ready { proof } => proof,
+    let proven = match wire::recv_limited::<_, Reply>(s, HELLO_LINE).await? {
+        Reply::Ready { proof } => hs.ready(&unhex(&proof, PROOF_LEN).unwrap_or_default()),
         other => return Err(refusal(other, peer)),
     };
-    if let Some(k) = secret {
-        if !server_proven(&server_proof, k) {
-            return Err(failed(ErrorKind::AuthFailed, "the peer did not prove the shared secret".into()));
-        }
-    }
-    if let Some(first) = first.filter(|_| !sent_early) {
+    proven.map_err(|e| e.with("segment", peer))?;
+    if let Some(first) = first.filter(|_| !a.early) {
         wire::send(s.get_mut(), first).await?;
     }
     Ok(())
@@ -239,6 +214,7 @@ mod tests {
     use parking_lot::Mutex;
     use tokio::io::{AsyncWriteExt, DuplexStream};
     use transport_control::admission::{Admit, Counts};
+    use transport_control::auth::Role;
 
     use super::*;
 
