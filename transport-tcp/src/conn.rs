@@ -13,7 +13,8 @@ use transport_mem::window::{WindowView, WINDOW_NONCE_LEN};
 use crate::config::TcpConfig;
 use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
 use crate::samehost::{self, SameHost};
-use transport_control::auth::{self, Role};
+use transport_control::auth;
+use transport_control::handshake;
 
 /// Names the socket option and its allowed values in an OS error, which
 /// otherwise says only "Invalid argument".
@@ -169,15 +170,15 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     let io = |e: std::io::Error| Error::from(e).with("peer", peer);
     // Boxed: with a same-host offer the server reads it from this
     // process's memory (at this address) before it answers.
-    let cn = Box::new(auth::nonce());
+    let mut hs = handshake::Client::new(auth::TCP, cfg.secret.as_deref().map(str::as_bytes));
     let mut hello = Vec::with_capacity(2 + NONCE_LEN);
     hello.extend_from_slice(&VERSION.to_le_bytes());
-    hello.extend_from_slice(&cn[..]);
+    hello.extend_from_slice(hs.nonce());
     let mut hh = Header::new(FrameType::Hello);
     if cfg.same_host {
         hh.flags = proto::SAME_HOST;
         hh.addr = u64::from(samehost::my_pid());
-        hh.len = cn.as_ptr() as u64;
+        hh.len = hs.nonce().as_ptr() as u64;
     }
     write_frame(s, hh, &hello).await.map_err(io)?;
     let (h, sn) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(handshake_kind)?;
@@ -189,15 +190,9 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     }
     let auth_required = h.flags & 1 != 0;
     let same_host = if cfg.same_host { check_server(s, &h, &sn) } else { SameHost::default() };
-    let proof = match (&cfg.secret, auth_required) {
-        (Some(k), true) => auth::prove(auth::TCP, k.as_bytes(), Role::Client, &cn[..], &sn),
-        (None, true) => {
-            return Err(Error::new(ErrorKind::AuthFailed, "the peer requires a shared secret and none is configured")
-                .with("peer", peer))
-        }
-        (_, false) => Vec::new(),
-    };
-    write_frame(s, Header::new(FrameType::Auth), &proof).await.map_err(io)?;
+    // TCP's CHALLENGE carries no early proof: nothing is sent before READY.
+    let a = hs.challenge(&sn, auth_required, &[]).map_err(|e| e.with("peer", peer))?;
+    write_frame(s, Header::new(FrameType::Auth), &a.proof).await.map_err(io)?;
     let (r, server_proof) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(|e| {
         // A server that refuses our proof closes after an ERROR frame; a
         // reset while reading the answer means the same.
@@ -212,15 +207,9 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
         FrameType::Error => return Err(status_err(r.status, peer)),
         _ => return Err(Error::new(ErrorKind::HandshakeFailed, "expected READY").with("peer", peer)),
     }
-    if let Some(k) = &cfg.secret {
-        // With a secret configured we require the server to prove it too,
-        // so an impostor listening on the address is never sent data.
-        if !auth_required || !auth::verify(auth::TCP, k.as_bytes(), Role::Server, &cn[..], &sn, &server_proof) {
-            return Err(
-                Error::new(ErrorKind::AuthFailed, "the peer did not prove the shared secret").with("peer", peer)
-            );
-        }
-    }
+    // With a secret the server proves it too, so an impostor listening on
+    // the address is never sent data.
+    hs.ready(&server_proof).map_err(|e| e.with("peer", peer))?;
     let direct = if r.flags & proto::DIRECT_WRITES != 0 { attach_window(cfg, same_host, &r, &sn, peer) } else { None };
     Ok(Hello { generation: h.generation, same_host, direct })
 }

@@ -30,7 +30,8 @@ use crate::samehost;
 use crate::staging::{copied, copy_off, Copying, Count, Lease, Side, Staging, STAGE};
 use transport_control::access::Exposure;
 use transport_control::admission::{refusal_label, Admit, Counts, Proven, Slot};
-use transport_control::auth::{self, Role};
+use transport_control::auth;
+use transport_control::handshake;
 
 /// A connection's output buffer: answers gathered before one `write`. A
 /// READ answer up to `STREAM` fits in it whole.
@@ -320,21 +321,28 @@ impl Server {
         let mut p = [0u8; 2 + NONCE_LEN];
         s.read_exact(&mut p).await?;
         let version = u16::from_le_bytes([p[0], p[1]]);
-        if version != VERSION {
-            let mut e = Header::new(FrameType::Error);
-            e.status = Status::VersionMismatch;
-            let _ = write_frame(s, e, &[]).await;
-            return Err(Close::Proto(format!("protocol version {version}, this side speaks {VERSION}")));
-        }
+        let cn = &p[2..];
+        let secret = self.cfg.secret.as_deref().map(str::as_bytes);
+        let (hs, challenge) =
+            match handshake::Server::hello(auth::TCP, secret, u32::from(VERSION), u32::from(version), cn) {
+                Ok(h) => h,
+                Err(r) => {
+                    // The decoded HELLO has a nonce of the right length:
+                    // only the version is refused here.
+                    let mut e = Header::new(FrameType::Error);
+                    e.status = Status::VersionMismatch;
+                    let _ = write_frame(s, e, &[]).await;
+                    return Err(Close::Proto(r.to_string()));
+                }
+            };
         // A well-formed HELLO: silent connections give way before this one.
         slot.proved(&self.cfg.limits(), Proven::Hello);
-        let cn = &p[2..];
-        // Boxed: with a same-host offer the client reads it from this
-        // process's memory (at this address) before it sends AUTH.
-        let sn = Box::new(auth::nonce());
+        // With a same-host offer the client reads the server's nonce from
+        // this process's memory (at this address) before it sends AUTH.
+        let sn = hs.nonce();
         let mut c = Header::new(FrameType::Challenge);
         c.generation = self.generation;
-        c.flags = u8::from(self.cfg.secret.is_some());
+        c.flags = u8::from(challenge.auth);
         let mut peer = Peer::default();
         if self.cfg.same_host && h.flags & proto::SAME_HOST != 0 {
             peer.reads = true;
@@ -354,16 +362,13 @@ impl Server {
         }
         let mut proof = vec![0u8; a.payload_len as usize];
         s.read_exact(&mut proof).await?;
-        let answer = match &self.cfg.secret {
-            None => Vec::new(),
-            Some(k) => {
-                if !auth::verify(auth::TCP, k.as_bytes(), Role::Client, cn, &sn[..], &proof) {
-                    let mut e = Header::new(FrameType::Error);
-                    e.status = Status::AuthFailed;
-                    let _ = write_frame(s, e, &[]).await;
-                    return Err(Close::Proto("authentication failed".into()));
-                }
-                auth::prove(auth::TCP, k.as_bytes(), Role::Server, cn, &sn[..])
+        let answer = match hs.auth(&proof) {
+            Ok(answer) => answer,
+            Err(r) => {
+                let mut e = Header::new(FrameType::Error);
+                e.status = Status::AuthFailed;
+                let _ = write_frame(s, e, &[]).await;
+                return Err(Close::Proto(r.to_string()));
             }
         };
         // Handshaken connections filled up while this one handshook: it is
@@ -377,7 +382,7 @@ impl Server {
         let mut ready = Header::new(FrameType::Ready);
         let mut window = None;
         if let Some(pid) = peer.pull_from.filter(|_| self.cfg.direct_writes || self.cfg.direct_reads) {
-            match self.regions.add_window(&sn, pid) {
+            match self.regions.add_window(sn, pid) {
                 Ok(w) => {
                     ready.flags |= proto::DIRECT_WRITES;
                     ready.id = u64::from(w.raw_fd().unsigned_abs());
