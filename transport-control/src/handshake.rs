@@ -58,7 +58,9 @@ impl fmt::Display for Refusal {
                 write!(f, "protocol version {theirs}; this peer speaks {ours}: upgrade both ends")
             }
             Refusal::Malformed(what) => write!(f, "malformed handshake: {what}"),
-            Refusal::AuthFailed => write!(f, "authentication failed: the proof of the shared secret is wrong or missing"),
+            Refusal::AuthFailed => {
+                write!(f, "authentication failed: the proof of the shared secret is wrong or missing")
+            }
         }
     }
 }
@@ -129,7 +131,9 @@ impl<'a> Server<'a> {
     }
 
     fn proof(&self) -> Vec<u8> {
-        self.secret.map(|k| auth::prove(self.domain, k, Role::Server, &self.client, &self.nonce[..])).unwrap_or_default()
+        self.secret
+            .map(|k| auth::prove(self.domain, k, Role::Server, &self.client, &self.nonce[..]))
+            .unwrap_or_default()
     }
 }
 
@@ -173,9 +177,8 @@ impl<'a> Client<'a> {
     /// one side has a secret and the other none, `Protocol` for a nonce
     /// of the wrong length.
     pub fn challenge(&mut self, server_nonce: &[u8], wants_proof: bool, early_proof: &[u8]) -> Result<Auth, Error> {
-        let sn: [u8; NONCE_LEN] = server_nonce
-            .try_into()
-            .map_err(|_| Error::new(ErrorKind::Protocol, "malformed challenge: the nonce"))?;
+        let sn: [u8; NONCE_LEN] =
+            server_nonce.try_into().map_err(|_| Error::new(ErrorKind::Protocol, "malformed challenge: the nonce"))?;
         self.server = Some(sn);
         let proof = match (self.secret, wants_proof) {
             (Some(k), true) => auth::prove(self.domain, k, Role::Client, &self.nonce[..], &sn),
