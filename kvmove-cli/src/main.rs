@@ -1,6 +1,9 @@
 //! The `kvmove` command: a KV-cache-shaped transfer benchmark (`bench`, the
 //! default), a target that serves memory (`target`), an initiator that
-//! runs the workload against it (`initiator`), and `config`.
+//! runs the workload against it (`initiator`), `config`, the handoff
+//! scenario (`handoff`), a live view of a running engine (`top`), one
+//! engine of a prefill/decode cluster (`pd`) and the host's device layout
+//! (`topology`): `args.rs` says what each takes.
 //!
 //! Every failure ends in one line on stderr and a non-zero exit: 1 for a
 //! failed run (peer unreachable, transfer failed), 2 for a usage or config

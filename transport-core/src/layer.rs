@@ -2,9 +2,11 @@
 //! overrides (like an opendal layer). A layer implements [`Layer::inner`]
 //! and the methods it changes; every other method forwards to the inner
 //! transport unchanged, and the layer is a [`Transport`] through the
-//! blanket impl below. Fault injectors, taps and deliberately broken
-//! layers are written this way, so a method added to the trait reaches
-//! them without a line of their own.
+//! blanket impl below. Taps and deliberately broken layers (the
+//! conformance suite's `BrokenLayer`, its session taps) are written this
+//! way, so a method added to the trait reaches them without a line of
+//! their own. The mock's `FaultyTransport` is not a layer: it intercepts
+//! nearly every method, and implements the trait itself.
 //!
 //! ```
 //! use std::sync::atomic::{AtomicU64, Ordering};

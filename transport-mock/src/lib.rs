@@ -6,7 +6,7 @@
 //! [`MockTransport`] implements [`transport_core::Transport`] with real
 //! memory copies ([`transport_core::MemoryRegion::copy_from`]) between
 //! hosts that live in one process on a [`MockFabric`]. It keeps the same
-//! contract as the TCP and RDMA backends (the ten rules on the trait), so
+//! contract as the TCP and RDMA backends (the rules of `docs/CONTRACT.md`), so
 //! the conformance suite runs against it unchanged, and it adds what real
 //! hardware makes hard: deterministic faults.
 //!

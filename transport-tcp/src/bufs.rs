@@ -333,10 +333,10 @@ mod tests {
 const TURN_SPIN: Duration = Duration::from_micros(50);
 /// ... and at least this often while it keeps catching them.
 const TURN_EVERY: Duration = Duration::from_millis(1);
-/// A spinning poll gives the CPU up (`sched_yield`) every this many reads.
-/// Next to one busy process, a 4 KiB write's p50 with every read: 29-45
-/// us, every 4: 29-31, every 16: 36-40, never: 80-84 (`nixl-tcp`: 37);
-/// on a quiet machine all within 20-25.
+/// A spinning poll gives the CPU up (`sched_yield`) every this many reads:
+/// next to one busy process the fastest and steadiest of every read, 4, 16
+/// and never; on a quiet machine they were level (the README's single 4
+/// KiB write over the network path has the numbers).
 const CPU_EVERY: u32 = 4;
 
 /// A connection's buffered reader whose buffer is borrowed from a pool
@@ -535,8 +535,8 @@ impl PooledReader {
             } else {
                 // Every few reads the CPU goes to any other thread waiting
                 // for it (on a machine with few CPUs, maybe the peer's): a
-                // spin that kept it made the write 2-3x slower next to one
-                // busy process.
+                // spin that kept it made small writes much slower next to
+                // one busy process (`CPU_EVERY`).
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(CPU_EVERY) {
                     std::thread::yield_now();

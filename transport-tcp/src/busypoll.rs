@@ -16,16 +16,17 @@
 //! runs other tasks and reads I/O meanwhile) or spins on its worker and
 //! gives the runtime a turn only now and then ([`may_spin`]; it still
 //! gives the CPU up to other threads between reads: without that, next to
-//! one busy process, the write took 75-84 us instead of 32-41). Yielding at
+//! one busy process, a small write took about twice as long). Yielding at
 //! every read makes the runtime wake its other worker at every request
 //! (tokio hands the search for work to a sleeping worker each time the
 //! polling worker finds its queue empty), which costs a separate target
-//! process what the polling saves: one 4 KiB write from Python took
-//! 17-67 us across process pairs, 16-22 us with the spin. Spinning
-//! without turns (tried) left a runtime with its other worker asleep on a
-//! condition variable and nobody reading I/O, so a process that is also
-//! an initiator (its own request waiting for an answer on that runtime)
-//! waited for each spin to end; such a process yields at every read.
+//! process what the polling saves. The README's "single 4 KiB write from
+//! Python over the network path" has the measurements behind each choice.
+//! Spinning without turns (tried) left a runtime with its other worker
+//! asleep on a condition variable and nobody reading I/O, so a process
+//! that is also an initiator (its own request waiting for an answer on
+//! that runtime) waited for each spin to end; such a process yields at
+//! every read.
 //!
 //! Bounds: one connection of a server polls at a time (the others wait as
 //! usual), only a connection whose previous request came within the
