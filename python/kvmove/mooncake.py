@@ -13,6 +13,18 @@ from ._native import TransferEngine as _NativeTransferEngine
 from ._native import TransferNotify
 
 
+# Mooncake's module-level build flags (``mooncake.engine.SUPPORT_*``): which
+# optional transports and device APIs the build has. kvmove has none of them:
+# no CUDA stream methods (``transfer_*_on_cuda``), EFA, HIP, MUSA or NVLink
+# transports, so every flag is False, as in Mooncake's non-CUDA wheel.
+SUPPORT_CUDA = False
+SUPPORT_EFA = False
+SUPPORT_HIP = False
+SUPPORT_MNNVL = False
+SUPPORT_MUSA = False
+SUPPORT_INTRA_NVLINK = False
+
+
 class TransferOpcode(enum.IntEnum):
     """Direction of ``transfer_sync`` / ``batch_transfer_sync``."""
 
@@ -51,4 +63,14 @@ class TransferEngine(_NativeTransferEngine):
         return False
 
 
-__all__ = ["TransferEngine", "TransferNotify", "TransferOpcode"]
+__all__ = [
+    "SUPPORT_CUDA",
+    "SUPPORT_EFA",
+    "SUPPORT_HIP",
+    "SUPPORT_INTRA_NVLINK",
+    "SUPPORT_MNNVL",
+    "SUPPORT_MUSA",
+    "TransferEngine",
+    "TransferNotify",
+    "TransferOpcode",
+]
