@@ -34,6 +34,16 @@ class TransferOpcode(enum.IntEnum):
     WRITE = 1
 
 
+def _protocol(protocol):
+    """The protocol kvmove runs for ``protocol``: Mooncake's ``"shm"`` (its
+    same-host shared-memory transport) is TCP, which reaches a peer on the
+    same host over loopback (and one on another host too); every other
+    name goes to kvmove as given (``"tcp"``, ``"rdma"``, else -1)."""
+    if isinstance(protocol, str) and protocol.strip().lower() == "shm":
+        return "tcp"
+    return protocol
+
+
 class TransferEngine(_NativeTransferEngine):
     """Mooncake's ``TransferEngine`` API over kvmove.
 
@@ -47,6 +57,15 @@ class TransferEngine(_NativeTransferEngine):
     def __init__(self):
         super().__init__()
         serve_metrics_from_env()
+
+    def initialize(self, local_hostname, metadata_server, protocol, device_name):
+        """Starts the engine (see the native method); ``protocol`` is
+        ``"tcp"``, ``"rdma"`` or ``"shm"`` (run as TCP)."""
+        return super().initialize(local_hostname, metadata_server, _protocol(protocol), device_name)
+
+    def initialize_ext(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
+        """``initialize`` with an explicit metadata type (``"p2p"`` only)."""
+        return super().initialize_ext(local_hostname, metadata_server, _protocol(protocol), device_name, metadata_type)
 
     def metrics(self) -> dict:
         """kvmove's metrics as a dict (not in Mooncake's API):

@@ -49,3 +49,33 @@ def test_shim_exports_support_flags(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_shm_protocol_runs_tcp(monkeypatch):
+    # Mooncake's "shm" is its same-host transport; kvmove runs it as TCP
+    # (loopback for a same-host peer). Nothing forces TCP here.
+    monkeypatch.delenv("KVMOVE_PROTOCOL", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    TransferEngine = kvmove.mooncake.TransferEngine
+    with TransferEngine() as a, TransferEngine() as b:
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "shm", "") == 0
+        assert b.initialize_ext("127.0.0.1", "P2PHANDSHAKE", " SHM ", "", "p2p") == 0
+        src = a.allocate_managed_buffer(4096)
+        dst = b.allocate_managed_buffer(4096)
+        assert src and dst
+        peer = f"127.0.0.1:{b.get_rpc_port()}"
+        assert a.write_bytes_to_buffer(src, b"same host", 9) == 0
+        assert a.transfer_sync_write(peer, src, dst, 9) == 0
+        assert b.read_bytes_from_buffer(dst, 9) == b"same host"
+        assert a.write_bytes_to_buffer(src, bytes(9), 9) == 0
+        assert a.transfer_sync_read(peer, src, dst, 9) == 0
+        assert a.read_bytes_from_buffer(src, 9) == b"same host"
+        # Freed memory is no longer reachable by the peer.
+        assert b.free_managed_buffer(dst, 4096) == 0
+        assert a.transfer_sync_write(peer, src, dst, 9) != 0
+    # Other protocols kvmove does not run are still refused.
+    for protocol in ("nvlink", "hip", "nvlink_intra", "efa", "shmem"):
+        e = TransferEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") == -1, protocol
+        assert e.last_error().kind == "unsupported"
+        e.close()
