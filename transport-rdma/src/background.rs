@@ -90,11 +90,7 @@ pub(crate) async fn reaper(weak: Weak<Inner>) {
         inner.with_state(|st, g| {
             st.reap(&inner.lim, false, g);
             // Kept side channels the peer no longer waits on are closed.
-            for s in st.segments.values_mut() {
-                if s.spare.as_ref().is_some_and(|sp| !sp.fresh(limit)) {
-                    s.spare = None;
-                }
-            }
+            st.reap_spares(limit);
         });
     }
 }

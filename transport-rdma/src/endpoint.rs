@@ -117,7 +117,7 @@ impl Inner {
         self.link_usable()?;
         let building = Instant::now();
         // The side channel that read the descriptor, if no endpoint took it.
-        let spare = self.with_state(|st, _| st.segments.get_mut(&seg).and_then(|s| s.spare.take()));
+        let spare = self.with_state(|st, _| st.take_spare(seg));
         let built = self.build(&name, reserved, spare).await;
         tracing::debug!(segment = %name, took_ms = building.elapsed().as_millis() as u64, ok = built.is_ok(), "rdma: endpoint build");
         let (bringup, stream, peer) = built?;

@@ -73,15 +73,22 @@ pub(crate) struct Segment {
     /// Serialises opening the notification channel.
     pub notes_lock: Arc<tokio::sync::Mutex<()>>,
     /// The side channel that read `desc`, for the first endpoint to
-    /// connect over (taken by it; dropped with the handle).
-    pub spare: Option<crate::wire::Spare>,
+    /// connect over (taken by it; dropped with the handle). Set and taken
+    /// only through [`State::keep_spare`] and [`State::take_spare`].
+    spare: Option<crate::wire::Spare>,
 }
 
 impl Segment {
-    pub(crate) fn new(desc: SegmentDescriptor, spare: Option<crate::wire::Spare>) -> Self {
-        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default(), spare }
+    pub(crate) fn new(desc: SegmentDescriptor) -> Self {
+        Self { desc, connect_lock: Arc::default(), notes: None, notes_lock: Arc::default(), spare: None }
     }
 }
+
+/// Side-channel connections kept for first endpoints (`wire::Spare`) at
+/// once: each holds one of the peer's connection places for up to half
+/// `handshake_timeout_ms`, so a program opening handles by the hundred
+/// keeps only the first few.
+pub(crate) const MAX_SPARES: usize = 16;
 
 /// A segment handle's notification channel (rule 11): a side-channel
 /// connection that holds no QPs, owned by its carrier task.
@@ -316,6 +323,9 @@ pub(crate) struct State {
     pub verbs: Option<Arc<Verbs>>,
     pub regions: BTreeMap<RegionId, LocalRegion>,
     pub segments: IdMap<SegmentId, Segment>,
+    /// The handles that keep a side channel (at most [`MAX_SPARES`]), so
+    /// that neither counting nor reaping them walks every handle.
+    spared: Vec<SegmentId>,
     /// The bound on endpoints, LRU eviction and idle reclaim; a place is
     /// freed only when [`Inner::with_state`] reports the QPs destroyed.
     pub pool: EndpointPool<SegmentId, IdBuildHasher>,
@@ -360,6 +370,50 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Keeps `spare` on handle `seg` for its first endpoint, in place of
+    /// the one it kept; dropped (closed) if the handle is gone or
+    /// [`MAX_SPARES`] handles keep one already.
+    pub(crate) fn keep_spare(&mut self, seg: SegmentId, spare: crate::wire::Spare) {
+        let room = self.spared.len() < MAX_SPARES;
+        let Some(s) = self.segments.get_mut(&seg) else { return };
+        if s.spare.is_some() {
+            s.spare = Some(spare);
+        } else if room {
+            s.spare = Some(spare);
+            self.spared.push(seg);
+        }
+    }
+
+    /// Takes the side channel handle `seg` keeps, if any.
+    pub(crate) fn take_spare(&mut self, seg: SegmentId) -> Option<crate::wire::Spare> {
+        let spare = self.segments.get_mut(&seg)?.spare.take();
+        if spare.is_some() {
+            self.spared.retain(|&id| id != seg);
+        }
+        spare
+    }
+
+    /// Closes kept side channels the peer no longer waits on (older than
+    /// half of `limit`, the handshake timeout), and forgets handles closed
+    /// since they kept one.
+    pub(crate) fn reap_spares(&mut self, limit: std::time::Duration) {
+        let segments = &mut self.segments;
+        self.spared.retain(|id| match segments.get_mut(id) {
+            Some(s) if s.spare.as_ref().is_some_and(|sp| sp.fresh(limit)) => true,
+            Some(s) => {
+                s.spare = None;
+                false
+            }
+            None => false,
+        });
+    }
+
+    /// How many handles keep a side channel.
+    #[cfg(test)]
+    pub(crate) fn spares(&self) -> usize {
+        self.spared.len()
+    }
+
     pub(crate) fn new(verbs: Arc<Verbs>, max_endpoints: usize, epoch: Epoch) -> Self {
         Self::with_verbs(Some(verbs), max_endpoints, epoch)
     }
@@ -371,6 +425,7 @@ impl State {
             verbs,
             regions: BTreeMap::new(),
             segments: IdMap::default(),
+            spared: Vec::new(),
             pool: EndpointPool::with_hasher(max_endpoints),
             endpoints: IdMap::default(),
             batches: BatchTable::new(),

@@ -222,7 +222,7 @@ impl Inner {
                     let s = st.segments.get_mut(&seg).ok_or_else(|| Error::unknown_segment(seg).with("request", i))?;
                     let restarted = d.generation != s.desc.generation;
                     s.desc = d;
-                    s.spare = Some(spare);
+                    st.keep_spare(seg, spare);
                     if restarted {
                         return Err(peer_restarted(seg).with("request", i));
                     }

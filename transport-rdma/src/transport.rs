@@ -38,11 +38,6 @@ const WAIT_NAP: Duration = Duration::from_millis(2);
 /// Empty CQ polls a busy-polling `wait` makes between two looks at the
 /// clock (and turns given to the runtime).
 const SPINS_PER_TURN: u32 = 8;
-/// Side-channel connections kept for first endpoints (`wire::Spare`) at
-/// once: each holds one of the peer's connection places for up to half
-/// `handshake_timeout_ms`.
-const MAX_SPARES: usize = 16;
-
 /// The RDMA backend: RC queue pairs over one device, handshakes over a TCP
 /// side channel, one CQ polled by a background task.
 ///
@@ -317,11 +312,8 @@ impl Transport for RdmaTransport {
             return Err(Error::shut_down());
         }
         let id = st.new_segment_id();
-        // Kept connections hold the peers' connection slots: a program
-        // opening handles by the hundred keeps only the first few.
-        let kept = st.segments.values().filter(|s| s.spare.is_some()).count();
-        let spare = (kept < MAX_SPARES).then_some(spare);
-        st.segments.insert(id, Segment::new(desc, spare));
+        st.segments.insert(id, Segment::new(desc));
+        st.keep_spare(id, spare);
         Ok(id)
     }
 

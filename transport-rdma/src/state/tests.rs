@@ -122,3 +122,74 @@ fn a_batch_leaves_the_deadline_queue_with_the_table() {
     st.remove_orphans(&mut Graveyard::default());
     assert!(st.deadlines.is_empty());
 }
+
+/// A kept side channel: one end of a loopback TCP connection, kept
+/// `age` ago.
+async fn spare(age: std::time::Duration) -> (crate::wire::Spare, tokio::net::TcpStream) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (s, _) = l.accept().await.unwrap();
+    let since = std::time::Instant::now().checked_sub(age).unwrap();
+    (crate::wire::Spare { stream: tokio::io::BufReader::new(c), since }, s)
+}
+
+fn handle(st: &mut State) -> SegmentId {
+    let id = st.new_segment_id();
+    let desc = SegmentDescriptor {
+        name: "peer".into(),
+        backend: "rdma".into(),
+        generation: 1,
+        address: String::new(),
+        regions: vec![],
+    };
+    st.segments.insert(id, Segment::new(desc));
+    id
+}
+
+/// At most `MAX_SPARES` handles keep their descriptor's connection (each
+/// holds one of the peer's connection places); one taken, reaped or
+/// closed with its handle makes room for the next, and a handle whose
+/// descriptor was read again keeps the newer one in its place.
+#[tokio::test]
+async fn kept_side_channels_are_bounded_and_reaped() {
+    let mut st = State::with_verbs(None, 4, transport_core::Epoch::start());
+    let fresh = std::time::Duration::ZERO;
+    let limit = std::time::Duration::from_secs(10);
+    let mut peers = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..MAX_SPARES + 2 {
+        let id = handle(&mut st);
+        let (sp, peer) = spare(fresh).await;
+        st.keep_spare(id, sp);
+        peers.push(peer);
+        ids.push(id);
+    }
+    assert_eq!(st.spares(), MAX_SPARES);
+    assert!(st.take_spare(ids[MAX_SPARES]).is_none(), "kept past the bound");
+    // Read again: the handle keeps the newer connection, still one place.
+    let (sp, peer) = spare(fresh).await;
+    st.keep_spare(ids[0], sp);
+    peers.push(peer);
+    assert_eq!(st.spares(), MAX_SPARES);
+    // Taken by a first endpoint: a place frees.
+    assert!(st.take_spare(ids[1]).is_some());
+    assert!(st.take_spare(ids[1]).is_none());
+    assert_eq!(st.spares(), MAX_SPARES - 1);
+    // A closed handle's place frees at the next reap.
+    st.segments.remove(&ids[2]);
+    st.reap_spares(limit);
+    assert_eq!(st.spares(), MAX_SPARES - 2);
+    // Stale ones (older than half the handshake timeout) are closed.
+    let late = handle(&mut st);
+    let (sp, _peer) = spare(limit).await;
+    st.keep_spare(late, sp);
+    assert_eq!(st.spares(), MAX_SPARES - 1);
+    st.reap_spares(limit);
+    assert_eq!(st.spares(), MAX_SPARES - 2);
+    assert!(st.take_spare(late).is_none());
+    // Room again: a new handle keeps its connection.
+    let next = handle(&mut st);
+    let (sp, _peer2) = spare(fresh).await;
+    st.keep_spare(next, sp);
+    assert!(st.take_spare(next).is_some());
+}
