@@ -425,11 +425,7 @@ impl Core {
     /// went away, so the next call fetches a fresh descriptor (a restarted
     /// peer has new addresses and keys).
     pub(crate) fn forget_segment_after(&self, name: &str, seg: SegmentId, err: &Error) {
-        use ErrorKind::*;
-        if !matches!(
-            err.kind(),
-            ConnectionRefused | ConnectionReset | HandshakeFailed | PeerRestarted | Protocol | InvalidHandle | NotFound
-        ) {
+        if !err.kind().reopens_segment() {
             return;
         }
         let mut map = self.by_name.lock();

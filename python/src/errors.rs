@@ -6,7 +6,9 @@
 //! carries `.kind` (the stable lower-case `ErrorKind` name, e.g.
 //! `"connection_refused"`), `.is_transient`, `.is_peer_failure` (the
 //! failure says the peer is down or unreachable: what a circuit breaker
-//! counts), `.message` and `.context` (a dict: peer, request index, ...).
+//! counts), `.reopens_segment` (a handle kept for the peer is stale: close
+//! it and open the peer again), `.message` and `.context` (a dict: peer,
+//! request index, ...).
 //! These come from `ErrorKind`'s one table; Python restates none of it:
 //! `error_kinds()` gives the table, `make_error(kind, message)` builds the
 //! exception for an error raised on the Python side.
@@ -21,7 +23,8 @@ create_exception!(
     _native,
     TransferError,
     PyException,
-    "A transfer-engine error: `.kind`, `.is_transient`, `.is_peer_failure`, `.message`, `.context`."
+    "A transfer-engine error: `.kind`, `.is_transient`, `.is_peer_failure`, `.reopens_segment`, `.message`, \
+     `.context`."
 );
 create_exception!(_native, TransientError, TransferError, "A transfer error that may succeed when retried.");
 create_exception!(_native, PermanentError, TransferError, "A transfer error that retrying will not fix.");
@@ -36,6 +39,7 @@ pub(crate) fn to_pyerr(py: Python<'_>, e: &Error) -> PyErr {
     let _ = value.setattr("kind", e.kind().as_str());
     let _ = value.setattr("is_transient", e.is_transient());
     let _ = value.setattr("is_peer_failure", e.kind().is_peer_failure());
+    let _ = value.setattr("reopens_segment", e.kind().reopens_segment());
     let _ = value.setattr("message", e.message());
     let ctx = PyDict::new(py);
     for (k, v) in e.context() {
@@ -51,8 +55,9 @@ pub(crate) fn invalid(msg: impl Into<String>) -> Error {
 }
 
 /// The exception for a new error of `kind` (its `ErrorKind` name, as in
-/// `.kind`) with `message`: the class, `.is_transient` and
-/// `.is_peer_failure` follow the kind, as for errors the engine raises.
+/// `.kind`) with `message`: the class, `.is_transient`,
+/// `.is_peer_failure` and `.reopens_segment` follow the kind, as for
+/// errors the engine raises.
 #[pyfunction]
 fn make_error(py: Python<'_>, kind: &str, message: &str) -> PyResult<PyObject> {
     let kind = ErrorKind::from_name(kind)
@@ -60,7 +65,8 @@ fn make_error(py: Python<'_>, kind: &str, message: &str) -> PyResult<PyObject> {
     Ok(to_pyerr(py, &Error::new(kind, message)).into_value(py).into_any())
 }
 
-/// Every error kind: `{name: {"transient": bool, "peer_failure": bool}}`.
+/// Every error kind: `{name: {"transient": bool, "peer_failure": bool,
+/// "reopens_segment": bool}}`.
 #[pyfunction]
 fn error_kinds(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let out = PyDict::new(py);
@@ -68,6 +74,7 @@ fn error_kinds(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         let row = PyDict::new(py);
         row.set_item("transient", k.is_transient())?;
         row.set_item("peer_failure", k.is_peer_failure())?;
+        row.set_item("reopens_segment", k.reopens_segment())?;
         out.set_item(k.as_str(), row)?;
     }
     Ok(out)

@@ -129,14 +129,17 @@ def test_error_classes_come_from_the_one_table():
     from kvmove.nixl import _from_kvmove, nixlBackendError, nixlRemoteDisconnectError
 
     kinds = _native.error_kinds()
-    assert kinds["connection_reset"] == {"transient": True, "peer_failure": True}
-    assert kinds["backpressure"] == {"transient": True, "peer_failure": False}
-    assert kinds["out_of_bounds"] == {"transient": False, "peer_failure": False}
+    assert kinds["connection_reset"] == {"transient": True, "peer_failure": True, "reopens_segment": True}
+    assert kinds["timeout"] == {"transient": True, "peer_failure": True, "reopens_segment": False}
+    assert kinds["backpressure"] == {"transient": True, "peer_failure": False, "reopens_segment": False}
+    assert kinds["out_of_bounds"] == {"transient": False, "peer_failure": False, "reopens_segment": False}
+    assert kinds["invalid_handle"] == {"transient": False, "peer_failure": False, "reopens_segment": True}
     assert len(kinds) == 25
     for name, row in kinds.items():
         e = _native.make_error(name, "made in a test")
         assert e.kind == name
         assert e.is_transient == row["transient"] and e.is_peer_failure == row["peer_failure"]
+        assert e.reopens_segment == row["reopens_segment"]
         assert isinstance(e, kvmove.TransientError if row["transient"] else kvmove.PermanentError)
         # NIXL calls every peer failure a remote disconnect.
         if row["peer_failure"]:

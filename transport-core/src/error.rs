@@ -86,6 +86,8 @@ struct Row {
     transient: bool,
     /// Counts toward the peer's circuit breaker.
     peer_failure: bool,
+    /// A cached segment handle toward the peer is stale after it.
+    reopen: bool,
     /// On the wire (the session messages carry kinds); stable across
     /// versions. 0 is `Internal`, which an unknown code also reads as.
     code: u8,
@@ -95,34 +97,36 @@ struct Row {
 /// of those, backpressure, an open breaker and a refused resource are
 /// local and do not count toward a breaker. The permanent kinds are the
 /// caller's mistake or a final decision.
+// One row a line, a table to read down its columns.
+#[rustfmt::skip]
 const TABLE: [Row; 25] = {
     use ErrorKind::*;
     [
-        Row { kind: ConnectionRefused, name: "connection_refused", transient: true, peer_failure: true, code: 1 },
-        Row { kind: ConnectionReset, name: "connection_reset", transient: true, peer_failure: true, code: 2 },
-        Row { kind: HandshakeFailed, name: "handshake_failed", transient: true, peer_failure: true, code: 3 },
-        Row { kind: RetryExceeded, name: "retry_exceeded", transient: true, peer_failure: true, code: 4 },
-        Row { kind: PeerRestarted, name: "peer_restarted", transient: true, peer_failure: true, code: 5 },
-        Row { kind: Backpressure, name: "backpressure", transient: true, peer_failure: false, code: 6 },
-        Row { kind: PeerUnavailable, name: "peer_unavailable", transient: true, peer_failure: false, code: 7 },
-        Row { kind: ResourceExhausted, name: "resource_exhausted", transient: true, peer_failure: false, code: 8 },
-        Row { kind: Timeout, name: "timeout", transient: true, peer_failure: true, code: 9 },
-        Row { kind: Protocol, name: "protocol", transient: true, peer_failure: true, code: 10 },
-        Row { kind: Io, name: "io", transient: true, peer_failure: true, code: 11 },
-        Row { kind: OutOfBounds, name: "out_of_bounds", transient: false, peer_failure: false, code: 12 },
-        Row { kind: Unregistered, name: "unregistered", transient: false, peer_failure: false, code: 13 },
-        Row { kind: AccessDenied, name: "access_denied", transient: false, peer_failure: false, code: 14 },
-        Row { kind: InvalidHandle, name: "invalid_handle", transient: false, peer_failure: false, code: 15 },
-        Row { kind: InvalidRequest, name: "invalid_request", transient: false, peer_failure: false, code: 16 },
-        Row { kind: AlreadyRegistered, name: "already_registered", transient: false, peer_failure: false, code: 17 },
-        Row { kind: Cancelled, name: "cancelled", transient: false, peer_failure: false, code: 18 },
-        Row { kind: Shutdown, name: "shutdown", transient: false, peer_failure: false, code: 19 },
-        Row { kind: Unsupported, name: "unsupported", transient: false, peer_failure: false, code: 20 },
-        Row { kind: Config, name: "config", transient: false, peer_failure: false, code: 21 },
-        Row { kind: AuthFailed, name: "auth_failed", transient: false, peer_failure: false, code: 22 },
-        Row { kind: NotFound, name: "not_found", transient: false, peer_failure: false, code: 23 },
-        Row { kind: OutcomeUnknown, name: "outcome_unknown", transient: false, peer_failure: false, code: 24 },
-        Row { kind: Internal, name: "internal", transient: false, peer_failure: false, code: 0 },
+        Row { kind: ConnectionRefused, name: "connection_refused", transient: true, peer_failure: true, reopen: true, code: 1 },
+        Row { kind: ConnectionReset, name: "connection_reset", transient: true, peer_failure: true, reopen: true, code: 2 },
+        Row { kind: HandshakeFailed, name: "handshake_failed", transient: true, peer_failure: true, reopen: true, code: 3 },
+        Row { kind: RetryExceeded, name: "retry_exceeded", transient: true, peer_failure: true, reopen: false, code: 4 },
+        Row { kind: PeerRestarted, name: "peer_restarted", transient: true, peer_failure: true, reopen: true, code: 5 },
+        Row { kind: Backpressure, name: "backpressure", transient: true, peer_failure: false, reopen: false, code: 6 },
+        Row { kind: PeerUnavailable, name: "peer_unavailable", transient: true, peer_failure: false, reopen: false, code: 7 },
+        Row { kind: ResourceExhausted, name: "resource_exhausted", transient: true, peer_failure: false, reopen: false, code: 8 },
+        Row { kind: Timeout, name: "timeout", transient: true, peer_failure: true, reopen: false, code: 9 },
+        Row { kind: Protocol, name: "protocol", transient: true, peer_failure: true, reopen: true, code: 10 },
+        Row { kind: Io, name: "io", transient: true, peer_failure: true, reopen: false, code: 11 },
+        Row { kind: OutOfBounds, name: "out_of_bounds", transient: false, peer_failure: false, reopen: false, code: 12 },
+        Row { kind: Unregistered, name: "unregistered", transient: false, peer_failure: false, reopen: false, code: 13 },
+        Row { kind: AccessDenied, name: "access_denied", transient: false, peer_failure: false, reopen: false, code: 14 },
+        Row { kind: InvalidHandle, name: "invalid_handle", transient: false, peer_failure: false, reopen: true, code: 15 },
+        Row { kind: InvalidRequest, name: "invalid_request", transient: false, peer_failure: false, reopen: false, code: 16 },
+        Row { kind: AlreadyRegistered, name: "already_registered", transient: false, peer_failure: false, reopen: false, code: 17 },
+        Row { kind: Cancelled, name: "cancelled", transient: false, peer_failure: false, reopen: false, code: 18 },
+        Row { kind: Shutdown, name: "shutdown", transient: false, peer_failure: false, reopen: false, code: 19 },
+        Row { kind: Unsupported, name: "unsupported", transient: false, peer_failure: false, reopen: false, code: 20 },
+        Row { kind: Config, name: "config", transient: false, peer_failure: false, reopen: false, code: 21 },
+        Row { kind: AuthFailed, name: "auth_failed", transient: false, peer_failure: false, reopen: false, code: 22 },
+        Row { kind: NotFound, name: "not_found", transient: false, peer_failure: false, reopen: true, code: 23 },
+        Row { kind: OutcomeUnknown, name: "outcome_unknown", transient: false, peer_failure: false, reopen: false, code: 24 },
+        Row { kind: Internal, name: "internal", transient: false, peer_failure: false, reopen: false, code: 0 },
     ]
 };
 
@@ -157,6 +161,19 @@ impl ErrorKind {
     /// breaker-open errors are local and do not count.
     pub fn is_peer_failure(self) -> bool {
         self.row().peer_failure
+    }
+
+    /// Whether a cached segment handle toward the peer is stale after
+    /// this failure, so a program that keeps handles by peer (the Python
+    /// APIs, the connectors) closes it and opens the peer again before its
+    /// next call: the peer may have restarted behind a refused, reset or
+    /// garbled connection (a new process has new addresses and keys), the
+    /// handle was closed, or the name resolves to nothing now. A timeout,
+    /// an open breaker or backpressure leave the handle as it is (the same
+    /// peer, slow or busy: a restart shows as `PeerRestarted` on the next
+    /// call).
+    pub fn reopens_segment(self) -> bool {
+        self.row().reopen
     }
 
     /// A short, stable, lower-case name (for logs, metrics and Python).
@@ -403,6 +420,26 @@ mod tests {
             assert!(!k.is_transient(), "{k}");
         }
         assert!(!ErrorKind::Backpressure.is_peer_failure());
+    }
+
+    /// A handle is reopened only for a failure of the connection that may
+    /// hide a restart (a peer failure) or a handle or name that is gone;
+    /// the same peer slow, busy or refusing a request keeps its handle.
+    #[test]
+    fn what_makes_a_segment_handle_stale() {
+        use ErrorKind::*;
+        for k in ErrorKind::ALL {
+            if k.reopens_segment() {
+                assert!(k.is_peer_failure() || matches!(k, InvalidHandle | NotFound), "{k}");
+            }
+        }
+        for k in [ConnectionRefused, ConnectionReset, HandshakeFailed, PeerRestarted, Protocol, InvalidHandle, NotFound]
+        {
+            assert!(k.reopens_segment(), "{k}");
+        }
+        for k in [Timeout, RetryExceeded, Io, PeerUnavailable, Backpressure, OutOfBounds, AccessDenied, Shutdown] {
+            assert!(!k.reopens_segment(), "{k}");
+        }
     }
 
     #[test]
