@@ -86,16 +86,6 @@ DELIBERATE = {
         "NIXL's bindings index into the empty list (an IndexError from inside them); an empty transfer is a "
         "caller's mistake, kvmove says so with NIXL's class for one",
     ),
-    ("nixl", "an unknown operation"): (
-        "raise KeyError",
-        "raise nixlInvalidParamError",
-        "NIXL's bindings look the name up in a dict (a KeyError from inside them); kvmove names the bad parameter",
-    ),
-    ("nixl", "get_xfer_descs of garbage"): (
-        "None",
-        "raise nixlInvalidParamError",
-        "NIXL logs and returns None, which fails later where the cause is gone; kvmove raises at the bad input",
-    ),
 }
 
 

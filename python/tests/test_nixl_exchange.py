@@ -62,11 +62,12 @@ def nixl_peer(spawn_peer):
 
 def filled_pair(spawn_peer, agents, seed):
     """A prefill peer whose memory holds pattern ``seed`` and a decode
-    agent (fresh name) with its KV registered and the prefill's metadata
-    loaded: ``(prefill, decode, kv, local handle, agent name, remote handle)``."""
+    agent (fresh name, made as vLLM makes it) with its KV registered and
+    the prefill's metadata loaded: ``(prefill, decode, kv, local handle,
+    agent name, remote handle)``."""
     prefill = nixl_peer(spawn_peer)
     assert prefill.ask(f"fill {seed}") == "ok"
-    decode = agents(str(uuid.uuid4()))
+    decode = agents(str(uuid.uuid4()), nixl_agent_config(num_threads=4, capture_telemetry=True))
     kv = np.zeros(NBYTES, dtype=np.uint8)
     _, local = register_kv(decode, kv)
     name, remote = vllm_handshake(decode, prefill)
@@ -192,14 +193,16 @@ def test_bad_descriptors(spawn_peer, agents):
         decode.prep_xfer_dlist("nobody", [(end - 16, 16, 0)], "DRAM")
     with pytest.raises(nixlInvalidParamError, match="outside the prepared list"):
         decode.make_prepped_xfer("READ", local, [0], remote, [REGIONS_TOTAL], b"never")
-    with pytest.raises(nixlInvalidParamError, match="READ"):
+    with pytest.raises(KeyError, match="READ"):
         decode.make_prepped_xfer("COPY", local, [0], remote, [0])
     short = decode.prep_xfer_dlist(name, [(prefill.info["addr"], BLOCK // 2, 0)], "DRAM")
     with pytest.raises(nixlInvalidParamError, match="length"):
         decode.make_prepped_xfer("READ", local, [0], short, [0])
     with pytest.raises(nixlNotSupportedError, match="OBJ"):
         decode.register_memory([(kv.ctypes.data, 16, 0, "")], "OBJ")
-    with pytest.raises(nixlNotSupportedError, match="BLK"):
+    with pytest.raises(nixlNotSupportedError, match="BLOCK"):
+        decode.get_xfer_descs([(kv.ctypes.data, 16, 0)], "BLOCK")
+    with pytest.raises(KeyError, match="BLK"):
         decode.get_xfer_descs([(kv.ctypes.data, 16, 0)], "BLK")
 
     # Stale metadata: prefill deregistered region 0 after sending it. The

@@ -15,6 +15,7 @@ import numpy as np
 
 from .._engine import Engine
 from .._native import HAS_RDMA, NixlOps, TransferError, nixl_desc_rows, nixl_index_words
+from . import _bindings
 from ._base import (
     logger,
     NIXL_INIT_AGENT,
@@ -29,6 +30,7 @@ from ._base import (
     nixlRepostActiveError,
     nixlNotSupportedError,
     nixlRemoteDisconnectError,
+    nixlNoTelemetryError,
     _SPIN_GAP,
     _SPIN_WAIT,
     _QUEUE_LIMIT,
@@ -38,6 +40,7 @@ from ._base import (
 )
 from ._descs import (
     _MEM_TYPES,
+    nixl_thread_sync_t,
     nixl_agent_config,
     _DList,
     nixlXferDList,
@@ -117,11 +120,24 @@ class nixl_agent:
     ``["UCX"]``. Thread-safe."""
 
     def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None, instantiate_all: bool = False):
-        if not isinstance(agent_name, str) or not agent_name:
-            raise nixlInvalidParamError("agent_name must be a non-empty string")
-        if len(agent_name.encode()) > 1024:
+        conf = nixl_conf or nixl_agent_config()
+        # The bindings' agent is made from its config as NIXL's is, both
+        # looked up in nixl._bindings now (a test may replace them there):
+        # it checks the name and decides whether telemetry is captured.
+        cfg = _bindings.nixlAgentConfig()
+        cfg.useProgThread = conf.enable_pthread
+        cfg.useListenThread = conf.enable_listen
+        cfg.listenPort = conf.port
+        default_sync = (
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if conf.enable_listen else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        )
+        cfg.syncMode = (conf.sync_mode or default_sync).value
+        cfg.captureTelemetry = conf.capture_telemetry
+        self.agent = _bindings.nixlAgent(agent_name, cfg)
+        self.name = _agent_name(agent_name)  # bytes (NIXL takes them) as str
+        if len(self.name.encode()) > 1024:
             raise nixlInvalidParamError("agent_name is longer than 1024 bytes")
-        self.name = agent_name
+        self._telemetry = self.agent.telemetry
         self._lock = threading.RLock()
         self._last_polled: Optional[int] = None  # id() of the handle check_xfer_state last looked at
         self._engine: Optional[Engine] = None
@@ -135,7 +151,6 @@ class nixl_agent:
         self._self_session = None  # loopback transfers
         self.notifs: Dict[str, List[bytes]] = {}
         self.plugin_list = [b for b in _BACKENDS if b != "RDMA" or HAS_RDMA]
-        conf = nixl_conf or nixl_agent_config()
         names = self.plugin_list[:1] if (instantiate_all and nixl_conf is None) else conf.backends
         for b in names:
             if b not in self.plugin_list:
@@ -163,13 +178,14 @@ class nixl_agent:
 
     def create_backend(self, backend: str, initParams: Optional[Dict[str, str]] = None) -> None:
         """Creates ``backend`` (``"UCX"``, ``"KVMOVE"``, ``"TCP"``, or
-        ``"RDMA"`` in an RDMA build). The first one starts the agent's
-        engine; later ones share it (they must not ask for another
+        ``"RDMA"`` in an RDMA build; another name is ``nixlNotFoundError``,
+        as NIXL's for a plugin it does not have). The first one starts the
+        agent's engine; later ones share it (they must not ask for another
         protocol). ``initParams["device"]`` names the RDMA device; other
         parameters (``num_threads``, ...) are accepted and ignored."""
         params = dict(initParams or {})
         if backend not in self.plugin_list:
-            raise nixlNotSupportedError(
+            raise nixlNotFoundError(
                 f"backend {backend!r} is not served by kvmove; use one of {self.plugin_list}"
             )
         if backend in ("TCP", "RDMA"):
@@ -229,29 +245,52 @@ class nixl_agent:
 
     # ---- descriptors ----
 
-    def get_xfer_descs(self, descs, mem_type: Optional[str] = None) -> nixlXferDList:
+    def get_xfer_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlXferDList]:
         """A transfer descriptor list from ``(addr, len, dev_id)`` tuples, an
-        ``N x 3`` array, a CPU tensor or a list of CPU tensors."""
+        ``N x 3`` array, a CPU tensor or a list of CPU tensors. Input it
+        cannot read (a registration list, tuples or an array without
+        ``mem_type``, tuples of another size, a non-contiguous tensor...)
+        is logged and gives None, as in NIXL; an unknown ``mem_type`` is a
+        ``KeyError``, as there."""
         if type(descs) is list and mem_type in _MEM_TYPES:
             # What callers build, a list of tuples, read in one call (a list
             # of anything else comes back None and takes the path below).
             packed = nixl_desc_rows(descs, 3)
             if packed is not None:
                 return nixlXferDList(_MEM_TYPES[mem_type], raw=packed)
+        try:
+            return self._xfer_descs(descs, mem_type)
+        except nixlInvalidParamError as e:
+            logger.error("%s", e)
+            return None
+
+    def _xfer_descs(self, descs, mem_type: Optional[str]) -> nixlXferDList:
+        """``get_xfer_descs``, raising ``nixlInvalidParamError`` for input
+        it cannot read: what the agent's calls that take descriptors use."""
         if isinstance(descs, nixlXferDList):
             return descs
         if isinstance(descs, nixlRegDList):
-            raise nixlInvalidParamError("a registration list was given where a transfer list is needed")
+            raise nixlInvalidParamError("get_xfer_descs: a registration list was given where a transfer list is needed")
         mt, rows = _rows(descs, mem_type, "get_xfer_descs", 3)
         return nixlXferDList(mt, raw=rows)
 
-    def get_reg_descs(self, descs, mem_type: Optional[str] = None) -> nixlRegDList:
+    def get_reg_descs(self, descs, mem_type: Optional[str] = None) -> Optional[nixlRegDList]:
         """A registration descriptor list from ``(addr, len, dev_id, meta)``
-        tuples (or 3-tuples), an ``N x 3`` array, or CPU tensors."""
+        tuples (or 3-tuples), an ``N x 3`` array, or CPU tensors. Input it
+        cannot read gives None and an unknown ``mem_type`` a ``KeyError``,
+        as ``get_xfer_descs``."""
+        try:
+            return self._reg_descs(descs, mem_type)
+        except nixlInvalidParamError as e:
+            logger.error("%s", e)
+            return None
+
+    def _reg_descs(self, descs, mem_type: Optional[str]) -> nixlRegDList:
+        """``get_reg_descs``, raising for input it cannot read."""
         if isinstance(descs, nixlRegDList):
             return descs
         if isinstance(descs, nixlXferDList):
-            raise nixlInvalidParamError("a transfer list was given where a registration list is needed")
+            raise nixlInvalidParamError("get_reg_descs: a transfer list was given where a registration list is needed")
         mt, rows = _rows(descs, mem_type, "get_reg_descs", 4)
         return nixlRegDList(mt, raw=rows)
 
@@ -273,7 +312,7 @@ class nixl_agent:
         that is neither, device memory given as ``"DRAM"``, or device memory
         on another device than ``dev_id`` raises. The caller keeps the
         memory allocated until ``deregister_memory``."""
-        descs = self.get_reg_descs(reg_list, mem_type)
+        descs = self._reg_descs(reg_list, mem_type)
         self._check_backends(backends)
         with self._lock:
             eng = self._need_engine()
@@ -302,7 +341,7 @@ class nixl_agent:
         """Unregisters memory registered by ``register_memory`` (each
         descriptor's address must start a registered region); returns once
         no transfer can touch it."""
-        descs = self.get_reg_descs(dereg_list, "DRAM" if not isinstance(dereg_list, _DList) else None)
+        descs = self._reg_descs(dereg_list, "DRAM" if not isinstance(dereg_list, _DList) else None)
         self._check_backends(backends)
         with self._lock:
             missing = [a for a, _, _ in descs if a not in self._regions]
@@ -399,7 +438,7 @@ class nixl_agent:
             return False
         if descs is None:
             return True
-        d = self.get_xfer_descs(descs, "DRAM" if not isinstance(descs, _DList) else None)
+        d = self._xfer_descs(descs, "DRAM" if not isinstance(descs, _DList) else None)
         return _uncovered(r.starts, r.ends, d) < 0
 
     @_non_blocking
@@ -460,7 +499,7 @@ class nixl_agent:
         own name: loopback). Every descriptor must lie inside registered
         memory (the remote agent's, as its metadata says), else
         ``nixlNotFoundError``."""
-        descs = self.get_xfer_descs(xfer_list, mem_type)
+        descs = self._xfer_descs(xfer_list, mem_type)
         self._check_backends(backends)
         agent_name = _agent_name(agent_name)
         if agent_name in (NIXL_INIT_AGENT, ""):
@@ -560,8 +599,8 @@ class nixl_agent:
                         return nixl_xfer_handle(self, operation, name, ops, _notif_bytes(notif_msg) if notif_msg else b"")
         op = _operation(operation)
         self._check_backends(backends)
-        ld = self.get_xfer_descs(local_descs, "DRAM" if not isinstance(local_descs, _DList) else None)
-        rd = self.get_xfer_descs(remote_descs, "DRAM" if not isinstance(remote_descs, _DList) else None)
+        ld = self._xfer_descs(local_descs, "DRAM" if not isinstance(local_descs, _DList) else None)
+        rd = self._xfer_descs(remote_descs, "DRAM" if not isinstance(remote_descs, _DList) else None)
         if len(ld) != len(rd):
             raise nixlInvalidParamError(f"{len(ld)} local descriptors but {len(rd)} remote descriptors")
         with self._lock:
@@ -771,10 +810,18 @@ class nixl_agent:
         return handle._native
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlXferTelemetry:
-        """Times (microseconds) and sizes of the last post of ``handle``.
-        Available whether or not ``capture_telemetry`` was set."""
+        """Times (microseconds) and sizes of the last post of ``handle``,
+        and the backend it ran on. Only on an agent that captures
+        telemetry (``capture_telemetry``, or ``NIXL_TELEMETRY_ENABLE``:
+        see ``nixl._bindings.nixlAgent``), else ``nixlNoTelemetryError``,
+        as NIXL's."""
+        if not self._telemetry:
+            raise nixlNoTelemetryError(
+                "this agent captures no telemetry (nixl_agent_config(capture_telemetry=True), or "
+                "NIXL_TELEMETRY_ENABLE=y, when it is made)"
+            )
         start, post, xfer, total, count = self._posted(handle).telemetry()
-        return nixlXferTelemetry(start, post, xfer, total, count)
+        return nixlXferTelemetry(start, post, xfer, total, count, self.query_xfer_backend(handle))
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
         """The backend the agent's transfers run on (the first created)."""

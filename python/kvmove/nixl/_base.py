@@ -1,9 +1,10 @@
-"""The NIXL surface's shared pieces: its logger and constants, the
-exception classes NIXL's bindings raise, and how a kvmove error maps onto
-them."""
+"""The NIXL surface's shared pieces: its logger, constants and the enums
+of NIXL's bindings, the exception classes those bindings raise, and how a
+kvmove error maps onto them."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import time
@@ -19,6 +20,31 @@ DEFAULT_COMM_PORT = 8888
 
 #: The name that marks a local descriptor list in ``prep_xfer_dlist``.
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
+
+
+class nixl_mem_t(enum.IntEnum):
+    """The memory types of NIXL's bindings (``nixl._bindings.DRAM_SEG``,
+    ...), with NIXL's values: what ``nixlXferDList`` and ``nixlRegDList``
+    are made with. kvmove moves ``DRAM_SEG`` and ``VRAM_SEG``."""
+
+    DRAM_SEG = 0
+    VRAM_SEG = 1
+    BLK_SEG = 2
+    OBJ_SEG = 3
+    FILE_SEG = 4
+
+
+#: The thread synchronization modes of NIXL's bindings
+#: (``nixl._bindings.nixl_thread_sync_t``), with NIXL's values: the default
+#: is the same mode as none. ``nixl_thread_sync_t`` of ``nixl._api`` has
+#: these as its values.
+_bind_sync_t = enum.IntEnum(
+    "nixl_thread_sync_t",
+    [("NIXL_THREAD_SYNC_NONE", 0), ("NIXL_THREAD_SYNC_STRICT", 1), ("NIXL_THREAD_SYNC_RW", 2),
+     ("NIXL_THREAD_SYNC_DEFAULT", 0)],
+    module=__name__,
+)  # fmt: skip
+
 
 #: Header of agent metadata; JSON follows.
 _MD_MAGIC = b"KVMOVE-NIXL/1\n"

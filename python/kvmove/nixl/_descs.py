@@ -9,19 +9,22 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .._native import named_notification, nixl_desc_rows, read_named_notification
-from ._base import DEFAULT_COMM_PORT, nixlInvalidParamError, nixlNotSupportedError
+from ._base import DEFAULT_COMM_PORT, _bind_sync_t, nixl_mem_t, nixlInvalidParamError, nixlNotSupportedError
 
 
 # ---- configuration ----
 
 
 class nixl_thread_sync_t(Enum):
-    """Accepted for compatibility; kvmove's agent is always thread-safe."""
+    """NIXL's thread synchronization modes, their values those of the
+    bindings (as NIXL's: the default is an alias of none). Recorded in the
+    agent's ``nixlAgentConfig``; kvmove's agent is thread-safe in every
+    mode."""
 
-    NIXL_THREAD_SYNC_NONE = 0
-    NIXL_THREAD_SYNC_STRICT = 1
-    NIXL_THREAD_SYNC_RW = 2
-    NIXL_THREAD_SYNC_DEFAULT = 3
+    NIXL_THREAD_SYNC_NONE = _bind_sync_t.NIXL_THREAD_SYNC_NONE
+    NIXL_THREAD_SYNC_STRICT = _bind_sync_t.NIXL_THREAD_SYNC_STRICT
+    NIXL_THREAD_SYNC_RW = _bind_sync_t.NIXL_THREAD_SYNC_RW
+    NIXL_THREAD_SYNC_DEFAULT = _bind_sync_t.NIXL_THREAD_SYNC_DEFAULT
 
 
 #: Opaque backend handle.
@@ -31,9 +34,11 @@ nixl_backend_handle = int
 class nixl_agent_config:
     """Agent options, with NIXL's names and defaults. kvmove uses
     ``backends`` (which backends the agent creates) and
-    ``capture_telemetry`` (kept for reference: telemetry is always
-    available); the progress thread is kvmove's runtime, ``num_threads`` and
-    ``sync_mode`` are accepted and unused, and the metadata listener
+    ``capture_telemetry`` (whether ``get_xfer_telemetry`` answers, unless
+    ``NIXL_TELEMETRY_ENABLE`` says: see ``nixl._bindings.nixlAgent``); the
+    progress thread is kvmove's runtime, ``num_threads`` is accepted and
+    unused, ``sync_mode`` is recorded as NIXL's agent records it (kvmove's
+    agent is thread-safe in every mode), and the metadata listener
     (``enable_listen_thread``) is not provided."""
 
     def __init__(
@@ -63,32 +68,74 @@ class nixl_agent_config:
 
 
 _MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
-_OTHER_MEM_TYPES = {"FILE", "BLK", "BLOCK", "OBJ"}
+# The other names NIXL's agent knows (its bindings' BLK_SEG is "BLOCK").
+_OTHER_MEM_TYPES = {"FILE", "BLOCK", "OBJ"}
+_SEG_TYPES = {nixl_mem_t.DRAM_SEG: "DRAM", nixl_mem_t.VRAM_SEG: "VRAM"}
 
 
 def _mem_type(mem_type: Optional[str]) -> str:
+    """The memory type of a name: a name NIXL's agent does not know is a
+    ``KeyError``, as there (it looks the name up in a dict)."""
     if mem_type is None:
         raise nixlInvalidParamError("a memory type is needed with a list of tuples or an array: \"DRAM\" or \"VRAM\"")
     if mem_type in _MEM_TYPES:
         return _MEM_TYPES[mem_type]
     if mem_type in _OTHER_MEM_TYPES:
-        raise nixlNotSupportedError(
-            f"memory type {mem_type!r} is not supported: kvmove's NIXL agent moves host (\"DRAM\") and "
-            "device (\"VRAM\") memory"
-        )
-    raise nixlInvalidParamError(f"unknown memory type {mem_type!r}; kvmove's NIXL agent takes \"DRAM\" or \"VRAM\"")
+        raise _unsupported(mem_type)
+    raise KeyError(f"unknown memory type {mem_type!r}; kvmove's NIXL agent takes \"DRAM\" or \"VRAM\"")
+
+
+def _unsupported(mem_type) -> nixlNotSupportedError:
+    return nixlNotSupportedError(
+        f"memory type {mem_type!r} is not supported: kvmove's NIXL agent moves host (\"DRAM\") and "
+        "device (\"VRAM\") memory"
+    )
+
+
+def _given_rows(mem_type, descs, width: int) -> Tuple[str, bytes]:
+    """``(mem_type, packed rows)`` of a list made as NIXL's bindings make
+    one: a ``nixl_mem_t`` (or ``"DRAM"`` / ``"VRAM"``), and a count of
+    zeroed descriptors, a list of ``width``-tuples or an ``N x 3`` array.
+    A tuple of another size is a ``ValueError``, as there."""
+    mt = _SEG_TYPES.get(mem_type) if isinstance(mem_type, nixl_mem_t) else mem_type
+    if mt not in ("DRAM", "VRAM"):
+        if isinstance(mem_type, nixl_mem_t):
+            raise _unsupported(mem_type.name)
+        raise TypeError(f"a descriptor list's memory type is a nixl_mem_t (DRAM_SEG, ...), not {mem_type!r}")
+    if descs is None or isinstance(descs, int):
+        return mt, bytes(24 * (descs or 0))
+    if isinstance(descs, np.ndarray):
+        if descs.ndim != 2 or descs.shape[1] != 3:
+            raise ValueError("a numpy array of descriptors must be N x 3 (addr, len, dev_id)")
+        return mt, np.ascontiguousarray(descs, dtype=np.uint64).tobytes()
+    if not isinstance(descs, list):
+        raise TypeError(f"descriptors are a list of tuples or an N x 3 numpy array, not {type(descs).__name__}")
+    for d in descs:
+        if not isinstance(d, tuple) or len(d) != width:
+            raise ValueError(f"each descriptor must be a tuple of {width} items, not {d!r}")
+    packed = nixl_desc_rows(descs, width)
+    if packed is None:
+        raise TypeError("a descriptor's addr, len and dev_id are integers from 0 to 2**64 - 1")
+    return mt, packed
 
 
 class _DList:
     """Descriptors ``(addr, len, dev_id)`` of one memory type, held as
     rows of native-endian ``u64``s, packed (what Rust takes, made once: a
     list is not changed after it is made; ``trim`` copies); an ``N x 3``
-    array of them is made only when asked for."""
+    array of them is made only when asked for.
 
-    def __init__(self, mem_type: str, descs: Optional[np.ndarray] = None, raw: Optional[bytes] = None):
-        self.mem_type = mem_type
+    Made as NIXL's bindings make one (``nixlXferDList(DRAM_SEG)``, with a
+    list of tuples, an array or a count: see ``_given_rows``), or by the
+    agent from rows it packed (``raw``)."""
+
+    #: The size of the tuples the list is made from.
+    _WIDTH = 3
+
+    def __init__(self, mem_type, descs=None, raw: Optional[bytes] = None):
         if raw is None:
-            raw = np.ascontiguousarray(descs, dtype=np.uint64).reshape(-1, 3).tobytes()
+            mem_type, raw = _given_rows(mem_type, descs, self._WIDTH)
+        self.mem_type = mem_type
         self._raw = raw
 
     def _packed_rows(self) -> bytes:
@@ -147,6 +194,8 @@ class nixlXferDList(_DList):
 
 class nixlRegDList(_DList):
     """A registration descriptor list (``get_reg_descs``)."""
+
+    _WIDTH = 4  # (addr, len, dev_id, meta): the meta is not kept
 
     def trim(self) -> nixlXferDList:
         """The same ranges as a transfer descriptor list (NIXL's
@@ -217,8 +266,10 @@ def _tensor_rows(tensors, what: str) -> Tuple[str, bytes]:
 
 
 def _operation(op) -> str:
+    """``op``, if it is an operation: another is a ``KeyError``, as in
+    NIXL's agent (it looks the name up in a dict)."""
     if op not in ("READ", "WRITE"):
-        raise nixlInvalidParamError(f"operation must be \"READ\" or \"WRITE\", not {op!r}")
+        raise KeyError(f"operation must be \"READ\" or \"WRITE\", not {op!r}")
     return op
 
 

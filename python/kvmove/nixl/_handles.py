@@ -39,21 +39,24 @@ class nixl_prepped_dlist_handle:
 class nixlXferTelemetry:
     """Telemetry of a transfer: ``startTime`` (microseconds since the
     epoch), ``postDuration`` and ``xferDuration`` (microseconds),
-    ``totalBytes``, ``descCount``."""
+    ``totalBytes``, ``descCount``, and ``backendName`` (the backend it ran
+    on, as NIXL's newer than 1.5.1 give it)."""
 
-    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
+    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount", "backendName")
 
-    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
+    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0, backendName=""):
         self.startTime = startTime
         self.postDuration = postDuration
         self.xferDuration = xferDuration
         self.totalBytes = totalBytes
         self.descCount = descCount
+        self.backendName = backendName
 
     def __repr__(self) -> str:
         return (
             f"nixlXferTelemetry(startTime={self.startTime}, postDuration={self.postDuration}, "
-            f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, descCount={self.descCount})"
+            f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, descCount={self.descCount}, "
+            f"backendName={self.backendName!r})"
         )
 
 

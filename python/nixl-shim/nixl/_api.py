@@ -2,6 +2,7 @@
 
 from kvmove.nixl import (
     DEFAULT_COMM_PORT,
+    _bindings as nixlBind,  # noqa: F401 (NIXL's _api has it under this name; programs import it)
     nixl_agent,
     nixl_agent_config,
     nixl_backend_handle,

@@ -1,41 +1,9 @@
-"""``nixl._bindings`` served by kvmove: the telemetry record, descriptor
-list types and exception classes of ``kvmove.nixl`` (NIXL's C++ agent
-itself is not provided)."""
+"""``nixl._bindings`` served by kvmove: this name is ``kvmove.nixl._bindings``
+itself (one module, not a copy), so what a program replaces here
+(``nixlAgent``, as NIXL's own tests do) is what kvmove's agent calls."""
 
-from kvmove.nixl import (
-    NIXL_INIT_AGENT,
-    nixlBackendError,
-    nixlCancelledError,
-    nixlInvalidParamError,
-    nixlMismatchError,
-    nixlNoTelemetryError,
-    nixlNotAllowedError,
-    nixlNotFoundError,
-    nixlNotPostedError,
-    nixlNotSupportedError,
-    nixlRegDList,
-    nixlRemoteDisconnectError,
-    nixlRepostActiveError,
-    nixlUnknownError,
-    nixlXferDList,
-    nixlXferTelemetry,
-)
+import sys
 
-__all__ = [
-    "NIXL_INIT_AGENT",
-    "nixlBackendError",
-    "nixlCancelledError",
-    "nixlInvalidParamError",
-    "nixlMismatchError",
-    "nixlNoTelemetryError",
-    "nixlNotAllowedError",
-    "nixlNotFoundError",
-    "nixlNotPostedError",
-    "nixlNotSupportedError",
-    "nixlRegDList",
-    "nixlRemoteDisconnectError",
-    "nixlRepostActiveError",
-    "nixlUnknownError",
-    "nixlXferDList",
-    "nixlXferTelemetry",
-]
+from kvmove.nixl import _bindings
+
+sys.modules[__name__] = _bindings
