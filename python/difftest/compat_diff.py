@@ -281,8 +281,21 @@ def nixl_module(real):
     return nixl
 
 
+def nixl_bindings(real):
+    if real:
+        try:
+            from nixl import _bindings
+        except ImportError:
+            from nixl_cu12 import _bindings
+        return _bindings
+    from kvmove.nixl import _bindings
+
+    return _bindings
+
+
 class NixlSide:
     def __init__(self, real, name):
+        self.real = real
         self.m = nixl_module(real)
         self.agent = self.m.nixl_agent(name, self.m.nixl_agent_config(backends=["UCX"]))
         self.buf = np.zeros(SIZE, dtype=np.uint8)
@@ -419,6 +432,46 @@ def nixl_steps(s, phase, info):
         def dereg(addr, n):
             return a.deregister_memory(a.get_reg_descs([(addr, n, 0, "")], "DRAM"))
 
+        def unknown_backend():
+            return (
+                a.get_plugin_mem_types("UVX"),
+                len(a.get_plugin_params("UVX")),
+                a.get_backend_mem_types("UVX"),
+                len(a.get_backend_params("UVX")),
+            )
+
+        def telemetry(capture, posted=True):
+            # A 128-byte WRITE in two descriptors into target page 28, by a
+            # second agent of this process (the telemetry NIXL's tests check).
+            if capture not in s.telem:
+                conf = s.m.nixl_agent_config(backends=["UCX"], capture_telemetry=capture)
+                t = s.m.nixl_agent(f"diff-telemetry-{capture}", conf)
+                src = np.arange(128, dtype=np.uint8)
+                t.register_memory([(src.ctypes.data, 128, 0, "")], "DRAM")
+                t.add_remote_agent(base64.b64decode(info["meta"]))
+                s.telem[capture] = (t, src)
+            t, src = s.telem[capture]
+            p, r = src.ctypes.data, s.raddr + 28 * PAGE
+            h = t.initialize_xfer(
+                "WRITE",
+                t.get_xfer_descs([(p, 64, 0), (p + 64, 64, 0)], "DRAM"),
+                t.get_xfer_descs([(r, 64, 0), (r + 64, 64, 0)], "DRAM"),
+                s.remote,
+            )
+            try:
+                if posted:
+                    st = t.transfer(h)
+                    while st == "PROC":
+                        st = t.check_xfer_state(h)
+                tel = t.get_xfer_telemetry(h)
+                return (tel.descCount, tel.totalBytes, tel.startTime > 0, tel.postDuration > 0,
+                        tel.xferDuration >= tel.postDuration)  # fmt: skip
+            finally:
+                t.release_xfer_handle(h)
+
+        b = nixl_bindings(s.real)
+        s.telem = {}
+
         return [
             ("add_remote_agent returns the name", load),
             ("add_remote_agent with the same metadata again", lambda: a.add_remote_agent(base64.b64decode(info["meta"]))),
@@ -466,6 +519,24 @@ def nixl_steps(s, phase, info):
             ("deregister an unknown range", lambda: dereg(spare + 7, PAGE)),
             ("remove an unknown agent", lambda: a.remove_remote_agent("nobody")),
             ("get_xfer_descs of garbage", lambda: a.get_xfer_descs("garbage", "DRAM")),
+            ("get_xfer_descs of tuples without a memory type", lambda: a.get_xfer_descs([(base, PAGE, 0)])),
+            ("get_xfer_descs of 4-tuples", lambda: a.get_xfer_descs([(base, PAGE, 0, 0)], "DRAM")),
+            ("get_xfer_descs of a registration list", lambda: a.get_xfer_descs(s.reg)),
+            ("get_xfer_descs with an unknown memory type", lambda: a.get_xfer_descs([(base, PAGE, 0)], "V-RAM")),
+            ("get_reg_descs of a transfer list", lambda: a.get_reg_descs(loc(0, PAGE))),
+            ("get_reg_descs of tuples without a memory type", lambda: a.get_reg_descs([(base, PAGE, 0, "")])),
+            ("make_prepped_xfer with an unknown operation", lambda: a.make_prepped_xfer("RD", 0, [], 0, [])),
+            ("plugin and backend of an unknown name", unknown_backend),
+            ("create an unknown backend", lambda: a.create_backend("UVX")),
+            ("an agent with an empty name", lambda: s.m.nixl_agent("")),
+            ("an agent named by bytes", lambda: s.m.nixl_agent(b"diff-bytes")),
+            ("nixl_agent_config with an int sync_mode", lambda: s.m.nixl_agent_config(sync_mode=1)),
+            ("telemetry of an unposted transfer, captured", lambda: telemetry(True, posted=False)),
+            ("telemetry of a transfer, captured", lambda: telemetry(True)),
+            ("telemetry of a transfer, not captured", lambda: telemetry(False)),
+            ("a transfer list of DRAM_SEG from tuples", lambda: b.nixlXferDList(b.DRAM_SEG, [(1, 2, 3)]).descCount()),
+            ("a transfer list of 3 zeroed descriptors", lambda: b.nixlXferDList(b.DRAM_SEG, 3).descCount()),
+            ("a registration list from 3-tuples", lambda: b.nixlRegDList(b.DRAM_SEG, [(1, 2, 3)])),
             ("the agent's name", lambda: a.name),
         ]
     if phase == "dead":
