@@ -171,6 +171,7 @@ mod tests {
             max_inflight_requests: 10,
             per_peer_inflight_bytes: 60,
             per_peer_inflight_requests: 10,
+            ..BackpressureConfig::default()
         }
     }
 

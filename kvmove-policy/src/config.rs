@@ -164,6 +164,11 @@ pub struct BackpressureConfig {
     pub per_peer_inflight_bytes: u64,
     /// Requests in flight to one peer. Default 262,144.
     pub per_peer_inflight_requests: u64,
+    /// How long [`crate::Engine::notify`] keeps offering a notification
+    /// to a peer whose inbox is full (it answered busy and queued nothing,
+    /// so offering again cannot deliver it twice). Default 5 s.
+    #[serde(rename = "notify_patience_ms", with = "transport_core::serde_ms")]
+    pub notify_patience: Duration,
 }
 
 impl Default for BackpressureConfig {
@@ -173,6 +178,7 @@ impl Default for BackpressureConfig {
             max_inflight_requests: 1 << 20,
             per_peer_inflight_bytes: 2 << 30,
             per_peer_inflight_requests: 1 << 18,
+            notify_patience: Duration::from_secs(5),
         }
     }
 }

@@ -27,6 +27,10 @@ use transport_core::{Error, ErrorKind, Result};
 mod prober;
 mod transfer;
 
+/// [`Engine::notify`]'s first pause after a busy answer, and its longest.
+const NOTIFY_FIRST_PAUSE: Duration = Duration::from_millis(1);
+const NOTIFY_MAX_PAUSE: Duration = Duration::from_millis(50);
+
 use transfer::{Driver, Lazy, Mode};
 pub use transfer::{Probe, Transfer};
 
@@ -263,6 +267,30 @@ impl Engine {
     /// Closes a segment (see [`Transport::close_segment`]).
     pub async fn close_segment(&self, segment: SegmentId) -> Result<()> {
         self.inner.transport.close_segment(segment).await
+    }
+
+    /// Sends notification `msg` to the peer of `segment` (rule 11; see
+    /// [`Transport::notify`]). A peer whose inbox is full answers
+    /// `Backpressure` and queues nothing, so the notification is offered
+    /// again, after 1 ms and then twice as long each time (at most 50 ms),
+    /// for up to `backpressure.notify_patience`; then, or on any other
+    /// error, the error is returned (a notification is never sent twice).
+    pub async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
+        let patience = self.inner.cfg.backpressure.notify_patience;
+        let started = self.inner.clock.now();
+        let mut pause = NOTIFY_FIRST_PAUSE;
+        loop {
+            match self.inner.transport.notify(segment, msg.clone()).await {
+                Err(e)
+                    if e.kind() == ErrorKind::Backpressure
+                        && self.inner.clock.now().saturating_sub(started).saturating_add(pause) < patience =>
+                {
+                    self.inner.clock.sleep(pause).await;
+                    pause = (pause * 2).min(NOTIFY_MAX_PAUSE);
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Asks the peer `name` whether it is there: opens its segment and

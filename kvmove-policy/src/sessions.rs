@@ -480,7 +480,8 @@ impl Sessions {
 
     // ---- plain notifications ----
 
-    /// Sends a plain notification to `peer` (not a session message).
+    /// Sends a plain notification to `peer` (not a session message),
+    /// offered again while its inbox is full ([`crate::Engine::notify`]).
     pub async fn notify(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
         check_notification(&msg)?;
         if is_session_message(&msg) {
@@ -490,7 +491,7 @@ impl Sessions {
             ));
         }
         let seg = self.inner.use_segment(peer).await?;
-        self.inner.engine.transport().notify(seg.id, msg).await?;
+        self.inner.engine.notify(seg.id, msg).await?;
         metrics::counter!("kvmove_notifications_total", "dir" => "sent").increment(1);
         Ok(())
     }

@@ -25,6 +25,17 @@ struct Scripted {
     gate: Option<Arc<Notify>>,
     /// How the peer named "flaky" answers opens.
     flaky: Mutex<Flaky>,
+    /// How notifications are answered.
+    notes: Mutex<Notes>,
+}
+
+/// Notifications: the first `busy` answer `Backpressure` (a full inbox),
+/// the next `then` (`None`: delivered); `offered` counts them all.
+#[derive(Default)]
+struct Notes {
+    busy: u32,
+    then: Option<ErrorKind>,
+    offered: u32,
 }
 
 /// The peer "flaky": `resets` opens reset in the handshake, then each is
@@ -49,6 +60,7 @@ impl Scripted {
             next: AtomicU64::new(1),
             gate: None,
             flaky: Mutex::default(),
+            notes: Mutex::new(Notes { then: Some(ErrorKind::Unsupported), ..Notes::default() }),
         })
     }
 
@@ -170,7 +182,16 @@ impl Transport for Scripted {
         Ok(())
     }
     async fn notify(&self, _segment: SegmentId, _msg: Vec<u8>) -> Result<()> {
-        Err(Error::new(ErrorKind::Unsupported, "scripted: no notifications"))
+        let mut n = self.notes.lock();
+        n.offered += 1;
+        if n.busy > 0 {
+            n.busy -= 1;
+            return Err(Error::new(ErrorKind::Backpressure, "scripted: the inbox is full"));
+        }
+        match n.then {
+            Some(kind) => Err(Error::new(kind, "scripted notification")),
+            None => Ok(()),
+        }
     }
     fn take_notifications(&self, _max: usize) -> Result<Vec<transport_core::Notification>> {
         Ok(Vec::new())
@@ -828,4 +849,34 @@ async fn unwaited_transfers_give_their_budget_back_to_a_waiting_submit() {
     }
     assert_eq!(e.inflight(), Usage::default());
     assert_eq!(e.active_transfers(), 0);
+}
+
+/// Rule 11 through the engine: a notification a busy peer refused (its
+/// inbox full, nothing queued) is offered again until it is taken, within
+/// `backpressure.notify_patience`; then the busy answer is the caller's.
+/// Any other error is returned at once: a notification is never offered
+/// twice after an answer that may have queued it.
+#[tokio::test]
+async fn a_notification_to_a_busy_peer_is_offered_again_within_the_patience() {
+    let t = Scripted::new(|_, _| RequestStatus::Completed);
+    *t.notes.lock() = Notes { busy: 3, then: None, offered: 0 };
+    let e = Engine::new(t.clone(), fast_policy()).unwrap();
+    with_timeout(e.notify(SegmentId(1), b"kv ready".to_vec())).await.unwrap();
+    assert_eq!(t.notes.lock().offered, 4, "three busy answers, then taken");
+
+    let mut p = fast_policy();
+    p.backpressure.notify_patience = Duration::from_millis(30);
+    let e = Engine::new(t.clone(), p).unwrap();
+    *t.notes.lock() = Notes { busy: u32::MAX, then: None, offered: 0 };
+    let started = std::time::Instant::now();
+    let err = with_timeout(e.notify(SegmentId(1), b"x".to_vec())).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Backpressure);
+    assert!(started.elapsed() < Duration::from_secs(2), "gave up near its patience");
+    let offered = t.notes.lock().offered;
+    assert!((2..=10).contains(&offered), "offered {offered} times in 30 ms of doubling pauses");
+
+    *t.notes.lock() = Notes { busy: 0, then: Some(ErrorKind::ConnectionReset), offered: 0 };
+    let err = with_timeout(e.notify(SegmentId(1), b"x".to_vec())).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ConnectionReset);
+    assert_eq!(t.notes.lock().offered, 1, "not offered again after an answer that may have queued it");
 }
