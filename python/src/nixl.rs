@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvmove_policy::{Probe, Sessions, Transfer};
+use kvmove_policy::{Probe, Transfer};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
@@ -50,10 +50,6 @@ const SPIN_FREE: Duration = Duration::from_micros(250);
 /// How long a spinning caller's poll waits (GIL released) for the end
 /// before it answers `"PROC"`; it returns as soon as the transfer ended.
 const SPIN_WAIT: Duration = Duration::from_millis(1);
-
-/// How long the runtime keeps retrying a notification the peer's full
-/// inbox refused (nothing was queued, so a retry cannot duplicate it).
-const NOTIFY_PATIENCE: Duration = Duration::from_secs(5);
 
 /// How a transfer ended.
 #[derive(Debug, Clone)]
@@ -102,21 +98,6 @@ impl Drop for Reporter {
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// Sends `msg` to `peer`, retrying while its inbox is full.
-async fn notify_patiently(sessions: &Sessions, peer: &str, msg: Vec<u8>) -> Result<()> {
-    let start = Instant::now();
-    let mut pause = Duration::from_millis(1);
-    loop {
-        match sessions.notify(peer, msg.clone()).await {
-            Err(e) if e.kind() == ErrorKind::Backpressure && start.elapsed() + pause < NOTIFY_PATIENCE => {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(50));
-            }
-            r => return r.map_err(|e| e.with("while", "sending the transfer's notification")),
-        }
-    }
 }
 
 /// The descriptor pairs of one NIXL transfer handle, handed to Rust once
@@ -551,7 +532,9 @@ impl NixlXfer {
                 Some(Err(e)) => Err(e),
             };
             if let (Ok(()), Some((peer, msg)), Some(s)) = (&r, notify, sessions) {
-                r = notify_patiently(&s, &peer, msg).await;
+                // Offered again while the peer's inbox is full, as long
+                // as the policy's `notify_patience` (`Engine::notify`).
+                r = s.notify(&peer, msg).await.map_err(|e| e.with("while", "sending the transfer's notification"));
             }
             reporter.0.finish(r.err());
         });
