@@ -178,7 +178,10 @@ enum Msg {
     Hello(u64),
     HelloOk,
     HelloRefused(u64),
-    Grant(u64),
+    /// The initiator asks for unit `id` (the target answers with a grant,
+    /// rule 12). On the wire `ask`; a target also takes `grant`, the word
+    /// earlier builds sent for it.
+    Ask(u64),
 }
 
 fn parse(msg: &[u8]) -> Option<Msg> {
@@ -189,7 +192,7 @@ fn parse(msg: &[u8]) -> Option<Msg> {
         "hello" => hex().map(Msg::Hello),
         "hello-ok" => Some(Msg::HelloOk),
         "hello-refused" => hex().map(Msg::HelloRefused),
-        "grant" => arg.parse().ok().map(Msg::Grant),
+        "ask" | "grant" => arg.parse().ok().map(Msg::Ask),
         _ => None,
     }
 }
@@ -199,7 +202,7 @@ fn encode(m: &Msg) -> String {
         Msg::Hello(fp) => format!("{PREFIX}hello {fp:016x}"),
         Msg::HelloOk => format!("{PREFIX}hello-ok"),
         Msg::HelloRefused(fp) => format!("{PREFIX}hello-refused {fp:016x}"),
-        Msg::Grant(id) => format!("{PREFIX}grant {id}"),
+        Msg::Ask(id) => format!("{PREFIX}ask {id}"),
     }
 }
 
@@ -401,7 +404,7 @@ async fn listen_loop(inner: Arc<ReceiverInner>, asks: mpsc::UnboundedSender<(Str
         }
         for n in inner.sess.take_notifications(256) {
             match parse(&n.msg) {
-                Some(Msg::Grant(id)) => {
+                Some(Msg::Ask(id)) => {
                     let _ = asks.send((n.from, id));
                 }
                 Some(Msg::Hello(fp)) => {
@@ -478,7 +481,7 @@ impl Asker {
             Ask::Local(tx) => tx
                 .send((self.me.clone(), id))
                 .map_err(|_| Error::new(ErrorKind::Internal, "the target side stopped granting")),
-            Ask::Notify => notify(&self.sess, &self.peer, encode(&Msg::Grant(id))).await,
+            Ask::Notify => notify(&self.sess, &self.peer, encode(&Msg::Ask(id))).await,
         }
     }
 
@@ -661,9 +664,10 @@ mod tests {
 
     #[test]
     fn messages_round_trip_and_junk_is_ignored() {
-        for m in [Msg::Hello(0xdead_beef), Msg::HelloOk, Msg::HelloRefused(7), Msg::Grant(1 << 40)] {
+        for m in [Msg::Hello(0xdead_beef), Msg::HelloOk, Msg::HelloRefused(7), Msg::Ask(1 << 40)] {
             assert_eq!(parse(encode(&m).as_bytes()), Some(m));
         }
+        assert_eq!(parse(format!("{PREFIX}grant 5").as_bytes()), Some(Msg::Ask(5)), "an earlier build's ask");
         for junk in [&b"kvmove/1 grant x"[..], b"kvmove/2 grant 1", b"grant 1", b"\xff\xfe", b""] {
             assert_eq!(parse(junk), None);
         }
