@@ -6,10 +6,9 @@
 //! `crate::rx`) reads the bytes itself. Yet the socket is in the runtime's
 //! reactor, and every arrival wakes the runtime thread sleeping in it: on
 //! machines whose idle CPUs halt (VMs) each wake costs tens of
-//! microseconds and preempts the very thread that polls. Measured on this
-//! project's 2-vCPU VM, one 4 KiB write from Python: about one such wake
-//! per transfer on each side, 17-60 us per write depending on where the
-//! threads landed, 20 us with none.
+//! microseconds and preempts the very thread that polls (the README's
+//! single 4 KiB write over the network path has the measurements: about
+//! one such wake per transfer on each side, and what removing it gave).
 //!
 //! While a connection is polled it is *hushed*: its receive low-water
 //! mark (`SO_RCVLOWAT`) is raised to [`MARK`] at most, so arrivals smaller
