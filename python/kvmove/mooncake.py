@@ -60,11 +60,26 @@ class TransferEngine(_NativeTransferEngine):
 
     def initialize(self, local_hostname, metadata_server, protocol, device_name):
         """Starts the engine (see the native method); ``protocol`` is
-        ``"tcp"``, ``"rdma"`` or ``"shm"`` (run as TCP)."""
+        ``"tcp"``, ``"rdma"`` or ``"shm"`` (run as TCP).
+
+        ``metadata_server`` is ``"P2PHANDSHAKE"`` (peers name this engine
+        by its ``host:port``) or a metadata server, as in Mooncake:
+        ``"http://host:port/path"`` (Mooncake's HTTP metadata server) or
+        ``"etcd://host:port"`` / bare ``"host:port"`` (etcd). With a server,
+        ``local_hostname`` is this engine's segment name (any string, e.g.
+        ``"prefill-0"``): it is published there with the address the engine
+        listens on (``MC_TCP_BIND_ADDRESS``, else the name's host when it is
+        an address of this machine, else this machine's outward address;
+        a free port) and removed at :meth:`close`; peers pass the name as
+        ``target_hostname``. Records are kvmove's own (``kvmove/segments/``
+        keys): stand-in engines find each other, not Mooncake's."""
         return super().initialize(local_hostname, metadata_server, _protocol(protocol), device_name)
 
     def initialize_ext(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
-        """``initialize`` with an explicit metadata type (``"p2p"`` only)."""
+        """``initialize`` with an explicit metadata type: as Mooncake, a
+        ``metadata_server`` without ``scheme://`` (and not
+        ``"P2PHANDSHAKE"``) gets ``metadata_type`` (``"etcd"``, ``"http"``)
+        as its scheme."""
         return super().initialize_ext(local_hostname, metadata_server, _protocol(protocol), device_name, metadata_type)
 
     def metrics(self) -> dict:

@@ -4,6 +4,8 @@ use std::sync::Arc;
 
 use transport_core::{Error, ErrorKind, Result, Transport};
 
+pub(crate) mod metadata;
+
 /// Environment variable that overrides the protocol `initialize` asks for
 /// (`tcp` or `rdma`): lets an unmodified caller that hard-codes `"rdma"`
 /// (SGLang does) run over TCP on a machine without RDMA.
@@ -34,24 +36,22 @@ pub(crate) struct BackendOptions {
 }
 
 impl BackendOptions {
-    /// Parses Mooncake's `initialize` arguments. `local_hostname` may be
-    /// `host` or `host:port` (IPv6 as `[addr]:port`). `metadata_server` must
-    /// be `P2PHANDSHAKE` (peer-to-peer: the segment name is the peer's
-    /// `host:port`); other stores are refused with a `Config` error.
+    /// Parses Mooncake's `initialize` arguments, and the metadata server
+    /// they name (`None`: peer-to-peer). `local_hostname` may be `host` or
+    /// `host:port` (IPv6 as `[addr]:port`). With `P2PHANDSHAKE` (or `p2p`,
+    /// or empty) the engine listens there and its segment name is the
+    /// address; with a metadata server (`http://...`, `etcd://host:port`,
+    /// bare `host:port`) `local_hostname` is a name, and the engine listens
+    /// where [`metadata::listen_address`] says. `redis://` and other
+    /// stores are refused with an `Unsupported` error, malformed ones with
+    /// a `Config` error.
     pub(crate) fn from_mooncake(
         local_hostname: &str,
         metadata_server: &str,
         protocol: &str,
         device_name: &str,
-    ) -> Result<Self> {
-        let meta = metadata_server.trim();
-        if !(meta.eq_ignore_ascii_case("P2PHANDSHAKE") || meta.is_empty() || meta.eq_ignore_ascii_case("p2p")) {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "only peer-to-peer metadata (\"P2PHANDSHAKE\") is supported by the Python package",
-            )
-            .with("metadata_server", metadata_server));
-        }
+    ) -> Result<(Self, Option<metadata::Server>)> {
+        let meta = metadata::Server::parse(metadata_server)?;
         let protocol = std::env::var(PROTOCOL_ENV)
             .ok()
             .filter(|p| !p.is_empty())
@@ -62,10 +62,13 @@ impl BackendOptions {
             return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
                 .with("protocol", protocol));
         }
-        let (host, port) = split_host_port(local_hostname)?;
+        let (host, port) = match &meta {
+            None => split_host_port(local_hostname)?,
+            Some(_) => metadata::listen_address(local_hostname)?,
+        };
         // Every NIC named ("mlx5_0,mlx5_1"): several become rails.
         let device = device_name.split(',').map(str::trim).filter(|d| !d.is_empty()).collect::<Vec<_>>().join(",");
-        Ok(Self { protocol, host, port, device })
+        Ok((Self { protocol, host, port, device }, meta))
     }
 
     /// `host:port` to listen on.
@@ -237,11 +240,21 @@ mod tests {
     }
 
     #[test]
-    fn metadata_must_be_p2p() {
-        assert!(BackendOptions::from_mooncake("h", "P2PHANDSHAKE", "tcp", "").is_ok());
-        let e = BackendOptions::from_mooncake("h", "etcd://127.0.0.1:2379", "tcp", "").unwrap_err();
+    fn metadata_servers() {
+        let (o, meta) = BackendOptions::from_mooncake("h:7", "P2PHANDSHAKE", "tcp", "").unwrap();
+        assert_eq!((o.host.as_str(), o.port, meta), ("h", 7, None));
+        // A name: listened on at a free port of its address.
+        let (o, meta) = BackendOptions::from_mooncake("127.0.0.1:12345", "etcd://127.0.0.1:2379", "tcp", "").unwrap();
+        assert_eq!((o.host.as_str(), o.port), ("127.0.0.1", 0));
+        assert!(matches!(meta, Some(metadata::Server::Etcd(_))));
+        let (_, meta) = BackendOptions::from_mooncake("127.0.0.1", "http://127.0.0.1:8080/m", "tcp", "").unwrap();
+        assert!(matches!(meta, Some(metadata::Server::Http(_))));
+        let e = BackendOptions::from_mooncake("h", "redis://127.0.0.1:6379", "tcp", "").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported);
-        let o = BackendOptions::from_mooncake("h:5", "P2PHANDSHAKE", "rdma", "mlx5_1, mlx5_2").unwrap();
+        assert!(e.to_string().contains("redis"), "{e}");
+        let e = BackendOptions::from_mooncake("h", "http://:8080/m", "tcp", "").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        let (o, _) = BackendOptions::from_mooncake("h:5", "P2PHANDSHAKE", "rdma", "mlx5_1, mlx5_2").unwrap();
         assert_eq!(o.device, "mlx5_1,mlx5_2");
         let cfg = engine_config(Some(&o), None).unwrap();
         let text = cfg.to_toml().unwrap();
@@ -252,7 +265,7 @@ mod tests {
 
     #[test]
     fn config_overrides_listen_and_keeps_the_rest() {
-        let o = BackendOptions::from_mooncake("127.0.0.1:7000", "P2PHANDSHAKE", "tcp", "").unwrap();
+        let (o, _) = BackendOptions::from_mooncake("127.0.0.1:7000", "P2PHANDSHAKE", "tcp", "").unwrap();
         let base = "[backend.tcp]\nlanes = 2\n[policy.retry]\nmax_attempts = 1\n";
         let cfg = engine_config(Some(&o), Some(base)).unwrap();
         assert_eq!(cfg.backend.kind, kvmove::BackendKind::Tcp);

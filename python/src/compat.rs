@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use transport_core::{Buffer, Error, ErrorKind, Opcode, Result};
 
+use crate::backend::metadata::Directory;
 use crate::backend::{self, BackendOptions};
 use crate::core::{Core, RawOp};
 use crate::devmem::Want;
@@ -148,9 +149,14 @@ impl MooncakeEngine {
         }
     }
 
-    /// Starts the engine. `local_hostname` is `host` (a free port is picked,
-    /// see `get_rpc_port`) or `host:port`; `metadata_server` must be
-    /// `"P2PHANDSHAKE"`; `protocol` is `"tcp"` or `"rdma"` (the environment
+    /// Starts the engine. With `metadata_server` `"P2PHANDSHAKE"`,
+    /// `local_hostname` is `host` (a free port is picked, see
+    /// `get_rpc_port`) or `host:port`, and peers name this engine by its
+    /// `host:port`. With a metadata server (`"http://host:port/path"`,
+    /// `"etcd://host:port"` or bare `"host:port"`: etcd), `local_hostname`
+    /// is this engine's segment name, published there (and removed at
+    /// `close`), and peers name it by that string; `redis://` is refused.
+    /// `protocol` is `"tcp"` or `"rdma"` (the environment
     /// variable `KVMOVE_PROTOCOL` overrides it, and Mooncake's `MC_FORCE_TCP=1`
     /// forces `"tcp"` when that is unset); `device_name` names the RDMA
     /// device; a comma-separated list makes each a rail (empty = first device).
@@ -170,14 +176,22 @@ impl MooncakeEngine {
             if self.core.lock().is_some() {
                 return Err(invalid("TransferEngine is already initialized"));
             }
-            let opts =
+            let (opts, meta) =
                 BackendOptions::from_mooncake(local_hostname, metadata_server, protocol, device_name.unwrap_or(""))?;
             let base = backend::base_config_from_env()?;
             let mut cfg = backend::engine_config(Some(&opts), base.as_deref())?;
             if let Some(policy) = policy_from_env()? {
                 cfg.policy = policy;
             }
-            let core = py.allow_threads(|| Core::start(&cfg))?;
+            let core = py.allow_threads(|| {
+                let mut core = Core::start(&cfg)?;
+                if let Some(server) = meta {
+                    // Not published: the engine stops as `core` drops.
+                    let dir = Directory::publish(server, local_hostname, core.session_id(), &core.backend())?;
+                    core.attach_directory(dir);
+                }
+                Ok::<_, Error>(core)
+            })?;
             *self.core.lock() = Some(Arc::new(core));
             Ok(())
         })();
@@ -187,7 +201,11 @@ impl MooncakeEngine {
         Self::code(py, "initialize", r)
     }
 
-    /// `initialize` with an explicit metadata type (`"p2p"` only).
+    /// `initialize` with an explicit metadata type, as Mooncake builds its
+    /// connection string: a `metadata_server` with a scheme, or
+    /// `"P2PHANDSHAKE"`, is used as it is; else `metadata_type` (`"etcd"`,
+    /// `"http"`, ...) becomes its scheme (`"p2p"` or empty: peer-to-peer
+    /// with the server string as it is).
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, metadata_type))]
     fn initialize_ext(
         &self,
@@ -198,12 +216,17 @@ impl MooncakeEngine {
         device_name: Option<&str>,
         metadata_type: &str,
     ) -> i64 {
-        let meta = if metadata_type.eq_ignore_ascii_case("p2p") || metadata_type.is_empty() {
-            metadata_server
+        let kind = metadata_type.trim();
+        let meta = if metadata_server.contains("://")
+            || metadata_server.trim().eq_ignore_ascii_case("P2PHANDSHAKE")
+            || kind.is_empty()
+            || kind.eq_ignore_ascii_case("p2p")
+        {
+            metadata_server.to_owned()
         } else {
-            metadata_type
+            format!("{kind}://{metadata_server}")
         };
-        self.initialize(py, local_hostname, meta, protocol, device_name)
+        self.initialize(py, local_hostname, &meta, protocol, device_name)
     }
 
     /// The port peers reach this engine on; the session id peers pass as
@@ -216,10 +239,12 @@ impl MooncakeEngine {
         }
     }
 
-    /// This engine's session id (`host:port`) — an addition to Mooncake's API.
+    /// The name peers pass as `target_hostname` to reach this engine — an
+    /// addition to Mooncake's API: its `host:port`, or in metadata mode its
+    /// segment name (`local_hostname`).
     fn get_session_id(&self) -> PyResult<String> {
         self.core()
-            .map(|c| c.session_id().to_owned())
+            .map(|c| c.segment_name().to_owned())
             .map_err(|e| Python::with_gil(|py| crate::errors::to_pyerr(py, &e)))
     }
 
@@ -547,7 +572,8 @@ impl MooncakeEngine {
         }
     }
 
-    /// 0 when the peer `host:port` answers a round trip (its segment is
+    /// 0 when the peer (`host:port`, or a segment name in metadata mode)
+    /// answers a round trip (its segment is
     /// opened and one byte of its memory read), else -1: a peer that is
     /// gone, or stopped and silent for the probe's timeout (2 s). Asks the
     /// peer every time, also while its circuit breaker is open; a success

@@ -18,6 +18,7 @@ use tokio::runtime::Runtime;
 use transport_core::{Access, Error, ErrorKind, MemoryKind, Notification, Opcode, Result, SegmentId, TransferRequest};
 
 use crate::backend;
+use crate::backend::metadata::Directory;
 use crate::devmem::{self, Want};
 use crate::regions::{Entry, Regions};
 
@@ -39,6 +40,9 @@ pub(crate) struct Core {
     regions: Mutex<Regions>,
     /// Segments opened by name for the Mooncake API (one per peer).
     by_name: Mutex<HashMap<String, SegmentId>>,
+    /// The metadata server's names (Mooncake API in metadata mode): peer
+    /// names are looked up there instead of being `host:port`.
+    directory: Option<Directory>,
     /// The session driver (Pythonic API), started on first use. While it
     /// runs it owns the transport's notification inbox.
     sessions: Mutex<Option<Sessions>>,
@@ -92,6 +96,7 @@ impl Core {
             session_id,
             regions: Mutex::new(Regions::default()),
             by_name: Mutex::new(HashMap::new()),
+            directory: None,
             sessions: Mutex::new(None),
             closed: AtomicBool::new(false),
             closing: tokio::sync::watch::channel(false).0,
@@ -196,9 +201,40 @@ impl Core {
         Ok(())
     }
 
-    /// The name peers use to reach this engine (`host:port`).
+    /// The address peers reach this engine at (`host:port`).
     pub(crate) fn session_id(&self) -> &str {
         &self.session_id
+    }
+
+    /// Looks peer names up in `directory` (which holds this engine's own
+    /// record) from now on.
+    pub(crate) fn attach_directory(&mut self, directory: Directory) {
+        self.directory = Some(directory);
+    }
+
+    /// The name peers pass to reach this engine: its segment name in
+    /// metadata mode, else its address.
+    pub(crate) fn segment_name(&self) -> &str {
+        self.directory.as_ref().map_or(&self.session_id, Directory::name)
+    }
+
+    /// The address of the peer `name`: the name itself (`host:port`), or
+    /// in metadata mode the address the metadata server gives for it.
+    fn address_of<'a>(&self, name: &'a str) -> Result<std::borrow::Cow<'a, str>> {
+        match &self.directory {
+            None => check_peer_name(name).map(|()| name.into()),
+            Some(d) => d.resolve(name).map(Into::into),
+        }
+    }
+
+    /// After a failure that says the peer went away, its address is looked
+    /// up again next time (a restarted peer listens elsewhere).
+    fn forget_address_after(&self, name: &str, err: &Error) {
+        if let Some(d) = &self.directory {
+            if err.kind().reopens_segment() {
+                d.forget(name);
+            }
+        }
     }
 
     /// The port of [`Core::session_id`].
@@ -385,8 +421,8 @@ impl Core {
     /// Opens a new, independent handle to a peer's segment.
     pub(crate) fn open_segment(&self, name: &str) -> Result<SegmentId> {
         self.live()?;
-        check_peer_name(name)?;
-        self.rt.block_on(self.engine.open_segment(name))
+        let addr = self.address_of(name)?;
+        self.rt.block_on(self.engine.open_segment(&addr)).inspect_err(|e| self.forget_address_after(name, e))
     }
 
     /// Asks the peer `name` whether it is there (a real round trip, see
@@ -394,8 +430,8 @@ impl Core {
     /// success closes it.
     pub(crate) fn probe(&self, name: &str) -> Result<()> {
         self.live()?;
-        check_peer_name(name)?;
-        self.rt.block_on(self.engine.probe(name))
+        let addr = self.address_of(name)?;
+        self.rt.block_on(self.engine.probe(&addr)).inspect_err(|e| self.forget_address_after(name, e))
     }
 
     /// Closes a handle from [`Core::open_segment`].
@@ -428,6 +464,7 @@ impl Core {
         if !err.kind().reopens_segment() {
             return;
         }
+        self.forget_address_after(name, err);
         let mut map = self.by_name.lock();
         if map.get(name) == Some(&seg) {
             map.remove(name);
@@ -532,6 +569,12 @@ impl Core {
             return Vec::new();
         }
         self.closing.send_replace(true);
+        // Peers stop finding this engine before it stops answering.
+        if let Some(d) = &self.directory {
+            if let Err(e) = d.unpublish() {
+                eprintln!("kvmove: could not remove segment {:?} from the metadata server: {e}", d.name());
+            }
+        }
         self.by_name.lock().clear();
         // The session driver first: its tasks use the transport.
         if let Some(s) = self.sessions.lock().take() {

@@ -97,7 +97,7 @@ def test_uninitialized_and_closed_engines():
     assert e.get_rpc_port() == -1
     assert e.register_memory(4096, 16) == -1
     assert e.transfer_sync_write("127.0.0.1:1", 4096, 4096, 16) == -1
-    assert e.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert e.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == -1
     assert e.last_error().kind == "unsupported"
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "carrier-pigeon", "") == -1
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
