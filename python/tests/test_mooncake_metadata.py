@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -23,6 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvmove.mooncake import TransferEngine
+
+SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mooncake-shim")
 
 PREFIX = "kvmove/segments/"
 
@@ -365,3 +368,45 @@ def test_engines_find_each_other_through_etcd(etcd, monkeypatch):
         a.close()
         b.close()
     assert etcd_range(etcd, PREFIX + "decode-0") is None
+
+
+def test_the_shims_http_metadata_server(tmp_path, monkeypatch):
+    """``python -m mooncake.http_metadata_server`` with the shim on the
+    path (Mooncake's CI starts its server so): engines find each other
+    through it."""
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [SHIM, os.environ.get("PYTHONPATH", "")] if p))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake.http_metadata_server", "--port", str(port), "--host", "127.0.0.1"],
+        cwd=tmp_path,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}/metadata"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}?key=probe", timeout=1)
+            except urllib.error.HTTPError as e:
+                assert e.code == 404
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.1)
+        with TransferEngine() as a, TransferEngine() as b:
+            assert a.initialize("127.0.0.1:12345", url, "tcp", "") == 0, a.last_error()
+            assert b.initialize("127.0.0.1:12347", url, "tcp", "") == 0, b.last_error()
+            with urllib.request.urlopen(f"{url}?key=" + urllib.parse.quote(PREFIX + "127.0.0.1:12345", safe="")) as r:
+                assert json.loads(r.read())["address"] == f"127.0.0.1:{a.get_rpc_port()}"
+            pair_by_name(a, b, "127.0.0.1:12345", "127.0.0.1:12347")
+            assert b.send_probe("unreachable_peer:9") != 0
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            urllib.request.urlopen(f"{url}?key=" + urllib.parse.quote(PREFIX + "127.0.0.1:12345", safe=""))
+        assert gone.value.code == 404
+        with pytest.raises(urllib.error.HTTPError) as nokey:
+            urllib.request.urlopen(url)
+        assert nokey.value.code == 400
+    finally:
+        proc.terminate()
+        proc.wait(10)
