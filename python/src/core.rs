@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvmove_policy::session::SessionLimits;
 use kvmove_policy::{Engine, Sessions, Transfer, TransferOutcome};
@@ -144,25 +144,12 @@ impl Core {
         Ok(s)
     }
 
-    /// Sends `msg` to the peer of `seg` (Mooncake API), retrying while the
-    /// peer's inbox is full (`Backpressure`: nothing was queued, so a retry
-    /// cannot duplicate it) for up to `limit`.
-    pub(crate) fn notify_segment(&self, seg: SegmentId, msg: Vec<u8>, limit: Duration) -> Result<()> {
+    /// Sends `msg` to the peer of `seg` (Mooncake API), offered again while
+    /// the peer's inbox is full for the policy's `notify_patience`
+    /// ([`Engine::notify`](kvmove_policy::Engine::notify)).
+    pub(crate) fn notify_segment(&self, seg: SegmentId, msg: Vec<u8>) -> Result<()> {
         self.live()?;
-        let transport = self.engine.transport().clone();
-        self.rt.block_on(async move {
-            let start = Instant::now();
-            let mut pause = Duration::from_millis(1);
-            loop {
-                match transport.notify(seg, msg.clone()).await {
-                    Err(e) if e.kind() == ErrorKind::Backpressure && start.elapsed() + pause < limit => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_millis(50));
-                    }
-                    r => return r,
-                }
-            }
-        })
+        self.rt.block_on(self.engine.notify(seg, msg))
     }
 
     /// Takes every notification received so far (Mooncake API), oldest

@@ -3,8 +3,6 @@
 //! operations from Mooncake's parallel lists, and reading its opcodes and
 //! the policy override.
 
-use std::time::Duration;
-
 use kvmove_policy::{PolicyConfig, TransferOutcome};
 use transport_core::{Opcode, Result};
 
@@ -14,10 +12,6 @@ use crate::errors::invalid;
 /// Mooncake's opcode numbering (`TransferOpcode.Read` / `.Write`).
 const OPCODE_READ: i64 = 0;
 const OPCODE_WRITE: i64 = 1;
-
-/// How long a notification waits for room in a full peer inbox before the
-/// transfer call gives up with -1 (the data itself has landed).
-const NOTIFY_PATIENCE: Duration = Duration::from_secs(5);
 
 /// Submits, waits, and drops the cached segment if the peer went away.
 /// With `notify`, the message goes to the target once every request
@@ -34,7 +28,7 @@ pub(super) fn run_sync(core: &Core, target: &str, ops: &[RawOp], notify: Option<
             .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
     }
     if let Some(msg) = notify {
-        core.notify_segment(seg, msg, NOTIFY_PATIENCE)
+        core.notify_segment(seg, msg)
             .map_err(|e| e.with("while", "sending the notification (the data landed)"))
             .inspect_err(|e| core.forget_segment_after(target, seg, e))?;
     }
