@@ -19,7 +19,11 @@ How it maps onto kvmove:
   config and ``KVMOVE_POLICY`` a JSON policy, as for the Mooncake API.
 * Agent metadata (``get_agent_metadata``) is bytes carrying the agent's
   name, its engine's session id and its registered regions; the peer loads
-  them with ``add_remote_agent``.
+  them with ``add_remote_agent``, or through its metadata listener
+  (``enable_listen_thread``: ``send_local_metadata``,
+  ``fetch_remote_metadata``, ... over kvmove's own wire, see ``_listen``).
+  Partial metadata (``get_partial_agent_metadata``) lists some regions;
+  a peer that loaded only those refuses descriptors outside them.
 * Remote descriptors are checked against the regions in the remote agent's
   metadata when they are prepared, and again by the peer's engine when the
   transfer runs.

@@ -7,17 +7,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import secrets
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._engine import Engine
 from .._native import HAS_RDMA, NixlOps, TransferError, nixl_desc_rows, nixl_index_words
-from . import _bindings
+from . import _bindings, _listen
 from ._base import (
     logger,
+    DEFAULT_COMM_PORT,
     NIXL_INIT_AGENT,
     _MD_MAGIC,
     _peer_gone,
@@ -58,6 +61,7 @@ from ._handles import (
     nixl_prepped_dlist_handle,
     nixlXferTelemetry,
     nixl_xfer_handle,
+    _Courier,
     _Remote,
     _uncovered,
     _packed,
@@ -150,6 +154,16 @@ class nixl_agent:
         self._remotes: Dict[str, _Remote] = {}
         self._self_session = None  # loopback transfers
         self.notifs: Dict[str, List[bytes]] = {}
+        #: This agent's instance in its metadata (NIXL's connection info
+        #: changes when an agent restarts; a session id may not).
+        self._conn = secrets.token_hex(8)
+        self._listener: Optional[_listen.Listener] = None
+        self._md_courier: Optional[_Courier] = None
+        if conf.enable_listen:
+            # NIXL's metadata listener, on the host this agent advertises
+            # (never every interface unless that is what is set).
+            host = _listen.listen_host(os.environ.get("KVMOVE_NIXL_HOST"))
+            self._listener = _listen.Listener(host, int(conf.port), _listen.agent_handler(self), self.name)
         self.plugin_list = [b for b in _BACKENDS if b != "RDMA" or HAS_RDMA]
         names = self.plugin_list[:1] if (instantiate_all and nixl_conf is None) else conf.backends
         for b in names:
@@ -375,44 +389,70 @@ class nixl_agent:
                 "name": self.name,
                 "session_id": eng.session_id,
                 "backend": eng.backend,
+                "conn": self._conn,
                 "regions": sorted([r.addr, r.length] for r in self._regions.values()),
             }
         return _MD_MAGIC + json.dumps(md, separators=(",", ":")).encode()
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
-        """Loads a remote agent's metadata (from its ``get_agent_metadata``);
-        returns its name as ``bytes``, as NIXL does (every method taking an
-        agent name takes ``str`` or ``bytes``). Loading the same metadata
-        again returns the name; other metadata under a loaded name raises
-        ``nixlNotAllowedError`` (``remove_remote_agent`` it first, as NIXL
-        wants); metadata that is not a kvmove agent's raises
-        ``nixlMismatchError``, as NIXL's own for unreadable metadata."""
+        """Loads a remote agent's metadata (from its ``get_agent_metadata``
+        or ``get_partial_agent_metadata``); returns its name as ``bytes``,
+        as NIXL does (every method taking an agent name takes ``str`` or
+        ``bytes``). Metadata of a loaded agent adds the regions it lists,
+        as NIXL's: the same agent's metadata again is fine, partial
+        metadata without connection info needs the agent loaded
+        (``nixlNotFoundError``), and metadata of another instance under a
+        loaded name (a restarted peer) raises ``nixlNotAllowedError``
+        (``remove_remote_agent`` it first, as NIXL wants); this agent's own
+        raises ``nixlInvalidParamError``, and metadata that is not a kvmove
+        agent's ``nixlMismatchError``, as NIXL's own for unreadable
+        metadata."""
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise nixlInvalidParamError(f"metadata must be bytes, not {type(metadata).__name__}")
-        metadata = bytes(metadata)
+        return self._load_md(bytes(metadata)).encode()
+
+    def _load_md(self, metadata: bytes) -> str:
+        """``add_remote_agent`` (also what the listener loads); returns
+        the agent's name."""
         if not metadata.startswith(_MD_MAGIC):
             raise nixlMismatchError("not kvmove NIXL agent metadata (both sides must run kvmove's nixl_agent)")
         try:
             md = json.loads(metadata[len(_MD_MAGIC) :])
-            name, sid, backend = str(md["name"]), str(md["session_id"]), str(md["backend"])
+            name = str(md["name"])
             regions = [(int(a), int(n)) for a, n in md["regions"]]
+            if any(a < 0 or n < 0 or a + n >= 1 << 64 for a, n in regions):
+                raise ValueError("a region outside the address space")
+            # Connection info: in full metadata, and in partial metadata
+            # made with it.
+            conn = (str(md["session_id"]), str(md["backend"]), str(md.get("conn", ""))) if "session_id" in md else None
         except (ValueError, KeyError, TypeError) as e:
             raise nixlMismatchError(f"malformed agent metadata: {e}") from None
+        if name == self.name:
+            raise nixlInvalidParamError(f"metadata of agent {name!r} is this agent's own (no need to load it)")
         with self._lock:
             eng = self._need_engine()
-            if backend != eng.backend:
-                raise nixlMismatchError(
-                    f"remote agent {name!r} runs kvmove over {backend}, this agent over {eng.backend}"
-                )
             old = self._remotes.get(name)
+            if conn is not None:
+                sid, backend, token = conn
+                if backend != eng.backend:
+                    raise nixlMismatchError(
+                        f"remote agent {name!r} runs kvmove over {backend}, this agent over {eng.backend}"
+                    )
+                if old is not None and (old.session_id, old.conn) != (sid, token):
+                    raise nixlNotAllowedError(
+                        f"agent {name!r} is loaded with other connection info (remove_remote_agent it first: a "
+                        "restarted peer)"
+                    )
             if old is not None:
-                if old.metadata == metadata:
-                    return name.encode()
-                raise nixlNotAllowedError(
-                    f"agent {name!r} is loaded with other metadata (remove_remote_agent it first: a restarted peer)"
+                old.add(regions)
+            elif conn is None:
+                raise nixlNotFoundError(
+                    f"partial metadata of agent {name!r} without its connection info, and that agent is not loaded "
+                    "(send its metadata with inc_conn_info=True first)"
                 )
-            self._remotes[name] = _Remote(name, sid, regions, backend, metadata)
-        return name.encode()
+            else:
+                self._remotes[name] = _Remote(name, conn[0], regions, conn[1], conn[2])
+        return name
 
     @_non_blocking
     def remove_remote_agent(self, agent: str) -> None:
@@ -439,7 +479,153 @@ class nixl_agent:
         if descs is None:
             return True
         d = self._xfer_descs(descs, "DRAM" if not isinstance(descs, _DList) else None)
-        return _uncovered(r.starts, r.ends, d) < 0
+        return _uncovered(*r.bounds, d) < 0
+
+    def get_partial_agent_metadata(self, descs, inc_conn_info: bool = False, backends: Sequence[str] = ()) -> bytes:
+        """Metadata of only the regions ``descs`` (a ``nixlRegDList``; each
+        descriptor a region registered whole, else ``nixlNotFoundError``,
+        as NIXL), with how to reach this agent if ``inc_conn_info`` or
+        ``descs`` is empty. A peer that loads it can use only those regions
+        of this agent; it needs the connection info once, first. An
+        unknown backend name is a ``KeyError``, as NIXL's."""
+        for b in backends:
+            self.backends[b]  # noqa: B018 (KeyError, as NIXL's lookup)
+        d = self._reg_descs(descs, "DRAM" if not isinstance(descs, _DList) else None)
+        with self._lock:
+            eng = self._need_engine()
+            regions = []
+            for addr, length, _ in d:
+                r = self._regions.get(addr)
+                if r is None or r.length != length:
+                    raise nixlNotFoundError(
+                        f"get_partial_agent_metadata: {addr:#x} ({length} bytes) is not a registered region (partial "
+                        "metadata lists regions registered whole, as NIXL's)"
+                    )
+                regions.append([addr, length])
+            md = {"name": self.name, "regions": sorted(regions)}
+            if inc_conn_info or len(d) == 0:
+                md.update(session_id=eng.session_id, backend=eng.backend, conn=self._conn)
+        return _MD_MAGIC + json.dumps(md, separators=(",", ":")).encode()
+
+    def listen_address(self) -> Optional[Tuple[str, int]]:
+        """The ``(host, port)`` this agent's metadata listener is bound to
+        (the port picked for ``listen_port=0``), or None without one.
+        kvmove addition: NIXL does not report the port."""
+        lst = self._listener
+        return lst.address if lst is not None else None
+
+    def _peer(self, call: str, ip_addr, port) -> Tuple[str, int]:
+        """Where a metadata call goes: a peer's listener, by IP address.
+        Without one NIXL uses its central metadata server (etcd), which
+        kvmove does not have."""
+        if not ip_addr:
+            for var in ("NIXL_ETCD_ENDPOINTS", "NIXL_TCPSTORE_ENDPOINT"):
+                if os.environ.get(var):
+                    raise nixlNotSupportedError(
+                        f"{call} without ip_addr uses NIXL's central metadata server ({var} is set): kvmove has none; "
+                        "give the peer's ip_addr and port (its listener), or exchange get_agent_metadata() yourself"
+                    )
+            raise nixlInvalidParamError(
+                f"{call}: no peer address given and no central metadata server (kvmove has none: give ip_addr and port)"
+            )
+        return str(ip_addr), int(port)
+
+    def _md_submit(self, what: str, ip: str, port: int, kind: bytes, payload: bytes) -> None:
+        """Sends one request to the listener at ``ip:port`` on this agent's
+        metadata thread, after the ones before it, and returns at once, as
+        NIXL's calls do: what fails there is logged on ``kvmove.nixl``. The
+        answer to ``SEND`` is loaded (on an agent with a listener, as in
+        NIXL, where the listen thread reads it)."""
+        ref = weakref.ref(self)
+        name = self.name
+
+        def run():
+            addr = _listen.peer_address(ip)
+            if addr is None:
+                logger.error("%s from agent %r: %r is not an IP address", what, name, ip)
+                return
+            try:
+                kind_got, answer = _listen.exchange(addr, port, kind, payload)
+            except (OSError, ValueError) as e:
+                logger.error("%s from agent %r to %s:%d failed: %s", what, name, ip, port, e)
+                return
+            if kind_got == _listen.ERR:
+                logger.error("%s from agent %r: the agent at %s:%d refused it: %s", what, name, ip, port,
+                             answer.decode("utf-8", "replace"))  # fmt: skip
+            elif kind_got == _listen.LOAD and kind == _listen.SEND:
+                a = ref()
+                if a is None or a._listener is None:
+                    if a is not None:
+                        logger.warning(
+                            "fetch_remote_metadata from agent %r: the answer is not loaded without a listener "
+                            "(nixl_agent_config(enable_listen_thread=True)), as in NIXL", name
+                        )
+                    return
+                try:
+                    got = a._load_md(answer)
+                    logger.info("agent %r loaded metadata of agent %r fetched from %s:%d", name, got, ip, port)
+                except nixlError as e:
+                    logger.error("%s from agent %r: loading the answer from %s:%d failed: %s", what, name, ip, port, e)
+            elif kind_got != _listen.OK:
+                logger.error("%s from agent %r: the agent at %s:%d answered %r", what, name, ip, port, kind_got)
+
+        with self._lock:
+            if self._md_courier is None:
+                self._md_courier = _Courier(f"{name}-metadata")
+            courier = self._md_courier
+        courier.submit(run)
+
+    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Sends this agent's metadata (as ``get_agent_metadata`` now) to
+        the listener of the agent at ``ip_addr:port``, which loads it in
+        the background; returns at once, as NIXL's (the peer polls
+        ``check_remote_metadata``). Without ``ip_addr`` NIXL uses its
+        central metadata server: ``nixlNotSupportedError`` when
+        ``NIXL_ETCD_ENDPOINTS`` is set, else ``nixlInvalidParamError``."""
+        ip, port = self._peer("send_local_metadata", ip_addr, port)
+        self._md_submit("send_local_metadata", ip, port, _listen.LOAD, self.get_agent_metadata())
+
+    def send_partial_agent_metadata(
+        self,
+        descs,
+        inc_conn_info: bool = False,
+        backends: Sequence[str] = (),
+        ip_addr: str = "",
+        port: int = DEFAULT_COMM_PORT,
+        label: str = "",
+    ) -> None:
+        """``send_local_metadata`` of ``get_partial_agent_metadata(descs,
+        inc_conn_info, backends)``; ``label`` names it on a central
+        metadata server (none here: unused)."""
+        md = self.get_partial_agent_metadata(descs, inc_conn_info, backends)
+        ip, port = self._peer("send_partial_agent_metadata", ip_addr, port)
+        self._md_submit("send_partial_agent_metadata", ip, port, _listen.LOAD, md)
+
+    def fetch_remote_metadata(
+        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
+    ) -> None:
+        """Asks the listener at ``ip_addr:port`` for its agent's metadata
+        and loads the answer in the background; returns at once, as NIXL's
+        (poll ``check_remote_metadata(remote_agent)``). As in NIXL the
+        answer is loaded only by an agent with a listener, whatever agent
+        answers; a peer that cannot be reached is logged and nothing is
+        loaded."""
+        ip, port = self._peer("fetch_remote_metadata", ip_addr, port)
+        self._md_submit("fetch_remote_metadata", ip, port, _listen.SEND, _agent_name(remote_agent).encode())
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Tells the agent listening at ``ip_addr:port`` to forget this
+        agent (its ``remove_remote_agent``), in order after this agent's
+        earlier metadata calls to it; returns at once, as NIXL's."""
+        ip, port = self._peer("invalidate_local_metadata", ip_addr, port)
+        self._md_submit("invalidate_local_metadata", ip, port, _listen.INVL, self.name.encode())
+
+    def _invalidated(self, name: str) -> None:
+        """A peer's ``invalidate_local_metadata`` reached the listener."""
+        if _agent_name(name) == self.name:
+            raise nixlInvalidParamError("an agent cannot invalidate its own metadata")
+        self.remove_remote_agent(name)
+        logger.info("agent %r forgot agent %r, which invalidated its metadata", self.name, name)
 
     @_non_blocking
     def make_connection(self, remote_agent: str, backends: Sequence[str] = ()) -> None:
@@ -521,8 +707,7 @@ class nixl_agent:
         if agent_name == self.name and agent_name not in self._remotes:
             with self._lock:
                 return self._local_bounds()
-        r = self._remote(agent_name)
-        return r.starts, r.ends
+        return self._remote(agent_name).bounds
 
     def _target(self, agent_name: str) -> str:
         """The session id of a transfer's remote side."""
@@ -594,7 +779,7 @@ class nixl_agent:
             lrows, rrows = local_descs._raw, remote_descs._raw
             if r is not None and local_bounds is not None and lrows and len(lrows) == len(rrows):
                 if operation == "WRITE" or operation == "READ":
-                    ops = NixlOps.pairs(operation == "WRITE", lrows, rrows, None, None, *local_bounds, r.starts, r.ends)[0]
+                    ops = NixlOps.pairs(operation == "WRITE", lrows, rrows, None, None, *local_bounds, *r.bounds)[0]
                     if ops is not None:
                         return nixl_xfer_handle(self, operation, name, ops, _notif_bytes(notif_msg) if notif_msg else b"")
         op = _operation(operation)
@@ -943,6 +1128,13 @@ class nixl_agent:
             self._bounds = None
             remotes = list(self._remotes.values())
             self._remotes.clear()
+            listener, self._listener = self._listener, None
+            md_courier, self._md_courier = self._md_courier, None
+        if listener is not None:
+            listener.close()
+        if md_courier is not None:
+            md_courier.close()
+            md_courier.join(_listen.CONNECT_TIMEOUT + 2 * _listen.IO_TIMEOUT)
         for r in remotes:
             r.courier.close()
         if eng is not None:

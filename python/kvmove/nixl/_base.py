@@ -15,7 +15,7 @@ from .._native import TransferError
 
 logger = logging.getLogger("kvmove.nixl")
 
-#: NIXL's default port for its metadata listener (accepted, unused).
+#: NIXL's default port for an agent's metadata listener.
 DEFAULT_COMM_PORT = 8888
 
 #: The name that marks a local descriptor list in ``prep_xfer_dlist``.

@@ -38,8 +38,10 @@ class nixl_agent_config:
     ``NIXL_TELEMETRY_ENABLE`` says: see ``nixl._bindings.nixlAgent``); the
     progress thread is kvmove's runtime, ``num_threads`` is accepted and
     unused, ``sync_mode`` is recorded as NIXL's agent records it (kvmove's
-    agent is thread-safe in every mode), and the metadata listener
-    (``enable_listen_thread``) is not provided."""
+    agent is thread-safe in every mode), and ``enable_listen_thread``
+    starts the agent's metadata listener on ``listen_port`` (0: a free
+    port; see ``nixl_agent.listen_address``), on the host of
+    ``KVMOVE_NIXL_HOST`` (default ``127.0.0.1``)."""
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -181,6 +181,13 @@ class _Courier:
             self._closed = True
         self.drop_waiting(nixlBackendError(f"agent {self._name!r} was removed or the agent closed before this ran"))
 
+    def join(self, timeout: float) -> None:
+        """After ``close``: waits up to ``timeout`` seconds for the job
+        running, if any, and the thread to end."""
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
     def drop_waiting(self, error: BaseException) -> int:
         """Ends every job that has not started with ``error`` (the one
         running, if any, goes on); returns how many."""
@@ -240,24 +247,41 @@ class _Job:
 
 
 class _Remote:
-    """What an agent knows of a remote agent: its metadata, the session
-    opened to it (on first use), and the courier that does the work that
-    may wait on it."""
+    """What an agent knows of a remote agent: how to reach it, the memory
+    it registered (as far as its metadata said, partial metadata adding
+    to it), the session opened to it (on first use), and the courier that
+    does the work that may wait on it."""
 
-    def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str, metadata: bytes):
+    def __init__(self, name: str, session_id: str, regions: List[Tuple[int, int]], backend: str, conn: str):
         self.name = name
         self.session_id = session_id
         self.backend = backend
-        self.metadata = metadata
+        #: The remote agent's instance (a token its metadata carries): the
+        #: same name and session id with another is a restarted agent.
+        self.conn = conn
         #: The last work with it found it gone (NIXL's disconnected peer):
         #: ``send_notif`` raises until a transfer reconnects.
         self.gone = False
-        order = sorted(regions)
-        # Packed once (``_uncovered`` takes them as they are).
-        self.starts = _packed(np.array([a for a, _ in order], dtype=np.uint64))
-        self.ends = _packed(np.array([a + n for a, n in order], dtype=np.uint64))
+        self._regions: Dict[int, int] = {}
+        #: The starts and ends of its regions, sorted and packed, as one
+        #: tuple (``_uncovered`` and ``NixlOps.pairs`` take them): replaced
+        #: whole when metadata adds regions, so a reader never pairs the
+        #: starts of one with the ends of another.
+        self.bounds: Tuple[bytes, bytes] = (b"", b"")
+        self.add(regions)
         self.session = None
         self.courier = _Courier(name)
+
+    def add(self, regions: List[Tuple[int, int]]) -> None:
+        """Adds regions ``(addr, length)`` (a region at a known address
+        replaces the one there). Call with the agent's lock held."""
+        merged = dict(self._regions)
+        merged.update(regions)
+        order = sorted(merged.items())
+        # Packed once (``_uncovered`` takes them as they are).
+        self.bounds = (_packed(np.array([a for a, _ in order], dtype=np.uint64)),
+                       _packed(np.array([a + n for a, n in order], dtype=np.uint64)))  # fmt: skip
+        self._regions = merged
 
 
 def _uncovered(starts, ends, descs) -> int:
