@@ -81,27 +81,35 @@ impl BackendOptions {
     }
 }
 
-/// Splits `host`, `host:port`, `[v6]` or `[v6]:port`.
+/// `s` as its host and port text: `host`, `host:port`, `[v6]` or
+/// `[v6]:port`. A bare IPv6 address (no brackets, two colons or more) is
+/// the host, whole, with the third value set. The error says what is
+/// wrong.
+pub(crate) fn split_authority(s: &str) -> std::result::Result<(&str, Option<&str>, bool), &'static str> {
+    if let Some(rest) = s.strip_prefix('[') {
+        let (h, after) = rest.split_once(']').ok_or("unclosed '['")?;
+        return match after.strip_prefix(':') {
+            Some(p) => Ok((h, Some(p), false)),
+            None if after.is_empty() => Ok((h, None, false)),
+            None => Err("junk after ']'"),
+        };
+    }
+    Ok(match s.rsplit_once(':') {
+        Some((h, _)) if h.contains(':') => (s, None, true),
+        Some((h, p)) => (h, Some(p), false),
+        None => (s, None, false),
+    })
+}
+
+/// Splits `host`, `host:port`, `[v6]` or `[v6]:port` (or a bare IPv6
+/// address); no port is 0.
 pub(crate) fn split_host_port(s: &str) -> Result<(String, u16)> {
     let s = s.trim();
     let bad = |why: &str| Error::new(ErrorKind::Config, format!("local_hostname: {why}")).with("value", s);
     if s.is_empty() {
         return Err(bad("empty host name"));
     }
-    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
-        let (h, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
-        match after.strip_prefix(':') {
-            Some(p) => (h, Some(p)),
-            None if after.is_empty() => (h, None),
-            None => return Err(bad("junk after ']'")),
-        }
-    } else {
-        match s.rsplit_once(':') {
-            Some((h, _)) if h.contains(':') => (s, None), // bare IPv6
-            Some((h, p)) => (h, Some(p)),
-            None => (s, None),
-        }
-    };
+    let (host, port, _) = split_authority(s).map_err(bad)?;
     if host.is_empty() {
         return Err(bad("empty host name"));
     }

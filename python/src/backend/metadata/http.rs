@@ -46,20 +46,10 @@ impl HostPort {
         if s.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, '/' | '@' | '?' | '#')) {
             return Err(bad("unexpected character"));
         }
-        let (host, port) = if let Some(rest) = s.strip_prefix('[') {
-            let (h, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
-            match after.strip_prefix(':') {
-                Some(p) => (h, Some(p)),
-                None if after.is_empty() => (h, None),
-                None => return Err(bad("junk after ']'")),
-            }
-        } else {
-            match s.rsplit_once(':') {
-                Some((h, _)) if h.contains(':') => return Err(bad("an IPv6 address needs brackets: [addr]:port")),
-                Some((h, p)) => (h, Some(p)),
-                None => (s, None),
-            }
-        };
+        let (host, port, bare_v6) = crate::backend::split_authority(s).map_err(bad)?;
+        if bare_v6 {
+            return Err(bad("an IPv6 address needs brackets: [addr]:port"));
+        }
         if host.is_empty() {
             return Err(bad("empty host"));
         }
