@@ -30,6 +30,7 @@ import base64
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -347,6 +348,119 @@ def connect_nixl(s, info):
     return name
 
 
+def free_port():
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def wait_for(fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not fn() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return fn()
+
+
+def metadata_steps(s):
+    """NIXL's metadata exchange, between agents of this process: the
+    listener (push, fetch, invalidate), a peer nobody listens for, calls
+    without an address, and partial metadata."""
+    m, b, ip = s.m, nixl_bindings(s.real), "127.0.0.1"
+    s.md = {}  # agents and buffers kept to the end (NIXL's crash at exit)
+
+    def agent(name, listen=False, port=0):
+        ag = m.nixl_agent(name, m.nixl_agent_config(True, listen, port, backends=["UCX"]))
+        s.md[name] = ag
+        return ag
+
+    def regions(ag, *fills):
+        bufs = [np.full(PAGE, f, dtype=np.uint8) for f in fills]
+        s.md[f"{ag.name}-bufs-{len(s.md)}"] = bufs
+        ag.register_memory([(x.ctypes.data, PAGE, 0, "") for x in bufs], "DRAM")
+        return bufs
+
+    def descs(ag, bufs, reg=False):
+        if reg:
+            return ag.get_reg_descs([(x.ctypes.data, x.nbytes, 0, "") for x in bufs], "DRAM")
+        return ag.get_xfer_descs([(x.ctypes.data, x.nbytes, 0) for x in bufs], "DRAM")
+
+    def exchange():
+        port = free_port()
+        lst, peer = agent("md-listener", True, port), agent("md-peer", True, 0)
+        calls = (peer.fetch_remote_metadata("md-listener", ip, port), peer.send_local_metadata(ip, port))
+        fetched = wait_for(lambda: peer.check_remote_metadata("md-listener"))
+        pushed = wait_for(lambda: lst.check_remote_metadata("md-peer"))
+        peer.invalidate_local_metadata(ip, port)
+        forgot = wait_for(lambda: not lst.check_remote_metadata("md-peer"))
+        return calls, fetched, pushed, forgot, peer.check_remote_metadata("md-listener")
+
+    def fetch_nobody():
+        peer = agent("md-lonely", True, 0)
+        got = peer.fetch_remote_metadata("nobody", ip, free_port())
+        return got, wait_for(lambda: peer.check_remote_metadata("nobody"), 1.0)
+
+    def taken_port():
+        port = free_port()
+        agent("md-first", True, port)
+        return agent("md-second", True, port)
+
+    def partial():
+        tgt, ini = agent("md-target"), agent("md-init")
+        s.first, s.second = regions(tgt, 1), regions(tgt, 2)
+        s.dst = regions(ini, 0)
+        s.tgt, s.ini = tgt, ini
+        return ini.add_remote_agent(tgt.get_partial_agent_metadata(descs(tgt, s.first, True), True, ["UCX"]))
+
+    def read(remote):
+        h = s.ini.initialize_xfer("READ", descs(s.ini, s.dst), descs(s.ini, remote), "md-target")
+        st = s.ini.transfer(h)
+        while st == "PROC":
+            st = s.ini.check_xfer_state(h)
+        s.ini.release_xfer_handle(h)
+        return st, int(s.dst[0][0])
+
+    def covered():
+        return (s.ini.check_remote_metadata("md-target", descs(s.ini, s.first)),
+                s.ini.check_remote_metadata("md-target", descs(s.ini, s.second)))  # fmt: skip
+
+    def conn_only():
+        other = agent("md-other")
+        name = other.add_remote_agent(s.tgt.get_partial_agent_metadata(b.nixlRegDList(b.DRAM_SEG), False, ["UCX"]))
+        return name, other.check_remote_metadata("md-target"), other.check_remote_metadata("md-target", descs(other, s.first))
+
+    return [
+        ("metadata through a listener: fetch, push, invalidate", exchange),
+        ("fetch_remote_metadata from a port nobody listens on", fetch_nobody),
+        ("send_local_metadata without an address", lambda: s.agent.send_local_metadata()),
+        ("fetch_remote_metadata without an address", lambda: s.agent.fetch_remote_metadata("nobody")),
+        ("invalidate_local_metadata without an address", lambda: s.agent.invalidate_local_metadata()),
+        ("a listener on a taken port", taken_port),
+        ("partial metadata of one region, with connection info", partial),
+        ("which regions partial metadata covers", covered),
+        ("read from a region partial metadata gave", lambda: read(s.first)),
+        ("prep descriptors outside partial metadata", lambda: s.ini.prep_xfer_dlist("md-target", descs(s.ini, s.second))),
+        ("initialize_xfer outside partial metadata", lambda: read(s.second)),
+        (
+            "partial metadata of the other region, without connection info",
+            lambda: s.ini.add_remote_agent(s.tgt.get_partial_agent_metadata(descs(s.tgt, s.second, True), False, ["UCX"])),
+        ),
+        ("which regions partial metadata covers now", covered),
+        ("read from the region added", lambda: read(s.second)),
+        (
+            "partial metadata without connection info of an unknown agent",
+            lambda: agent("md-fresh").add_remote_agent(s.tgt.get_partial_agent_metadata(descs(s.tgt, s.first, True))),
+        ),
+        ("partial metadata of connection info only", conn_only),
+        (
+            "partial metadata of part of a region",
+            lambda: s.tgt.get_partial_agent_metadata(s.tgt.get_reg_descs([(s.first[0].ctypes.data, 64, 0, "")], "DRAM")),
+        ),
+        ("partial metadata with an unknown backend", lambda: s.tgt.get_partial_agent_metadata(descs(s.tgt, s.first, True), True, ["UVX"])),
+        ("full metadata of an agent loaded partially", lambda: s.ini.add_remote_agent(s.tgt.get_agent_metadata())),
+        ("add_remote_agent of the agent's own metadata", lambda: s.ini.add_remote_agent(s.ini.get_agent_metadata())),
+    ]
+
+
 def nixl_steps(s, phase, info):
     a = s.agent
     if phase == "main":
@@ -538,7 +652,7 @@ def nixl_steps(s, phase, info):
             ("a transfer list of 3 zeroed descriptors", lambda: b.nixlXferDList(b.DRAM_SEG, 3).descCount()),
             ("a registration list from 3-tuples", lambda: b.nixlRegDList(b.DRAM_SEG, [(1, 2, 3)])),
             ("the agent's name", lambda: a.name),
-        ]
+        ] + metadata_steps(s)
     if phase == "dead":
         return [
             ("write to a SIGKILLed peer", lambda: xfer(s, "WRITE", [(0, 0, PAGE)], s.remote)),
