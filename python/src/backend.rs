@@ -120,6 +120,17 @@ pub(crate) fn split_host_port(s: &str) -> Result<(String, u16)> {
     Ok((host.to_owned(), port))
 }
 
+/// Who a control channel of the Python package itself answers (the NIXL
+/// API's metadata listener): the shared secret from the environment
+/// (`KVMOVE_SECRET`, else the file `KVMOVE_SECRET_FILE` names), and
+/// whether protected mode is off without one (`KVMOVE_INSECURE=1`), read
+/// as the engines read them. An empty secret is a `Config` error.
+#[pyo3::pyfunction]
+pub(crate) fn control_access(py: pyo3::Python<'_>) -> pyo3::PyResult<(Option<String>, bool)> {
+    let secret = transport_control::access::resolve_secret(None).map_err(|e| crate::errors::to_pyerr(py, &e))?;
+    Ok((secret, transport_control::access::insecure_from_env()))
+}
+
 /// Environment variable naming a kvmove TOML config file (the facade's
 /// `EngineConfig`: backend options, policy) used as the base of every
 /// Mooncake-style engine; `initialize`'s arguments override its backend

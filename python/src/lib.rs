@@ -67,6 +67,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<nixl::NixlOps>()?;
     m.add_class::<devmem::PyFakeDevice>()?;
     m.add_function(wrap_pyfunction!(devmem::device_providers, m)?)?;
+    m.add_function(wrap_pyfunction!(backend::control_access, m)?)?;
     m.add_function(wrap_pyfunction!(nixl::nixl_desc_rows, m)?)?;
     m.add_function(wrap_pyfunction!(nixl::nixl_index_words, m)?)?;
     m.add_function(wrap_pyfunction!(nixl::nixl_uncovered, m)?)?;

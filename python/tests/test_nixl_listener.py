@@ -208,14 +208,23 @@ def frame(kind, payload, length=None):
 
 
 def closed_by_peer(s, timeout=3.0):
-    """Whether the listener closed ``s`` within ``timeout``."""
+    """Whether the listener closed ``s`` within ``timeout`` (what it sent
+    first, its nonce, read and dropped)."""
     s.settimeout(timeout)
     try:
-        return s.recv(1) == b""
+        while s.recv(4096):
+            pass
+        return True
     except ConnectionResetError:
         return True
     except socket.timeout:
         return False
+
+
+def request(s, kind, payload, nonce, seq=0, secret=None):
+    """Sends a request with its proof on ``s``; the answer and its proof."""
+    s.sendall(frame(kind, payload) + frame(_listen.PROOF, _listen.proof(secret, b"request", nonce, seq, kind, payload)))
+    return _listen.recv_frame(s)
 
 
 def test_listener_survives_garbage_and_oversized_frames(agents):
@@ -239,11 +248,17 @@ def test_listener_survives_garbage_and_oversized_frames(agents):
     # Well framed, but not metadata: refused with an answer, nothing loaded.
     with socket.create_connection(addr) as s:
         s.settimeout(5)
-        s.sendall(frame(b"L", b"KVMOVE-NIXL/1\n{not json"))
-        kind, msg = _listen.recv_frame(s)
+        kind, nonce = _listen.recv_frame(s)
+        assert kind == _listen.NONC and len(nonce) == _listen.NONCE_LEN
+        kind, msg = request(s, b"L", b"KVMOVE-NIXL/1\n{not json", nonce)
         assert kind == b"E" and b"malformed" in msg
-        s.sendall(frame(b"I", a.name.encode()))  # "forget yourself"
-        assert _listen.recv_frame(s)[0] == b"E"
+        assert _listen.recv_frame(s)[0] == _listen.PROOF
+        kind, _ = request(s, b"I", a.name.encode(), nonce, seq=1)  # "forget yourself"
+        assert kind == b"E"
+    # A request without its proof frame: closed.
+    with socket.create_connection(addr) as s:
+        s.sendall(frame(b"S", b"") + frame(b"S", b""))
+        assert closed_by_peer(s)
     # The listener still serves.
     b.send_local_metadata(*addr)
     assert wait_until(lambda: a.check_remote_metadata(b.name), timeout=10)
@@ -348,3 +363,88 @@ def test_push_fetch_and_invalidate_across_processes(agents, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_with_a_secret_only_its_holders_load_forget_or_fetch(agents, monkeypatch):
+    """With a shared secret (``KVMOVE_SECRET``) every request and answer
+    proves it over the listener's nonce: a peer with the secret pushes and
+    fetches; one with another secret, or none, loads nothing, forgets
+    nothing and gets nothing; a request replayed on a new connection (a
+    new nonce) is refused; and a caller loads no answer from a listener
+    without the secret (an impostor)."""
+    monkeypatch.setenv("KVMOVE_SECRET", "the-secret")
+    a, b = agents(), agents()
+    keep = buffers(a, 1), buffers(b, 2)  # noqa: F841 (registered while the agents live)
+    addr = a.listen_address()
+    b.send_local_metadata(*addr)
+    assert wait_until(lambda: a.check_remote_metadata(b.name), timeout=10)
+    b.fetch_remote_metadata(a.name, *addr)
+    assert wait_until(lambda: b.check_remote_metadata(a.name), timeout=10)
+
+    # Another secret: refused, nothing loaded; nor forgotten.
+    monkeypatch.setenv("KVMOVE_SECRET", "another")
+    c = agents(listen=False)
+    c.send_local_metadata(*addr)
+    c.invalidate_local_metadata(*addr)
+    b_md = b.get_agent_metadata()
+    with socket.create_connection(addr) as s:
+        s.settimeout(5)
+        _, nonce = _listen.recv_frame(s)
+        kind, msg = request(s, _listen.INVL, b.name.encode(), nonce, secret=b"another")
+        assert kind == _listen.ERR and b"authentication failed" in msg
+    # A request proven on one connection, replayed on another.
+    with socket.create_connection(addr) as s:
+        s.settimeout(5)
+        _, nonce = _listen.recv_frame(s)
+        replay = frame(_listen.INVL, b.name.encode()) + frame(
+            _listen.PROOF, _listen.proof(b"the-secret", b"request", nonce, 0, _listen.INVL, b.name.encode())
+        )
+    with socket.create_connection(addr) as s:
+        s.settimeout(5)
+        _listen.recv_frame(s)
+        s.sendall(replay)
+        assert _listen.recv_frame(s)[0] == _listen.ERR
+    time.sleep(0.5)
+    assert not a.check_remote_metadata(c.name)
+    assert a.check_remote_metadata(b.name), "forgotten on a request without the secret"
+    # With the secret, the raw exchange works (the answer proven).
+    kind, md = _listen.exchange(HOST, addr[1], _listen.SEND, b"", b"the-secret")
+    assert kind == _listen.LOAD and md == a.get_agent_metadata()
+    kind, msg = _listen.exchange(HOST, addr[1], _listen.SEND, b"", None)
+    assert kind == _listen.ERR and b"authentication failed" in msg, "metadata given to a peer without the secret"
+    assert b_md == b.get_agent_metadata()
+
+    # An impostor listener (no secret) gets nothing loaded by a caller
+    # with the secret: its answer does not prove it.
+    monkeypatch.delenv("KVMOVE_SECRET")
+    impostor = agents()
+    keep2 = buffers(impostor, 3)  # noqa: F841
+    monkeypatch.setenv("KVMOVE_SECRET", "the-secret")
+    b.fetch_remote_metadata(impostor.name, *impostor.listen_address())
+    time.sleep(1.0)
+    assert not b.check_remote_metadata(impostor.name)
+    with pytest.raises(ValueError, match="does not prove"):
+        _listen.exchange(HOST, impostor.listen_address()[1], _listen.SEND, b"", b"the-secret")
+
+
+def test_protected_mode_serves_this_host_only(agents, monkeypatch):
+    """Without a secret a listener serves only its own host: a connection
+    it does not take for this host's (made so here: the test has no other
+    host) is answered the protected-mode refusal and nothing else;
+    ``KVMOVE_INSECURE=1`` serves it."""
+    monkeypatch.delenv("KVMOVE_SECRET", raising=False)
+    assert _listen.same_host("127.0.0.1", "10.0.0.5") and _listen.same_host("10.0.0.5", "10.0.0.5")
+    assert _listen.same_host("::ffff:127.0.0.1", "10.0.0.5") and _listen.same_host("::1", "::1")
+    assert not _listen.same_host("10.0.0.6", "10.0.0.5") and not _listen.same_host("junk", "10.0.0.5")
+    monkeypatch.setattr(_listen, "same_host", lambda peer, local: False)
+    a, b = agents(), agents(listen=False)
+    keep = buffers(a, 1), buffers(b, 2)  # noqa: F841
+    kind, msg = _listen.exchange(HOST, a.listen_address()[1], _listen.SEND, b"", None)
+    assert kind == _listen.ERR and msg.decode() == _listen.PROTECTED
+    b.send_local_metadata(*a.listen_address())
+    time.sleep(0.5)
+    assert not a.check_remote_metadata(b.name)
+    monkeypatch.setenv("KVMOVE_INSECURE", "1")
+    c = agents()
+    b.send_local_metadata(*c.listen_address())
+    assert wait_until(lambda: c.check_remote_metadata(b.name), timeout=10)

@@ -163,7 +163,10 @@ class nixl_agent:
             # NIXL's metadata listener, on the host this agent advertises
             # (never every interface unless that is what is set).
             host = _listen.listen_host(os.environ.get("KVMOVE_NIXL_HOST"))
-            self._listener = _listen.Listener(host, int(conf.port), _listen.agent_handler(self), self.name)
+            secret, insecure = _listen.access()
+            self._listener = _listen.Listener(
+                host, int(conf.port), _listen.agent_handler(self), self.name, secret=secret, insecure=insecure
+            )
         self.plugin_list = [b for b in _BACKENDS if b != "RDMA" or HAS_RDMA]
         names = self.plugin_list[:1] if (instantiate_all and nixl_conf is None) else conf.backends
         for b in names:
@@ -545,8 +548,8 @@ class nixl_agent:
                 logger.error("%s from agent %r: %r is not an IP address", what, name, ip)
                 return
             try:
-                kind_got, answer = _listen.exchange(addr, port, kind, payload)
-            except (OSError, ValueError) as e:
+                kind_got, answer = _listen.exchange(addr, port, kind, payload, _listen.access()[0])
+            except (OSError, ValueError, TransferError) as e:
                 logger.error("%s from agent %r to %s:%d failed: %s", what, name, ip, port, e)
                 return
             if kind_got == _listen.ERR:

@@ -16,11 +16,26 @@ length is checked against ``MAX_FRAME`` before its body is read, and the
 body is buffered as it arrives; a connection that sends anything else (a
 bad magic or kind, an oversized length), or stays silent past
 ``IDLE_TIMEOUT``, is closed, and the listener goes on. What is loaded has
-parsed as agent metadata (``nixl_agent.add_remote_agent``'s checks)."""
+parsed as agent metadata (``nixl_agent.add_remote_agent``'s checks).
+
+Who may use a listener is what kvmove's engines answer
+(``docs/THREAT_MODEL.md``; ``kvmove._native.control_access``): with a
+shared secret (``KVMOVE_SECRET``, ``KVMOVE_SECRET_FILE``) every request
+and every answer carries an HMAC-SHA256 proof of it, bound to a nonce the
+listener sends first (``NONC``) and to the request's place on the
+connection, so nothing is loaded, forgotten or given to a peer without
+the secret, a request cannot be replayed, and a caller loads no answer
+from an impostor; without one (protected mode) only this host's
+connections are served, unless ``KVMOVE_INSECURE=1``. A request is its
+frame followed by a ``PROOF`` frame (empty without a secret), and so is
+each answer."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
+import os
 import selectors
 import socket
 import struct
@@ -33,7 +48,18 @@ from ._base import logger
 
 MAGIC = b"KVMX"
 LOAD, SEND, INVL, OK, ERR = b"L", b"S", b"I", b"K", b"E"
-_KINDS = frozenset((LOAD, SEND, INVL, OK, ERR))
+NONC, PROOF = b"N", b"P"
+_REQUESTS = frozenset((LOAD, SEND, INVL))
+_KINDS = frozenset((LOAD, SEND, INVL, OK, ERR, NONC, PROOF))
+#: Bytes of the listener's nonce.
+NONCE_LEN = 32
+#: What a proof is an HMAC of names this protocol and the side.
+_DOMAIN = b"kvmove-nixl-metadata/1"
+#: What a peer refused by protected mode is told.
+PROTECTED = (
+    "protected mode: no shared secret is set, so this NIXL metadata listener serves only its own host; "
+    "set the same KVMOVE_SECRET on both ends, or KVMOVE_INSECURE=1 on this one"
+)
 _HEADER = struct.Struct(">4scI")
 #: The largest payload accepted (agent metadata is ~30 bytes a region).
 MAX_FRAME = 16 << 20
@@ -104,21 +130,77 @@ def peer_address(ip_addr: str) -> Optional[str]:
         return None
 
 
-def exchange(ip: str, port: int, kind: bytes, payload: bytes) -> Tuple[bytes, bytes]:
-    """One request to the listener at ``ip:port`` and its answer."""
+def proof(secret: Optional[bytes], side: bytes, nonce: bytes, seq: int, kind: bytes, payload: bytes) -> bytes:
+    """The proof of the secret for one frame: an HMAC over the side
+    (``b"request"``, ``b"answer"``), the connection's nonce, the frame's
+    place on it, its kind and its payload; empty without a secret."""
+    if secret is None:
+        return b""
+    m = hmac.new(secret, _DOMAIN + b" " + side, hashlib.sha256)
+    m.update(nonce)
+    m.update(seq.to_bytes(8, "big"))
+    m.update(kind)
+    m.update(len(payload).to_bytes(4, "big"))
+    m.update(payload)
+    return m.digest()
+
+
+def exchange(ip: str, port: int, kind: bytes, payload: bytes, secret: Optional[bytes]) -> Tuple[bytes, bytes]:
+    """One request to the listener at ``ip:port`` and its answer, proven
+    with ``secret`` both ways (an answer whose proof fails is a
+    ``ValueError``: nothing of it is used)."""
     with socket.create_connection((ip, port), timeout=CONNECT_TIMEOUT) as s:
         s.settimeout(IO_TIMEOUT)
-        s.sendall(frame(kind, payload))
-        return recv_frame(s)
+        got, nonce = recv_frame(s)
+        if got == ERR:
+            return got, nonce  # refused at once (protected mode)
+        if got != NONC or len(nonce) != NONCE_LEN:
+            raise ValueError("the listener did not open with its nonce")
+        s.sendall(frame(kind, payload) + frame(PROOF, proof(secret, b"request", nonce, 0, kind, payload)))
+        got, answer = recv_frame(s)
+        if got == ERR:
+            # A refusal is only reported (a refusal of the proof comes
+            # unproven: the listener may have another secret).
+            return got, answer
+        p_kind, p = recv_frame(s)
+        if p_kind != PROOF or not hmac.compare_digest(p, proof(secret, b"answer", nonce, 0, got, answer)):
+            raise ValueError("the listener's answer does not prove the shared secret (an impostor, or another secret)")
+        return got, answer
+
+
+def access() -> Tuple[Optional[bytes], bool]:
+    """The secret (bytes) and whether protected mode is off, read as the
+    engines read them."""
+    from .._native import control_access
+
+    secret, insecure = control_access()
+    return (secret.encode() if secret is not None else None), insecure
+
+
+def same_host(peer: str, local: str) -> bool:
+    """Whether a connection from ``peer`` to ``local`` comes from this host
+    (a loopback address, or the address it reached)."""
+    try:
+        p, loc = ipaddress.ip_address(peer), ipaddress.ip_address(local)
+    except ValueError:
+        return False
+    p = getattr(p, "ipv4_mapped", None) or p
+    loc = getattr(loc, "ipv4_mapped", None) or loc
+    return p.is_loopback or p == loc
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "since")
+    __slots__ = ("sock", "buf", "since", "nonce", "seq", "request")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.buf = bytearray()
         self.since = time.monotonic()
+        self.nonce = os.urandom(NONCE_LEN)
+        #: Requests answered on this connection (each proof's place).
+        self.seq = 0
+        #: A request read, waiting for its proof.
+        self.request: Optional[Tuple[bytes, bytes]] = None
 
 
 class Listener:
@@ -129,7 +211,17 @@ class Listener:
     connection; it reaches the agent through a weak reference, so an agent
     no longer used is collected (and its ``__del__`` stops this)."""
 
-    def __init__(self, host: str, port: int, handle: Callable[[bytes, bytes], Optional[Tuple[bytes, bytes]]], name: str):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[bytes, bytes], Optional[Tuple[bytes, bytes]]],
+        name: str,
+        secret: Optional[bytes] = None,
+        insecure: bool = False,
+    ):
+        self._secret = secret
+        self._local_only = secret is None and not insecure
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -186,8 +278,22 @@ class Listener:
             logger.warning("metadata listener %s: %d connections already, closing a new one", self.address, MAX_CONNECTIONS)
             s.close()
             return
+        c = _Conn(s)
+        if self._local_only:
+            try:
+                peer, local = s.getpeername()[0], s.getsockname()[0]
+            except OSError:
+                peer, local = "", ""
+            if not same_host(peer, local):
+                logger.warning("metadata listener %s: refused %s: %s", self.address, peer, PROTECTED)
+                self._send(s, frame(ERR, PROTECTED.encode()))
+                s.close()
+                return
+        if not self._send(s, frame(NONC, c.nonce)):
+            s.close()
+            return
         s.setblocking(False)
-        self._conns[s.fileno()] = _Conn(s)
+        self._conns[s.fileno()] = c
         sel.register(s, selectors.EVENT_READ)
 
     def _drop(self, sel, s: socket.socket) -> None:
@@ -224,8 +330,32 @@ class Listener:
             payload = bytes(c.buf[_HEADER.size : _HEADER.size + n])
             del c.buf[: _HEADER.size + n]
             c.since = time.monotonic()
-            answer = self._answer(kind, payload)
-            if answer is None or not self._send(s, frame(*answer)):
+            if c.request is None:
+                if kind not in _REQUESTS:
+                    logger.warning("metadata listener %s: closing a connection that sent %r, not a request", self.address, kind)
+                    self._drop(sel, s)
+                    return
+                c.request = (kind, payload)
+                continue
+            request, c.request = c.request, None
+            if kind != PROOF:
+                logger.warning("metadata listener %s: closing a connection whose request came without its proof", self.address)
+                self._drop(sel, s)
+                return
+            if self._secret is not None and not hmac.compare_digest(
+                payload, proof(self._secret, b"request", c.nonce, c.seq, *request)
+            ):
+                logger.warning("metadata listener %s: refused a request that does not prove the shared secret", self.address)
+                self._send(s, frame(ERR, b"authentication failed: the proof of the shared secret is wrong or missing"))
+                self._drop(sel, s)
+                return
+            answer = self._answer(*request)
+            if answer is None:
+                self._drop(sel, s)
+                return
+            sealed = frame(*answer) + frame(PROOF, proof(self._secret, b"answer", c.nonce, c.seq, *answer))
+            c.seq += 1
+            if not self._send(s, sealed):
                 self._drop(sel, s)
                 return
 
