@@ -407,6 +407,14 @@ def test_the_shims_http_metadata_server(tmp_path, monkeypatch):
         with pytest.raises(urllib.error.HTTPError) as nokey:
             urllib.request.urlopen(url)
         assert nokey.value.code == 400
+        # A body announced past the bound is refused before it is read
+        # (nothing is sent after the headers here).
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 413"), "an oversized body was waited for"
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            urllib.request.urlopen(f"{url}?key=big")
+        assert gone.value.code == 404
     finally:
         proc.terminate()
         proc.wait(10)

@@ -6,7 +6,14 @@ It answers what Mooncake's HTTP metadata client sends: ``GET``, ``PUT``
 and ``DELETE`` on ``/metadata?key=<key>`` (200 with the value, or 404 /
 ``metadata not found``; 400 without a key). With
 ``MC_METADATA_HTTP_TOKEN`` set, requests without ``Authorization: Bearer
-<token>`` are refused (401). Values are kept in memory.
+<token>`` are refused (401). Values are kept in memory, bounded: a body
+over ``MAX_VALUE`` bytes is refused (413) before it is read, and a new key
+past ``MAX_KEYS`` keys is refused (507).
+
+It listens on loopback unless ``--host`` says otherwise (Mooncake's
+listens on every interface): whoever can write a record can make an
+engine send its KV to another address, so expose it only with a token, as
+kvmove's own channels answer only their host without a secret.
 
     python -m mooncake.http_metadata_server --port 8080 --host 127.0.0.1
 """
@@ -23,12 +30,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 log = logging.getLogger("mooncake.http_metadata_server")
 
+#: The largest value (request body) kept; a larger one is refused unread.
+MAX_VALUE = 16 << 20
+#: The most keys kept at once.
+MAX_KEYS = 1 << 16
+
 
 class KVBootstrapServer:
     """The server: ``run()`` serves in a background thread, ``close()``
     stops it. ``port=0`` picks a free port (see ``port`` after ``run``)."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, host: str = "127.0.0.1"):
         self.host = host
         self.port = port
         self.store = {}
@@ -73,7 +85,13 @@ def _handler(server):
             self.wfile.write(body)
 
         def _handle(self):
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0 or length > MAX_VALUE:
+                self.close_connection = True
+                return self._answer(413 if length > 0 else 400, b"bad or oversized body")
             body = self.rfile.read(length) if length > 0 else b""
             if token:
                 given = self.headers.get("Authorization", "")
@@ -92,6 +110,8 @@ def _handler(server):
                         return self._answer(404, b"metadata not found")
                     return self._answer(200, value)
                 if self.command == "PUT":
+                    if key not in server.store and len(server.store) >= MAX_KEYS:
+                        return self._answer(507, b"too many keys")
                     server.store[key] = body
                     return self._answer(200, b"metadata updated")
                 if server.store.pop(key, None) is None:
@@ -106,7 +126,7 @@ def _handler(server):
 def main(argv=None):
     p = argparse.ArgumentParser(description="HTTP metadata server (kvmove's stand-in for Mooncake's)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
