@@ -424,9 +424,11 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
     }
     if kill_at.is_none() {
         let _ = decode_task.await;
-        // The last requests' decode watchers record their final state.
+        // The last requests' decode watchers record their final state: a
+        // session ends on the decode at the latest at its deadline (plus
+        // the liveness timeout), which a loaded machine may near.
         let want = c.requests * c.senders;
-        let until = Instant::now() + c.liveness * 2;
+        let until = Instant::now() + c.grant_deadline + c.liveness * 2;
         while book.lock().decode_final.len() < want && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
