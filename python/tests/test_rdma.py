@@ -112,7 +112,8 @@ def test_rdma_nixl_agents():
     from nixlflows import LAYERS, NBYTES, expect_read, pairs_arg, register_kv, sglang_write, vllm_handshake, vllm_read
 
     peers = []
-    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+    # Telemetry captured, as vLLM makes its agent (vllm_read reads it).
+    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[], capture_telemetry=True))
     try:
         agent.create_backend("RDMA", {"device": DEVICE})
         kv = pattern(21, NBYTES)
