@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import List
 
 HERE = Path(__file__).resolve().parent
+# Waits are multiplied by KVMOVE_TEST_SLOW (scripts/sglang-rdma-vm.sh: the
+# soft-RoCE VM's emulated CPU imports SGLang in minutes); the bounds on
+# failure detection after a kill are not.
+SLOW = max(1.0, float(os.environ.get("KVMOVE_TEST_SLOW", "1")))
 
 
 def free_port() -> int:
@@ -95,6 +99,7 @@ class Rank:
         self.events.put({"event": "exit"})
 
     def wait_for(self, name: str, timeout: float = 180) -> dict:
+        timeout *= SLOW
         end = time.monotonic() + timeout
         while True:
             try:
@@ -129,6 +134,7 @@ def base_config(**over) -> dict:
         "timeout": 90,
     }
     cfg.update(over)
+    cfg["timeout"] = cfg["timeout"] * SLOW
     return cfg
 
 
