@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::session::{Grant, GrantPool, Role, SessionKey, SessionLimits, SessionState};
 use kvmove_policy::{Engine, Sessions};
 use parking_lot::Mutex;
 use transport_core::{Access, Buffer, Error, ErrorKind, RegionId, Result, TransferRequest};
@@ -303,9 +303,9 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
     let names: Vec<String> = senders.iter().map(|n| n.name.clone()).collect();
     let (sample, stop_sample) = sampler(senders.iter().map(|n| n.engine.clone()).collect());
 
-    // The decode: grants in arrival order (round robin over senders) as pages free.
-    let pending: VecDeque<(usize, u64)> =
-        (0..c.requests as u64).flat_map(|id| (0..c.senders).map(move |s| (s, id))).collect();
+    // The decode: every request asks at once (round robin over senders);
+    // the pool grants them in that order as pages free.
+    let asks: Vec<(usize, u64)> = (0..c.requests as u64).flat_map(|id| (0..c.senders).map(move |s| (s, id))).collect();
     let decode_task = {
         let dsess = dsess.clone();
         let book = book.clone();
@@ -314,22 +314,37 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
         let dbuf = decode.buf.clone();
         let base = decode.buf.addr();
         tokio::spawn(async move {
-            let mut pending = pending;
-            let (free_tx, mut free_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
-            for p in 0..pages {
-                let _ = free_tx.send(p);
+            let pool = Arc::new(Mutex::new(GrantPool::new(0..pages as u64, asks.len(), asks.len())));
+            for &(s, id) in &asks {
+                pool.lock().ask(&names[s], id);
             }
-            while let Some((s, id)) = pending.pop_front() {
-                let Some(page) = free_rx.recv().await else { return };
-                let addr = base + (page * req) as u64;
+            // A page given back wakes the loop (a permit is kept when it
+            // does not wait).
+            let freed = Arc::new(tokio::sync::Notify::new());
+            loop {
+                let (next, waiting) = {
+                    let mut p = pool.lock();
+                    (p.next_grant(), p.queued())
+                };
+                let ((peer, id), page) = match next {
+                    Some(g) => g,
+                    None if waiting == 0 => return,
+                    None => {
+                        freed.notified().await;
+                        continue;
+                    }
+                };
+                let Some(s) = names.iter().position(|n| *n == peer) else { continue };
+                let Ok(page_no) = usize::try_from(page) else { continue };
+                let addr = base + (page_no * req) as u64;
                 let g = Grant { ranges: vec![(addr, req as u64)], expected: req as u64, deadline };
-                if dsess.grant(&names[s], id, g).await.is_err() {
+                if dsess.grant(&peer, id, g).await.is_err() {
                     book.lock().decode_final.insert((s, id), "grant refused".into());
-                    let _ = free_tx.send(page);
+                    pool.lock().release(page);
                     continue;
                 }
-                let (dsess, book, free_tx, dbuf) = (dsess.clone(), book.clone(), free_tx.clone(), dbuf.clone());
-                let peer = names[s].clone();
+                let (dsess, book, pool, freed, dbuf) =
+                    (dsess.clone(), book.clone(), pool.clone(), freed.clone(), dbuf.clone());
                 tokio::spawn(async move {
                     let key = SessionKey::new(peer, id, Role::Receiver);
                     let st = dsess.wait(&key).await;
@@ -340,7 +355,7 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
                     };
                     if matches!(st, Ok(SessionState::Landed)) {
                         let mut got = vec![0u8; req];
-                        let ok = dbuf.read_at(page * req, &mut got).is_ok() && got == pattern(s, id, req);
+                        let ok = dbuf.read_at(page_no * req, &mut got).is_ok() && got == pattern(s, id, req);
                         let mut b = book.lock();
                         b.landed_at_decode.insert((s, id), at);
                         if !ok {
@@ -350,7 +365,8 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
                     book.lock().decode_final.insert((s, id), name);
                     let _ = dsess.release(&key);
                     tokio::time::sleep(hold).await;
-                    let _ = free_tx.send(page);
+                    pool.lock().release(page);
+                    freed.notify_one();
                 });
             }
         })

@@ -23,19 +23,19 @@
 //! `{"ev":"ready",...}` once published. The engine stops on stdin's end or
 //! SIGTERM and prints `{"ev":"bye",...}`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvmove::{Access, Buffer, Engine, Error, ErrorKind, MetadataStore, RegionId, TransferRequest};
-use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::session::{Grant, GrantPool, Role, SessionKey, SessionLimits, SessionState, RECENT_ASKS};
 use kvmove_policy::Sessions;
 use tokio::io::AsyncBufReadExt;
 use tokio::sync::Semaphore;
 
 use crate::args::{PdArgs, PdRole};
 use crate::commands::Outcome;
-use crate::sessions::{lock, Recent};
+use crate::sessions::lock;
 use crate::settings::Settings;
 
 const PREFIX: &str = "kvmove/pd ask ";
@@ -200,35 +200,26 @@ async fn serve(
 
 // ------------------------------------------------------------------ decode
 
-#[derive(Default)]
-struct Pool {
-    /// Offsets of free pages in the pool buffer.
-    free: Vec<u64>,
-    /// Asks waiting for a page, oldest first.
-    queue: VecDeque<(String, u64)>,
-    /// Asks queued or granted already (a repeated ask is ignored).
-    recent: Recent,
-}
-
 struct Decode {
     sess: Sessions,
     buf: Buffer,
     page: u64,
     hold: Duration,
     deadline: Duration,
-    pool: Mutex<Pool>,
+    /// Page offsets in the pool buffer, and the asks waiting for them.
+    pool: Mutex<GrantPool>,
 }
 
 impl Decode {
     fn new(sess: Sessions, buf: Buffer, page: u64, args: &PdArgs) -> Decode {
-        let free = (0..args.pages as u64).rev().map(|i| i * page).collect();
+        let pages = (0..args.pages as u64).map(|i| i * page);
         Decode {
             sess,
             buf,
             page,
             hold: Duration::from_millis(args.hold_ms),
             deadline: Duration::from_millis(args.request_timeout_ms),
-            pool: Mutex::new(Pool { free, ..Pool::default() }),
+            pool: Mutex::new(GrantPool::new(pages, MAX_QUEUED, RECENT_ASKS)),
         }
     }
 
@@ -247,13 +238,7 @@ impl Decode {
                     tracing::debug!(peer = %n.from, len = n.msg.len(), "notification ignored");
                     continue;
                 };
-                let mut p = lock(&self.pool);
-                let k = (n.from, id);
-                if p.recent.contains(&k) || p.queue.len() >= MAX_QUEUED {
-                    continue;
-                }
-                p.recent.insert(k.clone());
-                p.queue.push_back(k);
+                lock(&self.pool).ask(&n.from, id);
             }
             self.clone().grant_free();
         }
@@ -262,15 +247,7 @@ impl Decode {
     /// Grants queued asks while pages are free.
     fn grant_free(self: Arc<Self>) {
         loop {
-            let (peer, id, off) = {
-                let mut p = lock(&self.pool);
-                if p.free.is_empty() {
-                    return;
-                }
-                let Some((peer, id)) = p.queue.pop_front() else { return };
-                let Some(off) = p.free.pop() else { return };
-                (peer, id, off)
-            };
+            let Some(((peer, id), off)) = lock(&self.pool).next_grant() else { return };
             tokio::spawn(self.clone().session(peer, id, off));
         }
     }
@@ -284,10 +261,7 @@ impl Decode {
             Ok(()) => self.sess.wait(&key).await,
             Err(e) => {
                 // Forget the ask so the prefill's next ask is taken.
-                let mut p = lock(&self.pool);
-                p.recent.remove(&(peer.clone(), id));
-                p.free.push(off);
-                drop(p);
+                lock(&self.pool).unsent(&(peer.clone(), id), off);
                 tracing::warn!(peer = %peer, id, error = %e, "cannot grant");
                 return;
             }
@@ -303,7 +277,7 @@ impl Decode {
         if st == SessionState::Landed {
             tokio::time::sleep(self.hold).await;
         }
-        lock(&self.pool).free.push(off);
+        lock(&self.pool).release(off);
         self.grant_free();
     }
 

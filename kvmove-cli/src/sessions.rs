@@ -23,13 +23,13 @@
 //! Before its first pass, an initiator checks with `kvmove/1 hello <fp>`
 //! that the target runs sessions over the same plan ([`fingerprint`]).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvmove::{Engine, Error, ErrorKind, SegmentId, TransferRequest};
-use kvmove_policy::session::{Grant, Role, SessionKey, SessionLimits, SessionState};
+use kvmove_policy::session::{Grant, RecentAsks, Role, SessionKey, SessionLimits, SessionState};
 use kvmove_policy::Sessions;
 use tokio::sync::mpsc;
 use xxhash_rust::xxh3::Xxh3;
@@ -138,40 +138,6 @@ pub(crate) async fn notify(sess: &Sessions, peer: &str, msg: String) -> kvmove::
     }
 }
 
-/// The last [`RECENT`] `(peer, id)` pairs seen, oldest forgotten first:
-/// what a receiver granted (or queued) already, so a repeated ask for it
-/// is ignored.
-#[derive(Default)]
-pub(crate) struct Recent {
-    order: VecDeque<(String, u64)>,
-    set: HashSet<(String, u64)>,
-}
-
-impl Recent {
-    pub(crate) fn contains(&self, k: &(String, u64)) -> bool {
-        self.set.contains(k)
-    }
-
-    /// Remembers `k`, forgetting the oldest beyond [`RECENT`].
-    pub(crate) fn insert(&mut self, k: (String, u64)) {
-        if self.set.insert(k.clone()) {
-            self.order.push_back(k);
-        }
-        while self.order.len() > RECENT {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
-            }
-        }
-    }
-
-    /// Forgets `k` (a grant that could not be sent: the next ask is taken).
-    pub(crate) fn remove(&mut self, k: &(String, u64)) {
-        if self.set.remove(k) {
-            self.order.retain(|o| o != k);
-        }
-    }
-}
-
 /// A plain message of the flow.
 #[derive(Debug, PartialEq, Eq)]
 enum Msg {
@@ -252,7 +218,8 @@ struct Book {
     /// When the target saw each session land, by id (bench: read by the
     /// initiator for the notification delay).
     landed_at: HashMap<u64, Instant>,
-    recent: Recent,
+    /// Asks granted already (a repeated ask is ignored).
+    recent: RecentAsks,
 }
 
 struct ReceiverInner {

@@ -6,6 +6,9 @@
 
 pub mod wire;
 
+mod asks;
+pub use asks::{Ask, Asked, GrantPool, RecentAsks, RECENT_ASKS};
+
 pub use wire::{
     bundle, grant_messages, is_failure_notice, is_session_message, unbundle, Grant, Outcome, Verdict,
     GRANT_RANGES_PER_MESSAGE, MAX_GRANT_RANGES,
