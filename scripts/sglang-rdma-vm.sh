@@ -37,20 +37,25 @@ rm -rf "$work"
 mkdir -p "$work"
 
 step "the VM (2 soft-RoCE devices): QPs before, pytest -k '$tests', QPs after"
-export KVMOVE_SGLANG_RDMA_TESTS=$tests
-export RXE_VM_PASS_ENV="KVMOVE_SGLANG_RDMA_TESTS"
-scripts/rxe-vm --devices 2 --mem 6144 --timeout "${SGLANG_RDMA_VM_TIMEOUT:-3300}" -- sh -c '
-  set -u
-  work=$1 venv=$2 site=$3 root=$4
-  printf "[backend]\nkind = \"rdma\"\n" > /tmp/kvmove-rdma.toml
-  qps() { rdma res show qp | grep -c . || true; }
-  before=$(qps)
-  echo "QPs before: $before"; rdma res show qp
-  cd "$work" && KVMOVE_CONFIG=/tmp/kvmove-rdma.toml PYTHONPATH=$site KVMOVE_TEST_SLOW=${KVMOVE_TEST_SLOW:-20} \
-    "$venv/bin/python" -m pytest -p no:cacheprovider -q -rA --timeout 3000 -k "$KVMOVE_SGLANG_RDMA_TESTS" "$root/python/sglang_tests/test_backend.py"
-  rc=$?
-  after=$(qps)
-  echo "QPs after: $after"; rdma res show qp
-  if [ "$after" != "$before" ]; then echo "sglang-rdma-vm: QPs not back at their baseline ($before before, $after after)"; [ "$rc" = 0 ] && rc=1; fi
-  exit $rc
-' sh "$work" "$venv" "$site" "$root"
+# The guest's part as a file: rxe-vm quotes its command for bash, and a
+# multi-line `sh -c` string would reach the guest's sh in bash's $'...'.
+cat > "$work/guest.sh" <<'GUEST'
+set -u
+work=$1 venv=$2 site=$3 root=$4 tests=$5
+printf '[backend]\nkind = "rdma"\n' > /tmp/kvmove-rdma.toml
+qps() { rdma res show qp | grep -c . || true; }
+before=$(qps)
+echo "QPs before: $before"; rdma res show qp
+cd "$work" && KVMOVE_CONFIG=/tmp/kvmove-rdma.toml PYTHONPATH=$site KVMOVE_TEST_SLOW=${KVMOVE_TEST_SLOW:-20} \
+  "$venv/bin/python" -m pytest -p no:cacheprovider -q -rA --timeout 3000 -k "$tests" "$root/python/sglang_tests/test_backend.py"
+rc=$?
+after=$(qps)
+echo "QPs after: $after"; rdma res show qp
+if [ "$after" != "$before" ]; then
+  echo "sglang-rdma-vm: QPs not back at their baseline ($before before, $after after)"
+  [ "$rc" = 0 ] && rc=1
+fi
+exit $rc
+GUEST
+scripts/rxe-vm --devices 2 --mem 6144 --timeout "${SGLANG_RDMA_VM_TIMEOUT:-3300}" -- \
+  sh "$work/guest.sh" "$work" "$venv" "$site" "$root" "$tests"
