@@ -306,8 +306,6 @@ impl Server {
         }
     }
 
-    /// The handshake; on success, what the connection may do by same-host
-    /// copies.
     /// The handshake; with a verified same-host client, also the window of
     /// direct writes offered to it (retired when the guard drops, that is
     /// when the connection ends).
@@ -326,14 +324,9 @@ impl Server {
         let (hs, challenge) =
             match handshake::Server::hello(auth::TCP, secret, u32::from(VERSION), u32::from(version), cn) {
                 Ok(h) => h,
-                Err(r) => {
-                    // The decoded HELLO has a nonce of the right length:
-                    // only the version is refused here.
-                    let mut e = Header::new(FrameType::Error);
-                    e.status = Status::VersionMismatch;
-                    let _ = write_frame(s, e, &[]).await;
-                    return Err(Close::Proto(r.to_string()));
-                }
+                // The decoded HELLO has a nonce of the right length: only
+                // the version is refused here.
+                Err(r) => return Err(answer_refusal(s, Status::VersionMismatch, r.to_string()).await),
             };
         // A well-formed HELLO: silent connections give way before this one.
         slot.proved(&self.cfg.limits(), Proven::Hello);
@@ -364,20 +357,13 @@ impl Server {
         s.read_exact(&mut proof).await?;
         let answer = match hs.auth(&proof) {
             Ok(answer) => answer,
-            Err(r) => {
-                let mut e = Header::new(FrameType::Error);
-                e.status = Status::AuthFailed;
-                let _ = write_frame(s, e, &[]).await;
-                return Err(Close::Proto(r.to_string()));
-            }
+            Err(r) => return Err(answer_refusal(s, Status::AuthFailed, r.to_string()).await),
         };
         // Handshaken connections filled up while this one handshook: it is
         // answered `Busy` in place of READY.
         if let Err(why) = slot.promote(&self.cfg.limits()) {
-            let mut e = Header::new(FrameType::Error);
-            e.status = Status::Busy;
-            let _ = write_frame(s, e, &[]).await;
-            return Err(Close::Proto(format!("refused after the handshake (answered Busy): {why}")));
+            let why = format!("refused after the handshake (answered Busy): {why}");
+            return Err(answer_refusal(s, Status::Busy, why).await);
         }
         let mut ready = Header::new(FrameType::Ready);
         let mut window = None;
@@ -992,4 +978,13 @@ fn said_hello(s: &TcpStream) -> Proven {
         },
         _ => Proven::Nothing,
     }
+}
+
+/// Answers a handshake refused midway with an ERROR frame of `status`
+/// (best effort: the connection closes either way); the close to log.
+async fn answer_refusal(s: &mut TcpStream, status: Status, why: String) -> Close {
+    let mut e = Header::new(FrameType::Error);
+    e.status = status;
+    let _ = write_frame(s, e, &[]).await;
+    Close::Proto(why)
 }
