@@ -22,6 +22,7 @@ pub struct PolicyConfig {
     pub deadline: DeadlineConfig,
     pub breaker: BreakerConfig,
     pub backpressure: BackpressureConfig,
+    pub wait: WaitConfig,
 }
 
 impl PolicyConfig {
@@ -50,7 +51,79 @@ impl PolicyConfig {
         if b.per_peer_inflight_bytes == 0 || b.per_peer_inflight_requests == 0 {
             return bad("backpressure.per_peer_inflight_*", "must be greater than 0");
         }
+        self.wait.validate().or_else(|why| bad(why.0, why.1))
+    }
+}
+
+/// How a caller's wait for a transfer spends its time (rule 6: a caller
+/// that polls makes progress itself): what every binding's blocking wait
+/// and polling call follow. Microseconds (`*_us` keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WaitConfig {
+    /// How long a blocking wait polls on the caller's thread before it
+    /// sleeps until woken. Default 50; 0: it never polls; at most 10,000.
+    /// The Python APIs take `KVMOVE_SPIN_US` in its place.
+    pub spin_us: u64,
+    /// Two polls of one running transfer closer together than this mean
+    /// the caller spins on it (NIXL's callers loop on
+    /// `check_xfer_state`); such a poll may wait a little, so a spinning
+    /// caller does not take a CPU from the engine's threads. Default 500.
+    pub spinning_gap_us: u64,
+    /// A transfer younger than this is polled without waiting: a small one
+    /// ends within it, and its poller learns the end without a wake-up.
+    /// Default 250.
+    pub fresh_us: u64,
+    /// How long a spinning caller's poll waits for the end (it returns as
+    /// soon as the transfer ended) before it answers "still running".
+    /// Default 1,000; at most 100,000.
+    pub spinner_wait_us: u64,
+}
+
+impl Default for WaitConfig {
+    fn default() -> Self {
+        Self { spin_us: 50, spinning_gap_us: 500, fresh_us: 250, spinner_wait_us: 1000 }
+    }
+}
+
+impl WaitConfig {
+    /// The most [`WaitConfig::spin_us`] may be.
+    pub const MAX_SPIN_US: u64 = 10_000;
+    /// The most [`WaitConfig::spinner_wait_us`] may be.
+    pub const MAX_SPINNER_WAIT_US: u64 = 100_000;
+
+    /// The field and the reason of the first bad value.
+    fn validate(&self) -> std::result::Result<(), (&'static str, &'static str)> {
+        if self.spin_us > Self::MAX_SPIN_US {
+            return Err(("wait.spin_us", "must be at most 10000 (10 ms)"));
+        }
+        if self.spinner_wait_us > Self::MAX_SPINNER_WAIT_US {
+            return Err(("wait.spinner_wait_us", "must be at most 100000 (100 ms)"));
+        }
+        if self.spinning_gap_us > 1_000_000 || self.fresh_us > 1_000_000 {
+            return Err(("wait.spinning_gap_us / wait.fresh_us", "must be at most 1000000 (1 s)"));
+        }
         Ok(())
+    }
+
+    /// [`WaitConfig::spin_us`] as a duration.
+    pub fn spin(&self) -> Duration {
+        Duration::from_micros(self.spin_us)
+    }
+
+    /// [`WaitConfig::spinning_gap_us`] as a duration.
+    pub fn spinning_gap(&self) -> Duration {
+        Duration::from_micros(self.spinning_gap_us)
+    }
+
+    /// [`WaitConfig::fresh_us`] as a duration.
+    pub fn fresh(&self) -> Duration {
+        Duration::from_micros(self.fresh_us)
+    }
+
+    /// [`WaitConfig::spinner_wait_us`] as a duration.
+    pub fn spinner_wait(&self) -> Duration {
+        Duration::from_micros(self.spinner_wait_us)
     }
 }
 
@@ -213,6 +286,24 @@ mod tests {
         let e = c.validate().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.to_string().contains("retry.max_attempts"));
+    }
+
+    #[test]
+    fn the_wait_policy_is_read_and_bounded() {
+        let c: PolicyConfig = toml::from_str("[wait]\nspin_us = 0\nspinner_wait_us = 200\n").unwrap();
+        c.validate().unwrap();
+        assert_eq!((c.wait.spin(), c.wait.spinner_wait()), (Duration::ZERO, Duration::from_micros(200)));
+        assert_eq!(c.wait.spinning_gap(), Duration::from_micros(500), "the others keep their defaults");
+        for (toml, field) in [
+            ("[wait]\nspin_us = 10001\n", "wait.spin_us"),
+            ("[wait]\nspinner_wait_us = 100001\n", "wait.spinner_wait_us"),
+            ("[wait]\nfresh_us = 9223372036854775807\n", "wait.spinning_gap_us / wait.fresh_us"),
+        ] {
+            let c: PolicyConfig = toml::from_str(toml).unwrap();
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Config);
+            assert!(e.to_string().contains(field), "{e}");
+        }
     }
 
     #[test]

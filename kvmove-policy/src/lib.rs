@@ -33,7 +33,7 @@ mod sessions;
 pub use backoff::backoff;
 pub use breaker::{Admit, Breaker, BreakerState};
 pub use budget::{Budget, Charge, Reservation, Usage};
-pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig};
+pub use config::{BackpressureConfig, BreakerConfig, DeadlineConfig, PolicyConfig, RetryConfig, WaitConfig};
 pub use engine::{Engine, Probe, Transfer};
 pub use metrics::{describe_metrics, MAX_PEER_LABELS, OTHER_PEER};
 pub use retry::TransferOutcome;

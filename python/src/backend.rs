@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use kvmove_policy::WaitConfig;
 use transport_core::{Error, ErrorKind, Result, Transport};
 
 pub(crate) mod metadata;
@@ -10,6 +11,8 @@ pub(crate) mod metadata;
 /// (`tcp` or `rdma`): lets an unmodified caller that hard-codes `"rdma"`
 /// (SGLang does) run over TCP on a machine without RDMA.
 pub(crate) const PROTOCOL_ENV: &str = "KVMOVE_PROTOCOL";
+/// Overrides `policy.wait.spin_us` (see [`wait_from_env`]).
+pub(crate) const SPIN_ENV: &str = "KVMOVE_SPIN_US";
 
 /// Mooncake's own switch to use TCP whatever `initialize` asks for
 /// (`MC_FORCE_TCP=1`); honoured when `KVMOVE_PROTOCOL` is not set.
@@ -193,6 +196,25 @@ pub(crate) fn base_config_from_env() -> Result<Option<String>> {
             std::fs::read_to_string(&path).map(Some).map_err(|e| Error::from(e).with("config", path))
         }
         _ => Ok(None),
+    }
+}
+
+/// `policy.wait` with `KVMOVE_SPIN_US` (microseconds, 0 to
+/// [`WaitConfig::MAX_SPIN_US`]) in place of its `spin_us`, if set: the
+/// Python APIs have no config file to say it in. A value that is not such
+/// a number is refused (the engine does not start).
+pub(crate) fn wait_from_env(wait: &WaitConfig) -> Result<WaitConfig> {
+    let mut wait = wait.clone();
+    let Ok(v) = std::env::var(SPIN_ENV) else { return Ok(wait) };
+    match v.trim().parse::<u64>() {
+        Ok(us) if us <= WaitConfig::MAX_SPIN_US => {
+            wait.spin_us = us;
+            Ok(wait)
+        }
+        _ => Err(Error::new(
+            ErrorKind::Config,
+            format!("{SPIN_ENV}={v:?}: expected a number of microseconds from 0 to {}", WaitConfig::MAX_SPIN_US),
+        )),
     }
 }
 

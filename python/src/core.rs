@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvmove_policy::session::SessionLimits;
-use kvmove_policy::{Engine, Sessions, Transfer, TransferOutcome};
+use kvmove_policy::{Engine, Sessions, Transfer, TransferOutcome, WaitConfig};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use tokio::runtime::Runtime;
@@ -49,24 +49,9 @@ pub(crate) struct Core {
     closed: AtomicBool,
     /// Turns true when [`Core::close`] begins: wakes every blocking wait.
     closing: tokio::sync::watch::Sender<bool>,
-    /// How long [`Core::transfer`] polls before it sleeps.
-    spin: Duration,
-}
-
-/// How long [`Core::transfer`] polls before it sleeps: 50 us, or
-/// `KVMOVE_SPIN_US` microseconds (0: it never polls; at most 10 ms). A
-/// value that is not such a number is refused (the engine does not start).
-fn spin_time() -> Result<Duration> {
-    const DEFAULT_US: u64 = 50;
-    const MAX_US: u64 = 10_000;
-    let Ok(v) = std::env::var("KVMOVE_SPIN_US") else { return Ok(Duration::from_micros(DEFAULT_US)) };
-    match v.trim().parse::<u64>() {
-        Ok(us) if us <= MAX_US => Ok(Duration::from_micros(us)),
-        _ => Err(Error::new(
-            ErrorKind::Config,
-            format!("KVMOVE_SPIN_US={v:?}: expected a number of microseconds from 0 to {MAX_US}"),
-        )),
-    }
+    /// How waits and polls spend their time (`policy.wait`, with
+    /// `KVMOVE_SPIN_US` in place of its `spin_us`).
+    wait: WaitConfig,
 }
 
 /// Worker threads of each engine's runtime: the data path is I/O-bound
@@ -79,7 +64,7 @@ impl Core {
     /// The first engine of the process installs the in-memory metrics
     /// recorder (`kvmove.metrics()` reports it if that failed).
     pub(crate) fn start(cfg: &kvmove::EngineConfig) -> Result<Self> {
-        let spin = spin_time()?;
+        let wait = backend::wait_from_env(&cfg.policy.wait)?;
         let _ = crate::metrics::install();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(WORKER_THREADS)
@@ -100,7 +85,7 @@ impl Core {
             sessions: Mutex::new(None),
             closed: AtomicBool::new(false),
             closing: tokio::sync::watch::channel(false).0,
-            spin,
+            wait,
         })
     }
 
@@ -110,9 +95,15 @@ impl Core {
     }
 
     /// How long a blocking wait polls on the caller's thread before it
-    /// sleeps (`KVMOVE_SPIN_US`, see [`Core::transfer`]).
+    /// sleeps (`policy.wait.spin_us` or `KVMOVE_SPIN_US`, see
+    /// [`Core::transfer`]).
     pub(crate) fn spin(&self) -> Duration {
-        self.spin
+        self.wait.spin()
+    }
+
+    /// The wait policy: how polls of running transfers spend their time.
+    pub(crate) fn wait_policy(&self) -> &WaitConfig {
+        &self.wait
     }
 
     /// Runs `f` inside the engine's runtime context (for synchronous calls
@@ -508,7 +499,7 @@ impl Core {
         self.rt.block_on(t.cancel())
     }
 
-    /// Submits and waits: first by polling for at most `KVMOVE_SPIN_US` (50 us) on
+    /// Submits and waits: first by polling for at most `policy.wait.spin_us` (50 us) on
     /// this thread (the transport applies the answers that arrived as it
     /// polls, docs/CONTRACT.md rule 6), so a small transfer whose answer
     /// comes within microseconds completes here without a hand-off from a
@@ -518,7 +509,7 @@ impl Core {
     /// peer's, on a small machine) is not kept waiting by the spin.
     pub(crate) fn transfer(&self, requests: Vec<TransferRequest>) -> Result<TransferOutcome> {
         let t = self.submit(requests)?;
-        let spin = self.spin;
+        let spin = self.wait.spin();
         if !spin.is_zero() {
             let _in_rt = self.rt.enter();
             t.spin(spin);

@@ -137,6 +137,20 @@ impl NativeEngine {
         self.core.session_id().to_owned()
     }
 
+    /// The wait policy in force (`policy.wait`, `KVMOVE_SPIN_US` in place
+    /// of `spin_us`): `{"spin_us": .., "spinning_gap_us": .., "fresh_us":
+    /// .., "spinner_wait_us": ..}`, what the bindings' polls follow.
+    #[getter]
+    fn wait_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let w = self.core.wait_policy();
+        let d = PyDict::new(py);
+        d.set_item("spin_us", w.spin_us)?;
+        d.set_item("spinning_gap_us", w.spinning_gap_us)?;
+        d.set_item("fresh_us", w.fresh_us)?;
+        d.set_item("spinner_wait_us", w.spinner_wait_us)?;
+        Ok(d)
+    }
+
     /// The backend kind (`tcp`, `rdma`).
     #[getter]
     fn backend(&self) -> String {
@@ -426,7 +440,7 @@ impl NativeBatch {
         };
         let o = py.allow_threads(|| {
             let start = std::time::Instant::now();
-            // First on this thread, for at most KVMOVE_SPIN_US (and never
+            // First on this thread, for at most policy.wait.spin_us (and never
             // past the limit), yielding between polls, as a blocking
             // write does: a batch that completes meanwhile is finished here,
             // with no hand-off between threads.

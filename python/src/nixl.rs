@@ -36,21 +36,6 @@ use crate::errors::{invalid, to_pyerr};
 use crate::handoff::{bounded, timeout_arg};
 use crate::words::Word;
 
-/// Two polls of one running transfer closer together than this mean the
-/// caller spins on it (NIXL's callers loop on `check_xfer_state`; with UCX
-/// that loop is the progress engine). Here the engine's threads move the
-/// bytes, and a spinning caller only takes a CPU from them.
-const SPIN_GAP: Duration = Duration::from_micros(500);
-
-/// A transfer younger than this is polled without waiting: a small one
-/// ends within it, and a caller spinning on it learns the end without a
-/// wake-up (tens of microseconds on a halted vCPU).
-const SPIN_FREE: Duration = Duration::from_micros(250);
-
-/// How long a spinning caller's poll waits (GIL released) for the end
-/// before it answers `"PROC"`; it returns as soon as the transfer ended.
-const SPIN_WAIT: Duration = Duration::from_millis(1);
-
 /// How a transfer ended.
 #[derive(Debug, Clone)]
 struct Finished {
@@ -566,8 +551,9 @@ impl NixlXfer {
 
     /// How long this poll spins on the caller's thread: a caller polling
     /// a young transfer back to back that it can finish (`may_wait`: the
-    /// agent's last post or poll was of it; younger than `SPIN_FREE`; no
-    /// task drives it yet) looks until the transfer is `SPIN_FREE` old or
+    /// agent's last post or poll was of it; younger than `policy.wait`'s
+    /// `fresh_us`; no task drives it yet) looks until the transfer is that
+    /// old or
     /// ended, with the transport told that it polls ([`Probe::spin`], as
     /// `kvmove.Engine`'s calls do): the answer is applied on this thread,
     /// and no engine thread is woken for it (over TCP a thread hop saved,
@@ -575,12 +561,13 @@ impl NixlXfer {
     /// poll, not at all.
     fn spin_for(&self, may_wait: bool) -> Duration {
         let age = self.shared.started.elapsed();
-        if !may_wait || age >= SPIN_FREE || self.probe.is_none() || self.task.lock().is_none() {
+        let fresh = self.core.wait_policy().fresh();
+        if !may_wait || age >= fresh || self.probe.is_none() || self.task.lock().is_none() {
             return Duration::ZERO;
         }
         let now = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
         self.shared.polled.store(now, Ordering::Relaxed);
-        SPIN_FREE.saturating_sub(age)
+        fresh.saturating_sub(age)
     }
 
     /// Applies the answers that have arrived, on the caller's thread (GIL
@@ -634,23 +621,25 @@ impl NixlXfer {
         matches!(self.finished(), Some(Finished { error: Some(_), .. }))
     }
 
-    /// [`NixlXfer::state`] for a caller that polls in a loop: before the
-    /// transfer is 250 us old, such a poll spins on this thread until then
-    /// (`spin_for`); after, a poll that comes within 500 us of its
-    /// previous one, with `may_wait` (the agent's last poll or post was of
-    /// this same transfer), waits (GIL released) up to 1 ms for the end
-    /// before it answers `"PROC"`, so a
-    /// spinning caller sleeps while the engine's threads move the bytes,
+    /// [`NixlXfer::state`] for a caller that polls in a loop (the times
+    /// are `policy.wait`'s, defaults here): before the transfer is
+    /// `fresh_us` (250 us) old, such a poll spins on this thread until then
+    /// (`spin_for`); after, a poll that comes within `spinning_gap_us`
+    /// (500 us) of its previous one, with `may_wait` (the agent's last poll
+    /// or post was of this same transfer), waits (GIL released) up to
+    /// `spinner_wait_us` (1 ms) for the end before it answers `"PROC"`, so
+    /// a spinning caller sleeps while the engine's threads move the bytes,
     /// and learns the end as soon as it comes. A caller that polls other
     /// transfers in between (a serving engine's step over its pending
-    /// handles) or polls 500 us apart or more never waits.
+    /// handles) or polls further apart never waits.
     fn poll(&self, py: Python<'_>, may_wait: bool) -> &'static str {
         if self.finished().is_none() {
             self.progress(py, may_wait, self.spin_for(may_wait));
         }
         let st = state_of(&self.finished());
         let age = self.shared.started.elapsed();
-        if st == "PROC" && may_wait && age < SPIN_FREE && self.probe.is_some() {
+        let wait = self.core.wait_policy();
+        if st == "PROC" && may_wait && age < wait.fresh() && self.probe.is_some() {
             // A caller spinning on it, early: its next poll may finish it.
             return st;
         }
@@ -661,7 +650,7 @@ impl NixlXfer {
         }
         let now = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
         let last = self.shared.polled.swap(now, Ordering::Relaxed);
-        let gap = u64::try_from(SPIN_GAP.as_nanos()).unwrap_or(u64::MAX);
+        let gap = u64::try_from(wait.spinning_gap().as_nanos()).unwrap_or(u64::MAX);
         if last == 0 || now.saturating_sub(last) >= gap {
             return st;
         }
@@ -669,7 +658,7 @@ impl NixlXfer {
         py.allow_threads(|| {
             // Closed engine: the task ended the transfer or is aborted;
             // the state below says which.
-            let _ = bounded(&self.core, Some(SPIN_WAIT), async move {
+            let _ = bounded(&self.core, Some(wait.spinner_wait()), async move {
                 let _ = rx.wait_for(Option::is_some).await;
             });
         });

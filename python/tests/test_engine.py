@@ -226,6 +226,25 @@ def test_small_writes_with_and_without_polling_and_a_bad_spin_refused(monkeypatc
         assert info.value.kind == "config" and "KVMOVE_SPIN_US" in str(info.value), bad
 
 
+def test_the_wait_policy_comes_from_the_config_and_kvmove_spin_us_overrides_it(monkeypatch):
+    """`[policy.wait]` sets how waits and polls spend their time (the NIXL
+    agent's polls follow it too); `KVMOVE_SPIN_US` replaces its `spin_us`;
+    a value past its bound is a config error naming the field."""
+    monkeypatch.delenv("KVMOVE_SPIN_US", raising=False)
+    with kvmove.Engine() as e:
+        assert e._native.wait_policy == {"spin_us": 50, "spinning_gap_us": 500, "fresh_us": 250, "spinner_wait_us": 1000}
+    cfg = '[backend]\nkind = "tcp"\n[policy.wait]\nspin_us = 7\nspinner_wait_us = 300\n'
+    with kvmove.Engine(host="127.0.0.1", port=0, config=cfg) as e:
+        w = e._native.wait_policy
+        assert (w["spin_us"], w["spinner_wait_us"], w["spinning_gap_us"]) == (7, 300, 500), w
+    monkeypatch.setenv("KVMOVE_SPIN_US", "0")
+    with kvmove.Engine(host="127.0.0.1", port=0, config=cfg) as e:
+        assert e._native.wait_policy["spin_us"] == 0
+    with pytest.raises(kvmove.PermanentError) as info:
+        kvmove.Engine(host="127.0.0.1", port=0, config='[policy.wait]\nspinner_wait_us = 100001\n')
+    assert info.value.kind == "config" and "wait.spinner_wait_us" in str(info.value)
+
+
 def test_mooncake_engine_reads_kvmove_config(tmp_path, monkeypatch):
     cfg = tmp_path / "kvmove.toml"
     cfg.write_text("[backend.tcp]\nlanes = 2\n")

@@ -56,8 +56,6 @@ from ._base import (  # noqa: F401
     nixlRemoteDisconnectError,
     nixlCancelledError,
     nixlNoTelemetryError,
-    _SPIN_GAP,
-    _SPIN_WAIT,
     _from_kvmove,
 )
 from ._descs import (  # noqa: F401

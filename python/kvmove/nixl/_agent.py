@@ -34,8 +34,6 @@ from ._base import (
     nixlNotSupportedError,
     nixlRemoteDisconnectError,
     nixlNoTelemetryError,
-    _SPIN_GAP,
-    _SPIN_WAIT,
     _QUEUE_LIMIT,
     _non_blocking,
     _held,
@@ -145,6 +143,9 @@ class nixl_agent:
         self._lock = threading.RLock()
         self._last_polled: Optional[int] = None  # id() of the handle check_xfer_state last looked at
         self._engine: Optional[Engine] = None
+        # The engine's wait policy for polls of queued transfers (set with
+        # the engine; none is queued before it).
+        self._spin_gap = self._spin_wait = 0.0
         self._protocol: Optional[str] = None
         self.backends: Dict[str, int] = {}
         self.backend_mems: Dict[str, List[str]] = {}
@@ -214,6 +215,12 @@ class nixl_agent:
                 raise nixlInvalidParamError(f"backend {backend!r} was already created")
             if self._engine is None:
                 self._engine = self._start_engine(protocol, params.get("device") or None)
+                # Polls of a transfer still queued follow the engine's wait
+                # policy, as a posted one's (NixlXfer.poll) do: closer
+                # together than the gap, the caller spins, and such a poll
+                # waits a little for the post.
+                wait = self._engine._native.wait_policy
+                self._spin_gap, self._spin_wait = wait["spinning_gap_us"] / 1e6, wait["spinner_wait_us"] / 1e6
                 # Start the engine's notification driver now, so notifications
                 # that arrive before the first get_new_notifs are queued.
                 self._engine.notifications(0)
@@ -952,8 +959,8 @@ class nixl_agent:
             # caller polling back to back waits a little for the post
             # instead of spinning (as the posted transfer's poll does).
             same, self._last_polled = self._last_polled == id(handle), id(handle)
-            spinning = same and time.monotonic() - handle._polled < _SPIN_GAP
-            if not (j.done() or spinning and j.wait(_SPIN_WAIT)):
+            spinning = same and time.monotonic() - handle._polled < self._spin_gap
+            if not (j.done() or spinning and j.wait(self._spin_wait)):
                 handle._polled = now = time.monotonic()
                 # Queued too long behind work its peer does not answer: it
                 # fails, unless it started meanwhile (its own deadlines end it).

@@ -120,11 +120,6 @@ class nixlNoTelemetryError(nixlError):
     pass
 
 
-# Two polls of a transfer closer together than this (seconds) mean the
-# caller spins on it; such a poll waits up to _SPIN_WAIT for the end (the
-# posted transfer's own poll does the same in Rust: NixlXfer.poll).
-_SPIN_GAP = 0.0005
-_SPIN_WAIT = 0.001
 # The longest a transfer waits, not started, behind earlier work for its
 # peer (a notification to a frozen peer holds the courier until the
 # engine's answer timeout, 30 s): then it fails, as a transfer whose peer
