@@ -121,21 +121,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Sends a plain notification, retrying transient refusals (a full
-/// inbox) for a few seconds.
+/// Sends a plain notification of the flow (asks and hellos, which the
+/// other side takes twice without harm), offered again while the peer is
+/// not up or busy, within the policy's patience
+/// ([`Sessions::notify_repeatable`]).
 pub(crate) async fn notify(sess: &Sessions, peer: &str, msg: String) -> kvmove::Result<()> {
-    let until = Instant::now() + Duration::from_secs(5);
-    let mut backoff = Duration::from_millis(2);
-    loop {
-        match sess.notify(peer, msg.clone().into_bytes()).await {
-            Ok(()) => return Ok(()),
-            Err(e) if e.is_transient() && Instant::now() < until => {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(200));
-            }
-            Err(e) => return Err(e),
-        }
-    }
+    sess.notify_repeatable(peer, msg.into_bytes()).await
 }
 
 /// A plain message of the flow.

@@ -31,6 +31,10 @@ use transport_core::{Opcode, SegmentId, TransferRequest};
 mod tasks;
 use tasks::{read_loop, send_loop, tick_loop};
 
+/// [`Sessions::notify_repeatable`]'s first pause, and its longest.
+const REPEAT_FIRST_PAUSE: Duration = Duration::from_millis(2);
+const REPEAT_MAX_PAUSE: Duration = Duration::from_millis(200);
+
 /// Messages queued toward one peer before older heartbeats are dropped.
 const MAX_QUEUED: usize = 4096;
 /// Notifications taken from the transport per wake-up.
@@ -494,6 +498,32 @@ impl Sessions {
         self.inner.engine.notify(seg.id, msg).await?;
         metrics::counter!("kvmove_notifications_total", "dir" => "sent").increment(1);
         Ok(())
+    }
+
+    /// [`Sessions::notify`] for a message its peer may take twice without
+    /// harm (an ask it dedupes, a hello): offered again while it fails with
+    /// a transient error (the peer not up yet, a connection reset, a full
+    /// inbox), 2 ms apart and twice as long each time (at most 200 ms),
+    /// for up to `backpressure.notify_patience`; then, or on a permanent
+    /// error, the error is returned. Offered again after a timeout, a
+    /// message may arrive twice: plain [`Sessions::notify`] never sends one
+    /// twice.
+    pub async fn notify_repeatable(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
+        let patience = self.inner.engine.config().backpressure.notify_patience;
+        let started = self.inner.clock.now();
+        let mut pause = REPEAT_FIRST_PAUSE;
+        loop {
+            match self.notify(peer, msg.clone()).await {
+                Err(e)
+                    if e.is_transient()
+                        && self.inner.clock.now().saturating_sub(started).saturating_add(pause) < patience =>
+                {
+                    self.inner.clock.sleep(pause).await;
+                    pause = (pause * 2).min(REPEAT_MAX_PAUSE);
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Takes up to `max` plain notifications received (not session

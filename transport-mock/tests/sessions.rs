@@ -249,3 +249,37 @@ fn a_late_reader_never_makes_a_live_peer_silent() {
         assert_eq!(d.s.state(&kr), Some(SessionState::Granted));
     });
 }
+
+/// `Sessions::notify_repeatable`: a message for a peer not up yet is
+/// offered again until it comes up (within the policy's
+/// `notify_patience`), where plain `notify` fails at once; a peer that
+/// never comes up is given up on near the patience, with its error.
+#[test]
+fn a_repeatable_notification_waits_for_its_peer_to_come_up_within_the_patience() {
+    run(async {
+        let fabric = MockFabric::new();
+        let p = side(&fabric, "p", MockConfig::default(), 1);
+        let err = p.s.notify("late", b"hello".to_vec()).await.unwrap_err();
+        assert!(err.is_transient(), "{err}");
+        let sender = p.s.clone();
+        let sent = tokio::spawn(async move { sender.notify_repeatable("late", b"hello".to_vec()).await });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(!sent.is_finished(), "gave up on a peer not up yet");
+        let late = side(&fabric, "late", MockConfig::default(), 2);
+        tokio::time::timeout(Duration::from_secs(10), sent).await.unwrap().unwrap().unwrap();
+        late.s.wait_notification().await.unwrap();
+        let got = late.s.take_notifications(8);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].msg, b"hello");
+
+        let t = MockTransport::new(&fabric, MockConfig { name: Some("q".into()), ..MockConfig::default() }).unwrap();
+        let mut policy = PolicyConfig::default();
+        policy.backpressure.notify_patience = Duration::from_millis(100);
+        let q = Sessions::start(Engine::new(t, policy).unwrap(), limits()).unwrap();
+        let started = std::time::Instant::now();
+        let err = q.notify_repeatable("never", b"x".to_vec()).await.unwrap_err();
+        assert!(err.is_transient(), "{err}");
+        assert!(started.elapsed() >= Duration::from_millis(50), "gave up before its patience");
+        assert!(started.elapsed() < Duration::from_secs(3), "kept on past its patience");
+    });
+}
