@@ -42,6 +42,10 @@ step "the VM (2 soft-RoCE devices): QPs before, pytest -k '$tests', QPs after"
 cat > "$work/guest.sh" <<'GUEST'
 set -u
 work=$1 venv=$2 site=$3 root=$4 tests=$5
+# The guest sees the host's root read-only: caches (torch's, Hugging
+# Face's) go to the guest's tmpfs.
+export HOME=/tmp/home XDG_CACHE_HOME=/tmp/cache TORCHINDUCTOR_CACHE_DIR=/tmp/cache/inductor
+mkdir -p "$HOME" "$XDG_CACHE_HOME"
 printf '[backend]\nkind = "rdma"\n' > /tmp/kvmove-rdma.toml
 qps() { rdma res show qp | grep -c . || true; }
 before=$(qps)
