@@ -50,9 +50,15 @@ printf '[backend]\nkind = "rdma"\n' > /tmp/kvmove-rdma.toml
 qps() { rdma res show qp | grep -c . || true; }
 before=$(qps)
 echo "QPs before: $before"; rdma res show qp
+# The most QPs seen while the tests run (every 2 s): more than the
+# baseline shows the transfers went over RDMA.
+( peak=0; while :; do n=$(qps); [ "$n" -gt "$peak" ] && peak=$n && echo "$peak" > /tmp/qp-peak; sleep 2; done ) &
+sampler=$!
 cd "$work" && KVMOVE_CONFIG=/tmp/kvmove-rdma.toml PYTHONPATH=$site KVMOVE_TEST_SLOW=${KVMOVE_TEST_SLOW:-20} \
   "$venv/bin/python" -m pytest -p no:cacheprovider -q -rA --timeout 3000 -k "$tests" "$root/python/sglang_tests/test_backend.py"
 rc=$?
+kill "$sampler" 2>/dev/null
+echo "QPs at most while the tests ran: $(cat /tmp/qp-peak 2>/dev/null || echo "$before")"
 after=$(qps)
 echo "QPs after: $after"; rdma res show qp
 if [ "$after" != "$before" ]; then
