@@ -31,6 +31,35 @@ mod transfer;
 const NOTIFY_FIRST_PAUSE: Duration = Duration::from_millis(1);
 const NOTIFY_MAX_PAUSE: Duration = Duration::from_millis(50);
 
+/// Calls `offer` until it succeeds, fails with an error `again` does not
+/// take, or the next try would come `patience` after the first; between
+/// tries it pauses `pauses.0`, twice as long each time, at most
+/// `pauses.1`. What offering a notification again means, for
+/// [`Engine::notify`] and [`crate::Sessions::notify_repeatable`].
+pub(crate) async fn offer_within<F, Fut>(
+    clock: &dyn Clock,
+    patience: Duration,
+    pauses: (Duration, Duration),
+    again: impl Fn(&Error) -> bool,
+    mut offer: F,
+) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let started = clock.now();
+    let mut pause = pauses.0;
+    loop {
+        match offer().await {
+            Err(e) if again(&e) && clock.now().saturating_sub(started).saturating_add(pause) < patience => {
+                clock.sleep(pause).await;
+                pause = (pause * 2).min(pauses.1);
+            }
+            r => return r,
+        }
+    }
+}
+
 use transfer::{Driver, Lazy, Mode};
 pub use transfer::{Probe, Transfer};
 
@@ -277,20 +306,10 @@ impl Engine {
     /// error, the error is returned (a notification is never sent twice).
     pub async fn notify(&self, segment: SegmentId, msg: Vec<u8>) -> Result<()> {
         let patience = self.inner.cfg.backpressure.notify_patience;
-        let started = self.inner.clock.now();
-        let mut pause = NOTIFY_FIRST_PAUSE;
-        loop {
-            match self.inner.transport.notify(segment, msg.clone()).await {
-                Err(e)
-                    if e.kind() == ErrorKind::Backpressure
-                        && self.inner.clock.now().saturating_sub(started).saturating_add(pause) < patience =>
-                {
-                    self.inner.clock.sleep(pause).await;
-                    pause = (pause * 2).min(NOTIFY_MAX_PAUSE);
-                }
-                r => return r,
-            }
-        }
+        let busy = |e: &Error| e.kind() == ErrorKind::Backpressure;
+        let pauses = (NOTIFY_FIRST_PAUSE, NOTIFY_MAX_PAUSE);
+        offer_within(&*self.inner.clock, patience, pauses, busy, || self.inner.transport.notify(segment, msg.clone()))
+            .await
     }
 
     /// Asks the peer `name` whether it is there: opens its segment and

@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::engine::Engine;
+use super::engine::{offer_within, Engine};
 use super::retry::TransferOutcome;
 use crate::session::{
     is_session_message, Action, Grant, Role, SessionCounts, SessionKey, SessionLimits, SessionState, SessionTable,
@@ -510,20 +510,8 @@ impl Sessions {
     /// twice.
     pub async fn notify_repeatable(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
         let patience = self.inner.engine.config().backpressure.notify_patience;
-        let started = self.inner.clock.now();
-        let mut pause = REPEAT_FIRST_PAUSE;
-        loop {
-            match self.notify(peer, msg.clone()).await {
-                Err(e)
-                    if e.is_transient()
-                        && self.inner.clock.now().saturating_sub(started).saturating_add(pause) < patience =>
-                {
-                    self.inner.clock.sleep(pause).await;
-                    pause = (pause * 2).min(REPEAT_MAX_PAUSE);
-                }
-                r => return r,
-            }
-        }
+        let pauses = (REPEAT_FIRST_PAUSE, REPEAT_MAX_PAUSE);
+        offer_within(&*self.inner.clock, patience, pauses, Error::is_transient, || self.notify(peer, msg.clone())).await
     }
 
     /// Takes up to `max` plain notifications received (not session
