@@ -25,6 +25,15 @@ const EVENT_ERRORS_MAX: u32 = 10;
 const POLLER_REARM: Duration = Duration::from_millis(50);
 /// The poller's period when the completion channel cannot be polled.
 const POLLER_FALLBACK: Duration = Duration::from_millis(1);
+/// How long an error completion that a cut link also produces ("remote
+/// invalid request": soft-RoCE answers a link going down with it) waits for
+/// the port to be reported down before it is taken at its word. The NAK can
+/// be read before the port state flips; without the wait a batch cut by a
+/// link failure would end with a permanent error instead of the transient
+/// link-down one. Only error completions wait, in steps of
+/// [`LINK_SETTLE_STEP`].
+const LINK_SETTLE: Duration = Duration::from_millis(50);
+const LINK_SETTLE_STEP: Duration = Duration::from_millis(5);
 /// The reaper runs every idle_timeout / 4, within these bounds.
 const REAPER_MIN: Duration = Duration::from_millis(5);
 const REAPER_MAX: Duration = Duration::from_millis(200);
@@ -169,6 +178,28 @@ impl Inner {
         });
     }
 
+    /// The link-down error if `chunk` holds an error completion and the
+    /// port is down (or cannot be asked); `None` on a chunk of successes
+    /// without asking. A "remote invalid request" gives the port up to
+    /// [`LINK_SETTLE`] to be reported down.
+    fn port_down_after(&self, ctx: &Context, chunk: &[crate::verbs::Completion]) -> Option<Error> {
+        use rdma_sys::ibv_wc_status as S;
+        if chunk.iter().all(|c| c.status == S::IBV_WC_SUCCESS) {
+            return None;
+        }
+        let settle = chunk.iter().any(|c| c.status == S::IBV_WC_REM_INV_REQ_ERR);
+        let until = Instant::now() + if settle { LINK_SETTLE } else { Duration::ZERO };
+        loop {
+            if !matches!(ctx.port_active(self.cfg.port), Ok(true)) {
+                return Some(link_down(&self.device, self.cfg.port));
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(LINK_SETTLE_STEP);
+        }
+    }
+
     /// Polls the CQ and applies what it finds, in CQ order: the poll and
     /// the apply happen under `cq_lock`, so a busy-polling waiter and the
     /// poller never apply completions out of order (a flush completion
@@ -197,13 +228,7 @@ impl Inner {
                     // with "remote invalid request"): reported as the
                     // transient link-down error. Asked only when a chunk
                     // holds an error, never on the success path.
-                    let ok = rdma_sys::ibv_wc_status::IBV_WC_SUCCESS;
-                    let down = buf.iter().any(|c| c.status != ok).then(|| v.ctx.port_active(self.cfg.port)).and_then(
-                        |active| match active {
-                            Ok(true) => None,
-                            _ => Some(link_down(&self.device, self.cfg.port)),
-                        },
-                    );
+                    let down = self.port_down_after(&v.ctx, &buf);
                     self.with_state(|st, g| {
                         for c in buf.iter() {
                             st.on_completion(c, down.as_ref(), &self.lim, g);
