@@ -183,7 +183,7 @@ async fn bench_with(
             kvmove::publish(target, store.as_ref(), &s.target.name).await?;
             s.target.name.clone()
         }
-        None => target.transport().local_segment_name(),
+        None => target.local_segment_name(),
     };
     let (segment, desc) = connect(initiator, store.as_deref(), &name).await?;
     let mut session = session(s, plan, initiator, segment, &desc, false)?;
@@ -417,11 +417,11 @@ pub async fn target(s: &Settings, json: bool) -> kvmove::Result<Outcome> {
 async fn serve(s: &Settings, plan: &Plan, engine: &Engine, len: u64, json: bool) -> kvmove::Result<Outcome> {
     let buf = alloc(len, "target memory")?;
     engine.register(buf.region(), Access::REMOTE_RW)?;
-    let segment = engine.transport().local_segment_name();
+    let segment = engine.local_segment_name();
     let store = kvmove::build_metadata(&s.metadata).await?;
     let desc = match &store {
         Some(store) => kvmove::publish(engine, store.as_ref(), &s.target.name).await?,
-        None => kvmove::own_descriptor(engine.transport()).await?,
+        None => engine.local_descriptor()?,
     };
     let published = store.as_ref().map(|_| s.target.name.clone());
     // With sessions, grants go to initiators that ask, for the units of

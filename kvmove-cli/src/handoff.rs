@@ -188,7 +188,7 @@ async fn node(cfg: &EngineConfig, bytes: usize) -> Result<Node> {
     let engine = kvmove::build(cfg).await?;
     let buf = Buffer::new(bytes.max(1)).map_err(|e| Error::new(ErrorKind::ResourceExhausted, e.to_string()))?;
     let region = engine.register(buf.region(), Access::REMOTE_RW)?;
-    let name = engine.transport().local_segment_name();
+    let name = engine.local_segment_name();
     Ok(Node { engine, buf, region, name })
 }
 
@@ -281,7 +281,7 @@ fn sampler(engines: Vec<Engine>) -> (tokio::task::JoinHandle<(u64, usize)>, toki
         loop {
             for e in &engines {
                 bytes = bytes.max(e.inflight().bytes);
-                eps = eps.max(e.transport().stats().endpoints);
+                eps = eps.max(e.stats().endpoints);
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(2)) => {}
@@ -495,7 +495,7 @@ async fn run_today(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<Nod
 
     // Decode: allocate in arrival order, send DEST, wait for DONE up to the
     // timeout (counted from its DEST), then free.
-    let dt = decode.engine.transport().clone();
+    let dt = decode.engine.clone();
     let waiting_done: Arc<Mutex<Waiters>> = Arc::default();
     let decode_reader = {
         let dt = dt.clone();
@@ -568,7 +568,7 @@ async fn run_today(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<Nod
     let mut tasks = Vec::new();
     let mut readers = Vec::new();
     for (s, n) in senders.iter().enumerate() {
-        let t = n.engine.transport().clone();
+        let t = n.engine.clone();
         let dests: Arc<Mutex<HashMap<u64, tokio::sync::oneshot::Sender<u64>>>> = Arc::default();
         let early: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
         {

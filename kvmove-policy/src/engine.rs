@@ -21,6 +21,7 @@ use super::metrics::{EngineMetrics, Stage};
 use super::retry::{verdicts, PeerVerdict, Retry, TransferOutcome};
 use transport_core::Transport;
 use transport_core::{Access, BatchId, BatchState, RegionId, RequestStatus, SegmentId, SubmitOptions, TransferRequest};
+use transport_core::{Capabilities, Notification, ResourceStats, SegmentDescriptor};
 use transport_core::{Clock, SystemClock};
 use transport_core::{Error, ErrorKind, Result};
 
@@ -192,9 +193,57 @@ impl Engine {
         self.inner.clock.clone()
     }
 
-    /// The backend underneath.
-    pub fn transport(&self) -> &Arc<dyn Transport> {
+    /// The backend underneath: for this crate's session driver only. A
+    /// program goes through the engine's own methods (one door: every call
+    /// meets the policy, and nothing else holds the transport).
+    pub(crate) fn transport(&self) -> &Arc<dyn Transport> {
         &self.inner.transport
+    }
+
+    /// The backend's name (`tcp`, `rdma`, `mock`, ...).
+    pub fn backend(&self) -> &str {
+        self.inner.transport.backend()
+    }
+
+    /// What the backend can do (see [`Transport::capabilities`]).
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.transport.capabilities()
+    }
+
+    /// The name peers open this engine by (`host:port` for TCP and RDMA).
+    pub fn local_segment_name(&self) -> String {
+        self.inner.transport.local_segment_name()
+    }
+
+    /// This engine's own descriptor, as peers get it (see
+    /// [`Transport::local_descriptor`]).
+    pub fn local_descriptor(&self) -> Result<SegmentDescriptor> {
+        self.inner.transport.local_descriptor()
+    }
+
+    /// The descriptor an open segment was opened with (see
+    /// [`Transport::segment_descriptor`]).
+    pub fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDescriptor> {
+        self.inner.transport.segment_descriptor(segment)
+    }
+
+    /// The backend's resource counts (rule 1: they return to zero).
+    pub fn stats(&self) -> ResourceStats {
+        self.inner.transport.stats()
+    }
+
+    /// Takes up to `max` received notifications (rule 11; see
+    /// [`Transport::take_notifications`]). Not for an engine whose
+    /// [`Engine::sessions`] run: those take the inbox and hand plain
+    /// notifications out themselves ([`crate::Sessions::take_notifications`]).
+    pub fn take_notifications(&self, max: usize) -> Result<Vec<Notification>> {
+        self.inner.transport.take_notifications(max)
+    }
+
+    /// Waits until a notification may be waiting (see
+    /// [`Transport::wait_notification`]).
+    pub async fn wait_notification(&self) -> Result<()> {
+        self.inner.transport.wait_notification().await
     }
 
     /// The policy in force.

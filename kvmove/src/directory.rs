@@ -5,15 +5,13 @@
 use kvmove_policy::Engine;
 use transport_core::{Error, ErrorKind, MetadataStore, Result, SegmentDescriptor, SegmentId};
 
-use crate::build::own_descriptor;
-
 /// Publishes this engine's descriptor under the logical `name`. The stored
 /// descriptor is the one peers get from the engine itself (same generation
-/// and regions; see [`own_descriptor`]), renamed to `name`, with `address` set to the segment name
+/// and regions; see [`Engine::local_descriptor`]), renamed to `name`, with `address` set to the segment name
 /// to open (`host:port` for TCP and RDMA).
 pub async fn publish(engine: &Engine, store: &dyn MetadataStore, name: &str) -> Result<SegmentDescriptor> {
-    let mut desc = own_descriptor(engine.transport()).await?;
-    desc.address = engine.transport().local_segment_name();
+    let mut desc = engine.local_descriptor()?;
+    desc.address = engine.local_segment_name();
     desc.name = name.to_owned();
     store.put(desc.clone()).await.map_err(|e| e.with("publishing", name))?;
     Ok(desc)
@@ -58,7 +56,7 @@ pub async fn open(engine: &Engine, address: &str) -> Result<(SegmentId, SegmentD
         let reached = Error::new(e.kind(), format!("cannot reach {address}: {}", e.message()));
         e.context().iter().fold(reached, |r, (k, v)| r.with(k, v)).with("segment", address)
     })?;
-    match engine.transport().segment_descriptor(segment) {
+    match engine.segment_descriptor(segment) {
         Ok(d) => Ok((segment, d)),
         Err(e) => {
             let _ = engine.close_segment(segment).await;

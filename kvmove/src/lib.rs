@@ -22,7 +22,7 @@
 //!     max_attempts = 4
 //! "#)?;
 //! let engine = kvmove::build(&cfg).await?;
-//! println!("serving as {}", engine.transport().local_segment_name());
+//! println!("serving as {}", engine.local_segment_name());
 //! # Ok(()) }
 //! ```
 //!
@@ -35,7 +35,7 @@
 //! Peers find each other peer to peer by default (the segment name is the
 //! peer's `host:port`). With a metadata store ([`build_metadata`]: etcd or
 //! in-process), [`publish`] puts an engine's descriptor (asked of the
-//! transport itself, [`own_descriptor`]: no round trip) under a logical
+//! engine itself, [`Engine::local_descriptor`]: no round trip) under a logical
 //! name and [`resolve`] opens the peer behind a name after checking that it
 //! serves the generation the store advertises (a restarted peer's stale
 //! entry is refused, never used).

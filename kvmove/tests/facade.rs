@@ -108,8 +108,8 @@ async fn program(config: &str) -> String {
     let back = Buffer::new(256 << 10).unwrap();
     let src_id = initiator.register(src.region(), Access::LOCAL).unwrap();
     let back_id = initiator.register(back.region(), Access::LOCAL).unwrap();
-    let seg = initiator.open_segment(&target.transport().local_segment_name()).await.unwrap();
-    let base = initiator.transport().segment_descriptor(seg).unwrap().regions[0].addr;
+    let seg = initiator.open_segment(&target.local_segment_name()).await.unwrap();
+    let base = initiator.segment_descriptor(seg).unwrap().regions[0].addr;
     let writes =
         (0..4).map(|i| TransferRequest::write(src_id, i * (64 << 10), seg, base + (3 - i) * (64 << 10), 64 << 10));
     initiator.transfer(writes.collect()).await.unwrap().into_result().unwrap();
@@ -121,7 +121,7 @@ async fn program(config: &str) -> String {
     initiator.close_segment(seg).await.unwrap();
     initiator.shutdown().await.unwrap();
     target.shutdown().await.unwrap();
-    initiator.transport().backend().to_owned()
+    initiator.backend().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,7 +172,7 @@ async fn publish_and_resolve_by_name_refuse_a_stale_generation() {
     let buf = Buffer::new(4096).unwrap();
     target.register(buf.region(), Access::REMOTE_RW).unwrap();
     let published = kvmove::publish(&target, store.as_ref(), "decode-0").await.unwrap();
-    assert_eq!(published.address, target.transport().local_segment_name());
+    assert_eq!(published.address, target.local_segment_name());
     let (seg, served) = kvmove::resolve(&initiator, store.as_ref(), "decode-0").await.unwrap();
     assert_eq!(served.generation, published.generation);
     assert_eq!(served.regions.len(), 1);
@@ -183,7 +183,7 @@ async fn publish_and_resolve_by_name_refuse_a_stale_generation() {
     store.put(stale).await.unwrap();
     let e = kvmove::resolve(&initiator, store.as_ref(), "decode-0").await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PeerRestarted, "{e}");
-    assert_eq!(initiator.transport().stats().segments, 0, "the stale handle was closed");
+    assert_eq!(initiator.stats().segments, 0, "the stale handle was closed");
     let e = kvmove::resolve(&initiator, store.as_ref(), "nobody").await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
     store.remove("decode-0").await.unwrap();

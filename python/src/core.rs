@@ -154,7 +154,7 @@ impl Core {
         loop {
             let got = match &sessions {
                 Some(s) => s.take_notifications(CHUNK),
-                None => self.engine.transport().take_notifications(CHUNK)?,
+                None => self.engine.take_notifications(CHUNK)?,
             };
             let n = got.len();
             all.extend(got);
@@ -226,7 +226,7 @@ impl Core {
     /// the Python APIs register is reachable by peers (`REMOTE_RW`), so
     /// this needs both capabilities.
     pub(crate) fn device_memory(&self) -> bool {
-        let c = self.engine.transport().capabilities();
+        let c = self.engine.capabilities();
         c.device_memory && c.device_memory_remote
     }
 
@@ -239,7 +239,7 @@ impl Core {
 
     /// The backend kind (`tcp`, `rdma`).
     pub(crate) fn backend(&self) -> String {
-        self.engine.transport().backend().to_owned()
+        self.engine.backend().to_owned()
     }
 
     /// Registers `addr .. addr + len` for local use and remote read/write:
@@ -386,7 +386,7 @@ impl Core {
     /// The address of the first region a peer exposes (0 if none).
     pub(crate) fn first_remote_region(&self, name: &str) -> Result<u64> {
         let seg = self.open_segment(name)?;
-        let desc = self.engine.transport().segment_descriptor(seg);
+        let desc = self.engine.segment_descriptor(seg);
         let _ = self.close_segment(seg);
         Ok(desc?.regions.first().map_or(0, |r| r.addr))
     }
@@ -519,7 +519,7 @@ impl Core {
 
     /// Live resource counts of the backend, plus this layer's own.
     pub(crate) fn stats(&self) -> Vec<(&'static str, u64)> {
-        let s = self.engine.transport().stats();
+        let s = self.engine.stats();
         let inflight = self.engine.inflight();
         let counts = self.sessions.lock().as_ref().map(Sessions::counts);
         vec![
