@@ -195,7 +195,7 @@ impl Engine {
 
     /// The backend underneath: for this crate's session driver only. A
     /// program goes through the engine's own methods (one door: every call
-    /// meets the policy, and nothing else holds the transport).
+    /// meets the policy).
     pub(crate) fn transport(&self) -> &Arc<dyn Transport> {
         &self.inner.transport
     }
