@@ -619,8 +619,10 @@ class Engine:
     def notify(self, peer: str, msg: bytes) -> None:
         """Sends ``msg`` (at most 4096 bytes) to the engine ``peer``; returns
         once it is in the peer's inbox. Per pair of engines, notifications
-        arrive in the order they were sent. A full inbox raises a transient
-        ``backpressure`` error (nothing was queued: retry later)."""
+        arrive in the order they were sent. A full inbox is offered the
+        message again for the policy's ``notify_patience`` (5 s by default);
+        past it a transient ``backpressure`` error is raised (nothing was
+        queued: retry later)."""
         self._native.notify(peer, bytes(msg))
 
     def notifications(self, max: int = 1024) -> List[Notification]:

@@ -290,8 +290,9 @@ impl NativeEngine {
     }
 
     /// Sends a plain notification (at most 4096 bytes) to `peer`; returns
-    /// once it is in the peer's inbox. A full inbox raises a transient
-    /// `backpressure` error (nothing was queued: retry later).
+    /// once it is in the peer's inbox. A full inbox is offered it again for
+    /// the policy's `notify_patience`; past it a transient `backpressure`
+    /// error is raised (nothing was queued: retry later).
     fn notify(&self, py: Python<'_>, peer: &str, msg: &[u8]) -> PyResult<()> {
         let core = &self.core;
         let msg = msg.to_vec();

@@ -1099,20 +1099,15 @@ class nixl_agent:
             )
 
         def deliver():
-            deadline = time.monotonic() + 5.0
-            while True:
-                try:
-                    eng.notify(target, wire)
-                    return
-                except TransferError as e:
-                    if getattr(e, "kind", None) == "backpressure" and time.monotonic() < deadline:
-                        time.sleep(0.005)
-                        continue
-                    logger.warning("send_notif to agent %r was not delivered: %s", remote_agent_name, e)
-                    if r is not None and _peer_gone(e):
-                        r.gone = True
-                        self._drop_waiting(r, "a notification")
-                    return
+            # The engine offers a notification to a busy peer again for
+            # the policy's notify_patience; what it raises is final.
+            try:
+                eng.notify(target, wire)
+            except TransferError as e:
+                logger.warning("send_notif to agent %r was not delivered: %s", remote_agent_name, e)
+                if r is not None and _peer_gone(e):
+                    r.gone = True
+                    self._drop_waiting(r, "a notification")
 
         if r is None:  # this agent itself
             deliver()
