@@ -528,9 +528,28 @@ class Engine:
         if config is not None and not isinstance(config, str):
             with open(config, encoding="utf-8") as f:
                 config = f.read()
-        self._native = NativeEngine(
-            protocol, host, port, device, json.dumps(policy) if policy else None, config
-        )
+        self._start(NativeEngine(protocol, host, port, device, json.dumps(policy) if policy else None, config))
+
+    @classmethod
+    def from_env(
+        cls,
+        protocol: Optional[str] = None,
+        host: Optional[str] = None,
+        port: Optional[int] = None,
+        device: Optional[str] = None,
+    ) -> "Engine":
+        """An engine configured by the environment, as kvmove's connectors
+        and API surfaces start theirs: the TOML file ``KVMOVE_CONFIG``
+        names, the policy in ``KVMOVE_POLICY`` (JSON) in place of the
+        file's, and ``KVMOVE_PROTOCOL`` when ``protocol`` is not given; the
+        arguments override the file as in the constructor. Without
+        ``KVMOVE_CONFIG`` and ``host`` the engine listens on 127.0.0.1."""
+        e = cls.__new__(cls)
+        e._start(NativeEngine.from_env(protocol, host, port, device))
+        return e
+
+    def _start(self, native) -> None:
+        self._native = native
         serve_metrics_from_env()
         self._regions: set = set()
         self._sessions: set = set()

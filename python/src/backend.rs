@@ -55,9 +55,7 @@ impl BackendOptions {
         device_name: &str,
     ) -> Result<(Self, Option<metadata::Server>)> {
         let meta = metadata::Server::parse(metadata_server)?;
-        let protocol = std::env::var(PROTOCOL_ENV)
-            .ok()
-            .filter(|p| !p.is_empty())
+        let protocol = protocol_from_env()
             .or_else(|| force_tcp(std::env::var(FORCE_TCP_ENV).ok().as_deref()).then(|| "tcp".to_owned()))
             .unwrap_or_else(|| protocol.to_owned());
         let protocol = protocol.trim().to_ascii_lowercase();
@@ -197,6 +195,26 @@ pub(crate) fn base_config_from_env() -> Result<Option<String>> {
         }
         _ => Ok(None),
     }
+}
+
+/// Environment variable with a policy (JSON, the keys of the Rust
+/// `PolicyConfig`) in place of the config's.
+pub(crate) const POLICY_ENV: &str = "KVMOVE_POLICY";
+
+/// The policy in `KVMOVE_POLICY`, if set; JSON that does not parse, or a
+/// policy out of bounds, is a `Config` error that names the variable.
+pub(crate) fn policy_from_env() -> Result<Option<kvmove_policy::PolicyConfig>> {
+    match std::env::var(POLICY_ENV) {
+        Ok(s) if !s.trim().is_empty() => {
+            crate::native::parse_policy(&s).map(Some).map_err(|e| e.with("from", POLICY_ENV))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The protocol `KVMOVE_PROTOCOL` names (lower case), if set and not empty.
+pub(crate) fn protocol_from_env() -> Option<String> {
+    std::env::var(PROTOCOL_ENV).ok().map(|p| p.trim().to_ascii_lowercase()).filter(|p| !p.is_empty())
 }
 
 /// `policy.wait` with `KVMOVE_SPIN_US` (microseconds, 0 to

@@ -32,7 +32,7 @@ use crate::words::Words;
 mod calls;
 mod notify;
 
-use calls::{ops_from, parse_opcode, policy_from_env, run_sync};
+use calls::{ops_from, parse_opcode, run_sync};
 use notify::notify_arg;
 pub(crate) use notify::TransferNotify;
 
@@ -180,7 +180,7 @@ impl MooncakeEngine {
                 BackendOptions::from_mooncake(local_hostname, metadata_server, protocol, device_name.unwrap_or(""))?;
             let base = backend::base_config_from_env()?;
             let mut cfg = backend::engine_config(Some(&opts), base.as_deref())?;
-            if let Some(policy) = policy_from_env()? {
+            if let Some(policy) = backend::policy_from_env()? {
                 cfg.policy = policy;
             }
             let core = py.allow_threads(|| {

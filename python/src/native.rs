@@ -34,6 +34,47 @@ fn py_result<T>(py: Python<'_>, r: Result<T>) -> PyResult<T> {
     r.map_err(|e| to_pyerr(py, &e))
 }
 
+/// The engine configuration the constructor's arguments make: `config`
+/// (TOML text) with the backend, listen address and device the other
+/// arguments give in place of its own (without a config: TCP on
+/// 127.0.0.1).
+fn config_for(
+    protocol: Option<&str>,
+    host: Option<&str>,
+    port: Option<u16>,
+    device: Option<&str>,
+    config: Option<&str>,
+) -> Result<kvmove::EngineConfig> {
+    let overrides = config.is_none() || protocol.is_some() || host.is_some() || port.is_some();
+    let opts = if overrides {
+        let (h, p) = split_host_port(host.unwrap_or("127.0.0.1"))?;
+        if let (Some(port), true) = (port, p != 0) {
+            if port != p {
+                return Err(invalid("port given both in host and as port, differently"));
+            }
+        }
+        // Not given: the config's backend (a host given with a
+        // config moves the listener, not the backend), else TCP.
+        let protocol = match protocol {
+            Some(p) => p.trim().to_ascii_lowercase(),
+            None => config_kind(config).unwrap_or_else(|| "tcp".into()),
+        };
+        if !matches!(protocol.as_str(), "tcp" | "rdma") {
+            return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
+                .with("protocol", protocol));
+        }
+        Some(BackendOptions {
+            protocol,
+            host: h,
+            port: port.unwrap_or(p),
+            device: device.unwrap_or_default().to_owned(),
+        })
+    } else {
+        None
+    };
+    engine_config(opts.as_ref(), config)
+}
+
 /// One engine: a backend with the shared policy, its own runtime.
 #[pyclass(module = "kvmove._native", name = "NativeEngine", frozen)]
 pub(crate) struct NativeEngine {
@@ -51,6 +92,12 @@ fn raw_pairs(write: bool, ops: &[PairTuple]) -> Vec<RawOp> {
 }
 
 impl NativeEngine {
+    /// Starts the engine `cfg` describes (the GIL released meanwhile).
+    fn start(py: Python<'_>, cfg: Result<kvmove::EngineConfig>) -> PyResult<Self> {
+        let core = cfg.and_then(|cfg| py.allow_threads(|| Core::start(&cfg)));
+        Ok(Self { core: Arc::new(py_result(py, core)?) })
+    }
+
     fn submit_raw(&self, py: Python<'_>, segment: u64, raw: Vec<RawOp>) -> PyResult<NativeBatch> {
         let core = &self.core;
         let t = py_result(
@@ -94,41 +141,40 @@ impl NativeEngine {
         policy_json: Option<&str>,
         config: Option<&str>,
     ) -> PyResult<Self> {
-        let r = (|| {
-            let overrides = config.is_none() || protocol.is_some() || host.is_some() || port.is_some();
-            let opts = if overrides {
-                let (h, p) = split_host_port(host.unwrap_or("127.0.0.1"))?;
-                if let (Some(port), true) = (port, p != 0) {
-                    if port != p {
-                        return Err(invalid("port given both in host and as port, differently"));
-                    }
-                }
-                // Not given: the config's backend (a host given with a
-                // config moves the listener, not the backend), else TCP.
-                let protocol = match protocol {
-                    Some(p) => p.trim().to_ascii_lowercase(),
-                    None => config_kind(config).unwrap_or_else(|| "tcp".into()),
-                };
-                if !matches!(protocol.as_str(), "tcp" | "rdma") {
-                    return Err(Error::new(ErrorKind::Unsupported, "unknown protocol; use \"tcp\" or \"rdma\"")
-                        .with("protocol", protocol));
-                }
-                Some(BackendOptions {
-                    protocol,
-                    host: h,
-                    port: port.unwrap_or(p),
-                    device: device.unwrap_or_default().to_owned(),
-                })
-            } else {
-                None
-            };
-            let mut cfg = engine_config(opts.as_ref(), config)?;
+        let cfg = config_for(protocol, host, port, device, config).and_then(|mut cfg| {
             if let Some(p) = policy_json {
                 cfg.policy = parse_policy(p)?;
             }
-            py.allow_threads(|| Core::start(&cfg))
+            Ok(cfg)
+        });
+        Self::start(py, cfg)
+    }
+
+    /// An engine configured as every Python surface configures its own
+    /// (the NIXL agent, SGLang's backend, the vLLM connector): the TOML
+    /// file `KVMOVE_CONFIG` names, the policy in `KVMOVE_POLICY` (JSON) in
+    /// place of the file's, and `KVMOVE_PROTOCOL` when `protocol` is not
+    /// given; the arguments override the file as in the constructor. Read
+    /// here, once, so every surface reads them alike.
+    #[staticmethod]
+    #[pyo3(signature = (protocol = None, host = None, port = None, device = None))]
+    fn from_env(
+        py: Python<'_>,
+        protocol: Option<&str>,
+        host: Option<&str>,
+        port: Option<u16>,
+        device: Option<&str>,
+    ) -> PyResult<Self> {
+        let cfg = (|| {
+            let config = crate::backend::base_config_from_env()?;
+            let protocol = protocol.map(str::to_owned).or_else(crate::backend::protocol_from_env);
+            let mut cfg = config_for(protocol.as_deref(), host, port, device, config.as_deref())?;
+            if let Some(p) = crate::backend::policy_from_env()? {
+                cfg.policy = p;
+            }
+            Ok(cfg)
         })();
-        Ok(Self { core: Arc::new(py_result(py, r)?) })
+        Self::start(py, cfg)
     }
 
     /// `host:port` that peers open to reach this engine.

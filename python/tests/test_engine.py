@@ -1,6 +1,7 @@
 """The Pythonic API: context managers, batches, layer-by-layer, leaks."""
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+
 import pytest
 
 import kvmove
@@ -243,6 +245,40 @@ def test_the_wait_policy_comes_from_the_config_and_kvmove_spin_us_overrides_it(m
     with pytest.raises(kvmove.PermanentError) as info:
         kvmove.Engine(host="127.0.0.1", port=0, config='[policy.wait]\nspinner_wait_us = 100001\n')
     assert info.value.kind == "config" and "wait.spinner_wait_us" in str(info.value)
+
+
+def test_from_env_reads_the_config_then_the_policy_then_the_protocol(tmp_path, monkeypatch):
+    """`Engine.from_env` (what the NIXL agent, the vLLM connector and the
+    SGLang backend start): the `KVMOVE_CONFIG` file, `KVMOVE_POLICY` in
+    place of its policy, `KVMOVE_PROTOCOL` unless a protocol is given; a
+    bad value of each is an error that names it."""
+    for var in ("KVMOVE_SPIN_US", "KVMOVE_POLICY", "KVMOVE_PROTOCOL", "MC_FORCE_TCP"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = tmp_path / "kvmove.toml"
+    cfg.write_text('[backend]\nkind = "tcp"\n[policy.wait]\nspin_us = 7\n')
+    monkeypatch.setenv("KVMOVE_CONFIG", str(cfg))
+    with kvmove.Engine.from_env() as e:
+        assert e._native.wait_policy["spin_us"] == 7
+        assert e.backend == "tcp" and e.session_id.startswith("127.0.0.1:")
+    monkeypatch.setenv("KVMOVE_POLICY", json.dumps({"wait": {"spin_us": 9}}))
+    with kvmove.Engine.from_env(host="127.0.0.1", port=0) as e:
+        assert e._native.wait_policy["spin_us"] == 9
+    monkeypatch.setenv("KVMOVE_POLICY", "{")
+    with pytest.raises(kvmove.PermanentError) as info:
+        kvmove.Engine.from_env()
+    assert info.value.kind == "config" and "KVMOVE_POLICY" in str(info.value)
+    monkeypatch.delenv("KVMOVE_POLICY")
+    monkeypatch.setenv("KVMOVE_PROTOCOL", "carrier-pigeon")
+    with pytest.raises(kvmove.PermanentError) as info:
+        kvmove.Engine.from_env()
+    assert info.value.kind == "unsupported" and "carrier-pigeon" in str(info.value)
+    with kvmove.Engine.from_env("tcp") as e:  # the argument wins
+        assert e.backend == "tcp"
+    monkeypatch.delenv("KVMOVE_PROTOCOL")
+    cfg.write_text("[backend.tcp]\nbogus = 2\n")
+    with pytest.raises(kvmove.PermanentError) as info:
+        kvmove.Engine.from_env()
+    assert info.value.kind == "config" and "bogus" in str(info.value)
 
 
 def test_mooncake_engine_reads_kvmove_config(tmp_path, monkeypatch):

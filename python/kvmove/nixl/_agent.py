@@ -206,10 +206,8 @@ class nixl_agent:
             raise nixlNotFoundError(
                 f"backend {backend!r} is not served by kvmove; use one of {self.plugin_list}"
             )
-        if backend in ("TCP", "RDMA"):
-            protocol = backend.lower()
-        else:
-            protocol = (os.environ.get("KVMOVE_PROTOCOL") or "").strip().lower() or None
+        # Other backends run what KVMOVE_PROTOCOL (else KVMOVE_CONFIG) says.
+        protocol = backend.lower() if backend in ("TCP", "RDMA") else None
         with self._lock:
             if backend in self.backends:
                 raise nixlInvalidParamError(f"backend {backend!r} was already created")
@@ -235,27 +233,14 @@ class nixl_agent:
             self.backend_options[backend] = {"protocol": self._protocol or "", "session_id": self._engine.session_id}
 
     def _start_engine(self, protocol: Optional[str], device: Optional[str]) -> Engine:
-        config = None
-        cfg_path = os.environ.get("KVMOVE_CONFIG")
-        if cfg_path:
-            with open(cfg_path, encoding="utf-8") as f:
-                config = f.read()
+        # KVMOVE_CONFIG, KVMOVE_POLICY and KVMOVE_PROTOCOL are read by the
+        # engine (Engine.from_env); KVMOVE_NIXL_HOST, this surface's own,
+        # moves the listener (default: the config's, else 127.0.0.1).
         host = os.environ.get("KVMOVE_NIXL_HOST") or None
-        if config is None and host is None:
-            host = "127.0.0.1"
-        policy = os.environ.get("KVMOVE_POLICY")
         try:
-            return Engine(
-                protocol=protocol,
-                host=host,
-                device=device,
-                policy=json.loads(policy) if policy else None,
-                config=config,
-            )
+            return Engine.from_env(protocol=protocol, host=host, device=device)
         except TransferError as e:
             raise _from_kvmove(e, "starting the kvmove engine") from e
-        except ValueError as e:
-            raise nixlInvalidParamError(f"KVMOVE_POLICY is not valid JSON: {e}") from e
 
     def _need_engine(self) -> Engine:
         if self._engine is None:

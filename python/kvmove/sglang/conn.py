@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -278,14 +277,10 @@ class KvmoveKVManager(CommonKVManager):
         # bootstrap server inside CommonKVManager.__init__.
         host = get_local_ip_auto()
         # KVMOVE_CONFIG (a kvmove TOML file) picks the backend (TCP by
-        # default, RDMA) and its options; the engine listens on SGLang's
-        # address whatever the file says, as SGLang registers that one.
-        config = None
-        path = os.environ.get("KVMOVE_CONFIG")
-        if path:
-            with open(path, encoding="utf-8") as f:
-                config = f.read()
-        self.engine = kvmove.Engine(host=host, port=0, config=config)
+        # default, RDMA) and its options, KVMOVE_POLICY the policy (read by
+        # the engine); it listens on SGLang's address whatever the file
+        # says, as SGLang registers that one.
+        self.engine = kvmove.Engine.from_env(host=host, port=0)
         self.engine_port = int(self.engine.session_id.rsplit(":", 1)[1])
         spans = list(zip(args.kv_data_ptrs, args.kv_data_lens))
         spans += list(zip(args.aux_data_ptrs or [], args.aux_data_lens or []))

@@ -56,7 +56,11 @@ push when granted; ``"hold"``: schedule a prefill request only once it is
 granted), ``layerwise`` (true; false writes a request's KV only after its
 last layer, for comparison), ``trace`` (a path: one JSON line per finished
 session with its timestamps; a decode's line also has ``waited``, the
-scheduler steps the request waited for its blocks), ``protocol`` (``"tcp"``), ``cpus``.
+scheduler steps the request waited for its blocks), ``protocol`` (default:
+``KVMOVE_PROTOCOL``, else the ``KVMOVE_CONFIG`` file's backend, else
+``"tcp"``), ``cpus``. The engines read ``KVMOVE_CONFIG`` (backend options,
+the shared secret) and ``KVMOVE_POLICY`` as every kvmove surface does
+(:meth:`kvmove.Engine.from_env`); ``host`` moves their listener.
 
 Stats: :mod:`kvmove.vllm.stats` (vLLM's ``KVConnectorStats`` and
 ``/metrics``).
@@ -532,7 +536,7 @@ class _Worker:
                 logger.warning("kvmove: cannot run its threads on cores %s (%s): they share the worker's", sorted(cpus), e)
                 cpus = None
         try:
-            self.engine = kvmove.Engine(self.protocol, host=self.host, port=port)
+            self.engine = kvmove.Engine.from_env(self.protocol, host=self.host, port=port)
             for a, b in regions:
                 self.engine.register_address(a, b - a, kind)
             self.me = self.engine.session_id

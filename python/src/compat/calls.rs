@@ -3,7 +3,7 @@
 //! operations from Mooncake's parallel lists, and reading its opcodes and
 //! the policy override.
 
-use kvmove_policy::{PolicyConfig, TransferOutcome};
+use kvmove_policy::TransferOutcome;
 use transport_core::{Opcode, Result};
 
 use crate::core::{Core, RawOp};
@@ -55,14 +55,5 @@ pub(super) fn parse_opcode(code: i64) -> Result<Opcode> {
         OPCODE_READ => Ok(Opcode::Read),
         OPCODE_WRITE => Ok(Opcode::Write),
         _ => Err(invalid("opcode must be TransferOpcode.Read (0) or TransferOpcode.Write (1)").with("opcode", code)),
-    }
-}
-
-/// A policy override for Mooncake-style engines: the JSON in
-/// `KVMOVE_POLICY` (same keys as the Rust `PolicyConfig`), if set.
-pub(super) fn policy_from_env() -> Result<Option<PolicyConfig>> {
-    match std::env::var("KVMOVE_POLICY") {
-        Ok(s) if !s.trim().is_empty() => crate::native::parse_policy(&s).map(Some),
-        _ => Ok(None),
     }
 }
