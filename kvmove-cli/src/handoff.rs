@@ -170,6 +170,11 @@ pub struct HandoffReport {
     pub open_at_kill: usize,
     pub slowest_fail_after_kill: Option<Duration>,
     pub elapsed: Duration,
+    /// Times a session driver found its own timer a quarter of the
+    /// liveness timeout late (a starved process), summed over the engines
+    /// (sessions flow): next to a liveness failure, whether this process
+    /// was short of CPU.
+    pub pauses: u64,
 }
 
 fn pattern(sender: usize, id: u64, len: usize) -> Vec<u8> {
@@ -452,6 +457,7 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
     let _ = stop_sample.send(true);
     let (max_inflight_bytes, max_endpoints) = sample.await.unwrap_or((0, 0));
     let elapsed = start.elapsed();
+    let pauses = ssess.iter().chain([&dsess]).map(Sessions::pauses).sum();
     for s in &ssess {
         s.shutdown().await;
     }
@@ -475,6 +481,7 @@ async fn run_sessions(c: &HandoffConfig, req: usize, decode: Node, senders: Vec<
     r.requests = c.requests * c.senders;
     r.max_inflight_bytes = max_inflight_bytes;
     r.max_endpoints = max_endpoints;
+    r.pauses = pauses;
     r.open_at_kill = open_at_kill;
     r.slowest_fail_after_kill = kill_at
         .map(|k| book.lock().fail_times.iter().map(|t| t.saturating_duration_since(k)).max().unwrap_or_default());

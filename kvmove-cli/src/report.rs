@@ -424,6 +424,7 @@ pub fn handoff_json(c: &crate::handoff::HandoffConfig, rs: &[crate::handoff::Han
                 "open_at_kill": r.open_at_kill,
                 "slowest_fail_after_kill_ms": r.slowest_fail_after_kill.map(|d| d.as_millis() as u64),
                 "elapsed_s": r.elapsed.as_secs_f64(),
+                "pauses": r.pauses,
             })
         })
         .collect();
