@@ -11,7 +11,9 @@ use transport_core::{Error, ErrorKind, Result};
 use transport_mem::window::{WindowView, WINDOW_NONCE_LEN};
 
 use crate::config::TcpConfig;
-use crate::proto::{self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, VERSION};
+use crate::proto::{
+    self, FrameType, Header, ProtoError, Status, WireRegion, HEADER_LEN, NONCE_LEN, PROOF_LEN, VERSION,
+};
 use crate::samehost::{self, SameHost};
 use transport_control::auth;
 use transport_control::handshake;
@@ -124,11 +126,21 @@ pub(crate) struct Hello {
     /// The server's window of direct writes, if it offered one and it
     /// checked out.
     pub direct: Option<Arc<WindowView>>,
+    /// Whether the request given to [`connect`] went with the AUTH.
+    pub first_sent: bool,
 }
 
 /// Connects one lane: TCP connect, options, handshake (version, optional
-/// mutual authentication). Bounded by `connect_timeout`.
-pub(crate) async fn connect(addr: SocketAddr, cfg: &TcpConfig, peer: &str) -> Result<(TcpStream, Hello)> {
+/// mutual authentication). Bounded by `connect_timeout`. `first`, a
+/// request frame (header and payload), goes right behind the AUTH when
+/// the handshake allows it (the server proved itself early, or no secret
+/// is set: `Hello::first_sent`); the caller sends it otherwise.
+pub(crate) async fn connect(
+    addr: SocketAddr,
+    cfg: &TcpConfig,
+    peer: &str,
+    first: Option<(Header, &[u8])>,
+) -> Result<(TcpStream, Hello)> {
     let fut = async {
         let sock = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
         // Validated to fit a C int; a value that does not fit u32 is
@@ -152,21 +164,22 @@ pub(crate) async fn connect(addr: SocketAddr, cfg: &TcpConfig, peer: &str) -> Re
     // The kernel accepted the connection and the engine said nothing: a
     // peer stopped (SIGSTOP) or frozen keeps accepting in its backlog, so
     // this is a timeout of the peer, not a failed handshake.
-    let hello = tokio::time::timeout(cfg.connect_timeout, handshake(&mut s, cfg, peer)).await.map_err(|_| {
-        Error::new(
-            ErrorKind::Timeout,
-            format!(
-                "the peer accepted the connection but did not answer the handshake within {} ms \
+    let hello =
+        tokio::time::timeout(cfg.connect_timeout, handshake(&mut s, cfg, peer, first)).await.map_err(|_| {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the peer accepted the connection but did not answer the handshake within {} ms \
                  (stopped, frozen or overloaded?)",
-                cfg.connect_timeout.as_millis()
-            ),
-        )
-        .with("peer", peer)
-    })??;
+                    cfg.connect_timeout.as_millis()
+                ),
+            )
+            .with("peer", peer)
+        })??;
     Ok((s, hello))
 }
 
-async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hello> {
+async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str, first: Option<(Header, &[u8])>) -> Result<Hello> {
     let io = |e: std::io::Error| Error::from(e).with("peer", peer);
     // Boxed: with a same-host offer the server reads it from this
     // process's memory (at this address) before it answers.
@@ -175,24 +188,45 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     hello.extend_from_slice(&VERSION.to_le_bytes());
     hello.extend_from_slice(hs.nonce());
     let mut hh = Header::new(FrameType::Hello);
+    hh.flags = proto::EARLY_PROOF;
     if cfg.same_host {
-        hh.flags = proto::SAME_HOST;
+        hh.flags |= proto::SAME_HOST;
         hh.addr = u64::from(samehost::my_pid());
         hh.len = hs.nonce().as_ptr() as u64;
     }
     write_frame(s, hh, &hello).await.map_err(io)?;
-    let (h, sn) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(handshake_kind)?;
+    let (h, payload) =
+        read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN + PROOF_LEN), peer).await.map_err(handshake_kind)?;
     if h.ty == FrameType::Error {
-        return Err(refused(h.status, &sn, peer));
+        return Err(refused(h.status, &payload, peer));
     }
     if h.ty != FrameType::Challenge {
         return Err(Error::new(ErrorKind::HandshakeFailed, "expected CHALLENGE").with("peer", peer));
     }
+    // The decoder held the payload to NONCE_LEN, or NONCE_LEN + PROOF_LEN
+    // with EARLY_PROOF: the nonce, then the server's early proof if any.
+    let (sn, early_proof) = payload.split_at(NONCE_LEN.min(payload.len()));
     let auth_required = h.flags & 1 != 0;
-    let same_host = if cfg.same_host { check_server(s, &h, &sn) } else { SameHost::default() };
-    // TCP's CHALLENGE carries no early proof: nothing is sent before READY.
-    let a = hs.challenge(&sn, auth_required, &[]).map_err(|e| e.with("peer", peer))?;
-    write_frame(s, Header::new(FrameType::Auth), &a.proof).await.map_err(io)?;
+    let same_host = if cfg.same_host { check_server(s, &h, sn) } else { SameHost::default() };
+    let a = hs.challenge(sn, auth_required, early_proof).map_err(|e| e.with("peer", peer))?;
+    // AUTH and, when the server is proven (or no secret is set), the first
+    // request with it in one write: the server reads the request only after
+    // it checked the AUTH, and this side reads the answer after READY.
+    let mut out = Vec::with_capacity(2 * HEADER_LEN + a.proof.len());
+    let mut auth = Header::new(FrameType::Auth);
+    auth.payload_len = a.proof.len() as u32;
+    auth.encode_into(&mut out);
+    out.extend_from_slice(&a.proof);
+    let first_sent = match first {
+        Some((mut f, p)) if a.early => {
+            f.payload_len = p.len() as u32;
+            f.encode_into(&mut out);
+            out.extend_from_slice(p);
+            true
+        }
+        _ => false,
+    };
+    s.write_all(&out).await.map_err(io)?;
     let (r, server_proof) = read_frame(s, proto::MAX_ERROR_MSG.max(NONCE_LEN), peer).await.map_err(|e| {
         // A server that refuses our proof closes after an ERROR frame; a
         // reset while reading the answer means the same.
@@ -210,8 +244,8 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str) -> Result<Hel
     // With a secret the server proves it too, so an impostor listening on
     // the address is never sent data.
     hs.ready(&server_proof).map_err(|e| e.with("peer", peer))?;
-    let direct = if r.flags & proto::DIRECT_WRITES != 0 { attach_window(cfg, same_host, &r, &sn, peer) } else { None };
-    Ok(Hello { generation: h.generation, same_host, direct })
+    let direct = if r.flags & proto::DIRECT_WRITES != 0 { attach_window(cfg, same_host, &r, sn, peer) } else { None };
+    Ok(Hello { generation: h.generation, same_host, direct, first_sent })
 }
 
 /// The direct-copy window a READY offered, mapped: only from a server
@@ -255,16 +289,26 @@ fn handshake_kind(e: Error) -> Error {
     }
 }
 
-/// Fetches the descriptor over a freshly handshaken connection.
+/// A DESC_REQ with request id `id`.
+pub(crate) fn desc_req(id: u64) -> Header {
+    let mut h = Header::new(FrameType::DescReq);
+    h.id = id;
+    h
+}
+
+/// Fetches the descriptor over a freshly handshaken connection: sends the
+/// DESC_REQ `id` unless the handshake already did (`sent`), then reads the
+/// answer.
 pub(crate) async fn fetch_regions(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     id: u64,
+    sent: bool,
     peer: &str,
 ) -> Result<(u64, Vec<WireRegion>)> {
-    let mut h = Header::new(FrameType::DescReq);
-    h.id = id;
-    write_frame(s, h, &[]).await.map_err(|e| Error::from(e).with("peer", peer))?;
+    if !sent {
+        write_frame(s, desc_req(id), &[]).await.map_err(|e| Error::from(e).with("peer", peer))?;
+    }
     let (r, p) = tokio::time::timeout(cfg.connect_timeout, read_frame(s, cfg.max_frame, peer))
         .await
         .map_err(|_| Error::new(ErrorKind::Timeout, "descriptor fetch timed out").with("peer", peer))??;

@@ -42,7 +42,8 @@ const COALESCE: usize = 256 << 10;
 const STREAM: usize = 256 << 10;
 
 /// Connects `cfg.lanes` lanes to `addr`, fetches the descriptor over the
-/// first, and starts the lane tasks. Sockets opened before a failure are
+/// first (its DESC_REQ behind the handshake's AUTH where allowed), and
+/// starts the lane tasks. Sockets opened before a failure are
 /// closed when this returns the error.
 pub(crate) async fn connect(
     id: EndpointId,
@@ -57,10 +58,13 @@ pub(crate) async fn connect(
     let mut regions = Vec::new();
     let mut same_host = Vec::with_capacity(cfg.lanes);
     for i in 0..cfg.lanes {
-        let (mut s, hello) = conn::connect(addr, cfg, name).await?;
+        // The first lane asks for the descriptor with its handshake.
+        let desc = (i == 0).then(|| env.next_id());
+        let first = desc.map(|id| (conn::desc_req(id), &[][..]));
+        let (mut s, hello) = conn::connect(addr, cfg, name, first).await?;
         same_host.push((hello.same_host, hello.direct.clone()));
-        if i == 0 {
-            let (g, r) = conn::fetch_regions(&mut s, cfg, env.next_id(), name).await?;
+        if let Some(id) = desc {
+            let (g, r) = conn::fetch_regions(&mut s, cfg, id, hello.first_sent, name).await?;
             if g != hello.generation {
                 return Err(
                     Error::new(ErrorKind::PeerRestarted, "generation changed during the handshake").with("peer", name)

@@ -28,9 +28,12 @@
 //! request id, address, length, generation, a header check) and a payload
 //! of at most `max_frame` bytes (see `proto.rs` for the layout). A lane
 //! opens with HELLO (protocol version, client nonce) → CHALLENGE (server
-//! generation, auth flag, server nonce) → AUTH (client proof, if a secret is
-//! set) → READY (server proof). Then DESC_REQ/DESC_RESP fetch the
-//! descriptor, WRITE (header + payload) is answered by WRITE_ACK only after
+//! generation, auth flag, server nonce and, when the client asked for it,
+//! the server's proof) → AUTH (client proof, if a secret is set) → READY
+//! (server proof). A client that has checked the server's early proof (or
+//! has no secret) sends its first request (the first lane's DESC_REQ)
+//! right behind its AUTH, so the handshake costs one round trip before it,
+//! not two. DESC_REQ/DESC_RESP fetch the descriptor, WRITE (header + payload) is answered by WRITE_ACK only after
 //! the bytes are in the peer's memory (a write is complete only when
 //! acknowledged), and READ is answered by READ_RESP whose payload is copied
 //! into the destination region through a bounded buffer. Request ids are
@@ -179,7 +182,8 @@ pub use requests::fuzzing;
 pub mod wire {
     pub use crate::proto::{
         decode_notify, decode_regions, encode_notify, encode_regions, FrameDecoder, FrameType, Header, ProtoError,
-        Status, WireRegion, HEADER_LEN, MAX_NOTIFY_PAYLOAD, NONCE_LEN, PULL_WRITES, SAME_HOST, VERSION,
+        Status, WireRegion, EARLY_PROOF, HEADER_LEN, MAX_NOTIFY_PAYLOAD, NONCE_LEN, PROOF_LEN, PULL_WRITES, SAME_HOST,
+        VERSION,
     };
 }
 

@@ -9,7 +9,7 @@
 //!   2     1   status (Status) in answers, 0 in requests (else refused)
 //!   3     1   flags (CHALLENGE: bit 0 = authentication required;
 //!             bit 1 SAME_HOST and bit 2 PULL_WRITES: below; READY:
-//!             bit 3 DIRECT_WRITES)
+//!             bit 3 DIRECT_WRITES; HELLO, CHALLENGE: bit 4 EARLY_PROOF)
 //!   4     4   payload length (bytes after the header), <= max_frame
 //!             (NOTIFY: 2..=MAX_NOTIFY_PAYLOAD, whatever max_frame)
 //!   8     8   request id (unique per transport, never reused)
@@ -37,6 +37,15 @@
 //! carries in its request-id field the descriptor number, in the server,
 //! of a window file that lets the client copy small WRITEs straight into
 //! the server's memory (`transport_mem::window`).
+//!
+//! Early proof (`transport_control::handshake`): a HELLO with EARLY_PROOF
+//! says the client takes the server's proof in the CHALLENGE; a server
+//! with a secret then answers a CHALLENGE with EARLY_PROOF whose payload is
+//! its nonce followed by its proof (`NONCE_LEN` + `PROOF_LEN` bytes). A
+//! client whose check of that proof passes (or that has no secret) sends
+//! its first request right behind its AUTH; the server reads it only after
+//! it has checked the AUTH. A server from before ignores the HELLO's flag
+//! and sends its nonce alone, as it always did.
 //!
 //! A NOTIFY payload (rule 11) is the sender's name and the message:
 //!
@@ -66,6 +75,14 @@ pub const PULL_WRITES: u8 = 4;
 /// this client; the READY's request-id field is the window file's
 /// descriptor number in the server (`transport_mem::window`).
 pub const DIRECT_WRITES: u8 = 8;
+
+/// Flag bit 4: in a HELLO, the client takes the server's proof in the
+/// CHALLENGE; in a CHALLENGE, its payload is the nonce and then the
+/// server's proof ([`PROOF_LEN`] bytes). Sent only to a client that asked.
+pub const EARLY_PROOF: u8 = 16;
+/// Bytes of a proof of the shared secret (an AUTH's or READY's payload,
+/// and the tail of a CHALLENGE with [`EARLY_PROOF`]).
+pub const PROOF_LEN: usize = transport_control::handshake::PROOF_LEN;
 
 /// Protocol version carried in HELLO; a server refuses any other.
 pub const VERSION: u16 = 1;
@@ -338,8 +355,13 @@ impl Header {
         }
         match ty {
             FrameType::Hello if payload != 2 + NONCE_LEN => inconsistent("HELLO payload size"),
-            FrameType::Challenge if payload != NONCE_LEN => inconsistent("CHALLENGE payload size"),
-            FrameType::Auth | FrameType::Ready if payload != 0 && payload != NONCE_LEN => {
+            FrameType::Challenge if h.flags & EARLY_PROOF != 0 && payload != NONCE_LEN + PROOF_LEN => {
+                inconsistent("a CHALLENGE with EARLY_PROOF carries the nonce and the proof")
+            }
+            FrameType::Challenge if h.flags & EARLY_PROOF == 0 && payload != NONCE_LEN => {
+                inconsistent("CHALLENGE payload size")
+            }
+            FrameType::Auth | FrameType::Ready if payload != 0 && payload != PROOF_LEN => {
                 inconsistent("AUTH/READY payload size")
             }
             FrameType::DescReq if payload != 0 => inconsistent("DESC_REQ carries no payload"),
@@ -555,6 +577,27 @@ mod tests {
         assert!(matches!(Header::decode(&d.encode(), 1 << 20), Err(ProtoError::Inconsistent(_))));
     }
 
+    /// A CHALLENGE carries the server's proof behind its nonce only with
+    /// EARLY_PROOF, and then always; a HELLO's EARLY_PROOF changes nothing
+    /// in the HELLO itself (a server from before ignores it).
+    #[test]
+    fn a_challenge_carries_an_early_proof_exactly_when_flagged() {
+        let challenge = |flags: u8, payload: usize| {
+            let mut c = Header::new(FrameType::Challenge);
+            c.flags = flags;
+            c.payload_len = payload as u32;
+            Header::decode(&c.encode(), MAX_ERROR_MSG)
+        };
+        assert!(challenge(1, NONCE_LEN).is_ok());
+        assert!(challenge(1 | EARLY_PROOF, NONCE_LEN + PROOF_LEN).is_ok());
+        assert!(challenge(1 | EARLY_PROOF, NONCE_LEN).is_err(), "flagged, without the proof");
+        assert!(challenge(1, NONCE_LEN + PROOF_LEN).is_err(), "a proof without the flag");
+        assert!(challenge(1 | EARLY_PROOF, NONCE_LEN + PROOF_LEN + 1).is_err());
+        let mut h = Header::new(FrameType::Hello);
+        h.flags = EARLY_PROOF | SAME_HOST;
+        h.payload_len = (2 + NONCE_LEN) as u32;
+        assert_eq!(Header::decode(&h.encode(), 1 << 20).map(|d| d.flags), Ok(EARLY_PROOF | SAME_HOST));
+    }
     #[test]
     fn regions_round_trip_and_refuse_overflow() {
         let rs = vec![WireRegion { addr: 4096, len: 10, read: true, write: false }];

@@ -347,7 +347,15 @@ impl Server {
             c.addr = u64::from(samehost::my_pid());
             c.len = sn.as_ptr() as u64;
         }
-        write_frame(s, c, &sn[..]).await?;
+        // A client that asked for it gets this side's proof now: it may
+        // then send its first request behind its AUTH (read below only
+        // once the AUTH checked out).
+        let mut payload = sn.to_vec();
+        if h.flags & proto::EARLY_PROOF != 0 && !challenge.proof.is_empty() {
+            c.flags |= proto::EARLY_PROOF;
+            payload.extend_from_slice(&challenge.proof);
+        }
+        write_frame(s, c, &payload).await?;
         s.read_exact(&mut b).await?;
         let a = Header::decode(&b, NONCE_LEN).map_err(|e| Close::Proto(e.to_string()))?;
         if a.ty != FrameType::Auth {
@@ -985,6 +993,17 @@ fn said_hello(s: &TcpStream) -> Proven {
 async fn answer_refusal(s: &mut TcpStream, status: Status, why: String) -> Close {
     let mut e = Header::new(FrameType::Error);
     e.status = status;
-    let _ = write_frame(s, e, &[]).await;
+    let _ = tokio::time::timeout(REFUSE_WAIT, async {
+        write_frame(s, e, &[]).await?;
+        // A client may have sent its first request behind its AUTH (early
+        // proof): closing with it unread would reset the connection and
+        // could discard the answer. The answer is followed by a FIN, and
+        // what the client sends is read and dropped until it closes.
+        s.shutdown().await?;
+        let mut sink = [0u8; 256];
+        while s.read(&mut sink).await? != 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
     Close::Proto(why)
 }

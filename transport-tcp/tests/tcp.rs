@@ -370,3 +370,200 @@ async fn a_stopped_peer_is_a_timeout_not_a_failed_handshake() {
     assert!(took < Duration::from_secs(3), "the open took {took:?} (connect timeout 500 ms)");
     a.shutdown().await.unwrap();
 }
+
+/// What the scripted server of the early-proof tests puts in its CHALLENGE.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Early {
+    /// Its proof, as a server of this version does.
+    Right,
+    /// None: a server from before early proofs.
+    Missing,
+    /// A proof that does not verify: an impostor without the secret.
+    Wrong,
+}
+
+const EARLY_SECRET: &str = "early-secret";
+
+/// A server played by hand with [`EARLY_SECRET`], for one connection: it
+/// checks the client asked for an early proof, answers with `early`,
+/// reads the AUTH, then waits up to 300 ms for a frame **before** it sends
+/// READY (with its proof, or a wrong one for [`Early::Wrong`]), and answers
+/// a DESC_REQ whenever it comes. Returns the type of the frame that came
+/// before READY, if any.
+async fn scripted_server(l: tokio::net::TcpListener, early: Early) -> Option<transport_tcp::wire::FrameType> {
+    use support::raw::next_frame;
+    use tokio::io::AsyncWriteExt;
+    use transport_control::{auth, handshake};
+    use transport_tcp::wire::{encode_regions, FrameType, Header, WireRegion, EARLY_PROOF, NONCE_LEN, PROOF_LEN};
+    let (mut s, _) = l.accept().await.unwrap();
+    let (h, p) = next_frame(&mut s, LIMIT).await.expect("a HELLO");
+    assert_eq!(h.ty, FrameType::Hello);
+    assert_ne!(h.flags & EARLY_PROOF, 0, "the client asks for the server's proof early");
+    let theirs = u32::from(u16::from_le_bytes([p[0], p[1]]));
+    let (srv, ch) = handshake::Server::hello(auth::TCP, Some(EARLY_SECRET.as_bytes()), 1, theirs, &p[2..]).unwrap();
+    let mut c = Header::new(FrameType::Challenge);
+    c.flags = 1;
+    c.generation = 7;
+    let mut payload = srv.nonce().to_vec();
+    match early {
+        Early::Right => payload.extend_from_slice(&ch.proof),
+        Early::Wrong => payload.extend_from_slice(&[5u8; PROOF_LEN]),
+        Early::Missing => {}
+    }
+    if early != Early::Missing {
+        c.flags |= EARLY_PROOF;
+    }
+    c.payload_len = payload.len() as u32;
+    s.write_all(&c.encode()).await.unwrap();
+    s.write_all(&payload).await.unwrap();
+    assert_eq!(payload.len(), NONCE_LEN + if early == Early::Missing { 0 } else { PROOF_LEN });
+    let (a, proof) = next_frame(&mut s, LIMIT).await.expect("an AUTH");
+    assert_eq!(a.ty, FrameType::Auth);
+    let mut answer = srv.auth(&proof).expect("the client proves the secret");
+    let before_ready = next_frame(&mut s, Duration::from_millis(300)).await;
+    if early == Early::Wrong {
+        answer = vec![5u8; PROOF_LEN];
+    }
+    let mut r = Header::new(FrameType::Ready);
+    r.payload_len = answer.len() as u32;
+    s.write_all(&r.encode()).await.unwrap();
+    s.write_all(&answer).await.unwrap();
+    let desc = match &before_ready {
+        Some((f, _)) => Some(*f),
+        None => next_frame(&mut s, Duration::from_secs(2)).await.map(|(f, _)| f),
+    };
+    if let Some(d) = desc.filter(|d| d.ty == FrameType::DescReq) {
+        let regions = encode_regions(&[WireRegion { addr: 1 << 20, len: 4096, read: true, write: true }]);
+        let mut resp = Header::new(FrameType::DescResp);
+        resp.id = d.id;
+        resp.generation = 7;
+        resp.payload_len = regions.len() as u32;
+        s.write_all(&resp.encode()).await.unwrap();
+        s.write_all(&regions).await.unwrap();
+    }
+    // Held until the client is done with the connection.
+    let _ = next_frame(&mut s, Duration::from_millis(500)).await;
+    before_ready.map(|(f, _)| f.ty)
+}
+
+/// Issue 49: the handshake costs one round trip before the first request,
+/// not two. A client with the secret that checked the server's early
+/// proof sends its first lane's DESC_REQ behind its AUTH, before READY
+/// (the scripted server reads it before answering READY; a client that
+/// waited for READY would send nothing there). A server from before
+/// (no early proof) or an impostor (a wrong one) gets nothing before
+/// READY, and the impostor's READY is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_request_follows_auth_only_after_the_server_proved_itself() {
+    use transport_tcp::wire::FrameType;
+    tokio::time::timeout(LIMIT, async {
+        let cfg = TcpConfig { secret: Some(EARLY_SECRET.into()), lanes: 1, same_host: false, ..support::test_config() };
+        let a = node(cfg).await;
+        for early in [Early::Right, Early::Missing, Early::Wrong] {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let name = l.local_addr().unwrap().to_string();
+            let server = tokio::spawn(scripted_server(l, early));
+            let opened = a.open_segment(&name).await;
+            let before_ready = server.await.unwrap();
+            match early {
+                Early::Right => {
+                    assert_eq!(before_ready, Some(FrameType::DescReq), "the descriptor asked for with the AUTH");
+                    a.close_segment(opened.unwrap()).await.unwrap();
+                }
+                Early::Missing => {
+                    assert_eq!(before_ready, None, "no request before a server from before proved itself");
+                    a.close_segment(opened.unwrap()).await.unwrap();
+                }
+                Early::Wrong => {
+                    assert_eq!(before_ready, None, "nothing sent to a server whose early proof is wrong");
+                    assert_eq!(opened.unwrap_err().kind(), ErrorKind::AuthFailed);
+                }
+            }
+        }
+        a.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// The server's side of the early proof: a HELLO that asks for it gets a
+/// CHALLENGE with the server's proof behind the nonce (which a client
+/// checks with the secret), one that does not (a client from before) gets
+/// the nonce alone, and a server without a secret sends none. A request
+/// sent behind the AUTH is answered after READY; one sent behind an AUTH
+/// the server answers `Busy` (its connections filled meanwhile) does not
+/// cost the client that answer: it reads `Busy`, not a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_proves_itself_early_to_a_client_that_asks() {
+    use support::raw::{closed_within, hello, next_frame};
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+    use transport_control::{auth, handshake};
+    use transport_tcp::wire::{FrameType, Header, Status, EARLY_PROOF, NONCE_LEN, PROOF_LEN, VERSION};
+    /// Sends a HELLO with `flags` and `c`'s nonce; the CHALLENGE.
+    async fn challenge(s: &mut TcpStream, flags: u8, c: &handshake::Client<'_>) -> (Header, Vec<u8>) {
+        let mut p = VERSION.to_le_bytes().to_vec();
+        p.extend_from_slice(c.nonce());
+        let mut h = Header::new(FrameType::Hello);
+        h.flags = flags;
+        h.payload_len = p.len() as u32;
+        s.write_all(&h.encode()).await.unwrap();
+        s.write_all(&p).await.unwrap();
+        let (ch, payload) = next_frame(s, LIMIT).await.expect("a CHALLENGE");
+        assert_eq!(ch.ty, FrameType::Challenge);
+        (ch, payload)
+    }
+    /// AUTH with `proof` and a DESC_REQ, in one write.
+    async fn auth_and_desc(s: &mut TcpStream, proof: &[u8]) {
+        let mut a = Header::new(FrameType::Auth);
+        a.payload_len = proof.len() as u32;
+        let mut out = a.encode().to_vec();
+        out.extend_from_slice(proof);
+        let mut d = Header::new(FrameType::DescReq);
+        d.id = 1;
+        out.extend_from_slice(&d.encode());
+        s.write_all(&out).await.unwrap();
+    }
+    tokio::time::timeout(LIMIT, async {
+        let secret = EARLY_SECRET.as_bytes();
+        let b = node(TcpConfig { secret: Some(EARLY_SECRET.into()), ..support::test_config() }).await;
+        // A client of this version: the proof comes early and checks out.
+        let mut s = TcpStream::connect(b.local_addr()).await.unwrap();
+        let mut c = handshake::Client::new(auth::TCP, Some(secret));
+        let (ch, payload) = challenge(&mut s, EARLY_PROOF, &c).await;
+        assert_ne!(ch.flags & EARLY_PROOF, 0);
+        assert_eq!(payload.len(), NONCE_LEN + PROOF_LEN);
+        let a = c.challenge(&payload[..NONCE_LEN], ch.flags & 1 != 0, &payload[NONCE_LEN..]).unwrap();
+        assert!(a.early, "the server's early proof verifies with the secret");
+        auth_and_desc(&mut s, &a.proof).await;
+        let (r, proof) = next_frame(&mut s, LIMIT).await.expect("READY");
+        assert_eq!(r.ty, FrameType::Ready);
+        c.ready(&proof).unwrap();
+        let (d, _) = next_frame(&mut s, LIMIT).await.expect("the DESC_RESP");
+        assert_eq!((d.ty, d.id), (FrameType::DescResp, 1));
+        // A client from before: the nonce alone, as it expects.
+        let mut old = TcpStream::connect(b.local_addr()).await.unwrap();
+        let (ch, payload) = challenge(&mut old, 0, &handshake::Client::new(auth::TCP, Some(secret))).await;
+        assert_eq!((ch.flags & EARLY_PROOF, payload.len()), (0, NONCE_LEN));
+        b.shutdown().await.unwrap();
+
+        // No secret: no proof to send early. With one handshaken
+        // connection allowed and taken while a second handshook, the
+        // second's AUTH and DESC_REQ are answered Busy, readable.
+        let cfg = TcpConfig { max_connections: 1, ..support::test_config() };
+        let b = node(cfg).await;
+        let mut late = TcpStream::connect(b.local_addr()).await.unwrap();
+        let c = handshake::Client::new(auth::TCP, None);
+        let (ch, payload) = challenge(&mut late, EARLY_PROOF, &c).await;
+        assert_eq!((ch.flags & EARLY_PROOF, payload.len()), (0, NONCE_LEN));
+        let mut first = TcpStream::connect(b.local_addr()).await.unwrap();
+        hello(&mut first).await;
+        auth_and_desc(&mut late, &[]).await;
+        let (e, _) = next_frame(&mut late, LIMIT).await.expect("an answer, not a reset");
+        assert_eq!((e.ty, e.status), (FrameType::Error, Status::Busy));
+        closed_within(&mut late, LIMIT).await.expect("then the server closes");
+        b.shutdown().await.unwrap();
+    })
+    .await
+    .expect("test timed out");
+}
