@@ -33,6 +33,22 @@ pub enum Need {
     /// A case with this need runs alone in its process: no other case
     /// starts until it ends (the census counts every thread's heap).
     Census,
+    /// Faults set on the process's test devices (`crate::devices`: copies
+    /// that fail or take their time), which every case using those devices
+    /// meanwhile would meet: a failed device read in another case's check
+    /// reads zeros. Always met (the case skips itself where its devices
+    /// cannot fault); a case with this need runs alone in its process, as
+    /// a census does.
+    DeviceFaults,
+}
+
+impl Need {
+    /// Whether a case with this need runs alone in its process (no other
+    /// case starts until it ends, and it starts only once the others
+    /// running have ended).
+    pub fn runs_alone(self) -> bool {
+        matches!(self, Need::Census | Need::DeviceFaults)
+    }
 }
 
 /// One conformance case.

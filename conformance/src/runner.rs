@@ -60,6 +60,7 @@ impl Support {
             Need::OsProbe => self.os_probe,
             Need::InboxCapacity => self.inbox_capacity,
             Need::Census => self.census,
+            Need::DeviceFaults => true,
         }
     }
 }
@@ -178,8 +179,10 @@ fn panic_message(p: Box<dyn Any + Send>) -> String {
 }
 
 /// Held shared by every case while it runs, and exclusively by a case
-/// that takes a census of the process's heap ([`Need::Census`]): cases
-/// running side by side on other threads would move the census.
+/// that must run alone ([`Need::runs_alone`]): one that takes a census of
+/// the process's heap (cases running side by side on other threads would
+/// move it), or one that sets faults on the shared test devices (the
+/// others would meet them).
 static ALONE: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
 
 fn execute(
@@ -188,8 +191,11 @@ fn execute(
     memory: MemoryMode,
     timeout: Duration,
 ) -> Result<Outcome, String> {
-    let (_shared, _alone) =
-        if case.needs.contains(&Need::Census) { (None, Some(ALONE.write())) } else { (Some(ALONE.read()), None) };
+    let (_shared, _alone) = if case.needs.iter().any(|n| n.runs_alone()) {
+        (None, Some(ALONE.write()))
+    } else {
+        (Some(ALONE.read()), None)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()

@@ -100,13 +100,13 @@ static CASES: &[Case] = &[
     case!(
         memory::device_regions,
         9,
-        [],
+        [DeviceFaults],
         "device memory (a fake device that faults on host access): moved byte-exact, or refused at registration"
     ),
     case!(
         memory::slow_device_copies_stay_quiet,
         5,
-        [],
+        [DeviceFaults],
         "a deadline or cancel during slow device copies (either side): the target's device memory is quiet after"
     ),
     case!(
