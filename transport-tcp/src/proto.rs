@@ -598,6 +598,7 @@ mod tests {
         h.payload_len = (2 + NONCE_LEN) as u32;
         assert_eq!(Header::decode(&h.encode(), 1 << 20).map(|d| d.flags), Ok(EARLY_PROOF | SAME_HOST));
     }
+
     #[test]
     fn regions_round_trip_and_refuse_overflow() {
         let rs = vec![WireRegion { addr: 4096, len: 10, read: true, write: false }];
