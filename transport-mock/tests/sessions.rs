@@ -142,10 +142,13 @@ fn receiver_killed_fails_sender_within_liveness() {
 fn a_write_in_flight_at_the_deadline_ends_both_expired() {
     run(async {
         let fabric = MockFabric::new();
-        let slow = MockConfig { latency: Duration::from_secs(1), ..MockConfig::default() };
+        let slow = MockConfig { latency: Duration::from_secs(5), ..MockConfig::default() };
         let p = side(&fabric, "p", slow, 1);
         let d = side(&fabric, "d", MockConfig::default(), 2);
-        d.s.grant("p", 4, grant(&d, LEN as u64, Duration::from_millis(200))).await.unwrap();
+        // A deadline the grant reaches the sender well within, even on a
+        // loaded machine (CI: 200 ms was missed beside three test
+        // binaries), and a write five times as long.
+        d.s.grant("p", 4, grant(&d, LEN as u64, Duration::from_secs(1))).await.unwrap();
         p.s.wait_grant("d", 4).await.unwrap();
         // The write outlives the deadline: it is stopped, and the receiver's
         // expiry (not the stopped write) decides the outcome on both sides.
