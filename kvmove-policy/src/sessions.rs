@@ -213,6 +213,12 @@ impl Sessions {
     /// the whole process.
     pub fn hold(&self, on: bool) {
         self.inner.held.send_replace(on);
+        // A read of the inbox under way as the hold began (its task past
+        // the gate) ends before this returns; later reads see the hold
+        // and leave the messages unread. Without it a message arriving
+        // just after the hold could still be applied (a FINISH landed by
+        // a side the test believes frozen).
+        drop(self.inner.reading.lock());
     }
 
     /// This engine's segment name (what peers use as `peer`).

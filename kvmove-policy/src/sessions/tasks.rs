@@ -100,6 +100,10 @@ pub(super) async fn read_loop(weak: std::sync::Weak<Inner>) {
 pub(super) fn read_inbox(inner: &Arc<Inner>) -> bool {
     {
         let _one = inner.reading.lock();
+        if *inner.held.borrow() {
+            // Held ([`Sessions::hold`]): messages wait unread.
+            return true;
+        }
         let Ok(batch) = inner.engine.transport().take_notifications(TAKE_BATCH) else { return false };
         if batch.is_empty() {
             return true;
