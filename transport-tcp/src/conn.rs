@@ -105,16 +105,17 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_frame: usize, peer: &st
 }
 
 /// Writes a header and a payload.
-pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    mut h: Header,
-    payload: &[u8],
-) -> std::io::Result<()> {
-    h.payload_len = payload.len() as u32;
+pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, h: Header, payload: &[u8]) -> std::io::Result<()> {
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
-    h.encode_into(&mut out);
-    out.extend_from_slice(payload);
+    encode_frame(&mut out, h, payload);
     w.write_all(&out).await
+}
+
+/// Appends a header (its payload length set) and its payload to `out`.
+pub(crate) fn encode_frame(out: &mut Vec<u8>, mut h: Header, payload: &[u8]) {
+    h.payload_len = payload.len() as u32;
+    h.encode_into(out);
+    out.extend_from_slice(payload);
 }
 
 /// What the client learns from a handshake.
@@ -213,15 +214,10 @@ async fn handshake(s: &mut TcpStream, cfg: &TcpConfig, peer: &str, first: Option
     // request with it in one write: the server reads the request only after
     // it checked the AUTH, and this side reads the answer after READY.
     let mut out = Vec::with_capacity(2 * HEADER_LEN + a.proof.len());
-    let mut auth = Header::new(FrameType::Auth);
-    auth.payload_len = a.proof.len() as u32;
-    auth.encode_into(&mut out);
-    out.extend_from_slice(&a.proof);
+    encode_frame(&mut out, Header::new(FrameType::Auth), &a.proof);
     let first_sent = match first {
-        Some((mut f, p)) if a.early => {
-            f.payload_len = p.len() as u32;
-            f.encode_into(&mut out);
-            out.extend_from_slice(p);
+        Some((f, p)) if a.early => {
+            encode_frame(&mut out, f, p);
             true
         }
         _ => false,

@@ -267,14 +267,7 @@ impl Server {
         }
         let me = self.clone();
         let h = self.tasks.spawn(async move {
-            let _ = tokio::time::timeout(REFUSE_WAIT, async {
-                s.write_all(&frame).await?;
-                s.shutdown().await?;
-                let mut sink = [0u8; 256];
-                while s.read(&mut sink).await? != 0 {}
-                Ok::<_, std::io::Error>(())
-            })
-            .await;
+            answer_and_drain(&mut s, &frame).await;
             me.refusing.lock().remove(&id);
         });
         if !h.is_finished() {
@@ -993,17 +986,23 @@ fn said_hello(s: &TcpStream) -> Proven {
 async fn answer_refusal(s: &mut TcpStream, status: Status, why: String) -> Close {
     let mut e = Header::new(FrameType::Error);
     e.status = status;
+    // A client may have sent its first request behind its AUTH (early
+    // proof): closing with it unread would reset the connection.
+    answer_and_drain(s, &e.encode()).await;
+    Close::Proto(why)
+}
+
+/// Sends `frame` (an answer before closing), then a FIN, then reads and
+/// drops what the peer sends until it closes, all within `REFUSE_WAIT`:
+/// closing with the peer's bytes unread would reset the connection and
+/// could discard the answer. Best effort.
+async fn answer_and_drain(s: &mut TcpStream, frame: &[u8]) {
     let _ = tokio::time::timeout(REFUSE_WAIT, async {
-        write_frame(s, e, &[]).await?;
-        // A client may have sent its first request behind its AUTH (early
-        // proof): closing with it unread would reset the connection and
-        // could discard the answer. The answer is followed by a FIN, and
-        // what the client sends is read and dropped until it closes.
+        s.write_all(frame).await?;
         s.shutdown().await?;
         let mut sink = [0u8; 256];
         while s.read(&mut sink).await? != 0 {}
         Ok::<_, std::io::Error>(())
     })
     .await;
-    Close::Proto(why)
 }
